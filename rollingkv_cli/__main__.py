@@ -1,0 +1,3 @@
+from rollingkv_cli.cli import main
+
+main()

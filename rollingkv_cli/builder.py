@@ -1,0 +1,360 @@
+"""Configure and build the patched llama.cpp (CMake + Ninja) into a directory keyed by what went into it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rollingkv_cli import paths, patchset, upstream
+from rollingkv_cli.console import abort, console
+
+MANIFEST = "manifest.json"
+BASE_TARGETS = ("llama", "llama-server", "llama-bench")
+OP_TEST_TARGET = "test-rolling-kv-ops"
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)$")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    cuda: bool = False
+    cuda_arch: str | None = None
+    backend_dl: bool = False
+    toolchain: str = "gcc"  # or "cosmocc"
+    source: str | None = None  # a local tree; None = the pinned sdist
+    pinned: bool = True
+
+    def key(self, series_hash: str) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps({"pin": upstream.PIN.llama_cpp_commit, "series": series_hash, "options": asdict(self)}, sort_keys=True).encode())
+        return h.hexdigest()[:16]
+
+
+@dataclass
+class Build:
+    """A finished build: what `manifest.json` says about one build directory."""
+
+    dir: Path
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.dir / "build" / "bin"
+
+    def artifact(self, name: str) -> Path:
+        return self.bin_dir / name
+
+    @property
+    def lib_dir(self) -> Path:
+        return self.bin_dir  # llama.cpp puts shared libraries next to the executables
+
+    @classmethod
+    def load(cls, build_dir: Path) -> "Build | None":
+        m = build_dir / MANIFEST
+        try:
+            data = json.loads(m.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if not all((build_dir / "build" / "bin" / a).exists() for a in data.get("artifacts", [])):
+            return None
+        return cls(build_dir, data)
+
+
+def nvcc_path() -> str | None:
+    cudacxx = os.environ.get("CUDACXX")
+    if cudacxx and Path(cudacxx).is_file():
+        return cudacxx
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def gpu_compute_capabilities() -> list[str]:
+    """['90', ...] from NVML; [] without an NVIDIA GPU or driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        caps = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
+            caps.append(f"{major}{minor}")
+        return sorted(set(caps))
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def resolve_cuda(cuda: bool | None, cuda_arch: str | None) -> tuple[bool, str | None]:
+    """--cuda / --no-cuda / auto (CUDA only when nvcc and an NVIDIA GPU are both present)."""
+    nvcc = nvcc_path()
+    if cuda is True and not nvcc:
+        abort("--cuda needs nvcc, and none was found on PATH, in CUDACXX or /usr/local/cuda/bin", "install the CUDA toolkit or build with --no-cuda")
+    caps = gpu_compute_capabilities()
+    if cuda is None:
+        cuda = bool(nvcc and caps)
+    if not cuda:
+        return False, None
+    if cuda_arch is None:
+        cuda_arch = ";".join(caps) if caps else "native"
+    if not re.fullmatch(r"(native|all|all-major|\d+[a-z]?(-real|-virtual)?(;\d+[a-z]?(-real|-virtual)?)*)", cuda_arch):
+        abort(f"--cuda-arch {cuda_arch!r} is not a CUDA architecture list", "use e.g. 90, 86;90 or native")
+    return True, cuda_arch
+
+
+def cmake_flags(opts: BuildOptions, build_dir: Path, series_hash: str) -> list[str]:
+    flags = [
+        "-G", "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DGGML_CCACHE=ON",
+        f"-DROLLINGKV_PIN={upstream.PIN.llama_cpp_commit}",
+        f"-DROLLINGKV_SERIES={series_hash[:16]}",
+    ]
+    if opts.cuda:
+        flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}"]
+        nvcc = nvcc_path()
+        if nvcc:
+            flags.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+    if opts.backend_dl:
+        # llamafile-style: every ggml backend is a module loaded at run time; an explicit directory so
+        # that hosts other than llama-server (a Python interpreter) find them too.
+        flags += ["-DGGML_BACKEND_DL=ON", f"-DGGML_BACKEND_DIR={build_dir / 'build' / 'bin'}"]
+    if opts.toolchain == "cosmocc":
+        flags += ["-DCMAKE_C_COMPILER=cosmocc", "-DCMAKE_CXX_COMPILER=cosmoc++", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_BUILD_TOOLS=ON"]
+    return flags
+
+
+def targets_for(opts: BuildOptions, cmake_dir: Path) -> list[str]:
+    targets = list(BASE_TARGETS)
+    if opts.backend_dl:
+        targets.append("ggml-cpu")
+        if opts.cuda:
+            targets.append("ggml-cuda")
+    if _has_target(cmake_dir, OP_TEST_TARGET):
+        targets.append(OP_TEST_TARGET)
+    return targets
+
+
+def _has_target(cmake_dir: Path, name: str) -> bool:
+    proc = subprocess.run(["ninja", "-C", str(cmake_dir), "-t", "targets", "all"], capture_output=True, text=True)
+    return any(line.split(":", 1)[0] == name for line in proc.stdout.splitlines())
+
+
+def artifacts_for(targets: list[str]) -> list[str]:
+    names = {"llama": "libllama.so", "ggml-cpu": "libggml-cpu.so", "ggml-cuda": "libggml-cuda.so"}
+    return [names.get(t, t) for t in targets]
+
+
+def check_toolchain(opts: BuildOptions) -> None:
+    for tool, hint in (("cmake", "pip install cmake"), ("ninja", "pip install ninja"), ("git", "install git")):
+        if not shutil.which(tool):
+            abort(f"{tool} not found on PATH", hint)
+    if opts.toolchain == "cosmocc":
+        if not shutil.which("cosmocc") or not shutil.which("cosmoc++"):
+            abort("--toolchain cosmocc: cosmocc/cosmoc++ not found on PATH", "unpack a cosmocc release and put its bin/ on PATH, or drop --toolchain cosmocc")
+        return
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cc or not cxx:
+        abort("no C/C++ compiler found (cc/gcc/clang and c++/g++/clang++)", "install one, e.g. apt-get install build-essential")
+
+
+def prepare_tree(source: Path, dest: Path, series: patchset.Series, log=print) -> Path:
+    """A private copy of the source with the series applied; reused while its marker matches."""
+    marker = dest / ".rollingkv-prepared.json"
+    if marker.is_file():
+        try:
+            if json.loads(marker.read_text()).get("series") == series.hash:
+                return dest
+        except json.JSONDecodeError:
+            pass
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source, tmp, ignore=_top_level_excludes(source), symlinks=True)
+    patchset.apply_series(tmp, series, log=log)
+    (tmp / ".rollingkv-prepared.json").write_text(json.dumps({"series": series.hash}) + "\n")
+    os.replace(tmp, dest)
+    return dest
+
+
+def _top_level_excludes(source: Path):
+    """Skip upstream.TREE_EXCLUDES at the top of the tree only (tools/mtmd/models is source code)."""
+    top = source.resolve()
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        if Path(directory).resolve() == top:
+            return {n for n in names if n in upstream.TREE_EXCLUDES or n.startswith(".rollingkv-")}
+        return set()
+
+    return ignore
+
+
+def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -> int:
+    """Run a command, append its output to log_file, advance the progress bar from ninja's [n/N]."""
+    log_file.write(f"$ {' '.join(cmd)}\n")
+    log_file.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log_file.write(line)
+            m = _NINJA_PROGRESS.match(line)
+            if m and progress is not None:
+                done, total, what = int(m.group(1)), int(m.group(2)), m.group(3)
+                progress.update(task, completed=done, total=total, description=_short(what))
+        rc = proc.wait()
+        log_file.flush()
+        return rc
+    except BaseException:
+        log_file.flush()
+        # Ctrl-C or anything else: take ninja and the compilers down with us, never orphan them.
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except Exception:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except Exception:
+                pass
+        raise
+
+
+def _short(what: str) -> str:
+    what = what.replace("Building CXX object ", "").replace("Building C object ", "").replace("Building CUDA object ", "")
+    return (what[:60] + "…") if len(what) > 61 else what
+
+
+def log_tail(log_path: Path, n: int = 30) -> str:
+    try:
+        with open(log_path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError:
+        return ""
+
+
+def build_dir_for(opts: BuildOptions, series: patchset.Series) -> Path:
+    return paths.builds_dir() / opts.key(series.hash)
+
+
+def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False) -> Build:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    series = series or patchset.load_series()
+    check_toolchain(opts)
+    bdir = build_dir_for(opts, series)
+    existing = Build.load(bdir)
+    if existing is not None:
+        set_active(bdir)
+        return existing  # nothing changed: a no-op
+    log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
+    source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / MANIFEST).unlink(missing_ok=True)  # never leave a stale manifest describing a half build
+    tree = prepare_tree(source, bdir / "src", series, log=log)
+    cmake_dir = bdir / "build"
+    flags = cmake_flags(opts, bdir, series.hash)
+    env = dict(os.environ)
+    # ccache hits across build directories of different keys (same sources, different paths)
+    env.setdefault("CCACHE_BASEDIR", str(paths.builds_dir()))
+    env.setdefault("CCACHE_NOHASHDIR", "1")
+    if opts.toolchain == "cosmocc":
+        env["CC"], env["CXX"] = "cosmocc", "cosmoc++"
+    jobs = jobs or os.cpu_count() or 2
+    log_path = bdir / "build.log"
+    t0 = time.time()
+    with open(log_path, "a") as lf, Progress(
+        SpinnerColumn(), TextColumn("{task.description}", style="dim"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=quiet,
+    ) as progress:
+        task = progress.add_task("configuring", total=None)
+        rc = _run_logged(["cmake", "-S", str(tree), "-B", str(cmake_dir), *flags], lf, env)
+        if rc != 0:
+            _fail("cmake configure failed", log_path)
+        targets = targets_for(opts, cmake_dir)
+        progress.update(task, description="compiling")
+        rc = _run_logged(["cmake", "--build", str(cmake_dir), "-j", str(jobs), "--target", *targets], lf, env, progress, task)
+        if rc != 0:
+            _fail("build failed", log_path)
+    artifacts = artifacts_for(targets)
+    missing = [a for a in artifacts if not (cmake_dir / "bin" / a).exists()]
+    if missing:
+        _fail(f"build finished but {', '.join(missing)} are missing", log_path)
+    manifest = {
+        "pin": upstream.PIN.llama_cpp_commit,
+        "bindings": f"{upstream.PIN.bindings_package}=={upstream.PIN.bindings_version}",
+        "source": opts.source or "sdist",
+        "pinned_source": opts.pinned,
+        "series_hash": series.hash,
+        "patches": series.patch_hashes(),
+        "native_files": list(series.native_files),
+        "options": asdict(opts),
+        "cmake_flags": flags,
+        "cuda_arch": opts.cuda_arch,
+        "targets": targets,
+        "artifacts": artifacts,
+        "ccache": bool(shutil.which("ccache")),
+        "build_seconds": round(time.time() - t0, 1),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    tmp = bdir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, bdir / MANIFEST)  # the manifest appears only complete, only after a full build
+    set_active(bdir)
+    return Build(bdir, manifest)
+
+
+def _fail(what: str, log_path: Path) -> None:
+    from rich.panel import Panel
+
+    console.print(Panel(log_tail(log_path).rstrip(), title=f"last lines of {log_path}", border_style="red"))
+    abort(f"{what} (full log: {log_path})", "fix the cause above and run `rollingkv build` again: it resumes where it stopped")
+
+
+def set_active(bdir: Path) -> None:
+    f = paths.active_build_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(str(bdir) + "\n")
+    os.replace(tmp, f)
+
+
+def active_build(required: bool = True) -> Build | None:
+    env = os.environ.get(paths.ENV_BUILD_DIR)
+    where = Path(env) if env else None
+    if where is None:
+        try:
+            where = Path(paths.active_build_file().read_text().strip())
+        except OSError:
+            where = None
+    b = Build.load(where) if where else None
+    if b is None and required:
+        if env:
+            abort(f"{paths.ENV_BUILD_DIR}={env} is not a finished rollingkv build (no valid manifest.json)", "unset it or run `rollingkv build`")
+        abort("no rollingkv build yet", "run `rollingkv build` first")
+    return b

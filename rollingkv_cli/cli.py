@@ -1,0 +1,52 @@
+"""The `rollingkv` command: a click root group; each command lives in rollingkv_cli/commands/<name>.py."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from rollingkv_cli import __version__
+from rollingkv_cli.console import RollingKVError, print_error
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(__version__, "--version", prog_name="rollingkv")
+def rollingkv() -> None:
+    """Exact long-context inference when the KV cache does not fit in VRAM.
+
+    Builds a patched llama.cpp whose KV cache keeps a window of cells on the GPU and streams the rest
+    from pinned host memory, serves it, and checks it against the fully resident run.
+    """
+
+
+def _register() -> None:
+    # Heavy imports stay inside the command bodies; registering is cheap.
+    from rollingkv_cli.commands import build, info, model, patches, run
+
+    for cmd in (build.build, info.info, patches.patches, model.model, run.run):
+        rollingkv.add_command(cmd)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        rollingkv.main(standalone_mode=False)
+    except RollingKVError as err:
+        print_error(err)
+        sys.exit(err.code)
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)

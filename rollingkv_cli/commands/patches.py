@@ -1,0 +1,77 @@
+"""`rollingkv patches`: the patch-series workflow (checkout, export, apply, list)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def patches() -> None:
+    """Work on the patch series against the pinned llama.cpp.
+
+    \b
+    rollingkv patches checkout DIR   git work tree at the pin, one commit per patch
+    (edit, commit: one commit per hook, its message saying why)
+    rollingkv patches export DIR     regenerate patches/ and native/ from it
+    """
+
+
+@patches.command()
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+def checkout(dest: Path) -> None:
+    """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
+    from rollingkv_cli import patchset, upstream
+    from rollingkv_cli.console import console, success
+
+    series = patchset.load_series()
+    pristine = upstream.pristine_tree(log=lambda m: console.print(f"[dim]{m}[/]"))
+    patchset.checkout(dest, pristine, series)
+    success(f"{dest}: llama.cpp {upstream.PIN.short} + {len(series.native_files)} native files + {len(series.patches)} patches")
+
+
+@patches.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def export(src: Path) -> None:
+    """Regenerate patches/ (format-patch, stable names) and native/ from a checkout SRC."""
+    from rollingkv_cli import patchset
+    from rollingkv_cli.console import success
+
+    written = patchset.export(src)
+    series = patchset.load_series()
+    success(f"exported {len(written)} patches and {len(series.native_files)} native files (series {series.hash[:12]})")
+
+
+@patches.command("apply")
+@click.argument("tree", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def apply_cmd(tree: Path) -> None:
+    """Apply the series to a llama.cpp TREE in place (idempotent; refuses foreign changes)."""
+    from rollingkv_cli import patchset
+    from rollingkv_cli.console import info, success
+
+    done = patchset.apply_series(tree, log=lambda m: None)
+    if done:
+        success(f"applied to {tree}: " + ", ".join(done))
+    else:
+        info(f"{tree}: the series is already applied (nothing to do)")
+
+
+@patches.command("list")
+def list_cmd() -> None:
+    """Show the series: each patch, why it exists and the files it touches."""
+    from rich.table import Table
+
+    from rollingkv_cli import patchset
+    from rollingkv_cli.console import console
+
+    series = patchset.load_series()
+    table = Table(title=f"patch series {series.hash[:12]}")
+    table.add_column("patch")
+    table.add_column("purpose")
+    table.add_column("files")
+    for p in series.patches:
+        subject, why, files = patchset.describe_patch(p)
+        table.add_row(p.name, subject, "\n".join(files))
+    console.print(table)
+    console.print(f"{len(series.native_files)} native files under native/")

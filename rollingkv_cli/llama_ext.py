@@ -1,0 +1,86 @@
+"""ctypes access to our libllama: llama_cpp's bindings pointed at our build, plus our extension functions.
+
+llama_cpp resolves its library once, at import, from LLAMA_CPP_LIB_PATH. We set that to the active
+build before the first import and then check that the library it loaded really is ours, so an
+unpatched libllama (for example one a plain `pip install llama-cpp-python` compiled) is never used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from rollingkv_cli.console import abort
+
+_BUILD_INFO_SYMBOL = "llama_rolling_kv_build_info"
+
+
+def bundled_library() -> Path | None:
+    """A libllama shipped inside the llama_cpp package (a plain install compiles one): never loaded by us."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.origin:
+        return None
+    lib = Path(spec.origin).parent / "lib" / "libllama.so"
+    return lib if lib.exists() else None
+
+
+def import_llama_cpp(lib_dir: Path) -> ModuleType:
+    """Import llama_cpp bound to the libllama in lib_dir, and prove it is ours."""
+    lib_dir = Path(lib_dir).resolve()
+    if not (lib_dir / "libllama.so").is_file():
+        abort(f"no libllama.so in {lib_dir}", "run `rollingkv build`")
+    mod = sys.modules.get("llama_cpp")
+    if mod is None:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+        try:
+            import llama_cpp as mod  # noqa: PLC0415
+        except ImportError as e:
+            abort(f"cannot import llama_cpp: {e}", 'install the bindings: CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip install llama-cpp-python==0.3.36')
+        except (OSError, RuntimeError, AttributeError) as e:
+            abort(f"llama_cpp could not load {lib_dir / 'libllama.so'}: {e}", "rebuild with `rollingkv build`; the bindings and the library must come from the same pin")
+    loaded = loaded_library_path(mod)
+    if loaded is None or loaded.resolve() != (lib_dir / "libllama.so").resolve():
+        abort(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}", "import rollingkv_cli.llama_ext before anything imports llama_cpp, in a fresh process")
+    if not hasattr(mod.llama_cpp._lib, _BUILD_INFO_SYMBOL):
+        abort(f"{loaded} is not a rollingkv build (no {_BUILD_INFO_SYMBOL})", "build it with `rollingkv build`")
+    return mod
+
+
+def loaded_library_path(mod: ModuleType) -> Path | None:
+    lib = getattr(getattr(mod, "llama_cpp", None), "_lib", None)
+    name = getattr(lib, "_name", None)
+    return Path(name) if name else None
+
+
+class Extension:
+    """Our functions from include/llama-rolling-kv.h, on the library llama_cpp loaded."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
+        lib.llama_rolling_kv_build_info.argtypes = []
+        lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
+        lib.llama_rolling_kv_api_version.argtypes = []
+
+    def build_info(self) -> str:
+        return self._lib.llama_rolling_kv_build_info().decode()
+
+    def api_version(self) -> int:
+        return int(self._lib.llama_rolling_kv_api_version())
+
+
+def load(lib_dir: Path | None = None) -> tuple[ModuleType, Extension]:
+    """(llama_cpp, our extension) bound to lib_dir or the active build."""
+    if lib_dir is None:
+        from rollingkv_cli import builder
+
+        b = builder.active_build(required=True)
+        assert b is not None
+        lib_dir = b.lib_dir
+    mod = import_llama_cpp(lib_dir)
+    return mod, Extension(mod.llama_cpp._lib)

@@ -1,0 +1,140 @@
+"""Every command's help, and bad input that must end in one clear line (no traceback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollingkv_cli.cli import rollingkv
+
+COMMANDS = [
+    [], ["build"], ["info"], ["run"], ["patches"], ["patches", "checkout"], ["patches", "export"],
+    ["patches", "apply"], ["patches", "list"], ["model"], ["model", "demo"], ["model", "synth"],
+]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "root")
+def test_help(runner, cmd):
+    for flag in ("-h", "--help"):
+        result = runner.invoke(rollingkv, [*cmd, flag], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert "Usage:" in result.output
+
+
+def test_version(runner):
+    from rollingkv_cli import __version__
+
+    result = runner.invoke(rollingkv, ["--version"])
+    assert result.exit_code == 0
+    assert __version__ in result.output
+
+
+def run_main(args, capsys):
+    """Through main(), as a user would: exit code + stderr, and no traceback."""
+    import sys
+    from unittest import mock
+
+    from rollingkv_cli.cli import main
+
+    with mock.patch.object(sys, "argv", ["rollingkv", *args]), pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err + out.out
+    return exc.value.code, out.out, out.err
+
+
+def test_unknown_option_value(capsys):
+    code, _, err = run_main(["build", "--toolchain", "msvc"], capsys)
+    assert code == 2 and "msvc" in err
+
+
+def test_cuda_without_nvcc(capsys, monkeypatch, isolated_cache):
+    from rollingkv_cli import builder
+
+    monkeypatch.setattr(builder, "nvcc_path", lambda: None)
+    code, _, err = run_main(["build", "--cuda"], capsys)
+    assert code == 1 and "nvcc" in err and "hint:" in err
+
+
+def test_cosmocc_missing(capsys, monkeypatch, isolated_cache, tmp_path):
+    import shutil
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name.startswith("cosmo") else real_which(name, *a, **k))
+    code, _, err = run_main(["build", "--no-cuda", "--toolchain", "cosmocc"], capsys)
+    assert code == 1 and "cosmocc" in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_no_compiler(capsys, monkeypatch, isolated_cache):
+    import shutil
+
+    real_which = shutil.which
+    compilers = {"cc", "gcc", "clang", "c++", "g++", "clang++"}
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name in compilers else real_which(name, *a, **k))
+    code, _, err = run_main(["build", "--no-cuda"], capsys)
+    assert code == 1 and "compiler" in err
+
+
+def test_offline_without_cached_sdist(capsys, isolated_cache):
+    code, _, err = run_main(["build", "--no-cuda"], capsys)
+    assert code == 1 and "not cached" in err and "ROLLINGKV_OFFLINE" in err
+
+
+def test_source_not_llama_cpp(capsys, isolated_cache, tmp_path):
+    code, _, err = run_main(["build", "--no-cuda", "--source", str(tmp_path)], capsys)
+    assert code == 1 and "not a llama.cpp source tree" in err
+
+
+def test_print_dir_not_built(capsys, isolated_cache):
+    code, _, err = run_main(["build", "--no-cuda", "--print-dir"], capsys)
+    assert code == 1 and "not built yet" in err
+
+
+def test_info_without_build(capsys, isolated_cache):
+    code, _, err = run_main(["info"], capsys)
+    assert code == 1 and "no rollingkv build" in err and "rollingkv build" in err
+
+
+def test_cuda_arch_garbage(capsys, monkeypatch, isolated_cache):
+    from rollingkv_cli import builder
+
+    monkeypatch.setattr(builder, "nvcc_path", lambda: "/usr/bin/true")
+    code, _, err = run_main(["build", "--cuda", "--cuda-arch", "sm90; rm -rf /"], capsys)
+    assert code == 1 and "not a CUDA architecture" in err
+
+
+def test_run_missing_model(capsys, isolated_cache):
+    code, _, err = run_main(["run", "/nonexistent/model.gguf", "-p", "hi"], capsys)
+    assert code == 1 and "not found" in err
+
+
+def test_run_not_gguf(capsys, isolated_cache, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 definitely a zip")
+    code, _, err = run_main(["run", str(bad), "-p", "hi"], capsys)
+    assert code == 1 and "not a GGUF" in err
+
+
+def test_demo_offline_not_cached(capsys, isolated_cache):
+    code, _, err = run_main(["model", "demo"], capsys)
+    assert code == 1 and "not cached" in err
+
+
+def test_synth_refuses_overwrite_and_bad_shapes(capsys, tmp_path):
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    code, _, err = run_main(["model", "synth", str(out)], capsys)
+    assert code == 1 and "--force" in err and out.read_bytes() == b"keep me"
+    code, _, err = run_main(["model", "synth", str(tmp_path / "x.gguf"), "--embd", "100", "--heads", "3"], capsys)
+    assert code == 1 and "multiple" in err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_patches_export_not_a_checkout(capsys, tmp_path):
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    code, _, err = run_main(["patches", "export", str(tmp_path)], capsys)
+    assert code == 1 and "not a rollingkv patch checkout" in err

@@ -1,0 +1,134 @@
+"""The patch series: checkout -> export round trip, idempotent apply, refusal of foreign changes."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rollingkv_cli import patchset, upstream
+from rollingkv_cli.console import RollingKVError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _dir_files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_series_is_real():
+    series = patchset.load_series()
+    assert series.patches, "the series must hold at least one patch"
+    for p in series.patches:
+        subject, why, files = patchset.describe_patch(p)
+        assert subject and why, f"{p.name}: every patch says why it exists"
+        assert files, f"{p.name} touches no file"
+    assert (series.patches_dir / "README.md").read_text() == _index_text(series)
+
+
+def _index_text(series) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "patches"
+        shutil.copytree(series.patches_dir, copy)
+        patchset.write_index(patchset.Series(tuple(copy / p.name for p in series.patches), series.native_files, copy, series.native_dir))
+        return (copy / "README.md").read_text()
+
+
+def test_checkout_export_round_trip_is_byte_identical(tmp_path, pristine_tree):
+    series = patchset.load_series()
+    co = tmp_path / "co"
+    patchset.checkout(co, pristine_tree, series)
+    log = subprocess.run(["git", "-C", str(co), "log", "--format=%s"], capture_output=True, text=True, check=True).stdout
+    assert len(log.splitlines()) == 2 + len(series.patches)
+    out_patches, out_native = tmp_path / "patches", tmp_path / "native"
+    out_patches.mkdir()
+    patchset.export(co, (out_patches, out_native))
+    assert _dir_files(out_patches) == _dir_files(series.patches_dir)
+    assert _dir_files(out_native) == _dir_files(series.native_dir)
+
+
+def test_export_picks_up_a_new_hook_and_a_new_native_file(tmp_path, pristine_tree):
+    co = tmp_path / "co"
+    patchset.checkout(co, pristine_tree)
+    (co / "README.md").write_text((co / "README.md").read_text() + "\nrollingkv was here\n")
+    (co / "src" / "llama-rolling-kv-extra.cpp").write_text("// new\n")
+    subprocess.run(["git", "-C", str(co), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "docs: say hello\n\nBecause a test needs a hook."], check=True)
+    out_patches, out_native = tmp_path / "patches", tmp_path / "native"
+    out_patches.mkdir()
+    written = patchset.export(co, (out_patches, out_native))
+    assert written[-1].name.endswith("-docs-say-hello.patch")
+    assert "src/llama-rolling-kv-extra.cpp" not in written[-1].read_text()
+    assert (out_native / "src" / "llama-rolling-kv-extra.cpp").read_text() == "// new\n"
+    assert "docs-say-hello" in (out_patches / "README.md").read_text()
+
+
+def test_apply_twice_is_a_no_op(tmp_path, pristine_tree):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    series = patchset.load_series()
+    first = patchset.apply_series(tree, series, log=lambda m: None)
+    assert len(first) == len(series.patches) + len(series.native_files)
+    snapshot = _dir_files(tree / "src")
+    assert patchset.apply_series(tree, series, log=lambda m: None) == []
+    assert _dir_files(tree / "src") == snapshot
+
+
+def test_foreign_change_is_refused_naming_the_patch(tmp_path, pristine_tree):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    series = patchset.load_series()
+    _, _, files = patchset.describe_patch(series.patches[0])
+    target = tree / files[0]
+    target.write_text(target.read_text().replace("llama-vocab.cpp", "llama-vocab-forked.cpp").replace("target_link_libraries", "# foreign\ntarget_link_libraries", 1))
+    with pytest.raises(RollingKVError) as exc:
+        patchset.apply_series(tree, series, log=lambda m: None)
+    assert series.patches[0].name in exc.value.message
+    assert "patches checkout" in exc.value.hint
+
+
+def test_foreign_native_file_is_refused(tmp_path, pristine_tree):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    series = patchset.load_series()
+    rel = series.native_files[0]
+    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tree / rel).write_text("// someone else's file\n")
+    with pytest.raises(RollingKVError, match="foreign changes"):
+        patchset.apply_series(tree, series, log=lambda m: None)
+
+
+def test_pin_identification(tmp_path, pristine_tree):
+    assert upstream.identify_tree(pristine_tree) == (True, "content fingerprint matches the pin")
+    other = tmp_path / "other"
+    shutil.copytree(pristine_tree, other)
+    (other / "include" / "llama.h").write_text((other / "include" / "llama.h").read_text() + "\n// newer\n")
+    ok, why = upstream.identify_tree(other)
+    assert not ok and "does not match" in why
+    with pytest.raises(RollingKVError, match="refusing"):
+        upstream.resolve_source(other, allow_unpinned=False)
+    assert upstream.resolve_source(other, allow_unpinned=True) == (other.resolve(), False)
+
+
+def test_git_tree_at_another_commit_is_refused(tmp_path, pristine_tree):
+    tree = tmp_path / "g"
+    shutil.copytree(pristine_tree, tree)
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    subprocess.run(["git", "-C", str(tree), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"], check=True)
+    ok, why = upstream.identify_tree(tree)
+    assert not ok and "git HEAD" in why
+
+
+def test_corrupt_cached_sdist_is_replaced_or_refused(isolated_cache):
+    sd = upstream.cached_sdist()
+    sd.parent.mkdir(parents=True)
+    sd.write_bytes(b"truncated")
+    with pytest.raises(RollingKVError, match="not cached"):
+        upstream.fetch_sdist(log=lambda m: None)
+    assert not sd.exists()
