@@ -262,7 +262,8 @@ def build_dir_for(opts: BuildOptions, series: patchset.Series) -> Path:
     return paths.builds_dir() / opts.key(series.hash)
 
 
-def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False) -> Build:
+def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False,
+          activate: bool = True) -> Build:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     series = series or patchset.load_series()
@@ -270,7 +271,8 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
     bdir = build_dir_for(opts, series)
     existing = Build.load(bdir)
     if existing is not None:
-        set_active(bdir)
+        if activate:
+            set_active(bdir)
         return existing  # nothing changed: a no-op
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
     source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
@@ -325,7 +327,8 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
     tmp = bdir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, bdir / MANIFEST)  # the manifest appears only complete, only after a full build
-    set_active(bdir)
+    if activate:
+        set_active(bdir)
     return Build(bdir, manifest)
 
 

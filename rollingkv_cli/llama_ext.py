@@ -66,12 +66,26 @@ class Extension:
         lib.llama_rolling_kv_build_info.argtypes = []
         lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
         lib.llama_rolling_kv_api_version.argtypes = []
+        for fn in ("llama_rolling_kv_sizeof_context_params", "llama_rolling_kv_sizeof_model_params"):
+            getattr(lib, fn).restype = ctypes.c_size_t
+            getattr(lib, fn).argtypes = []
 
     def build_info(self) -> str:
         return self._lib.llama_rolling_kv_build_info().decode()
 
     def api_version(self) -> int:
         return int(self._lib.llama_rolling_kv_api_version())
+
+    def abi_mismatches(self, llama_cpp_mod: ModuleType) -> list[str]:
+        """Structs whose ctypes mirror in llama_cpp differs in size from the C library's."""
+        bad = []
+        for name, fn in (("llama_context_params", "llama_rolling_kv_sizeof_context_params"),
+                         ("llama_model_params", "llama_rolling_kv_sizeof_model_params")):
+            c_size = int(getattr(self._lib, fn)())
+            py_size = ctypes.sizeof(getattr(llama_cpp_mod, name))
+            if c_size != py_size:
+                bad.append(f"{name}: C {c_size} bytes, llama_cpp ctypes {py_size} bytes")
+        return bad
 
 
 def load(lib_dir: Path | None = None) -> tuple[ModuleType, Extension]:

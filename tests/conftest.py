@@ -37,7 +37,7 @@ def cpu_build():
     """The CPU build of the patched llama.cpp (built on demand; the same one `rollingkv build --no-cuda` makes)."""
     from rollingkv_cli import builder
 
-    return builder.build(builder.BuildOptions(cuda=False), quiet=True)
+    return builder.build(builder.BuildOptions(cuda=False), quiet=True, activate=False)
 
 
 @pytest.fixture(scope="session")

@@ -18,3 +18,11 @@ const char * llama_rolling_kv_build_info(void) {
 int32_t llama_rolling_kv_api_version(void) {
     return LLAMA_ROLLING_KV_API_VERSION;
 }
+
+size_t llama_rolling_kv_sizeof_context_params(void) {
+    return sizeof(struct llama_context_params);
+}
+
+size_t llama_rolling_kv_sizeof_model_params(void) {
+    return sizeof(struct llama_model_params);
+}

@@ -1,0 +1,548 @@
+// rolling-KV op test: GGML_OP_STREAMING_FLASH_ATTN vs ggml_flash_attn_ext
+//
+// For every case a full K/V of n_kv cells is built from random floats and split at
+// `split` into a window [0, split) and a tail [split, n_kv). Both ops run on the same
+// backend (default CPU, -b NAME to choose another); the NMSE of the outputs is checked.
+//
+//  - same window/tail types: window and tail are views of one K/V tensor and the
+//    reference is ggml_flash_attn_ext over the whole tensor. threshold: 5e-7
+//    For F16 V the reference gets a lossless F32 copy of V: the streaming op
+//    accumulates V in f32, whereas ggml's CPU flash attention accumulates F16 V in
+//    f16 in its one-chunk path (its result then depends on the KV partitioning: its
+//    own split-KV decode path and single-chunk path differ by NMSE ~1e-5). K stays
+//    F16 so the K*Q arithmetic is identical. The F16-V result is additionally
+//    checked against ggml_flash_attn_ext with the F16 V itself, threshold 1e-4
+//    (printed as NMSE_f16acc).
+//  - mixed window/tail types: window and tail are separate tensors of their own types
+//    holding the same floats; the reference is ggml_flash_attn_ext over an F32
+//    concatenation of the dequantized window and tail. Q is then not quantized to
+//    K's vec_dot type (q8_0/q8_1/f16/bf16) in the reference, which alone gives NMSE
+//    ~1e-6, so the threshold is looser: 5e-5 (observed max ~2e-6; test-backend-ops
+//    uses 5e-4 for flash attention across backends).
+//
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick]
+// prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-rolling-kv.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+enum mask_mode {
+    MASK_NONE,    // no mask
+    MASK_CAUSAL,  // causal, padded rows beyond n_q and -inf padding columns at the end
+    MASK_HOLES,   // causal + -inf runs in the middle and around the split point
+    MASK_ROWS,    // holes + fully masked rows, rows with a fully masked window, rows with a fully masked tail
+};
+
+static const char * mask_name(mask_mode m) {
+    switch (m) {
+        case MASK_NONE:   return "none";
+        case MASK_CAUSAL: return "causal";
+        case MASK_HOLES:  return "holes";
+        case MASK_ROWS:   return "rows";
+    }
+    return "?";
+}
+
+struct test_case {
+    int64_t   D;          // head dim (DK == DV)
+    int64_t   n_head_kv;
+    int64_t   gqa;        // n_head = n_head_kv*gqa
+    int64_t   n_kv;
+    int64_t   n_q;
+    int64_t   split;      // window = [0, split), tail = [split, n_kv)
+    ggml_type tkw, tvw;   // window K/V types
+    ggml_type tkt, tvt;   // tail K/V types
+    mask_mode mask;
+    bool      sinks;
+    float     max_bias;
+    float     softcap;
+    bool      cache_layout; // K/V as permuted views of a [D, n_head_kv, n_kv] cache (like llama-kv-cache)
+    int64_t   ne3;          // batch of streams (q, k, v ne[3]); mask broadcast over it
+
+    bool mixed() const { return tkw != tkt || tvw != tvt; }
+};
+
+static std::string case_str(const test_case & c) {
+    char buf[512];
+    snprintf(buf, sizeof(buf), "D=%3lld hkv=%lld gqa=%lld n_kv=%4lld n_q=%3lld split=%4lld K=%s/%s V=%s/%s mask=%s%s%s%s%s%s",
+        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.n_kv, (long long) c.n_q, (long long) c.split,
+        ggml_type_name(c.tkw), ggml_type_name(c.tkt), ggml_type_name(c.tvw), ggml_type_name(c.tvt),
+        mask_name(c.mask),
+        c.sinks ? " sinks" : "",
+        c.max_bias > 0.0f ? " alibi" : "",
+        c.softcap != 0.0f ? " softcap" : "",
+        c.cache_layout ? " cache" : "",
+        c.ne3 > 1 ? " ne3=2" : "");
+    return buf;
+}
+
+// quantize/convert float rows into a buffer of type t (rows of n_per_row elements)
+static std::vector<uint8_t> to_type(ggml_type t, const float * src, int64_t nrows, int64_t n_per_row) {
+    std::vector<uint8_t> out(ggml_row_size(t, n_per_row)*nrows);
+    ggml_quantize_chunk(t, src, out.data(), 0, nrows, n_per_row, nullptr);
+    return out;
+}
+
+static std::vector<float> from_type(ggml_type t, const uint8_t * src, int64_t nrows, int64_t n_per_row) {
+    std::vector<float> out(nrows*n_per_row);
+    if (t == GGML_TYPE_F32) {
+        memcpy(out.data(), src, out.size()*sizeof(float));
+    } else {
+        const auto * tr = ggml_get_type_traits(t);
+        for (int64_t r = 0; r < nrows; ++r) {
+            tr->to_float(src + r*ggml_row_size(t, n_per_row), out.data() + r*n_per_row, n_per_row);
+        }
+    }
+    return out;
+}
+
+// data layout of host float arrays for K/V: [n_kv][n_head_kv][ne3][D] indexed by helper below
+struct kv_host {
+    int64_t D, n_kv, nh, ne3;
+    std::vector<float> x; // logical [i3][h][cell][d]
+    float & at(int64_t i3, int64_t h, int64_t cell, int64_t d) { return x[((i3*nh + h)*n_kv + cell)*D + d]; }
+};
+
+// a KV tensor of `type` holding cells [c0, c1) of the host data, either as a plain
+// [D, n, nh, ne3] tensor or as a permuted view of a [D, nh, n, ne3] cache
+struct kv_dev {
+    ggml_tensor * storage = nullptr; // allocated tensor
+    ggml_tensor * view    = nullptr; // [D, n, nh, ne3] as consumed by the ops
+    std::vector<uint8_t> bytes;      // storage contents
+};
+
+static kv_dev make_kv(ggml_context * ctx, ggml_type type, kv_host & h, int64_t c0, int64_t c1, bool cache_layout, int64_t pad_cells) {
+    kv_dev r;
+    const int64_t n = c1 - c0;
+    const int64_t D = h.D;
+    const int64_t ncap = n + pad_cells; // storage larger than the view (like a KV cache)
+    std::vector<float> tmp;
+    if (cache_layout) {
+        // storage [D, nh, ncap, ne3]
+        tmp.assign(D*h.nh*ncap*h.ne3, 0.0f);
+        for (int64_t i3 = 0; i3 < h.ne3; ++i3)
+        for (int64_t c = 0; c < n; ++c)
+        for (int64_t hh = 0; hh < h.nh; ++hh)
+        for (int64_t d = 0; d < D; ++d) {
+            tmp[((i3*ncap + c)*h.nh + hh)*D + d] = h.at(i3, hh, c0 + c, d);
+        }
+        r.storage = ggml_new_tensor_4d(ctx, type, D, h.nh, ncap, h.ne3);
+        ggml_tensor * v = ggml_view_4d(ctx, r.storage, D, h.nh, n, h.ne3, r.storage->nb[1], r.storage->nb[2], r.storage->nb[3], 0);
+        r.view = ggml_permute(ctx, v, 0, 2, 1, 3); // -> [D, n, nh, ne3]
+    } else {
+        // storage [D, ncap, nh, ne3]
+        tmp.assign(D*ncap*h.nh*h.ne3, 0.0f);
+        for (int64_t i3 = 0; i3 < h.ne3; ++i3)
+        for (int64_t hh = 0; hh < h.nh; ++hh)
+        for (int64_t c = 0; c < n; ++c)
+        for (int64_t d = 0; d < D; ++d) {
+            tmp[((i3*h.nh + hh)*ncap + c)*D + d] = h.at(i3, hh, c0 + c, d);
+        }
+        r.storage = ggml_new_tensor_4d(ctx, type, D, ncap, h.nh, h.ne3);
+        r.view = ggml_view_4d(ctx, r.storage, D, n, h.nh, h.ne3, r.storage->nb[1], r.storage->nb[2], r.storage->nb[3], 0);
+    }
+    r.bytes = to_type(type, tmp.data(), (int64_t) tmp.size()/D, D);
+    return r;
+}
+
+// sub-view of cells [c0, c1) of a [D, n, nh, ne3] (possibly permuted) view
+static ggml_tensor * sub_cells(ggml_context * ctx, ggml_tensor * t, int64_t c0, int64_t c1) {
+    return ggml_view_4d(ctx, t, t->ne[0], c1 - c0, t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], c0*t->nb[1]);
+}
+
+static double nmse(const float * a, const float * b, size_t n) {
+    double err = 0.0, ref = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        const double d = (double) a[i] - (double) b[i];
+        err += d*d;
+        ref += (double) b[i]*(double) b[i];
+    }
+    if (ref == 0.0) {
+        return err == 0.0 ? 0.0 : INFINITY;
+    }
+    return err/ref;
+}
+
+enum result { RES_PASS, RES_FAIL, RES_SKIP };
+
+static std::string g_extra; // extra per-case info printed on the case line
+
+static result run_case(ggml_backend_t backend, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+
+    const int64_t D = c.D, n_kv = c.n_kv, nhkv = c.n_head_kv, n_head = nhkv*c.gqa, ne3 = c.ne3;
+    const int64_t n_q = c.n_q;
+    const int64_t n_q_pad = c.mask == MASK_NONE ? n_q : n_q + 3; // mask rows beyond n_q
+    const int64_t s = c.split;
+
+    // host data
+    kv_host hk{D, n_kv, nhkv, ne3, {}}, hv{D, n_kv, nhkv, ne3, {}};
+    hk.x.resize(D*n_kv*nhkv*ne3);
+    hv.x.resize(D*n_kv*nhkv*ne3);
+    for (auto & x : hk.x) x = u(rng);
+    for (auto & x : hv.x) x = u(rng);
+
+    std::vector<float> hq(D*n_q*n_head*ne3);
+    for (auto & x : hq) x = u(rng);
+
+    std::vector<float> hs(n_head);
+    for (auto & x : hs) x = 10.0f*u(rng); // large sinks, as test-backend-ops
+
+    // mask [n_kv, n_q_pad, 1, 1] (broadcast over heads and ne3)
+    std::vector<ggml_fp16_t> hm;
+    if (c.mask != MASK_NONE) {
+        hm.resize(n_kv*n_q_pad);
+        const int64_t pad_cols = std::min<int64_t>(5, n_kv/4);
+        const int64_t n_valid  = n_kv - pad_cols;
+        for (int64_t i = 0; i < n_q_pad; ++i) {
+            for (int64_t j = 0; j < n_kv; ++j) {
+                float v = c.max_bias > 0.0f ? -0.01f*(float) std::abs((n_valid - n_q + i) - j) : 0.0f;
+                if (c.max_bias == 0.0f && (j % 7) == 3) {
+                    v = 0.5f*(u(rng) - 1.0f); // some non-zero finite mask values
+                }
+                bool masked = false;
+                if (i >= n_q)                   masked = true; // padded rows
+                if (j >= n_valid)               masked = true; // padded columns
+                if (j > n_valid - n_q + i)      masked = true; // causal
+                if (c.mask >= MASK_HOLES) {
+                    if (j >= n_kv/3 && j < n_kv/3 + 40) masked = true;
+                    if (j >= s - 3 && j < s + 3)          masked = true;
+                }
+                if (c.mask == MASK_ROWS) {
+                    if (i % 4 == 1) masked = true;             // fully masked row
+                    if (i % 4 == 2 && j <  s) masked = true;   // window fully masked
+                    if (i % 4 == 3 && j >= s) masked = true;   // tail fully masked
+                }
+                hm[i*n_kv + j] = ggml_fp32_to_fp16(masked ? -INFINITY : v);
+            }
+        }
+    }
+
+    const size_t ctx_size = 64*ggml_tensor_overhead() + ggml_graph_overhead();
+    ggml_init_params ip = { ctx_size, nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head, ne3);
+    ggml_tensor * m = c.mask != MASK_NONE ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_q_pad, 1, 1) : nullptr;
+    ggml_tensor * sk = c.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : nullptr;
+
+    std::vector<kv_dev> kvs;
+    ggml_tensor *kw = nullptr, *vw = nullptr, *kt = nullptr, *vt = nullptr, *kref = nullptr, *vref = nullptr, *vref_f16 = nullptr;
+    std::vector<uint8_t> kref_bytes, vref_bytes;
+
+    if (!c.mixed()) {
+        kvs.push_back(make_kv(ctx, c.tkw, hk, 0, n_kv, c.cache_layout, 3));
+        kvs.push_back(make_kv(ctx, c.tvw, hv, 0, n_kv, c.cache_layout, 3));
+        kref = kvs[0].view;
+        vref = kvs[1].view;
+        if (c.tvw == GGML_TYPE_F16) {
+            vref_f16 = vref;
+            kvs.push_back(make_kv(ctx, GGML_TYPE_F32, hv, 0, n_kv, c.cache_layout, 3)); // lossless copy
+            for (size_t i = 0; i < kvs.back().bytes.size()/sizeof(float); ++i) {
+                // make the F32 copy hold exactly the F16 values
+                float * f = (float *) kvs.back().bytes.data() + i;
+                *f = ggml_fp16_to_fp32(ggml_fp32_to_fp16(*f));
+            }
+            vref = kvs.back().view;
+        }
+        if (s > 0)    { kw = sub_cells(ctx, kref, 0, s);    vw = sub_cells(ctx, vref, 0, s); }
+        if (s < n_kv) { kt = sub_cells(ctx, kref, s, n_kv); vt = sub_cells(ctx, vref, s, n_kv); }
+    } else {
+        if (s > 0) {
+            kvs.push_back(make_kv(ctx, c.tkw, hk, 0, s, c.cache_layout, 3)); kw = kvs.back().view;
+            kvs.push_back(make_kv(ctx, c.tvw, hv, 0, s, c.cache_layout, 3)); vw = kvs.back().view;
+        }
+        if (s < n_kv) {
+            kvs.push_back(make_kv(ctx, c.tkt, hk, s, n_kv, c.cache_layout, 3)); kt = kvs.back().view;
+            kvs.push_back(make_kv(ctx, c.tvt, hv, s, n_kv, c.cache_layout, 3)); vt = kvs.back().view;
+        }
+        // reference: F32 concatenation of what the window/tail hold after quantization
+        kv_host rk = hk, rv = hv;
+        for (auto * pr : { &rk, &rv }) {
+            const bool isk = pr == &rk;
+            for (int part = 0; part < 2; ++part) {
+                const int64_t c0 = part == 0 ? 0 : s, c1 = part == 0 ? s : n_kv;
+                if (c1 <= c0) continue;
+                const ggml_type t = isk ? (part == 0 ? c.tkw : c.tkt) : (part == 0 ? c.tvw : c.tvt);
+                for (int64_t i3 = 0; i3 < ne3; ++i3)
+                for (int64_t h = 0; h < nhkv; ++h)
+                for (int64_t cc = c0; cc < c1; ++cc) {
+                    float * row = &pr->at(i3, h, cc, 0);
+                    auto qb = to_type(t, row, 1, D);
+                    auto back = from_type(t, qb.data(), 1, D);
+                    memcpy(row, back.data(), D*sizeof(float));
+                }
+            }
+        }
+        kvs.push_back(make_kv(ctx, GGML_TYPE_F32, rk, 0, n_kv, c.cache_layout, 3)); kref = kvs.back().view;
+        kvs.push_back(make_kv(ctx, GGML_TYPE_F32, rv, 0, n_kv, c.cache_layout, 3)); vref = kvs.back().view;
+    }
+
+    const float scale = 1.0f/sqrtf((float) D);
+
+    ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
+    ggml_streaming_flash_attn_add_sinks(out, sk);
+    ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
+
+    ggml_tensor * ref = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
+    ggml_flash_attn_ext_add_sinks(ref, sk);
+    ggml_prec_set_acc(ref, GGML_PREC_F32);
+
+    ggml_tensor * ref_f16 = nullptr;
+    if (vref_f16) {
+        ref_f16 = ggml_flash_attn_ext(ctx, q, kref, vref_f16, m, scale, c.max_bias, c.softcap);
+        ggml_flash_attn_ext_add_sinks(ref_f16, sk);
+        ggml_prec_set_acc(ref_f16, GGML_PREC_F32);
+    }
+
+    if (!ggml_backend_supports_op(backend, out) || !ggml_backend_supports_op(backend, ref)) {
+        ggml_free(ctx);
+        return RES_SKIP;
+    }
+
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    ggml_build_forward_expand(gf, ref);
+    if (ref_f16) {
+        ggml_build_forward_expand(gf, ref_f16);
+    }
+
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    GGML_ASSERT(buf);
+
+    ggml_backend_tensor_set(q, hq.data(), 0, ggml_nbytes(q));
+    if (m)  ggml_backend_tensor_set(m, hm.data(), 0, ggml_nbytes(m));
+    if (sk) ggml_backend_tensor_set(sk, hs.data(), 0, ggml_nbytes(sk));
+    for (auto & kv : kvs) {
+        GGML_ASSERT(kv.bytes.size() == ggml_nbytes(kv.storage));
+        ggml_backend_tensor_set(kv.storage, kv.bytes.data(), 0, kv.bytes.size());
+    }
+
+    const ggml_status st = ggml_backend_graph_compute(backend, gf);
+    GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+
+    std::vector<float> ho(ggml_nelements(out)), hr(ggml_nelements(ref));
+    GGML_ASSERT(ho.size() == hr.size());
+    ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
+    ggml_backend_tensor_get(ref, hr.data(), 0, ggml_nbytes(ref));
+    std::vector<float> hr16;
+    if (ref_f16) {
+        hr16.resize(hr.size());
+        ggml_backend_tensor_get(ref_f16, hr16.data(), 0, ggml_nbytes(ref_f16));
+    }
+
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+
+    size_t n_nonfinite = 0;
+    for (float x : ho) {
+        if (!std::isfinite(x)) n_nonfinite++;
+    }
+
+    const double err = nmse(ho.data(), hr.data(), ho.size());
+    const double thr = c.mixed() ? 5e-5 : 5e-7;
+    *out_nmse = err;
+    *out_thr  = thr;
+
+    bool ok = n_nonfinite == 0 && err <= thr;
+    if (ref_f16) {
+        const double err16 = nmse(ho.data(), hr16.data(), ho.size());
+        const double thr16 = 1e-4;
+        char buf[96];
+        snprintf(buf, sizeof(buf), " NMSE_f16acc=%.3e (thr %.0e)", err16, thr16);
+        g_extra = buf;
+        ok = ok && err16 <= thr16;
+    }
+    if (!ok && n_nonfinite) {
+        g_extra += " non-finite=" + std::to_string(n_nonfinite);
+    }
+    GGML_UNUSED(verbose);
+    return ok ? RES_PASS : RES_FAIL;
+}
+
+static test_case mk(int64_t D, int64_t hkv, int64_t gqa, int64_t n_kv, int64_t n_q, int64_t split, ggml_type tk, ggml_type tv,
+                    mask_mode mm = MASK_CAUSAL, bool sinks = false, float max_bias = 0.0f, float softcap = 0.0f, bool cache = false,
+                    ggml_type tkt = GGML_TYPE_COUNT, ggml_type tvt = GGML_TYPE_COUNT, int64_t ne3 = 1) {
+    test_case c;
+    c.D = D; c.n_head_kv = hkv; c.gqa = gqa; c.n_kv = n_kv; c.n_q = n_q; c.split = split;
+    c.tkw = tk; c.tvw = tv;
+    c.tkt = tkt == GGML_TYPE_COUNT ? tk : tkt;
+    c.tvt = tvt == GGML_TYPE_COUNT ? tv : tvt;
+    c.mask = mm; c.sinks = sinks; c.max_bias = max_bias; c.softcap = softcap; c.cache_layout = cache; c.ne3 = ne3;
+    return c;
+}
+
+static std::vector<test_case> make_cases(bool quick) {
+    std::vector<test_case> cases;
+    const ggml_type F16 = GGML_TYPE_F16, Q8 = GGML_TYPE_Q8_0, Q4 = GGML_TYPE_Q4_0, BF16 = GGML_TYPE_BF16;
+
+    const int64_t n_kv = 512;
+    const std::vector<int64_t> splits = { 0, 1, 255, 256, n_kv - 1, n_kv };
+
+    // core matrix: head dims x GQA x n_q x split points x types
+    for (int64_t D : { 64, 128, 256 }) {
+        for (int64_t gqa : { 1, 2, 4, 8 }) {
+            for (int64_t n_q : { 1, 7 }) {
+                for (ggml_type t : { F16, Q8, Q4, BF16 }) {
+                    for (int64_t s : splits) {
+                        if (quick) {
+                            // quick: every type, split and head dim, but thinned out
+                            if ((D == 128) != (gqa == 2)) continue;
+                            if (n_q == 7 && !(s == 1 || s == 256 || s == n_kv)) continue;
+                            if (n_q == 1 && !(s == 0 || s == 255 || s == n_kv - 1)) continue;
+                        }
+                        cases.push_back(mk(D, 2, gqa, n_kv, n_q, s, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, /*cache=*/(s % 2) == 1));
+                    }
+                }
+            }
+        }
+    }
+    if (quick) {
+        // make sure every head dim / gqa appears at least once in quick mode
+        for (int64_t D : { 64, 256 }) for (int64_t gqa : { 1, 4, 8 }) {
+            cases.push_back(mk(D, 2, gqa, n_kv, 7, 255, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true));
+        }
+    }
+
+    // masks, softcap, sinks, ALiBi (n_head power of 2 and not), mixed types, empty parts
+    for (ggml_type t : { F16, Q8, Q4, BF16 }) {
+        for (int64_t s : { (int64_t) 0, (int64_t) 1, (int64_t) 256, n_kv - 1, n_kv }) {
+            if (quick && !(s == 1 || s == n_kv)) continue;
+            cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_HOLES, false, 0.0f, 0.0f, true));
+            cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_ROWS,  false, 0.0f, 0.0f, false));
+            cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_ROWS,  true,  0.0f, 0.0f, true));   // sinks
+            cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_HOLES, false, 0.0f, 30.0f, false)); // softcap
+            cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_CAUSAL, true, 0.0f, 30.0f, true));  // softcap + sinks
+            cases.push_back(mk( 64, 3, 4, n_kv, 7, s, t, t, MASK_HOLES, false, 8.0f, 0.0f, false));  // ALiBi, 12 heads
+            cases.push_back(mk( 64, 2, 4, n_kv, 7, s, t, t, MASK_ROWS,  true,  8.0f, 0.0f, true));   // ALiBi, 8 heads + sinks
+            if (!quick) {
+                cases.push_back(mk( 64, 2, 2, n_kv, 1, s, t, t, MASK_NONE, false, 0.0f, 0.0f, false)); // no mask
+                cases.push_back(mk( 64, 2, 2, n_kv, 7, s, t, t, MASK_NONE, true,  0.0f, 0.0f, true));  // no mask + sinks
+                cases.push_back(mk( 64, 1, 2, 256,  7, s/2, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT, GGML_TYPE_COUNT, 2)); // ne3 = 2
+            }
+        }
+    }
+
+    // other K/V types accepted by the CPU flash attention, and K type != V type
+    for (ggml_type t : { GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_F32 }) {
+        for (int64_t s : { (int64_t) 1, (int64_t) 256, n_kv }) {
+            if (quick && s != 256) continue;
+            cases.push_back(mk(128, 2, 2, n_kv, 7, s, t, t, MASK_HOLES, true, 0.0f, 0.0f, true));
+        }
+    }
+    cases.push_back(mk(128, 2, 2, n_kv, 7, 255, F16, Q8, MASK_ROWS, true, 0.0f, 0.0f, true));
+    cases.push_back(mk(128, 2, 2, n_kv, 1, 255, Q8, F16, MASK_HOLES, false, 0.0f, 0.0f, false));
+
+    // mixed window/tail types (looser threshold, see top of file)
+    struct mix { ggml_type kw, vw, kt, vt; };
+    for (mix x : { mix{ F16, F16, Q8, Q8 }, mix{ Q8, Q8, Q4, Q4 }, mix{ BF16, F16, Q8, Q4 } }) {
+        for (int64_t s : { (int64_t) 0, (int64_t) 1, (int64_t) 255, (int64_t) 256, n_kv - 1, n_kv }) {
+            if (quick && !(s == 1 || s == 256)) continue;
+            for (int64_t n_q : { 1, 7 }) {
+                cases.push_back(mk(128, 2, 4, n_kv, n_q, s, x.kw, x.vw, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q == 7, 0.0f, 0.0f, s % 2 == 1, x.kt, x.vt));
+            }
+        }
+    }
+
+    // prefill-sized batches (the reference takes its tiled f32 path for F16 here)
+    cases.push_back(mk( 64, 2, 2,  512, 512, 255, F16, F16, MASK_HOLES, true, 0.0f, 0.0f, true));
+    cases.push_back(mk( 64, 2, 2,  512, 512, 256, Q8,  Q8,  MASK_ROWS, false, 0.0f, 0.0f, false));
+    if (!quick) {
+        cases.push_back(mk(128, 2, 4, 1024, 512,   0, F16, F16, MASK_CAUSAL, false, 0.0f, 0.0f, true));
+        cases.push_back(mk(128, 2, 4, 1024, 512, 256, F16, F16, MASK_HOLES, true, 0.0f, 30.0f, true));
+        cases.push_back(mk(128, 2, 4, 1024, 512, 1023, Q4, Q4, MASK_ROWS, false, 8.0f, 0.0f, false));
+        cases.push_back(mk(256, 1, 8, 1024, 512, 1024, BF16, BF16, MASK_CAUSAL, true, 0.0f, 0.0f, true));
+        cases.push_back(mk(256, 1, 8, 1024,   1, 1,   F16, F16, MASK_CAUSAL, false, 0.0f, 0.0f, true));
+        cases.push_back(mk(256, 2, 4, 1024,   7, 255, Q8,  Q8,  MASK_HOLES, true, 0.0f, 0.0f, true));
+        cases.push_back(mk(128, 2, 4, 1024, 512, 256, F16, F16, MASK_ROWS, true, 0.0f, 0.0f, false, Q8, Q8));
+    }
+
+    return cases;
+}
+
+int main(int argc, char ** argv) {
+    std::string backend_name = "CPU";
+    bool quick   = false;
+    bool verbose = false;
+    int  n_threads = (int) std::max(1u, std::thread::hardware_concurrency());
+
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "-b" && i + 1 < argc) {
+            backend_name = argv[++i];
+        } else if (a == "-t" && i + 1 < argc) {
+            n_threads = std::max(1, atoi(argv[++i]));
+        } else if (a == "--quick") {
+            quick = true;
+        } else if (a == "-v") {
+            verbose = true;
+        } else {
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick]\n", argv[0]);
+            return 2;
+        }
+    }
+
+    ggml_backend_load_all();
+
+    ggml_backend_dev_t dev = ggml_backend_dev_by_name(backend_name.c_str());
+    if (!dev) {
+        printf("backend %s not found, skipping\n", backend_name.c_str());
+        printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
+    GGML_ASSERT(backend);
+
+    // use all cores on CPU-like backends
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+    if (set_n_threads) {
+        set_n_threads(backend, n_threads);
+    }
+
+    printf("test-rolling-kv-ops: backend %s, %d threads, %s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full");
+
+    std::mt19937 rng(1234);
+    const auto cases = make_cases(quick);
+
+    int n_pass = 0, n_fail = 0, n_skip = 0;
+    const auto t_start = std::chrono::steady_clock::now();
+
+    for (size_t i = 0; i < cases.size(); ++i) {
+        const auto & c = cases[i];
+        double err = 0.0, thr = 0.0;
+        const auto t0 = std::chrono::steady_clock::now();
+        g_extra.clear();
+        const result r = run_case(backend, c, rng, verbose, &err, &thr);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (r == RES_SKIP) {
+            n_skip++;
+            printf("[%4zu] %s: not supported, skipped\n", i, case_str(c).c_str());
+            continue;
+        }
+        (r == RES_PASS ? n_pass : n_fail)++;
+        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, case_str(c).c_str(), err, thr, g_extra.c_str(), ms, r == RES_PASS ? "OK" : "FAIL");
+        fflush(stdout);
+    }
+
+    const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    printf("%d skipped, %.1f s\n", n_skip, total_s);
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+
+    ggml_backend_free(backend);
+    return n_fail == 0 ? 0 : 1;
+}

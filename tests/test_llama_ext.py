@@ -1,0 +1,79 @@
+"""End to end on the CPU build: llama_cpp's ctypes bindings load OUR libllama, the ABI matches, the demo model answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.build
+
+
+def test_import_llama_cpp_loads_our_library(cpu_build):
+    r = run_python(
+        """
+        import json, os
+        from pathlib import Path
+        from rollingkv_cli import llama_ext
+        llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+        print(json.dumps({"loaded": str(llama_ext.loaded_library_path(llama_cpp)), "info": ext.build_info(),
+                          "api": ext.api_version(), "abi": ext.abi_mismatches(llama_cpp)}))
+        """,
+        cpu_build.lib_dir,
+    )
+    assert r["loaded"] == str(cpu_build.lib_dir / "libllama.so")
+    assert f"pin={cpu_build.manifest['pin']}" in r["info"]
+    assert f"series={cpu_build.manifest['series_hash'][:16]}" in r["info"]
+    assert r["api"] >= 1
+    assert r["abi"] == [], "llama_context_params / llama_model_params layouts must match llama-cpp-python 0.3.36"
+
+
+def test_unpatched_library_is_refused(tmp_path, cpu_build):
+    """A libllama without our symbols (e.g. one a plain pip install compiled) is never accepted."""
+    import shutil
+    import subprocess
+    import sys
+
+    fake = tmp_path / "lib"
+    fake.mkdir()
+    # a real shared library that is not ours: libggml-base from the same build, renamed
+    shutil.copy(cpu_build.lib_dir / "libggml-base.so", fake / "libllama.so")
+    code = f"from rollingkv_cli import llama_ext; llama_ext.load(__import__('pathlib').Path({str(fake)!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "RollingKVError" in proc.stderr or "not a rollingkv build" in proc.stderr or "could not load" in proc.stderr
+
+
+def test_demo_model_gives_finite_logits(cpu_build, demo_model):
+    r = run_python(
+        f"""
+        import json, os, math
+        from pathlib import Path
+        from rollingkv_cli import llama_ext
+        llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+        llm = llama_cpp.Llama(model_path={str(demo_model)!r}, n_ctx=512, logits_all=True, verbose=False, flash_attn=True)
+        toks = llm.tokenize(b"The capital of France is")
+        llm.eval(toks)
+        row = llm.scores[len(toks) - 1]
+        top = int(row.argmax())
+        print(json.dumps({{"finite": bool(all(math.isfinite(float(x)) for x in row)), "n_vocab": len(row),
+                          "top": llm.detokenize([top]).decode(errors="replace")}}))
+        """,
+        cpu_build.lib_dir,
+    )
+    assert r["finite"]
+    assert r["n_vocab"] == 49152
+    assert r["top"].strip() == "Paris"
+
+
+def test_rollingkv_run_answers(cpu_build, demo_model, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollingkv_cli", "run", "demo", "-p", "What is the capital of France? Answer in one word.", "-n", "16"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
