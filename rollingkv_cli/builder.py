@@ -141,7 +141,9 @@ def cmake_flags(opts: BuildOptions, build_dir: Path, series_hash: str) -> list[s
     if opts.backend_dl:
         # llamafile-style: every ggml backend is a module loaded at run time; an explicit directory so
         # that hosts other than llama-server (a Python interpreter) find them too.
-        flags += ["-DGGML_BACKEND_DL=ON", f"-DGGML_BACKEND_DIR={build_dir / 'build' / 'bin'}"]
+        # GGML_NATIVE cannot be combined with DL: every CPU variant is built, the best one loads at run time.
+        flags += ["-DGGML_BACKEND_DL=ON", "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=ON",
+                  f"-DGGML_BACKEND_DIR={build_dir / 'build' / 'bin'}"]
     if opts.toolchain == "cosmocc":
         flags += ["-DCMAKE_C_COMPILER=cosmocc", "-DCMAKE_CXX_COMPILER=cosmoc++", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_BUILD_TOOLS=ON"]
     return flags
@@ -149,23 +151,24 @@ def cmake_flags(opts: BuildOptions, build_dir: Path, series_hash: str) -> list[s
 
 def targets_for(opts: BuildOptions, cmake_dir: Path) -> list[str]:
     targets = list(BASE_TARGETS)
+    known = _ninja_targets(cmake_dir)
     if opts.backend_dl:
-        targets.append("ggml-cpu")
+        targets += sorted(t for t in known if re.fullmatch(r"ggml-cpu(-\w+)?", t))
         if opts.cuda:
             targets.append("ggml-cuda")
-    if _has_target(cmake_dir, OP_TEST_TARGET):
+    if OP_TEST_TARGET in known:
         targets.append(OP_TEST_TARGET)
     return targets
 
 
-def _has_target(cmake_dir: Path, name: str) -> bool:
+def _ninja_targets(cmake_dir: Path) -> set[str]:
     proc = subprocess.run(["ninja", "-C", str(cmake_dir), "-t", "targets", "all"], capture_output=True, text=True)
-    return any(line.split(":", 1)[0] == name for line in proc.stdout.splitlines())
+    return {line.split(":", 1)[0] for line in proc.stdout.splitlines() if ":" in line}
 
 
 def artifacts_for(targets: list[str]) -> list[str]:
-    names = {"llama": "libllama.so", "ggml-cpu": "libggml-cpu.so", "ggml-cuda": "libggml-cuda.so"}
-    return [names.get(t, t) for t in targets]
+    """File names in bin/: libraries for library targets, the target name for executables."""
+    return [f"lib{t}.so" if t == "llama" or t.startswith("ggml-") else t for t in targets]
 
 
 def check_toolchain(opts: BuildOptions) -> None:
