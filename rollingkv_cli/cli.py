@@ -23,10 +23,17 @@ def rollingkv() -> None:
 
 
 def _register() -> None:
-    # Heavy imports stay inside the command bodies; registering is cheap.
-    from rollingkv_cli.commands import build, info, model, patches, run
+    """Each module rollingkv_cli/commands/<name>.py defines the click command <name>.
 
-    for cmd in (build.build, info.info, patches.patches, model.model, run.run):
+    Heavy imports stay inside the command bodies, so registering all of them is cheap.
+    """
+    import importlib
+    import pkgutil
+
+    from rollingkv_cli import commands
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(commands.__path__)):
+        cmd = getattr(importlib.import_module(f"rollingkv_cli.commands.{mod}"), mod)
         rollingkv.add_command(cmd)
 
 

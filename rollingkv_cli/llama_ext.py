@@ -57,11 +57,40 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
     return Path(name) if name else None
 
 
+RESIDENCY_MODES = {"off": 0, "auto": 1, "head": 2, "window": 3}
+GGML_TYPE_COUNT_SENTINEL = -1  # resolved against the library's GGML_TYPE_COUNT at call time
+# ggml_type values (ggml.h of the pin) for the cache types users name
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+class RollingKVParams(ctypes.Structure):
+    """struct llama_rolling_kv_params (include/llama-rolling-kv.h)."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int),
+        ("vram_target_mib", ctypes.c_int64),
+        ("window_cells", ctypes.c_int64),
+        ("type_k_tail", ctypes.c_int),
+        ("type_v_tail", ctypes.c_int),
+        ("pcie_bw_gbps", ctypes.c_float),
+    ]
+
+
 class Extension:
     """Our functions from include/llama-rolling-kv.h, on the library llama_cpp loaded."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+        self.has_residency = hasattr(lib, "llama_init_from_model_rolling_kv")
+        if self.has_residency:
+            lib.llama_rolling_kv_default_params.restype = RollingKVParams
+            lib.llama_rolling_kv_default_params.argtypes = []
+            lib.llama_init_from_model_rolling_kv.restype = ctypes.c_void_p
+            lib.llama_init_from_model_rolling_kv.argtypes = [ctypes.c_void_p, _context_params_type(), ctypes.POINTER(RollingKVParams)]
+            lib.llama_rolling_kv_plan_json.restype = ctypes.c_int32
+            lib.llama_rolling_kv_plan_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.llama_kv_residency_mode_from_str.restype = ctypes.c_int32
+            lib.llama_kv_residency_mode_from_str.argtypes = [ctypes.c_char_p]
         lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
         lib.llama_rolling_kv_build_info.argtypes = []
         lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
@@ -86,6 +115,54 @@ class Extension:
             if c_size != py_size:
                 bad.append(f"{name}: C {c_size} bytes, llama_cpp ctypes {py_size} bytes")
         return bad
+
+
+    # ------------------------------------------------------------ residency API
+    def _require_residency(self) -> None:
+        if not self.has_residency:
+            abort("this build has no KV residency API (llama_init_from_model_rolling_kv)", "rebuild with `rollingkv build`")
+
+    def default_params(self) -> RollingKVParams:
+        self._require_residency()
+        return self._lib.llama_rolling_kv_default_params()
+
+    def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
+                    type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0) -> RollingKVParams:
+        p = self.default_params()
+        if mode not in RESIDENCY_MODES:
+            abort(f"unknown KV residency mode {mode!r}", f"use one of {', '.join(RESIDENCY_MODES)}")
+        p.mode = RESIDENCY_MODES[mode]
+        p.vram_target_mib = int(vram_target_mib)
+        p.window_cells = int(window_cells)
+        for field, name in (("type_k_tail", type_k_tail), ("type_v_tail", type_v_tail)):
+            if name is not None:
+                if name not in GGML_TYPES:
+                    abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
+                setattr(p, field, GGML_TYPES[name])
+        p.pcie_bw_gbps = float(pcie_bw_gbps)
+        return p
+
+    def init_context(self, model_ptr, cparams, rkv: RollingKVParams | None):
+        """llama_init_from_model_rolling_kv: a llama_context pointer (None on failure)."""
+        self._require_residency()
+        return self._lib.llama_init_from_model_rolling_kv(model_ptr, cparams, ctypes.byref(rkv) if rkv is not None else None)
+
+    def plan(self, ctx_ptr) -> dict:
+        import json
+
+        self._require_residency()
+        n = self._lib.llama_rolling_kv_plan_json(ctx_ptr, None, 0)
+        if n < 0:
+            abort("no residency plan: the context is NULL")
+        buf = ctypes.create_string_buffer(n + 1)
+        self._lib.llama_rolling_kv_plan_json(ctx_ptr, buf, n + 1)
+        return json.loads(buf.value.decode())
+
+
+def _context_params_type():
+    import llama_cpp
+
+    return llama_cpp.llama_context_params
 
 
 def load(lib_dir: Path | None = None) -> tuple[ModuleType, Extension]:
