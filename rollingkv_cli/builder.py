@@ -31,10 +31,14 @@ class BuildOptions:
     toolchain: str = "gcc"  # or "cosmocc"
     source: str | None = None  # a local tree; None = the pinned sdist
     pinned: bool = True
+    unpatched: bool = False  # the pin as upstream ships it (a reference for equivalence gates); libllama only
 
     def key(self, series_hash: str) -> str:
+        options = asdict(self)
+        if not options["unpatched"]:
+            del options["unpatched"]  # options added later stay out of the key at their default: old builds keep their keys
         h = hashlib.sha256()
-        h.update(json.dumps({"pin": upstream.PIN.llama_cpp_commit, "series": series_hash, "options": asdict(self)}, sort_keys=True).encode())
+        h.update(json.dumps({"pin": upstream.PIN.llama_cpp_commit, "series": series_hash, "options": options}, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
 
@@ -150,6 +154,8 @@ def cmake_flags(opts: BuildOptions, build_dir: Path, series_hash: str) -> list[s
 
 
 def targets_for(opts: BuildOptions, cmake_dir: Path) -> list[str]:
+    if opts.unpatched:
+        return ["llama"]
     targets = list(BASE_TARGETS)
     known = _ninja_targets(cmake_dir)
     if opts.backend_dl:
@@ -228,6 +234,8 @@ def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -
         for line in proc.stdout:
             log_file.write(line)
             m = _NINJA_PROGRESS.match(line)
+            if m:
+                log_file.flush()  # someone may be tailing the log
             if m and progress is not None:
                 done, total, what = int(m.group(1)), int(m.group(2)), m.group(3)
                 progress.update(task, completed=done, total=total, description=_short(what))
@@ -265,16 +273,20 @@ def build_dir_for(opts: BuildOptions, series: patchset.Series) -> Path:
     return paths.builds_dir() / opts.key(series.hash)
 
 
+def empty_series() -> patchset.Series:
+    return patchset.Series((), (), paths.data_dir("patches"), paths.data_dir("native"))
+
+
 def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False,
           activate: bool = True) -> Build:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    series = series or patchset.load_series()
+    series = empty_series() if opts.unpatched else (series or patchset.load_series())
     check_toolchain(opts)
     bdir = build_dir_for(opts, series)
     existing = Build.load(bdir)
     if existing is not None:
-        if activate:
+        if activate and not opts.unpatched:
             set_active(bdir)
         return existing  # nothing changed: a no-op
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
@@ -330,8 +342,8 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
     tmp = bdir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, bdir / MANIFEST)  # the manifest appears only complete, only after a full build
-    if activate:
-        set_active(bdir)
+    if activate and not opts.unpatched:
+        set_active(bdir)  # an unpatched reference build never becomes the active one
     return Build(bdir, manifest)
 
 

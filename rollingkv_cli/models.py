@@ -152,7 +152,7 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
     quant = spec.type == "q8_0"
     if quant:
         n_blocks = largest // 32 + 1024
-        scale = np.float16(std * 3 / 127).view(np.uint8)
+        scale = np.array([std * 3 / 127], dtype=np.float16).view(np.uint8)
         pool = np.empty((n_blocks, 34), dtype=np.uint8)
         pool[:, 0:2] = scale
         pool[:, 2:] = rng.integers(-127, 128, size=(n_blocks, 32), dtype=np.int8).view(np.uint8)

@@ -35,11 +35,15 @@ def run_main(args, capsys):
 
     from rollingkv_cli.cli import main
 
-    with mock.patch.object(sys, "argv", ["rollingkv", *args]), pytest.raises(SystemExit) as exc:
-        main()
+    code = 0
+    with mock.patch.object(sys, "argv", ["rollingkv", *args]):
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out
-    return exc.value.code, out.out, out.err
+    return code, out.out, out.err
 
 
 def test_unknown_option_value(capsys):

@@ -16,10 +16,11 @@ from rollingkv_cli.paths import ENV_SOURCE_DIR
 @click.option("--toolchain", type=click.Choice(["gcc", "cosmocc"]), default="gcc", show_default=True, help="Host compiler; cosmocc must be on PATH.")
 @click.option("--source", type=click.Path(file_okay=False, path_type=Path), envvar=ENV_SOURCE_DIR, help=f"A local llama.cpp tree instead of the pinned sdist [env: {ENV_SOURCE_DIR}].")
 @click.option("--allow-unpinned", is_flag=True, help="Accept a --source tree at another commit than the pin.")
+@click.option("--unpatched", is_flag=True, help="Build libllama of the pin WITHOUT our series (a reference for `gate equiv --reference lib:DIR`); never becomes the active build.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), help="Parallel compile jobs (default: all cores).")
 @click.option("--print-dir", is_flag=True, help="Print the build directory for these options and exit (it must be built).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, jobs, print_dir, quiet) -> None:
+def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatched, jobs, print_dir, quiet) -> None:
     """Build the patched llama.cpp (libllama, llama-server, llama-bench, the op tests).
 
     The build goes into a directory keyed by (pin, patch series, options) with a manifest.json;
@@ -28,16 +29,14 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, jobs, 
     from rollingkv_cli import builder, patchset
     from rollingkv_cli.console import abort, console, success
 
-    if backend_dl and toolchain == "cosmocc" and not cuda:
-        pass  # a cosmocc host with the CPU module is still a valid combination
     use_cuda, arch = builder.resolve_cuda(cuda, cuda_arch)
     if cuda_arch and not use_cuda:
         abort("--cuda-arch given but this is not a CUDA build", "add --cuda")
     opts = builder.BuildOptions(
         cuda=use_cuda, cuda_arch=arch, backend_dl=backend_dl, toolchain=toolchain,
-        source=str(source.expanduser().resolve()) if source else None, pinned=not allow_unpinned,
+        source=str(source.expanduser().resolve()) if source else None, pinned=not allow_unpinned, unpatched=unpatched,
     )
-    series = patchset.load_series()
+    series = builder.empty_series() if unpatched else patchset.load_series()
     if print_dir:
         bdir = builder.build_dir_for(opts, series)
         if builder.Build.load(bdir) is None:
@@ -46,9 +45,9 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, jobs, 
         return
     existing = builder.Build.load(builder.build_dir_for(opts, series))
     b = builder.build(opts, series, jobs=jobs, quiet=quiet)
-    kind = "CUDA " + str(arch) if use_cuda else "CPU"
+    kind = ("CUDA " + str(arch) if use_cuda else "CPU") + (" unpatched" if unpatched else "")
     if existing is not None:
         success(f"up to date: {kind} build {b.dir}")
     else:
         success(f"built {kind}{' (backends as modules)' if backend_dl else ''} in {b.manifest['build_seconds']} s: {b.dir}")
-    console.print(f"[dim]active build; libllama: {b.lib_dir / 'libllama.so'}[/]")
+    console.print(f"[dim]{'reference (not active)' if unpatched else 'active build'}; libllama: {b.lib_dir / 'libllama.so'}[/]")

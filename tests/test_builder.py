@@ -1,0 +1,87 @@
+"""Build directories: keyed, manifest written last, no-op rebuilds, interrupted builds never used."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rollingkv_cli import builder, patchset
+
+
+
+@pytest.mark.build
+def test_rebuild_with_nothing_changed_is_a_fast_no_op(cpu_build):
+    t0 = time.monotonic()
+    again = builder.build(builder.BuildOptions(cuda=False), quiet=True, activate=False)
+    assert time.monotonic() - t0 < 5
+    assert again.dir == cpu_build.dir
+    assert again.manifest["built_at"] == cpu_build.manifest["built_at"]
+
+
+@pytest.mark.build
+def test_manifest_records_what_went_in(cpu_build):
+    m = cpu_build.manifest
+    series = patchset.load_series()
+    assert m["pin"] == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    assert m["series_hash"] == series.hash
+    assert m["patches"] == series.patch_hashes()
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in m["cmake_flags"] and "-DLLAMA_BUILD_UI=OFF" in m["cmake_flags"]
+    for a in ("libllama.so", "llama-server", "llama-bench", "test-rolling-kv-ops"):
+        assert a in m["artifacts"] and (cpu_build.bin_dir / a).exists()
+
+
+def test_keys_differ_by_options_and_series():
+    s = patchset.load_series().hash
+    a = builder.BuildOptions(cuda=False).key(s)
+    assert a != builder.BuildOptions(cuda=True, cuda_arch="90").key(s)
+    assert a != builder.BuildOptions(cuda=False, backend_dl=True).key(s)
+    assert a != builder.BuildOptions(cuda=False).key("0" * 64)
+
+
+@pytest.mark.build
+def test_half_written_build_is_never_used(tmp_path, cpu_build):
+    """A build directory without a manifest (an interrupted build) or with an artifact missing is not a build."""
+    fake = tmp_path / "b"
+    (fake / "build" / "bin").mkdir(parents=True)
+    assert builder.Build.load(fake) is None
+    manifest = dict(cpu_build.manifest)
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    assert builder.Build.load(fake) is None  # artifacts missing
+    (fake / "manifest.json").write_text("{ truncated")
+    assert builder.Build.load(fake) is None
+
+
+@pytest.mark.build
+def test_info_json_shows_the_active_build(cpu_build, monkeypatch, capsys):
+    from test_cli import run_main
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    code, out, _ = run_main(["info", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["dir"] == str(cpu_build.dir) and data["stale"] is False
+    code, out, _ = run_main(["build", "--no-cuda", "--print-dir"], capsys)
+    assert code == 0 and out.strip() == str(cpu_build.dir)
+
+
+@pytest.mark.parametrize(
+    "opts, present, absent",
+    [
+        (builder.BuildOptions(), ["-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DBUILD_SHARED_LIBS=ON"], ["-DGGML_CUDA=ON", "-DGGML_BACKEND_DL=ON"]),
+        (builder.BuildOptions(cuda=True, cuda_arch="90"), ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"], ["-DGGML_BACKEND_DL=ON"]),
+        (builder.BuildOptions(cuda=True, cuda_arch="90", backend_dl=True), ["-DGGML_BACKEND_DL=ON", "-DGGML_NATIVE=OFF", "-DGGML_CPU_ALL_VARIANTS=ON"], []),
+        (builder.BuildOptions(toolchain="cosmocc"), ["-DCMAKE_C_COMPILER=cosmocc", "-DCMAKE_CXX_COMPILER=cosmoc++"], []),
+    ],
+)
+def test_cmake_flags(tmp_path, opts, present, absent):
+    flags = builder.cmake_flags(opts, tmp_path, "ab" * 32)
+    for f in present:
+        assert f in flags
+    for f in absent:
+        assert f not in flags
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in flags and "-DLLAMA_BUILD_UI=OFF" in flags
+    if opts.backend_dl:
+        assert f"-DGGML_BACKEND_DIR={tmp_path / 'build' / 'bin'}" in flags
+
