@@ -9,6 +9,7 @@ from rollingkv_cli.cli import rollingkv
 COMMANDS = [
     [], ["build"], ["info"], ["run"], ["patches"], ["patches", "checkout"], ["patches", "export"],
     ["patches", "apply"], ["patches", "list"], ["model"], ["model", "demo"], ["model", "synth"],
+    ["probe"], ["probe", "pcie"],
 ]
 
 

@@ -1,0 +1,343 @@
+"""What `rollingkv serve` does: settings from flags + config file, the llama-server command line,
+pre-flight checks, supervision, live status. The click layer is commands/serve.py."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rollingkv_cli import paths
+from rollingkv_cli.console import RollingKVError, abort, console, err_console, info, is_interactive, success, warn
+
+RESIDENCY_MODES = ("auto", "window", "head", "off")
+# types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
+_FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "host", "port")
+CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
+
+
+@dataclass
+class ServeSettings:
+    model: Path
+    kv_residency_mode: str | None = None
+    vram_target: int | None = None
+    kv_window_cells: int | None = None
+    ctx_size: int | None = None
+    parallel: int | None = None
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    cache_type_k_tail: str | None = None
+    cache_type_v_tail: str | None = None
+    pcie_bw_gbps: float | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    extra_args: list[str] = field(default_factory=list)
+
+
+def _load_config(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        abort(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(data, dict):
+        abort(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        abort(f"{path}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(CONFIG_KEYS)}")
+    return data
+
+
+def _check_value(key: str, value, source: str):
+    """Config values get the same validation click gives flags."""
+    if value is None:
+        return None
+    choices = {"kv_residency_mode": RESIDENCY_MODES}
+    for k in ("cache_type_k", "cache_type_v", "cache_type_k_tail", "cache_type_v_tail"):
+        choices[k] = CACHE_TYPES
+    if key in choices:
+        if value not in choices[key]:
+            abort(f"{source}: {key} {value!r} is not one of {', '.join(choices[key])}")
+        return value
+    if key in ("vram_target", "kv_window_cells", "ctx_size", "parallel", "port"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "port" else 1):
+            abort(f"{source}: {key} must be a positive integer, got {value!r}")
+        return value
+    if key == "pcie_bw_gbps":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            abort(f"{source}: pcie_bw_gbps must be a positive number, got {value!r}")
+        return float(value)
+    if key == "host":
+        return str(value)
+    if key == "extra_args":
+        if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) for a in value):
+            abort(f"{source}: extra_args must be a list of strings")
+        return [str(a) for a in value]
+    return value
+
+
+def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], config_file: Path | None, extra: list[str]) -> ServeSettings:
+    from rollingkv_cli import models
+
+    config = _load_config(config_file) if config_file else {}
+    merged: dict = {}
+    for key in _FLAG_KEYS:
+        if key in explicit or key not in config:
+            merged[key] = flags.get(key)
+        else:
+            merged[key] = _check_value(key, config[key], str(config_file))
+    if flags.get("pcie_bw_gbps") is not None and "pcie_bw_gbps" in explicit and flags["pcie_bw_gbps"] <= 0:
+        abort(f"--pcie-bw-gbps must be positive, got {flags['pcie_bw_gbps']}")
+    spec = model_spec or config.get("model")
+    if not spec:
+        abort("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
+    model = models.resolve_model(str(spec), log=lambda m: console.print(f"[dim]{m}[/]"))
+    extra_args = list(extra) if extra else _check_value("extra_args", config.get("extra_args", []), str(config_file))
+    s = ServeSettings(model=model, extra_args=extra_args or [], **{k: v for k, v in merged.items() if k not in ("host", "port")})
+    s.host = merged.get("host") or DEFAULT_HOST
+    s.port = DEFAULT_PORT if merged.get("port") is None else merged["port"]
+    if s.kv_window_cells and s.ctx_size and s.kv_window_cells > s.ctx_size:
+        abort(f"--kv-window-cells {s.kv_window_cells} is larger than the context ({s.ctx_size})", "a window of the whole context is the resident cache: use --kv-residency-mode off")
+    return s
+
+
+# ------------------------------------------------------------------ checks on the build and the model
+
+def build_has_rolling_kv(lib: Path) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(str(lib)), "llama_init_from_model_rolling_kv")
+    except OSError:
+        return False
+
+
+def model_weight_bytes(model: Path) -> int:
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
+
+
+def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None) -> list[str]:
+    args = ["-m", str(s.model), "-fa", "on", "--metrics", "--slots", "--slot-save-path", str(slot_dir)]
+    for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
+                      ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
+                      ("kv_window_cells", "--kv-window-cells"), ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt")):
+        value = getattr(s, key)
+        if value is not None:
+            args += [flag, str(value)]
+    if bandwidth is not None:
+        args += ["--pcie-bw-gbps", f"{bandwidth:g}"]
+    return args + list(s.extra_args)
+
+
+def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]:
+    if s.pcie_bw_gbps is not None:
+        return s.pcie_bw_gbps, "explicit --pcie-bw-gbps"
+    if not cuda:
+        return None, "CPU build: no link to model"
+    try:
+        from rollingkv_cli import pcie
+    except ImportError:
+        return None, "no PCIe profile support in this install"
+    try:
+        r = pcie.resolve_bandwidth()
+    except RollingKVError as e:
+        warn(f"PCIe profile: {e.message}")
+        return None, "unresolved"
+    return float(r.gbps), f"{r.tier} ({r.detail})" if getattr(r, "detail", None) else str(r.tier)
+
+
+# ------------------------------------------------------------------ supervision
+
+class _Stop(Exception):
+    pass
+
+
+def _metrics(srv) -> dict[str, float]:
+    import urllib.request
+
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                m = re.match(r"^llamacpp:(\w+)\s+([-+0-9.eE]+|nan|inf)$", line)
+                if m:
+                    out[m.group(1)] = float(m.group(2))
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    return out
+
+
+def _vram_mib() -> list[tuple[int, int]]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        res = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            res.append((mem.used // 2**20, mem.total // 2**20))
+        return res
+    except Exception:
+        return []
+
+
+def describe_plan(plan: dict | None) -> str:
+    if not plan:
+        return "residency plan: not reported by this build"
+    chosen = plan.get("mode_chosen") or plan.get("mode") or "?"
+    parts = [f"residency: {chosen}"]
+    if plan.get("reason"):
+        parts.append(f"({plan['reason']})")
+    if plan.get("window_cells") is not None:
+        parts.append(f"window {plan.get('window_cells')} / tail {plan.get('tail_cells', 0)} cells")
+    for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
+        if plan.get(k) is not None:
+            parts.append(f"{plan[k] / 2**20:.1f} MiB {label}")
+    return ", ".join(parts)
+
+
+def _status_table(srv, started: float, plan: dict | None):
+    from rich.table import Table
+
+    m = _metrics(srv)
+    t = Table(show_header=False, box=None, title=f"llama-server {srv.url}", title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("uptime", f"{time.time() - started:.0f} s")
+    t.add_row("requests", f"{m.get('requests_processing', 0):.0f} in flight, {m.get('requests_deferred', 0):.0f} waiting")
+    t.add_row("decode", f"{m.get('predicted_tokens_seconds', 0):.1f} tok/s (avg), {m.get('tokens_predicted_total', 0):.0f} tokens")
+    t.add_row("prompt", f"{m.get('prompt_tokens_seconds', 0):.1f} tok/s (avg), {m.get('prompt_tokens_total', 0):.0f} tokens")
+    vram = _vram_mib()
+    if vram:
+        t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
+    t.add_row("KV", describe_plan(plan))
+    return t
+
+
+def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> None:
+    import shlex
+
+    from rollingkv_cli import builder
+    from rollingkv_cli.server import ServerProcess, port_in_use
+
+    b = builder.active_build(required=True)
+    assert b is not None
+    binary = b.artifact("llama-server")
+    if not binary.exists():
+        abort(f"the active build has no llama-server ({binary})", "run `rollingkv build`")
+    rolling = s.kv_residency_mode is not None or s.vram_target is not None or s.kv_window_cells is not None or s.cache_type_k_tail or s.cache_type_v_tail
+    if not build_has_rolling_kv(b.lib_dir / "libllama.so"):
+        if rolling:
+            abort(f"the active build {b.dir} lacks the rolling-KV patches (no llama_init_from_model_rolling_kv)", "rebuild with `rollingkv build`")
+        warn("this build has no rolling-KV support: serving the plain llama.cpp cache")
+    if s.vram_target is not None:
+        weights_mib = model_weight_bytes(s.model) / 2**20
+        if s.vram_target < weights_mib:
+            abort(f"--vram-target {s.vram_target} MiB is below the model's weights ({weights_mib:.0f} MiB)",
+                  f"the minimum is about {weights_mib + 512:.0f} MiB (weights + compute buffers), or drop --vram-target")
+    cuda = bool(b.manifest.get("options", {}).get("cuda"))
+    bandwidth, tier = _resolve_bandwidth(s, cuda)
+    port = s.port or 0
+    if port == 0:
+        from rollingkv_cli.server import free_port
+
+        port = free_port(s.host)
+    slot_dir = paths.cache_dir() / "slots"
+    slot_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = paths.cache_dir() / "logs"
+    log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth), host=s.host, port=port, log_path=log_path)
+    if print_args:
+        print(shlex.join(srv.command))
+        return
+    if port_in_use(s.host, port):
+        abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
+    if bandwidth is not None:
+        info(f"[dim]PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}[/]")
+    info(f"[dim]log: {log_path}[/]")
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    exit_code = 0
+    try:
+        srv.start()
+        with console.status(f"starting llama-server on {srv.url} ({s.model.name})", spinner="dots") if not quiet else _null():
+            srv.wait_healthy(timeout=float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+        props = srv.request("/props")
+        plan = props.get("rolling_kv")
+        success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
+        info(describe_plan(plan))
+        started = time.time()
+        if is_interactive() and not quiet:
+            from rich.live import Live
+
+            with Live(_status_table(srv, started, plan), console=console, refresh_per_second=2) as live:
+                while srv.alive():
+                    time.sleep(1)
+                    live.update(_status_table(srv, started, plan))
+        else:
+            last = ""
+            while srv.alive():
+                time.sleep(1)
+                if quiet:
+                    continue
+                m = _metrics(srv)
+                line = f"in flight {m.get('requests_processing', 0):.0f}, decoded {m.get('tokens_predicted_total', 0):.0f} tokens, {m.get('predicted_tokens_seconds', 0):.1f} tok/s"
+                if line != last:
+                    print(line, flush=True)
+                    last = line
+        code = srv.proc.returncode if srv.proc else None
+        _report_death(srv, code, log_path)
+        exit_code = 1
+    except (KeyboardInterrupt, _Stop):
+        info("stopping llama-server …")
+    except RollingKVError as e:
+        from rollingkv_cli.builder import log_tail
+
+        if srv.proc is not None:
+            err_console.print(log_tail(log_path, 15).rstrip())
+        raise e
+    finally:
+        srv.stop()
+        signal.signal(signal.SIGTERM, old)
+    if exit_code:
+        raise SystemExit(exit_code)
+    success("llama-server stopped")
+
+
+def _report_death(srv, code, log_path: Path) -> None:
+    from rollingkv_cli.builder import log_tail
+
+    err_console.print(f"[bold red]error:[/] llama-server exited unexpectedly (exit code {code})")
+    err_console.print(log_tail(log_path, 20).rstrip())
+    err_console.print(f"[dim]full log: {log_path}[/]")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def settings_dict(s: ServeSettings) -> dict:
+    d = asdict(s)
+    d["model"] = str(s.model)
+    return d
+
+
+__all__ = ["ServeSettings", "resolve_settings", "serve", "server_command_args", "describe_plan", "settings_dict", json.__name__]
