@@ -1,0 +1,179 @@
+"""`rollingkv probe`: what the hardware gives the KV stream (the PCIe link, for now)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+
+@click.group()
+def probe() -> None:
+    """Inspect the hardware that rollingkv plans with."""
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _triple(figures: dict | None) -> str:
+    if not figures:
+        return "-"
+    from rollingkv_cli.pcie import SIZES_MIB
+
+    return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in SIZES_MIB)
+
+
+@probe.command()
+@click.option("--refresh", is_flag=True, help="Measure again even where a cached measurement exists.")
+@click.option("--no-measure", is_flag=True, help="Never measure: NVML/sysfs link data and cached measurements only.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
+@click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=None, metavar="N", help="Only GPU N (NVML index).")
+def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) -> None:
+    """Show each NVIDIA GPU's PCIe link and the host<->GPU bandwidth the server will plan with.
+
+    Per GPU: the link generation and width now and at most (flagged "downtrained" when it runs below
+    what GPU and slot allow), its theoretical per-direction GB/s, pinned host-to-device and device-to-host
+    copies of 1, 16 and 256 MiB measured through the CUDA runtime (cached in <cache>/pcie/profile.json
+    per GPU UUID and driver; --refresh measures again), and the resolved bandwidth with its tier:
+    explicit ($ROLLINGKV_PCIE_BW_GBPS) > measured > theoretical x 0.85 > default 6.5 GB/s.
+
+    \b
+    Exit codes:
+      0  the GPUs were described (a failed or skipped measurement only warns)
+      1  a bad $ROLLINGKV_PCIE_BW_GBPS, or --gpu N names no GPU
+      3  no NVIDIA GPU found (no driver, no NVML, or no device); with --json
+         the document is {"gpus": [], "error": "no NVIDIA GPU found"}
+    """
+    from rollingkv_cli import paths
+    from rollingkv_cli import pcie as link
+    from rollingkv_cli.console import abort, console, err_console, warn
+
+    if refresh and no_measure:
+        raise click.UsageError("--refresh and --no-measure contradict each other")
+    env = os.environ.get(paths.ENV_PCIE_BW)
+    if env is not None and env.strip():
+        link.parse_explicit(env, paths.ENV_PCIE_BW)  # refuse a bad value before spending time measuring
+    try:
+        gpus = link.discover()
+    except link.NoGpuError:
+        if as_json:
+            click.echo(json.dumps({"gpus": [], "error": link.NO_GPU_MESSAGE}, indent=2))
+        raise
+    shown = gpus
+    if gpu_index is not None:
+        shown = [g for g in gpus if g.index == gpu_index]
+        if not shown:
+            abort(f"--gpu {gpu_index}: no such GPU", f"GPUs found: {', '.join(str(g.index) for g in gpus)}")
+
+    entries = link.load_profile()
+    errors: dict[int, str] = {}
+    if not no_measure:
+        cuda_missing = False
+        for g in shown:
+            if link.cached_measurement(g, entries) is not None and not refresh:
+                continue
+            if cuda_missing:
+                errors[g.index] = "no CUDA runtime (libcudart) found"
+                continue
+            try:
+                if as_json:
+                    m = link.measure(g)
+                else:
+                    with err_console.status(f"measuring GPU {g.index} ({g.name}): pinned copies of 1, 16, 256 MiB"):
+                        m = link.measure(g)
+            except link.CudaUnavailable as e:
+                cuda_missing = True
+                errors[g.index] = str(e)
+                warn(f"{e}: not measuring, theoretical figures only (install the CUDA runtime or set LD_LIBRARY_PATH)")
+                continue
+            except link.MeasureError as e:
+                errors[g.index] = str(e)
+                warn(f"GPU {g.index}: measuring failed: {e}")
+                continue
+            link.save_measurement(g, m)
+            entries = link.load_profile()
+
+    rows = []
+    for g in shown:
+        entry = link.cached_measurement(g, entries)
+        gen, width, loaded = link.effective_link(g, entry)
+        res = link.resolve_bandwidth(g.index, gpus=gpus, entries=entries)
+        rows.append((g, entry, loaded, link.is_downtrained(g, entry), res, gen, width))
+
+    if as_json:
+        doc = {
+            "gpus": [
+                {
+                    "index": g.index,
+                    "name": g.name,
+                    "uuid": g.uuid,
+                    "driver_version": g.driver_version,
+                    "pci_bus_id": g.pci_bus_id,
+                    "link": {
+                        "current": {"gen": g.cur_gen, "width": g.cur_width},
+                        "max": {"gen": g.max_gen, "width": g.max_width},
+                        "gpu_max_gen": g.gpu_max_gen,
+                        "under_load": {"gen": gen, "width": width} if loaded else None,
+                        "downtrained": down,
+                        "source": g.source,
+                    },
+                    "theoretical_gbps": {
+                        "current": _round(link.theoretical_gbps(gen, width)),
+                        "max": _round(g.theoretical_max),
+                    },
+                    "measured": entry,
+                    "measure_error": errors.get(g.index),
+                    "resolved": {"gbps": res.gbps, "tier": res.tier, "detail": res.detail},
+                }
+                for g, entry, loaded, down, res, gen, width in rows
+            ],
+            "profile": str(link.profile_path()),
+            "efficiency": link.EFFICIENCY,
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="PCIe host<->GPU links, GB/s (10^9 B/s) per direction", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    t.add_column("GPU", no_wrap=True)
+    t.add_column("link", no_wrap=True)
+    t.add_column("line\nrate", justify="right", no_wrap=True)
+    t.add_column(f"measured {'/'.join(map(str, link.SIZES_MIB))} MiB", no_wrap=True)
+    t.add_column("resolved", no_wrap=True)
+    for g, entry, loaded, down, res, gen, width in rows:
+        linkcell = f"now Gen{gen or '?'} x{width or '?'}\nmax {g.link_str('max')}"
+        if down:
+            linkcell += "\n[bold red]downtrained[/]" + ("[dim]?[/]" if _maybe_idle(g, loaded, width) else "")
+        measured = f"H2D {_triple(entry.get('h2d'))}\nD2H {_triple(entry.get('d2h'))}" if entry else "-"
+        t.add_row(
+            f"{g.index} {g.name}\n[dim]{g.pci_bus_id}[/]",
+            linkcell,
+            _fmt(link.theoretical_gbps(gen, width)),
+            measured,
+            f"[bold]{res.gbps:.1f}[/]\n{res.tier}",
+        )
+    console.print(t)
+    for g, entry, loaded, down, res, gen, width in rows:
+        if entry:
+            console.print(f"[dim]GPU {g.index}: measured {entry.get('measured_at')} with {entry.get('cudart')} (CUDA {entry.get('cudart_version')})[/]", soft_wrap=True)
+        if down:
+            why = ("read at idle, when GPUs may lower the generation to save power: measuring reads it under load"
+                   if _maybe_idle(g, loaded, width) else "under load" if loaded else "fewer lanes than the slot has")
+            warn(f"GPU {g.index}: link runs at Gen{gen} x{width} of Gen{g.max_gen} x{g.max_width} ({why}); "
+                 "check the slot, riser and BIOS PCIe settings")
+        console.print(f"[dim]GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})[/]", soft_wrap=True)
+    console.print(f"[dim]cache: {link.profile_path()}[/]", soft_wrap=True)
+
+
+def _maybe_idle(g, loaded: bool, width: int | None) -> bool:
+    """Only the generation is low, and it was read without traffic: possibly power saving, not a bad link."""
+    return not loaded and (width or 0) >= (g.max_width or 0)
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
