@@ -42,7 +42,10 @@ _register()
 
 def main() -> None:
     try:
-        rollingkv.main(standalone_mode=False)
+        rv = rollingkv.main(standalone_mode=False)
+        # without standalone mode click hands ctx.exit(code) back as a return value
+        if isinstance(rv, int) and rv != 0:
+            sys.exit(rv)
     except RollingKVError as err:
         print_error(err)
         sys.exit(err.code)

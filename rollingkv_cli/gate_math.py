@@ -1,0 +1,371 @@
+"""The equivalence gate's arithmetic: per-position comparison of a reference and a candidate logit row.
+
+Everything here is pure numpy and computed in float64 from log-softmax, so the metrics do not depend on
+how large or shifted the raw logits are:
+
+- ``tv``      total variation distance 0.5 * sum |p - q|                       (0 .. 1)
+- ``kl``      KL(p_ref || p_cand) = sum p (log p - log q), in nats             (0 .. inf)
+- ``top1``    the candidate's argmax equals the reference's
+- ``margin``  the reference's runner-up margin: log p(top1) - log p(top2), in nats (>= 0)
+- ``real``    a *real* disagreement: top-1 differs AND the reference's margin is > ``real_margin_nats``
+              (default 0.5 nats: the reference preferred its token by a factor e^0.5 ~ 1.65 over any
+              other; flipping that needs a logit error of ~0.25 nats, far beyond rounding). A top-1 flip
+              on a near tie (margin <= the threshold) is excused as numerical noise.
+- ``full_agree`` the ordered top-``k`` token ids agree (k = 5): the candidate not only picks the same
+              token but ranks the same five alternatives in the same order. ``frac_full_agree`` is the
+              fraction of positions where that holds; top-1 alone is ``top1_agreement``.
+
+Ties are ranked by (logit descending, token id ascending) on both sides, so identical rows always agree.
+A row with a non-finite logit (NaN, +-inf) on either side counts as ``nonfinite`` and as a disagreement.
+
+``GateAccumulator`` keeps per-position values (a few floats per position, not per vocab entry), so
+batches can be streamed in and the summary, the worst positions and the verdict computed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_REAL_MARGIN_NATS = 0.5
+DEFAULT_TOPK = 5
+ROW_CHUNK = 32  # rows converted to float64 at once: 32 x 49152 x 8 B = 12 MiB per temporary
+
+# ------------------------------------------------------------------ thresholds
+
+# Each check: metric name -> (kind, bound). "max": metric <= bound; "min": metric >= bound.
+# A bound of None means "not checked". real_margin_nats is a parameter of real_frac, not a check.
+PROFILES: dict[str, dict[str, float | None]] = {
+    # the tail holds the window's own type (or f16/f32): the split must reproduce the resident run
+    # up to floating-point summation order in the online-softmax merge
+    "same_type": {
+        "max_mean_tv": 1e-4,
+        "min_top1_agreement": 0.999,
+        "max_real_frac": 0.0,
+        "max_max_tv": None,
+        "max_mean_kl": None,
+        "min_frac_full_agree": None,
+        "real_margin_nats": DEFAULT_REAL_MARGIN_NATS,
+    },
+    # the tail is stored in a quantized (or narrower float) type: a bounded, measured loss
+    "quantized": {
+        "max_mean_tv": 0.02,
+        "min_top1_agreement": None,
+        "max_real_frac": 0.01,
+        "max_max_tv": None,
+        "max_mean_kl": None,
+        "min_frac_full_agree": None,
+        "real_margin_nats": DEFAULT_REAL_MARGIN_NATS,
+    },
+}
+
+# check key -> (metric, kind)
+CHECKS: dict[str, tuple[str, str]] = {
+    "max_mean_tv": ("mean_tv", "max"),
+    "max_max_tv": ("max_tv", "max"),
+    "max_mean_kl": ("mean_kl", "max"),
+    "min_top1_agreement": ("top1_agreement", "min"),
+    "max_real_frac": ("real_frac", "max"),
+    "min_frac_full_agree": ("frac_full_agree", "min"),
+}
+PARAM_KEYS = {"real_margin_nats"}
+UNIT_KEYS = {"max_mean_tv", "max_max_tv", "min_top1_agreement", "max_real_frac", "min_frac_full_agree"}  # bounds in [0, 1]
+# cache types whose values are stored without a loss larger than f16's when the window holds f16/f32
+EXACT_FLOAT_TYPES = {"f32", "f16"}
+
+
+class ThresholdsError(ValueError):
+    """A thresholds file that cannot be used (unreadable, unknown keys, bad values)."""
+
+
+def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str | None]) -> str:
+    """'same_type' when each tail type is the window's own type (or f16/f32), else 'quantized'.
+
+    A q8_0 window with a q8_0 tail is 'same_type': the reference holds q8_0 too, so the split must be exact.
+    bf16 counts as lossy (7 mantissa bits against f16's 10) and gets the 'quantized' bounds.
+    """
+    for win, tail in zip(window_types, tail_types):
+        t = tail or win
+        if t != win and t not in EXACT_FLOAT_TYPES:
+            return "quantized"
+    return "same_type"
+
+
+def default_thresholds(profile: str) -> dict[str, float | None]:
+    if profile not in PROFILES:
+        raise ThresholdsError(f"unknown thresholds profile {profile!r} (use {', '.join(PROFILES)})")
+    return dict(PROFILES[profile])
+
+
+def _validate_overrides(d: Any, where: str) -> dict[str, float | None]:
+    if not isinstance(d, dict):
+        raise ThresholdsError(f"{where}: expected a mapping of threshold names to numbers")
+    out: dict[str, float | None] = {}
+    known = set(CHECKS) | PARAM_KEYS
+    for k, v in d.items():
+        if k not in known:
+            raise ThresholdsError(f"{where}: unknown key {k!r} (known: {', '.join(sorted(known))})")
+        if v is None and k in CHECKS:
+            out[k] = None  # null disables a check
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise ThresholdsError(f"{where}: {k} must be a finite number{' or null' if k in CHECKS else ''}, not {v!r}")
+        if float(v) < 0:
+            raise ThresholdsError(f"{where}: {k} must be >= 0, not {v}")
+        if k in UNIT_KEYS and float(v) > 1:
+            raise ThresholdsError(f"{where}: {k} is a fraction and must be <= 1, not {v}")
+        out[k] = float(v)
+    return out
+
+
+def load_thresholds(path: Path | str | None, profile: str) -> dict[str, float | None]:
+    """The profile's defaults, overridden by a YAML or JSON file.
+
+    The file is either flat (``max_mean_tv: 1e-5``: applies to whichever profile is in use) or per profile
+    (``same_type: {...}``, ``quantized: {...}``); a null value disables a check.
+    """
+    th = default_thresholds(profile)
+    if path is None:
+        return th
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ThresholdsError(f"cannot read thresholds file {p}: {e.strerror or e}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ThresholdsError(f"thresholds file {p} does not parse: {first}") from None
+    if data is None:
+        return th
+    if not isinstance(data, dict):
+        raise ThresholdsError(f"thresholds file {p}: expected a mapping at the top level")
+    if any(k in PROFILES for k in data):
+        stray = [k for k in data if k not in PROFILES]
+        if stray:
+            raise ThresholdsError(f"thresholds file {p}: mixes profile sections with flat keys ({', '.join(stray)})")
+        th.update(_validate_overrides(data.get(profile) or {}, f"{p} [{profile}]"))
+    else:
+        th.update(_validate_overrides(data, str(p)))
+    return th
+
+
+# ------------------------------------------------------------------ per-row math
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+
+
+def _topk_ordered(logp: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest entries per row, ordered by (value desc, id asc)."""
+    n, v = logp.shape
+    k = min(k, v)
+    part = np.argpartition(-logp, k - 1, axis=-1)[:, :k] if k < v else np.tile(np.arange(v), (n, 1))
+    # argpartition may pick any of several tied k-th values: widen by every id tied with the k-th value
+    out = np.empty((n, k), dtype=np.int64)
+    for r in range(n):
+        kth = logp[r, part[r]].min()
+        cand = np.flatnonzero(logp[r] >= kth)
+        order = np.lexsort((cand, -logp[r, cand]))
+        out[r] = cand[order[:k]]
+    return out
+
+
+@dataclass
+class RowMetrics:
+    """Per-position metrics of a batch of rows (each array has one entry per row)."""
+
+    tv: np.ndarray
+    kl: np.ndarray
+    top1_ref: np.ndarray
+    top1_cand: np.ndarray
+    margin: np.ndarray
+    topk_agree: np.ndarray
+    nonfinite: np.ndarray
+
+    @property
+    def top1_agree(self) -> np.ndarray:
+        return (self.top1_ref == self.top1_cand) & ~self.nonfinite
+
+    def real(self, margin_nats: float = DEFAULT_REAL_MARGIN_NATS) -> np.ndarray:
+        return (~self.top1_agree) & ((self.margin > margin_nats) | self.nonfinite)
+
+
+def compare_rows(ref: np.ndarray, cand: np.ndarray, topk: int = DEFAULT_TOPK) -> RowMetrics:
+    """Metrics for each row of two (n, vocab) logit arrays (or two single rows)."""
+    ref = np.atleast_2d(np.asarray(ref))
+    cand = np.atleast_2d(np.asarray(cand))
+    if ref.shape != cand.shape:
+        raise ValueError(f"reference rows {ref.shape} and candidate rows {cand.shape} differ in shape")
+    if ref.shape[-1] < 2:
+        raise ValueError("a logit row needs at least 2 entries")
+    parts = []
+    for s in range(0, ref.shape[0], ROW_CHUNK):
+        parts.append(_compare_chunk(ref[s:s + ROW_CHUNK], cand[s:s + ROW_CHUNK], topk))
+    if not parts:
+        e = np.zeros(0)
+        return RowMetrics(e, e, e.astype(np.int64), e.astype(np.int64), e, e.astype(bool), e.astype(bool))
+    return RowMetrics(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                        ("tv", "kl", "top1_ref", "top1_cand", "margin", "topk_agree", "nonfinite")))
+
+
+def _compare_chunk(ref: np.ndarray, cand: np.ndarray, topk: int) -> RowMetrics:
+    nonfinite = ~(np.isfinite(ref).all(axis=-1) & np.isfinite(cand).all(axis=-1))
+    ref = np.where(np.isfinite(ref), ref, 0.0)
+    cand = np.where(np.isfinite(cand), cand, 0.0)
+    lp = log_softmax(ref)
+    lq = log_softmax(cand)
+    p = np.exp(lp)
+    q = np.exp(lq)
+    tv = 0.5 * np.abs(p - q).sum(axis=-1)
+    kl = np.maximum((p * (lp - lq)).sum(axis=-1), 0.0)  # >= 0 in exact arithmetic; clamp rounding
+    top_ref = _topk_ordered(lp, max(topk, 2))
+    top_cand = _topk_ordered(lq, max(topk, 2))
+    rows = np.arange(lp.shape[0])
+    margin = lp[rows, top_ref[:, 0]] - lp[rows, top_ref[:, 1]]
+    agree_k = (top_ref[:, :topk] == top_cand[:, :topk]).all(axis=-1)
+    # non-finite rows: worst possible values, so no bound can pass on them
+    tv = np.where(nonfinite, 1.0, tv)
+    kl = np.where(nonfinite, np.inf, kl)
+    return RowMetrics(tv, kl, top_ref[:, 0], top_cand[:, 0], margin, agree_k & ~nonfinite, nonfinite)
+
+
+# ------------------------------------------------------------------ streaming accumulator
+
+@dataclass
+class GateAccumulator:
+    """Add (reference, candidate) batches in position order; summary() at the end."""
+
+    topk: int = DEFAULT_TOPK
+    _parts: list[RowMetrics] = field(default_factory=list)
+    _positions: list[np.ndarray] = field(default_factory=list)
+    _next: int = 0
+
+    def add(self, ref: np.ndarray, cand: np.ndarray, start: int | None = None) -> RowMetrics:
+        m = compare_rows(ref, cand, self.topk)
+        n = m.tv.shape[0]
+        start = self._next if start is None else int(start)
+        self._positions.append(np.arange(start, start + n, dtype=np.int64))
+        self._next = start + n
+        self._parts.append(m)
+        return m
+
+    @property
+    def n(self) -> int:
+        return int(sum(p.tv.shape[0] for p in self._parts))
+
+    def metrics(self) -> tuple[np.ndarray, RowMetrics]:
+        if not self._parts:
+            e = np.zeros(0)
+            return e.astype(np.int64), RowMetrics(e, e, e.astype(np.int64), e.astype(np.int64), e, e.astype(bool), e.astype(bool))
+        cat = RowMetrics(*(np.concatenate([getattr(p, f) for p in self._parts]) for f in
+                           ("tv", "kl", "top1_ref", "top1_cand", "margin", "topk_agree", "nonfinite")))
+        return np.concatenate(self._positions), cat
+
+    def summary(self, real_margin_nats: float = DEFAULT_REAL_MARGIN_NATS, n_worst: int = 10) -> dict[str, Any]:
+        pos, m = self.metrics()
+        n = int(pos.shape[0])
+        if n == 0:
+            return {"n": 0, "mean_tv": None, "max_tv": None, "mean_kl": None, "max_kl": None, "top1_agreement": None,
+                    "real_frac": None, "frac_full_agree": None, "nonfinite": 0, "n_top1_disagree": 0, "n_real": 0,
+                    "real_margin_nats": real_margin_nats, "topk": self.topk, "worst": []}
+        agree = m.top1_agree
+        real = m.real(real_margin_nats)
+        order = np.lexsort((pos, -m.kl, -m.tv))[:n_worst]  # by tv desc, then kl desc, then position
+        worst = [{"pos": int(pos[i]), "tv": float(m.tv[i]), "kl": _f(m.kl[i]), "top1_ref": int(m.top1_ref[i]),
+                  "top1_cand": int(m.top1_cand[i]), "ref_margin": float(m.margin[i]), "real": bool(real[i])}
+                 for i in order if m.tv[i] > 0 or m.kl[i] > 0 or not agree[i]]
+        return {
+            "n": n,
+            "mean_tv": float(m.tv.mean()),
+            "max_tv": float(m.tv.max()),
+            "mean_kl": _f(m.kl.mean()),
+            "max_kl": _f(m.kl.max()),
+            "top1_agreement": float(agree.mean()),
+            "real_frac": float(real.mean()),
+            "frac_full_agree": float(m.topk_agree.mean()),
+            "nonfinite": int(m.nonfinite.sum()),
+            "n_top1_disagree": int((~agree).sum()),
+            "n_real": int(real.sum()),
+            "real_margin_nats": float(real_margin_nats),
+            "topk": self.topk,
+            "worst": worst,
+        }
+
+
+def _f(x: float) -> float | None:
+    """JSON-safe float: inf/NaN become None (strict JSON has neither)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+# ------------------------------------------------------------------ verdict
+
+@dataclass
+class Check:
+    name: str  # the threshold key, e.g. max_mean_tv
+    metric: str
+    kind: str  # "max" | "min"
+    bound: float
+    value: float | None
+    ok: bool
+
+    def describe(self) -> str:
+        op = "<=" if self.kind == "max" else ">="
+        v = "n/a" if self.value is None else f"{self.value:.6g}"
+        return f"{self.metric} = {v} (must be {op} {self.bound:g})"
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    checks: list[Check]
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed,
+                "checks": [c.__dict__ for c in self.checks],
+                "failed": [c.name for c in self.failed]}
+
+
+def verdict(summary: dict[str, Any], thresholds: dict[str, float | None]) -> Verdict:
+    """Pass when every enabled bound holds, nothing was non-finite and at least one position was compared.
+
+    A missing or non-finite metric value fails its check (NaN never passes a comparison).
+    """
+    checks: list[Check] = []
+    n = int(summary.get("n") or 0)
+    checks.append(Check("min_positions", "n", "min", 1, float(n), n >= 1))
+    nf = summary.get("nonfinite") or 0
+    checks.append(Check("max_nonfinite", "nonfinite", "max", 0, float(nf), nf == 0))
+    for key, (metric, kind) in CHECKS.items():
+        bound = thresholds.get(key)
+        if bound is None:
+            continue
+        value = summary.get(metric)
+        if value is None or not math.isfinite(float(value)):
+            ok = False
+        elif kind == "max":
+            ok = float(value) <= bound
+        else:
+            ok = float(value) >= bound
+        checks.append(Check(key, metric, kind, float(bound), None if value is None else float(value), ok))
+    return Verdict(all(c.ok for c in checks), checks)

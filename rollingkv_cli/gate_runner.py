@@ -1,0 +1,471 @@
+"""Child process of `rollingkv gate`: teacher-forced logits of a token sequence on one libllama.
+
+llama_cpp binds its library once per process, so every library (the reference's, the candidate's) gets
+its own interpreter running this module:
+
+    python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokenize FILE|--synthetic N --tokens-out T.npy
+    python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokens T.npy --ctx N --n-batch B
+            [--threads N] [-ctk TYPE -ctv TYPE] [--residency JSON]
+            (--save-logits REF.npy | --reference-logits REF.npy) --out OUT.json
+
+The reference run saves every position's f32 logits as one (n_tokens, n_vocab) .npy; the candidate run
+compares each decoded batch against that file (memory-mapped) with gate_math as it goes, so there is
+never a second full logits file. The library may be ours (then llama_ext binds it and the residency API
+is used when --residency asks for it) or an unpatched libllama (plain llama_init_from_model).
+
+Protocol, stdout (one line each; stderr carries llama.cpp's own log):
+    STAGE <name>                 what is running now
+    PROGRESS <done> <total>      positions decoded so far
+    ERROR <json>                 {"message": ..., "hint": ...}: an expected failure; exit status 1
+    RESULT <path>                the JSON result was written to <path>; exit status 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BUILD_INFO_SYMBOL = "llama_rolling_kv_build_info"
+RESIDENCY_SYMBOL = "llama_init_from_model_rolling_kv"
+
+
+class RunnerError(Exception):
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+def emit(kind: str, payload: str) -> None:
+    sys.stdout.write(f"{kind} {payload}\n")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ synthetic text
+
+# Public-domain prose (Austen 1813, Melville 1851, Dickens 1859, Carroll 1865, Twain 1876, Doyle 1892,
+# Shelley 1818, Stevenson 1883, Wells 1898): varied enough that the model's predictions are not trivial.
+_SENTENCES = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+    "Call me Ishmael.",
+    "Some years ago, never mind how long precisely, having little or no money in my purse, I thought I would sail about a little and see the watery part of the world.",
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness.",
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do.",
+    "Once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations in it.",
+    "Tom appeared on the sidewalk with a bucket of whitewash and a long-handled brush.",
+    "He surveyed the fence, and all gladness left him and a deep melancholy settled down upon his spirit.",
+    "To Sherlock Holmes she is always the woman; I have seldom heard him mention her under any other name.",
+    "You will rejoice to hear that no disaster has accompanied the commencement of an enterprise which you have regarded with such evil forebodings.",
+    "Squire Trelawney, Dr. Livesey, and the rest of these gentlemen having asked me to write down the whole particulars about Treasure Island, I take up my pen.",
+    "No one would have believed in the last years of the nineteenth century that this world was being watched keenly and closely by intelligences greater than man's.",
+    "The family of Dashwood had long been settled in Sussex, and their estate was large.",
+    "There was no possibility of taking a walk that day; the cold winter wind had brought with it clouds so sombre, and a rain so penetrating.",
+    "The sea was calm that morning, and the little ship rode easily at anchor a mile or two from the shore.",
+    "At the inn the landlord counted the coins twice before he would hand over the key to the upper room.",
+    "The clock in the hall struck the hour, and somewhere below a door closed softly.",
+    "By the time the coach reached the crossroads the lamps had been lit and the road was nearly empty.",
+]
+_TEMPLATES = [
+    "In the year {y}, the {o} ship left the harbour with {n} men aboard.",
+    "Chapter {r}. {s}",
+    "The ledger showed {n} barrels of flour, {m} of salt, and a debt of {p} pounds.",
+    "On page {n} of the old almanac someone had written the number {m} in faded ink.",
+    "{s} The distance, we learned later, was {n} miles.",
+]
+_ROMAN = ["I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X", "XI", "XII"]
+
+
+def synthetic_text(n_chars: int, seed: int = 0) -> str:
+    """Deterministic natural-ish text of at least n_chars characters."""
+    rng = random.Random(seed)
+    parts: list[str] = []
+    size = 0
+    while size < n_chars:
+        if rng.random() < 0.35:
+            t = rng.choice(_TEMPLATES)
+            n = rng.randint(2, 999)
+            s = t.format(y=rng.randint(1650, 1899), o=_ordinal(rng.randint(1, 40)), n=n, m=rng.randint(2, 999),
+                         p=rng.randint(2, 9999), r=rng.choice(_ROMAN), s=rng.choice(_SENTENCES))
+        else:
+            s = rng.choice(_SENTENCES)
+        parts.append(s)
+        if rng.random() < 0.2:
+            parts.append("\n\n")
+        size += len(s) + 1
+    return " ".join(parts).replace(" \n\n ", "\n\n")
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
+# ------------------------------------------------------------------ library
+
+def resolve_lib_dir(spec: str | Path) -> Path:
+    """A directory holding libllama.so, or a path to the libllama.so file itself."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        p = p.parent
+    p = p.resolve()
+    if not (p / "libllama.so").is_file():
+        raise RunnerError(f"no libllama.so in {p}", "give the directory of a llama.cpp build's libllama.so (build/bin)")
+    return p
+
+
+def is_rollingkv_lib(lib_dir: Path) -> bool:
+    try:
+        lib = ctypes.CDLL(str(lib_dir / "libllama.so"))
+    except OSError as e:
+        raise RunnerError(f"cannot load {lib_dir / 'libllama.so'}: {e}") from None
+    return hasattr(lib, BUILD_INFO_SYMBOL)
+
+
+def load_bindings(lib_dir: Path):
+    """(llama_cpp, Extension or None, info dict) with llama_cpp bound to lib_dir's libllama."""
+    ours = is_rollingkv_lib(lib_dir)
+    info: dict = {"lib": str(lib_dir / "libllama.so"), "rollingkv": ours}
+    if ours:
+        from rollingkv_cli import llama_ext
+        from rollingkv_cli.console import RollingKVError
+
+        try:
+            mod = llama_ext.import_llama_cpp(lib_dir)
+        except RollingKVError as e:
+            raise RunnerError(e.message, e.hint) from None
+        ext = llama_ext.Extension(mod.llama_cpp._lib)
+        bad = ext.abi_mismatches(mod)
+        if bad:
+            raise RunnerError(f"struct layout mismatch between the library and llama_cpp: {'; '.join(bad)}",
+                              "the bindings and the library must come from the same pin: rebuild with `rollingkv build`")
+        info.update(build_info=ext.build_info(), api_version=ext.api_version(), has_residency=ext.has_residency)
+        return mod, ext, info
+    if "llama_cpp" in sys.modules:
+        raise RunnerError("llama_cpp was imported before the library was chosen")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    try:
+        import llama_cpp as mod
+    except Exception as e:  # ImportError, OSError, RuntimeError, AttributeError from a mismatched library
+        raise RunnerError(f"llama_cpp could not load {lib_dir / 'libllama.so'}: {e}",
+                          "the library must come from the llama.cpp commit llama-cpp-python 0.3.36 pins") from None
+    from rollingkv_cli.llama_ext import loaded_library_path
+
+    loaded = loaded_library_path(mod)
+    if loaded is None or loaded.resolve() != (lib_dir / "libllama.so").resolve():
+        raise RunnerError(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}")
+    info.update(build_info=None, api_version=None, has_residency=False)
+    return mod, None, info
+
+
+def _ensure_backends(lib_dir: Path) -> None:
+    """Builds with backends as modules (GGML_BACKEND_DL) register none until they are loaded."""
+    try:
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    except OSError:
+        return
+    if not hasattr(ggml, "ggml_backend_dev_count"):
+        return
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    if ggml.ggml_backend_dev_count() == 0 and hasattr(ggml, "ggml_backend_load_all_from_path"):
+        ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+        ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+
+
+def load_model(llama_cpp, lib_dir: Path, model: Path, vocab_only: bool = False, n_gpu_layers: int | None = None):
+    _ensure_backends(lib_dir)
+    llama_cpp.llama_backend_init()
+    mp = llama_cpp.llama_model_default_params()
+    mp.vocab_only = vocab_only
+    if n_gpu_layers is not None:
+        mp.n_gpu_layers = n_gpu_layers
+    m = llama_cpp.llama_model_load_from_file(str(model).encode(), mp)
+    if not m:
+        raise RunnerError(f"llama.cpp could not load the model {model}", "see the llama.cpp log above")
+    return m
+
+
+# ------------------------------------------------------------------ modes
+
+def tokenize(args) -> dict:
+    lib_dir = resolve_lib_dir(args.lib_dir)
+    llama_cpp, ext, info = load_bindings(lib_dir)
+    model = load_model(llama_cpp, lib_dir, Path(args.model), vocab_only=True)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        if args.synthetic is not None:
+            want = int(args.synthetic)
+            chars = max(256, want * 6)
+            while True:
+                toks = _tokenize_text(llama_cpp, vocab, synthetic_text(chars, args.seed).encode())
+                if len(toks) >= want:
+                    break
+                chars *= 2
+            toks = toks[:want]
+            source = {"kind": "synthetic", "n_tokens": want, "seed": args.seed}
+        else:
+            text = Path(args.tokenize).read_bytes()
+            toks = _tokenize_text(llama_cpp, vocab, text)
+            if args.max_tokens:
+                toks = toks[: args.max_tokens]
+            source = {"kind": "file", "path": str(Path(args.tokenize).resolve()), "bytes": len(text)}
+        arr = np.asarray(toks, dtype=np.int32)
+        np.save(args.tokens_out, arr)
+    finally:
+        llama_cpp.llama_model_free(model)
+    return {"mode": "tokenize", **info, "n_tokens": int(arr.shape[0]), "n_vocab": n_vocab,
+            "source": source, "tokens": str(Path(args.tokens_out).resolve())}
+
+
+def _tokenize_text(llama_cpp, vocab, text: bytes) -> list[int]:
+    n_max = len(text) + 16
+    buf = (llama_cpp.llama_token * n_max)()
+    n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, n_max, True, False)
+    if n < 0:
+        n_max = -n
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, n_max, True, False)
+    if n < 0:
+        raise RunnerError("tokenization failed")
+    return list(buf[:n])
+
+
+def logits(args) -> dict:
+    from rollingkv_cli import gate_math
+    from rollingkv_cli.llama_ext import GGML_TYPES
+
+    t0 = time.perf_counter()
+    lib_dir = resolve_lib_dir(args.lib_dir)
+    tokens = np.load(args.tokens).astype(np.int32)
+    n = int(tokens.shape[0])
+    if n == 0:
+        raise RunnerError("no tokens to decode")
+    if n > args.ctx:
+        raise RunnerError(f"{n} tokens do not fit a context of {args.ctx}")
+    residency = json.loads(args.residency) if args.residency else None
+    for t in (args.ctk, args.ctv):
+        if t not in GGML_TYPES:
+            raise RunnerError(f"unknown cache type {t!r}", f"use one of {', '.join(GGML_TYPES)}")
+
+    emit("STAGE", "loading")
+    llama_cpp, ext, info = load_bindings(lib_dir)
+    model = load_model(llama_cpp, lib_dir, Path(args.model), n_gpu_layers=args.n_gpu_layers)
+    ctx = None
+    batch = None
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        if int(tokens.max()) >= n_vocab or int(tokens.min()) < 0:
+            raise RunnerError(f"token ids out of range for this model's vocabulary of {n_vocab}")
+
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = args.ctx
+        cp.n_batch = args.n_batch
+        cp.n_ubatch = args.n_ubatch or args.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = args.threads
+        cp.n_threads_batch = args.threads
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.type_k = GGML_TYPES[args.ctk]
+        cp.type_v = GGML_TYPES[args.ctv]
+        cp.embeddings = False
+        ctx, plan, via = _init_context(llama_cpp, ext, model, cp, residency)
+        if not ctx:
+            raise RunnerError("llama.cpp could not create the context" + (" with these residency parameters" if residency else ""),
+                              "see the llama.cpp log for why (e.g. an impossible window or an unsupported tail type)")
+        n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        t_load = time.perf_counter() - t0
+
+        ref = out_mm = None
+        acc = gate_math.GateAccumulator(topk=args.topk)
+        max_abs = 0.0
+        bitwise_rows = 0
+        if args.save_logits:
+            out_mm = np.lib.format.open_memmap(args.save_logits, mode="w+", dtype=np.float32, shape=(n, n_vocab))
+        else:
+            ref = np.load(args.reference_logits, mmap_mode="r")
+            if ref.shape != (n, n_vocab):
+                raise RunnerError(f"reference logits {ref.shape} do not match {n} tokens x {n_vocab} vocabulary")
+
+        B = args.n_batch
+        batch = llama_cpp.llama_batch_init(B, 0, 1)
+        t_decode = t_compare = 0.0
+        emit("STAGE", "decoding")
+        emit("PROGRESS", f"0 {n}")
+        for s in range(0, n, B):
+            e = min(n, s + B)
+            m = e - s
+            batch.n_tokens = m
+            for i in range(m):
+                batch.token[i] = int(tokens[s + i])
+                batch.pos[i] = s + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            t1 = time.perf_counter()
+            rc = llama_cpp.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RunnerError(f"llama_decode failed with status {rc} at positions {s}..{e - 1}")
+            ptr = llama_cpp.llama_get_logits(ctx)
+            if not ptr:
+                raise RunnerError("llama_get_logits returned NULL")
+            rows = np.ctypeslib.as_array(ptr, shape=(m, n_vocab))
+            t2 = time.perf_counter()
+            t_decode += t2 - t1
+            if out_mm is not None:
+                out_mm[s:e] = rows
+            else:
+                r = np.asarray(ref[s:e])
+                c = np.array(rows, copy=True)
+                acc.add(r, c, start=s)
+                d = np.abs(r.astype(np.float64) - c.astype(np.float64))
+                max_abs = max(max_abs, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
+                bitwise_rows += int((r.view(np.uint32) == c.view(np.uint32)).all(axis=-1).sum())
+            t_compare += time.perf_counter() - t2
+            emit("PROGRESS", f"{e} {n}")
+        if out_mm is not None:
+            out_mm.flush()
+            del out_mm
+    finally:
+        if batch is not None:
+            llama_cpp.llama_batch_free(batch)
+        if ctx:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+    result = {
+        "mode": "reference" if args.save_logits else "candidate",
+        **info,
+        "context_via": via,
+        "plan": plan,
+        "residency": residency,
+        "n_tokens": n,
+        "n_vocab": n_vocab,
+        "n_ctx": n_ctx,
+        "n_batch": args.n_batch,
+        "n_ubatch": args.n_ubatch or args.n_batch,
+        "threads": args.threads,
+        "type_k": args.ctk,
+        "type_v": args.ctv,
+        "timings": {"load_s": round(t_load, 3), "decode_s": round(t_decode, 3),
+                    "tokens_per_s": round(n / t_decode, 1) if t_decode > 0 else None,
+                    "compare_s" if ref is not None else "save_s": round(t_compare, 3),
+                    "total_s": round(time.perf_counter() - t0, 3)},
+    }
+    if ref is not None:
+        summary = acc.summary(real_margin_nats=args.real_margin_nats)
+        summary["max_abs_logit_diff"] = gate_math._f(max_abs)
+        summary["bitwise_equal_rows"] = bitwise_rows
+        summary["bitwise_identical"] = bitwise_rows == n
+        result["summary"] = summary
+        if args.positions_out:
+            pos, m = acc.metrics()
+            np.savez_compressed(args.positions_out, pos=pos, tv=m.tv, kl=m.kl, top1_ref=m.top1_ref, top1_cand=m.top1_cand,
+                                margin=m.margin, topk_agree=m.topk_agree, nonfinite=m.nonfinite)
+    else:
+        result["logits"] = str(Path(args.save_logits).resolve())
+    return result
+
+
+def _init_context(llama_cpp, ext, model, cp, residency: dict | None):
+    """(ctx, plan, how): through the residency API when asked for and present; mode off works without it."""
+    if residency is None:
+        return llama_cpp.llama_init_from_model(model, cp), None, "llama_init_from_model"
+    mode = residency.get("mode", "auto")
+    if ext is not None and ext.has_residency:
+        from rollingkv_cli.console import RollingKVError
+
+        try:
+            rkv = ext.make_params(**residency)
+        except RollingKVError as e:
+            raise RunnerError(e.message, e.hint) from None
+        except TypeError as e:
+            raise RunnerError(f"bad residency parameters {residency}: {e}") from None
+        ctx = ext.init_context(model, cp, rkv)
+        plan = None
+        if ctx:
+            try:
+                plan = ext.plan(ctx)
+            except Exception as e:  # a plan we cannot read must not hide the logits
+                plan = {"error": f"plan unavailable: {e}"}
+        return ctx, plan, "llama_init_from_model_rolling_kv"
+    if mode == "off":
+        plan = {"mode_requested": "off", "mode": "off", "via": "llama_init_from_model",
+                "reason": "the library has no KV residency API; mode off is the plain upstream context"}
+        return llama_cpp.llama_init_from_model(model, cp), plan, "llama_init_from_model"
+    raise RunnerError("this build has no KV residency API; rebuild", "run `rollingkv build` with a patch series that implements llama_init_from_model_rolling_kv")
+
+
+# ------------------------------------------------------------------ entry point
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.gate_runner", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib-dir", required=True)
+    ap.add_argument("--model", required=True)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--tokenize", metavar="FILE", help="tokenize this text file (with BOS when the model adds one)")
+    src.add_argument("--synthetic", type=int, metavar="N", help="tokenize N tokens of built-in deterministic text")
+    src.add_argument("--tokens", metavar="FILE.npy", help="decode these token ids (int32 .npy)")
+    ap.add_argument("--tokens-out", metavar="FILE.npy")
+    ap.add_argument("--max-tokens", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ctx", type=int)
+    ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--n-ubatch", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--n-gpu-layers", type=int, default=None)
+    ap.add_argument("-ctk", "--cache-type-k", dest="ctk", default="f16")
+    ap.add_argument("-ctv", "--cache-type-v", dest="ctv", default="f16")
+    ap.add_argument("--residency", metavar="JSON", help='llama_rolling_kv_params as JSON, e.g. {"mode": "window", "window_cells": 256}')
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--save-logits", metavar="OUT.npy", help="reference run: save all logits here")
+    out.add_argument("--reference-logits", metavar="REF.npy", help="candidate run: compare against these")
+    ap.add_argument("--out", metavar="OUT.json", help="the JSON result")
+    ap.add_argument("--positions-out", metavar="OUT.npz", help="candidate run: per-position metrics")
+    ap.add_argument("--topk", type=int, default=5)
+    ap.add_argument("--real-margin-nats", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    if a.tokenize is None and a.synthetic is None and a.tokens is None:
+        ap.error("one of --tokenize, --synthetic, --tokens is required")
+    if a.tokens is None:
+        if not a.tokens_out:
+            ap.error("--tokenize/--synthetic need --tokens-out")
+    else:
+        if a.ctx is None:
+            ap.error("--tokens needs --ctx")
+        if not (a.save_logits or a.reference_logits):
+            ap.error("--tokens needs --save-logits or --reference-logits")
+        if a.n_batch < 1 or a.ctx < 1 or a.threads < 1:
+            ap.error("--ctx, --n-batch and --threads must be positive")
+    if a.synthetic is not None and a.synthetic < 1:
+        ap.error("--synthetic must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = logits(args) if args.tokens is not None else tokenize(args)
+    except RunnerError as e:
+        emit("ERROR", json.dumps({"message": e.message, "hint": e.hint}))
+        return 1
+    text = json.dumps(result, indent=2, allow_nan=False, default=str)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        emit("RESULT", str(Path(args.out).resolve()))
+    else:
+        emit("RESULT", "-")
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""`rollingkv gate equiv`: help, bad input (one clear line, no traceback), the verdict's exit status and report
+(with the child runs faked), and real runs on the CPU build with the demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollingkv_cli.cli import rollingkv
+from test_cli import run_main
+
+
+@pytest.mark.parametrize("cmd", [["gate"], ["gate", "equiv"]], ids=" ".join)
+def test_help(runner, cmd):
+    result = runner.invoke(rollingkv, [*cmd, "--help"], catch_exceptions=False)
+    assert result.exit_code == 0 and "Usage:" in result.output
+    if cmd == ["gate", "equiv"]:
+        for opt in ("--synthetic-tokens", "--kv-window-cells", "-ctkt", "--reference", "--thresholds", "--json"):
+            assert opt in result.output
+
+
+@pytest.fixture
+def fake_gguf(tmp_path) -> Path:
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF" + b"\0" * 60)
+    return p
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--prompt-file", "{gguf}", "--synthetic-tokens", "8"], "not both"),
+    (["--kv-window-cells", "8", "--vram-target", "100"], "not both"),
+    (["-ctk", "q9"], "q9"),
+    (["-ctvt", "f8"], "f8"),
+    (["--kv-residency-mode", "head"], "head"),
+    (["--reference", "vanilla"], "neither"),
+    (["--synthetic-tokens", "0"], "at least 1"),
+])
+def test_usage_errors_exit_2(capsys, isolated_cache, fake_gguf, args, match):
+    args = [a.replace("{gguf}", str(fake_gguf)) for a in args]
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), *args], capsys)
+    assert code == 2 and match in err
+
+
+def _one_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--ctx", "1024", "--kv-window-cells", "1024"], "must be smaller than --ctx 1024"),
+    (["--ctx", "512", "--synthetic-tokens", "600"], "do not fit --ctx 512"),
+    (["--reference", "lib:/nonexistent/dir"], "does not exist"),
+    (["--reference", "lib:{tmp}"], "no libllama.so"),
+    (["--thresholds", "{tmp}/missing.yaml"], "cannot read"),
+])
+def test_bad_input_one_line(capsys, isolated_cache, fake_gguf, tmp_path, args, match):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), *args], capsys)
+    assert code == 1 and match in _one_error(err)
+
+
+def test_missing_model(capsys, isolated_cache):
+    code, _, err = run_main(["gate", "equiv", "--model", "/nonexistent/model.gguf"], capsys)
+    assert code == 1 and "not found" in _one_error(err)
+
+
+def test_without_a_build(capsys, isolated_cache, fake_gguf):
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf)], capsys)
+    assert code == 1 and "no rollingkv build" in _one_error(err)
+
+
+def test_bad_thresholds_file(capsys, isolated_cache, fake_gguf, tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("max_mean_tv: lots\n")
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--thresholds", str(f)], capsys)
+    assert code == 1 and "max_mean_tv" in _one_error(err) and "hint:" in err
+
+
+# ---------------------------------------------------------------- the command with its child runs faked
+
+GOOD = {"n": 512, "mean_tv": 0.0, "max_tv": 0.0, "mean_kl": 0.0, "max_kl": 0.0, "top1_agreement": 1.0, "real_frac": 0.0,
+        "frac_full_agree": 1.0, "nonfinite": 0, "n_top1_disagree": 0, "n_real": 0, "real_margin_nats": 0.5, "topk": 5,
+        "worst": [], "max_abs_logit_diff": 0.0, "bitwise_equal_rows": 512, "bitwise_identical": True}
+
+
+@pytest.fixture
+def fake_runs(monkeypatch, isolated_cache, tmp_path):
+    """Active build = a directory with an empty libllama.so; _run_child answers from `state`."""
+    from rollingkv_cli import builder
+    from rollingkv_cli.commands import gate as gate_cmd
+
+    bdir = tmp_path / "build"
+    (bdir / "build" / "bin").mkdir(parents=True)
+    (bdir / "build" / "bin" / "libllama.so").write_bytes(b"")
+    monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y"}))
+    state = {"has_residency": True, "n_tokens": 512, "summary": dict(GOOD), "calls": [], "cmds": {}}
+
+    def run_child(role, cmd, log_path, result_path, progress=None, label="", total=0):
+        state["calls"].append(role)
+        state["cmds"][role] = cmd
+        timings = {"load_s": 0.1, "decode_s": 1.0, "tokens_per_s": 512.0, "compare_s": 0.5, "total_s": 1.6}
+        if role == "tokenize":
+            return {"n_tokens": state["n_tokens"], "n_vocab": 100, "has_residency": state["has_residency"],
+                    "source": {"kind": "synthetic"}}
+        if role == "reference":
+            return {"lib": "ref/libllama.so", "timings": timings, "plan": None}
+        return {"lib": "cand/libllama.so", "timings": timings, "summary": state["summary"],
+                "plan": {"mode_requested": "window", "mode": "window", "window_cells": 256}}
+
+    monkeypatch.setattr(gate_cmd, "_run_child", run_child)
+    return state
+
+
+def test_pass_exits_0_and_writes_the_report(capsys, fake_runs, fake_gguf, tmp_path):
+    out = tmp_path / "r.json"
+    code, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
+    assert code == 0 and "PASS" in stdout
+    assert fake_runs["calls"] == ["tokenize", "reference", "candidate"]
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "pass" and r["passed"] and r["failed_checks"] == []
+    assert r["profile"] == "same_type" and r["thresholds"]["max_mean_tv"] == 1e-4
+    assert r["n_ctx"] == 768  # 512 tokens rounded up to 256, plus 256
+    assert r["candidate"]["residency"]["window_cells"] == 256 and r["candidate"]["plan"]["mode"] == "window"
+    assert r["reference"]["residency"] == {"mode": "off"}
+    assert set(r["commands"]) == {"tokenize", "reference", "candidate"}
+    cand = fake_runs["cmds"]["candidate"]
+    assert json.loads(cand[cand.index("--residency") + 1])["mode"] == "window"
+    assert "--save-logits" in fake_runs["cmds"]["reference"] and "--reference-logits" in cand
+
+
+def test_fail_exits_1_and_names_the_bound(capsys, fake_runs, fake_gguf, tmp_path):
+    fake_runs["summary"] = dict(GOOD, mean_tv=3e-4, real_frac=1 / 512, n_real=1)
+    out = tmp_path / "r.json"
+    code, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--json", str(out)], capsys)
+    assert code == 1 and "FAIL" in stdout and "mean_tv" in stdout
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "fail" and set(r["failed_checks"]) == {"max_mean_tv", "max_real_frac"}
+
+
+def test_quantized_tail_gets_the_quantized_bounds(capsys, fake_runs, fake_gguf, tmp_path):
+    fake_runs["summary"] = dict(GOOD, mean_tv=0.01, top1_agreement=0.97, real_frac=0.004)
+    out = tmp_path / "r.json"
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "-ctvt", "q8_0", "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert code == 0 and r["profile"] == "quantized" and r["cache_types"]["v_tail"] == "q8_0"
+    # and a thresholds file can tighten them again
+    th = tmp_path / "t.yaml"
+    th.write_text("quantized:\n  max_mean_tv: 0.001\n")
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "-ctvt", "q8_0", "--thresholds", str(th)], capsys)
+    assert code == 1
+
+
+def test_no_residency_api_is_refused_before_decoding(capsys, fake_runs, fake_gguf):
+    fake_runs["has_residency"] = False
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf)], capsys)
+    assert code == 1 and "this build has no KV residency API; rebuild" in _one_error(err)
+    assert fake_runs["calls"] == ["tokenize"]
+    # mode off needs no residency API
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-residency-mode", "off"], capsys)
+    assert code == 0
+
+
+def test_prompt_longer_than_ctx(capsys, fake_runs, fake_gguf, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    fake_runs["n_tokens"] = 900
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--prompt-file", str(prompt), "--ctx", "512"], capsys)
+    assert code == 1 and "does not fit --ctx 512" in _one_error(err)
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "1280"], capsys)
+    assert code == 1 and "smaller than the context (1280)" in _one_error(err)
+
+
+def test_synthetic_text_is_deterministic():
+    from rollingkv_cli.gate_runner import synthetic_text
+
+    a, b = synthetic_text(5000), synthetic_text(5000)
+    assert a == b and len(a) >= 5000 and a != synthetic_text(5000, seed=1)
+    assert any(ch.isdigit() for ch in a) and "Alice" in a and "\n\n" in a
+
+
+# ---------------------------------------------------------------- real runs on the CPU build
+
+VANILLA = Path(os.environ.get("ROLLINGKV_VANILLA_LIB", "/tmp/vanilla/build/bin"))
+
+
+def _gate(cpu_build, args, timeout=300):
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    return subprocess.run([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _has_residency(lib_dir: Path) -> bool:
+    code = f"import ctypes; print(hasattr(ctypes.CDLL({str(lib_dir / 'libllama.so')!r}), 'llama_init_from_model_rolling_kv'))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+SMALL = ["--synthetic-tokens", "512", "--ctx", "1024", "--threads", "2"]
+
+
+@pytest.mark.build
+def test_e2e_resident_vs_off_is_exact(cpu_build, demo_model, tmp_path):
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-residency-mode", "off", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "PASS" in proc.stdout
+    r = json.loads(out.read_text())
+    m = r["metrics"]
+    assert m["n"] == 512 and m["mean_tv"] == 0.0 and m["max_kl"] == 0.0 and m["top1_agreement"] == 1.0
+    assert m["bitwise_identical"] and m["max_abs_logit_diff"] == 0.0
+    assert r["reference"]["lib"] == r["candidate"]["lib"] == str(cpu_build.lib_dir / "libllama.so")
+    assert cpu_build.manifest["series_hash"][:16] in r["candidate"]["build_info"]
+    assert Path(r["positions_file"]).is_file()
+
+
+@pytest.mark.build
+def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
+    """Today: refused with one line (no residency API in the build). Once the C side lands: the real gate."""
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "--json", str(out)])
+    assert "Traceback" not in proc.stderr
+    if not _has_residency(cpu_build.lib_dir):
+        assert proc.returncode == 1 and "this build has no KV residency API; rebuild" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["profile"] == "same_type" and r["metrics"]["mean_tv"] <= 1e-4 and r["candidate"]["plan"]
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not (VANILLA / "libllama.so").is_file(), reason=f"no unpatched build at {VANILLA} (set ROLLINGKV_VANILLA_LIB)")
+def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, demo_model, tmp_path):
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-residency-mode", "off",
+                             "--reference", f"lib:{VANILLA}", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["reference"]["rollingkv_lib"] is False and r["reference"]["build_info"] is None
+    assert r["metrics"]["bitwise_identical"] and r["metrics"]["mean_tv"] == 0.0
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not (VANILLA / "libllama.so").is_file(), reason=f"no unpatched build at {VANILLA}")
+def test_runner_refuses_residency_on_an_unpatched_library(demo_model, tmp_path):
+    import numpy as np
+
+    np.save(tmp_path / "t.npy", np.arange(8, dtype=np.int32))
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli.gate_runner", "--lib-dir", str(VANILLA), "--model", str(demo_model),
+                           "--tokens", str(tmp_path / "t.npy"), "--ctx", "256", "--threads", "2", "--residency", '{"mode": "window"}',
+                           "--reference-logits", str(tmp_path / "nope.npy"), "--out", str(tmp_path / "o.json")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    err = [line for line in proc.stdout.splitlines() if line.startswith("ERROR ")]
+    assert err and "no KV residency API" in json.loads(err[0][6:])["message"]

@@ -1,0 +1,217 @@
+"""gate_math against distributions whose TV and KL are known in closed form."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from rollingkv_cli import gate_math as gm
+
+
+def logits_of(probs) -> np.ndarray:
+    """Logits whose softmax is probs (log p, shifted by a constant that softmax ignores)."""
+    return (np.log(np.asarray(probs, dtype=np.float64)) + 3.0).astype(np.float64)
+
+
+def two_point(a: float, v: int = 2, eps: float = 0.0) -> np.ndarray:
+    """[a, 1-a] padded with entries of probability eps (renormalised when eps > 0)."""
+    p = np.full(v, eps)
+    p[0], p[1] = a, 1 - a
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("a,b", [(0.7, 0.4), (0.9, 0.5), (0.5, 0.5), (0.99, 0.01), (0.3, 0.6)])
+def test_two_point_tv_and_kl_are_analytic(a, b):
+    m = gm.compare_rows(logits_of(two_point(a)), logits_of(two_point(b)))
+    assert m.tv[0] == pytest.approx(abs(a - b), abs=1e-12)
+    kl = a * math.log(a / b) + (1 - a) * math.log((1 - a) / (1 - b))
+    assert m.kl[0] == pytest.approx(kl, rel=1e-9, abs=1e-15)
+
+
+def test_tv_and_kl_on_a_large_vocabulary():
+    """Mass moved between two of many entries: TV = moved mass, KL analytic, in float64 even from f32 logits."""
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(4096))
+    q = p.copy()
+    d = 0.5 * min(p[7], p[9])
+    q[7] -= d
+    q[9] += d
+    m = gm.compare_rows(np.log(p), np.log(q))
+    assert m.tv[0] == pytest.approx(d, rel=1e-9)
+    kl = p[7] * math.log(p[7] / q[7]) + p[9] * math.log(p[9] / q[9])
+    assert m.kl[0] == pytest.approx(kl, rel=1e-6)
+
+
+def test_identical_rows_are_zero_and_agree():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 1000)).astype(np.float32)
+    m = gm.compare_rows(x, x.copy())
+    assert (m.tv == 0).all() and (m.kl == 0).all()
+    assert m.top1_agree.all() and m.topk_agree.all() and not m.real().any()
+
+
+def test_shift_invariance():
+    x = np.random.default_rng(2).normal(size=(3, 500))
+    m = gm.compare_rows(x, x + 17.25)
+    assert m.tv.max() < 1e-12 and m.kl.max() < 1e-12 and m.top1_agree.all()
+
+
+def test_swapped_top1_with_a_big_margin_is_real():
+    ref = logits_of(two_point(0.9, v=10, eps=0.001))
+    cand = ref.copy()
+    cand[[0, 1]] = cand[[1, 0]]
+    m = gm.compare_rows(ref, cand)
+    assert not m.top1_agree[0]
+    assert m.margin[0] == pytest.approx(math.log(0.9 / 0.1), rel=1e-9)
+    assert m.real(0.5)[0]
+
+
+def test_near_tie_swap_is_not_real():
+    p = two_point(0.5, v=10, eps=0.01)
+    p[0] += 0.001  # top-1 beats the runner-up by ~0.004 nats
+    p /= p.sum()
+    ref = logits_of(p)
+    cand = ref.copy()
+    cand[[0, 1]] = cand[[1, 0]]
+    m = gm.compare_rows(ref, cand)
+    assert not m.top1_agree[0]
+    assert 0 < m.margin[0] < 0.01
+    assert not m.real(0.5)[0]
+    assert m.real(0.001)[0]  # with a tighter margin it would count
+
+
+def test_topk_order_agreement():
+    ref = np.array([[10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 0.0, 0.0]])
+    swap45 = ref.copy()
+    swap45[0, [3, 4]] = swap45[0, [4, 3]]  # 4th and 5th swapped: top-1 same, top-5 order differs
+    swap67 = ref.copy()
+    swap67[0, [5, 6]] = swap67[0, [6, 5]]  # only beyond the top-5
+    assert gm.compare_rows(ref, swap45).top1_agree[0] and not gm.compare_rows(ref, swap45).topk_agree[0]
+    assert gm.compare_rows(ref, swap67, topk=5).topk_agree[0]
+
+
+def test_ties_rank_by_token_id():
+    ref = np.zeros((1, 50))
+    m = gm.compare_rows(ref, ref.copy())
+    assert m.top1_ref[0] == 0 and m.topk_agree[0] and m.margin[0] == 0
+
+
+def test_nonfinite_rows_fail():
+    ref = np.random.default_rng(3).normal(size=(2, 100))
+    cand = ref.copy()
+    cand[1, 5] = np.nan
+    acc = gm.GateAccumulator()
+    acc.add(ref, cand)
+    s = acc.summary()
+    assert s["nonfinite"] == 1 and s["n_real"] == 1 and s["max_tv"] == 1.0 and s["max_kl"] is None
+    v = gm.verdict(s, gm.default_thresholds("quantized"))
+    assert not v.passed and "max_nonfinite" in [c.name for c in v.failed]
+    json.dumps(s, allow_nan=False)  # the summary stays strict JSON
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError):
+        gm.compare_rows(np.zeros((2, 10)), np.zeros((2, 11)))
+
+
+def test_accumulator_over_batches_equals_one_shot():
+    rng = np.random.default_rng(4)
+    ref = rng.normal(size=(203, 777)).astype(np.float32)
+    cand = (ref + rng.normal(scale=0.3, size=ref.shape)).astype(np.float32)
+    one = gm.GateAccumulator()
+    one.add(ref, cand)
+    many = gm.GateAccumulator()
+    for s in range(0, 203, 64):  # uneven last batch, and more rows than ROW_CHUNK per batch
+        many.add(ref[s:s + 64], cand[s:s + 64])
+    a, b = one.summary(), many.summary()
+    assert a == b
+    assert a["n"] == 203 and 0 < a["mean_tv"] < 1 and a["n_top1_disagree"] > 0
+    assert [w["pos"] for w in a["worst"]] == sorted([w["pos"] for w in a["worst"]], key=lambda p: -float(one.metrics()[1].tv[p]))
+    assert a["real_frac"] == pytest.approx(float(one.metrics()[1].real(0.5).mean()))
+
+
+def test_summary_of_nothing_fails_the_verdict():
+    s = gm.GateAccumulator().summary()
+    assert s["n"] == 0
+    assert not gm.verdict(s, gm.default_thresholds("same_type")).passed
+
+
+def test_profile_choice():
+    assert gm.profile_for(("f16", "f16"), (None, None)) == "same_type"
+    assert gm.profile_for(("f16", "f16"), ("f16", "f16")) == "same_type"
+    assert gm.profile_for(("q8_0", "q8_0"), (None, None)) == "same_type"  # the reference holds q8_0 too
+    assert gm.profile_for(("f16", "f16"), ("q8_0", None)) == "quantized"
+    assert gm.profile_for(("f16", "f16"), (None, "q4_0")) == "quantized"
+    assert gm.profile_for(("f16", "f16"), ("bf16", "bf16")) == "quantized"
+    assert gm.profile_for(("f32", "f32"), ("f16", "f16")) == "same_type"
+
+
+def test_default_bounds():
+    s = gm.default_thresholds("same_type")
+    assert s["max_mean_tv"] == 1e-4 and s["min_top1_agreement"] == 0.999 and s["max_real_frac"] == 0
+    q = gm.default_thresholds("quantized")
+    assert q["max_mean_tv"] == 0.02 and q["max_real_frac"] == 0.01
+
+
+def _summary(**kw):
+    base = {"n": 2048, "mean_tv": 0.0, "max_tv": 0.0, "mean_kl": 0.0, "max_kl": 0.0, "top1_agreement": 1.0,
+            "real_frac": 0.0, "frac_full_agree": 1.0, "nonfinite": 0}
+    base.update(kw)
+    return base
+
+
+def test_verdict_passes_and_fails_on_each_bound():
+    th = gm.default_thresholds("same_type")
+    assert gm.verdict(_summary(), th).passed
+    assert gm.verdict(_summary(mean_tv=1e-4), th).passed  # bounds are inclusive
+    for kw, name in ((dict(mean_tv=2e-4), "max_mean_tv"), (dict(top1_agreement=0.998), "min_top1_agreement"),
+                     (dict(real_frac=1 / 2048), "max_real_frac"), (dict(mean_tv=float("nan")), "max_mean_tv")):
+        v = gm.verdict(_summary(**kw), th)
+        assert not v.passed and [c.name for c in v.failed] == [name], kw
+        assert "must be" in v.failed[0].describe()
+    q = gm.default_thresholds("quantized")
+    assert gm.verdict(_summary(mean_tv=0.015, top1_agreement=0.95, real_frac=0.005), q).passed
+    assert not gm.verdict(_summary(mean_tv=0.015, real_frac=0.02), q).passed
+
+
+def test_thresholds_file_flat_override_yaml(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("max_mean_tv: 1.0e-6\nmax_max_tv: 0.001\nmin_top1_agreement: null\nreal_margin_nats: 0.25\n")
+    th = gm.load_thresholds(f, "same_type")
+    assert th["max_mean_tv"] == 1e-6 and th["max_max_tv"] == 0.001 and th["min_top1_agreement"] is None
+    assert th["real_margin_nats"] == 0.25 and th["max_real_frac"] == 0.0  # untouched keys keep the default
+    v = gm.verdict(_summary(mean_tv=5e-6, top1_agreement=0.5), th)
+    assert [c.name for c in v.failed] == ["max_mean_tv"]  # top-1 no longer checked
+    assert not gm.verdict(_summary(max_tv=0.01), th).passed
+
+
+def test_thresholds_file_per_profile_json(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"quantized": {"max_mean_tv": 0.05}, "same_type": {"max_mean_tv": 0}}))
+    assert gm.load_thresholds(f, "quantized")["max_mean_tv"] == 0.05
+    assert gm.load_thresholds(f, "same_type")["max_mean_tv"] == 0.0
+    assert gm.load_thresholds(None, "quantized") == gm.default_thresholds("quantized")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("max_mean_tvv: 1\n", "unknown key"),
+    ("max_mean_tv: -1\n", ">= 0"),
+    ("max_mean_tv: yes\n", "finite number"),
+    ("min_top1_agreement: 1.5\n", "fraction"),
+    ("- 1\n- 2\n", "mapping"),
+    ("same_type: {max_mean_tv: 1}\nmax_real_frac: 0\n", "mixes"),
+    ("max_mean_tv: [1\n", "does not parse"),
+])
+def test_thresholds_file_errors(tmp_path, text, match):
+    f = tmp_path / "t.yaml"
+    f.write_text(text)
+    with pytest.raises(gm.ThresholdsError, match=match):
+        gm.load_thresholds(f, "same_type")
+
+
+def test_thresholds_file_missing(tmp_path):
+    with pytest.raises(gm.ThresholdsError, match="cannot read"):
+        gm.load_thresholds(tmp_path / "nope.yaml", "same_type")
