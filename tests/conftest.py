@@ -41,6 +41,14 @@ def cpu_build():
 
 
 @pytest.fixture(scope="session")
+def unpatched_build():
+    """libllama of the pin WITHOUT our series: the reference for "off is bit-identical to upstream"."""
+    from rollingkv_cli import builder
+
+    return builder.build(builder.BuildOptions(cuda=False, unpatched=True), quiet=True, activate=False)
+
+
+@pytest.fixture(scope="session")
 def pristine_tree():
     from rollingkv_cli import upstream
 

@@ -186,9 +186,6 @@ def test_synthetic_text_is_deterministic():
 
 # ---------------------------------------------------------------- real runs on the CPU build
 
-VANILLA = Path(os.environ.get("ROLLINGKV_VANILLA_LIB", "/tmp/vanilla/build/bin"))
-
-
 def _gate(cpu_build, args, timeout=300):
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
     env.pop("LLAMA_CPP_LIB_PATH", None)
@@ -234,8 +231,9 @@ def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
 
 
 @pytest.mark.build
-@pytest.mark.skipif(not (VANILLA / "libllama.so").is_file(), reason=f"no unpatched build at {VANILLA} (set ROLLINGKV_VANILLA_LIB)")
-def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, demo_model, tmp_path):
+def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, unpatched_build, demo_model, tmp_path):
+    """Residency mode off on our build == the pin as upstream ships it, bit for bit."""
+    VANILLA = unpatched_build.lib_dir
     out = tmp_path / "r.json"
     proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-residency-mode", "off",
                              "--reference", f"lib:{VANILLA}", "--json", str(out)])
@@ -246,10 +244,10 @@ def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, demo_model, tmp
 
 
 @pytest.mark.build
-@pytest.mark.skipif(not (VANILLA / "libllama.so").is_file(), reason=f"no unpatched build at {VANILLA}")
-def test_runner_refuses_residency_on_an_unpatched_library(demo_model, tmp_path):
+def test_runner_refuses_residency_on_an_unpatched_library(unpatched_build, demo_model, tmp_path):
     import numpy as np
 
+    VANILLA = unpatched_build.lib_dir
     np.save(tmp_path / "t.npy", np.arange(8, dtype=np.int32))
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
     proc = subprocess.run([sys.executable, "-m", "rollingkv_cli.gate_runner", "--lib-dir", str(VANILLA), "--model", str(demo_model),
