@@ -110,19 +110,42 @@ def apply_series(tree: Path, series: Series | None = None, log=print) -> list[st
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
         done.append(f"native {rel}")
+    if not series.patches:
+        return done
+    if _series_applies(tree, series, reverse=True) is None:
+        return done  # the whole series is in already
+    failing = _series_applies(tree, series, reverse=False)
+    if failing is not None:
+        patch, err = failing
+        abort(f"patch {patch.name} does not apply to {tree}: {err}", REGENERATE_HINT)
     for patch in series.patches:
-        if _git(["apply", "--reverse", "--check", str(patch)], tree, check=False).returncode == 0:
-            continue  # already applied
-        fwd = _git(["apply", "--check", str(patch)], tree, check=False)
-        if fwd.returncode != 0:
-            abort(
-                f"patch {patch.name} does not apply to {tree}: {_first_line(fwd.stderr)}",
-                REGENERATE_HINT,
-            )
         _git(["apply", "--whitespace=nowarn", str(patch)], tree)
         done.append(f"patch {patch.name}")
         log(f"applied {patch.name}")
     return done
+
+
+def _series_applies(tree: Path, series: Series, reverse: bool) -> tuple[Path, str] | None:
+    """Dry run of the whole series (or its reversal, last patch first) on a scratch copy of the files it
+    touches. Patches that touch the same file only apply in order, so they are checked in order.
+    Returns None when every step applies, else (the first failing patch, git's reason)."""
+    import tempfile
+
+    touched = sorted({f for p in series.patches for f in describe_patch(p)[2]})
+    with tempfile.TemporaryDirectory(prefix="rkv-apply-") as tmp:
+        scratch = Path(tmp) / "tree"
+        for rel in touched:
+            if (tree / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tree / rel, scratch / rel)
+        scratch.mkdir(exist_ok=True)
+        order = list(reversed(series.patches)) if reverse else list(series.patches)
+        for patch in order:
+            args = ["apply", "--whitespace=nowarn"] + (["--reverse"] if reverse else []) + [str(patch)]
+            proc = _git(args, scratch, check=False)
+            if proc.returncode != 0:
+                return patch, _first_line(proc.stderr)
+    return None
 
 
 def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:

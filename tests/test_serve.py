@@ -103,6 +103,20 @@ def _wait_health(port, proc, timeout=120):
     raise AssertionError("server did not come up")
 
 
+def _wait_serving(proc, timeout=180) -> str:
+    """Read `rollingkv serve`'s output until it says it is serving (it has seen /health itself)."""
+    seen = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("serve exited before serving:\n" + "".join(seen))
+        seen.append(line)
+        if "serving " in line:
+            return "".join(seen)
+    raise AssertionError("serve did not report serving")
+
+
 def _server_pids(port) -> list[int]:
     out = subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -114,10 +128,12 @@ def test_sigterm_stops_everything(cpu_build, demo_model):
 
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
+    head = _wait_serving(proc)
     _wait_health(port, proc)
     assert _server_pids(port)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
+    out = head + out
     assert proc.returncode == 0, out
     assert "llama-server stopped" in out and "log: " in out
     assert _server_pids(port) == [], "no orphaned llama-server"
@@ -129,7 +145,7 @@ def test_killed_server_is_reported(cpu_build, demo_model):
 
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
-    _wait_health(port, proc)
+    _wait_serving(proc)
     for pid in _server_pids(port):
         os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)

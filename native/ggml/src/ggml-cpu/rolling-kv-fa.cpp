@@ -1,18 +1,37 @@
 // rolling-KV: CPU forward for GGML_OP_STREAMING_FLASH_ATTN
 //
-// For every (q row, head) the window and the tail are each reduced with the same
-// online-softmax arithmetic as ggml's CPU flash attention (ops.cpp, *_one_chunk):
-// Q converted to K's vec_dot_type, kq = dot*scale, optional softcap, + slope*mask,
-// -inf entries skipped. Each part yields (M, S, unnormalized VKQ); the two are merged
-// exactly in f32 (a part with S == 0 contributes nothing), sinks are applied once,
-// and the result is VKQ/S (0 when S == 0), written in ggml_flash_attn_ext's layout.
+// The op is flash attention over the virtual concatenation [window ; tail] of two K/V
+// tensors (see ggml-rolling-kv.h). A key accessor (sfa_rows) maps an absolute key index
+// ic in [0, n_win + n_tail) to the row of the part that holds it, and the kernels below
+// are ggml's CPU flash attention (ggml-cpu/ops.cpp, ggml_compute_forward_flash_attn_ext_f16
+// and the functions it calls) with every "k->data + ic*nbk1 + ..." replaced by that accessor.
 //
-// V is always accumulated in f32 (V rows converted with to_float), also for F16 V.
-// ops.cpp's one_chunk accumulates F16 V in an f16 buffer, which makes its result
-// depend on how the KV range is partitioned (its own decode split-KV path differs
-// from its single-chunk path by NMSE ~1e-5), so no two-part reduction can reproduce
-// it; f32 accumulation is what ops.cpp's tiled (prefill) path does and is exact to
-// f32 rounding against flash_attn_ext given a lossless F32 copy of V.
+// Same-type parts (window and tail have the same K type and the same V type, or one part
+// is empty): the output is BIT-IDENTICAL to ggml_flash_attn_ext over the concatenated K/V
+// on the CPU backend with the same thread count. The path is chosen with ops.cpp's exact
+// conditions evaluated on the full shape (nek1 = n_win + n_tail, the parts' common types):
+//  (a) split-KV decode (n_q == 1, ne3 == 1, K/V f32|f16, K type == V type, nek1 >= 512):
+//      the full key range is cut into nth chunks of ceil(nek1/nth) keys; each thread runs
+//      one_chunk over its range for all heads (a chunk that straddles the split continues
+//      its running state across the boundary), then the partials are reduced in chunk order.
+//  (b) tiled (K/V f32|f16, K type == V type, n_q >= GGML_FA_TILE_Q): the KV tile grid is
+//      over absolute key indices; a tile that straddles the split packs keys from both parts.
+//  (c) one_chunk otherwise: per-key online softmax over the full range in key order; Q is
+//      converted to K's vec_dot type, F16 V is accumulated in f16 (VKQ16), other V in f32.
+// Rows are distributed over threads with ops.cpp's chunking (ggml_threadpool_chunk_*).
+//
+// Mixed types (window and tail differ in K or V type): there is no single-pass upstream
+// reference; path (c) is used with per-key continuation of the running softmax state across
+// the boundary, each key using its own part's arithmetic (Q converted to each part's
+// vec_dot type; V accumulated in f16 if both V parts are F16, like upstream, else in f32
+// with each part's to_float). Fully masked rows give 0, sinks are applied once.
+//
+// Debug switch (equivalence-gate self-test): if the environment variable
+// ROLLINGKV_DEBUG_PERTURB_TAIL is set to a float x, every tail key's attention score (after
+// scale, softcap and mask) is multiplied by (1 + x) before the softmax. It exists only so
+// that `rollingkv gate equiv` can prove it fails on a wrong window/tail merge; x must be
+// > -1. Read once and cached; off by default, and when off it costs one predictable branch
+// per key (one_chunk) or per KV tile (tiled).
 
 #include "rolling-kv-fa.h"
 
@@ -20,21 +39,25 @@
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
+#include "common.h"
 #include "ops.h"
+#include "simd-gemm.h"
 #include "simd-mappings.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
 
+// one K/V part of the virtual concatenation
 struct sfa_part {
     const ggml_tensor * k;
     const ggml_tensor * v;
-    int64_t             n;       // number of KV cells in this part
-    int64_t             col0;    // first mask column of this part
+    int64_t             n;    // number of KV cells in this part (0: empty)
+    int64_t             c0;   // absolute index of its first key (= its first mask column)
 
     ggml_type         k_vec_dot_type;
     ggml_from_float_t q_to_vec_dot;
@@ -42,127 +65,663 @@ struct sfa_part {
     ggml_to_float_t   v_to_float;
 };
 
-static void sfa_init_part(sfa_part & p, const ggml_tensor * k, const ggml_tensor * v, int64_t col0) {
-    p.k    = k;
-    p.v    = v;
-    p.n    = k ? k->ne[1] : 0;
-    p.col0 = col0;
-    p.q_to_vec_dot = nullptr;
-    p.kq_vec_dot   = nullptr;
-    p.v_to_float   = nullptr;
+static void sfa_init_part(sfa_part & p, const ggml_tensor * k, const ggml_tensor * v, int64_t c0) {
+    p.k    = nullptr;
+    p.v    = nullptr;
+    p.n    = 0;
+    p.c0   = c0;
     p.k_vec_dot_type = GGML_TYPE_COUNT;
-    if (!k || p.n == 0) {
-        p.n = 0;
+    p.q_to_vec_dot   = nullptr;
+    p.kq_vec_dot     = nullptr;
+    p.v_to_float     = nullptr;
+    if (!k || !v || k->ne[1] == 0) {
         return;
     }
+    p.k = k;
+    p.v = v;
+    p.n = k->ne[1];
     p.k_vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
     p.q_to_vec_dot   = ggml_get_type_traits_cpu(p.k_vec_dot_type)->from_float;
     p.kq_vec_dot     = ggml_get_type_traits_cpu(k->type)->vec_dot;
     p.v_to_float     = ggml_get_type_traits(v->type)->to_float;
 
-    GGML_ASSERT(p.q_to_vec_dot && p.kq_vec_dot && "streaming_flash_attn: unsupported K type");
+    GGML_ASSERT((p.q_to_vec_dot && p.kq_vec_dot) && "streaming_flash_attn: unsupported K type");
     GGML_ASSERT((v->type == GGML_TYPE_F32 || p.v_to_float) && "streaming_flash_attn: unsupported V type");
     GGML_ASSERT(k->nb[0] == ggml_type_size(k->type));
     GGML_ASSERT(v->nb[0] == ggml_type_size(v->type));
+    GGML_ASSERT(v->ne[1] == p.n);
 }
 
-// online softmax over one part for one q row; same arithmetic as ops.cpp one_chunk.
-// on return: *M_out, *S_out and VKQ32 (unnormalized, f32) hold the part's state.
-static void sfa_reduce_part(
-        const sfa_part & p,
-        const float * pq, int64_t DK, int64_t DV,
-        int64_t neq2, int64_t neq3, int64_t iq2, int64_t iq3,
-        const ggml_fp16_t * mp, float slope,
-        float scale, float logit_softcap,
-        void * Q_q, float * VKQ32, float * V32,
-        float * M_out, float * S_out) {
-    float S = 0.0f;      // sum
-    float M = -INFINITY; // maximum KQ value
+// everything the kernels need, computed once per op invocation
+struct sfa_ctx {
+    const ggml_tensor * q;
+    const ggml_tensor * mask;
+    const ggml_tensor * sinks;
+    ggml_tensor       * dst;
 
-    if (p.n == 0) {
-        memset(VKQ32, 0, DV*sizeof(float));
-        *M_out = M;
-        *S_out = S;
-        return;
+    sfa_part part[2];   // 0: window [0, n_win), 1: tail [n_win, nek1)
+    int64_t  n_win;
+    int64_t  nek1;      // n_win + n_tail
+    int64_t  DK, DV;
+
+    bool      same_types; // all present K parts share one type and all present V parts share one type
+    ggml_type k_type;     // the common types when same_types
+    ggml_type v_type;
+    bool      v_f16_acc;  // every present V part is F16: accumulate V in f16 (as ops.cpp one_chunk)
+
+    float    scale;
+    float    max_bias;
+    float    logit_softcap;
+    uint32_t n_head_log2;
+    float    m0, m1;
+
+    bool  perturb_tail;   // debug: ROLLINGKV_DEBUG_PERTURB_TAIL set
+    float perturb_mul;    // 1 + x
+};
+
+// per (head, stream) row pointers of both parts: the virtual concatenation's key accessor
+struct sfa_rows {
+    const char * kb[2];
+    const char * vb[2];
+    size_t       nbk1[2];
+    size_t       nbv1[2];
+    int64_t      n_win;
+
+    inline const char * k(int64_t ic) const {
+        return ic < n_win ? kb[0] + ic*nbk1[0] : kb[1] + (ic - n_win)*nbk1[1];
     }
+    inline const char * v(int64_t ic) const {
+        return ic < n_win ? vb[0] + ic*nbv1[0] : vb[1] + (ic - n_win)*nbv1[1];
+    }
+};
 
-    const ggml_tensor * k = p.k;
-    const ggml_tensor * v = p.v;
-
-    // broadcast factors
-    const int64_t rk2 = neq2/k->ne[2];
-    const int64_t rk3 = neq3/k->ne[3];
-    const int64_t rv2 = neq2/v->ne[2];
-    const int64_t rv3 = neq3/v->ne[3];
-
-    const int64_t ik2 = iq2/rk2;
-    const int64_t ik3 = iq3/rk3;
-    const int64_t iv2 = iq2/rv2;
-    const int64_t iv3 = iq3/rv3;
-
-    const char * k_base = (const char *) k->data + ik2*k->nb[2] + ik3*k->nb[3];
-    const char * v_base = (const char *) v->data + iv2*v->nb[2] + iv3*v->nb[3];
-    const size_t nbk1 = k->nb[1];
-    const size_t nbv1 = v->nb[1];
-
-    memset(VKQ32, 0, DV*sizeof(float));
-
-    p.q_to_vec_dot(pq, Q_q, DK);
-
-    const ggml_fp16_t * mpp = mp ? mp + p.col0 : nullptr;
-
-    for (int64_t ic = 0; ic < p.n; ++ic) {
-        const float mv = mpp ? slope*GGML_CPU_FP16_TO_FP32(mpp[ic]) : 0.0f;
-        if (mv == -INFINITY) {
+static sfa_rows sfa_make_rows(const sfa_ctx & c, int64_t iq2, int64_t iq3) {
+    const int64_t neq2 = c.q->ne[2];
+    const int64_t neq3 = c.q->ne[3];
+    sfa_rows r;
+    r.n_win = c.n_win;
+    for (int i = 0; i < 2; ++i) {
+        const sfa_part & p = c.part[i];
+        r.kb[i] = nullptr;
+        r.vb[i] = nullptr;
+        r.nbk1[i] = 0;
+        r.nbv1[i] = 0;
+        if (p.n == 0) {
             continue;
         }
+        // broadcast factors
+        const int64_t rk2 = neq2/p.k->ne[2];
+        const int64_t rk3 = neq3/p.k->ne[3];
+        const int64_t rv2 = neq2/p.v->ne[2];
+        const int64_t rv3 = neq3/p.v->ne[3];
 
-        float s; // KQ value
+        r.kb[i]   = (const char *) p.k->data + (iq2/rk2)*p.k->nb[2] + (iq3/rk3)*p.k->nb[3];
+        r.vb[i]   = (const char *) p.v->data + (iq2/rv2)*p.v->nb[2] + (iq3/rv3)*p.v->nb[3];
+        r.nbk1[i] = p.k->nb[1];
+        r.nbv1[i] = p.v->nb[1];
+    }
+    return r;
+}
 
-        const char * k_data = k_base + ic*nbk1;
-        p.kq_vec_dot(DK, &s, 0, k_data, 0, Q_q, 0, 1);
+static float sfa_debug_perturb_tail_x() {
+    static const float x = [] {
+        const char * e = getenv("ROLLINGKV_DEBUG_PERTURB_TAIL");
+        return (e && *e) ? strtof(e, nullptr) : 0.0f;
+    }();
+    return x;
+}
 
-        s = s*scale; // scale KQ value
+// ---- scratch layouts (floats per thread) ----
 
-        if (logit_softcap != 0.0f) {
-            s = logit_softcap*tanhf(s);
-        }
+// one_chunk: VKQ32 (DV) | V32 / VKQ16 (DV) | Q_q window (DK) | Q_q tail (DK) | pad
+static int64_t sfa_oc_floats_per_thread(int64_t DK, int64_t DV) {
+    return 2*DK + 2*DV + CACHE_LINE_SIZE_F32;
+}
 
-        s += mv; // apply mask
+// tiled: as ops.cpp
+static int64_t sfa_tiled_floats_per_thread(int64_t DK, int64_t DV) {
+    const int64_t Q_TILE_SZ  = ggml_fa_tile_config::Q;
+    const int64_t KV_TILE_SZ = ggml_fa_tile_config::KV;
+    return Q_TILE_SZ*DK + 2*Q_TILE_SZ*KV_TILE_SZ + Q_TILE_SZ*DV + KV_TILE_SZ*DV + KV_TILE_SZ*DK + CACHE_LINE_SIZE_F32;
+}
 
-        const float Mold = M;
+// ops.cpp ggml_compute_forward_flash_attn_ext_f16_one_chunk over the keys [ic_start, ic_end)
+// of the virtual concatenation
+static void sfa_one_chunk(
+        const ggml_compute_params * params,
+        const sfa_ctx & c,
+        int64_t ir0, int64_t ir1,
+        int64_t ic_start, int64_t ic_end,
+        float * partials, int64_t partial_stride) {
 
-        float ms = 1.0f; // upon new higher max val, scale VKQ and KQ sum with this value
-        float vs = 1.0f; // post-softmax KQ value, expf(s - M)
+    const bool write_partials = (partials != nullptr);
+    const ggml_tensor * q     = c.q;
+    const ggml_tensor * mask  = c.mask;
+    const ggml_tensor * sinks = c.sinks;
+    ggml_tensor       * dst   = c.dst;
 
-        const char * v_data = v_base + ic*nbv1;
+    GGML_TENSOR_LOCALS(int64_t, neq, q,   ne)
+    GGML_TENSOR_LOCALS(size_t,  nbq, q,   nb)
+    GGML_TENSOR_LOCALS(int64_t, ne,  dst, ne)
+    GGML_TENSOR_LOCALS(size_t,  nb,  dst, nb)
 
-        if (s > M) {
-            // s is new maximum, ms < 1.0f, vs == expf(s - s) == 1.0f
-            M = s;
-            ms = expf(Mold - M);
+    const int64_t DK = c.DK;
+    const int64_t DV = c.DV;
 
-            // V = V*expf(Mold - M)
-            ggml_vec_scale_f32(DV, VKQ32, ms);
-        } else {
-            // no new maximum, ms == 1.0f, vs != 1.0f
-            vs = expf(s - M);
-        }
+    const float scale         = c.scale;
+    const float max_bias      = c.max_bias;
+    const float logit_softcap = c.logit_softcap;
 
-        // V += v*expf(s - M)
-        if (p.v_to_float) {
-            p.v_to_float(v_data, V32, DV);
-            ggml_vec_mad_f32(DV, VKQ32, V32, vs);
-        } else {
-            // V is F32
-            ggml_vec_mad_f32(DV, VKQ32, (const float *) v_data, vs);
-        }
+    const uint32_t n_head_log2 = c.n_head_log2;
+    const float m0 = c.m0;
+    const float m1 = c.m1;
 
-        S = S*ms + vs;
+    const bool v_f16_acc = c.v_f16_acc;
+
+    // key range of each part inside [ic_start, ic_end)
+    int64_t lo[2], hi[2];
+    for (int i = 0; i < 2; ++i) {
+        lo[i] = std::max(ic_start, c.part[i].c0);
+        hi[i] = std::min(ic_end,   c.part[i].c0 + c.part[i].n);
     }
 
-    *M_out = M;
-    *S_out = S;
+    const int ith = params->ith;
+
+    for (int64_t ir = ir0; ir < ir1; ++ir) {
+        // q indices
+        const int iq3 = ir/(neq2*neq1);
+        const int iq2 = (ir - iq3*neq2*neq1)/neq1;
+        const int iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
+
+        const uint32_t h = iq2; // head index
+        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+
+        float S = 0.0f;      // sum
+        float M = -INFINITY; // maximum KQ value
+
+        float       * VKQ32 = (float       *) params->wdata + ith*sfa_oc_floats_per_thread(DK, DV); // FP32 VKQ accumulator
+        float       * V32   =                 (VKQ32 + 1*DV); // (temporary) FP32 V buffer
+        ggml_fp16_t * VKQ16 = (ggml_fp16_t *) (VKQ32 + 1*DV); // (temporary) FP16 VKQ accumulator
+        void        * Q_q[2] = { (void *) (VKQ32 + 2*DV), (void *) (VKQ32 + 2*DV + DK) }; // Q converted to each part's vec_dot type
+
+        if (v_f16_acc) {
+            memset(VKQ16, 0, DV*sizeof(ggml_fp16_t));
+        } else {
+            memset(VKQ32, 0, DV*sizeof(float));
+        }
+
+        const ggml_fp16_t * mp = mask ? (ggml_fp16_t *)((char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : NULL;
+
+        const sfa_rows rows = sfa_make_rows(c, iq2, iq3);
+
+        const float * pq = (const float *) ((char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3));
+
+        // online softmax / attention over the window keys, then the tail keys: one running
+        // state (M, S, VKQ) continued across the boundary
+        for (int ip = 0; ip < 2; ++ip) {
+            if (lo[ip] >= hi[ip]) {
+                continue;
+            }
+            const sfa_part & p = c.part[ip];
+
+            ggml_vec_dot_t  const kq_vec_dot = p.kq_vec_dot;
+            ggml_to_float_t const v_to_float = p.v_to_float;
+            void          * const Q_qp       = Q_q[ip];
+
+            p.q_to_vec_dot(pq, Q_qp, DK);
+
+            const bool  perturb     = ip == 1 && c.perturb_tail;
+            const float perturb_mul = c.perturb_mul;
+
+            const char  * kb   = rows.kb[ip];
+            const char  * vb   = rows.vb[ip];
+            const size_t  nbk1 = rows.nbk1[ip];
+            const size_t  nbv1 = rows.nbv1[ip];
+            const int64_t c0   = p.c0;
+
+            for (int64_t ic = lo[ip]; ic < hi[ip]; ++ic) {
+                const float mv = mp ? slope*GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
+                if (mv == -INFINITY) {
+                    continue;
+                }
+
+                float s; // KQ value
+
+                const char * k_data = kb + (ic - c0)*nbk1;
+                kq_vec_dot(DK, &s, 0, k_data, 0, Q_qp, 0, 1);
+
+                s = s*scale; // scale KQ value
+
+                if (logit_softcap != 0.0f) {
+                    s = logit_softcap*tanhf(s);
+                }
+
+                s += mv; // apply mask
+
+                if (perturb) {
+                    s *= perturb_mul; // debug: ROLLINGKV_DEBUG_PERTURB_TAIL
+                }
+
+                const float Mold = M;
+
+                float ms = 1.0f; // upon new higher max val, scale VKQ and KQ sum with this value
+                float vs = 1.0f; // post-softmax KQ value, expf(s - M)
+
+                const char * v_data = vb + (ic - c0)*nbv1;
+
+                if (v_f16_acc) {
+                    if (s > M) {
+                        // s is new maximum, ms < 1.0f, vs == expf(s - s) == 1.0f
+                        M = s;
+                        ms = expf(Mold - M);
+
+                        // V = V*expf(Mold - M)
+                        ggml_vec_scale_f16(DV, VKQ16, ms);
+                    } else {
+                        // no new maximum, ms == 1.0f, vs != 1.0f
+                        vs = expf(s - M);
+                    }
+
+                    // V += v*expf(s - M)
+                    ggml_vec_mad_f16(DV, VKQ16, (const ggml_fp16_t *) v_data, vs);
+                } else {
+                    if (s > M) {
+                        // s is new maximum, ms < 1.0f, vs == expf(s - s) == 1.0f
+                        M = s;
+                        ms = expf(Mold - M);
+
+                        // V = V*expf(Mold - M)
+                        ggml_vec_scale_f32(DV, VKQ32, ms);
+                    } else {
+                        // no new maximum, ms == 1.0f, vs != 1.0f
+                        vs = expf(s - M);
+                    }
+
+                    // V += v*expf(s - M)
+                    if (v_to_float) {
+                        v_to_float(v_data, V32, DV);
+                        ggml_vec_mad_f32(DV, VKQ32, V32, vs);
+                    } else {
+                        // V is F32
+                        ggml_vec_mad_f32(DV, VKQ32, (const float *) v_data, vs);
+                    }
+                }
+
+                S = S*ms + vs; // scale and increment sum with partial sum
+            }
+        }
+
+        if (v_f16_acc) {
+            for (int64_t d = 0; d < DV; ++d) {
+                VKQ32[d] = GGML_CPU_FP16_TO_FP32(VKQ16[d]);
+            }
+        }
+
+        // sinks - apply only on the first kv-chunk
+        if (sinks && ic_start == 0) {
+            const float s = ((float *)((char *) sinks->data))[h];
+
+            float ms = 1.0f;
+            float vs = 1.0f;
+
+            if (s > M) {
+                ms = expf(M - s);
+                M = s;
+                ggml_vec_scale_f32(DV, VKQ32, ms);
+            } else {
+                vs = expf(s - M);
+            }
+
+            S = S*ms + vs;
+        }
+
+        if (write_partials) {
+            // Write M, S, VKQ to partials for later reduction
+            // partials layout: [M, S, VKQ[DV]] per query head
+            float * partial = partials + ir * partial_stride;
+            partial[0] = M;
+            partial[1] = S;
+            memcpy(partial + 2, VKQ32, DV * sizeof(float));
+        } else {
+            // V /= S
+            const float S_inv = S == 0.0f ? 0.0f : 1.0f/S;
+            ggml_vec_scale_f32(DV, VKQ32, S_inv);
+
+            // dst indices
+            const int i1 = iq1;
+            const int i2 = iq2;
+            const int i3 = iq3;
+
+            // permute(0, 2, 1, 3)
+            memcpy((char *) dst->data + (i3*ne2*ne1 + i2 + i1*ne1)*nb1, VKQ32, nb1);
+        }
+    }
+}
+
+// ops.cpp ggml_compute_forward_flash_attn_ext_tiled over the virtual concatenation
+// (same-type parts, K/V F32 or F16, K type == V type)
+static void sfa_tiled(
+        const ggml_compute_params * params,
+        const sfa_ctx & c,
+        int ir0, int ir1) {
+    const ggml_tensor * q     = c.q;
+    const ggml_tensor * mask  = c.mask;
+    const ggml_tensor * sinks = c.sinks;
+    ggml_tensor       * dst   = c.dst;
+
+    GGML_TENSOR_LOCALS(int64_t, neq, q,   ne)
+    GGML_TENSOR_LOCALS(size_t,  nbq, q,   nb)
+    GGML_TENSOR_LOCALS(int64_t, ne,  dst, ne)
+    GGML_TENSOR_LOCALS(size_t,  nb,  dst, nb)
+
+    const int64_t DK   = c.DK;
+    const int64_t DV   = c.DV;
+    const int64_t nek1 = c.nek1;
+
+    GGML_ASSERT(c.same_types && c.k_type == c.v_type);
+    const ggml_type kv_type = c.k_type;
+
+    const float scale         = c.scale;
+    const float max_bias      = c.max_bias;
+    const float logit_softcap = c.logit_softcap;
+
+    const uint32_t n_head_log2 = c.n_head_log2;
+    const float m0 = c.m0;
+    const float m1 = c.m1;
+
+    const int64_t n_win        = c.n_win;
+    const bool    perturb_tail = c.perturb_tail;
+
+    int ith = params->ith;
+
+    static constexpr int Q_TILE_SZ  = ggml_fa_tile_config::Q;
+    static constexpr int KV_TILE_SZ = ggml_fa_tile_config::KV;
+
+    int ir = ir0;
+    while (ir < ir1) {
+        // q indices for the start of this tile
+        const int iq3 = ir/(neq2*neq1);
+        const int iq2 = (ir - iq3*neq2*neq1)/neq1;
+        const int iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
+
+        // Number of valid rows in this tile:
+        // - limited by tile size (Q_TILE_SZ)
+        // - limited by chunk boundary (ir1 - ir)
+        // - limited by head boundary (neq1 - iq1) to avoid crossing into next head
+        const int tile_rows = std::min(Q_TILE_SZ, std::min((int)(ir1 - ir), (int)(neq1 - iq1)));
+        GGML_ASSERT(tile_rows > 0);
+
+        const uint32_t h = iq2; // head index
+        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+
+        float S[Q_TILE_SZ];
+        float M[Q_TILE_SZ];
+
+        for (int i = 0 ; i < Q_TILE_SZ; ++i) {
+            S[i] = 0.;
+            M[i] = -INFINITY;
+        }
+
+        // Per-thread scratch layout:
+        // Q_q:    Q_TILE_SZ * DK (converted Q tile - F32 for GEMM)
+        // KQ:     Q_TILE_SZ * KV_TILE_SZ (attention scores in float)
+        // mask:   Q_TILE_SZ * KV_TILE_SZ (mask in float)
+        // VKQ32:  Q_TILE_SZ * DV (FP32 output accumulator)
+        // V32:    KV_TILE_SZ * DV (F32 buffer for V tile)
+        // K_f32:  KV_TILE_SZ * DK (F32 buffer for K tile - GEMM path)
+        float * base  = (float *) params->wdata + ith*sfa_tiled_floats_per_thread(DK, DV);
+
+        void  * Q_q    = base;
+        float * KQ     = (float *)((char *)base + Q_TILE_SZ * DK * sizeof(float));
+        float * mask32 = KQ + Q_TILE_SZ * KV_TILE_SZ;
+        float * VKQ32  = mask32 + Q_TILE_SZ * KV_TILE_SZ;
+        float * V32    = VKQ32 + Q_TILE_SZ * DV;
+        float * K_f32  = V32 + KV_TILE_SZ * DV;
+
+        memset(VKQ32, 0, Q_TILE_SZ * DV * sizeof(float));
+        memset(mask32, 0, Q_TILE_SZ * KV_TILE_SZ * sizeof(float));
+
+        // key accessor of the virtual concatenation for this head
+        const sfa_rows rows = sfa_make_rows(c, iq2, iq3);
+
+        {
+            float * Q_f32 = (float *)Q_q;
+            for (int tq = 0; tq < tile_rows; tq++) {
+                const float * pq = (const float *) ((char *) q->data + ((iq1 + tq)*nbq1 + iq2*nbq2 + iq3*nbq3));
+                memcpy(Q_f32 + tq * DK, pq, DK * sizeof(float));
+            }
+            for (int tq = tile_rows; tq < Q_TILE_SZ; tq++) {
+                memset(Q_f32 + tq * DK, 0, DK * sizeof(float));
+            }
+        }
+
+        memset(K_f32, 0, DK * KV_TILE_SZ * sizeof(float));
+        memset(V32,   0, KV_TILE_SZ * DV * sizeof(float));
+
+        // KV tile grid over absolute key indices: a tile may straddle the window/tail split
+        for (int64_t ic = 0; ic < nek1; ic += KV_TILE_SZ) {
+            const int kv_tile = (int)std::min((int64_t)KV_TILE_SZ, nek1 - ic);
+
+            // skip the tile entirely if all the masks are -inf
+            if (mask) {
+                bool can_skip = true;
+                for (int tq = 0; tq < tile_rows; tq++) {
+                    const ggml_fp16_t * mp_row = (const ggml_fp16_t *)((const char *) mask->data + (iq1 + tq)*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]);
+                    for (int tk = 0; tk < kv_tile; tk++) {
+                        mask32[tq * KV_TILE_SZ + tk] = slope * GGML_CPU_FP16_TO_FP32(mp_row[ic + tk]);
+                        if (mask32[tq * KV_TILE_SZ + tk] != -INFINITY) {
+                            can_skip = false;
+                        }
+                    }
+                    // Pad remaining mask entries with -inf
+                    for (int tk = kv_tile; tk < KV_TILE_SZ; tk++) {
+                        mask32[tq * KV_TILE_SZ + tk] = -INFINITY;
+                    }
+                }
+
+                if (can_skip) {
+                    continue;
+                }
+            }
+
+            // Pack K tile transposed: K_f32[dk][kv] so KV_TILE is contiguous (SIMD dim)
+            // Zero-pad the last tile so the GEMM always operates on KV_TILE_SZ columns
+            for (int tk = 0; tk < kv_tile; tk++) {
+                const char * k_data = rows.k(ic + tk);
+                if (kv_type == GGML_TYPE_F16) {
+                    const ggml_fp16_t * k_f16 = (const ggml_fp16_t *)k_data;
+                    for (int64_t dk = 0; dk < DK; dk++) {
+                        K_f32[dk * KV_TILE_SZ + tk] = GGML_CPU_FP16_TO_FP32(k_f16[dk]);
+                    }
+                } else {
+                    const float * k_f32_src = (const float *)k_data;
+                    for (int64_t dk = 0; dk < DK; dk++) {
+                        K_f32[dk * KV_TILE_SZ + tk] = k_f32_src[dk];
+                    }
+                }
+            }
+            memset(KQ, 0, Q_TILE_SZ * KV_TILE_SZ * sizeof(float));
+            simd_gemm(KQ, (const float *)Q_q, K_f32, Q_TILE_SZ, DK, KV_TILE_SZ);
+            ggml_vec_scale_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, scale);
+
+            if (logit_softcap != 0.0f) {
+                ggml_vec_tanh_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, KQ);
+                ggml_vec_scale_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, logit_softcap);
+            }
+
+            // Set padded KQ entries to -inf so softmax gives them zero weight
+            if (kv_tile < KV_TILE_SZ) {
+                for (int tq = 0; tq < Q_TILE_SZ; tq++) {
+                    for (int tk = kv_tile; tk < KV_TILE_SZ; tk++) {
+                        KQ[tq * KV_TILE_SZ + tk] = -INFINITY;
+                    }
+                }
+            }
+
+            if (mask) {
+                ggml_vec_add_f32(tile_rows * KV_TILE_SZ, KQ, KQ, mask32);
+            }
+
+            if (perturb_tail && ic + kv_tile > n_win) {
+                // debug: ROLLINGKV_DEBUG_PERTURB_TAIL (tail columns of this tile)
+                const int tk0 = (int) std::max<int64_t>(0, n_win - ic);
+                for (int tq = 0; tq < Q_TILE_SZ; tq++) {
+                    for (int tk = tk0; tk < kv_tile; tk++) {
+                        KQ[tq * KV_TILE_SZ + tk] *= c.perturb_mul;
+                    }
+                }
+            }
+
+            bool skip[Q_TILE_SZ] = {};
+
+            for (int tq = 0; tq < Q_TILE_SZ; tq++) {
+                float * kq_row = KQ + tq * KV_TILE_SZ;
+
+                float tile_max;
+                ggml_vec_max_f32(KV_TILE_SZ, &tile_max, kq_row);
+
+                if (tile_max == -INFINITY) {
+                    skip[tq] = true;
+                    continue;
+                }
+
+                const float Mold = M[tq];
+                const float Mnew = fmaxf(Mold, tile_max);
+
+                if (Mnew > Mold) {
+                    const float ms = expf(Mold - Mnew);
+                    ggml_vec_scale_f32(DV, VKQ32 + tq * DV, ms);
+                    S[tq] *= ms;
+                }
+                M[tq] = Mnew;
+
+
+                S[tq] += ggml_vec_soft_max_f32(KV_TILE_SZ, kq_row, kq_row, Mnew);
+            }
+
+            // V accumulation: VKQ32 += softmax(KQ) * V
+            // Pack V tile to contiguous F32, zero-padded
+            for (int tk = 0; tk < kv_tile; tk++) {
+                const char * v_data = rows.v(ic + tk);
+                if (kv_type == GGML_TYPE_F16) {
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *)v_data, V32 + tk * DV, DV);
+                } else {
+                    memcpy(V32 + tk * DV, v_data, DV * sizeof(float));
+                }
+            }
+            for (int tq = 0; tq < Q_TILE_SZ; tq++) {
+                if (skip[tq]) {
+                    memset(KQ + tq * KV_TILE_SZ, 0, KV_TILE_SZ * sizeof(float));
+                }
+            }
+            simd_gemm(VKQ32, KQ, V32, Q_TILE_SZ, KV_TILE_SZ, DV);
+        }
+
+        // sinks (apply only to valid rows in the tile)
+        if (sinks) {
+            const float s = ((float *)((char *) sinks->data))[h];
+
+            for (int tq = 0; tq < tile_rows; tq++) {
+                float ms = 1.0f;
+                float vs = 1.0f;
+
+                if (s > M[tq]) {
+                    ms = expf(M[tq] - s);
+                    ggml_vec_scale_f32(DV, VKQ32 + tq * DV, ms);
+                } else {
+                    vs = expf(s - M[tq]);
+                }
+
+                S[tq] = S[tq] * ms + vs;
+            }
+        }
+
+        for (int tq = 0; tq < tile_rows; tq++) {
+            // V /= S
+            const float S_inv = S[tq] == 0.0f ? 0.0f : 1.0f / S[tq];
+            ggml_vec_scale_f32(DV, VKQ32 + tq * DV, S_inv);
+
+            // dst indices
+            const int i1 = iq1 + tq;
+            const int i2 = iq2;
+            const int i3 = iq3;
+
+            // permute(0, 2, 1, 3)
+            memcpy((char *) dst->data + (i3*ne2*ne1 + i2 + i1*ne1)*nb1, VKQ32 + tq * DV, nb1);
+        }
+
+        ir += tile_rows;
+    }
+}
+
+// ops.cpp ggml_flash_attn_ext_reduce_partials: combines the per-chunk partials in chunk order
+// Partials layout in wdata (after the one_chunk scratch): [n_q_heads][n_chunks][2 + DV]
+static void sfa_reduce_partials(
+        const ggml_compute_params * params,
+        const sfa_ctx & c,
+        const int64_t n_chunks,
+        const int64_t chunk_size) {
+
+    ggml_tensor * dst = c.dst;
+
+    const int64_t DK        = c.DK;
+    const int64_t DV        = c.DV;
+    const int64_t nek1      = c.nek1;
+    const int64_t n_q_heads = c.q->ne[2];
+
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const int64_t wdata_per_thread = sfa_oc_floats_per_thread(DK, DV);
+    float *       thread_wdata     = (float *) params->wdata + ith * wdata_per_thread;
+
+    const int64_t partials_offset  = nth * wdata_per_thread;
+    const int64_t partial_size     = 2 + DV;
+    const float * partials_base    = (const float *) params->wdata + partials_offset;
+
+    // Output layout
+    const int64_t ne1 = dst->ne[1];
+    const int64_t ne2 = dst->ne[2];
+    const size_t  nb1 = dst->nb[1];
+
+    // Each thread reduces a subset of query heads
+    for (int64_t q_head = ith; q_head < n_q_heads; q_head += nth) {
+        float   M_final   = -INFINITY;
+        float   S_final   = 0.0f;
+        float * VKQ_final = thread_wdata;
+        memset(VKQ_final, 0, DV * sizeof(float));
+
+        // Combine partials from all chunks
+        for (int64_t chunk_idx = 0; chunk_idx < n_chunks; ++chunk_idx) {
+            const int64_t ic_start = chunk_idx * chunk_size;
+            if (ic_start >= nek1) continue;
+
+            const float * partial   = partials_base + (q_head * n_chunks + chunk_idx) * partial_size;
+            const float   M_chunk   = partial[0];
+            const float   S_chunk   = partial[1];
+            const float * VKQ_chunk = partial + 2;
+
+            if (S_chunk == 0.0f) continue;
+
+            const float M_new     = fmaxf(M_final, M_chunk);
+            const float scale_old = expf(M_final - M_new);
+            const float scale_new = expf(M_chunk - M_new);
+
+            for (int64_t d = 0; d < DV; ++d) {
+                VKQ_final[d] = VKQ_final[d] * scale_old + VKQ_chunk[d] * scale_new;
+            }
+            S_final = S_final * scale_old + S_chunk * scale_new;
+            M_final = M_new;
+        }
+
+        // Normalize and write to output
+        if (S_final != 0.0f) {
+            const float S_inv = 1.0f / S_final;
+            ggml_vec_scale_f32(DV, VKQ_final, S_inv);
+        }
+        // iq1=0, iq3=0 for decode
+        memcpy((char *) dst->data + (0*ne2*ne1 + q_head + 0*ne1)*nb1, VKQ_final, nb1);
+    }
 }
 
 static bool sfa_type_supported(ggml_type t) {
@@ -181,23 +740,21 @@ static bool sfa_type_supported(ggml_type t) {
     }
 }
 
-static int64_t sfa_dk(const ggml_tensor * dst) {
-    return dst->src[GGML_STREAMING_FA_SRC_Q]->ne[0];
-}
-
-static int64_t sfa_dv(const ggml_tensor * dst) {
-    return dst->ne[0];
-}
-
-// per-thread scratch in floats: Q_q (<= DK floats for every vec_dot type), VKQ window, VKQ tail, V32
-static size_t sfa_floats_per_thread(int64_t DK, int64_t DV) {
-    return (size_t) (DK + 3*DV + CACHE_LINE_SIZE_F32);
-}
-
 } // namespace
 
 extern "C" size_t ggml_streaming_flash_attn_work_size(const ggml_tensor * node, int n_tasks) {
-    return sizeof(float)*sfa_floats_per_thread(sfa_dk(node), sfa_dv(node))*(size_t) n_tasks;
+    const int64_t neq2 = node->src[GGML_STREAMING_FA_SRC_Q]->ne[2]; // number of query heads
+    const int64_t DK   = node->src[GGML_STREAMING_FA_SRC_Q]->ne[0];
+    const int64_t DV   = node->ne[0];
+
+    // tiled (prefill) path
+    const size_t tiled = sizeof(float)*(size_t) sfa_tiled_floats_per_thread(DK, DV)*(size_t) n_tasks;
+
+    // one_chunk scratch per thread + split-KV decode partials: n_kv_chunks = n_tasks
+    const size_t n_chunks = (size_t) n_tasks;
+    const size_t decode   = sizeof(float)*((size_t) sfa_oc_floats_per_thread(DK, DV)*(size_t) n_tasks + (size_t) neq2*n_chunks*(size_t)(2 + DV));
+
+    return std::max(tiled, decode);
 }
 
 extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) {
@@ -220,13 +777,17 @@ extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) 
 }
 
 extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * q      = dst->src[GGML_STREAMING_FA_SRC_Q];
+    sfa_ctx c;
+    c.q     = dst->src[GGML_STREAMING_FA_SRC_Q];
+    c.mask  = dst->src[GGML_STREAMING_FA_SRC_MASK];
+    c.sinks = dst->src[GGML_STREAMING_FA_SRC_SINKS];
+    c.dst   = dst;
+
+    const ggml_tensor * q      = c.q;
     const ggml_tensor * k_win  = dst->src[GGML_STREAMING_FA_SRC_K_WIN];
     const ggml_tensor * v_win  = dst->src[GGML_STREAMING_FA_SRC_V_WIN];
     const ggml_tensor * k_tail = dst->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * v_tail = dst->src[GGML_STREAMING_FA_SRC_V_TAIL];
-    const ggml_tensor * mask   = dst->src[GGML_STREAMING_FA_SRC_MASK];
-    const ggml_tensor * sinks  = dst->src[GGML_STREAMING_FA_SRC_SINKS];
 
     const int32_t prec = ggml_get_op_params_i32(dst, 3);
     GGML_ASSERT((prec == GGML_PREC_DEFAULT || prec == GGML_PREC_F32) && "streaming_flash_attn: unsupported precision");
@@ -254,114 +815,151 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
     const int64_t n_win = k_win ? k_win->ne[1] : 0;
     GGML_ASSERT(n_win == ggml_get_op_params_i32(dst, 4));
 
-    sfa_part parts[2];
-    sfa_init_part(parts[0], k_win,  v_win,  0);
-    sfa_init_part(parts[1], k_tail, v_tail, n_win);
+    sfa_init_part(c.part[0], k_win,  v_win,  0);
+    sfa_init_part(c.part[1], k_tail, v_tail, n_win);
 
-    for (const sfa_part & p : parts) {
-        if (p.k) {
-            GGML_ASSERT(p.k->ne[0] == DK);
-            GGML_ASSERT(p.v->ne[0] == DV);
+    c.n_win = n_win;
+    c.nek1  = c.part[0].n + c.part[1].n;
+    c.DK    = DK;
+    c.DV    = DV;
+
+    c.same_types = true;
+    c.k_type     = GGML_TYPE_COUNT;
+    c.v_type     = GGML_TYPE_COUNT;
+    c.v_f16_acc  = true;
+    for (const sfa_part & p : c.part) {
+        if (p.n == 0) {
+            continue;
         }
+        GGML_ASSERT(p.k->ne[0] == DK);
+        GGML_ASSERT(p.v->ne[0] == DV);
+        if (c.k_type == GGML_TYPE_COUNT) {
+            c.k_type = p.k->type;
+            c.v_type = p.v->type;
+        } else if (c.k_type != p.k->type || c.v_type != p.v->type) {
+            c.same_types = false;
+        }
+        c.v_f16_acc = c.v_f16_acc && p.v->type == GGML_TYPE_F16;
+    }
+    if (c.nek1 == 0) {
+        c.v_f16_acc = false;
     }
 
-    float scale         = 1.0f;
-    float max_bias      = 0.0f;
-    float logit_softcap = 0.0f;
+    c.scale         = 1.0f;
+    c.max_bias      = 0.0f;
+    c.logit_softcap = 0.0f;
 
-    memcpy(&scale,         (float *) dst->op_params + 0, sizeof(float));
-    memcpy(&max_bias,      (float *) dst->op_params + 1, sizeof(float));
-    memcpy(&logit_softcap, (float *) dst->op_params + 2, sizeof(float));
+    memcpy(&c.scale,         (float *) dst->op_params + 0, sizeof(float));
+    memcpy(&c.max_bias,      (float *) dst->op_params + 1, sizeof(float));
+    memcpy(&c.logit_softcap, (float *) dst->op_params + 2, sizeof(float));
 
-    if (logit_softcap != 0) {
-        scale /= logit_softcap;
+    if (c.logit_softcap != 0) {
+        c.scale /= c.logit_softcap;
     }
 
-    const uint32_t n_head      = neq2;
-    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
+    const uint32_t n_head = neq2;
+    c.n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
 
-    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
-    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+    c.m0 = powf(2.0f, -(c.max_bias       ) / c.n_head_log2);
+    c.m1 = powf(2.0f, -(c.max_bias / 2.0f) / c.n_head_log2);
+
+    const float perturb_x = sfa_debug_perturb_tail_x();
+    c.perturb_tail = perturb_x != 0.0f;
+    c.perturb_mul  = 1.0f + perturb_x;
 
     const int ith = params->ith;
     const int nth = params->nth;
 
     GGML_ASSERT(params->wsize >= ggml_streaming_flash_attn_work_size(dst, nth));
 
-    float * wbase = (float *) params->wdata + ith*sfa_floats_per_thread(DK, DV);
-    float       * VKQ_w = wbase;                       // window accumulator (f32), also the merged result
-    float       * VKQ_t = VKQ_w + DV;                  // tail accumulator (f32)
-    float       * V32   = VKQ_t + DV;                  // (temporary) f32 V row
-    void        * Q_q   = V32 + DV;                    // Q converted to K's vec_dot_type (<= DK floats)
+    // upstream's path selection (ops.cpp ggml_compute_forward_flash_attn_ext_f16), evaluated on
+    // the full shape; only same-type parts have a single-pass upstream equivalent
+    const bool use_ref = params->use_ref;
 
-    // parallelize over q rows x heads x ne3
-    const int64_t nr  = neq1*neq2*neq3;
-    const int64_t dr  = (nr + nth - 1)/nth;
-    const int64_t ir0 = std::min(nr, dr*ith);
-    const int64_t ir1 = std::min(nr, ir0 + dr);
+    const int64_t nek1 = c.nek1;
 
-    for (int64_t ir = ir0; ir < ir1; ++ir) {
-        const int64_t iq3 = ir/(neq2*neq1);
-        const int64_t iq2 = (ir - iq3*neq2*neq1)/neq1;
-        const int64_t iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
+    const bool kv_is_f32_or_f16 = c.same_types && (c.k_type == GGML_TYPE_F32 || c.k_type == GGML_TYPE_F16);
+    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && (c.k_type == c.v_type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
 
-        const uint32_t h = iq2; // head index
-        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+    if (use_split_kv_path) {
+        const int64_t chunk_size = (nek1 + nth - 1) / nth;
 
-        const ggml_fp16_t * mp = mask ? (const ggml_fp16_t *)((const char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : nullptr;
+        // Partials buffer layout: [q_head][kv_chunk][M, S, VKQ]
+        const int64_t partial_size  = 2 + DV;
+        float *       partials_base = (float *) params->wdata + nth * sfa_oc_floats_per_thread(DK, DV);
 
-        const float * pq = (const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3));
+        const int64_t ic_start = ith * chunk_size;
+        const int64_t ic_end   = std::min(ic_start + chunk_size, nek1);
 
-        float M_w, S_w, M_t, S_t;
-        sfa_reduce_part(parts[0], pq, DK, DV, neq2, neq3, iq2, iq3, mp, slope, scale, logit_softcap, Q_q, VKQ_w, V32, &M_w, &S_w);
-        sfa_reduce_part(parts[1], pq, DK, DV, neq2, neq3, iq2, iq3, mp, slope, scale, logit_softcap, Q_q, VKQ_t, V32, &M_t, &S_t);
+        const int64_t partial_stride = nth * partial_size;
+        float *       chunk_partials = partials_base + ith * partial_size;
 
-        // exact f32 merge of the two partial states; a part with S == 0 (empty or fully masked) contributes nothing
-        float M = M_w;
-        float S = S_w;
-        if (S_t != 0.0f) {
-            if (S_w == 0.0f) {
-                M = M_t;
-                S = S_t;
-                memcpy(VKQ_w, VKQ_t, DV*sizeof(float));
-            } else {
-                M = fmaxf(M_w, M_t);
-                const float scale_w = expf(M_w - M);
-                const float scale_t = expf(M_t - M);
-                for (int64_t d = 0; d < DV; ++d) {
-                    VKQ_w[d] = VKQ_w[d]*scale_w + VKQ_t[d]*scale_t;
-                }
-                S = S_w*scale_w + S_t*scale_t;
+        if (ic_start < nek1) {
+            for (int64_t q_head = 0; q_head < neq2; q_head++) {
+                sfa_one_chunk(params, c, q_head, q_head + 1, ic_start, ic_end, chunk_partials, partial_stride);
             }
-        } else if (S_w == 0.0f) {
-            M = -INFINITY;
-            S = 0.0f;
-            memset(VKQ_w, 0, DV*sizeof(float));
+        } else {
+            for (int64_t q_head = 0; q_head < neq2; q_head++) {
+                float * q_partials = chunk_partials + q_head * partial_stride;
+                q_partials[0] = -INFINITY;  // M
+                q_partials[1] = 0.0f;       // S
+            }
         }
 
-        // sinks - counted once, as in ggml_flash_attn_ext
-        if (sinks) {
-            const float s = ((const float *) sinks->data)[h];
+        ggml_barrier(params->threadpool);
+        sfa_reduce_partials(params, c, nth, chunk_size);
+    } else {
 
-            float ms = 1.0f;
-            float vs = 1.0f;
+        // total rows in q
+        const int64_t nr = neq1*neq2*neq3;
 
-            if (s > M) {
-                ms = expf(M - s);
-                M = s;
-                ggml_vec_scale_f32(DV, VKQ_w, ms);
-            } else {
-                vs = expf(s - M);
-            }
+        // disable for NUMA
+        const bool disable_chunking = ggml_is_numa();
 
-            S = S*ms + vs;
+        // 4x chunks per thread
+        int nth_scaled = nth * 4;
+        int64_t chunk_size = (nr + nth_scaled - 1) / nth_scaled;
+        int64_t nchunk     = (nr + chunk_size - 1) / chunk_size;
+
+        if (nth == 1 || nchunk < nth || disable_chunking) {
+            nchunk = nth;
         }
 
-        // V /= S
-        const float S_inv = S == 0.0f ? 0.0f : 1.0f/S;
-        ggml_vec_scale_f32(DV, VKQ_w, S_inv);
+        if (ith == 0) {
+            ggml_threadpool_chunk_set(params->threadpool, nth);
+        }
 
-        // permute(0, 2, 1, 3)
-        memcpy((char *) dst->data + (iq3*ne2*ne1 + iq2 + iq1*ne1)*nb1, VKQ_w, nb1);
+        ggml_barrier(params->threadpool);
+
+        const int64_t dr = (nr + nchunk - 1) / nchunk;
+
+        static constexpr int64_t Q_TILE_SZ  = ggml_fa_tile_config::Q;
+        bool use_tiled = !use_ref &&
+                               (q->type == GGML_TYPE_F32 &&
+                                kv_is_f32_or_f16 &&
+                                c.k_type == c.v_type &&
+                                neq1 >= Q_TILE_SZ);
+#if defined(GGML_SIMD) && !defined(__x86_64__) && !defined(_M_X64)
+#if defined(__ARM_FEATURE_SVE)
+        const int64_t f32_epr = svcntw();
+#else
+        const int64_t f32_epr = GGML_F32_EPR;
+#endif
+        use_tiled &= (DV % f32_epr == 0);
+#endif
+        int current_chunk = ith;
+
+        while (current_chunk < nchunk) {
+            const int64_t ir0 = dr * current_chunk;
+            const int64_t ir1 = std::min(ir0 + dr, nr);
+
+            if (use_tiled) {
+                sfa_tiled(params, c, ir0, ir1);
+            } else {
+                sfa_one_chunk(params, c, ir0, ir1, 0, nek1, nullptr, 0);
+            }
+
+            current_chunk = ggml_threadpool_chunk_add(params->threadpool, 1);
+        }
     }
 }

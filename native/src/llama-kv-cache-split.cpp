@@ -1,0 +1,614 @@
+// rollingkv: the position-windowed split of llama_kv_cache.
+//
+// A split layer keeps cells [0, wc) of every stream in its window tensors k/v ([n_embd, wc + 1, n_stream], on
+// the layer's buffer type, as upstream) and cells [wc, kv_size) in tail tensors k_tail/v_tail
+// ([n_embd, kv_size - wc + 1, n_stream], host memory, possibly another type). The last row of each stream is
+// a trash row: every ubatch writes all its tokens into both regions, the tokens meant for the other region
+// land in the trash row, so the graph topology does not depend on where the cells are (reserve == live).
+// The KQ mask is unchanged: its columns are the cells in order, window first, then tail.
+#include "llama-kv-cache.h"
+
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-model.h"
+#include "llama-context.h"
+#include "llama-kv-residency.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+//
+// construction
+//
+
+uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
+        const layer_filter_cb & filter, const layer_share_cb & share) const {
+    if (st.resolved) {
+        return 0;
+    }
+
+    llama_rkv_cache_desc desc;
+    desc.kv_size          = kv_size;
+    desc.n_stream         = n_stream;
+    desc.type_k           = type_k;
+    desc.type_v           = type_v;
+    desc.v_trans          = v_trans;
+    desc.offload          = offload;
+    desc.refuse           = nullptr;
+    desc.row_bytes_window = 0;
+
+    const ggml_type type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? type_k : st.req.type_k_tail;
+    const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? type_v : st.req.type_v_tail;
+
+    for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
+        if (!hparams.has_kv(il) || (filter && !filter(il))) {
+            continue;
+        }
+        const uint32_t n_embd_k_gqa = hparams.n_embd_k_gqa(il);
+        const uint32_t n_embd_v_gqa = hparams.n_embd_v_gqa(il);
+
+        if (n_embd_k_gqa % ggml_blck_size(type_k_tail) != 0 || n_embd_v_gqa % ggml_blck_size(type_v_tail) != 0) {
+            desc.refuse = "the K/V row size is not a multiple of the tail type's block size";
+        }
+
+        desc.layer_devs.push_back(offload ? model.dev_layer(il) : nullptr);
+        desc.row_bytes_window += ggml_row_size(type_k, n_embd_k_gqa) + ggml_row_size(type_v, n_embd_v_gqa);
+    }
+
+    if (hparams.is_mla()) {
+        desc.refuse = "MLA cache (K only): the split is not supported";
+    } else if (swa_type != LLAMA_SWA_TYPE_NONE) {
+        desc.refuse = "SWA cache: stays whole on the device";
+    } else if (other || share) {
+        desc.refuse = "the cache shares cells or layers with another cache";
+    } else if (v_trans && hparams.is_n_embd_v_gqa_variable()) {
+        desc.refuse = "variable V embedding size with a transposed V cache";
+    } else if (desc.layer_devs.empty()) {
+        desc.refuse = "no attention layers";
+    }
+
+    const uint32_t wc = llama_rkv_plan_cache(st, desc);
+
+    if (wc) {
+        LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "
+                "K %s/%s, V %s/%s (window/tail): %s\n", __func__, wc, kv_size - wc, n_stream,
+                ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
+                st.reason.c_str());
+    } else {
+        LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", __func__, st.reason.c_str());
+    }
+
+    return wc;
+}
+
+void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, const rkv_ctx_for_buft_t & ctx_for_buft,
+        ggml_type type_k_tail, ggml_type type_v_tail) const {
+    // pinned host memory of the layer's device when it is a GPU, else plain CPU memory
+    ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
+    if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+        if (auto * host_buft = ggml_backend_dev_host_buffer_type(dev)) {
+            buft = host_buft;
+        }
+    }
+
+    ggml_context * ctx = ctx_for_buft(buft);
+    if (!ctx) {
+        throw std::runtime_error("failed to create ggml context for the kv cache tail");
+    }
+
+    const uint32_t rows = get_size() - rkv_wc + 1;
+
+    layer.k_tail = ggml_new_tensor_3d(ctx, type_k_tail, layer.k->ne[0], rows, n_stream);
+    ggml_format_name(layer.k_tail, "cache_k_tail_l%d", layer.il);
+
+    if (layer.v) {
+        layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, layer.v->ne[0], rows, n_stream);
+        ggml_format_name(layer.v_tail, "cache_v_tail_l%d", layer.il);
+    }
+}
+
+void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
+    if (!st.layers.empty()) {
+        return; // recorded by another cache of the context
+    }
+
+    size_t dev_total = 0;
+    size_t host_total = 0;
+
+    for (const auto & layer : layers) {
+        llama_rkv_layer_plan lp;
+        lp.il           = (int32_t) layer.il;
+        lp.split        = rkv_wc > 0;
+        lp.window_cells = rkv_wc ? rkv_wc : get_size();
+        lp.tail_cells   = rkv_wc ? get_size() - rkv_wc : 0;
+        lp.device_bytes = ggml_nbytes(layer.k) + (layer.v ? ggml_nbytes(layer.v) : 0);
+        lp.host_bytes   = (layer.k_tail ? ggml_nbytes(layer.k_tail) : 0) + (layer.v_tail ? ggml_nbytes(layer.v_tail) : 0);
+
+        dev_total  += lp.device_bytes;
+        host_total += lp.host_bytes;
+
+        st.layers.push_back(lp);
+    }
+
+    if (rkv_wc) {
+        LLAMA_LOG_INFO("%s: rolling KV: window %.2f MiB (layer buffers), tail %.2f MiB (host)\n", __func__,
+                dev_total/1024.0/1024.0, host_total/1024.0/1024.0);
+    }
+}
+
+//
+// graph
+//
+
+ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo, bool is_v) const {
+    const int32_t ikv = map_layer_ids.at(il);
+
+    ggml_tensor * t = is_v ? layers[ikv].v : layers[ikv].k;
+
+    const int64_t  n_embd_head = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+    const uint32_t ns          = sinfo.s1 - sinfo.s0 + 1;
+
+    return ggml_view_4d(ctx, t,
+            n_embd_head, hparams.n_head_kv(il), std::min(n_kv, rkv_wc), ns,
+            ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
+}
+
+static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, int64_t n_embd_head, int64_t n_head_kv,
+        uint32_t n_tail, const llama_kv_cache::slot_info & sinfo) {
+    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+
+    return ggml_view_4d(ctx, t,
+            n_embd_head, n_head_kv, n_tail, ns,
+            ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
+}
+
+ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    if (!rkv_wc || n_kv <= rkv_wc) {
+        return nullptr;
+    }
+    const int32_t ikv = map_layer_ids.at(il);
+    return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), hparams.n_head_kv(il), n_kv - rkv_wc, sinfo);
+}
+
+ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    if (!rkv_wc || n_kv <= rkv_wc) {
+        return nullptr;
+    }
+    const int32_t ikv = map_layer_ids.at(il);
+    return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), hparams.n_head_kv(il), n_kv - rkv_wc, sinfo);
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v, bool tail) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    const auto & layer = layers[ikv];
+
+    ggml_tensor * t = tail ? (is_v ? layer.v_tail : layer.k_tail) : (is_v ? layer.v : layer.k);
+
+    const int64_t n_embd_head = cur->ne[0];
+    const int64_t n_head      = cur->ne[1];
+    const int64_t n_tokens    = cur->ne[2];
+
+    // we can merge dims 0 and 1
+    GGML_ASSERT(ggml_row_size(cur->type, n_embd_head) == cur->nb[1]);
+    GGML_ASSERT(n_embd_head*n_head == t->ne[0]);
+    GGML_ASSERT(idxs->ne[0] == n_tokens && idxs->ne[1] == 2);
+
+    cur = ggml_view_2d(ctx, cur, n_embd_head*n_head, n_tokens, cur->nb[2], 0);
+
+    // all streams in one 2D tensor: the indices are global (strm*rows_per_stream + row)
+    ggml_tensor * dst = ggml_reshape_2d(ctx, t, t->ne[0], t->ne[1]*t->ne[2]);
+
+    // row 0 of idxs routes to the window, row 1 to the tail
+    ggml_tensor * ix = ggml_view_1d(ctx, idxs, n_tokens, tail ? idxs->nb[1] : 0);
+
+    return ggml_set_rows(ctx, dst, cur, ix);
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+    return rkv_wc ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+    return rkv_wc ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
+}
+
+ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch, const char * name) const {
+    // [n_tokens, 2]: row 0 window indices, row 1 tail indices (ne[0] stays n_tokens for the graph reuse checks)
+    ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
+
+    ggml_set_input(idxs);
+    ggml_set_name(idxs, name);
+
+    return idxs;
+}
+
+void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
+    const uint32_t n_tokens = ubatch->n_tokens;
+    GGML_ASSERT(n_tokens == (int64_t) sinfo.size()*sinfo.n_stream());
+    GGML_ASSERT(dst->ne[0] == n_tokens && dst->ne[1] == 2);
+
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+    int64_t * data = (int64_t *) dst->data;
+
+    const int64_t wc      = rkv_wc;
+    const int64_t rows_w  = wc + 1;                        // window rows per stream (last: trash)
+    const int64_t rows_t  = (int64_t) get_size() - wc + 1; // tail rows per stream (last: trash)
+
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const int64_t strm = sinfo.strm[s];
+
+        for (uint32_t i = 0; i < sinfo.size(); ++i) {
+            const int64_t cell = sinfo.idxs[s][i];
+            const int64_t j    = s*sinfo.size() + i;
+
+            data[j]            = strm*rows_w + (cell <  wc ? cell      : wc);
+            data[n_tokens + j] = strm*rows_t + (cell >= wc ? cell - wc : rows_t - 1);
+        }
+    }
+}
+
+void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
+    for (ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
+        if (!t) {
+            continue;
+        }
+        std::vector<uint8_t> tmp(t->nb[2]);
+        ggml_backend_tensor_get(t, tmp.data(), ssrc*t->nb[2], t->nb[2]);
+        ggml_backend_tensor_set(t, tmp.data(), sdst*t->nb[2], t->nb[2]);
+    }
+}
+
+void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_context * ctx, ggml_cgraph * gf,
+        const kv_layer & layer, ggml_tensor * k_shift, ggml_tensor * k_rot) const {
+    const uint32_t il = layer.il;
+
+    const int64_t n_head_kv     = hparams.n_head_kv(il);
+    const int64_t n_embd_k_gqa  = hparams.n_embd_k_gqa(il);
+    const auto    n_rot         = hparams.n_rot(il);
+    const auto    n_embd_head_k = hparams.n_embd_head_k(il);
+    const auto    n_embd_nope   = hparams.n_lora_kv > 0 ? n_embd_head_k - n_rot : 0;
+
+    const float freq_base_l  = model.get_rope_freq_base (cparams, il);
+    const float freq_scale_l = model.get_rope_freq_scale(cparams, il);
+
+    ggml_tensor * rope_factors = model.get_rope_factors(cparams, il);
+
+    // same as build_rope_shift
+    const auto rope_type = hparams.rope_type == LLAMA_ROPE_TYPE_MROPE || hparams.rope_type == LLAMA_ROPE_TYPE_IMROPE
+        ? LLAMA_ROPE_TYPE_NEOX : hparams.rope_type;
+
+    const uint32_t kv_size = get_size();
+
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        for (int part = 0; part < 2; ++part) {
+            ggml_tensor * t       = part == 0 ? layer.k : layer.k_tail;
+            const uint32_t first  = part == 0 ? 0       : rkv_wc;
+            const uint32_t n_cell = part == 0 ? rkv_wc  : kv_size - rkv_wc;
+
+            ggml_tensor * k = ggml_view_3d(ctx, t,
+                    n_rot, n_head_kv, n_cell,
+                    ggml_row_size(t->type, n_embd_head_k),
+                    ggml_row_size(t->type, n_embd_k_gqa),
+                    s*t->nb[2] + ggml_row_size(t->type, n_embd_nope));
+
+            // the shift input is [kv_size*n_stream], cells in order per stream
+            ggml_tensor * shift = ggml_view_1d(ctx, k_shift, n_cell, ((size_t) s*kv_size + first)*ggml_element_size(k_shift));
+
+            ggml_tensor * cur;
+
+            // the K-rotation is keyed on the window type: a region of another type may hold rotated data
+            // (rotate back before RoPE) or be quantized without rotation (no Hadamard)
+            if (ggml_is_quantized(t->type) || k_rot) {
+                cur = ggml_cast(ctx, k, GGML_TYPE_F32);
+                if (k_rot) {
+                    cur = llama_mul_mat_hadamard(ctx, cur, k_rot);
+                }
+                cur = ggml_rope_ext(ctx, cur, shift, rope_factors, n_rot, rope_type, cparams.n_ctx_orig_yarn,
+                        freq_base_l, freq_scale_l, cparams.yarn_ext_factor, cparams.yarn_attn_factor,
+                        cparams.yarn_beta_fast, cparams.yarn_beta_slow);
+                if (k_rot) {
+                    cur = llama_mul_mat_hadamard(ctx, cur, k_rot);
+                }
+                cur = ggml_cpy(ctx, cur, k);
+            } else {
+                cur = ggml_rope_ext_inplace(ctx, k, shift, rope_factors, n_rot, rope_type, cparams.n_ctx_orig_yarn,
+                        freq_base_l, freq_scale_l, cparams.yarn_ext_factor, cparams.yarn_attn_factor,
+                        cparams.yarn_beta_fast, cparams.yarn_beta_slow);
+            }
+
+            ggml_build_forward_expand(gf, cur);
+        }
+    }
+}
+
+//
+// state
+//
+// With the same type in window and tail, a split layer writes exactly the bytes of an unsplit cache (state
+// files move between splits and unsplit caches). With different types it writes a marker instead of the type
+// (an unsplit reader refuses it as a type mismatch), both types, and per cell range the number of window and
+// tail rows, each row in its region's type. The reader converts rows whose type differs from the region
+// they land in (through f32), and refuses what it cannot convert.
+//
+
+static const int32_t LLAMA_RKV_STATE_MIXED = -0x524B56; // "RKV"
+
+static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
+        uint32_t strm, uint32_t from, uint32_t to, bool mixed) {
+    const size_t row_w = win->nb[1];
+    const size_t row_t = tail->nb[1];
+
+    const uint32_t w1 = std::min(to, wc);              // window rows [from, w1)
+    const uint32_t t0 = std::max(from, wc);            // tail rows   [t0, to)
+
+    if (mixed) {
+        const uint32_t n_w = w1 > from ? w1 - from : 0;
+        const uint32_t n_t = to > t0 ? to - t0 : 0;
+        io.write(&n_w, sizeof(n_w));
+        io.write(&n_t, sizeof(n_t));
+    }
+    if (w1 > from) {
+        io.write_tensor(win, strm*win->nb[2] + from*row_w, (w1 - from)*row_w);
+    }
+    if (to > t0) {
+        io.write_tensor(tail, strm*tail->nb[2] + (t0 - wc)*row_t, (to - t0)*row_t);
+    }
+}
+
+void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    const uint32_t v_trans = this->v_trans ? 1 : 0;
+    const uint32_t n_layer = layers.size();
+
+    io.write(&v_trans, sizeof(v_trans));
+    io.write(&n_layer, sizeof(n_layer));
+
+    for (int kv = 0; kv < 2; ++kv) {
+        for (const auto & layer : layers) {
+            ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
+            ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
+            if (!win) {
+                continue;
+            }
+
+            const bool mixed = win->type != tail->type;
+
+            if (!mixed) {
+                const int32_t  type_i   = (int32_t) win->type;
+                const uint64_t size_row = win->nb[1];
+                io.write(&type_i, sizeof(type_i));
+                io.write(&size_row, sizeof(size_row));
+            } else {
+                const int32_t  marker = LLAMA_RKV_STATE_MIXED;
+                const int32_t  type_w = (int32_t) win->type;
+                const int32_t  type_t = (int32_t) tail->type;
+                const uint64_t row_w  = win->nb[1];
+                const uint64_t row_t  = tail->nb[1];
+                io.write(&marker, sizeof(marker));
+                io.write(&type_w, sizeof(type_w));
+                io.write(&type_t, sizeof(type_t));
+                io.write(&row_w,  sizeof(row_w));
+                io.write(&row_t,  sizeof(row_t));
+            }
+
+            for (const auto & range : cr.data) {
+                llama_rkv_write_rows(io, win, tail, rkv_wc, cr.strm, range.first, range.second, mixed);
+            }
+        }
+    }
+}
+
+// convert n rows of type src_type (row size of n_per_row elements) into dst_type
+static bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row) {
+    const auto * traits = ggml_get_type_traits(src_type);
+    if (!traits->to_float && src_type != GGML_TYPE_F32) {
+        return false;
+    }
+    if (ggml_quantize_requires_imatrix(dst_type)) {
+        return false;
+    }
+    std::vector<float> tmp(n_rows*n_per_row);
+    if (src_type == GGML_TYPE_F32) {
+        memcpy(tmp.data(), src, tmp.size()*sizeof(float));
+    } else {
+        traits->to_float(src, tmp.data(), tmp.size());
+    }
+    if (dst_type == GGML_TYPE_F32) {
+        memcpy(dst, tmp.data(), tmp.size()*sizeof(float));
+        return true;
+    }
+    ggml_quantize_chunk(dst_type, tmp.data(), dst, 0, n_rows, n_per_row, nullptr);
+    return true;
+}
+
+static bool llama_rkv_convertible(ggml_type src_type, ggml_type dst_type) {
+    if (src_type == dst_type) {
+        return true;
+    }
+    const bool src_ok = src_type == GGML_TYPE_F32 || ggml_get_type_traits(src_type)->to_float != nullptr;
+    const bool dst_ok = dst_type == GGML_TYPE_F32 || dst_type == GGML_TYPE_F16 || dst_type == GGML_TYPE_BF16 ||
+        (ggml_is_quantized(dst_type) && !ggml_quantize_requires_imatrix(dst_type));
+    return src_ok && dst_ok;
+}
+
+bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+    uint32_t v_trans_ref;
+    uint32_t n_layer;
+
+    io.read(&v_trans_ref, sizeof(v_trans_ref));
+    io.read(&n_layer, sizeof(n_layer));
+
+    if (n_layer != layers.size()) {
+        LLAMA_LOG_ERROR("%s: mismatched layer count (%u instead of %u)\n", __func__, n_layer, (uint32_t) layers.size());
+        return false;
+    }
+    if (cell_count > get_size()) {
+        LLAMA_LOG_ERROR("%s: not enough cells in kv cache to restore state (%u > %u)\n", __func__, cell_count, get_size());
+        return false;
+    }
+    if (v_trans_ref != 0) {
+        LLAMA_LOG_ERROR("%s: the state has a transposed V cache (flash attention off); this split cache needs flash attention\n", __func__);
+        return false;
+    }
+
+    const auto & idxs = sinfo.idxs[0];
+
+    std::vector<uint8_t> buf_src;
+    std::vector<uint8_t> buf_dst;
+
+    for (int kv = 0; kv < 2; ++kv) {
+        for (const auto & layer : layers) {
+            ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
+            ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
+            if (!win) {
+                continue;
+            }
+
+            const int64_t n_embd = win->ne[0];
+            const char *  what   = kv == 0 ? "key" : "value";
+
+            int32_t type_i;
+            io.read(&type_i, sizeof(type_i));
+
+            const bool mixed = type_i == LLAMA_RKV_STATE_MIXED;
+
+            ggml_type src_w;
+            ggml_type src_t;
+            if (!mixed) {
+                if (type_i < 0 || type_i >= GGML_TYPE_COUNT) {
+                    LLAMA_LOG_ERROR("%s: invalid %s type %d in the state (layer %d)\n", __func__, what, type_i, layer.il);
+                    return false;
+                }
+                uint64_t size_row_ref;
+                io.read(&size_row_ref, sizeof(size_row_ref));
+                src_w = src_t = (ggml_type) type_i;
+                if (size_row_ref != ggml_row_size(src_w, n_embd)) {
+                    LLAMA_LOG_ERROR("%s: mismatched %s row size (%zu != %zu, layer %d)\n", __func__, what,
+                            ggml_row_size(src_w, n_embd), (size_t) size_row_ref, layer.il);
+                    return false;
+                }
+            } else {
+                int32_t tw, tt;
+                uint64_t rw, rt;
+                io.read(&tw, sizeof(tw));
+                io.read(&tt, sizeof(tt));
+                io.read(&rw, sizeof(rw));
+                io.read(&rt, sizeof(rt));
+                if (tw < 0 || tw >= GGML_TYPE_COUNT || tt < 0 || tt >= GGML_TYPE_COUNT ||
+                        rw != ggml_row_size((ggml_type) tw, n_embd) || rt != ggml_row_size((ggml_type) tt, n_embd)) {
+                    LLAMA_LOG_ERROR("%s: invalid rolling-KV %s layout in the state (layer %d)\n", __func__, what, layer.il);
+                    return false;
+                }
+                src_w = (ggml_type) tw;
+                src_t = (ggml_type) tt;
+            }
+
+            for (ggml_type src : { src_w, src_t }) {
+                for (ggml_type dst : { win->type, tail->type }) {
+                    if (!llama_rkv_convertible(src, dst)) {
+                        LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
+                                __func__, what, ggml_type_name(src), ggml_type_name(dst), layer.il);
+                        return false;
+                    }
+                }
+            }
+
+            // place source rows [i0, i0 + n) of type src into the destination cells idxs[i0 ...]
+            auto place = [&](uint32_t i0, uint32_t n, ggml_type src) -> bool {
+                const size_t row_src = ggml_row_size(src, n_embd);
+                uint32_t i = i0;
+                while (i < i0 + n) {
+                    const uint32_t c0      = idxs[i];
+                    const bool     in_tail = c0 >= rkv_wc;
+                    ggml_tensor *  dst_t   = in_tail ? tail : win;
+                    const uint32_t r0      = in_tail ? c0 - rkv_wc : c0;
+
+                    // extend the run while the destination cells stay consecutive in the same region
+                    uint32_t j = i + 1;
+                    while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= rkv_wc) == in_tail) {
+                        ++j;
+                    }
+                    const uint32_t n_run = j - i;
+                    const size_t   off   = strm*dst_t->nb[2] + r0*dst_t->nb[1];
+
+                    if (src == dst_t->type) {
+                        io.read_tensor(dst_t, off, n_run*row_src);
+                    } else {
+                        buf_src.resize(n_run*row_src);
+                        buf_dst.resize(n_run*dst_t->nb[1]);
+                        io.read(buf_src.data(), buf_src.size());
+                        if (!llama_rkv_convert_rows(src, dst_t->type, buf_src.data(), buf_dst.data(), n_run, n_embd)) {
+                            return false;
+                        }
+                        ggml_backend_tensor_set(dst_t, buf_dst.data(), off, buf_dst.size());
+                    }
+                    i = j;
+                }
+                return true;
+            };
+
+            if (!mixed) {
+                if (!place(0, cell_count, src_w)) {
+                    return false;
+                }
+            } else {
+                uint32_t done = 0;
+                while (done < cell_count) {
+                    uint32_t n_w, n_t;
+                    io.read(&n_w, sizeof(n_w));
+                    io.read(&n_t, sizeof(n_t));
+                    if (n_w + n_t == 0 || done + n_w + n_t > cell_count) {
+                        LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, layer.il);
+                        return false;
+                    }
+                    if (!place(done, n_w, src_w) || !place(done + n_w, n_t, src_t)) {
+                        return false;
+                    }
+                    done += n_w + n_t;
+                }
+            }
+        }
+    }
+
+    return true;
+}
+
+void llama_kv_cache::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo) {
+    for (const auto & layer : layers) {
+        for (ggml_tensor * win : { layer.k, layer.v }) {
+            if (!win) {
+                continue;
+            }
+            ggml_tensor * tail = win == layer.k ? layer.k_tail : layer.v_tail;
+            for (const uint32_t c : sinfo.idxs[0]) {
+                ggml_tensor * t = c < rkv_wc ? win : tail;
+                const uint32_t r = c < rkv_wc ? c : c - rkv_wc;
+                llama_clear_tensor_data(t, strm*t->nb[2] + r*t->nb[1], t->nb[1]);
+            }
+        }
+    }
+}
+
+//
+// llama_kv_cache_context
+//
+
+ggml_tensor * llama_kv_cache_context::rkv_get_k_tail(ggml_context * ctx, int32_t il) const {
+    return kv->rkv_get_k_tail(ctx, il, n_kv, sinfos[i_cur]);
+}
+
+ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t il) const {
+    return kv->rkv_get_v_tail(ctx, il, n_kv, sinfos[i_cur]);
+}
+
+void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+    if (ggml_tensor * t = kv->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il)) {
+        ggml_build_forward_expand(gf, t);
+    }
+}
+
+void llama_kv_cache_context::rkv_cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+    if (ggml_tensor * t = kv->rkv_cpy_v_tail(ctx, v_cur, v_idxs, il)) {
+        ggml_build_forward_expand(gf, t);
+    }
+}

@@ -1,0 +1,218 @@
+"""The split KV cache on CPU, end to end on the demo model: plan, refusals, exactness (teacher-forced),
+state save/load, llama-server greedy equality, flags refused at parse time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.build
+
+# One child process per question: llama_cpp binds one library per process.
+_PRELUDE = """
+import ctypes, json, os
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
+llama_cpp.llama_log_set(_cb, None)
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+def cparams(n_ctx=2048, n_seq=1, unified=False):
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = n_ctx; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1
+    cp.n_threads = 2; cp.n_threads_batch = 2; cp.n_seq_max = n_seq; cp.kv_unified = unified
+    return cp
+"""
+
+
+def _py(cpu_build, demo_model, body: str) -> dict:
+    return run_python(_PRELUDE + body, cpu_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(demo_model)})
+
+
+def test_plan_window_and_tail_types(cpu_build, demo_model):
+    r = _py(cpu_build, demo_model, """
+out = {}
+for name, kw in {"f16": dict(mode="window", window_cells=256),
+                 "q8": dict(mode="window", window_cells=256, type_k_tail="q8_0", type_v_tail="q8_0"),
+                 "off": dict(mode="off"), "auto": dict(mode="auto"),
+                 "big": dict(mode="window", window_cells=4096)}.items():
+    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
+    out[name] = ext.plan(ctx)
+    llama_cpp.llama_free(ctx)
+print(json.dumps(out))
+""")
+    f16, q8 = r["f16"], r["q8"]
+    assert f16["split"] and f16["mode_chosen"] == "window" and f16["window_cells"] == 256 and f16["tail_cells"] == 2048 - 256
+    assert len(f16["layers"]) == 30 and all(layer["split"] for layer in f16["layers"])
+    row_f16 = 3 * 64 * 2  # 3 KV heads x 64 x f16
+    assert f16["host_bytes"] == 30 * 2 * (1792 + 1) * row_f16  # K and V tails (+1 trash row each)
+    assert q8["type_k_tail"] == "q8_0" and q8["host_bytes"] == 30 * 2 * (1792 + 1) * (3 * 64 // 32 * 34)
+    assert q8["device_bytes"] == f16["device_bytes"]
+    for name in ("off", "auto", "big"):
+        assert not r[name]["split"] and r[name]["host_bytes"] == 0 and r[name]["reason"]
+    assert r["off"]["device_bytes"] == 30 * 2 * 2048 * row_f16
+    assert "whole cache" in r["big"]["reason"]
+
+
+def test_refusals_return_null(cpu_build, demo_model):
+    r = _py(cpu_build, demo_model, """
+res = {}
+res["head"] = bool(ext.init_context(model, cparams(), ext.make_params(mode="head")))
+p = ext.make_params(mode="window", window_cells=256); p.type_k_tail = 10  # q2_K: not readable by flash attention
+res["q2k_tail"] = bool(ext.init_context(model, cparams(), p))
+cp = cparams(); cp.flash_attn_type = 0  # FA off: the split cannot serve it, stays resident
+ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256))
+res["fa_off_plan"] = ext.plan(ctx) if ctx else None
+print(json.dumps(res))
+""")
+    assert r["head"] is False and r["q2k_tail"] is False
+    assert r["fa_off_plan"] is not None and not r["fa_off_plan"]["split"] and "flash" in r["fa_off_plan"]["reason"].lower()
+
+
+def _gate(cpu_build, demo_model, tmp_path, *args):
+    import os
+
+    out = tmp_path / "gate.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", "--model", str(demo_model),
+                           "--synthetic-tokens", "2048", "--ctx", "2304", "--threads", "2", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=900, env=env)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [256, 1024, 1152])  # 1152 = half the context
+def test_f16_tail_is_exact_teacher_forced(cpu_build, demo_model, tmp_path, window):
+    proc, r = _gate(cpu_build, demo_model, tmp_path, "--kv-window-cells", str(window))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = r["metrics"]
+    assert m["n"] == 2048 and m["mean_tv"] <= 1e-4 and m["real_frac"] == 0.0
+    assert r["candidate"]["plan"]["split"] and r["candidate"]["plan"]["window_cells"] == window
+
+
+@pytest.mark.slow
+def test_q8_0_tail_under_f16_window(cpu_build, demo_model, tmp_path):
+    thresholds = tmp_path / "t.yaml"
+    thresholds.write_text("quantized: {max_mean_tv: 0.01, min_top1_agreement: 0.99}\n")
+    proc, r = _gate(cpu_build, demo_model, tmp_path, "--kv-window-cells", "1024", "-ctkt", "q8_0", "-ctvt", "q8_0",
+                    "--thresholds", str(thresholds))
+    assert r is not None, proc.stderr[-3000:]
+    m = r["metrics"]
+    assert r["profile"] == "quantized"
+    assert proc.returncode == 0, json.dumps(m, indent=1)
+    assert m["mean_tv"] <= 0.01 and m["top1_agreement"] >= 0.99
+
+
+def test_state_round_trip_across_splits(cpu_build, demo_model):
+    """A state saved from a spilled context loads back exactly into the same split; a same-type state moves
+    between splits (and to the resident cache) exactly; a mixed-type state loads into another layout only
+    by converting rows (close, same argmax) or is refused with an error: never silently wrong."""
+    r = _py(cpu_build, demo_model, """
+import numpy as np
+toks = [(i * 37 + 11) % 20000 + 100 for i in range(700)]
+def new(kw):
+    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
+    assert ctx
+    return ctx
+def feed(ctx, tokens, pos0):
+    b = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    for i, t in enumerate(tokens):
+        b.token[i] = t; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(tokens) - 1
+    b.n_tokens = len(tokens)
+    assert llama_cpp.llama_decode(ctx, b) == 0
+    llama_cpp.llama_batch_free(b)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+def saved(kw):
+    a = new(kw)
+    feed(a, toks[:512], 0); feed(a, toks[512:699], 512)
+    size = llama_cpp.llama_state_get_size(a)
+    buf = (ctypes.c_uint8 * size)()
+    assert llama_cpp.llama_state_get_data(a, buf, size) == size
+    ref = feed(a, toks[699:700], 699)
+    llama_cpp.llama_free(a)
+    return buf, size, ref
+def load(kw, buf, size, ref):
+    c = new(kw)
+    n = llama_cpp.llama_state_set_data(c, buf, size)
+    if n == 0:
+        out = "refused"
+    else:
+        got = feed(c, toks[699:700], 699)
+        out = {"exact": bool(np.array_equal(got, ref)), "same_top1": int(got.argmax()) == int(ref.argmax()),
+               "mean_abs": float(np.abs(got - ref).mean())}
+    llama_cpp.llama_free(c)
+    return out
+res = {"mixed": {}, "f16": {}}
+mixed = dict(mode="window", window_cells=256, type_k_tail="q8_0", type_v_tail="q8_0")
+buf, size, ref = saved(mixed)
+for name, kw in {"same": mixed, "other_window": dict(mixed, window_cells=512),
+                 "f16_tail": dict(mode="window", window_cells=256), "resident": dict(mode="off")}.items():
+    res["mixed"][name] = load(kw, buf, size, ref)
+f16 = dict(mode="window", window_cells=256)
+buf, size, ref = saved(f16)
+for name, kw in {"same": f16, "other_window": dict(f16, window_cells=512), "resident": dict(mode="off")}.items():
+    res["f16"][name] = load(kw, buf, size, ref)
+print(json.dumps(res))
+""")
+    assert r["mixed"]["same"]["exact"] and r["f16"]["same"]["exact"], r
+    # same types: the bytes are the same whatever the split, and the CPU op is bit-faithful: exact
+    for name in ("other_window", "resident"):
+        assert r["f16"][name] != "refused" and r["f16"][name]["exact"], r["f16"]
+    # mixed types into another layout: refused, or rows converted (q8_0 <-> f16). A converted load is the
+    # same cache up to rounding: the argmax holds and logits move by q8_0-noise amounts (~0.1 on this
+    # model), where a wrong load (other rows, other positions) moves them by whole units.
+    for name, got in r["mixed"].items():
+        if got != "refused":
+            assert got["same_top1"] and got["mean_abs"] < 0.25, (name, got)
+
+
+def _server(cpu_build, demo_model, tmp_path, name, *args):
+    from rollingkv_cli.server import ServerProcess
+
+    return ServerProcess(cpu_build.artifact("llama-server"),
+                         ["-m", str(demo_model), "-fa", "on", "-t", "2", "--slot-save-path", str(tmp_path), *args],
+                         log_path=tmp_path / f"{name}.log")
+
+
+def _long_prompt(n_chars: int) -> str:
+    from rollingkv_cli.gate_runner import synthetic_text
+
+    return synthetic_text(n_chars)
+
+
+@pytest.mark.slow
+def test_server_greedy_256_after_3000_token_prompt_window_equals_resident(cpu_build, demo_model, tmp_path):
+    prompt = _long_prompt(13000)
+    outs, props = {}, {}
+    for name, extra in (("resident", ["--kv-residency-mode", "off"]), ("window", ["--kv-residency-mode", "window", "--kv-window-cells", "1024"])):
+        with _server(cpu_build, demo_model, tmp_path, name, "-c", "4096", "-np", "1", *extra) as srv:
+            r = srv.request("/completion", {"prompt": prompt, "n_predict": 256, "temperature": 0, "seed": 0, "ignore_eos": True, "cache_prompt": False}, timeout=900)
+            outs[name] = r["content"]
+            assert r["tokens_evaluated"] >= 3000 and r["tokens_predicted"] == 256
+            props[name] = srv.request("/props")["rolling_kv"]
+    assert props["window"]["split"] and props["window"]["window_cells"] == 1024
+    assert not props["resident"]["split"]
+    assert outs["window"] == outs["resident"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-residency-mode", "sideways"], "sideways"),
+    (["-ctkt", "q3_k"], "q3_k"),
+    (["--kv-window-cells", "-5"], "kv-window-cells"),
+    (["--vram-target", "abc"], "vram-target"),
+    (["--pcie-bw-gbps", "-1"], "pcie-bw-gbps"),
+])
+def test_server_refuses_bad_flags_at_parse_time(cpu_build, demo_model, args, message):
+    proc = subprocess.run([str(cpu_build.artifact("llama-server")), "-m", str(demo_model), *args, "--port", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert message in (proc.stdout + proc.stderr)

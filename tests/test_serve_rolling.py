@@ -1,0 +1,176 @@
+"""`rollingkv serve` with a spilled cache: same greedy answers as a resident server, under concurrency,
+and slot save/restore of a spilled slot. Real llama-server processes (CPU build, demo model)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from rollingkv_cli.server import free_port
+
+pytestmark = [pytest.mark.build, pytest.mark.slow]
+
+
+def _prompt(k: int, n_chars: int = 3200) -> str:
+    from rollingkv_cli.gate_runner import synthetic_text
+
+    return f"Document {k}.\n" + synthetic_text(n_chars, seed=k) + "\nSummary of the document in one sentence:"
+
+
+class Serve:
+    """`rollingkv serve` as a user runs it, in its own process group."""
+
+    def __init__(self, cpu_build, tmp_path, name, *flags):
+        self.port = free_port()
+        env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(tmp_path / f"cache-{name}"), "PYTHONUNBUFFERED": "1"}
+        # the demo model comes from the shared cache: point the isolated cache's models/ at it
+        models = tmp_path / f"cache-{name}" / "models"
+        models.parent.mkdir(parents=True, exist_ok=True)
+        from rollingkv_cli import models as m
+
+        models.symlink_to(m.demo_path().parent, target_is_directory=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "--port", str(self.port), "-q", *flags, "--", "-t", "2"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("rollingkv serve did not come up")
+
+    def post(self, path, payload, timeout=600):
+        import json
+
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path):
+        import json
+
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0, out
+        self.output = out
+
+
+WINDOW = ["--kv-residency-mode", "window", "--kv-window-cells", "256"]
+RESIDENT = ["--kv-residency-mode", "off"]
+
+
+def _answers(srv, prompts, n_predict=24):
+    comp = [srv.post("/completion", {"prompt": p, "n_predict": n_predict, "temperature": 0, "seed": 0})["content"] for p in prompts]
+    chat = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": prompts[0]}], "max_tokens": n_predict, "temperature": 0, "seed": 0})
+    return comp, chat["choices"][0]["message"]["content"]
+
+
+def test_window_answers_equal_resident(cpu_build, demo_model, tmp_path):
+    prompts = [_prompt(1)]
+    with Serve(cpu_build, tmp_path, "resident", "-c", "2048", *RESIDENT) as srv:
+        ref = _answers(srv, prompts)
+    with Serve(cpu_build, tmp_path, "window", "-c", "2048", *WINDOW) as srv:
+        plan = srv.get("/props")["rolling_kv"]
+        got = _answers(srv, prompts)
+        slots = srv.get("/slots")
+    assert plan["split"] and plan["window_cells"] == 256
+    assert max(s.get("n_ctx", 0) for s in slots) == 2048
+    assert got == ref
+    assert "window" in srv.output  # the plan was printed at start
+
+
+def _first_token_distribution(r) -> dict[int, float]:
+    import math
+
+    return {t["id"]: math.exp(t["logprob"]) for t in r["completion_probabilities"][0]["top_logprobs"]}
+
+
+def _deviation(got, ref) -> float:
+    """Largest top-10 next-token probability difference over the requests; checks the argmax where clear."""
+    worst = 0.0
+    for r_got, r_ref in zip(got, ref):
+        p, q = _first_token_distribution(r_got), _first_token_distribution(r_ref)
+        top_ref = max(q, key=q.get)
+        margin = q[top_ref] - max([v for k, v in q.items() if k != top_ref] or [0.0])
+        if margin > 0.1:
+            assert max(p, key=p.get) == top_ref, (p, q)
+        common = set(p) & set(q)
+        assert len(common) >= 8
+        worst = max(worst, max(abs(p[k] - q[k]) for k in common))
+    return worst
+
+
+def test_four_concurrent_clients_spilled(cpu_build, demo_model, tmp_path):
+    """4 clients x 2 rounds of 8 requests against --parallel 4 with every sequence spilled.
+
+    llama.cpp's CPU flash attention picks its arithmetic by batch shape (tiled f32 for >= 64 rows of a
+    stream, one-chunk f16 otherwise), and concurrent batch composition depends on timing: the upstream
+    resident server itself is not bitwise deterministic under concurrency (measured: 3 of 8 16-token greedy
+    answers identical between two concurrent rounds). So the check is what concurrency can promise: every
+    request completes, the prompts reach into the tail, and the spilled server under concurrency deviates
+    from the resident server's sequential answers (next-token top-10 probabilities) no more than the
+    resident server under the same concurrency does, up to a small floor."""
+    prompts = [_prompt(k, 2600) for k in range(8)]
+    payload = {"n_predict": 1, "temperature": 0, "seed": 0, "cache_prompt": False, "n_probs": 10}
+
+    def run_all(srv):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(srv.post, "/completion", {"prompt": p, **payload}) for p in prompts]
+            return [f.result() for f in futs]
+
+    with Serve(cpu_build, tmp_path, "resident4", "-c", "8192", "-np", "4", *RESIDENT) as srv:
+        ref = [srv.post("/completion", {"prompt": p, **payload}) for p in prompts]
+        baseline = max(_deviation(run_all(srv), ref) for _ in range(2))
+    with Serve(cpu_build, tmp_path, "window4", "-c", "8192", "-np", "4", *WINDOW) as srv:
+        plan = srv.get("/props")["rolling_kv"]
+        seq = [srv.post("/completion", {"prompt": p, **payload}) for p in prompts]
+        rounds = [run_all(srv), run_all(srv)]
+    assert plan["split"] and plan["n_stream"] == 4 and plan["tail_cells"] == 2048 - 256
+    assert all(r["tokens_evaluated"] > 256 for r in seq), "the prompts reach into the tail"
+    # sequentially, batch shapes are the resident run's: the spilled server answers exactly alike
+    assert [r["completion_probabilities"] for r in seq] == [r["completion_probabilities"] for r in ref]
+    for got in rounds:
+        assert len(got) == len(prompts)
+        assert _deviation(got, ref) <= max(0.01, 2 * baseline), baseline
+
+
+def _save_erase_restore_generate(srv, prompt: str) -> dict:
+    a = srv.post("/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0, "id_slot": 0, "cache_prompt": True})
+    saved = srv.post("/slots/0?action=save", {"filename": "slot0.bin"})
+    srv.post("/slots/0?action=erase", {})
+    restored = srv.post("/slots/0?action=restore", {"filename": "slot0.bin"})
+    b = srv.post("/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0, "id_slot": 0, "cache_prompt": True})
+    return {"evaluated": a["tokens_evaluated"], "n_saved": saved["n_saved"], "n_restored": restored["n_restored"],
+            "cached": b["tokens_cached"], "content": b["content"]}
+
+
+def test_slot_save_restore_of_a_spilled_slot(cpu_build, demo_model, tmp_path):
+    """Save a slot whose cache reaches into the host tail, erase it, restore it: the restored cache is reused
+    (not recomputed) and the continuation is exactly what the resident server gives for the same steps."""
+    prompt = _prompt(5)
+    with Serve(cpu_build, tmp_path, "slots", "-c", "2048", *WINDOW) as srv:
+        assert srv.get("/props")["rolling_kv"]["split"]
+        got = _save_erase_restore_generate(srv, prompt)
+    with Serve(cpu_build, tmp_path, "slots-ref", "-c", "2048", *RESIDENT) as srv:
+        ref = _save_erase_restore_generate(srv, prompt)
+    assert got["evaluated"] > 256 and got["n_saved"] > 256  # the saved cache reaches into the tail
+    assert got["n_restored"] == got["n_saved"]
+    assert got["cached"] >= got["n_saved"] - 1  # reused, not recomputed
+    assert got == ref
