@@ -186,8 +186,8 @@ def test_synthetic_text_is_deterministic():
 
 # ---------------------------------------------------------------- real runs on the CPU build
 
-def _gate(cpu_build, args, timeout=300):
-    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+def _gate(cpu_build, args, timeout=300, env_extra=None):
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), **(env_extra or {})}
     env.pop("LLAMA_CPP_LIB_PATH", None)
     return subprocess.run([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -218,13 +218,11 @@ def test_e2e_resident_vs_off_is_exact(cpu_build, demo_model, tmp_path):
 
 @pytest.mark.build
 def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
-    """Today: refused with one line (no residency API in the build). Once the C side lands: the real gate."""
+    """A split cache (window 256 of 1024) against the resident run: same-type tail, exact."""
+    assert _has_residency(cpu_build.lib_dir)
     out = tmp_path / "r.json"
     proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "--json", str(out)])
     assert "Traceback" not in proc.stderr
-    if not _has_residency(cpu_build.lib_dir):
-        assert proc.returncode == 1 and "this build has no KV residency API; rebuild" in proc.stderr
-        return
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())
     assert r["profile"] == "same_type" and r["metrics"]["mean_tv"] <= 1e-4 and r["candidate"]["plan"]
@@ -257,3 +255,14 @@ def test_runner_refuses_residency_on_an_unpatched_library(unpatched_build, demo_
     assert proc.returncode == 1
     err = [line for line in proc.stdout.splitlines() if line.startswith("ERROR ")]
     assert err and "no KV residency API" in json.loads(err[0][6:])["message"]
+
+
+@pytest.mark.build
+def test_gate_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
+    """The gate can fail: the op's debug switch scales every tail score by (1+x) in the candidate only."""
+    out = tmp_path / "r.json"
+    env_proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "--json", str(out)],
+                     env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
+    assert env_proc.returncode == 1, env_proc.stdout + env_proc.stderr
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "fail" and r["metrics"]["mean_tv"] > 1e-4
