@@ -10,8 +10,8 @@
 //    included). On the CPU backend the output must be BIT-IDENTICAL to the reference
 //    (the CPU kernel runs ops.cpp's own path - split-KV decode, tiled or one-chunk -
 //    over the virtual concatenation; printed as "bitexact" / "DIFF n"). On other
-//    backends only the NMSE is checked: 5e-7, or 1e-4 for F16 V (f16 accumulation
-//    makes the result depend on the KV partitioning).
+//    backends only the NMSE is checked, against the same 5e-7 (the CUDA parts run the
+//    stock kernels; on the H200 same-type cases measured <= 4.6e-7).
 //  - mixed window/tail types: window and tail are separate tensors of their own types
 //    holding the same floats; the reference is ggml_flash_attn_ext over an F32
 //    concatenation of the dequantized window and tail. Q is then not quantized to
@@ -26,7 +26,7 @@
 //    ggml's CUDA flash attention writes NaN (0/0) there, and such reference values are taken
 //    as 0 (counted on the case line as ref-masked-nan-as-0).
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick]
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N]
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
 
 #include "ggml.h"
@@ -497,6 +497,7 @@ int main(int argc, char ** argv) {
     std::string backend_name = "CPU";
     bool quick   = false;
     bool verbose = false;
+    long only    = -1; // --only N: run case N alone (to isolate one case, e.g. under compute-sanitizer)
     int  n_threads = (int) std::max(1u, std::thread::hardware_concurrency());
 
     for (int i = 1; i < argc; ++i) {
@@ -509,8 +510,10 @@ int main(int argc, char ** argv) {
             quick = true;
         } else if (a == "-v") {
             verbose = true;
+        } else if (a == "--only" && i + 1 < argc) {
+            only = atol(argv[++i]);
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N]\n", argv[0]);
             return 2;
         }
     }
@@ -545,6 +548,9 @@ int main(int argc, char ** argv) {
 
     for (size_t i = 0; i < cases.size(); ++i) {
         const auto & c = cases[i];
+        if (only >= 0 && (long) i != only) {
+            continue;
+        }
         double err = 0.0, thr = 0.0;
         const auto t0 = std::chrono::steady_clock::now();
         g_extra.clear();
