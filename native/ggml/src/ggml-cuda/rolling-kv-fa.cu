@@ -218,6 +218,12 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
         if (parts[i].v->ne[0] != op->ne[0]) {
             return false;
         }
+        // F32 K/V parts: on the H200 an F32 prefill case (n_q 100, parts of 170 + 130 cells) hit a device
+        // trap inside the stock MMA kernel (compute-sanitizer, docs/perf/2026-11-30-gpu-session.md). Not
+        // understood yet, so F32 caches (never a default) run the op on the CPU instead.
+        if (parts[i].k->type == GGML_TYPE_F32 || parts[i].v->type == GGML_TYPE_F32) {
+            return false;
+        }
         ggml_tensor m;
         if (mask) {
             rkv_mask_header(m, mask, parts[i], false, parts[i].n);
