@@ -216,3 +216,20 @@ def test_server_refuses_bad_flags_at_parse_time(cpu_build, demo_model, args, mes
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert message in (proc.stdout + proc.stderr)
+
+
+@pytest.mark.slow
+def test_context_shift_on_a_split_cache_equals_resident(cpu_build, demo_model, tmp_path):
+    """Generation past the context with --context-shift: seq_rm + K-shift (RoPE re-rotation of every cached
+    key, in the window AND in the host tail) + non-monotone cell reuse. Greedy output equals the resident
+    server's, and the shift really happened."""
+    prompt = _long_prompt(900)
+    outs = {}
+    for name, extra in (("resident", ["--kv-residency-mode", "off"]), ("window", ["--kv-residency-mode", "window", "--kv-window-cells", "128"])):
+        with _server(cpu_build, demo_model, tmp_path, f"shift-{name}", "-c", "512", "-np", "1", "--context-shift", *extra) as srv:
+            r = srv.request("/completion", {"prompt": prompt, "n_predict": 450, "temperature": 0, "seed": 0,
+                                            "ignore_eos": True, "n_keep": 32, "cache_prompt": False}, timeout=900)
+            outs[name] = r["content"]
+        log = (tmp_path / f"shift-{name}.log").read_text()
+        assert "context shift" in log, "the generation must run past the context"
+    assert outs["window"] == outs["resident"]
