@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections import deque
@@ -245,14 +244,9 @@ def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -
     except BaseException:
         log_file.flush()
         # Ctrl-C or anything else: take ninja and the compilers down with us, never orphan them.
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except Exception:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except Exception:
-                pass
+        from rollingkv_cli.procs import stop_group
+
+        stop_group(proc)
         raise
 
 

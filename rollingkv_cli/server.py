@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -94,21 +93,11 @@ class ServerProcess:
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the whole group."""
+        from rollingkv_cli.procs import stop_group
+
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=grace)
+        stop_group(self.proc, grace)
         if self._log_file:
             self._log_file.close()
             self._log_file = None

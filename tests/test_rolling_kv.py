@@ -233,3 +233,30 @@ def test_context_shift_on_a_split_cache_equals_resident(cpu_build, demo_model, t
         log = (tmp_path / f"shift-{name}.log").read_text()
         assert "context shift" in log, "the generation must run past the context"
     assert outs["window"] == outs["resident"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-residency-mode", "bogus"], "bogus"),
+    (["-ctkt", "q3_k"], "q3_k"),
+    (["--kv-window-cells", "-5"], "kv-window-cells"),
+    (["--kv-residency-mode", "head"], "not implemented"),
+])
+def test_bench_refuses_bad_flags(cpu_build, demo_model, args, message):
+    proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr
+
+
+def test_bench_sweeps_residency(cpu_build, demo_model):
+    """llama-bench gets the same flags: one row per mode, with the effective window/tail cells from the plan."""
+    proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "-p", "32", "-n", "4", "-r", "1", "-fa", "1",
+                           "-t", "2", "-d", "512", "-o", "json", "--kv-residency-mode", "window,off", "--kv-window-cells", "256"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    by_mode = {(r["kv_mode"], r["n_gen"]) for r in rows}
+    assert by_mode == {("window", 0), ("window", 4), ("off", 0), ("off", 4)}
+    for r in rows:
+        if r["kv_mode"] == "window":
+            assert r["window_cells"] == 256 and r["tail_cells"] > 0 and r["avg_ts"] > 0
+        else:
+            assert r["window_cells"] == 0 and r["tail_cells"] == 0

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -340,14 +339,9 @@ def _run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, pro
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except Exception:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except Exception:
-            pass
+    from rollingkv_cli.procs import stop_group
+
+    stop_group(proc)
 
 
 def _fmt(v) -> str:
