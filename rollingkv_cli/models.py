@@ -99,6 +99,8 @@ class SynthSpec:
     ctx: int
     type: str = "f16"  # f16 | q8_0
     seed: int = 0
+    arch: str = "llama"  # llama | gemma2 (interleaved sliding-window attention: every other layer local)
+    sliding_window: int = 128  # gemma2 only
 
     def validate(self) -> None:
         if min(self.layers, self.embd, self.heads, self.kv_heads, self.ff, self.ctx) < 1:
@@ -111,6 +113,8 @@ class SynthSpec:
             abort("--vocab must be at least 260 (3 control tokens + 256 byte tokens + 1)")
         if self.type == "q8_0" and (self.embd % 32 or self.ff % 32):
             abort("q8_0 needs --embd and --ff to be multiples of 32")
+        if self.arch not in ("llama", "gemma2"):
+            abort(f"unknown architecture {self.arch!r}", "use llama or gemma2")
 
 
 def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -145,7 +149,11 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
             (p + "ffn_up.weight", (spec.ff, spec.embd), True),
             (p + "ffn_down.weight", (spec.embd, spec.ff), True),
         ]
-    shapes += [("output_norm.weight", (spec.embd,), False), ("output.weight", (spec.vocab, spec.embd), True)]
+        if spec.arch == "gemma2":
+            shapes += [(p + "post_attention_norm.weight", (spec.embd,), False), (p + "post_ffw_norm.weight", (spec.embd,), False)]
+    shapes += [("output_norm.weight", (spec.embd,), False)]
+    if spec.arch == "llama":  # gemma2 ties the output to the token embedding
+        shapes.append(("output.weight", (spec.vocab, spec.embd), True))
     largest = max(int(np.prod(s)) for _, s, mat in shapes if mat)
     rng = np.random.default_rng(spec.seed)
     std = 1.0 / np.sqrt(spec.embd)
@@ -163,7 +171,7 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
     w.add_name(f"rollingkv-synth-{spec.layers}L-{spec.embd}d")
     w.add_context_length(spec.ctx)
     w.add_embedding_length(spec.embd)
@@ -174,6 +182,10 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
+    if spec.arch == "gemma2":
+        w.add_sliding_window(spec.sliding_window)
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
     w.add_file_type(7 if quant else 1)
     w.add_vocab_size(spec.vocab)
     tokens, scores, types = _tokenizer(spec.vocab)

@@ -260,3 +260,27 @@ def test_bench_sweeps_residency(cpu_build, demo_model):
             assert r["window_cells"] == 256 and r["tail_cells"] > 0 and r["avg_ts"] > 0
         else:
             assert r["window_cells"] == 0 and r["tail_cells"] == 0
+
+
+@pytest.mark.slow
+def test_iswa_only_full_attention_layers_split_and_stay_exact(cpu_build, tmp_path):
+    """An interleaved sliding-window model (synthetic gemma2: layers 0, 2 local, 1, 3 global): only the global
+    layers' cache splits (the plan lists just them), and teacher-forced logits equal the resident run's."""
+    import os
+
+    from rollingkv_cli import models
+
+    model = models.write_synthetic(tmp_path / "g2.gguf", models.SynthSpec(layers=4, embd=256, heads=4, kv_heads=2, ff=512, vocab=1000,
+                                                                          ctx=4096, arch="gemma2", sliding_window=128))
+    out = tmp_path / "gate.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", "--model", str(model), "--synthetic-tokens", "1024",
+                           "--ctx", "1280", "--threads", "2", "--kv-window-cells", "256", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    plan = r["candidate"]["plan"]
+    assert plan["split"] and sorted(layer["il"] for layer in plan["layers"]) == [1, 3]
+    assert all(layer["split"] and layer["window_cells"] == 256 for layer in plan["layers"])
+    assert r["metrics"]["mean_tv"] <= 1e-4 and r["metrics"]["real_frac"] == 0.0

@@ -37,15 +37,17 @@ def demo(print_path: bool) -> None:
 @click.option("--ctx", type=int, default=131072, show_default=True, help="Trained context length written to the GGUF.")
 @click.option("--type", "wtype", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--arch", type=click.Choice(["llama", "gemma2"]), default="llama", show_default=True, help="gemma2: interleaved sliding-window attention (iSWA), every other layer local.")
+@click.option("--sliding-window", type=click.IntRange(min=1), default=128, show_default=True, help="Window of the local layers (gemma2).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, force) -> None:
+def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window, force) -> None:
     """Write a Llama-shaped GGUF with random weights to OUT (defaults: the anchors' 28-layer, 8-KV-head model)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, success
 
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to overwrite it")
-    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed)
+    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window)
     with console.status(f"writing {out}"):
         models.write_synthetic(out, spec)
     head_dim = embd // heads
