@@ -4,13 +4,12 @@ pre-flight checks, supervision, live status. The click layer is commands/serve.p
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import signal
 import time
 import urllib.error
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
@@ -332,12 +331,3 @@ class _null:
 
     def __exit__(self, *a):
         return False
-
-
-def settings_dict(s: ServeSettings) -> dict:
-    d = asdict(s)
-    d["model"] = str(s.model)
-    return d
-
-
-__all__ = ["ServeSettings", "resolve_settings", "serve", "server_command_args", "describe_plan", "settings_dict", json.__name__]
