@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -283,6 +285,36 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
         if activate and not opts.unpatched:
             set_active(bdir)
         return existing  # nothing changed: a no-op
+    bdir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(bdir):
+        # another process may have finished the same build while we waited for the lock
+        existing = Build.load(bdir)
+        if existing is not None:
+            if activate and not opts.unpatched:
+                set_active(bdir)
+            return existing
+        return _build_locked(opts, series, bdir, jobs, quiet, activate)
+
+
+@contextlib.contextmanager
+def _build_lock(bdir: Path):
+    """One build per directory at a time (parallel test sessions or two terminals would otherwise share a tree)."""
+    with open(bdir / ".lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            console.print(f"[dim]waiting for another build of {bdir.name} to finish[/]")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, jobs: int | None, quiet: bool,
+                  activate: bool) -> Build:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
     source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
     bdir.mkdir(parents=True, exist_ok=True)
