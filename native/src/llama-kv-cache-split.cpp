@@ -13,8 +13,10 @@
 #include "llama-model.h"
 #include "llama-context.h"
 #include "llama-kv-residency.h"
+#include "ggml-rolling-kv.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -105,6 +107,17 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
     if (layer.v) {
         layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, layer.v->ne[0], rows, n_stream);
         ggml_format_name(layer.v_tail, "cache_v_tail_l%d", layer.il);
+    }
+
+    // a tail in a GPU's pinned memory is accessed in place by that GPU (new rows written through unified addressing,
+    // attention streaming it in bulk) instead of being copied whole by the scheduler before every graph;
+    // LLAMA_RKV_SCHED_COPY=1 keeps the scheduler's copies (a baseline for the benchmark)
+    const char * sched_copy = getenv("LLAMA_RKV_SCHED_COPY");
+    if (buft != ggml_backend_cpu_buffer_type() && !(sched_copy && atoi(sched_copy) != 0)) {
+        ggml_set_streamed(layer.k_tail);
+        if (layer.v_tail) {
+            ggml_set_streamed(layer.v_tail);
+        }
     }
 }
 

@@ -26,7 +26,7 @@
 //    ggml's CUDA flash attention writes NaN (0/0) there, and such reference values are taken
 //    as 0 (counted on the case line as ref-masked-nan-as-0).
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N]
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host]
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
 
 #include "ggml.h"
@@ -187,6 +187,13 @@ enum result { RES_PASS, RES_FAIL, RES_SKIP };
 
 static std::string g_extra; // extra per-case info printed on the case line
 
+// --tail-host: the tail K/V live in the device's pinned host buffer type, flagged streamed, and the graph runs
+// through a ggml_backend_sched of {device, CPU}: the op must stream the tail itself (the scheduler may neither
+// move the op to the CPU nor copy the tail: one split, no device compute buffer), and three evaluations of the
+// same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
+static bool           g_tail_host   = false;
+static ggml_backend_t g_cpu_backend = nullptr;
+
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
 
@@ -241,6 +248,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     const size_t ctx_size = 64*ggml_tensor_overhead() + ggml_graph_overhead();
     ggml_init_params ip = { ctx_size, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
+    ggml_context * ctx_host = g_tail_host ? ggml_init(ip) : nullptr; // tail storages (pinned host)
+    std::vector<kv_dev> kvs_host;
 
     ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head, ne3);
     ggml_tensor * m = c.mask != MASK_NONE ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_q_pad, 1, 1) : nullptr;
@@ -256,15 +265,21 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         kref = kvs[0].view;
         vref = kvs[1].view;
         if (s > 0)    { kw = sub_cells(ctx, kref, 0, s);    vw = sub_cells(ctx, vref, 0, s); }
-        if (s < n_kv) { kt = sub_cells(ctx, kref, s, n_kv); vt = sub_cells(ctx, vref, s, n_kv); }
+        if (s < n_kv && !g_tail_host) { kt = sub_cells(ctx, kref, s, n_kv); vt = sub_cells(ctx, vref, s, n_kv); }
+        if (s < n_kv && g_tail_host) {
+            // same bytes as the reference's cells [s, n_kv) (rows are quantized independently), in host memory
+            kvs_host.push_back(make_kv(ctx_host, c.tkt, hk, s, n_kv, c.cache_layout, 3)); kt = kvs_host.back().view;
+            kvs_host.push_back(make_kv(ctx_host, c.tvt, hv, s, n_kv, c.cache_layout, 3)); vt = kvs_host.back().view;
+        }
     } else {
         if (s > 0) {
             kvs.push_back(make_kv(ctx, c.tkw, hk, 0, s, c.cache_layout, 3)); kw = kvs.back().view;
             kvs.push_back(make_kv(ctx, c.tvw, hv, 0, s, c.cache_layout, 3)); vw = kvs.back().view;
         }
         if (s < n_kv) {
-            kvs.push_back(make_kv(ctx, c.tkt, hk, s, n_kv, c.cache_layout, 3)); kt = kvs.back().view;
-            kvs.push_back(make_kv(ctx, c.tvt, hv, s, n_kv, c.cache_layout, 3)); vt = kvs.back().view;
+            auto & dst = g_tail_host ? kvs_host : kvs;
+            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tkt, hk, s, n_kv, c.cache_layout, 3)); kt = dst.back().view;
+            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tvt, hv, s, n_kv, c.cache_layout, 3)); vt = dst.back().view;
         }
         // reference: F32 concatenation of what the window/tail hold after quantization
         kv_host rk = hk, rv = hv;
@@ -299,7 +314,20 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_prec_set_acc(ref, GGML_PREC_F32);
 
 
+    ggml_backend_buffer_t buf_host = nullptr;
+    if (g_tail_host && !kvs_host.empty()) {
+        ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(ggml_backend_get_device(backend));
+        GGML_ASSERT(host_buft && "--tail-host needs a device with a pinned host buffer type");
+        buf_host = ggml_backend_alloc_ctx_tensors_from_buft(ctx_host, host_buft);
+        GGML_ASSERT(buf_host);
+        for (auto & kv : kvs_host) {
+            ggml_set_streamed(kv.storage);
+        }
+    }
+
     if (!ggml_backend_supports_op(backend, out) || !ggml_backend_supports_op(backend, ref)) {
+        if (buf_host) ggml_backend_buffer_free(buf_host);
+        if (ctx_host) ggml_free(ctx_host);
         ggml_free(ctx);
         return RES_SKIP;
     }
@@ -314,20 +342,50 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_backend_tensor_set(q, hq.data(), 0, ggml_nbytes(q));
     if (m)  ggml_backend_tensor_set(m, hm.data(), 0, ggml_nbytes(m));
     if (sk) ggml_backend_tensor_set(sk, hs.data(), 0, ggml_nbytes(sk));
-    for (auto & kv : kvs) {
-        GGML_ASSERT(kv.bytes.size() == ggml_nbytes(kv.storage));
-        ggml_backend_tensor_set(kv.storage, kv.bytes.data(), 0, kv.bytes.size());
+    for (auto * set : { &kvs, &kvs_host }) {
+        for (auto & kv : *set) {
+            GGML_ASSERT(kv.bytes.size() == ggml_nbytes(kv.storage));
+            ggml_backend_tensor_set(kv.storage, kv.bytes.data(), 0, kv.bytes.size());
+        }
     }
-
-    const ggml_status st = ggml_backend_graph_compute(backend, gf);
-    GGML_ASSERT(st == GGML_STATUS_SUCCESS);
 
     std::vector<float> ho(ggml_nelements(out)), hr(ggml_nelements(ref));
     GGML_ASSERT(ho.size() == hr.size());
-    ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
+    bool sched_ok = true;
+    if (g_tail_host) {
+        ggml_backend_t backends[2] = { backend, g_cpu_backend };
+        ggml_backend_sched_t sched = ggml_backend_sched_new(backends, nullptr, 2, GGML_DEFAULT_GRAPH_SIZE, false, true);
+        std::vector<float> first;
+        for (int run = 0; run < 3; ++run) {
+            const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
+            GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+            const int    n_splits = ggml_backend_sched_get_n_splits(sched);
+            const size_t dev_buf  = ggml_backend_sched_get_buffer_size(sched, backend);
+            if (n_splits != 1 || dev_buf != 0) {
+                // a tail copied by the scheduler would show up as a device compute buffer (everything else is pre-allocated)
+                g_extra += " SCHED splits=" + std::to_string(n_splits) + " device-buffer=" + std::to_string(dev_buf);
+                sched_ok = false;
+            }
+            ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
+            if (run == 0) {
+                first = ho;
+            } else if (memcmp(first.data(), ho.data(), ho.size()*sizeof(float)) != 0) {
+                g_extra += " REPLAY-DIFF run " + std::to_string(run);
+                sched_ok = false;
+            }
+            ggml_backend_sched_reset(sched);
+        }
+        ggml_backend_sched_free(sched);
+    } else {
+        const ggml_status st = ggml_backend_graph_compute(backend, gf);
+        GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+        ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
+    }
     ggml_backend_tensor_get(ref, hr.data(), 0, ggml_nbytes(ref));
 
     ggml_backend_buffer_free(buf);
+    if (buf_host) ggml_backend_buffer_free(buf_host);
+    if (ctx_host) ggml_free(ctx_host);
     ggml_free(ctx);
 
     // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
@@ -362,7 +420,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     *out_nmse = err;
     *out_thr  = thr;
 
-    bool ok = n_nonfinite == 0 && err <= thr;
+    bool ok = n_nonfinite == 0 && err <= thr && sched_ok;
     if (!c.mixed() && is_cpu) {
         // same types on CPU: bit-identical to ggml_flash_attn_ext over the concatenation
         size_t n_diff = 0;
@@ -512,8 +570,10 @@ int main(int argc, char ** argv) {
             verbose = true;
         } else if (a == "--only" && i + 1 < argc) {
             only = atol(argv[++i]);
+        } else if (a == "--tail-host") {
+            g_tail_host = true;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host]\n", argv[0]);
             return 2;
         }
     }
@@ -529,6 +589,15 @@ int main(int argc, char ** argv) {
     ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
     GGML_ASSERT(backend);
     const bool is_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU; // bit-identity is asserted on CPU only
+    if (g_tail_host) {
+        if (is_cpu || !ggml_backend_dev_host_buffer_type(dev)) {
+            printf("--tail-host: backend %s has no pinned host buffer type, skipping\n", backend_name.c_str());
+            printf("0 passed, 0 failed\n");
+            return 0;
+        }
+        g_cpu_backend = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+        GGML_ASSERT(g_cpu_backend);
+    }
 
     // use all cores on CPU-like backends
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
@@ -537,8 +606,8 @@ int main(int argc, char ** argv) {
         set_n_threads(backend, n_threads);
     }
 
-    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
-        is_cpu ? ", same-type cases must be bit-identical" : "");
+    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
+        is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "");
 
     std::mt19937 rng(1234);
     const auto cases = make_cases(quick);
@@ -570,6 +639,9 @@ int main(int argc, char ** argv) {
     printf("%d skipped, %.1f s\n", n_skip, total_s);
     printf("%d passed, %d failed\n", n_pass, n_fail);
 
+    if (g_cpu_backend) {
+        ggml_backend_free(g_cpu_backend);
+    }
     ggml_backend_free(backend);
     return n_fail == 0 ? 0 : 1;
 }

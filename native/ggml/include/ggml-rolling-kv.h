@@ -64,6 +64,16 @@ extern "C" {
     // number of window cells (k_window->ne[1], or 0 when the window is empty)
     GGML_API int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a);
 
+    // A "streamed" tensor is a KV tail the rolling-KV cache keeps in a GPU's pinned host memory. The backend
+    // scheduler lets that GPU access it in place instead of copying the whole tensor to the device before
+    // every graph: ops that write it (set_rows of the new K/V rows) run on the GPU and write through unified
+    // addressing, and GGML_OP_STREAMING_FLASH_ATTN copies its cells in large blocks on its own stream.
+    // Stored as a bit of ggml_tensor.flags far above ggml's own flags; views inherit it through view_src.
+#define GGML_TENSOR_FLAG_STREAMED (1 << 24)
+
+    GGML_API void ggml_set_streamed(struct ggml_tensor * t);
+    GGML_API bool ggml_is_streamed(const struct ggml_tensor * t); // t or the tensor it views
+
 #ifdef __cplusplus
 }
 #endif

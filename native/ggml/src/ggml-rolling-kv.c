@@ -113,3 +113,13 @@ int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     return ggml_get_op_params_i32(a, 4);
 }
+
+void ggml_set_streamed(struct ggml_tensor * t) {
+    GGML_ASSERT(t->view_src == NULL && "set the streamed flag on the allocated tensor, not on a view");
+    t->flags |= GGML_TENSOR_FLAG_STREAMED;
+}
+
+bool ggml_is_streamed(const struct ggml_tensor * t) {
+    const struct ggml_tensor * root = t->view_src ? t->view_src : t;
+    return (root->flags & GGML_TENSOR_FLAG_STREAMED) != 0;
+}

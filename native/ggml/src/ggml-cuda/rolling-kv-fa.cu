@@ -28,7 +28,16 @@
 // is padded with -inf (or synthesized, if the op has none). Parts built by the rolling-KV cache are
 // 256-aligned, so this exactness fallback is not on the hot path.
 //
-// All tails are device memory here (host-resident tails: see docs/design/cuda-streaming-fa.md §2).
+// A tail in pinned host memory (the rolling-KV cache's tail, flagged streamed: see ggml-rolling-kv.h) is
+// never copied by the scheduler. The op streams it itself: the tail cells of a layer are contiguous rows,
+// so it copies them host to device in a few large cudaMemcpyAsync calls (GGML_RKV_SLOT_MIB per slot, 32 MiB
+// by default: copies of >= 8 MiB run near the link's peak, 1 MiB copies at half of it) into a ring of
+// GGML_RKV_SLOTS device slots (3 by default) on a dedicated copy stream. Per-slot events order the copies
+// against the attention over the previous chunk in the same slot, so the copy of chunk i+1 overlaps the
+// attention over chunk i; each chunk is one more part merged into the running (O, lse). The copy stream
+// forks from the compute stream at the op (after this layer's new K/V rows were written into the tail)
+// and joins it at the end of the op, which keeps CUDA graph capture valid: the copies become memcpy nodes
+// that re-read the host tail at every replay.
 
 #include "rolling-kv-fa.cuh"
 
@@ -147,15 +156,17 @@ static __global__ void rkv_mask_slice(const half * __restrict__ src, half * __re
     }
 }
 
-template <int nparts>
-static __global__ void rkv_merge(
-        const float * O0, const float * __restrict__ lse0,   // O0 may be dst itself (window written in place)
-        const float * __restrict__ O1, const float * __restrict__ lse1,
-        const float * __restrict__ sinks, float * dst, const int DV, const int n_head) {
+// (O_acc, lse_acc) <- (O_acc, lse_acc) (+) (O_p, lse_p), exactly, in f32. `first`: the accumulator is empty (its
+// contents are not read). O_p == nullptr: nothing to add (finalization of a single part). `last`: apply the sinks
+// once and write 0 for rows that every part masked (lse -inf; stock kernels leave 0/0 there). A part's O is never
+// read when its lse is -inf. For two parts this is the arithmetic the op has always used (bit-identical results).
+template <bool first, bool last>
+static __global__ void rkv_merge(float * O_acc, float * lse_acc, const float * __restrict__ O_p, const float * lse_p, // lse_p may be lse_acc
+        const float * __restrict__ sinks, const int DV, const int n_head) {
     const int64_t row = blockIdx.x;
 
-    const float la = lse0[row];
-    const float lb = nparts == 2 ? lse1[row] : -INFINITY;
+    const float la = first ? -INFINITY : lse_acc[row];
+    const float lb = O_p ? lse_p[row] : -INFINITY;
 
     float wa = 0.0f;
     float wb = 0.0f;
@@ -178,7 +189,7 @@ static __global__ void rkv_merge(
 
     // sinks, counted once (a fully masked row stays 0, as in the CPU op)
     float so = 1.0f;
-    if (sinks && l != -INFINITY) {
+    if (last && sinks && l != -INFINITY) {
         const float sk = sinks[row % n_head];
         const float m  = fmaxf(l, sk);
         const float el = expf(l - m);
@@ -188,13 +199,168 @@ static __global__ void rkv_merge(
     for (int d = threadIdx.x; d < DV; d += blockDim.x) {
         float o = 0.0f;
         if (wa != 0.0f) {
-            o += wa*O0[row*DV + d];
+            o += wa*O_acc[row*DV + d];
         }
-        if (nparts == 2 && wb != 0.0f) {
-            o += wb*O1[row*DV + d];
+        if (wb != 0.0f) {
+            o += wb*O_p[row*DV + d];
         }
-        dst[row*DV + d] = o*so;
+        O_acc[row*DV + d] = last ? o*so : o;
     }
+    if (!last) {
+        __syncthreads(); // every thread has read la
+        if (threadIdx.x == 0) {
+            lse_acc[row] = l;
+        }
+    }
+}
+
+//
+// host tail streaming: the slot ring, the copy stream and its events (one per backend context)
+//
+
+#define RKV_MAX_SLOTS 8
+
+struct ggml_cuda_rkv_ring {
+    int         n_slots    = 0;
+    size_t      slot_bytes = 0;
+    char      * base       = nullptr;
+    cudaEvent_t copy_done[RKV_MAX_SLOTS] = {};
+    cudaEvent_t slot_free[RKV_MAX_SLOTS] = {};
+    cudaEvent_t ev_fork = nullptr;
+    cudaEvent_t ev_join = nullptr;
+};
+
+static int rkv_env_int(const char * name, int def, int lo, int hi) {
+    const char * v = getenv(name);
+    if (!v || !*v) {
+        return def;
+    }
+    return std::max(lo, std::min(hi, atoi(v)));
+}
+
+size_t ggml_cuda_rkv_ring_bytes(void) {
+    return (size_t) rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS) * (size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096) * 1024*1024;
+}
+
+void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
+    ggml_cuda_rkv_ring * r = ctx.rkv_ring;
+    if (!r) {
+        return;
+    }
+    ggml_cuda_set_device(ctx.device);
+    if (ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]) {
+        CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]));
+    }
+    for (int i = 0; i < RKV_MAX_SLOTS; ++i) {
+        if (r->copy_done[i]) CUDA_CHECK(cudaEventDestroy(r->copy_done[i]));
+        if (r->slot_free[i]) CUDA_CHECK(cudaEventDestroy(r->slot_free[i]));
+    }
+    if (r->ev_fork) CUDA_CHECK(cudaEventDestroy(r->ev_fork));
+    if (r->ev_join) CUDA_CHECK(cudaEventDestroy(r->ev_join));
+    if (r->base) CUDA_CHECK(cudaFree(r->base));
+    delete r;
+    ctx.rkv_ring = nullptr;
+}
+
+// the ring, with slots of at least `need` bytes. Allocated on the first (eager) evaluation: ggml never captures
+// a graph before it ran eagerly, and the ring never grows for a given model, so no allocation happens in capture.
+static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t need) {
+    if (!ctx.rkv_ring) {
+        ggml_cuda_rkv_ring * r = new ggml_cuda_rkv_ring;
+        r->n_slots = rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS);
+        for (int i = 0; i < r->n_slots; ++i) {
+            CUDA_CHECK(cudaEventCreateWithFlags(&r->copy_done[i], cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventCreateWithFlags(&r->slot_free[i], cudaEventDisableTiming));
+        }
+        CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_fork, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_join, cudaEventDisableTiming));
+        ctx.rkv_ring = r;
+    }
+    ggml_cuda_rkv_ring & r = *ctx.rkv_ring;
+    const size_t want = std::max(need, (size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024);
+    if (r.slot_bytes < need) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
+        GGML_ASSERT(cs == cudaStreamCaptureStatusNone && "rolling-KV: the tail slot ring must grow while a CUDA graph is captured");
+        if (r.base) {
+            CUDA_CHECK(cudaStreamSynchronize(ctx.stream(ctx.device, GGML_CUDA_MAX_STREAMS - 1)));
+            CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+            CUDA_CHECK(cudaFree(r.base));
+            r.base = nullptr;
+        }
+        CUDA_CHECK(cudaMalloc((void **) &r.base, want*r.n_slots));
+        r.slot_bytes = want;
+        GGML_LOG_INFO("%s: rolling KV: tail slot ring on %s: %d x %.1f MiB\n", __func__, ctx.name.c_str(), r.n_slots, want/1024.0/1024.0);
+    }
+    return r;
+}
+
+static bool rkv_is_host(const ggml_tensor * t) {
+    const ggml_tensor * root = t->view_src ? t->view_src : t;
+    return root->buffer && ggml_backend_buffer_is_host(root->buffer);
+}
+
+// cells [c0, c0 + n) of one stream of a tail view are one contiguous byte range (heads packed in the cell row)
+static bool rkv_rows_contiguous(const ggml_tensor * t) {
+    return t->nb[0] == ggml_type_size(t->type) && t->nb[2] == ggml_row_size(t->type, t->ne[0]) && t->nb[1] == t->ne[2]*t->nb[2];
+}
+
+// one tail chunk of a host tail: cells [c0, c0 + n) of every stream, K then V, in slot (index % n_slots)
+struct rkv_chunk {
+    int64_t c0;
+    int64_t n;
+};
+
+// the cells per chunk: as many as fit a slot, a multiple of 256 (the vector kernel's KV stride)
+static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, size_t slot_bytes) {
+    const size_t  cell  = (kt->nb[1] + vt->nb[1])*kt->ne[3];
+    const int64_t fit   = (int64_t) ((slot_bytes - 512)/cell);
+    int64_t n = std::max<int64_t>(FATTN_KQ_STRIDE, fit/FATTN_KQ_STRIDE*FATTN_KQ_STRIDE);
+    // test lever: force small chunks (many chunks, slot reuse) on small tails
+    const int forced = rkv_env_int("GGML_RKV_CHUNK_CELLS", 0, 0, 1 << 30);
+    if (forced > 0) {
+        n = GGML_PAD(forced, FATTN_KQ_STRIDE);
+    }
+    return std::min<int64_t>(n, kt->ne[1]);
+}
+
+static size_t rkv_slot_need(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_c) {
+    return GGML_PAD(n_c*kt->nb[1]*kt->ne[3], 256) + n_c*vt->nb[1]*vt->ne[3] + 256;
+}
+
+// slot header: the tail view's layout, cells [0, n) of each stream packed per stream
+static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n, void * data, ggml_backend_buffer_t buffer) {
+    t = *src;
+    t.op        = GGML_OP_NONE;
+    t.view_src  = nullptr;
+    t.view_offs = 0;
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        t.src[i] = nullptr;
+    }
+    t.ne[1]  = n;
+    t.nb[3]  = n*t.nb[1];
+    t.data   = data;
+    t.buffer = buffer;
+}
+
+static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt, const ggml_tensor * vt,
+        const rkv_chunk & ch, int i) {
+    const int s = i % r.n_slots;
+    if (i >= r.n_slots) {
+        // the attention over chunk i - n_slots (already enqueued on the compute stream) must be done with this slot
+        CUDA_CHECK(cudaStreamWaitEvent(cs, r.slot_free[s], 0));
+    }
+    char * slot = r.base + (size_t) s*r.slot_bytes;
+    char * v_slot = slot + GGML_PAD(ch.n*kt->nb[1]*kt->ne[3], 256);
+    for (int64_t i3 = 0; i3 < kt->ne[3]; ++i3) {
+        CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
+            ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
+    }
+    for (int64_t i3 = 0; i3 < vt->ne[3]; ++i3) {
+        CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
+            ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
+    }
+    CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
 }
 
 bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op) {
@@ -223,6 +389,20 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
         // understood yet, so F32 caches (never a default) run the op on the CPU instead.
         if (parts[i].k->type == GGML_TYPE_F32 || parts[i].v->type == GGML_TYPE_F32) {
             return false;
+        }
+        const bool host_k = rkv_is_host(parts[i].k);
+        const bool host_v = rkv_is_host(parts[i].v);
+        if (host_k != host_v) {
+            return false;
+        }
+        if (host_k) {
+            // a host window is not streamed; a host tail is, in contiguous cell ranges
+            if (i == 0 && op->src[GGML_STREAMING_FA_SRC_K_WIN] && parts[i].k == op->src[GGML_STREAMING_FA_SRC_K_WIN]) {
+                return false;
+            }
+            if (!rkv_rows_contiguous(parts[i].k) || !rkv_rows_contiguous(parts[i].v) || parts[i].k->ne[3] != parts[i].v->ne[3]) {
+                return false;
+            }
         }
         ggml_tensor m;
         if (mask) {
@@ -255,14 +435,46 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     const size_t  nbytes = ggml_nbytes(dst);
     const int     n_head = (int) q->ne[2];
 
-    rkv_part parts[2];
-    const int np = rkv_get_parts(dst, parts);
+    rkv_part seg[2];
+    const int nseg = rkv_get_parts(dst, seg);
 
-    if (np == 0) {
+    if (nseg == 0) {
         // no KV cells at all: every row is fully masked
         CUDA_CHECK(cudaMemsetAsync(dst->data, 0, nbytes, stream));
         return;
     }
+
+    // the parts: the window, then the tail, either whole (device) or as chunks streamed through the slot ring
+    const bool host_tail = seg[nseg - 1].k == dst->src[GGML_STREAMING_FA_SRC_K_TAIL] && rkv_is_host(seg[nseg - 1].k);
+
+    std::vector<rkv_part>  parts;
+    std::vector<rkv_chunk> chunks;
+    std::vector<ggml_tensor> slot_k, slot_v;
+    ggml_cuda_rkv_ring * ring = nullptr;
+    cudaStream_t cstream = nullptr;
+
+    for (int i = 0; i < nseg - (host_tail ? 1 : 0); ++i) {
+        parts.push_back(seg[i]);
+    }
+    if (host_tail) {
+        const rkv_part & t = seg[nseg - 1];
+        const int64_t n_c = rkv_chunk_cells(t.k, t.v, std::max(ggml_cuda_rkv_ring_bytes()/rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS), (size_t) 1024));
+        ring    = &rkv_ring(ctx, rkv_slot_need(t.k, t.v, n_c));
+        cstream = ctx.stream(device, GGML_CUDA_MAX_STREAMS - 1);
+        for (int64_t c0 = 0; c0 < t.n; c0 += n_c) {
+            chunks.push_back({ c0, std::min(n_c, t.n - c0) });
+        }
+        slot_k.resize(chunks.size());
+        slot_v.resize(chunks.size());
+        for (size_t i = 0; i < chunks.size(); ++i) {
+            char * slot = ring->base + (i % ring->n_slots)*ring->slot_bytes;
+            rkv_slot_header(slot_k[i], t.k, chunks[i].n, slot, dst->buffer);
+            rkv_slot_header(slot_v[i], t.v, chunks[i].n, slot + GGML_PAD(chunks[i].n*t.k->nb[1]*t.k->ne[3], 256), dst->buffer);
+            parts.push_back({ &slot_k[i], &slot_v[i], chunks[i].n, t.col0 + chunks[i].c0 });
+        }
+    }
+    const int np      = (int) parts.size();
+    const int p_chunk = np - (int) chunks.size(); // parts [p_chunk, np) are streamed chunks
 
     // a single part with sinks: the stock kernels apply them, no LSE or merge needed
     const bool fused_sinks = np == 1 && sinks != nullptr;
@@ -272,20 +484,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         n_total += parts[i].n;
     }
 
-    ggml_tensor mask_part[2];
-    ggml_tensor shadow[2];
-    ggml_tensor k_pad[2], v_pad[2];
     ggml_tensor mask_synth; // stands in for a missing mask of a padded part: [n_q, 1, 1] rows
-    bool   pad[2]       = { false, false };
-    int64_t n_cols[2]   = { 0, 0 };
-    bool   has_mask[2]  = { mask != nullptr, mask != nullptr };
-    bool   mask_view[2] = { true, true };
-    const ggml_tensor * orig_k[2] = { nullptr, nullptr };
-    const ggml_tensor * orig_v[2] = { nullptr, nullptr };
-    int64_t orig_n[2] = { 0, 0 };
-    bool   direct[2]    = { false, false };
-    size_t O_size[2]    = { 0, 0 };
-
     if (!mask) {
         mask_synth = {};
         mask_synth.type  = GGML_TYPE_F16;
@@ -298,135 +497,177 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         mask_synth.nb[2] = sizeof(half)*q->ne[1];
         mask_synth.nb[3] = mask_synth.nb[2];
     }
+
+    // per-part plan (headers only; nothing is launched yet)
+    struct part_plan {
+        bool        pad       = false;
+        bool        has_mask  = false;
+        bool        mask_view = true;
+        bool        direct    = false;
+        size_t      O_size    = 0;
+        ggml_tensor k_pad, v_pad, mask_part, shadow;
+    };
+    std::vector<part_plan> pl(np);
+    size_t O_max = 0;
     for (int i = 0; i < np; ++i) {
-        n_cols[i] = parts[i].n;
+        part_plan & pp = pl[i];
+        rkv_part p = parts[i];
+        pp.has_mask = mask != nullptr;
         // vector-kernel cases of the concatenated op whose part is not 256-aligned: pad (see top of file)
-        const rkv_part & p = parts[i];
         if (p.n % FATTN_KQ_STRIDE != 0 && n_total % FATTN_KQ_STRIDE == 0 && q->ne[1] <= 2 &&
                 (ggml_is_quantized(p.k->type) || ggml_is_quantized(p.v->type))) {
             const int64_t n_pad = GGML_PAD(p.n, FATTN_KQ_STRIDE);
-            rkv_padded_header(k_pad[i], p.k, n_pad);
-            rkv_padded_header(v_pad[i], p.v, n_pad);
-            const rkv_part pp = { &k_pad[i], &v_pad[i], n_pad, p.col0 };
+            rkv_padded_header(pp.k_pad, p.k, n_pad);
+            rkv_padded_header(pp.v_pad, p.v, n_pad);
+            const rkv_part padded = { &pp.k_pad, &pp.v_pad, n_pad, p.col0 };
             ggml_tensor m;
-            rkv_mask_header(m, mask ? mask : &mask_synth, pp, false, n_pad);
+            rkv_mask_header(m, mask ? mask : &mask_synth, padded, false, n_pad);
             ggml_tensor s;
-            rkv_shadow(s, dst, pp, &m, nullptr, dst->data, nullptr);
+            rkv_shadow(s, dst, padded, &m, nullptr, dst->data, nullptr);
             // VEC with an in-type kernel is the only choice that needs no f16 scratch for quantized K/V
-            pad[i] = ggml_cuda_flash_attn_ext_get_alloc_size(device, &s) <= nbytes;
+            pp.pad = ggml_cuda_flash_attn_ext_get_alloc_size(device, &s) <= nbytes;
         }
-        orig_k[i] = p.k;
-        orig_v[i] = p.v;
-        orig_n[i] = p.n;
-        if (pad[i]) {
-            n_cols[i]    = GGML_PAD(p.n, FATTN_KQ_STRIDE);
-            has_mask[i]  = true;
-            mask_view[i] = false;
-            rkv_mask_header(mask_part[i], mask ? mask : &mask_synth, parts[i], false, n_cols[i]);
-            parts[i].k = &k_pad[i];
-            parts[i].v = &v_pad[i];
+        if (pp.pad) {
+            pp.has_mask  = true;
+            pp.mask_view = false;
+            rkv_mask_header(pp.mask_part, mask ? mask : &mask_synth, p, false, GGML_PAD(p.n, FATTN_KQ_STRIDE));
+            p.k = &pp.k_pad;
+            p.v = &pp.v_pad;
         } else if (mask) {
-            mask_view[i] = rkv_mask_view_ok(q, mask, parts[i]);
-            rkv_mask_header(mask_part[i], mask, parts[i], mask_view[i], parts[i].n);
+            pp.mask_view = rkv_mask_view_ok(q, mask, p);
+            rkv_mask_header(pp.mask_part, mask, p, pp.mask_view, p.n);
         }
         // output straight into dst if the kernel needs no f16 K/V scratch behind it (first part only)
-        rkv_shadow(shadow[i], dst, parts[i], has_mask[i] ? &mask_part[i] : nullptr, fused_sinks ? sinks : nullptr, dst->data, nullptr);
-        direct[i] = i == 0 && ggml_cuda_flash_attn_ext_get_alloc_size(device, &shadow[i]) <= nbytes;
-        if (!direct[i]) {
-            shadow[i].data = nullptr;
-            O_size[i] = ggml_cuda_flash_attn_ext_get_alloc_size(device, &shadow[i]) + 128; // + alignment of the scratch
+        rkv_shadow(pp.shadow, dst, p, pp.has_mask ? &pp.mask_part : nullptr, fused_sinks ? sinks : nullptr, dst->data, nullptr);
+        pp.direct = i == 0 && ggml_cuda_flash_attn_ext_get_alloc_size(device, &pp.shadow) <= nbytes;
+        if (!pp.direct) {
+            pp.shadow.data = nullptr;
+            pp.O_size = ggml_cuda_flash_attn_ext_get_alloc_size(device, &pp.shadow) + 128; // + alignment of the scratch
+            O_max = std::max(O_max, pp.O_size);
         }
     }
 
-    // pool buffers, allocated in declaration order so that they are freed LIFO
-    ggml_cuda_pool_alloc<half>  mask_buf0(pool);
-    ggml_cuda_pool_alloc<half>  mask_buf1(pool);
-    ggml_cuda_pool_alloc<char>  k_pad_buf0(pool);
-    ggml_cuda_pool_alloc<char>  v_pad_buf0(pool);
-    ggml_cuda_pool_alloc<char>  k_pad_buf1(pool);
-    ggml_cuda_pool_alloc<char>  v_pad_buf1(pool);
-    ggml_cuda_pool_alloc<float> lse_buf0(pool);
-    ggml_cuda_pool_alloc<float> lse_buf1(pool);
-    ggml_cuda_pool_alloc<float> O_buf0(pool);
-    ggml_cuda_pool_alloc<float> O_buf1(pool);
-    ggml_cuda_pool_alloc<half>  * mask_buf[2] = { &mask_buf0, &mask_buf1 };
-    ggml_cuda_pool_alloc<float> * lse_buf[2]  = { &lse_buf0,  &lse_buf1  };
-    ggml_cuda_pool_alloc<float> * O_buf[2]    = { &O_buf0,    &O_buf1    };
-
-    for (int i = 0; i < np; ++i) {
-        if (has_mask[i] && !mask_view[i]) {
-            mask_part[i].data = mask_buf[i]->alloc(mask_part[i].nb[3]*mask_part[i].ne[3]/sizeof(half));
-        }
-    }
-    // padded K/V copies, allocated as k0, v0, k1, v1 (declaration order)
-    ggml_cuda_pool_alloc<char> * pad_bufs[4] = { &k_pad_buf0, &v_pad_buf0, &k_pad_buf1, &v_pad_buf1 };
-    for (int i = 0; i < np; ++i) {
-        if (pad[i]) {
-            k_pad[i].data = pad_bufs[2*i + 0]->alloc(ggml_nbytes(&k_pad[i]));
-            v_pad[i].data = pad_bufs[2*i + 1]->alloc(ggml_nbytes(&v_pad[i]));
-        }
-    }
+    // buffers shared by all parts (pool, stream-ordered on the compute stream), allocated before the per-part ones
+    ggml_cuda_pool_alloc<float> lse_acc(pool);
+    ggml_cuda_pool_alloc<float> lse_tmp(pool);
+    ggml_cuda_pool_alloc<float> O_tmp(pool);
     if (!fused_sinks) {
-        for (int i = 0; i < np; ++i) {
-            lse_buf[i]->alloc(nrows);
-            float * lse = lse_buf[i]->ptr;
-            memcpy((int32_t *) shadow[i].op_params + GGML_CUDA_FATTN_OP_PARAM_LSE, &lse, sizeof(lse));
+        lse_acc.alloc(nrows);
+        if (np > 1) {
+            lse_tmp.alloc(nrows);
         }
     }
-    for (int i = 0; i < np; ++i) {
-        if (!direct[i]) {
-            shadow[i].data = O_buf[i]->alloc((O_size[i] + sizeof(float) - 1)/sizeof(float));
-        }
+    if (O_max) {
+        O_tmp.alloc((O_max + sizeof(float) - 1)/sizeof(float));
     }
 
-    // compact (or synthesize) mask columns where the kernels cannot read a view
-    for (int i = 0; i < np; ++i) {
-        if (has_mask[i] && !mask_view[i]) {
-            const int64_t n_real = pad[i] ? orig_n[i] : parts[i].n;
-            const int64_t n_pad  = mask_part[i].nb[1]/sizeof(half);
-            const int64_t mrows  = mask_part[i].ne[1]*mask_part[i].ne[2]*mask_part[i].ne[3];
-            const int     nth    = 256;
-            const dim3    grid((unsigned) std::min<int64_t>((n_pad + nth - 1)/nth, 1024), (unsigned) std::min<int64_t>(mrows, 65535), 1);
-            rkv_mask_slice<<<grid, nth, 0, stream>>>(mask ? (const half *) mask->data : nullptr, (half *) mask_part[i].data,
-                mask ? mask->nb[1]/sizeof(half) : 0, parts[i].col0, (int) n_real, (int) n_pad, mrows);
-            CUDA_CHECK(cudaGetLastError());
+    // host tail: fork the copy stream here (this layer's new rows were written into the tail before this op on the
+    // compute stream) and start the first chunks while the window is attended
+    if (ring) {
+        CUDA_CHECK(cudaEventRecord(ring->ev_fork, stream));
+        CUDA_CHECK(cudaStreamWaitEvent(cstream, ring->ev_fork, 0));
+        const rkv_part & t = seg[nseg - 1];
+        for (int i = 0; i < (int) chunks.size() && i < ring->n_slots; ++i) {
+            rkv_issue_copy(*ring, cstream, t.k, t.v, chunks[i], i);
         }
-        if (pad[i]) {
-            // zero-filled cells beyond the part (finite; masked with -inf above), rows copied per head and stream
-            for (const ggml_tensor * src : { orig_k[i], orig_v[i] }) {
-                const ggml_tensor & t = src == orig_k[i] ? k_pad[i] : v_pad[i];
-                CUDA_CHECK(cudaMemsetAsync(t.data, 0, ggml_nbytes(&t), stream));
-                for (int64_t i3 = 0; i3 < src->ne[3]; ++i3) {
-                    for (int64_t i2 = 0; i2 < src->ne[2]; ++i2) {
-                        CUDA_CHECK(cudaMemcpy2DAsync((char *) t.data + i2*t.nb[2] + i3*t.nb[3], t.nb[1],
-                            (const char *) src->data + i2*src->nb[2] + i3*src->nb[3], src->nb[1],
-                            t.nb[1], orig_n[i], cudaMemcpyDeviceToDevice, stream));
-                    }
-                }
-            }
-        }
-    }
-
-    for (int i = 0; i < np; ++i) {
-        ggml_cuda_flash_attn_ext(ctx, &shadow[i]);
-    }
-
-    if (fused_sinks) {
-        if (!direct[0]) {
-            CUDA_CHECK(cudaMemcpyAsync(dst->data, shadow[0].data, nbytes, cudaMemcpyDeviceToDevice, stream));
-        }
-        return;
     }
 
     const float * sinks_d = sinks ? (const float *) sinks->data : nullptr;
     const int nth = (int) std::min<int64_t>(DV, 256);
     GGML_ASSERT(nrows <= INT_MAX);
-    if (np == 1) {
-        rkv_merge<1><<<(unsigned) nrows, nth, 0, stream>>>((const float *) shadow[0].data, lse_buf0.ptr, nullptr, nullptr,
-            sinks_d, (float *) dst->data, (int) DV, n_head);
-    } else {
-        rkv_merge<2><<<(unsigned) nrows, nth, 0, stream>>>((const float *) shadow[0].data, lse_buf0.ptr,
-            (const float *) shadow[1].data, lse_buf1.ptr, sinks_d, (float *) dst->data, (int) DV, n_head);
+
+    for (int i = 0; i < np; ++i) {
+        part_plan & pp = pl[i];
+        const rkv_part & p = parts[i]; // the unpadded part (source of a padded copy)
+        const int ic = i - p_chunk;     // chunk index, or < 0
+
+        if (ic >= 0) {
+            CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[ic % ring->n_slots], 0));
+        }
+
+        ggml_cuda_pool_alloc<half> mask_buf(pool);
+        ggml_cuda_pool_alloc<char> k_pad_buf(pool);
+        ggml_cuda_pool_alloc<char> v_pad_buf(pool);
+
+        if (pp.has_mask && !pp.mask_view) {
+            pp.mask_part.data = mask_buf.alloc(pp.mask_part.nb[3]*pp.mask_part.ne[3]/sizeof(half));
+            const int64_t n_pad = pp.mask_part.nb[1]/sizeof(half);
+            const int64_t mrows = pp.mask_part.ne[1]*pp.mask_part.ne[2]*pp.mask_part.ne[3];
+            const int     mth   = 256;
+            const dim3    grid((unsigned) std::min<int64_t>((n_pad + mth - 1)/mth, 1024), (unsigned) std::min<int64_t>(mrows, 65535), 1);
+            rkv_mask_slice<<<grid, mth, 0, stream>>>(mask ? (const half *) mask->data : nullptr, (half *) pp.mask_part.data,
+                mask ? mask->nb[1]/sizeof(half) : 0, p.col0, (int) p.n, (int) n_pad, mrows);
+            CUDA_CHECK(cudaGetLastError());
+        }
+        if (pp.pad) {
+            pp.k_pad.data = k_pad_buf.alloc(ggml_nbytes(&pp.k_pad));
+            pp.v_pad.data = v_pad_buf.alloc(ggml_nbytes(&pp.v_pad));
+            // zero-filled cells beyond the part (finite; masked with -inf above), rows copied per head and stream
+            for (const ggml_tensor * src : { p.k, p.v }) {
+                const ggml_tensor & t = src == p.k ? pp.k_pad : pp.v_pad;
+                CUDA_CHECK(cudaMemsetAsync(t.data, 0, ggml_nbytes(&t), stream));
+                for (int64_t i3 = 0; i3 < src->ne[3]; ++i3) {
+                    for (int64_t i2 = 0; i2 < src->ne[2]; ++i2) {
+                        CUDA_CHECK(cudaMemcpy2DAsync((char *) t.data + i2*t.nb[2] + i3*t.nb[3], t.nb[1],
+                            (const char *) src->data + i2*src->nb[2] + i3*src->nb[3], src->nb[1],
+                            t.nb[1], p.n, cudaMemcpyDeviceToDevice, stream));
+                    }
+                }
+            }
+        }
+
+        float * lse = fused_sinks ? nullptr : (i == 0 ? lse_acc.ptr : lse_tmp.ptr);
+        memcpy((int32_t *) pp.shadow.op_params + GGML_CUDA_FATTN_OP_PARAM_LSE, &lse, sizeof(lse));
+        if (!pp.direct) {
+            pp.shadow.data = O_tmp.ptr;
+        }
+        ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
+
+        if (ic >= 0) {
+            // the slot may be refilled as soon as the attention over it is done: queue the copy that reuses it
+            CUDA_CHECK(cudaEventRecord(ring->slot_free[ic % ring->n_slots], stream));
+            const int next = ic + ring->n_slots;
+            if (next < (int) chunks.size()) {
+                rkv_issue_copy(*ring, cstream, seg[nseg - 1].k, seg[nseg - 1].v, chunks[next], next);
+            }
+        }
+
+        if (fused_sinks) {
+            if (!pp.direct) {
+                CUDA_CHECK(cudaMemcpyAsync(dst->data, pp.shadow.data, nbytes, cudaMemcpyDeviceToDevice, stream));
+            }
+            continue;
+        }
+
+        float * O_acc = (float *) dst->data;
+        const bool last = i == np - 1;
+        if (i == 0) {
+            // the first part is the accumulator: in place when direct, else moved into dst (and finalized if alone)
+            if (!pp.direct || last) {
+                if (last) {
+                    if (pp.direct) {
+                        rkv_merge<false, true><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, nullptr, nullptr, sinks_d, (int) DV, n_head);
+                    } else {
+                        rkv_merge<true, true><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_acc.ptr, sinks_d, (int) DV, n_head);
+                    }
+                } else {
+                    rkv_merge<true, false><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_acc.ptr, sinks_d, (int) DV, n_head);
+                }
+                CUDA_CHECK(cudaGetLastError());
+            }
+            continue;
+        }
+        if (last) {
+            rkv_merge<false, true><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_tmp.ptr, sinks_d, (int) DV, n_head);
+        } else {
+            rkv_merge<false, false><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_tmp.ptr, sinks_d, (int) DV, n_head);
+        }
+        CUDA_CHECK(cudaGetLastError());
     }
-    CUDA_CHECK(cudaGetLastError());
+
+    if (ring) {
+        // join the copy stream back (required to end a CUDA graph capture; every copy was already waited for)
+        CUDA_CHECK(cudaEventRecord(ring->ev_join, cstream));
+        CUDA_CHECK(cudaStreamWaitEvent(stream, ring->ev_join, 0));
+    }
 }

@@ -10,3 +10,10 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
 
 // true if every non-empty part can run on the stock FlashAttention kernels of this device
 bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op);
+
+// the pinned-host tail streaming ring of a backend context (slots, events): freed with the context
+struct ggml_cuda_rkv_ring;
+void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx);
+
+// device bytes the ring takes once a host tail is streamed (GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB)
+size_t ggml_cuda_rkv_ring_bytes(void);
