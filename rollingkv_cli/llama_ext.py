@@ -36,6 +36,7 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
         abort(f"no libllama.so in {lib_dir}", "run `rollingkv build`")
     mod = sys.modules.get("llama_cpp")
     if mod is None:
+        _preload_cxx_runtime()
         os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
         try:
             import llama_cpp as mod  # noqa: PLC0415
@@ -49,6 +50,21 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
     if not hasattr(mod.llama_cpp._lib, _BUILD_INFO_SYMBOL):
         abort(f"{loaded} is not a rollingkv build (no {_BUILD_INFO_SYMBOL})", "build it with `rollingkv build`")
     return mod
+
+
+def _preload_cxx_runtime() -> None:
+    """Put libstdc++ in the process's global symbol scope before llama_cpp loads our libraries.
+
+    A CUDA libggml exports thousands of weak libstdc++ template instances (nvcc output). A Python process
+    has no libstdc++ in its global scope and llama_cpp loads libraries RTLD_LOCAL, so libllama's C++
+    runtime calls could bind to those copies: on the H200 that segfaulted in llama_model::print_info
+    (an ostream insert resolved inside libggml-cuda.so), while LD_PRELOAD of libstdc++ made the same load
+    work. Loading it RTLD_GLOBAL first does the same for every library loaded after it."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass  # no system libstdc++: the libraries bring their own
 
 
 def loaded_library_path(mod: ModuleType) -> Path | None:
@@ -91,6 +107,13 @@ class Extension:
             lib.llama_rolling_kv_plan_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
             lib.llama_kv_residency_mode_from_str.restype = ctypes.c_int32
             lib.llama_kv_residency_mode_from_str.argtypes = [ctypes.c_char_p]
+        # API 2: the planner on given figures, and why a context was refused
+        self.has_planner = hasattr(lib, "llama_rolling_kv_plan_simulate")
+        if self.has_planner:
+            lib.llama_rolling_kv_plan_simulate.restype = ctypes.c_int32
+            lib.llama_rolling_kv_plan_simulate.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.llama_rolling_kv_last_error.restype = ctypes.c_char_p
+            lib.llama_rolling_kv_last_error.argtypes = []
         lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
         lib.llama_rolling_kv_build_info.argtypes = []
         lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
@@ -157,6 +180,27 @@ class Extension:
         buf = ctypes.create_string_buffer(n + 1)
         self._lib.llama_rolling_kv_plan_json(ctx_ptr, buf, n + 1)
         return json.loads(buf.value.decode())
+
+    def _require_planner(self) -> None:
+        if not self.has_planner:
+            abort("this build has no planner API (llama_rolling_kv_plan_simulate)", "rebuild with `rollingkv build`")
+
+    def simulate_plan(self, figures: dict) -> dict:
+        """llama_rolling_kv_plan_simulate: the library's planner on the given figures (keys: see
+        include/llama-rolling-kv.h), without a model or a device. Invalid input gives {"error": ..., "invalid_input": true}."""
+        import json
+
+        self._require_planner()
+        data = json.dumps(figures).encode()
+        n = self._lib.llama_rolling_kv_plan_simulate(data, None, 0)
+        buf = ctypes.create_string_buffer(n + 1)
+        self._lib.llama_rolling_kv_plan_simulate(data, buf, n + 1)
+        return json.loads(buf.value.decode())
+
+    def last_error(self) -> str:
+        """Why the last init_context of this thread returned None ("" after a success)."""
+        self._require_planner()
+        return (self._lib.llama_rolling_kv_last_error() or b"").decode(errors="replace")
 
 
 def _context_params_type():

@@ -193,6 +193,7 @@ static std::string g_extra; // extra per-case info printed on the case line
 // same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
 static bool           g_tail_host   = false;
 static ggml_backend_t g_cpu_backend = nullptr;
+static std::vector<ggml_tensor *> g_writes; // set_rows nodes between the two ops of a --tail-host case
 
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -245,7 +246,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
     }
 
-    const size_t ctx_size = 64*ggml_tensor_overhead() + ggml_graph_overhead();
+    const size_t ctx_size = 128*ggml_tensor_overhead() + ggml_graph_overhead();
     ggml_init_params ip = { ctx_size, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_context * ctx_host = g_tail_host ? ggml_init(ip) : nullptr; // tail storages (pinned host)
@@ -313,6 +314,39 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_flash_attn_ext_add_sinks(ref, sk);
     ggml_prec_set_acc(ref, GGML_PREC_F32);
 
+    // --tail-host, same types, cache layout: a second op (out_b) after set_rows that overwrite tail rows in host
+    // memory (and the same rows of the reference), with new values on every evaluation. Its tail copies run ahead
+    // of those writes (issued during the first op), so it is exact only if the op takes written rows again.
+    ggml_tensor * out_b = nullptr, * ref_b = nullptr, * w_k = nullptr, * w_v = nullptr;
+    ggml_tensor * ix_tail = nullptr, * ix_ref = nullptr;
+    std::vector<int64_t> h_ix_tail, h_ix_ref;
+    if (g_tail_host && !c.mixed() && c.cache_layout && s < n_kv) {
+        const int64_t n_tail = n_kv - s;
+        for (int64_t cell : { (int64_t) 0, n_tail/2, n_tail - 1 }) {
+            if (!h_ix_tail.empty() && cell == h_ix_tail.back()) continue;
+            h_ix_tail.push_back(cell);          // stream 0 of the tail storage
+            h_ix_ref.push_back(s + cell);       // the same cell of the reference
+        }
+        const int64_t n_w = (int64_t) h_ix_tail.size();
+        w_k = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, D*nhkv, n_w);
+        w_v = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, D*nhkv, n_w);
+        ix_tail = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_w);
+        ix_ref  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_w);
+        auto rows2d = [&](ggml_tensor * st) { return ggml_reshape_2d(ctx, st, st->ne[0]*st->ne[1], st->ne[2]*st->ne[3]); };
+        out_b = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
+        ggml_streaming_flash_attn_add_sinks(out_b, sk);
+        ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
+        ref_b = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
+        ggml_flash_attn_ext_add_sinks(ref_b, sk);
+        ggml_prec_set_acc(ref_b, GGML_PREC_F32);
+        // the writes are graph nodes of their own (set_rows returns a view of the written tensor)
+        g_writes.clear();
+        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[0].storage), w_k, ix_tail));
+        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[1].storage), w_v, ix_tail));
+        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs[0].storage), w_k, ix_ref));
+        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs[1].storage), w_v, ix_ref));
+    }
+
 
     ggml_backend_buffer_t buf_host = nullptr;
     if (g_tail_host && !kvs_host.empty()) {
@@ -335,6 +369,13 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
     ggml_build_forward_expand(gf, ref);
+    if (out_b) {
+        for (ggml_tensor * w : g_writes) {
+            ggml_build_forward_expand(gf, w);
+        }
+        ggml_build_forward_expand(gf, out_b);
+        ggml_build_forward_expand(gf, ref_b);
+    }
 
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
     GGML_ASSERT(buf);
@@ -356,7 +397,23 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         ggml_backend_t backends[2] = { backend, g_cpu_backend };
         ggml_backend_sched_t sched = ggml_backend_sched_new(backends, nullptr, 2, GGML_DEFAULT_GRAPH_SIZE, false, true);
         std::vector<float> first;
+        std::vector<float> hob, hrb;
+        std::mt19937 wrng(77);
+        if (out_b) {
+            ggml_backend_tensor_set(ix_tail, h_ix_tail.data(), 0, ggml_nbytes(ix_tail));
+            ggml_backend_tensor_set(ix_ref, h_ix_ref.data(), 0, ggml_nbytes(ix_ref));
+            hob.resize(ggml_nelements(out_b));
+            hrb.resize(ggml_nelements(ref_b));
+        }
         for (int run = 0; run < 3; ++run) {
+            if (out_b) {
+                // new rows on every evaluation (a replayed CUDA graph must re-read them too)
+                std::vector<float> wk(ggml_nelements(w_k)), wv(ggml_nelements(w_v));
+                for (auto & x : wk) x = 2.0f*u(wrng);
+                for (auto & x : wv) x = 2.0f*u(wrng);
+                ggml_backend_tensor_set(w_k, wk.data(), 0, ggml_nbytes(w_k));
+                ggml_backend_tensor_set(w_v, wv.data(), 0, ggml_nbytes(w_v));
+            }
             const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
             GGML_ASSERT(st == GGML_STATUS_SUCCESS);
             const int    n_splits = ggml_backend_sched_get_n_splits(sched);
@@ -367,7 +424,20 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 sched_ok = false;
             }
             ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
-            if (run == 0) {
+            if (out_b) {
+                // the first op reads the rows the previous evaluation wrote: compare each run to its own reference
+                ggml_backend_tensor_get(ref, hr.data(), 0, ggml_nbytes(ref));
+                ggml_backend_tensor_get(out_b, hob.data(), 0, ggml_nbytes(out_b));
+                ggml_backend_tensor_get(ref_b, hrb.data(), 0, ggml_nbytes(ref_b));
+                const double ea = nmse(ho.data(), hr.data(), ho.size());
+                const double eb = nmse(hob.data(), hrb.data(), hob.size());
+                if (!(ea <= 5e-7) || !(eb <= 5e-7)) {
+                    char b[160];
+                    snprintf(b, sizeof(b), " WRITTEN-ROWS run %d: NMSE first op %.2e, op after the writes %.2e", run, ea, eb);
+                    g_extra += b;
+                    sched_ok = false;
+                }
+            } else if (run == 0) {
                 first = ho;
             } else if (memcmp(first.data(), ho.data(), ho.size()*sizeof(float)) != 0) {
                 g_extra += " REPLAY-DIFF run " + std::to_string(run);

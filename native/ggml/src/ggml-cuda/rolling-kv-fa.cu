@@ -220,6 +220,24 @@ static __global__ void rkv_merge(float * O_acc, float * lse_acc, const float * _
 
 #define RKV_MAX_SLOTS 8
 
+// one H2D chunk of a host tail: cells [c0, c0 + n) of every stream of the tail of ops[op], K then V
+struct rkv_fifo_chunk {
+    int     op;
+    int64_t c0;
+    int64_t n;
+};
+
+// a streaming op with a host tail, in graph order: its chunks are fifo[first, first + count). writes: the set_rows
+// nodes of the same graph that put this step's new rows into its tail (K and V), applied again to the slots
+// after a chunk was copied ahead of them
+struct rkv_fifo_op {
+    const ggml_tensor * node;
+    int first;
+    int count;
+    std::vector<const ggml_tensor *> writes_k;
+    std::vector<const ggml_tensor *> writes_v;
+};
+
 struct ggml_cuda_rkv_ring {
     int         n_slots    = 0;
     size_t      slot_bytes = 0;
@@ -228,6 +246,13 @@ struct ggml_cuda_rkv_ring {
     cudaEvent_t slot_free[RKV_MAX_SLOTS] = {};
     cudaEvent_t ev_fork = nullptr;
     cudaEvent_t ev_join = nullptr;
+
+    // the copy plan of the graph being evaluated (ggml_cuda_rkv_graph_begin): one FIFO of chunks over all its
+    // streaming ops, so that the copy stream runs ahead across layers (the next layer's tail streams while this
+    // layer computes), bounded by the ring
+    std::vector<rkv_fifo_chunk> fifo;
+    std::vector<rkv_fifo_op>    ops;
+    int next_copy = 0;
 };
 
 static int rkv_env_int(const char * name, int def, int lo, int hi) {
@@ -262,8 +287,9 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
     ctx.rkv_ring = nullptr;
 }
 
-// the ring, with slots of at least `need` bytes. Allocated on the first (eager) evaluation: ggml never captures
-// a graph before it ran eagerly, and the ring never grows for a given model, so no allocation happens in capture.
+// the ring, with slots of at least `need` bytes. Allocated before the first (eager) evaluation that needs it
+// (ggml never captures a graph before it ran eagerly) and it never grows for a given model, so no allocation
+// happens during a capture.
 static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t need) {
     if (!ctx.rkv_ring) {
         ggml_cuda_rkv_ring * r = new ggml_cuda_rkv_ring;
@@ -305,12 +331,6 @@ static bool rkv_rows_contiguous(const ggml_tensor * t) {
     return t->nb[0] == ggml_type_size(t->type) && t->nb[2] == ggml_row_size(t->type, t->ne[0]) && t->nb[1] == t->ne[2]*t->nb[2];
 }
 
-// one tail chunk of a host tail: cells [c0, c0 + n) of every stream, K then V, in slot (index % n_slots)
-struct rkv_chunk {
-    int64_t c0;
-    int64_t n;
-};
-
 // the cells per chunk: as many as fit a slot, a multiple of 256 (the vector kernel's KV stride)
 static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, size_t slot_bytes) {
     const size_t  cell  = (kt->nb[1] + vt->nb[1])*kt->ne[3];
@@ -322,6 +342,21 @@ static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, s
         n = GGML_PAD(forced, FATTN_KQ_STRIDE);
     }
     return std::min<int64_t>(n, kt->ne[1]);
+}
+
+// the chunks of a tail: as few as the slot allows, of balanced sizes (a multiple of 256 except the last)
+static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
+    const int64_t n_tail = kt->ne[1];
+    const int64_t n_max  = rkv_chunk_cells(kt, vt, slot_bytes);
+    const int64_t n_ch   = (n_tail + n_max - 1)/n_max;
+    const int64_t n_c    = std::min<int64_t>(n_max, GGML_PAD((n_tail + n_ch - 1)/n_ch, FATTN_KQ_STRIDE));
+    for (int64_t c0 = 0; c0 < n_tail; c0 += n_c) {
+        out.push_back({ op, c0, std::min(n_c, n_tail - c0) });
+    }
+}
+
+static size_t rkv_slot_bytes_env(void) {
+    return std::max((size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024, (size_t) 1024);
 }
 
 static size_t rkv_slot_need(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_c) {
@@ -344,7 +379,7 @@ static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n,
 }
 
 static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt, const ggml_tensor * vt,
-        const rkv_chunk & ch, int i) {
+        const rkv_fifo_chunk & ch, int i) {
     const int s = i % r.n_slots;
     if (i >= r.n_slots) {
         // the attention over chunk i - n_slots (already enqueued on the compute stream) must be done with this slot
@@ -361,6 +396,115 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
+}
+
+// Rows of a chunk that this graph wrote (set_rows, through unified addressing) after the chunk may have been
+// copied ahead: copy them again from the host tail into the slot, byte for byte. Runs on the compute stream
+// after the writes and after the chunk's copy, before the attention over the slot. One block per written row.
+template <typename idx_t>
+static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * __restrict__ tail, const char * __restrict__ idxs,
+        const int64_t idx_stride, const int64_t rows_per_stream, const int64_t s0, const int64_t ns, const int64_t first_row,
+        const int64_t c0, const int64_t n, const int64_t row_bytes, const int64_t stream_stride) {
+    const int64_t g    = (int64_t) *(const idx_t *) (idxs + blockIdx.x*idx_stride);
+    const int64_t strm = g/rows_per_stream - s0;
+    const int64_t row  = g%rows_per_stream - first_row - c0;
+    if (strm < 0 || strm >= ns || row < 0 || row >= n) {
+        return; // another chunk, the window or the trash row
+    }
+    const char * src = tail + strm*stream_stride + (c0 + row)*row_bytes;
+    char       * dst = slot + (strm*n + row)*row_bytes;
+    if (row_bytes % 4 == 0) {
+        for (int64_t b = threadIdx.x; b < row_bytes/4; b += blockDim.x) {
+            ((int *) dst)[b] = ((const int *) src)[b];
+        }
+    } else {
+        for (int64_t b = threadIdx.x; b < row_bytes; b += blockDim.x) {
+            dst[b] = src[b];
+        }
+    }
+}
+
+static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t, const ggml_tensor * write, const rkv_fifo_chunk & ch) {
+    const ggml_tensor * root = t->view_src ? t->view_src : t;
+    const ggml_tensor * idxs = write->src[2];
+    const int64_t n_tok = ggml_nelements(idxs);
+    if (n_tok == 0) {
+        return;
+    }
+    const int64_t off       = (const char *) t->data - (const char *) root->data;
+    const int64_t s0        = off/root->nb[2];
+    const int64_t first_row = (off % root->nb[2])/root->nb[1];
+    GGML_ASSERT(n_tok <= INT_MAX && ggml_is_vector(idxs));
+    const int64_t stride = idxs->nb[0];
+    if (idxs->type == GGML_TYPE_I64) {
+        rkv_refresh_rows<int64_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) idxs->data, stride,
+            root->ne[1], s0, t->ne[3], first_row, ch.c0, ch.n, t->nb[1], t->nb[3]);
+    } else {
+        GGML_ASSERT(idxs->type == GGML_TYPE_I32);
+        rkv_refresh_rows<int32_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) idxs->data, stride,
+            root->ne[1], s0, t->ne[3], first_row, ch.c0, ch.n, t->nb[1], t->nb[3]);
+    }
+    CUDA_CHECK(cudaGetLastError());
+}
+
+static bool rkv_streams_tail(const ggml_tensor * op) {
+    const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const ggml_tensor * vt = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
+    return kt && vt && kt->ne[1] > 0 && rkv_is_host(kt) && rkv_is_host(vt);
+}
+
+void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
+    ggml_cuda_rkv_ring * r = ctx.rkv_ring;
+    if (r) {
+        r->fifo.clear();
+        r->ops.clear();
+        r->next_copy = 0;
+    }
+    if (rkv_env_int("GGML_RKV_RUNAHEAD", 1, 0, 1) == 0) {
+        return; // every op streams its own tail only (copies overlap that op's attention, not other layers)
+    }
+
+    std::vector<rkv_fifo_op>    ops;
+    std::vector<rkv_fifo_chunk> fifo;
+    std::vector<std::pair<const ggml_tensor *, const ggml_tensor *>> writes; // (root written, set_rows node)
+    const size_t slot_bytes = rkv_slot_bytes_env();
+    size_t need = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(cgraph)); ++i) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(cgraph), i);
+        if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+            continue;
+        }
+        if (node->op == GGML_OP_SET_ROWS && ggml_is_streamed(node)) {
+            writes.push_back({ node->view_src ? node->view_src : node, node });
+            continue;
+        }
+        if (node->op != GGML_OP_STREAMING_FLASH_ATTN || !rkv_streams_tail(node)) {
+            continue;
+        }
+        const ggml_tensor * kt = node->src[GGML_STREAMING_FA_SRC_K_TAIL];
+        const ggml_tensor * vt = node->src[GGML_STREAMING_FA_SRC_V_TAIL];
+        rkv_fifo_op o;
+        o.node  = node;
+        o.first = (int) fifo.size();
+        rkv_make_chunks(kt, vt, slot_bytes, (int) ops.size(), fifo);
+        o.count = (int) fifo.size() - o.first;
+        for (int c = o.first; c < (int) fifo.size(); ++c) {
+            need = std::max(need, rkv_slot_need(kt, vt, fifo[c].n));
+        }
+        const ggml_tensor * kroot = kt->view_src ? kt->view_src : kt;
+        const ggml_tensor * vroot = vt->view_src ? vt->view_src : vt;
+        for (const auto & w : writes) {
+            if (w.first == kroot) o.writes_k.push_back(w.second);
+            if (w.first == vroot) o.writes_v.push_back(w.second);
+        }
+        ops.push_back(std::move(o));
+    }
+    if (ops.empty()) {
+        return;
+    }
+    r = &rkv_ring(ctx, need); // outside any capture: this runs before the graph is captured or replayed
+    r->fifo = std::move(fifo);
+    r->ops  = std::move(ops);
 }
 
 bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op) {
@@ -448,33 +592,73 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     const bool host_tail = seg[nseg - 1].k == dst->src[GGML_STREAMING_FA_SRC_K_TAIL] && rkv_is_host(seg[nseg - 1].k);
 
     std::vector<rkv_part>  parts;
-    std::vector<rkv_chunk> chunks;
     std::vector<ggml_tensor> slot_k, slot_v;
     ggml_cuda_rkv_ring * ring = nullptr;
     cudaStream_t cstream = nullptr;
+
+    // the copy plan of a host tail: this op's entry in the graph's FIFO (copies run ahead across ops), or a FIFO of
+    // its own (run-ahead off, or an op outside a planned graph)
+    std::vector<rkv_fifo_chunk> local_fifo;
+    std::vector<rkv_fifo_op>    local_ops;
+    int local_next = 0;
+    const std::vector<rkv_fifo_chunk> * fifo = nullptr;
+    const std::vector<rkv_fifo_op>    * fops = nullptr;
+    int * next_copy = nullptr;
+    int   op_idx    = -1;
 
     for (int i = 0; i < nseg - (host_tail ? 1 : 0); ++i) {
         parts.push_back(seg[i]);
     }
     if (host_tail) {
         const rkv_part & t = seg[nseg - 1];
-        const int64_t n_c = rkv_chunk_cells(t.k, t.v, std::max(ggml_cuda_rkv_ring_bytes()/rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS), (size_t) 1024));
-        ring    = &rkv_ring(ctx, rkv_slot_need(t.k, t.v, n_c));
-        cstream = ctx.stream(device, GGML_CUDA_MAX_STREAMS - 1);
-        for (int64_t c0 = 0; c0 < t.n; c0 += n_c) {
-            chunks.push_back({ c0, std::min(n_c, t.n - c0) });
+        if (ctx.rkv_ring) {
+            const auto & ops = ctx.rkv_ring->ops;
+            for (size_t j = 0; j < ops.size(); ++j) {
+                if (ops[j].node == dst) {
+                    op_idx = (int) j;
+                    break;
+                }
+            }
         }
-        slot_k.resize(chunks.size());
-        slot_v.resize(chunks.size());
-        for (size_t i = 0; i < chunks.size(); ++i) {
-            char * slot = ring->base + (i % ring->n_slots)*ring->slot_bytes;
-            rkv_slot_header(slot_k[i], t.k, chunks[i].n, slot, dst->buffer);
-            rkv_slot_header(slot_v[i], t.v, chunks[i].n, slot + GGML_PAD(chunks[i].n*t.k->nb[1]*t.k->ne[3], 256), dst->buffer);
-            parts.push_back({ &slot_k[i], &slot_v[i], chunks[i].n, t.col0 + chunks[i].c0 });
+        if (op_idx >= 0) {
+            ring      = ctx.rkv_ring;
+            fifo      = &ring->fifo;
+            fops      = &ring->ops;
+            next_copy = &ring->next_copy;
+        } else {
+            // the ring's slots and events are shared: an op outside the graph's plan must not stream while it runs
+            GGML_ASSERT((!ctx.rkv_ring || ctx.rkv_ring->ops.empty()) && "rolling-KV: a host-tail op outside the graph's copy plan");
+            rkv_fifo_op o;
+            o.node  = dst;
+            o.first = 0;
+            rkv_make_chunks(t.k, t.v, rkv_slot_bytes_env(), 0, local_fifo);
+            o.count = (int) local_fifo.size();
+            local_ops.push_back(std::move(o));
+            size_t need = 0;
+            for (const auto & ch : local_fifo) {
+                need = std::max(need, rkv_slot_need(t.k, t.v, ch.n));
+            }
+            ring      = &rkv_ring(ctx, need);
+            fifo      = &local_fifo;
+            fops      = &local_ops;
+            next_copy = &local_next;
+            op_idx    = 0;
+        }
+        cstream = ctx.stream(device, GGML_CUDA_MAX_STREAMS - 1);
+        const rkv_fifo_op & o = (*fops)[op_idx];
+        slot_k.resize(o.count);
+        slot_v.resize(o.count);
+        for (int c = 0; c < o.count; ++c) {
+            const int g = o.first + c;
+            const rkv_fifo_chunk & ch = (*fifo)[g];
+            char * slot = ring->base + (size_t) (g % ring->n_slots)*ring->slot_bytes;
+            rkv_slot_header(slot_k[c], t.k, ch.n, slot, dst->buffer);
+            rkv_slot_header(slot_v[c], t.v, ch.n, slot + GGML_PAD(ch.n*t.k->nb[1]*t.k->ne[3], 256), dst->buffer);
+            parts.push_back({ &slot_k[c], &slot_v[c], ch.n, t.col0 + ch.c0 });
         }
     }
     const int np      = (int) parts.size();
-    const int p_chunk = np - (int) chunks.size(); // parts [p_chunk, np) are streamed chunks
+    const int p_chunk = np - (int) slot_k.size(); // parts [p_chunk, np) are streamed chunks
 
     // a single part with sinks: the stock kernels apply them, no LSE or merge needed
     const bool fused_sinks = np == 1 && sinks != nullptr;
@@ -561,14 +745,19 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         O_tmp.alloc((O_max + sizeof(float) - 1)/sizeof(float));
     }
 
-    // host tail: fork the copy stream here (this layer's new rows were written into the tail before this op on the
-    // compute stream) and start the first chunks while the window is attended
-    if (ring) {
+    // host tail: the first streaming op of the plan forks the copy stream (everything before it on the compute
+    // stream, this layer's new rows included, is ordered before the copies) and fills the ring
+    auto issue = [&](int i) {
+        const rkv_fifo_chunk & ch = (*fifo)[i];
+        const ggml_tensor * node = (*fops)[ch.op].node;
+        rkv_issue_copy(*ring, cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+    };
+    if (ring && op_idx == 0) {
         CUDA_CHECK(cudaEventRecord(ring->ev_fork, stream));
         CUDA_CHECK(cudaStreamWaitEvent(cstream, ring->ev_fork, 0));
-        const rkv_part & t = seg[nseg - 1];
-        for (int i = 0; i < (int) chunks.size() && i < ring->n_slots; ++i) {
-            rkv_issue_copy(*ring, cstream, t.k, t.v, chunks[i], i);
+        *next_copy = 0;
+        while (*next_copy < (int) fifo->size() && *next_copy < ring->n_slots) {
+            issue((*next_copy)++);
         }
     }
 
@@ -582,7 +771,17 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         const int ic = i - p_chunk;     // chunk index, or < 0
 
         if (ic >= 0) {
-            CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[ic % ring->n_slots], 0));
+            const rkv_fifo_op & o = (*fops)[op_idx];
+            const int g = o.first + ic;
+            GGML_ASSERT(g < *next_copy && "rolling-KV: a chunk is attended before its copy was issued");
+            CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[g % ring->n_slots], 0));
+            // rows written by this graph after the chunk may have been copied: take them again from the host tail
+            for (const ggml_tensor * w : o.writes_k) {
+                rkv_refresh(stream, (char *) slot_k[ic].data, seg[nseg - 1].k, w, (*fifo)[g]);
+            }
+            for (const ggml_tensor * w : o.writes_v) {
+                rkv_refresh(stream, (char *) slot_v[ic].data, seg[nseg - 1].v, w, (*fifo)[g]);
+            }
         }
 
         ggml_cuda_pool_alloc<half> mask_buf(pool);
@@ -624,11 +823,12 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
 
         if (ic >= 0) {
-            // the slot may be refilled as soon as the attention over it is done: queue the copy that reuses it
-            CUDA_CHECK(cudaEventRecord(ring->slot_free[ic % ring->n_slots], stream));
-            const int next = ic + ring->n_slots;
-            if (next < (int) chunks.size()) {
-                rkv_issue_copy(*ring, cstream, seg[nseg - 1].k, seg[nseg - 1].v, chunks[next], next);
+            // the slot may be refilled as soon as the attention over it is done: queue the copies that this frees,
+            // which may belong to the next ops (the copy stream runs ahead across layers)
+            const int g = (*fops)[op_idx].first + ic;
+            CUDA_CHECK(cudaEventRecord(ring->slot_free[g % ring->n_slots], stream));
+            while (*next_copy < (int) fifo->size() && *next_copy <= g + ring->n_slots) {
+                issue((*next_copy)++);
             }
         }
 
@@ -665,8 +865,9 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         CUDA_CHECK(cudaGetLastError());
     }
 
-    if (ring) {
-        // join the copy stream back (required to end a CUDA graph capture; every copy was already waited for)
+    if (ring && op_idx == (int) fops->size() - 1) {
+        // the last streaming op joins the copy stream back (required to end a CUDA graph capture)
+        GGML_ASSERT(*next_copy == (int) fifo->size());
         CUDA_CHECK(cudaEventRecord(ring->ev_join, cstream));
         CUDA_CHECK(cudaStreamWaitEvent(stream, ring->ev_join, 0));
     }
