@@ -34,7 +34,9 @@ if has optest; then
   step "op tests: CUDA0 device tail (quick), pinned-host tail (quick), pinned-host tail in 256-cell chunks (quick)"
   { timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick; echo "exit $?";
     timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick --tail-host; echo "exit $?";
-    GGML_RKV_CHUNK_CELLS=256 GGML_RKV_SLOTS=2 timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick --tail-host; echo "exit $?"; } > "$OUT/optests.txt" 2>&1
+    GGML_RKV_CHUNK_CELLS=256 GGML_RKV_SLOTS=2 timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick --tail-host; echo "exit $?";
+    GGML_RKV_RUNAHEAD=0 GGML_RKV_CHUNK_CELLS=256 timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick --tail-host; echo "exit $?";
+    GGML_CUDA_DISABLE_GRAPHS=1 GGML_RKV_CHUNK_CELLS=256 timeout 150 "$BIN/test-rolling-kv-ops" -b CUDA0 --quick --tail-host; echo "exit $?"; } > "$OUT/optests.txt" 2>&1
   grep -E "FAIL|passed|exit|skipped,|Assert|error" "$OUT/optests.txt" | grep -v " OK$" | head -40
 fi
 
@@ -78,13 +80,21 @@ if has bench; then
   M=/tmp/synth28.gguf
   [ -f $M ] || timeout 150 python3 -m rollingkv_cli model synth $M --ctx 131072 --force | tail -1
   D="${BENCH_DEPTH:-16384}"
-  step "decode at depth $D: resident, window 50% (streamed / scheduler copy), window 256, q4_0 tail, vanilla -ngl 20"
+  step "decode at depth $D: resident, tails of 25/50/75/~100 %, run-ahead off, scheduler copy, q8_0/q4_0 tails, graphs off, vanilla -ngl"
+  W="-ngl 99 --kv-residency-mode window --kv-window-cells"
   timeout ${BENCH_TIMEOUT:-300} python3 scripts/gpu_stream_bench.py "$BIN/llama-bench" $M $D "$OUT/bench.jsonl" \
     "resident=-ngl 99 --kv-residency-mode off" \
-    "win50=-ngl 99 --kv-residency-mode window --kv-window-cells $((D/2))" \
-    "win50-schedcopy=LLAMA_RKV_SCHED_COPY=1 -ngl 99 --kv-residency-mode window --kv-window-cells $((D/2))" \
-    "win256=-ngl 99 --kv-residency-mode window --kv-window-cells 256" \
-    "win50-q4tail=-ngl 99 --kv-residency-mode window --kv-window-cells $((D/2)) -ctkt q4_0 -ctvt q4_0" \
+    "tail25=$W $((D*3/4))" \
+    "tail50=$W $((D/2))" \
+    "tail75=$W $((D/4))" \
+    "tail~100=$W 256" \
+    "tail50-runahead0=GGML_RKV_RUNAHEAD=0 $W $((D/2))" \
+    "tail50-schedcopy=LLAMA_RKV_SCHED_COPY=1 $W $((D/2))" \
+    "tail50-nographs=GGML_CUDA_DISABLE_GRAPHS=1 $W $((D/2))" \
+    "tail50-q8_0=$W $((D/2)) -ctkt q8_0 -ctvt q8_0" \
+    "tail50-q4_0=$W $((D/2)) -ctkt q4_0 -ctvt q4_0" \
+    "tail~100-q4_0=$W 256 -ctkt q4_0 -ctvt q4_0" \
+    "vanilla-ngl26=-ngl 26 --kv-residency-mode off" \
     "vanilla-ngl20=-ngl 20 --kv-residency-mode off"
 fi
 step done
