@@ -426,7 +426,7 @@ static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * _
 
 static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t, const ggml_tensor * write, const rkv_fifo_chunk & ch) {
     const ggml_tensor * root = t->view_src ? t->view_src : t;
-    const ggml_tensor * idxs = write->src[2];
+    const ggml_tensor * idxs = write->src[1]; // set_rows: src[0] the rows, src[1] their indices
     const int64_t n_tok = ggml_nelements(idxs);
     if (n_tok == 0) {
         return;

@@ -1,0 +1,604 @@
+"""`rollingkv bench tail`: decode speed of the split KV cache against its PCIe floor and against what
+vanilla llama.cpp offers at the same depth, in one run (issue 4, item 5).
+
+One llama-bench process per cell (`-fa 1 -p 0 -n N -d DEPTH -r R -o json`), so that every cell has its own
+command line, wall time and timeout, and the JSON report is rewritten after every cell: a run cut short
+(a device-call limit, Ctrl-C) leaves every finished cell on disk, and `--resume` runs only what is missing.
+No click in here: the command is rollingkv_cli/commands/bench.py; the arithmetic is bench_math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollingkv_cli import bench_math as bm
+from rollingkv_cli.console import abort, console
+
+SCHEMA = "rollingkv.bench.tail/1"
+DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_MIXED_FRACTIONS = (0.5,)
+DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # docs/design/cuda-streaming-fa.md §2.1 (GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB)
+STDERR_TAIL = 25
+
+
+def default_ring_bytes() -> int:
+    """The CUDA op's slot ring: GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB when set, else 3 x 32 MiB."""
+    def env_int(name: str, default: int) -> int:
+        try:
+            v = int(os.environ.get(name, ""))
+            return v if v > 0 else default
+        except ValueError:
+            return default
+
+    return env_int("GGML_RKV_SLOTS", DEFAULT_RING_SLOTS) * env_int("GGML_RKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB) << 20
+
+
+@dataclass
+class TailConfig:
+    model: Path
+    bench: Path  # our llama-bench
+    build_dir: Path
+    backend: str  # "CUDA" | "CPU"
+    depths: list[int]
+    n_gen: int = 32
+    reps: int = 3
+    vanilla_reps: int = 3
+    tail_types: list[str] = field(default_factory=lambda: list(DEFAULT_TAIL_TYPES))
+    fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
+    mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
+    window_type: str = "f16"
+    threads: int | None = None
+    ring_bytes: int = DEFAULT_RING_SLOTS * DEFAULT_RING_SLOT_MIB << 20
+    skip: tuple[str, ...] = ()  # auto | nkvo | ngl
+    vanilla_bench: Path | None = None  # an unpatched llama-bench; None: ours with --kv-residency-mode off
+    cell_timeout: float | None = None
+    time_budget: float | None = None
+    pcie_bw_gbps: float | None = None  # explicit: used instead of measuring
+    gpu: int = 0
+    out: Path = Path("bench-tail.json")
+    plot: bool = True
+
+    def to_json(self) -> dict:
+        return {
+            "depths": self.depths, "n_gen": self.n_gen, "reps": self.reps, "vanilla_reps": self.vanilla_reps,
+            "tail_types": self.tail_types, "fractions": self.fractions, "mixed_fractions": self.mixed_fractions,
+            "window_type": self.window_type, "threads": self.threads, "slot_ring_bytes": self.ring_bytes,
+            "skip": list(self.skip), "cell_timeout_s": self.cell_timeout, "time_budget_s": self.time_budget,
+            "pcie_bw_gbps_explicit": self.pcie_bw_gbps, "gpu": self.gpu,
+        }
+
+
+# ------------------------------------------------------------------------------------------ the grid
+
+
+def _pct(f: float) -> str:
+    return f"{f * 100:.0f}%"
+
+
+def depth_plan(cfg: TailConfig, model, depth: int) -> dict:
+    """kv_size, the 50%-tail window's VRAM budget and the vanilla -ngl that fits it, at one depth."""
+    kv = bm.kv_size(depth, cfg.n_gen)
+    w_half = bm.window_for_fraction(0.5, depth, cfg.n_gen)
+    shape = model.kv
+    wt = cfg.window_type
+    budget = bm.window_budget(model.weights, w_half, shape.row_bytes(wt, wt), cfg.ring_bytes)
+    kv_layer = [b * kv for b in shape.layer_row_bytes(wt, wt)]
+    n, dev = bm.choose_ngl(model.weights, kv_layer, budget["total_bytes"])
+    n_kv_mean = sum(bm.n_kv_at(p, kv) for p in range(depth, depth + cfg.n_gen)) / cfg.n_gen
+    return {
+        "kv_size": kv, "n_kv_decode_mean": n_kv_mean, "window_cells_50pct": w_half,
+        "budget": budget,
+        "ngl": {"n_gpu_layers": n, "device_bytes": dev, "kv_bytes_per_layer": kv_layer,
+                "all_fit": n > model.n_layer,
+                "rule": "the largest -ngl whose last-n blocks + their KV at kv_size (+ the output layer when n > n_layer) fit the budget"},
+    }
+
+
+def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
+    """Every cell of the run, in the order they run: per depth the baseline and the cells the targets need
+    first, then the rest of the fractions, then the slow vanilla cells (-ngl, then -nkvo last)."""
+    wt = cfg.window_type
+    cells: list[dict] = []
+    base = ["-fa", "1", "-p", "0", "-n", str(cfg.n_gen), "-o", "json", "--progress", "-ctk", wt, "-ctv", wt]
+    if cfg.threads:
+        base += ["-t", str(cfg.threads)]
+    vanilla_bin = cfg.vanilla_bench or cfg.bench
+    off = [] if cfg.vanilla_bench else ["--kv-residency-mode", "off"]
+
+    for depth in cfg.depths:
+        plan = plans[depth]
+        kv = plan["kv_size"]
+        row_all = model.kv.row_bytes(wt, wt)
+        n_kv_mean = plan["n_kv_decode_mean"]
+        d_cells: list[dict] = []
+
+        def cell(kind: str, label: str, binary: Path, extra: list[str], reps: int, **kw) -> dict:
+            args = [str(binary), "-m", str(cfg.model), "-d", str(depth), "-r", str(reps), *base, *extra]
+            c = {"id": "", "label": label, "kind": kind, "depth": depth, "n_gen": cfg.n_gen, "reps": reps, "kv_size": kv,
+                 "tail_type": None, "fractions": [], "window_cells": None, "tail_fraction": 0.0,
+                 "tail_cells_per_token": 0.0, "tail_bytes_per_token": 0.0, "host_kv_bytes_per_token": 0.0,
+                 "n_gpu_layers": 99, "binary": "vanilla" if binary == cfg.vanilla_bench else "rollingkv",
+                 "args": args, "command": shlex.join(args), "status": "pending"}
+            c.update(kw)
+            c["id"] = f"d{depth}/{kind}" + (f"/{c['tail_type']}/w{c['window_cells']}" if kind == "window" else "")
+            if kind == "vanilla_ngl":
+                c["id"] += f"/ngl{c['n_gpu_layers']}"
+            return c
+
+        d_cells.append(cell("resident", "resident (off, -ngl 99)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "off"], cfg.reps))
+
+        window_cells: dict[tuple[str, int], dict] = {}
+        for t in cfg.tail_types:
+            fracs = cfg.fractions if t == wt else cfg.mixed_fractions
+            for f in fracs:
+                if t != wt and f == 0.0:
+                    continue  # no tail: the window type's 0% cell covers it
+                w = bm.window_for_fraction(f, depth, cfg.n_gen)
+                key = (t, w)
+                if key in window_cells:
+                    window_cells[key]["fractions"].append(f)
+                    continue
+                tcells = bm.tail_cells_per_token(depth, cfg.n_gen, w)
+                c = cell("window", "", cfg.bench,
+                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t], cfg.reps,
+                         tail_type=t, fractions=[f], window_cells=w, tail_fraction=bm.tail_fraction(w, depth, cfg.n_gen),
+                         tail_cells_per_token=tcells, tail_bytes_per_token=tcells * model.kv.row_bytes(t, t))
+                window_cells[key] = c
+        for c in window_cells.values():
+            req = "/".join(_pct(f) for f in c["fractions"])
+            c["label"] = f"window {c['tail_type']} {req} tail" + (" (= resident)" if c["window_cells"] >= kv else "")
+
+        def priority(c: dict) -> tuple:
+            fr = c["fractions"]
+            same = c["tail_type"] == wt
+            if same and 0.5 in fr:
+                return (0,)
+            if same and 1.0 in fr:
+                return (1,)
+            if c["tail_type"] == "q4_0" and 0.5 in fr:
+                return (2,)
+            if not same and 0.5 in fr:
+                return (3,)
+            return (4 if same else 5,)
+
+        ordered = sorted(window_cells.values(), key=priority)  # stable: the given order within a priority
+        head = [c for c in ordered if priority(c)[0] <= 3]
+        rest = [c for c in ordered if priority(c)[0] > 3]
+        d_cells += head
+        if "auto" not in cfg.skip:
+            d_cells.append(cell("auto", "auto (0% tail when it fits)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "auto"], cfg.reps))
+        d_cells += rest
+        vkind = "unpatched" if cfg.vanilla_bench else "off"
+        if cfg.vanilla_bench:
+            d_cells.append(cell("vanilla_resident", "vanilla resident (unpatched, -ngl 99)", vanilla_bin, ["-ngl", "99"], cfg.vanilla_reps))
+        if "ngl" not in cfg.skip:
+            n = plan["ngl"]["n_gpu_layers"]
+            first = model.n_layer - min(n, model.n_layer)
+            host_rows = sum(model.kv.layer_row_bytes(wt, wt)[:first])
+            d_cells.append(cell("vanilla_ngl", f"vanilla -ngl {n} ({vkind})", vanilla_bin, ["-ngl", str(n), *off], cfg.vanilla_reps,
+                                n_gpu_layers=n, host_kv_bytes_per_token=n_kv_mean * host_rows))
+        if "nkvo" not in cfg.skip:
+            d_cells.append(cell("vanilla_nkvo", f"vanilla -nkvo 1 ({vkind})", vanilla_bin, ["-ngl", "99", "-nkvo", "1", *off], cfg.vanilla_reps,
+                                host_kv_bytes_per_token=n_kv_mean * row_all))
+        cells += d_cells
+    return cells
+
+
+# ------------------------------------------------------------------------------------ one llama-bench
+
+
+class CellRunner:
+    """Runs one llama-bench process; stderr lines feed a callback (progress).
+
+    llama-bench starts no children, so the process stays in our process group: a Ctrl-C or a group kill
+    from an outer `timeout` reaches it too, and our own timeout stops just it (terminate, then kill)."""
+
+    def __init__(self, on_line=None):
+        self.on_line = on_line
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=grace)
+
+    def run(self, args: list[str], timeout: float | None) -> tuple[int | None, str, list[str], float, bool]:
+        """(returncode, stdout, stderr tail, wall seconds, timed out)."""
+        t0 = time.monotonic()
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                stdin=subprocess.DEVNULL)
+        tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        out_chunks: list[str] = []
+
+        def read_err():
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                tail.append(line.rstrip("\n"))
+                if self.on_line is not None:
+                    try:
+                        self.on_line(line.rstrip("\n"))
+                    except Exception:
+                        pass
+
+        def read_out():
+            assert proc.stdout is not None
+            out_chunks.append(proc.stdout.read())
+
+        threads = [threading.Thread(target=read_err, daemon=True), threading.Thread(target=read_out, daemon=True)]
+        for t in threads:
+            t.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self._stop(proc)
+        except BaseException:
+            self._stop(proc)
+            raise
+        for t in threads:
+            t.join(timeout=5.0)
+        return proc.returncode, "".join(out_chunks), list(tail), time.monotonic() - t0, timed_out
+
+
+def parse_bench_json(stdout: str, n_gen: int) -> dict:
+    """The n_gen row of llama-bench's -o json output; ValueError when there is none."""
+    try:
+        rows = json.loads(stdout)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"llama-bench printed no JSON ({e})") from None
+    if not isinstance(rows, list):
+        raise ValueError("llama-bench's JSON is not a list of tests")
+    for r in rows:
+        if isinstance(r, dict) and r.get("n_gen") == n_gen and r.get("n_prompt", 0) == 0:
+            return r
+    raise ValueError(f"llama-bench's JSON has no generation test of {n_gen} tokens")
+
+
+def fill_measurement(cell: dict, row: dict, model) -> None:
+    """Copy the figures of a llama-bench row into the cell; the tail from the plan the bench reports."""
+    ts = float(row.get("avg_ts") or 0.0)
+    cell["tokens_per_s"] = ts
+    cell["stddev_ts"] = float(row.get("stddev_ts") or 0.0)
+    cell["samples_ts"] = row.get("samples_ts")
+    cell["ms_per_token"] = 1e3 / ts if ts > 0 else None
+    cell["bench"] = {k: row.get(k) for k in ("backends", "gpu_info", "cpu_info", "n_threads", "n_gpu_layers", "no_kv_offload",
+                                             "type_k", "type_v", "model_size", "test_time", "build_commit")}
+    if "kv_mode_chosen" in row:
+        cell["plan"] = {k: row.get(k) for k in ("kv_mode", "kv_mode_chosen", "window_cells", "tail_cells", "type_k_tail", "type_v_tail")}
+    if cell["kind"] in ("window", "auto"):
+        plan = cell.get("plan") or {}
+        w = plan.get("window_cells") or 0
+        split = plan.get("kv_mode_chosen") == "window" and w > 0
+        if cell["kind"] == "window" and cell["window_cells"] < cell["kv_size"] and not split:
+            cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan chose {plan.get('kv_mode_chosen')}: no tail"
+        if cell["kind"] == "window" and split and w != cell["window_cells"]:
+            cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan made {w}"
+        t = plan.get("type_k_tail") if split else None
+        tv = plan.get("type_v_tail") if split else None
+        tcells = bm.tail_cells_per_token(cell["depth"], cell["n_gen"], w if split else None)
+        cell["tail_cells_per_token"] = tcells
+        cell["tail_bytes_per_token"] = tcells * model.kv.row_bytes(t, tv) if split and t in bm.TYPE_BLOCK and tv in bm.TYPE_BLOCK else 0.0
+        if split and cell["kind"] == "auto":
+            cell["window_cells"] = w
+
+
+def apply_floors(cells: list[dict], gbps: float | None) -> None:
+    """Floors and ratios of every measured window/auto cell, against the resident cell of its depth."""
+    resident = {c["depth"]: c for c in cells if c["kind"] == "resident" and c.get("status") == "ok" and (c.get("tokens_per_s") or 0) > 0}
+    for c in cells:
+        for k in ("t_resident_ms", "floor_ms", "stretch_floor_ms", "ratio_floor", "ratio_stretch"):
+            c.pop(k, None)
+        if c["kind"] not in ("window", "auto") or c.get("status") != "ok" or not c.get("tokens_per_s"):
+            continue
+        r = resident.get(c["depth"])
+        if r is None or gbps is None:
+            continue
+        t_res = 1.0 / r["tokens_per_s"]
+        serial, stretch = bm.floors(t_res, c.get("tail_bytes_per_token") or 0.0, gbps * 1e9)
+        t = 1.0 / c["tokens_per_s"]
+        c["t_resident_ms"] = t_res * 1e3
+        c["floor_ms"] = serial * 1e3
+        c["stretch_floor_ms"] = stretch * 1e3
+        c["ratio_floor"] = t / serial
+        c["ratio_stretch"] = t / stretch
+
+
+# ------------------------------------------------------------------------------------------ bandwidth
+
+
+def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
+    """Pinned host-to-device GB/s for the floors, measured now (pcie.measure, 256 MiB copies); None without a GPU."""
+    from rollingkv_cli import pcie
+
+    if explicit is not None:
+        return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
+    try:
+        gpus = pcie.discover()
+    except pcie.NoGpuError as e:
+        return {"gbps": None, "source": None, "note": f"no host-to-GPU link ({e.reason}): bandwidth null, floors skipped"}
+    gpu = next((g for g in gpus if g.index == gpu_index), None)
+    if gpu is None:
+        abort(f"--gpu {gpu_index}: no such GPU", f"NVML sees GPUs {', '.join(str(g.index) for g in gpus)}")
+    try:
+        with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({gpu.name})"):
+            entry = pcie.measure(gpu)
+    except (pcie.CudaUnavailable, pcie.MeasureError) as e:
+        res = pcie.resolve_bandwidth(gpu_index, gpus=gpus)
+        return {"gbps": res.gbps, "source": f"resolved ({res.tier})", "gpu": pcie.gpu_dict(gpu),
+                "note": f"measuring failed ({e}); using {res.gbps:g} GB/s: {res.detail}"}
+    gbps = entry["h2d"].get(str(pcie.RESOLVE_SIZE_MIB))
+    return {"gbps": gbps, "source": "measured", "gpu": pcie.gpu_dict(gpu), "measurement": entry,
+            "note": f"pinned host-to-device, {pcie.RESOLVE_SIZE_MIB} MiB copies, median, measured in this run"}
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def refresh(doc: dict) -> None:
+    gbps = doc["bandwidth"].get("gbps")
+    apply_floors(doc["cells"], gbps)
+    doc["targets"] = bm.evaluate_targets(doc["cells"], doc["config"]["depths"], doc["config"]["window_type"], gbps)
+    doc["updated_at"] = _now()
+
+
+def _mb(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.3g}"
+
+
+def _num(v: float | None, fmt: str = ".3g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def cell_line(c: dict) -> str:
+    if c["status"] != "ok":
+        return f"{c['label']} at d={c['depth']}: [red]{c['status']}[/]" + (f" ({c.get('error')})" if c.get("error") else "")
+    s = f"{c['label']} at d={c['depth']}: [bold]{c['tokens_per_s']:.4g} tok/s[/] (±{c.get('stddev_ts', 0):.2g}), {c['ms_per_token']:.3g} ms/token"
+    if c.get("tail_bytes_per_token"):
+        s += f", tail {_mb(c['tail_bytes_per_token'])} MB/token"
+    if c.get("ratio_floor") is not None:
+        s += f", {c['ratio_floor']:.2f}x floor"
+    return s + f" [dim]({c.get('wall_s', 0):.1f} s)[/]"
+
+
+def report_console():
+    """The console for wide tables: ours on a terminal or with $COLUMNS, else one 200 columns wide (a log file
+    or a device call's captured output would otherwise squeeze 12 columns into 80)."""
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    from rich.console import Console
+
+    return Console(width=200, highlight=False)
+
+
+def print_report(doc: dict) -> None:
+    from rich.table import Table
+
+    out = report_console()
+
+    for depth in doc["config"]["depths"]:
+        cells = [c for c in doc["cells"] if c["depth"] == depth]
+        dp = doc["depths"].get(str(depth), {})
+        tb = Table(title=f"decode at depth {depth} (kv_size {dp.get('kv_size')}, n_gen {doc['config']['n_gen']}), {doc['build']['backend']}",
+                   title_justify="left")
+        for col, just in (("cell", "left"), ("window", "right"), ("tail", "right"), ("tail MB/tok", "right"), ("tok/s", "right"),
+                          ("ms/tok", "right"), ("floor ms", "right"), ("x floor", "right"), ("stretch ms", "right"),
+                          ("x stretch", "right"), ("wall s", "right"), ("status", "left")):
+            tb.add_column(col, justify=just)
+        for c in cells:
+            ok = c["status"] == "ok"
+            tb.add_row(
+                c["label"],
+                "-" if c.get("window_cells") is None else str(c["window_cells"]),
+                _pct(c["tail_fraction"]) if c["kind"] == "window" else "-",
+                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto") else "-",
+                f"{c['tokens_per_s']:.4g}" if ok else "-",
+                _num(c.get("ms_per_token")) if ok else "-",
+                _num(c.get("floor_ms")), _num(c.get("ratio_floor"), ".2f"),
+                _num(c.get("stretch_floor_ms")), _num(c.get("ratio_stretch"), ".2f"),
+                _num(c.get("wall_s"), ".1f"),
+                {"ok": "[green]ok[/]", "pending": "[dim]pending[/]"}.get(c["status"], f"[red]{c['status']}[/]"),
+            )
+        out.print(tb)
+    bw = doc["bandwidth"]
+    out.print(f"bandwidth: {bw['gbps']:.4g} GB/s ({bw['source']}; {bw['note']})" if bw.get("gbps") is not None
+                  else f"bandwidth: null ({bw['note']})", soft_wrap=True)
+    tt = Table(title="issue 4 targets (computed from the cells above)", title_justify="left")
+    for col in ("target", "depth", "value", "need", "status", "detail"):
+        tt.add_column(col)
+    for t in doc["targets"]:
+        style = {"met": "green", "not met": "red", "n/a": "dim", "info": "yellow"}[t["status"]]
+        detail = "; ".join(x for x in (t.get("detail"), t.get("note")) if x)
+        tt.add_row(t["target"], str(t["depth"]), _num(t["value"], ".3g"), f"{t['op']} {t['threshold']:g}", f"[{style}]{t['status']}[/]", detail)
+    out.print(tt)
+    for n in doc.get("notes", []):
+        out.print(f"[dim]note:[/] {n}", soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def _compatible(old: dict, doc: dict) -> list[str]:
+    diffs = []
+    for path in (("model", "path"), ("model", "file_bytes"), ("build", "dir"), ("config", "n_gen"), ("config", "window_type"),
+                 ("config", "threads"), ("vanilla", "llama_bench")):
+        a, b = old, doc
+        for k in path:
+            a = a.get(k) if isinstance(a, dict) else None
+            b = b.get(k) if isinstance(b, dict) else None
+        if a != b:
+            diffs.append(f"{'.'.join(path)}: {a!r} -> {b!r}")
+    return diffs
+
+
+def resume_cells(out: Path, doc: dict) -> int:
+    """Take over the measured cells of an earlier run of the same configuration (same command line per cell)."""
+    try:
+        old = json.loads(out.read_text())
+    except FileNotFoundError:
+        return 0
+    except (OSError, json.JSONDecodeError) as e:
+        abort(f"--resume: cannot read {out}: {e}", "give another --json, or drop --resume to start over")
+    if old.get("schema") != SCHEMA:
+        abort(f"--resume: {out} is not a `bench tail` report (schema {old.get('schema')!r})")
+    diffs = _compatible(old, doc)
+    if diffs:
+        abort(f"--resume: {out} was made with another configuration ({'; '.join(diffs)})", "give another --json, or drop --resume to start over")
+    done = {c["command"]: c for c in old.get("cells", []) if c.get("status") == "ok"}
+    n = 0
+    for i, c in enumerate(doc["cells"]):
+        if c["command"] in done:
+            doc["cells"][i] = dict(done[c["command"]], resumed=True)
+            n += 1
+    return n
+
+
+def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_desc: str) -> dict:
+    from rollingkv_cli import __version__
+
+    notes = list(model.notes)
+    notes.append("tail bytes per token = mean over the decoded tokens of (n_kv - window) cells x K+V row bytes at the tail type, "
+                 "summed over layers; n_kv = min(kv_size, max(256, pad256(pos + 1)))")
+    notes.append(f"windows are multiples of 256 cells; the 100% tail is the smallest explicit window, {bm.MIN_WINDOW} cells "
+                 "(--kv-window-cells 0 means 'the planner decides' in the patched llama-bench)")
+    return {
+        "schema": SCHEMA, "rollingkv_version": __version__, "created_at": _now(), "updated_at": _now(), "finished_at": None,
+        "complete": False, "argv": sys.argv, "cwd": os.getcwd(),
+        "host": {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "build": {"dir": str(cfg.build_dir), "llama_bench": str(cfg.bench), "backend": cfg.backend,
+                  "series_hash": build.manifest.get("series_hash"), "pin": build.manifest.get("pin"),
+                  "cuda_arch": build.manifest.get("cuda_arch")},
+        "vanilla": {"source": vanilla_desc, "llama_bench": str(cfg.vanilla_bench or cfg.bench)},
+        "model": model.to_json(), "config": cfg.to_json(),
+        "bandwidth": {"gbps": None, "source": None, "note": "not measured yet"},
+        "depths": {str(d): p for d, p in plans.items()},
+        "cells": build_cells(cfg, model, plans), "targets": [], "notes": notes, "png": None,
+    }
+
+
+def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
+    """Measure every cell not taken over from an earlier report; the report is rewritten after each one."""
+    t0 = time.monotonic()  # --time-budget counts from here: the link measurement is part of the run
+    if resume:
+        n = resume_cells(cfg.out, doc)
+        if n:
+            console.print(f"[dim]--resume: {n} measured cells taken over from {cfg.out}[/]")
+    doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps)
+    if doc["bandwidth"]["gbps"] is None:
+        doc["notes"].append(doc["bandwidth"]["note"])
+    refresh(doc)
+    write_json(cfg.out, doc)
+
+    todo = [c for c in doc["cells"] if c["status"] != "ok"]
+    with _sigterm_as_interrupt():
+        _run_cells(cfg, doc, model, todo, t0)
+    doc["complete"] = all(c["status"] == "ok" for c in doc["cells"])
+    doc["finished_at"] = _now()
+    doc["wall_s"] = round(time.monotonic() - t0, 1)
+    refresh(doc)
+    write_json(cfg.out, doc)
+    return doc
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (an outer timeout) ends the run like Ctrl-C: the running cell is stopped and marked, the report written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console.print(f"[dim]{len(todo)} cells to run ({len(doc['cells']) - len(todo)} already measured); report: {cfg.out}[/]")
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("cells", total=len(todo))
+        for i, c in enumerate(todo, 1):
+            desc = f"[{i}/{len(todo)}] {c['label']} at d={c['depth']}"
+            timeout, limit = cfg.cell_timeout, "--cell-timeout"
+            if cfg.time_budget:
+                left = cfg.time_budget - (time.monotonic() - t0)
+                if left <= 1:
+                    c["status"], c["error"] = "skipped", "the --time-budget was spent before this cell"
+                    progress.advance(task)
+                    continue
+                if not timeout or left < timeout:
+                    timeout, limit = left, "--time-budget"
+            progress.update(task, description=desc)
+
+            def on_line(line: str, desc=desc) -> None:
+                if line.startswith("llama-bench: benchmark"):
+                    progress.update(task, description=f"{desc}: {line.split(':', 2)[-1].strip()}")
+
+            if not console.is_terminal:  # a log: say what runs, so a cut-off run shows where it stopped
+                console.print(f"{desc}: running", soft_wrap=True)
+            c["started_at"] = _now()
+            c["status"] = "running"
+            write_json(cfg.out, doc)
+            try:
+                rc, out, err_tail, wall, timed_out = CellRunner(on_line).run(c["args"], timeout)
+            except KeyboardInterrupt:
+                c["status"], c["error"] = "interrupted", "Ctrl-C or SIGTERM while it ran"
+                refresh(doc)
+                write_json(cfg.out, doc)
+                raise
+            except OSError as e:
+                rc, out, err_tail, wall, timed_out = None, "", [str(e)], 0.0, False
+            c["wall_s"] = round(wall, 2)
+            if timed_out:
+                c["status"], c["error"] = "timeout", f"stopped after {wall:.0f} s ({limit})"
+                c["stderr_tail"] = err_tail
+            elif rc != 0:
+                c["status"], c["error"] = "failed", f"llama-bench exit {rc}: {err_tail[-1] if err_tail else ''}"
+                c["stderr_tail"] = err_tail
+            else:
+                try:
+                    fill_measurement(c, parse_bench_json(out, cfg.n_gen), model)
+                    c["status"] = "ok"
+                except ValueError as e:
+                    c["status"], c["error"] = "failed", str(e)
+                    c["stderr_tail"] = err_tail
+            refresh(doc)
+            write_json(cfg.out, doc)
+            progress.console.print(f"[{i}/{len(todo)}] " + cell_line(c), soft_wrap=True)
+            progress.advance(task)

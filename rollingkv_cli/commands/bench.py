@@ -1,0 +1,270 @@
+"""`rollingkv bench`: speed benchmarks of the split KV cache (the work lives in rollingkv_cli/bench_*.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+# keep in step with bench_math.CACHE_TYPES (not imported here: registering commands stays cheap)
+CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+SKIPPABLE = ["auto", "ngl", "nkvo"]
+
+
+@click.group()
+def bench() -> None:
+    """Measure decode speed of the split KV cache against its PCIe floor and vanilla llama.cpp."""
+
+
+def _positive(ctx, param, value):
+    if value is None:
+        return value
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if v < 1:
+            raise click.BadParameter(f"must be at least 1, got {v}")
+    return value
+
+
+def _types(ctx, param, value: str):
+    out = []
+    for t in (x.strip() for x in value.split(",")):
+        if not t:
+            continue
+        if t not in CACHE_TYPES:
+            raise click.BadParameter(f"unknown tail type {t!r} (allowed: {', '.join(CACHE_TYPES)})")
+        if t not in out:
+            out.append(t)
+    if not out:
+        raise click.BadParameter("give at least one tail type")
+    return out
+
+
+def _fractions(ctx, param, value: str):
+    out = []
+    for s in (x.strip() for x in value.split(",")):
+        if not s:
+            continue
+        try:
+            f = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+        except ValueError:
+            raise click.BadParameter(f"{s!r} is not a fraction (use 0.5 or 50%)") from None
+        if not 0.0 <= f <= 1.0:
+            raise click.BadParameter(f"tail fraction {s} is outside [0, 1] (0 = everything in the window, 1 = all but 256 cells in the tail)")
+        if f not in out:
+            out.append(f)
+    if not out and param.name == "fractions":
+        raise click.BadParameter("give at least one fraction")
+    return out
+
+
+def _default_out(model: Path) -> Path:
+    from rollingkv_cli import paths
+
+    base = paths.REPO_ROOT / "docs" / "perf"
+    if not base.is_dir():
+        base = Path.cwd() / "docs" / "perf"
+    stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in model.stem)
+    p = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}.json"
+    n = 2
+    while p.exists():
+        p = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}-{n}.json"
+        n += 1
+    return p
+
+
+def _vanilla_bench(d: Path) -> Path:
+    from rollingkv_cli.console import abort
+
+    d = d.expanduser()
+    for cand in (d, d / "llama-bench", d / "bin" / "llama-bench", d / "build" / "bin" / "llama-bench"):
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return cand.resolve()
+    abort(f"--vanilla-build {d}: no llama-bench executable there (looked in it, bin/ and build/bin/)",
+          "build llama.cpp at the pin with its llama-bench target, or drop --vanilla-build to use our build with --kv-residency-mode off")
+
+
+@bench.command()
+@click.argument("model_spec", metavar="MODEL")
+@click.option("-d", "--depth", "depths", type=int, multiple=True, callback=_positive, default=(16384,), show_default=True,
+              help="Context depth before the timed tokens (repeat for several).")
+@click.option("-n", "--n-gen", type=int, callback=_positive, default=32, show_default=True, help="Tokens decoded and timed per repetition.")
+@click.option("-r", "--reps", type=int, callback=_positive, default=3, show_default=True, help="Repetitions per cell (llama-bench -r).")
+@click.option("--vanilla-reps", type=int, callback=_positive, default=None, help="Repetitions of the vanilla -ngl/-nkvo cells (slow).  [default: --reps]")
+@click.option("--tail-types", "tail_types", default="f16,q8_0,q4_0", show_default=True, callback=_types,
+              help=f"Comma-separated tail K/V types (-ctkt/-ctvt): {', '.join(CACHE_TYPES)}.")
+@click.option("--fractions", default="0,0.25,0.5,0.75,1", show_default=True, callback=_fractions,
+              help="Tail fractions of the KV cells for the tail type equal to the window type (0.5 or 50%).")
+@click.option("--mixed-fractions", default="0.5", show_default=True, callback=_fractions,
+              help="Tail fractions for the other tail types.")
+@click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
+@click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
+                   "[default: our build with --kv-residency-mode off, bit-identical to upstream]")
+@click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
+@click.option("-t", "--threads", type=int, callback=_positive, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
+@click.option("--slot-ring-mib", type=click.IntRange(min=0), default=None,
+              help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $GGML_RKV_SLOTS x $GGML_RKV_SLOT_MIB, else 3 x 32]")
+@click.option("--pcie-bw-gbps", type=float, default=None, help="Use this host-to-device GB/s for the floors instead of measuring.")
+@click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) whose link is measured.")
+@click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")
+@click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
+              help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The report, rewritten after every cell.  [default: docs/perf/<date>-bench-tail-<model>.json]")
+@click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
+@click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
+@click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
+def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, window_type, vanilla_build, skip,
+         threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
+    """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
+
+    \b
+    Per depth, one llama-bench process per cell (-fa 1 -p 0 -n N -d DEPTH -r R -o json):
+      resident       --kv-residency-mode off, -ngl 99 (the floor's t_resident)
+      window         --kv-residency-mode window --kv-window-cells W -ctkt/-ctvt T, for each tail type T
+                     and tail fraction: W = (1 - fraction) x (depth + n_gen) to a multiple of 256, at
+                     least 256 (the 100% tail); 0% = the whole cache
+      auto           --kv-residency-mode auto (0% tail when the cache fits)
+      vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the VRAM of the 50%-tail
+                     window run (all weights + window KV + slot ring), sizes read from the GGUF
+      vanilla -nkvo  -nkvo 1 (KV in host memory, attention on the CPU), run last: the slowest cell
+    The host-to-device bandwidth is measured in the same run (none on a CPU-only machine: floors skipped).
+    Each cell's tail bytes per token, floors (t_res + bytes/bw, max(t_res, bytes/bw)) and ratios, and the
+    issue 4 targets, go to the table and the JSON report (rewritten after every cell, with every command
+    line); a PNG next to it when matplotlib is installed (else `rollingkv bench plot REPORT.json`).
+
+    Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
+    written all the same), 2 on a usage error. Unmet targets do not change the exit status.
+    """
+    from rollingkv_cli import bench_gguf, bench_math, bench_plot, bench_tail, builder, models
+    from rollingkv_cli.console import abort, console, warn
+
+    if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
+        raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
+    if not any(t == window_type for t in tail_types) and not mixed_fractions:
+        raise click.UsageError("no cell to run: no tail type equals --window-type and --mixed-fractions is empty")
+    for d in depths:
+        if bench_math.kv_size(d, n_gen) <= bench_math.MIN_WINDOW:
+            raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {bench_math.MIN_WINDOW} cells, the smallest window: "
+                                     f"nothing could go to the tail (use a depth of at least {bench_math.MIN_WINDOW})", param_hint="--depth")
+    depths = list(dict.fromkeys(depths))
+
+    model = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    build = builder.active_build()
+    bench_bin = build.artifact("llama-bench")
+    if not bench_bin.is_file():
+        abort(f"the build {build.dir} has no llama-bench", "run `rollingkv build` (it builds llama-bench)")
+    info = bench_gguf.read_model(model)
+    for t in sorted({window_type, *tail_types}):
+        try:
+            info.kv.row_bytes(t, t)
+        except ValueError as e:
+            abort(f"cache type {t} does not fit this model: {e}", "leave it out of --tail-types / --window-type")
+    vanilla_bin = _vanilla_bench(vanilla_build) if vanilla_build else None
+    vanilla_desc = (f"unpatched build: {vanilla_bin}" if vanilla_bin else
+                    "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
+    backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
+    out = json_out or _default_out(model)
+    cfg = bench_tail.TailConfig(
+        model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
+        vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
+        window_type=window_type, threads=threads,
+        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else bench_tail.default_ring_bytes(),
+        skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
+        pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
+    plans = {d: bench_tail.depth_plan(cfg, info, d) for d in depths}
+    doc = bench_tail.new_document(cfg, build, info, plans, vanilla_desc)
+
+    console.print(f"model {model.name}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
+                  f"{info.weights.device_bytes_all / 2**30:.2f} GiB of weights on the device at -ngl 99; build {build.dir.name} ({backend})",
+                  soft_wrap=True)
+    console.print(f"vanilla: {vanilla_desc}", soft_wrap=True)
+    for d, p in plans.items():
+        b, g = p["budget"], p["ngl"]
+        console.print(f"depth {d}: kv_size {p['kv_size']}; VRAM of the 50%-tail run (window {p['window_cells_50pct']}): "
+                      f"{b['weights_bytes'] / 2**30:.2f} GiB weights + {b['window_kv_bytes'] / 2**30:.2f} GiB window KV + "
+                      f"{b['slot_ring_bytes'] / 2**20:.0f} MiB ring = {b['total_bytes'] / 2**30:.2f} GiB -> vanilla -ngl {g['n_gpu_layers']} "
+                      f"({g['device_bytes'] / 2**30:.2f} GiB)" + (" (everything fits)" if g["all_fit"] else ""), soft_wrap=True)
+    if info.notes:
+        for n in info.notes:
+            warn(n)
+    if dry_run:
+        from rich.table import Table
+
+        t = Table(title=f"{len(doc['cells'])} cells, in the order they would run")
+        for col in ("#", "cell", "depth", "window", "tail MB/tok", "command"):
+            t.add_column(col, overflow="fold")
+        for i, c in enumerate(doc["cells"], 1):
+            t.add_row(str(i), c["label"], str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
+                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] == "window" else "-", c["command"])
+        bench_tail.report_console().print(t)
+        return
+    if json_out and json_out.exists() and not resume:
+        warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
+
+    doc = bench_tail.run(cfg, doc, info, resume)
+    bench_tail.print_report(doc)
+    if cfg.plot:
+        png = out.with_suffix(".png")
+        if bench_plot.have_matplotlib():
+            try:
+                bench_plot.render(doc, png)
+                doc["png"] = str(png)
+                bench_tail.write_json(out, doc)
+                console.print(f"plot: {png}")
+            except Exception as e:  # a plot must never cost the measurements
+                warn(f"could not draw {png}: {e}")
+        else:
+            console.print(f"[dim]matplotlib is not installed: no PNG; `rollingkv bench plot {out}` draws it where it is "
+                          "(pip install 'rollingkv\\[plot]')[/]", soft_wrap=True)
+    console.print(f"report: {out}")
+    bad = [c for c in doc["cells"] if c["status"] != "ok"]
+    if bad:
+        raise click.exceptions.Exit(1)
+
+
+def _load_report(path: Path) -> dict:
+    import json
+
+    from rollingkv_cli import bench_tail
+    from rollingkv_cli.console import abort
+
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        abort(f"cannot read {path}: {e.strerror or e}")
+    except json.JSONDecodeError as e:
+        abort(f"{path} is not JSON: {e}")
+    if not isinstance(doc, dict) or doc.get("schema") != bench_tail.SCHEMA:
+        abort(f"{path} is not a `rollingkv bench tail` report", f"expected schema {bench_tail.SCHEMA}")
+    return doc
+
+
+@bench.command()
+@click.argument("report", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
+def plot(report: Path, output: Path | None) -> None:
+    """Draw the PNG of a `bench tail` report (needs matplotlib: pip install 'rollingkv[plot]')."""
+    from rollingkv_cli import bench_plot
+    from rollingkv_cli.console import abort, success
+
+    doc = _load_report(report)
+    if not bench_plot.have_matplotlib():
+        abort("matplotlib is not installed", "pip install 'rollingkv[plot]' (or pip install matplotlib)")
+    out = output or report.with_suffix(".png")
+    bench_plot.render(doc, out)
+    success(f"plot: {out}")
+
+
+@bench.command()
+@click.argument("report", type=click.Path(dir_okay=False, path_type=Path))
+def show(report: Path) -> None:
+    """Print the tables and targets of a `bench tail` report (a partial one too)."""
+    from rollingkv_cli import bench_tail
+
+    doc = _load_report(report)
+    bench_tail.refresh(doc)
+    bench_tail.print_report(doc)
