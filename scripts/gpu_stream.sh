@@ -80,21 +80,15 @@ if has bench; then
   M=/tmp/synth28.gguf
   [ -f $M ] || timeout 150 python3 -m rollingkv_cli model synth $M --ctx 131072 --force | tail -1
   D="${BENCH_DEPTH:-16384}"
-  step "decode at depth $D: resident, tails of 25/50/75/~100 %, run-ahead off, scheduler copy, q8_0/q4_0 tails, graphs off, vanilla -ngl"
+  step "bench tail at depth $D (the issue's grid, time-boxed)"
+  COLUMNS=200 timeout ${BENCH_TIMEOUT:-260} python3 -m rollingkv_cli bench tail $M -d $D -n 32 -r 2 --vanilla-reps 1 --cell-timeout 120 \
+    --time-budget ${BENCH_BUDGET:-190} --no-plot --json "$OUT/bench-tail-$D.json" 2>&1 | tail -40
+  step "variants at 50% tail: run-ahead off, scheduler copy, CUDA graphs off"
   W="-ngl 99 --kv-residency-mode window --kv-window-cells"
-  timeout ${BENCH_TIMEOUT:-300} python3 scripts/gpu_stream_bench.py "$BIN/llama-bench" $M $D "$OUT/bench.jsonl" \
-    "resident=-ngl 99 --kv-residency-mode off" \
-    "tail25=$W $((D*3/4))" \
+  timeout 90 python3 scripts/gpu_stream_bench.py "$BIN/llama-bench" $M $D "$OUT/bench.jsonl" \
     "tail50=$W $((D/2))" \
-    "tail75=$W $((D/4))" \
-    "tail~100=$W 256" \
     "tail50-runahead0=GGML_RKV_RUNAHEAD=0 $W $((D/2))" \
     "tail50-schedcopy=LLAMA_RKV_SCHED_COPY=1 $W $((D/2))" \
-    "tail50-nographs=GGML_CUDA_DISABLE_GRAPHS=1 $W $((D/2))" \
-    "tail50-q8_0=$W $((D/2)) -ctkt q8_0 -ctvt q8_0" \
-    "tail50-q4_0=$W $((D/2)) -ctkt q4_0 -ctvt q4_0" \
-    "tail~100-q4_0=$W 256 -ctkt q4_0 -ctvt q4_0" \
-    "vanilla-ngl26=-ngl 26 --kv-residency-mode off" \
-    "vanilla-ngl20=-ngl 20 --kv-residency-mode off"
+    "tail50-nographs=GGML_CUDA_DISABLE_GRAPHS=1 $W $((D/2))"
 fi
 step done
