@@ -6,11 +6,12 @@ its own interpreter running this module:
     python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokenize FILE|--synthetic N --tokens-out T.npy
     python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokens T.npy --ctx N --n-batch B
             [--threads N] [-ctk TYPE -ctv TYPE] [--residency JSON]
-            (--save-logits REF.npy | --reference-logits REF.npy) --out OUT.json
+            (--save-logits REF.npy | --reference-logits REF.npy | both) --out OUT.json
 
 The reference run saves every position's f32 logits as one (n_tokens, n_vocab) .npy; the candidate run
 compares each decoded batch against that file (memory-mapped) with gate_math as it goes, so there is
-never a second full logits file. The library may be ours (then llama_ext binds it and the residency API
+never a second full logits file (a baseline run does both: it is compared, and saved as the reference of
+later runs). The library may be ours (then llama_ext binds it and the residency API
 is used when --residency asks for it) or an unpatched libllama (plain llama_init_from_model).
 
 Protocol, stdout (one line each; stderr carries llama.cpp's own log):
@@ -131,6 +132,9 @@ def is_rollingkv_lib(lib_dir: Path) -> bool:
 
 def load_bindings(lib_dir: Path):
     """(llama_cpp, Extension or None, info dict) with llama_cpp bound to lib_dir's libllama."""
+    from rollingkv_cli.llama_ext import preload_cxx_runtime
+
+    preload_cxx_runtime()  # before the first load of any of the build's libraries (is_rollingkv_lib loads libllama)
     ours = is_rollingkv_lib(lib_dir)
     info: dict = {"lib": str(lib_dir / "libllama.so"), "rollingkv": ours}
     if ours:
@@ -290,7 +294,7 @@ def logits(args) -> dict:
         bitwise_rows = 0
         if args.save_logits:
             out_mm = np.lib.format.open_memmap(args.save_logits, mode="w+", dtype=np.float32, shape=(n, n_vocab))
-        else:
+        if args.reference_logits:
             ref = np.load(args.reference_logits, mmap_mode="r")
             if ref.shape != (n, n_vocab):
                 raise RunnerError(f"reference logits {ref.shape} do not match {n} tokens x {n_vocab} vocabulary")
@@ -322,7 +326,7 @@ def logits(args) -> dict:
             t_decode += t2 - t1
             if out_mm is not None:
                 out_mm[s:e] = rows
-            else:
+            if ref is not None:
                 r = np.asarray(ref[s:e])
                 c = np.array(rows, copy=True)
                 acc.add(r, c, start=s)
@@ -342,7 +346,7 @@ def logits(args) -> dict:
         llama_cpp.llama_model_free(model)
 
     result = {
-        "mode": "reference" if args.save_logits else "candidate",
+        "mode": "candidate" if ref is not None else "reference",
         **info,
         "context_via": via,
         "plan": plan,
@@ -370,7 +374,7 @@ def logits(args) -> dict:
             pos, m = acc.metrics()
             np.savez_compressed(args.positions_out, pos=pos, tv=m.tv, kl=m.kl, top1_ref=m.top1_ref, top1_cand=m.top1_cand,
                                 margin=m.margin, topk_agree=m.topk_agree, nonfinite=m.nonfinite)
-    else:
+    if args.save_logits:
         result["logits"] = str(Path(args.save_logits).resolve())
     return result
 
@@ -425,9 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-ctk", "--cache-type-k", dest="ctk", default="f16")
     ap.add_argument("-ctv", "--cache-type-v", dest="ctv", default="f16")
     ap.add_argument("--residency", metavar="JSON", help='llama_rolling_kv_params as JSON, e.g. {"mode": "window", "window_cells": 256}')
-    out = ap.add_mutually_exclusive_group()
-    out.add_argument("--save-logits", metavar="OUT.npy", help="reference run: save all logits here")
-    out.add_argument("--reference-logits", metavar="REF.npy", help="candidate run: compare against these")
+    ap.add_argument("--save-logits", metavar="OUT.npy", help="reference run: save all logits here")
+    ap.add_argument("--reference-logits", metavar="REF.npy", help="candidate run: compare against these (with --save-logits too: a baseline that is compared and saved)")
     ap.add_argument("--out", metavar="OUT.json", help="the JSON result")
     ap.add_argument("--positions-out", metavar="OUT.npz", help="candidate run: per-position metrics")
     ap.add_argument("--topk", type=int, default=5)

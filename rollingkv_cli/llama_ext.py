@@ -36,7 +36,7 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
         abort(f"no libllama.so in {lib_dir}", "run `rollingkv build`")
     mod = sys.modules.get("llama_cpp")
     if mod is None:
-        _preload_cxx_runtime()
+        preload_cxx_runtime()
         os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
         try:
             import llama_cpp as mod  # noqa: PLC0415
@@ -52,7 +52,7 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
     return mod
 
 
-def _preload_cxx_runtime() -> None:
+def preload_cxx_runtime() -> None:
     """Put libstdc++ in the process's global symbol scope before llama_cpp loads our libraries.
 
     A CUDA libggml exports thousands of weak libstdc++ template instances (nvcc output). A Python process

@@ -400,16 +400,22 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
 
 // Rows of a chunk that this graph wrote (set_rows, through unified addressing) after the chunk may have been
 // copied ahead: copy them again from the host tail into the slot, byte for byte. Runs on the compute stream
-// after the writes and after the chunk's copy, before the attention over the slot. One block per written row.
+// after the writes and after the chunk's copy, before the attention over the slot. One block per written row:
+// the row's host address (the set_rows destination's row idx) is located in the tail view (stream, cell).
 template <typename idx_t>
-static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * __restrict__ tail, const char * __restrict__ idxs,
-        const int64_t idx_stride, const int64_t rows_per_stream, const int64_t s0, const int64_t ns, const int64_t first_row,
+static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * __restrict__ tail, const char * __restrict__ dst_rows,
+        const char * __restrict__ idxs, const int64_t idx_stride, const int64_t dst_row_stride, const int64_t ns,
         const int64_t c0, const int64_t n, const int64_t row_bytes, const int64_t stream_stride) {
-    const int64_t g    = (int64_t) *(const idx_t *) (idxs + blockIdx.x*idx_stride);
-    const int64_t strm = g/rows_per_stream - s0;
-    const int64_t row  = g%rows_per_stream - first_row - c0;
-    if (strm < 0 || strm >= ns || row < 0 || row >= n) {
-        return; // another chunk, the window or the trash row
+    const int64_t r = (int64_t) *(const idx_t *) (idxs + blockIdx.x*idx_stride);
+    const int64_t d = (dst_rows + r*dst_row_stride) - tail; // offset of the written row from the tail view's first cell
+    if (d < 0) {
+        return;
+    }
+    const int64_t strm = d/stream_stride;
+    const int64_t rem  = d%stream_stride;
+    const int64_t row  = rem/row_bytes - c0;
+    if (strm >= ns || rem % row_bytes != 0 || row < 0 || row >= n) {
+        return; // another chunk, the window's rows of the trash row, or beyond the cells in use
     }
     const char * src = tail + strm*stream_stride + (c0 + row)*row_bytes;
     char       * dst = slot + (strm*n + row)*row_bytes;
@@ -425,24 +431,21 @@ static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * _
 }
 
 static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t, const ggml_tensor * write, const rkv_fifo_chunk & ch) {
-    const ggml_tensor * root = t->view_src ? t->view_src : t;
-    const ggml_tensor * idxs = write->src[1]; // set_rows: src[0] the rows, src[1] their indices
+    const ggml_tensor * idxs = write->src[1]; // set_rows: src[0] the rows, src[1] their row indices in the destination
     const int64_t n_tok = ggml_nelements(idxs);
     if (n_tok == 0) {
         return;
     }
-    const int64_t off       = (const char *) t->data - (const char *) root->data;
-    const int64_t s0        = off/root->nb[2];
-    const int64_t first_row = (off % root->nb[2])/root->nb[1];
     GGML_ASSERT(n_tok <= INT_MAX && ggml_is_vector(idxs));
+    GGML_ASSERT(write->nb[1] == t->nb[1] && "rolling-KV: a tail write must cover whole cell rows");
     const int64_t stride = idxs->nb[0];
     if (idxs->type == GGML_TYPE_I64) {
-        rkv_refresh_rows<int64_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) idxs->data, stride,
-            root->ne[1], s0, t->ne[3], first_row, ch.c0, ch.n, t->nb[1], t->nb[3]);
+        rkv_refresh_rows<int64_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) write->data,
+            (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n, t->nb[1], t->nb[3]);
     } else {
         GGML_ASSERT(idxs->type == GGML_TYPE_I32);
-        rkv_refresh_rows<int32_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) idxs->data, stride,
-            root->ne[1], s0, t->ne[3], first_row, ch.c0, ch.n, t->nb[1], t->nb[3]);
+        rkv_refresh_rows<int32_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) write->data,
+            (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n, t->nb[1], t->nb[3]);
     }
     CUDA_CHECK(cudaGetLastError());
 }
