@@ -206,6 +206,32 @@ def describe_plan(plan: dict | None) -> str:
     return ", ".join(parts)
 
 
+def describe_plan_details(plan: dict | None) -> list[str]:
+    """The planner's budget terms and its link model, one line each (nothing for builds that do not report them)."""
+    if not plan:
+        return []
+    lines = []
+    budget = plan.get("budget")
+    if isinstance(budget, dict) and budget.get("devices"):
+        mib = lambda b: f"{(b or 0) / 2**20:.0f}"  # noqa: E731
+        for d in budget["devices"]:
+            head = (f"target {budget['vram_target_mib']} MiB" if budget.get("vram_target_mib")
+                    else f"free {mib(d.get('free_bytes'))} MiB - reserve {mib(budget.get('reserve_bytes'))} MiB")
+            lines.append(f"budget on {d.get('name', '?')}: {head}; weights {mib(d.get('weights_bytes'))} + compute ~{mib(d.get('compute_bytes'))}"
+                         f" + other KV {mib(d.get('other_kv_bytes'))} + streaming ring {mib(d.get('ring_bytes'))} MiB;"
+                         f" whole KV {mib(d.get('kv_resident_bytes'))} MiB; minimum target {d.get('min_target_mib', '?')} MiB")
+    link = plan.get("link") or {}
+    est = plan.get("estimate") or {}
+    if est.get("ms_per_token") is not None:
+        lines.append(f"expected {est['ms_per_token']:.2f} ms/token at full context: {est['t_resident_ms']:.2f} ms resident"
+                     f" ({link.get('mem_bw_gbps', 0):.0f} GB/s measured) + {est['t_tail_ms']:.2f} ms tail"
+                     f" ({link.get('link_bw_gbps', 0):.1f} GB/s, {link.get('link_bw_source', '?')})")
+    elif plan.get("split") and link:
+        lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
+                     f" ({link.get('link_bw_source', '?')})")
+    return lines
+
+
 def _status_table(srv, started: float, plan: dict | None):
     from rich.table import Table
 
@@ -279,6 +305,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         plan = props.get("rolling_kv")
         success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
         info(describe_plan(plan))
+        for line in describe_plan_details(plan):
+            info(f"[dim]{line}[/]")
         started = time.time()
         if is_interactive() and not quiet:
             from rich.live import Live

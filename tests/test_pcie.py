@@ -153,6 +153,30 @@ def test_probe_pcie_json_real(capsys, isolated_cache, monkeypatch):
         assert code == 0 and doc["gpus"] and doc["gpus"][0]["resolved"]["gbps"] > 0
 
 
+def test_probe_pcie_json_cli_without_gpu(tmp_path):
+    """The real entry point in its own process, on a machine without a GPU: an NVML whose init fails (as it does
+    without the driver) is first on the path, so the result does not depend on the machine running the test."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "fake-nvml"
+    fake.mkdir()
+    (fake / "pynvml.py").write_text(
+        "class NVMLError(Exception):\n    pass\n\n"
+        "def nvmlInit():\n    raise NVMLError('NVML Shared Library Not Found')\n\n"
+        "def nvmlShutdown():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]),
+           "ROLLINGKV_CACHE_DIR": str(tmp_path / "cache"), "ROLLINGKV_OFFLINE": "1"}
+    env.pop("ROLLINGKV_PCIE_BW_GBPS", None)
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "probe", "pcie", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == pcie.EXIT_NO_GPU == 3
+    assert json.loads(proc.stdout) == {"gpus": [], "error": "no NVIDIA GPU found"}
+    assert "no NVIDIA GPU found" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Shared Library Not Found" in proc.stderr  # the reason NVML gave, passed on
+    assert not (tmp_path / "cache" / "pcie" / "profile.json").exists()  # nothing measured, nothing cached
+
+
 # ------------------------------------------------------------------------------------ link shapes
 
 
@@ -210,6 +234,18 @@ def test_under_load_reading_wins_over_idle(env):
     assert pcie.is_downtrained(g, entry)
 
 
+@pytest.mark.parametrize("cur_gen,cur_width,max_gen,max_width", [(4, 16, 5, 16), (5, 4, 5, 16), (3, 16, 4, 16)])
+def test_downtrained_plans_with_the_current_link(env, cur_gen, cur_width, max_gen, max_width):
+    """current < max: the link runs below what GPU and slot allow, and the planner's bandwidth is the current link's."""
+    env([link(cur_gen, cur_width, max_gen=max_gen, max_width=max_width)])
+    (g,) = pcie.discover()
+    assert g.downtrained and pcie.is_downtrained(g)
+    res = pcie.resolve_bandwidth(0)
+    assert res.tier == "theoretical"
+    assert res.gbps == pytest.approx(pcie.theoretical_gbps(cur_gen, cur_width) * pcie.EFFICIENCY, abs=1e-3)
+    assert res.gbps < pcie.theoretical_gbps(max_gen, max_width) * pcie.EFFICIENCY
+
+
 # ----------------------------------------------------------------------------------------- sysfs
 
 
@@ -222,6 +258,33 @@ def test_sysfs_fallback(env):
     assert set(g.source.values()) == {"sysfs"} and g.downtrained
     res = pcie.resolve_bandwidth(0)
     assert res.tier == "theoretical" and res.gbps == pytest.approx(15.754 * 0.85, abs=1e-3)
+
+
+_SYSFS_SPEED = {3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe", 5: "32.0 GT/s PCIe"}
+
+
+@pytest.mark.parametrize("shape,cur,mx", [
+    ("gen3 x8", (3, 8), (3, 8)),
+    ("gen5 x16", (5, 16), (5, 16)),
+    ("downtrained", (4, 8), (5, 16)),
+])
+def test_link_shapes_from_sysfs_only(env, capsys, shape, cur, mx):
+    """NVML names the GPU but supports none of the link queries: every link field comes from the (mocked) sysfs."""
+    env([{"bus": BUS, "name": f"NVIDIA {shape}"}])
+    write_sysfs(env.sysfs, SYSFS_ADDR, current_link_speed=_SYSFS_SPEED[cur[0]], current_link_width=str(cur[1]),
+                max_link_speed=_SYSFS_SPEED[mx[0]], max_link_width=str(mx[1]))
+    (g,) = pcie.discover()
+    assert (g.cur_gen, g.cur_width, g.max_gen, g.max_width) == (*cur, *mx)
+    assert g.source == {k: "sysfs" for k in ("cur_gen", "cur_width", "max_gen", "max_width")}
+    assert g.downtrained == (cur != mx)
+    code, out, _ = run_main(["probe", "pcie", "--no-measure", "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)["gpus"][0]
+    assert d["link"]["current"] == {"gen": cur[0], "width": cur[1]} and d["link"]["max"] == {"gen": mx[0], "width": mx[1]}
+    assert d["link"]["downtrained"] is (cur != mx)
+    assert d["theoretical_gbps"]["current"] == pytest.approx(pcie.theoretical_gbps(*cur), abs=1e-2)
+    assert d["resolved"]["tier"] == "theoretical"
+    assert d["resolved"]["gbps"] == pytest.approx(pcie.theoretical_gbps(*cur) * pcie.EFFICIENCY, abs=1e-3)
 
 
 def test_sysfs_fills_only_missing_fields(env):

@@ -58,6 +58,9 @@ print(json.dumps(out))
         assert not r[name]["split"] and r[name]["host_bytes"] == 0 and r[name]["reason"]
     assert r["off"]["device_bytes"] == 30 * 2 * 2048 * row_f16
     assert "whole cache" in r["big"]["reason"]
+    # "off" is the upstream cache asked for; a request the planner kept whole is "resident"
+    assert r["off"]["mode_chosen"] == "off"
+    assert r["auto"]["mode_chosen"] == "resident" and r["big"]["mode_chosen"] == "resident"
 
 
 def test_refusals_return_null(cpu_build, demo_model):
@@ -73,6 +76,7 @@ print(json.dumps(res))
 """)
     assert r["head"] is False and r["q2k_tail"] is False
     assert r["fa_off_plan"] is not None and not r["fa_off_plan"]["split"] and "flash" in r["fa_off_plan"]["reason"].lower()
+    assert r["fa_off_plan"]["mode_chosen"] == "resident" and r["fa_off_plan"]["eligible"] is False
 
 
 def _gate(cpu_build, demo_model, tmp_path, *args):

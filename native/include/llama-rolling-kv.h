@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 1
+#define LLAMA_ROLLING_KV_API_VERSION 2
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -36,7 +36,9 @@ enum llama_kv_residency_mode {
 
 struct llama_rolling_kv_params {
     enum llama_kv_residency_mode mode;
-    int64_t        vram_target_mib; // device memory budget in MiB; <= 0: free VRAM at start minus a reserve
+    // total MiB this process may use on each device that holds KV layers: weights + KV + compute buffers +
+    // the streaming op's staging ring; <= 0: the free VRAM when the cache is created, minus a reserve
+    int64_t        vram_target_mib;
     int64_t        window_cells;    // > 0: explicit window size in cells per stream; 0: the planner decides
     enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K
     enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V
@@ -46,16 +48,36 @@ struct llama_rolling_kv_params {
 LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
 
 // llama_init_from_model with residency parameters (rkv == NULL: defaults). Returns NULL on failure,
-// e.g. an impossible window or an unsupported tail type, after logging why.
+// e.g. an impossible window, an unsupported tail type or a vram_target below the minimum, after logging
+// why (llama_rolling_kv_last_error returns the message).
 LLAMA_API struct llama_context * llama_init_from_model_rolling_kv(
         struct llama_model * model,
         struct llama_context_params params,
         const struct llama_rolling_kv_params * rkv);
 
-// The residency plan of a context as JSON: mode requested and chosen, the reason, per-layer window
-// and tail cells and types, bytes on device and on host. Writes at most buf_size bytes including the
-// terminating NUL; returns the full length (excluding NUL), or -1 if ctx is NULL.
+// Why the last llama_init_from_model_rolling_kv of this thread returned NULL ("" after a success).
+LLAMA_API const char * llama_rolling_kv_last_error(void);
+
+// The residency plan of a context as JSON: mode requested and chosen ("off": the upstream cache,
+// "resident": the whole cache on the device, "window": split), the reason, eligibility, window and tail
+// cells and types, bytes on device and on host per layer, the budget terms (target, free, weights,
+// compute estimate, other caches, staging ring, reserve, minimum target) per device, the measured device
+// memory bandwidth, the link bandwidth and the expected ms/token of a split. Writes at most buf_size
+// bytes including the terminating NUL; returns the full length (excluding NUL), or -1 if ctx is NULL.
 LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf, size_t buf_size);
+
+// The planner on figures given as a JSON object instead of a model and a device (no device is touched):
+//   mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail, type_v_tail,
+//   kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
+//   device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib
+//   (default: the GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB ring; 0 for host memory), reserve_mib (the default
+//   reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), refuse
+//   (a reason the cache is not eligible), devices (optional list of objects with name, n_layer, free_mib,
+//   weights_mib, compute_mib, other_kv_mib, ring_mib, host_memory: one per device, layers split in order).
+// (*: required.) Writes the plan as llama_rolling_kv_plan_json does, plus "simulated": true; a refused
+// request has mode_chosen "refused" and the message in "error"; invalid input gives {"error": ...,
+// "invalid_input": true}. Returns the full length (excluding NUL), or -1 if json_in is NULL.
+LLAMA_API int32_t llama_rolling_kv_plan_simulate(const char * json_in, char * buf, size_t buf_size);
 
 LLAMA_API const char * llama_kv_residency_mode_name(enum llama_kv_residency_mode mode);
 // -1 when s names no mode ("off", "auto", "head", "window")

@@ -39,9 +39,19 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     desc.offload          = offload;
     desc.refuse           = nullptr;
     desc.row_bytes_window = 0;
+    desc.row_bytes_tail   = 0;
 
     const ggml_type type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? type_k : st.req.type_k_tail;
     const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? type_v : st.req.type_v_tail;
+
+    auto group_of = [&](ggml_backend_dev_t dev) -> llama_rkv_layer_group * {
+        for (auto & g : desc.groups) {
+            if (g.dev == dev) {
+                return &g;
+            }
+        }
+        return nullptr;
+    };
 
     for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
         if (!hparams.has_kv(il) || (filter && !filter(il))) {
@@ -54,10 +64,56 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
             desc.refuse = "the K/V row size is not a multiple of the tail type's block size";
         }
 
-        desc.layer_devs.push_back(offload ? model.dev_layer(il) : nullptr);
-        desc.row_bytes_window += ggml_row_size(type_k, n_embd_k_gqa) + ggml_row_size(type_v, n_embd_v_gqa);
+        ggml_backend_dev_t dev = offload ? model.dev_layer(il) : nullptr;
+
+        const size_t row_w = ggml_row_size(type_k,      n_embd_k_gqa) + ggml_row_size(type_v,      n_embd_v_gqa);
+        const size_t row_t = ggml_row_size(type_k_tail, n_embd_k_gqa) + ggml_row_size(type_v_tail, n_embd_v_gqa);
+
+        desc.layer_devs.push_back(dev);
+        desc.row_bytes_window += row_w;
+        desc.row_bytes_tail   += row_t;
+
+        llama_rkv_layer_group * g = group_of(dev);
+        if (!g) {
+            desc.groups.emplace_back();
+            g = &desc.groups.back();
+            g->dev           = dev;
+            g->n_embd_head_k = hparams.n_embd_head_k(il);
+            g->n_embd_head_v = hparams.n_embd_head_v(il);
+            g->n_head        = hparams.n_head(il);
+            g->n_head_kv     = hparams.n_head_kv(il);
+        }
+        g->n_layer          += 1;
+        g->row_bytes_window += row_w;
+        g->row_bytes_tail   += row_t;
+        g->max_row_k_tail    = std::max(g->max_row_k_tail, ggml_row_size(type_k_tail, n_embd_k_gqa));
+        g->max_row_v_tail    = std::max(g->max_row_v_tail, ggml_row_size(type_v_tail, n_embd_v_gqa));
+        // CUDA flash attention converts non-f16 K/V to f16 in its pool, one layer at a time
+        g->conv_cell_bytes = std::max(g->conv_cell_bytes,
+                (type_k != GGML_TYPE_F16 ? (size_t) n_embd_k_gqa*2 : 0) + (type_v != GGML_TYPE_F16 ? (size_t) n_embd_v_gqa*2 : 0));
     }
 
+    // the base cache of an iSWA model: its SWA cache is created right after this one, stays whole on the device,
+    // and must fit next to the window (sized as llama_kv_cache_iswa sizes it)
+    if (swa_type == LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_NONE && !desc.groups.empty()) {
+        const uint32_t n_ubatch = st.n_ubatch > 0 ? st.n_ubatch : 512;
+        const uint32_t size_swa = st.swa_full ? kv_size :
+            GGML_PAD(std::min(kv_size, hparams.n_swa*(n_stream == 1 ? std::max<uint32_t>(1, st.n_seq_max) : 1) + n_ubatch), 256);
+
+        for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
+            if (!hparams.has_kv(il) || !hparams.is_swa(il)) {
+                continue;
+            }
+            if (llama_rkv_layer_group * g = group_of(offload ? model.dev_layer(il) : nullptr)) {
+                g->other_kv  += (size_t) size_swa*n_stream*(ggml_row_size(type_k, hparams.n_embd_k_gqa(il)) +
+                                                            ggml_row_size(type_v, hparams.n_embd_v_gqa(il)));
+                g->n_kv_other = size_swa;
+            }
+        }
+    }
+
+    // eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the
+    // split-aware build_attn paths only
     if (hparams.is_mla()) {
         desc.refuse = "MLA cache (K only): the split is not supported";
     } else if (swa_type != LLAMA_SWA_TYPE_NONE) {
@@ -68,9 +124,11 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         desc.refuse = "variable V embedding size with a transposed V cache";
     } else if (desc.layer_devs.empty()) {
         desc.refuse = "no attention layers";
+    } else if (model.arch == LLM_ARCH_T5) {
+        desc.refuse = "T5 attends with a relative position bias the streaming op does not take: not supported";
     }
 
-    const uint32_t wc = llama_rkv_plan_cache(st, desc);
+    const uint32_t wc = llama_rkv_plan_cache(st, desc, model);
 
     if (wc) {
         LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "

@@ -5,6 +5,25 @@
 // whether to split each attention layer's cache by cell index into a device window (cells [0, wc)) and a
 // host tail (cells [wc, kv_size)). The outcome (the plan) is recorded in the same state, for
 // llama_rolling_kv_plan_json and the logs.
+//
+// The budget (per device that holds KV layers; the target is per device):
+//
+//   with vram_target:    avail = min(vram_target - weights, free)
+//   without:             avail = free - reserve
+//
+// where free is the device's free memory when the cache constructor runs. The constructor runs after the
+// model weights were loaded, so free already excludes them: they are subtracted from the target only,
+// never from free. Out of avail come the compute buffers (not allocated yet: an estimate, see
+// llama_rkv_compute_estimate), the caches that never split (the SWA cache of an iSWA model, allocated after
+// the planning cache) and, when the cache splits, the CUDA streaming op's staging ring (llama_rkv_slot_ring).
+// The whole KV fits: resident (the upstream cache, no ring); otherwise the largest window of a multiple of
+// 256 cells that fits every device. A target that cannot hold even a 256-cell window is refused with the
+// minimum, in MiB.
+//
+// The expected time per token of a split (the link model, at full context):
+//   t_token ~ (weights + window KV + other KV) / mem_bw + tail KV / link_bw
+// with mem_bw measured at plan time (a 256 MiB copy inside the device through ggml-backend) and link_bw the
+// request's pcie_bw_gbps (from `rollingkv probe pcie`).
 #pragma once
 
 #include "llama-rolling-kv.h"
@@ -17,6 +36,8 @@
 #include <string>
 #include <vector>
 
+struct llama_model;
+
 struct llama_rkv_layer_plan {
     int32_t  il;
     uint32_t window_cells; // per stream (kv_size when not split)
@@ -26,14 +47,48 @@ struct llama_rkv_layer_plan {
     bool     split;
 };
 
+// one device whose memory the planner budgets: the inputs, then what the planner made of them
+struct llama_rkv_dev_budget {
+    std::string name;
+    bool     host_memory      = false; // the "device" is host memory (CPU-only run with a vram_target)
+    uint32_t n_layer          = 0;     // KV layers of the planning cache on this device
+    size_t   free             = 0;     // free memory at plan time (weights already excluded)
+    size_t   weights          = 0;     // model weights on this device
+    size_t   compute          = 0;     // compute buffer estimate
+    size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model)
+    size_t   ring             = 0;     // staging ring of the streaming op, counted only when the cache splits
+    size_t   row_bytes_window = 0;     // K+V bytes of one cell of one stream over this device's layers, window types
+    size_t   row_bytes_tail   = 0;     // the same at the tail types
+    size_t   conv_cell_bytes  = 0;     // f16 copy of one cell of one layer's K/V that flash attention makes of
+                                       // non-f16 K/V (CUDA pool, one layer at a time), per stream
+
+    // outcome
+    size_t   avail            = 0;     // what KV + compute + other KV + ring may use here
+    size_t   kv_budget        = 0;     // avail - compute - other KV - ring: the window's share
+    size_t   kv_resident      = 0;     // the whole KV of these layers (+ flash-attention conversion)
+    size_t   cell_bytes       = 0;     // device bytes per window cell, all streams
+    uint32_t fit_cells        = 0;     // largest window (cells per stream) the budget holds, before alignment
+    int64_t  min_target_mib   = 0;     // the smallest vram_target that gives a plan on this device
+};
+
 struct llama_rkv_state {
     llama_rolling_kv_params req;
+
+    // context parameters the cache constructor does not see (llama_init_from_model_rolling_kv sets them,
+    // resolved as llama_context resolves them); 0: unknown
+    uint32_t n_ctx      = 0;
+    uint32_t n_ubatch   = 0;
+    uint32_t n_seq_max  = 1;
+    bool     kv_unified = false;
+    bool     swa_full   = false;
 
     // set by the first cache that planned with this state
     bool resolved = false;
 
     enum llama_kv_residency_mode chosen = LLAMA_KV_RESIDENCY_OFF;
     std::string reason;
+    bool        eligible = true; // false: the request could not be served (flash attention off, MLA, ...)
+    std::string error;           // the request was refused (no context): why
 
     uint32_t kv_size      = 0;
     uint32_t n_stream     = 0;
@@ -45,7 +100,45 @@ struct llama_rkv_state {
     ggml_type type_k_tail = GGML_TYPE_COUNT;
     ggml_type type_v_tail = GGML_TYPE_COUNT;
 
+    // budget (empty devs: no device was budgeted)
+    bool     budgeted       = false; // the window came from the budget (not an explicit window_cells)
+    size_t   reserve        = 0;
+    int64_t  min_target_mib = 0;
+    std::vector<llama_rkv_dev_budget> devs;
+    int      ring_slots     = 0;
+    size_t   ring_slot_size = 0;
+    std::string compute_note; // how the compute estimate was made
+
+    // link model (< 0: unknown)
+    double      mem_bw_gbps   = -1.0;
+    std::string mem_bw_source;
+    double      link_bw_gbps  = -1.0;
+    std::string link_bw_source;
+    double      est_device_bytes = 0; // bytes read from device memory per token (weights + window + other KV)
+    double      est_tail_bytes   = 0; // bytes streamed over the link per token
+    double      t_resident_ms = -1.0;
+    double      t_tail_ms     = -1.0;
+    double      t_token_ms    = -1.0;
+
     std::vector<llama_rkv_layer_plan> layers;
+};
+
+// layers of the planning cache on one device (dev nullptr: host memory, KV offload off)
+struct llama_rkv_layer_group {
+    ggml_backend_dev_t dev = nullptr;
+    uint32_t n_layer          = 0;
+    size_t   row_bytes_window = 0;
+    size_t   row_bytes_tail   = 0;
+    size_t   conv_cell_bytes  = 0; // see llama_rkv_dev_budget::conv_cell_bytes (GPU devices only)
+    size_t   max_row_k_tail   = 0; // the widest layer's K and V rows at the tail types (the ring's minimum slot)
+    size_t   max_row_v_tail   = 0;
+    size_t   other_kv         = 0; // bytes of the caches that never split on this device
+    uint32_t n_kv_other       = 0; // cells per stream of those caches (their KQ mask columns)
+    // shape of the group's first layer, for the flash-attention probe
+    int64_t  n_embd_head_k    = 0;
+    int64_t  n_embd_head_v    = 0;
+    int64_t  n_head           = 0;
+    int64_t  n_head_kv        = 0;
 };
 
 // what the KV cache constructor knows when it asks for a plan
@@ -61,10 +154,47 @@ struct llama_rkv_cache_desc {
     // the devices of the layers the cache holds (nullptr entries: CPU), and their K+V row bytes
     std::vector<ggml_backend_dev_t> layer_devs;
     size_t    row_bytes_window; // sum over layers of K+V row bytes at the window types
+    size_t    row_bytes_tail;   // the same at the tail types
+    // the same layers grouped by device, in order of first appearance
+    std::vector<llama_rkv_layer_group> groups;
 };
 
-// window cells per stream for this cache (0: stay resident); fills st.chosen/reason/types
-uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc & desc);
+// window cells per stream for this cache (0: stay resident); fills the plan in st. Throws std::runtime_error
+// (st.error) when the request is refused, e.g. a vram_target below the minimum.
+uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc & desc, const llama_model & model);
+
+// the budget decision alone, without touching a device: st.req, st.kv_size, st.n_stream, st.reserve and the
+// inputs of st.devs in; returns the window cells per stream, 0 when the whole KV fits, and sets st.error
+// (returning 0) when even a 256-cell window does not fit. Fills the outcome fields of st.devs and
+// st.min_target_mib.
+uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
+
+// the link model of a split plan from st.devs, st.window_cells/tail_cells, st.mem_bw_gbps and the request's
+// pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
+void llama_rkv_plan_estimate(llama_rkv_state & st);
+
+// the staging ring of the CUDA streaming op, per device, as ggml-cuda/rolling-kv-fa.cu sizes it: GGML_RKV_SLOTS
+// slots (atoi, clamped to [2, 8], default 3) of GGML_RKV_SLOT_MIB MiB (atoi, clamped to [1, 4096], default 32),
+// each at least one 256-cell chunk of the widest layer's tail K (padded to 256 bytes) then V, plus 256 bytes
+// (llama_rkv_min_slot; row bytes per stream, n_stream streams). Bytes.
+size_t llama_rkv_min_slot(size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
+size_t llama_rkv_slot_ring(int * n_slots = nullptr, size_t * slot_bytes = nullptr, size_t min_slot = 0);
+
+// model weights in the buffers of dev (host memory when dev is a CPU device)
+size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);
+
+// compute buffer estimate for a device holding KV layers (see the definition for the formula)
+size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv, uint32_t n_kv_other,
+        bool has_output, std::string * note);
+
+// whether dev runs GGML_OP_STREAMING_FLASH_ATTN for this layer shape and these types (the scheduler would
+// otherwise run it on the CPU, copying the window to the host every step)
+bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
+        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail);
+
+// device memory bandwidth in GB/s (10^9 B/s, bytes read + written) from timed copies inside dev (host memory
+// for a CPU device) through ggml-backend; once per device and process; < 0 when it could not be measured
+double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how);
 
 // the types the CPU flash attention reads for K/V (also valid tail types)
 bool llama_rkv_tail_type_ok(ggml_type t);
@@ -74,6 +204,9 @@ void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st);
 std::shared_ptr<llama_rkv_state> llama_rkv_take_pending();
 
 std::string llama_rkv_plan_to_json(const llama_rkv_state * st);
+
+// llama_rolling_kv_plan_simulate: the planner on figures given as JSON (see llama-rolling-kv.h)
+std::string llama_rkv_plan_simulate(const char * json_in);
 
 // attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the
 // window views k/v and the tail views k_tail/v_tail, with GGML_OP_STREAMING_FLASH_ATTN.

@@ -37,8 +37,11 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <string>
 
 struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     llama_rolling_kv_params res;
@@ -73,11 +76,32 @@ int32_t llama_kv_residency_mode_from_str(const char * s) {
     return -1;
 }
 
+// why the last llama_init_from_model_rolling_kv of this thread returned NULL
+static thread_local std::string g_rkv_last_error;
+
+LLAMA_ATTRIBUTE_FORMAT(2, 3)
+static struct llama_context * llama_rkv_fail(const char * func, const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    g_rkv_last_error = buf;
+    LLAMA_LOG_ERROR("%s: %s\n", func, buf);
+    return nullptr;
+}
+
+const char * llama_rolling_kv_last_error(void) {
+    return g_rkv_last_error.c_str();
+}
+
 struct llama_context * llama_init_from_model_rolling_kv(
         struct llama_model * model,
         struct llama_context_params params,
         const struct llama_rolling_kv_params * rkv) {
     const llama_rolling_kv_params req = rkv ? *rkv : llama_rolling_kv_default_params();
+
+    g_rkv_last_error.clear();
 
     switch (req.mode) {
         case LLAMA_KV_RESIDENCY_OFF:
@@ -85,32 +109,40 @@ struct llama_context * llama_init_from_model_rolling_kv(
         case LLAMA_KV_RESIDENCY_WINDOW:
             break;
         case LLAMA_KV_RESIDENCY_HEAD:
-            LLAMA_LOG_ERROR("%s: kv residency mode 'head' is not implemented yet; use window or auto\n", __func__);
-            return nullptr;
+            return llama_rkv_fail(__func__, "kv residency mode 'head' is not implemented yet; use window or auto");
         default:
-            LLAMA_LOG_ERROR("%s: invalid kv residency mode %d\n", __func__, (int) req.mode);
-            return nullptr;
+            return llama_rkv_fail(__func__, "invalid kv residency mode %d", (int) req.mode);
     }
 
     if (req.window_cells < 0) {
-        LLAMA_LOG_ERROR("%s: window_cells must be >= 0 (got %" PRId64 ")\n", __func__, req.window_cells);
-        return nullptr;
+        return llama_rkv_fail(__func__, "window_cells must be >= 0 (got %" PRId64 ")", req.window_cells);
     }
     if (req.vram_target_mib < 0) {
-        LLAMA_LOG_ERROR("%s: vram_target_mib must be >= 0 (got %" PRId64 ")\n", __func__, req.vram_target_mib);
-        return nullptr;
+        return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
     for (ggml_type t : { req.type_k_tail, req.type_v_tail }) {
         if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !llama_rkv_tail_type_ok(t))) {
-            LLAMA_LOG_ERROR("%s: unsupported KV tail type %s: the tail must be one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1\n",
-                    __func__, ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)");
-            return nullptr;
+            return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1",
+                    ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)");
         }
     }
 
     // the cache constructor plans with this request (mode off: the upstream cache, the plan only reports it)
     auto st = std::make_shared<llama_rkv_state>();
     st->req = req;
+
+    // what the cache constructor cannot see, resolved as llama_context resolves it (causal models: the batch is
+    // capped by the context), for the compute buffer estimate and the size of an iSWA model's SWA cache
+    if (model) {
+        const uint32_t n_ctx   = params.n_ctx == 0 ? (uint32_t) std::max<int32_t>(0, llama_model_n_ctx_train(model)) : params.n_ctx;
+        const uint32_t n_batch = n_ctx > 0 ? std::min(n_ctx, params.n_batch) : params.n_batch;
+        st->n_ctx      = n_ctx;
+        st->n_ubatch   = std::min(n_batch, params.n_ubatch == 0 ? params.n_batch : params.n_ubatch);
+        st->n_seq_max  = std::max<uint32_t>(1, params.n_seq_max);
+        st->kv_unified = params.kv_unified;
+        st->swa_full   = params.swa_full;
+    }
+
     llama_rkv_set_pending(st);
 
     llama_context * ctx = llama_init_from_model(model, params);
@@ -118,11 +150,21 @@ struct llama_context * llama_init_from_model_rolling_kv(
     // never leave a request behind for the next context of this thread
     llama_rkv_set_pending(nullptr);
 
-    if (ctx) {
+    if (!ctx) {
+        // the planner's refusal (a vram_target below the minimum, ...) when it was one
+        if (!st->error.empty()) {
+            return llama_rkv_fail(__func__, "rolling KV: %s", st->error.c_str());
+        }
+        g_rkv_last_error = "llama_init_from_model failed (see the log)";
+        return nullptr;
+    }
+
+    {
         auto & st = ctx->get_cparams().rkv;
         if (st && !st->resolved) {
             st->resolved = true;
             st->chosen   = LLAMA_KV_RESIDENCY_OFF;
+            st->eligible = req.mode == LLAMA_KV_RESIDENCY_OFF;
             st->reason   = req.mode == LLAMA_KV_RESIDENCY_OFF
                 ? "mode off: the upstream resident cache"
                 : "this model's memory (recurrent, hybrid, sparse-attention or no KV cache) does not support the split: resident";
@@ -133,15 +175,25 @@ struct llama_context * llama_init_from_model_rolling_kv(
     return ctx;
 }
 
-int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf, size_t buf_size) {
-    if (!ctx) {
-        return -1;
-    }
-    const std::string s = llama_rkv_plan_to_json(ctx->get_cparams().rkv.get());
+static int32_t llama_rkv_copy_out(const std::string & s, char * buf, size_t buf_size) {
     if (buf && buf_size > 0) {
         const size_t n = std::min(s.size(), buf_size - 1);
         memcpy(buf, s.data(), n);
         buf[n] = '\0';
     }
     return (int32_t) s.size();
+}
+
+int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf, size_t buf_size) {
+    if (!ctx) {
+        return -1;
+    }
+    return llama_rkv_copy_out(llama_rkv_plan_to_json(ctx->get_cparams().rkv.get()), buf, buf_size);
+}
+
+int32_t llama_rolling_kv_plan_simulate(const char * json_in, char * buf, size_t buf_size) {
+    if (!json_in) {
+        return -1;
+    }
+    return llama_rkv_copy_out(llama_rkv_plan_simulate(json_in), buf, buf_size);
 }

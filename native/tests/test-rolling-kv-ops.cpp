@@ -78,13 +78,14 @@ struct test_case {
     float     softcap;
     bool      cache_layout; // K/V as permuted views of a [D, n_head_kv, n_kv] cache (like llama-kv-cache)
     int64_t   ne3;          // batch of streams (q, k, v ne[3]); mask broadcast over it
+    bool      q_perm = false; // Q as a permuted view of a [D, n_head, n_q] tensor (like llama's attention input)
 
     bool mixed() const { return tkw != tkt || tvw != tvt; }
 };
 
 static std::string case_str(const test_case & c) {
     char buf[512];
-    snprintf(buf, sizeof(buf), "D=%3lld hkv=%lld gqa=%lld n_kv=%4lld n_q=%3lld split=%4lld K=%s/%s V=%s/%s mask=%s%s%s%s%s%s",
+    snprintf(buf, sizeof(buf), "D=%3lld hkv=%lld gqa=%lld n_kv=%4lld n_q=%3lld split=%4lld K=%s/%s V=%s/%s mask=%s%s%s%s%s%s%s",
         (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.n_kv, (long long) c.n_q, (long long) c.split,
         ggml_type_name(c.tkw), ggml_type_name(c.tkt), ggml_type_name(c.tvw), ggml_type_name(c.tvt),
         mask_name(c.mask),
@@ -92,7 +93,7 @@ static std::string case_str(const test_case & c) {
         c.max_bias > 0.0f ? " alibi" : "",
         c.softcap != 0.0f ? " softcap" : "",
         c.cache_layout ? " cache" : "",
-        c.ne3 > 1 ? " ne3=2" : "");
+        c.ne3 > 1 ? " ne3=2" : "", c.q_perm ? " q-perm" : "");
     return buf;
 }
 
@@ -252,7 +253,9 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_context * ctx_host = g_tail_host ? ggml_init(ip) : nullptr; // tail storages (pinned host)
     std::vector<kv_dev> kvs_host;
 
-    ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head, ne3);
+    ggml_tensor * q_storage = c.q_perm ? ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_head, n_q, ne3)
+                                       : ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head, ne3);
+    ggml_tensor * q = c.q_perm ? ggml_permute(ctx, q_storage, 0, 2, 1, 3) : q_storage;
     ggml_tensor * m = c.mask != MASK_NONE ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_q_pad, 1, 1) : nullptr;
     ggml_tensor * sk = c.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : nullptr;
 
@@ -380,7 +383,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
     GGML_ASSERT(buf);
 
-    ggml_backend_tensor_set(q, hq.data(), 0, ggml_nbytes(q));
+    ggml_backend_tensor_set(q_storage, hq.data(), 0, ggml_nbytes(q_storage));
     if (m)  ggml_backend_tensor_set(m, hm.data(), 0, ggml_nbytes(m));
     if (sk) ggml_backend_tensor_set(sk, hs.data(), 0, ggml_nbytes(sk));
     for (auto * set : { &kvs, &kvs_host }) {
@@ -608,6 +611,21 @@ static std::vector<test_case> make_cases(bool quick) {
     cases.push_back(mk( 64, 2, 2,  512, 512, 256, Q8,  Q8,  MASK_ROWS, false, 0.0f, 0.0f, false));
     cases.push_back(mk( 64, 2, 2,  300, 100, 170, GGML_TYPE_F32, GGML_TYPE_F32, MASK_ROWS, true, 0.0f, 30.0f, true));
     cases.push_back(mk( 64, 2, 2,  300,  64,  33, F16, F16, MASK_CAUSAL, false, 8.0f, 0.0f, false)); // ALiBi
+    // the shapes of the models the GPU gates run: permuted Q (as llama passes it), prefill ubatches of 512 over a
+    // 512-cell window, decode over a long tail; SmolLM2-135M (D 64, 9 heads / 3 KV heads) and the 8-layer synthetic
+    // model (D 128, 16 / 4)
+    for (bool prefill : { true, false }) {
+        for (int64_t hkv : { (int64_t) 3, (int64_t) 4 }) {
+            const int64_t D = hkv == 3 ? 64 : 128, gqa = hkv == 3 ? 3 : 4;
+            for (ggml_type t : { F16, Q8 }) {
+                if (quick && t != F16) continue;
+                test_case c = prefill ? mk(D, hkv, gqa, 1024, 512, 512, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, true)
+                                      : mk(D, hkv, gqa, 2048, 1, 512, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, true);
+                c.q_perm = true;
+                cases.push_back(c);
+            }
+        }
+    }
     if (!quick) {
         cases.push_back(mk(128, 2, 4, 1024, 512,   0, F16, F16, MASK_CAUSAL, false, 0.0f, 0.0f, true));
         cases.push_back(mk(128, 2, 4, 1024, 512, 256, F16, F16, MASK_HOLES, true, 0.0f, 30.0f, true));

@@ -1,0 +1,508 @@
+"""The VRAM-budget planner of the library (llama-kv-residency.cpp).
+
+Most tests run the planner on FAKE memory figures through llama_rolling_kv_plan_simulate (no model, no GPU)
+and check its plan against the budget arithmetic written out independently below:
+
+    avail     = min(vram_target - weights, free)        (no target: free - reserve)
+    resident  iff compute + other KV + whole KV <= avail
+    window    = the largest multiple of 256 cells with (window + 1 trash row) x cell bytes
+                <= avail - compute - other KV - streaming ring
+    t_token   = (weights + other KV + window KV) / mem_bw + tail KV / link_bw
+
+The last tests run the real planner on the CPU build with the demo model (host memory as the "device").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.build
+
+MiB = 2**20
+ALIGN = 256
+
+# ggml row sizes (bytes per n elements) of the cache types
+_BLOCK = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
+          "q5_0": (32, 22), "q5_1": (32, 24)}
+
+
+def row(t: str, n: int) -> int:
+    blk, size = _BLOCK[t]
+    assert n % blk == 0
+    return n // blk * size
+
+
+# an 8B-like model on one GPU: 32 layers of 8 KV heads x 128, f16 cache -> 4 KiB per layer and cell, 128 KiB per cell
+GPU = dict(kv_size=131072, n_layer=32, n_embd_k_gqa=1024, n_embd_v_gqa=1024, weights_mib=4500, compute_mib=300,
+           ring_mib=96, free_mib=140000, pcie_bw_gbps=53.5, mem_bw_gbps=4000)
+
+
+def fig(**kw) -> dict:
+    return {**GPU, **kw}
+
+
+class Expect:
+    """The plan the documented arithmetic gives for figures f (single device, defaults as the library's)."""
+
+    def __init__(self, f: dict):
+        n_stream = f.get("n_stream", 1)
+        tk, tv = f.get("type_k", "f16"), f.get("type_v", "f16")
+        tkt, tvt = f.get("type_k_tail", tk), f.get("type_v_tail", tv)
+        nk, nv, n_layer = f["n_embd_k_gqa"], f["n_embd_v_gqa"], f["n_layer"]
+        self.row_w = row(tk, nk) + row(tv, nv)  # one layer, one cell, one stream
+        self.row_t = row(tkt, nk) + row(tvt, nv)
+        conv = (0 if tk == "f16" else 2 * nk) + (0 if tv == "f16" else 2 * nv)  # f16 copy flash attention makes
+        self.cell = (n_layer * self.row_w + conv) * n_stream
+        weights, compute = round(f["weights_mib"] * MiB), round(f["compute_mib"] * MiB)
+        other, ring = round(f.get("other_kv_mib", 0) * MiB), round(f["ring_mib"] * MiB)
+        free, target = round(f["free_mib"] * MiB), f.get("vram_target_mib", 0)
+        reserve = round(f.get("reserve_mib", 1024) * MiB)
+        self.avail = max(0, min(target * MiB - weights, free)) if target else max(0, free - reserve)
+        self.kv_resident = f["kv_size"] * self.cell
+        self.fits = compute + other + self.kv_resident <= self.avail
+        self.kv_budget = max(0, self.avail - compute - other - ring)
+        self.window = max(0, self.kv_budget // self.cell - 1) // ALIGN * ALIGN
+        need_split = weights + compute + other + ring + (ALIGN + 1) * self.cell
+        need_resident = weights + compute + other + self.kv_resident
+        self.min_target_mib = math.ceil(min(need_split, need_resident) / MiB)
+        self.weights, self.other, self.n_layer, self.n_stream = weights, other, n_layer, n_stream
+
+
+_SIMULATE = """
+import json, os, sys
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+out = {}
+for name, case in json.loads(os.environ["RKV_CASES"]).items():
+    env = case.pop("_env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    out[name] = ext.simulate_plan(case)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
+print(json.dumps(out))
+"""
+
+# the target at which the whole KV of GPU just fits, in MiB (the figures are whole MiB)
+FIT_MIB = GPU["weights_mib"] + GPU["compute_mib"] + GPU["kv_size"] * 32 * 4096 // MiB
+SWEEP = [6000, 6001, 9000, 12345, 15000, 18000, 20000, FIT_MIB - 200, FIT_MIB - 2]
+TAIL_TYPES = ["f16", "q8_0", "q4_0"]
+
+
+def _cases() -> dict:
+    c = {
+        "fits": fig(vram_target_mib=FIT_MIB),
+        "barely": fig(vram_target_mib=FIT_MIB - 1),
+        "far": fig(kv_size=1048576, vram_target_mib=8000, pcie_bw_gbps=25.0, mem_bw_gbps=3000.0),
+        "below_weights": fig(vram_target_mib=4000),
+        "no_target": fig(free_mib=9000),
+        "no_target_reserve": fig(free_mib=9000, reserve_mib=100),
+        "free_caps_target": fig(vram_target_mib=100000, free_mib=9000),
+        "q8_window": fig(vram_target_mib=12000, type_k="q8_0", type_v="q8_0"),
+        "streams": fig(kv_size=32768, n_stream=4, vram_target_mib=12000),
+        "other_kv": fig(vram_target_mib=12000, other_kv_mib=2048),
+        "refuse": fig(vram_target_mib=6000, refuse="flash attention is off"),
+        "off": fig(mode="off", vram_target_mib=6000),
+        "explicit": fig(mode="window", window_cells=1000),
+        "explicit_whole": fig(mode="window", window_cells=200000),
+        "explicit_below": fig(mode="window", window_cells=1000, vram_target_mib=4000),
+        "no_link": fig(vram_target_mib=12000, pcie_bw_gbps=0),
+        "no_mem_bw": fig(vram_target_mib=12000, mem_bw_gbps=0),
+        "ring_env": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
+                     "_env": {"GGML_RKV_SLOTS": "5", "GGML_RKV_SLOT_MIB": "16"}},
+        "ring_env_low": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
+                         "_env": {"GGML_RKV_SLOTS": "three", "GGML_RKV_SLOT_MIB": "0"}},
+        "ring_env_high": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
+                          "_env": {"GGML_RKV_SLOTS": "99", "GGML_RKV_SLOT_MIB": "64"}},
+        "ring_default": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
+                         "_env": {"GGML_RKV_SLOTS": "", "GGML_RKV_SLOT_MIB": ""}},
+        # 8 streams of f32 K/V of 8192 wide: one 256-cell chunk of a layer is 128 MiB, more than a 32 MiB slot
+        "ring_big_rows": {**{k: v for k, v in fig(vram_target_mib=60000, kv_size=16384, n_stream=8, n_embd_k_gqa=8192,
+                                                n_embd_v_gqa=8192, n_layer=4, type_k="f32", type_v="f32").items() if k != "ring_mib"},
+                          "_env": {"GGML_RKV_SLOTS": "", "GGML_RKV_SLOT_MIB": ""}},
+        "two_gpus": fig(vram_target_mib=10000, devices=[{"name": "CUDA0", "n_layer": 16, "weights_mib": 2000},
+                                                       {"name": "CUDA1", "n_layer": 16, "weights_mib": 5000}]),
+        "bad_key": fig(vram_target_mib=1, windw_cells=5),
+        "bad_tail": fig(type_k_tail="q2_K"),
+        "missing": {k: v for k, v in GPU.items() if k != "kv_size"},
+        "bad_devices": fig(devices=[{"name": "CUDA0", "n_layer": 5}]),
+    }
+    for t in SWEEP:
+        c[f"sweep{t}"] = fig(vram_target_mib=t)
+    for t in TAIL_TYPES:
+        c[f"tail_{t}"] = fig(vram_target_mib=12000, type_k_tail=t, type_v_tail=t)
+    return c
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def sim(cpu_build) -> dict:
+    """Every case of CASES through the library's planner, in one process."""
+    return run_python(_SIMULATE, cpu_build.lib_dir, env_extra={"RKV_CASES": json.dumps(CASES)})
+
+
+def _plain(name: str) -> dict:
+    return {k: v for k, v in CASES[name].items() if not k.startswith("_")}
+
+
+# ------------------------------------------------------------------------------ fits / does not fit
+
+
+def test_fits_resident(sim):
+    p, e = sim["fits"], Expect(CASES["fits"])
+    assert e.fits  # the figures: exactly at the boundary
+    assert p["mode_chosen"] == "resident" and not p["split"] and p["eligible"] and p["error"] is None
+    assert p["window_cells"] == 0 and p["tail_cells"] == 0 and p["host_bytes"] == 0
+    assert p["device_bytes"] == e.kv_resident == 16384 * MiB
+    assert len(p["layers"]) == 32 and not any(layer["split"] for layer in p["layers"])
+    b = p["budget"]
+    assert b["budgeted"] and b["vram_target_mib"] == FIT_MIB and b["reserve_bytes"] == 0
+    assert (b["weights_bytes"], b["compute_bytes"], b["ring_bytes"]) == (4500 * MiB, 300 * MiB, 96 * MiB)
+    assert b["kv_resident_bytes"] == e.kv_resident and b["min_target_mib"] == e.min_target_mib
+    # a resident plan streams nothing: the link is reported, no per-token estimate
+    assert p["link"]["link_bw_gbps"] == pytest.approx(53.5) and p["estimate"]["ms_per_token"] is None
+
+
+def test_barely_does_not_fit(sim):
+    p, e = sim["barely"], Expect(CASES["barely"])
+    assert not e.fits
+    assert p["mode_chosen"] == "window" and p["split"] and p["mode_requested"] == "auto"
+    # one MiB short: the ring (96 MiB = 768 cells) plus that MiB come off the top, then down to a multiple of 256
+    assert p["window_cells"] == e.window == 130048
+    assert p["tail_cells"] == 131072 - 130048
+    assert (p["window_cells"] + ALIGN + 1) * e.cell > e.kv_budget  # the largest aligned window
+    assert p["device_bytes"] == 32 * (e.window + 1) * e.row_w
+    assert p["host_bytes"] == 32 * (131072 - e.window + 1) * e.row_t
+    assert p["device_bytes"] <= p["budget"]["devices"][0]["kv_budget_bytes"]
+    assert "256" in p["reason"] and "vram_target" in p["reason"]
+
+
+def test_far_from_fitting_and_link_model(sim):
+    f = CASES["far"]
+    p, e = sim["far"], Expect(f)
+    assert p["window_cells"] == e.window == 24576  # (8000 - 4500 - 300 - 96) MiB / 128 KiB, less the trash row, aligned
+    tail = f["kv_size"] - e.window
+    assert p["tail_cells"] == tail
+    link, est = p["link"], p["estimate"]
+    assert link["mem_bw_gbps"] == pytest.approx(3000.0) and link["link_bw_gbps"] == pytest.approx(25.0)
+    assert "pcie_bw_gbps" in link["link_bw_source"]
+    device_bytes = e.weights + e.window * 32 * e.row_w
+    tail_bytes = tail * 32 * e.row_t
+    assert est["device_bytes_per_token"] == pytest.approx(device_bytes, rel=1e-5)
+    assert est["tail_bytes_per_token"] == pytest.approx(tail_bytes, rel=1e-5)
+    assert est["t_resident_ms"] == pytest.approx(device_bytes / 3000e9 * 1e3, rel=1e-4)
+    assert est["t_tail_ms"] == pytest.approx(tail_bytes / 25e9 * 1e3, rel=1e-4)
+    assert est["ms_per_token"] == pytest.approx(est["t_resident_ms"] + est["t_tail_ms"], rel=1e-4)
+    assert est["t_tail_ms"] > 100 * est["t_resident_ms"]  # 128 GiB of tail over 25 GB/s
+
+
+def test_target_below_weights_refused_with_minimum(sim, cpu_build):
+    p, e = sim["below_weights"], Expect(CASES["below_weights"])
+    assert p["mode_chosen"] == "refused" and not p["split"] and p["layers"] == []
+    assert p["budget"]["min_target_mib"] == e.min_target_mib == 4500 + 300 + 96 + math.ceil(257 * 131072 / MiB)
+    assert f"minimum of {e.min_target_mib} MiB" in p["error"] and "4000 MiB" in p["error"]
+    for term in ("weights 4500 MiB", "compute", "ring 96 MiB", "256-cell"):
+        assert term in p["error"]
+    # the minimum is exact: at it, a 256-cell window; one MiB less, refused
+    r = run_python(_SIMULATE, cpu_build.lib_dir, env_extra={"RKV_CASES": json.dumps({
+        "at": fig(vram_target_mib=e.min_target_mib), "under": fig(vram_target_mib=e.min_target_mib - 1)})})
+    assert r["at"]["window_cells"] == ALIGN and r["at"]["error"] is None
+    assert r["under"]["mode_chosen"] == "refused" and f"minimum of {e.min_target_mib} MiB" in r["under"]["error"]
+
+
+def test_window_alignment_sweep(sim):
+    windows = []
+    for t in SWEEP:
+        p, e = sim[f"sweep{t}"], Expect(CASES[f"sweep{t}"])
+        wc = p["window_cells"]
+        assert p["split"] and wc % ALIGN == 0 and wc == e.window, t
+        assert (wc + 1) * e.cell <= e.kv_budget < (wc + ALIGN + 1) * e.cell, t
+        assert all(layer["window_cells"] == wc and layer["tail_cells"] == 131072 - wc for layer in p["layers"])
+        windows.append(wc)
+    assert windows == sorted(windows) and len(set(windows)) > 5
+
+
+def test_tail_type_changes_host_bytes_not_window(sim):
+    plans = {t: sim[f"tail_{t}"] for t in TAIL_TYPES}
+    wc = plans["f16"]["window_cells"]
+    assert wc > 0 and all(p["window_cells"] == wc for p in plans.values())
+    assert len({p["device_bytes"] for p in plans.values()}) == 1
+    tail = 131072 - wc
+    for t, p in plans.items():
+        assert p["type_k_tail"] == t and p["type_v_tail"] == t
+        assert p["host_bytes"] == 32 * (tail + 1) * 2 * row(t, 1024), t
+        assert p["estimate"]["tail_bytes_per_token"] == pytest.approx(32 * tail * 2 * row(t, 1024), rel=1e-5)
+    t_tail = [plans[t]["estimate"]["t_tail_ms"] for t in TAIL_TYPES]
+    assert t_tail[0] > t_tail[1] > t_tail[2]
+    assert t_tail[1] / t_tail[0] == pytest.approx(34 / 64, rel=1e-4)
+
+
+def test_quantized_window_counts_the_flash_attention_copy(sim):
+    p, e = sim["q8_window"], Expect(CASES["q8_window"])
+    d = p["budget"]["devices"][0]
+    assert d["conv_cell_bytes"] == 2 * 1024 * 2
+    assert d["cell_bytes"] == e.cell == 32 * 2 * 1088 + 4096
+    assert p["window_cells"] == e.window and p["window_cells"] % ALIGN == 0
+
+
+def test_streams_multiply_the_cell(sim):
+    p, e = sim["streams"], Expect(CASES["streams"])
+    assert p["n_stream"] == 4 and e.cell == 4 * 32 * 4096
+    assert p["window_cells"] == e.window and 0 < e.window < 32768
+    assert p["layers"][0]["device_bytes"] == (e.window + 1) * 4096 * 4
+
+
+def test_other_caches_come_off_the_budget(sim):
+    with_other, e = sim["other_kv"], Expect(CASES["other_kv"])
+    plain = sim["tail_f16"]  # same figures without the SWA cache
+    assert with_other["window_cells"] == e.window
+    assert plain["window_cells"] - with_other["window_cells"] == pytest.approx(2048 * MiB / e.cell, abs=ALIGN)
+    assert with_other["budget"]["other_kv_bytes"] == 2048 * MiB
+
+
+# ------------------------------------------------------------------------------------ budget sources
+
+
+def test_no_target_is_free_minus_reserve(sim):
+    for name, reserve in (("no_target", 1024), ("no_target_reserve", 100)):
+        p, e = sim[name], Expect(CASES[name])
+        assert p["budget"]["reserve_bytes"] == reserve * MiB and p["budget"]["devices"][0]["avail_bytes"] == (9000 - reserve) * MiB
+        assert p["window_cells"] == e.window > 0
+        assert "free VRAM" in p["reason"]
+    assert sim["no_target_reserve"]["window_cells"] > sim["no_target"]["window_cells"]
+
+
+def test_free_memory_caps_the_target(sim):
+    p, e = sim["free_caps_target"], Expect(CASES["free_caps_target"])
+    assert p["budget"]["devices"][0]["avail_bytes"] == 9000 * MiB
+    assert p["window_cells"] == e.window > 0
+
+
+def test_ring_from_environment(sim):
+    """GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB, read as the CUDA op reads them (atoi, slots clamped to [2, 8], MiB to [1, 4096])."""
+    p = sim["ring_env"]
+    assert p["budget"]["ring_slots"] == 5 and p["budget"]["ring_bytes"] == 80 * MiB
+    assert p["window_cells"] == Expect({**_plain("ring_env"), "ring_mib": 80}).window
+    assert sim["ring_default"]["budget"]["ring_slots"] == 3 and sim["ring_default"]["budget"]["ring_bytes"] == 96 * MiB
+    low = sim["ring_env_low"]["budget"]  # atoi("three") = 0 -> 2 slots; 0 MiB -> 1 MiB, grown to one 256-cell K+V chunk
+    assert low["ring_slots"] == 2 and low["ring_slot_bytes"] == 256 * 2048 * 2 + 256 and low["ring_bytes"] == 2 * low["ring_slot_bytes"]
+    high = sim["ring_env_high"]["budget"]
+    assert high["ring_slots"] == 8 and high["ring_bytes"] == 8 * 64 * MiB
+
+
+def test_ring_slot_holds_one_chunk_of_the_widest_layer(sim):
+    b = sim["ring_big_rows"]["budget"]
+    row = 8192 * 4  # f32
+    slot = -(-(256 * row * 8) // 256) * 256 + 256 * row * 8 + 256  # K padded to 256 bytes, V, one header
+    assert b["ring_slot_bytes"] == slot > 32 * MiB and b["ring_bytes"] == 3 * slot
+
+
+def test_two_devices_the_tighter_one_decides(sim):
+    p = sim["two_gpus"]
+    devs = {d["name"]: d for d in p["budget"]["devices"]}
+    assert set(devs) == {"CUDA0", "CUDA1"} and p["budget"]["weights_bytes"] == 7000 * MiB
+    # CUDA1 holds 3000 MiB more weights: its budget binds
+    cell = 16 * 4096
+    kv_budget = (10000 - 5000 - 300 - 96) * MiB
+    assert devs["CUDA1"]["kv_budget_bytes"] == kv_budget and devs["CUDA1"]["fit_cells"] < devs["CUDA0"]["fit_cells"]
+    assert p["window_cells"] == (kv_budget // cell - 1) // ALIGN * ALIGN
+
+
+# ------------------------------------------------------------------------------ eligibility and modes
+
+
+def test_eligibility_and_modes(sim):
+    r = sim["refuse"]
+    assert r["mode_chosen"] == "resident" and not r["eligible"] and r["reason"] == "flash attention is off"
+    assert sim["off"]["mode_chosen"] == "off" and sim["off"]["eligible"] and not sim["off"]["split"]
+    ex = sim["explicit"]
+    assert ex["mode_chosen"] == "window" and ex["window_cells"] == 1000 and ex["reason"].startswith("window: explicit")
+    assert not ex["budget"]["budgeted"] and ex["estimate"]["ms_per_token"] > 0
+    assert sim["explicit_whole"]["mode_chosen"] == "resident" and "whole cache" in sim["explicit_whole"]["reason"]
+    below = sim["explicit_below"]  # an explicit window does not lift the floor of weights + compute + ring
+    assert below["mode_chosen"] == "refused" and "4000 MiB is below the minimum" in below["error"]
+
+
+def test_estimate_needs_both_bandwidths(sim):
+    assert sim["no_link"]["split"] and sim["no_link"]["estimate"]["ms_per_token"] is None
+    assert sim["no_link"]["estimate"]["t_resident_ms"] > 0 and "probe pcie" in sim["no_link"]["link"]["link_bw_source"]
+    assert sim["no_mem_bw"]["estimate"]["ms_per_token"] is None and sim["no_mem_bw"]["estimate"]["t_tail_ms"] > 0
+
+
+@pytest.mark.parametrize("name, message", [("bad_key", "unknown key windw_cells"), ("bad_tail", "tail type"),
+                                           ("missing", "kv_size is required"), ("bad_devices", "add up")])
+def test_invalid_input(sim, name, message):
+    p = sim[name]
+    assert p.get("invalid_input") is True and message in p["error"]
+
+
+def test_serve_prints_the_budget_and_the_estimate(sim):
+    from rollingkv_cli import serving
+
+    far = sim["far"]
+    assert serving.describe_plan(far).startswith("residency: window")
+    lines = serving.describe_plan_details(far)
+    assert lines[0].startswith("budget on GPU0: target 8000 MiB; weights 4500 + compute ~300 + other KV 0 + streaming ring 96 MiB")
+    assert f"minimum target {far['budget']['min_target_mib']} MiB" in lines[0]
+    assert lines[1].startswith(f"expected {far['estimate']['ms_per_token']:.2f} ms/token") and "25.0 GB/s" in lines[1]
+    assert "residency: resident" in serving.describe_plan(sim["fits"]) and len(serving.describe_plan_details(sim["fits"])) == 1
+    assert serving.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
+
+
+# ------------------------------------------------------------------------ the live planner on the CPU build
+
+_LIVE = """
+import ctypes, json, os
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
+llama_cpp.llama_log_set(_cb, None)
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+def cparams(n_ctx=8192):
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = n_ctx; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1; cp.n_threads = 2; cp.n_threads_batch = 2
+    return cp
+def plan(**kw):
+    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
+    if not ctx:
+        return {"refused": ext.last_error()}
+    p = ext.plan(ctx)
+    llama_cpp.llama_free(ctx)
+    return p
+out = {"auto": plan(mode="auto"), "off": plan(mode="off"), "window": plan(mode="window", window_cells=256),
+       "target": plan(mode="auto", vram_target_mib=300)}
+m = out["target"]["budget"]["min_target_mib"]
+out["at_min"] = plan(mode="auto", vram_target_mib=m)
+out["under_min"] = plan(mode="auto", vram_target_mib=m - 1)
+out["big_target"] = plan(mode="auto", vram_target_mib=100000)
+out["error_after_success"] = ext.last_error()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def live(cpu_build, demo_model) -> dict:
+    return run_python(_LIVE, cpu_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(demo_model)})
+
+
+def test_live_cpu_resident_and_off(live):
+    assert live["auto"]["mode_chosen"] == "resident" and "no GPU" in live["auto"]["reason"] and live["auto"]["budget"] is None
+    assert live["off"]["mode_chosen"] == "off"
+    assert live["big_target"]["mode_chosen"] == "resident" and live["big_target"]["budget"]["budgeted"]
+
+
+def test_live_cpu_explicit_window_measures_host_memory(live):
+    p = live["window"]
+    assert p["split"] and p["window_cells"] == 256
+    link, est = p["link"], p["estimate"]
+    assert link["mem_bw_gbps"] > 0.1 and "copy" in link["mem_bw_source"]
+    assert link["link_bw_gbps"] == link["mem_bw_gbps"]  # no PCIe on a CPU run: the tail is read from host memory
+    assert est["ms_per_token"] == pytest.approx(est["t_resident_ms"] + est["t_tail_ms"], rel=1e-4)
+    assert est["tail_bytes_per_token"] == pytest.approx(30 * (8192 - 256) * 2 * 3 * 64 * 2, rel=1e-5)
+
+
+def test_live_cpu_target_sizes_the_window(live, demo_model):
+    p = live["target"]
+    assert p["split"] and p["mode_chosen"] == "window" and p["window_cells"] % ALIGN == 0
+    d = p["budget"]["devices"][0]
+    assert d["host_memory"] and d["name"] == "host memory" and d["ring_bytes"] == 0
+    # the weights are the model's buffers: a little under the file size
+    assert 0.8 * demo_model.stat().st_size < d["weights_bytes"] <= demo_model.stat().st_size
+    # compute estimate: at least the 512-token logits (49152-token vocabulary, f32)
+    assert d["compute_bytes"] >= 512 * 49152 * 4 and "512-token ubatch" in p["budget"]["compute_note"]
+    cell = 30 * 2 * 3 * 64 * 2
+    assert d["cell_bytes"] == cell and d["kv_budget_bytes"] == 300 * MiB - d["weights_bytes"] - d["compute_bytes"]
+    assert (p["window_cells"] + 1) * cell <= d["kv_budget_bytes"] < (p["window_cells"] + ALIGN + 1) * cell
+    assert p["device_bytes"] == 30 * (p["window_cells"] + 1) * 2 * 3 * 64 * 2
+    assert p["estimate"]["ms_per_token"] > 0
+
+
+def test_live_cpu_minimum_target_is_exact(live):
+    m = live["target"]["budget"]["min_target_mib"]
+    assert live["at_min"]["window_cells"] == ALIGN
+    assert f"below the minimum of {m} MiB" in live["under_min"]["refused"]
+    assert live["error_after_success"] == ""  # the next context that succeeds clears it
+
+
+def test_server_refuses_a_target_below_the_minimum(cpu_build, demo_model):
+    proc = subprocess.run([str(cpu_build.artifact("llama-server")), "-m", str(demo_model), "-t", "2", "-c", "4096",
+                           "--vram-target", "50", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "vram_target 50 MiB is below the minimum of" in proc.stdout + proc.stderr
+
+
+def test_server_reports_the_budget_in_props(cpu_build, demo_model, tmp_path):
+    from rollingkv_cli.server import ServerProcess
+
+    env = {**os.environ, "GGML_RKV_SLOTS": "2"}
+    with ServerProcess(cpu_build.artifact("llama-server"), ["-m", str(demo_model), "-t", "2", "-c", "8192", "-np", "1", "-fa", "on",
+                                                            "--vram-target", "300", "--pcie-bw-gbps", "20"],
+                       log_path=tmp_path / "srv.log", env=env) as srv:
+        plan = srv.request("/props")["rolling_kv"]
+    assert plan["mode_requested"] == "auto" and plan["split"] and plan["window_cells"] % ALIGN == 0
+    assert plan["budget"]["vram_target_mib"] == 300 and plan["budget"]["ring_slots"] == 2
+    assert plan["link"]["link_bw_gbps"] == pytest.approx(20.0) and plan["estimate"]["ms_per_token"] > 0
+    # the server's one line at start (the library's own budget lines are below its default log level)
+    assert f"chosen window, window {plan['window_cells']} + tail" in (tmp_path / "srv.log").read_text()
+
+
+_ISWA = """
+import ctypes, json, os, re
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+logs = []
+_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))
+llama_cpp.llama_log_set(_cb, None)
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+out = {}
+for swa_full in (True, False):
+    logs.clear()
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = 4096; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1; cp.n_threads = 2; cp.swa_full = swa_full
+    ctx = ext.init_context(model, cp, ext.make_params(mode="auto", vram_target_mib=60))
+    text = "".join(logs)
+    swa = re.search(r"creating +SWA KV cache.*?KV buffer size = +([0-9.]+) MiB", text, re.S)
+    out[str(swa_full)] = {"plan": ext.plan(ctx), "swa_mib": float(swa.group(1))}
+    llama_cpp.llama_free(ctx)
+print(json.dumps(out))
+"""
+
+
+def test_live_iswa_counts_the_swa_cache(cpu_build, tmp_path):
+    """An iSWA model: the SWA cache never splits and is allocated after the planning cache, so the budget holds it
+    ("other KV"), sized as llama_kv_cache_iswa sizes it (full, or n_swa + n_ubatch padded to 256)."""
+    from rollingkv_cli import models
+
+    model = models.write_synthetic(tmp_path / "g2.gguf", models.SynthSpec(layers=4, embd=256, heads=4, kv_heads=2, ff=512, vocab=1000,
+                                                                          ctx=4096, arch="gemma2", sliding_window=128))
+    r = run_python(_ISWA, cpu_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(model)})
+    row = 2 * 2 * 64 * 2  # K + V, 2 KV heads x 64, f16
+    for swa_full, cells in (("True", 4096), ("False", 768)):
+        plan, swa_mib = r[swa_full]["plan"], r[swa_full]["swa_mib"]
+        other = plan["budget"]["other_kv_bytes"]
+        assert other == 2 * cells * row  # layers 0 and 2 are the SWA ones
+        assert other == pytest.approx(swa_mib * MiB, abs=0.01 * MiB)  # what the SWA cache then allocated
+        d = plan["budget"]["devices"][0]
+        assert d["kv_budget_bytes"] == d["avail_bytes"] - d["compute_bytes"] - other
+        assert sorted(layer["il"] for layer in plan["layers"]) == [1, 3]  # only the global layers can split
+    full, small = r["True"]["plan"], r["False"]["plan"]
+    assert full["split"]
+    # 3.25 MiB less SWA cache leave a larger window, or room for the whole KV (4 MiB)
+    assert (small["window_cells"] > full["window_cells"]) or small["mode_chosen"] == "resident"
