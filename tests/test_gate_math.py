@@ -215,3 +215,28 @@ def test_thresholds_file_errors(tmp_path, text, match):
 def test_thresholds_file_missing(tmp_path):
     with pytest.raises(gm.ThresholdsError, match="cannot read"):
         gm.load_thresholds(tmp_path / "nope.yaml", "same_type")
+
+
+def test_relative_thresholds_follow_the_baseline():
+    q = gm.default_thresholds("quantized")
+    th, how = gm.relative_thresholds(q, {"mean_tv": 0.08, "real_frac": 0.001, "mean_kl": 0.5, "max_tv": 0.9})
+    assert th["baseline_factor"] == gm.DEFAULT_BASELINE_FACTOR == 3.0
+    assert th["max_mean_tv"] == pytest.approx(0.24) and how["max_mean_tv"]["bound"] == pytest.approx(0.24)
+    assert th["max_real_frac"] == 0.01  # 3 x 0.001 is below the absolute bound: the absolute one stays
+    assert how["max_real_frac"] == {"absolute": 0.01, "baseline": 0.001, "factor": 3.0, "bound": 0.01}
+    assert th["max_mean_kl"] is None and th["max_max_tv"] is None and "max_mean_kl" not in how  # disabled stays disabled
+    assert q["max_mean_tv"] == 0.02  # the input is not modified
+    # a bad cell passes only through its own type's loss: 0.2 TV fails the absolute bound, passes 3 x 0.08
+    s = {"n": 100, "nonfinite": 0, "mean_tv": 0.2, "real_frac": 0.005}
+    assert not gm.verdict(s, q).passed and gm.verdict(s, th).passed
+    assert not gm.verdict(dict(s, mean_tv=0.25), th).passed
+
+
+def test_relative_thresholds_factor_from_the_file(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("quantized:\n  baseline_factor: 1.5\n")
+    th, _ = gm.relative_thresholds(gm.load_thresholds(f, "quantized"), {"mean_tv": 0.1, "real_frac": float("nan")})
+    assert th["max_mean_tv"] == pytest.approx(0.15) and th["max_real_frac"] == 0.01  # NaN baseline: absolute bound
+    f.write_text("baseline_factor: -1\n")
+    with pytest.raises(gm.ThresholdsError, match=">= 0"):
+        gm.load_thresholds(f, "quantized")

@@ -1,34 +1,44 @@
 """`rollingkv gate`: prove that the split KV cache reproduces the fully resident run.
 
-`gate equiv` decodes one token sequence teacher-forced twice, each in its own process (llama_cpp binds
-one library per process): a reference (our build with residency off, or another build's libllama) and a
-candidate (our build with the residency parameters), and compares every position's next-token
-distribution (gate_math). The candidate compares its logits against the reference's on the fly.
+- `gate equiv` decodes one token sequence teacher-forced twice, each in its own process (llama_cpp binds
+  one library per process): a reference (our build with residency off, or another build's libllama) and
+  a candidate (our build with the residency parameters), and compares every position's next-token
+  distribution (gate_math). The candidate compares its logits against the reference's on the fly.
+- `gate needle` asks a resident and a split llama-server for a fact placed in the tail (gate_needle).
+- `gate vram` samples NVML while a llama-server with --vram-target decodes a long sequence (gate_vram).
+- `gate matrix` runs equiv over tail types x split points, the quantized parts' exactness, and the needle,
+  and writes a JSON report and a markdown table (gate_matrix).
+
+Exit status of every gate: 0 pass, 1 fail (or an error), 2 usage error; gate vram 3 without an NVIDIA GPU
+(as `rollingkv probe pcie`); gate needle (and matrix) 4 when the resident model itself misses the needle.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import click
 
-# keep in step with llama_ext.GGML_TYPES (not imported here: registering commands stays cheap)
-CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+from rollingkv_cli.gate_common import CACHE_TYPES, EXIT_FAIL, EXIT_INCONCLUSIVE
+
 MODES = ["window", "auto", "off"]
 
 
 @click.group()
 def gate() -> None:
-    """Check the split KV cache against the fully resident run."""
+    """Check the split KV cache against the fully resident run.
+
+    \b
+    equiv   teacher-forced next-token distributions, split vs resident
+    needle  a fact placed in the host tail is retrieved exactly as resident
+    vram    device memory stays within --vram-target + 200 MiB (GPU only)
+    matrix  equiv over tail types x split points, plus needle; JSON + markdown
+    """
 
 
 def _positive(ctx, param, value):
@@ -36,6 +46,70 @@ def _positive(ctx, param, value):
         raise click.BadParameter("must be at least 1")
     return value
 
+
+def _non_negative(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter("must be at least 0")
+    return value
+
+
+def _fraction_list(ctx, param, value):
+    """'0.25,0.5' or several uses of the option -> a tuple of fractions in (0, 1)."""
+    if value is None:
+        return None
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    out = []
+    for item in items:
+        for part in str(item).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                f = float(part)
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not a number") from None
+            if not 0 < f < 1:
+                raise click.BadParameter(f"{part} is not a fraction strictly between 0 and 1")
+            out.append(f)
+    if not out and items:
+        raise click.BadParameter("give at least one fraction")
+    return tuple(out) or None
+
+
+def _type_list(ctx, param, value):
+    if value is None:
+        return None
+    out = [t.strip() for t in value.split(",") if t.strip()]
+    bad = [t for t in out if t not in CACHE_TYPES]
+    if bad:
+        raise click.BadParameter(f"{', '.join(bad)}: not a cache type ({', '.join(CACHE_TYPES)})")
+    if not out:
+        raise click.BadParameter("give at least one type")
+    return tuple(dict.fromkeys(out))
+
+
+def _build_options(f):
+    f = click.option("--lib-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                     help="Run the libllama.so and llama-server in DIR (llama.cpp's build/bin of this series) instead of the active build.")(f)
+    f = click.option("--build", "build_dir", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+                     help="Run this `rollingkv build` directory (what `rollingkv build --print-dir` prints) instead of the active build.")(f)
+    return f
+
+
+def _ngl_option(default=None, help_default="the library's default"):
+    return click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, callback=_non_negative, default=default,
+                        help=f"Layers to offload to the GPU (0: none).  [default: {help_default}]")
+
+
+def _cache_type_options(f):
+    f = click.option("-ctvt", "--cache-type-v-tail", "ctvt", type=click.Choice(CACHE_TYPES), default=None, help="Type of V in the host tail. Default: -ctv.")(f)
+    f = click.option("-ctkt", "--cache-type-k-tail", "ctkt", type=click.Choice(CACHE_TYPES), default=None, help="Type of K in the host tail. Default: -ctk.")(f)
+    f = click.option("-ctv", "--cache-type-v", "ctv", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of V (the window's, and the reference's).")(f)
+    f = click.option("-ctk", "--cache-type-k", "ctk", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of K (the window's, and the reference's).")(f)
+    return f
+
+
+# ====================================================================== equiv
 
 @gate.command()
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
@@ -47,28 +121,30 @@ def _positive(ctx, param, value):
               help="Context size. Default: the token count rounded up to 256, plus 256.")
 @click.option("--kv-window-cells", type=int, callback=_positive, default=None, help="Cells of the device window per stream.")
 @click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window.")
-@click.option("-ctk", "--cache-type-k", "ctk", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of K (the window's, and the reference's).")
-@click.option("-ctv", "--cache-type-v", "ctv", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of V (the window's, and the reference's).")
-@click.option("-ctkt", "--cache-type-k-tail", "ctkt", type=click.Choice(CACHE_TYPES), default=None, help="Type of K in the host tail. Default: -ctk.")
-@click.option("-ctvt", "--cache-type-v-tail", "ctvt", type=click.Choice(CACHE_TYPES), default=None, help="Type of V in the host tail. Default: -ctv.")
+@_cache_type_options
 @click.option("--kv-residency-mode", "mode", type=click.Choice(MODES), default="window", show_default=True,
               help="The candidate's residency mode (off: the plain resident cache, a sanity run).")
 @click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
               help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (flat keys, or per profile: same_type/quantized).")
+@click.option("--tail-baseline", is_flag=True,
+              help="Quantized tail: also decode the resident cache with every K/V in the tail's type, and let the split lose up to "
+                   "baseline_factor (3) times what that loses (each upper bound becomes max(bound, factor x baseline)).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
+@_ngl_option()
+@_build_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
-          reference, thresholds_file, json_out, threads, n_batch, work_dir) -> None:
+          reference, thresholds_file, tail_baseline, json_out, threads, n_batch, n_gpu_layers, build_dir, lib_dir, work_dir) -> None:
     """Decode one sequence with the reference and the candidate and compare every position's distribution.
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
-    from rollingkv_cli import __version__, builder, gate_math, models, paths
+    from rollingkv_cli import __version__, gate_common, gate_equiv, gate_math, models, paths
     from rollingkv_cli.console import abort, console, warn
 
     t_start = time.time()
@@ -77,6 +153,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         raise click.UsageError("give --prompt-file or --synthetic-tokens, not both")
     if kv_window_cells is not None and vram_target is not None:
         raise click.UsageError("give --kv-window-cells or --vram-target, not both")
+    if build_dir is not None and lib_dir is not None:
+        raise click.UsageError("give --build or --lib-dir, not both")
     if prompt_file is None and synthetic_tokens is None:
         synthetic_tokens = 2048
     if n_ctx is not None and kv_window_cells is not None and kv_window_cells >= n_ctx:
@@ -91,15 +169,15 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         thresholds = gate_math.load_thresholds(thresholds_file, profile)
     except gate_math.ThresholdsError as e:
         abort(str(e), "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
+    if tail_baseline and profile != "quantized":
+        warn("--tail-baseline applies to a quantized tail only: the tail holds the window's type, the same-type bounds apply")
+        tail_baseline = False
     ref_kind, ref_lib = _parse_reference(reference)
     threads = threads or os.cpu_count() or 1
 
     model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
-    build = builder.active_build(required=True)
-    assert build is not None
+    build = gate_common.resolve_build(build_dir, lib_dir)
     cand_lib = build.lib_dir
-    if not (cand_lib / "libllama.so").is_file():
-        abort(f"the active build {build.dir} has no libllama.so", "run `rollingkv build`")
     if ref_kind == "resident":
         ref_lib = cand_lib
 
@@ -121,25 +199,22 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         tmp_root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
-    logs_dir = _logs_dir()
-    commands: dict[str, list[str]] = {}
+    logs_dir = gate_common.logs_dir()
     results: dict[str, dict] = {}
+    baseline_how = None
     with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
         wd = Path(td)
+        sess = gate_equiv.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch,
+                                       n_gpu_layers=n_gpu_layers)
         # ------------------------------------------------------------ tokens (with the candidate's library)
-        tok_args = ["--lib-dir", str(cand_lib), "--model", str(model_path), "--tokens-out", str(wd / "tokens.npy"),
-                    "--out", str(wd / "tokenize.json")]
-        tok_args += ["--tokenize", str(prompt_file)] if prompt_file is not None else ["--synthetic", str(synthetic_tokens)]
-        commands["tokenize"] = _runner_cmd(tok_args)
         with console.status("tokenizing"):
-            tok = _run_child("tokenize", commands["tokenize"], logs_dir / "tokenize.log", wd / "tokenize.json")
-        n_tokens = int(tok["n_tokens"])
-        n_vocab = int(tok["n_vocab"])
+            tok = sess.tokenize(cand_lib, prompt_file, synthetic_tokens)
+        n_tokens, n_vocab = sess.n_tokens, sess.n_vocab
         if n_tokens == 0:
             abort(f"{prompt_file} holds no tokens")
         if mode != "off" and not tok.get("has_residency"):
             abort("this build has no KV residency API; rebuild",
-                  f"{build.dir} lacks llama_init_from_model_rolling_kv: run `rollingkv build`, or check with --kv-residency-mode off")
+                  f"{build.dir or build.lib_dir} lacks llama_init_from_model_rolling_kv: run `rollingkv build`, or check with --kv-residency-mode off")
         if n_ctx is None:
             n_ctx = -(-n_tokens // 256) * 256 + 256
         elif n_tokens > n_ctx:
@@ -148,45 +223,52 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
             abort(f"--kv-window-cells {kv_window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
         if mode != "off" and kv_window_cells is not None and kv_window_cells >= n_tokens:
             warn(f"the window ({kv_window_cells} cells) holds all {n_tokens} tokens: the tail is never read")
-        need = n_tokens * n_vocab * 4
+        sess.n_ctx = n_ctx
+        need = sess.logits_bytes() * (2 if tail_baseline else 1)
         free = shutil.disk_usage(wd).free
         if need > free - (64 << 20):
             abort(f"the reference logits need {need / 2**20:.0f} MiB in {tmp_root}, {free / 2**20:.0f} MiB are free",
                   "point --work-dir at a larger disk, or decode fewer tokens")
 
-        common = ["--model", str(model_path), "--tokens", str(wd / "tokens.npy"), "--ctx", str(n_ctx),
-                  "--n-batch", str(n_batch), "--threads", str(threads), "-ctk", ctk, "-ctv", ctv]
-        ref_args = ["--lib-dir", str(ref_lib), *common, "--save-logits", str(wd / "ref.npy"), "--out", str(wd / "ref.json")]
-        if ref_residency is not None:
-            ref_args += ["--residency", json.dumps(ref_residency)]
-        cand_args = ["--lib-dir", str(cand_lib), *common, "--residency", json.dumps(cand_residency),
-                     "--reference-logits", str(wd / "ref.npy"), "--out", str(wd / "cand.json"),
-                     "--real-margin-nats", str(thresholds["real_margin_nats"]), "--positions-out", str(wd / "positions.npz")]
-        commands["reference"] = _runner_cmd(ref_args)
-        commands["candidate"] = _runner_cmd(cand_args)
-
-        ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({_short_path(ref_lib)})"
+        ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({gate_equiv.short_path(ref_lib)})"
         cand_label = f"candidate ({mode})"
         console.print(f"[dim]{model_path.name}: {n_tokens} tokens, ctx {n_ctx}, batch {n_batch}, {threads} threads, "
-                      f"K/V {ctk}/{ctv}{_tail_desc(mode, ctkt, ctvt)}[/]")
-        with _progress(console) as progress:
-            results["reference"] = _run_child("reference", commands["reference"], logs_dir / "reference.log", wd / "ref.json",
-                                              progress, ref_label, n_tokens)
-            results["candidate"] = _run_child("candidate", commands["candidate"], logs_dir / "candidate.log", wd / "cand.json",
-                                              progress, cand_label, n_tokens)
+                      f"K/V {ctk}/{ctv}{gate_equiv.tail_desc(mode, ctkt, ctvt)}"
+                      f"{'' if n_gpu_layers is None else f', -ngl {n_gpu_layers}'}[/]")
+        positions_tmp = wd / "positions.npz"
+        with gate_equiv.progress(console) as progress:
+            results["reference"] = sess.decode("reference", ref_lib, ctk, ctv, ref_residency, save=wd / "ref.npy",
+                                               progress=progress, label=ref_label)
+            if tail_baseline:
+                bk, bv = ctkt or ctk, ctvt or ctv
+                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, {"mode": "off"}, reference=wd / "ref.npy",
+                                                  real_margin_nats=thresholds["real_margin_nats"], progress=progress,
+                                                  label=f"baseline (resident {bk}/{bv})")
+                thresholds, baseline_how = gate_math.relative_thresholds(thresholds, results["baseline"]["summary"])
+            results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",
+                                               real_margin_nats=thresholds["real_margin_nats"], positions_out=positions_tmp,
+                                               progress=progress, label=cand_label)
         positions_file = None
         if json_out is not None:
             positions_file = json_out.with_suffix(".positions.npz")
             try:
-                shutil.copyfile(wd / "positions.npz", positions_file)
+                positions_file.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(positions_tmp, positions_file)
             except OSError:
                 positions_file = None
 
     summary = results["candidate"]["summary"]
     v = gate_math.verdict(summary, thresholds)
-    _print_table(console, summary, thresholds, v, profile)
+    title = None
+    if baseline_how:
+        title = f"equivalence gate (quantized bounds, relative to the resident {ctkt or ctk}/{ctvt or ctv} cache)"
+    gate_equiv.print_table(console, summary, thresholds, v, profile, title=title)
     ref_r, cand_r = results["reference"], results["candidate"]
-    _print_plan(console, cand_r.get("plan"))
+    if baseline_how:
+        bs = results["baseline"]["summary"]
+        console.print(f"[dim]baseline (the whole cache {ctkt or ctk}/{ctvt or ctv}, resident): mean TV {gate_equiv.fmt(bs['mean_tv'])}, "
+                      f"real {gate_equiv.fmt(bs['real_frac'])}; bounds = max(absolute, {thresholds['baseline_factor']:g} x baseline)[/]")
+    gate_equiv.print_plan(console, cand_r.get("plan"))
     console.print(f"[dim]decode: reference {ref_r['timings']['decode_s']:.1f} s ({ref_r['timings']['tokens_per_s']} tok/s), "
                   f"candidate {cand_r['timings']['decode_s']:.1f} s ({cand_r['timings']['tokens_per_s']} tok/s); "
                   f"compare {cand_r['timings']['compare_s']:.1f} s[/]")
@@ -206,6 +288,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "n_ctx": n_ctx,
         "n_batch": n_batch,
         "threads": threads,
+        "n_gpu_layers": n_gpu_layers,
         "cache_types": {"k": ctk, "v": ctv, "k_tail": ctkt or ctk, "v_tail": ctvt or ctv},
         "reference": {"spec": reference, "lib": ref_r.get("lib"), "build_info": ref_r.get("build_info"),
                       "rollingkv_lib": ref_r.get("rollingkv"), "residency": ref_residency, "context_via": ref_r.get("context_via"),
@@ -213,30 +296,25 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "candidate": {"lib": cand_r.get("lib"), "build_info": cand_r.get("build_info"), "residency": cand_residency,
                       "context_via": cand_r.get("context_via"), "plan": cand_r.get("plan"), "n_ctx": cand_r.get("n_ctx"),
                       "timings": cand_r.get("timings")},
-        "build": {"dir": str(build.dir), "pin": build.manifest.get("pin"), "series_hash": build.manifest.get("series_hash"),
-                  "options": build.manifest.get("options")},
+        "baseline": None if not baseline_how else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "metrics": results["baseline"]["summary"],
+                                                   "bounds": baseline_how, "timings": results["baseline"].get("timings")},
+        "build": build.describe(),
         "positions_file": str(positions_file) if positions_file else None,
-        "commands": commands,
+        "commands": sess.commands,
         "logs": str(logs_dir),
         "wall_s": round(time.time() - t_start, 2),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if json_out is not None:
-        try:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        except OSError as e:
-            abort(f"cannot write {json_out}: {e.strerror or e}")
+        gate_common.write_json(json_out, report)
         console.print(f"[dim]report: {json_out}[/]")
     if v.passed:
         console.print("[bold green]PASS[/] the candidate reproduces the reference within every bound")
         return
     console.print("[bold red]FAIL[/] " + "; ".join(c.describe() for c in v.failed), soft_wrap=True)
     # SystemExit, not click's Exit: with standalone_mode=False click turns Exit into a return value
-    sys.exit(1)
+    sys.exit(EXIT_FAIL)
 
-
-# ------------------------------------------------------------------ helpers
 
 def _parse_reference(spec: str) -> tuple[str, Path | None]:
     from rollingkv_cli.console import abort
@@ -255,150 +333,277 @@ def _parse_reference(spec: str) -> tuple[str, Path | None]:
     raise click.BadParameter(f"{spec!r} is neither `resident` nor `lib:PATH`", param_hint="'--reference'")
 
 
-def _runner_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "rollingkv_cli.gate_runner", *args]
+# ====================================================================== needle
+
+@gate.command()
+@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@click.option("--filler-tokens", type=int, callback=_positive, default=1536, show_default=True,
+              help="Length of the filler text the needle hides in (about; cut at a sentence).")
+@click.option("--filler-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Take the filler from this text file (cut to --filler-tokens). Default: built-in prose without numbers.")
+@click.option("--depth", "--position", "depths", multiple=True, callback=_fraction_list, metavar="F",
+              help="Where the needle goes, as a fraction of the filler (0..1); repeat (or comma-separate) for several placements.  [default: 0.5, 0.85]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Draws the secret numbers (and the filler's sentences).")
+@click.option("--format", "fmt", type=click.Choice(["plain", "chat"]), default="plain", show_default=True,
+              help="plain: a completion prompt ending in 'Answer: The secret number is'; chat: the model's chat template.")
+@click.option("--n-predict", type=int, callback=_positive, default=16, show_default=True, help="Answer tokens generated greedily.")
+@click.option("--ctx", "n_ctx", type=int, callback=_positive, default=None, help="Context size.  [default: the prompt rounded up to 256, plus 256]")
+@click.option("--kv-window-cells", type=int, callback=_positive, default=None,
+              help="Cells of the device window: positions [0, N); the needle must lie at N or later.  [default: 256]")
+@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window (GPU).")
+@click.option("--kv-residency-mode", "mode", type=click.Choice(["window", "auto"]), default="window", show_default=True,
+              help="The candidate's residency mode.")
+@_cache_type_options
+@click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per server.  [default: all cores]")
+@_ngl_option(help_default="llama-server's")
+@_build_options
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict, n_ctx, kv_window_cells, vram_target, mode,
+           ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, json_out) -> None:
+    """Retrieve a fact placed in the host tail: the split cache must answer exactly as the resident one.
+
+    A seeded random number ("The secret number is 48213.") goes into filler text at each --depth; a
+    resident llama-server (residency off) and a split one (window [0, N) on the device, the rest in the
+    tail) answer the same prompt tokens greedily. Pass: identical answer tokens at every placement, and the
+    resident run retrieved the number.
+
+    \b
+    Exit status:
+      0  pass
+      1  the answers differ (or an error)
+      2  usage error
+      4  inconclusive: the model does not retrieve this needle even fully resident
+         (try another --seed, a shorter --filler-tokens, or --format chat)
+    """
+    from rollingkv_cli import gate_common, gate_needle, models
+    from rollingkv_cli.console import console
+
+    if kv_window_cells is not None and vram_target is not None:
+        raise click.UsageError("give --kv-window-cells or --vram-target, not both")
+    if build_dir is not None and lib_dir is not None:
+        raise click.UsageError("give --build or --lib-dir, not both")
+    if kv_window_cells is None and vram_target is None:
+        kv_window_cells = 256
+    depths = depths or (0.5, 0.85)
+    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    build = gate_common.resolve_build(build_dir, lib_dir)
+    cfg = gate_needle.NeedleConfig(model=model_path, build=build, filler_tokens=filler_tokens, depths=tuple(depths), seed=seed,
+                                   fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, vram_target=vram_target, ctk=ctk, ctv=ctv,
+                                   ctkt=ctkt, ctvt=ctvt, n_predict=n_predict, threads=threads or os.cpu_count() or 1,
+                                   n_gpu_layers=n_gpu_layers, filler_file=filler_file, mode=mode)
+    r = gate_needle.run(cfg, console, gate_common.logs_dir())
+    gate_needle.print_report(console, r)
+    if json_out is not None:
+        gate_common.write_json(json_out, r)
+        console.print(f"[dim]report: {json_out}[/]")
+    if r["verdict"] == "pass":
+        console.print("[bold green]PASS[/] the split cache answers exactly as the resident one, and the number was retrieved")
+        return
+    if r["verdict"] == "inconclusive":
+        console.print("[bold yellow]INCONCLUSIVE[/] the model does not retrieve this needle even fully resident "
+                      "(the answers were identical, but prove nothing about the tail)", soft_wrap=True)
+        sys.exit(EXIT_INCONCLUSIVE)
+    bad = [p for p in r["placements"] if p["verdict"] == "fail"]
+    console.print("[bold red]FAIL[/] the split cache answers differently at depth " + ", ".join(f"{p['depth']:g}" for p in bad), soft_wrap=True)
+    sys.exit(EXIT_FAIL)
 
 
-def _logs_dir() -> Path:
-    from rollingkv_cli import paths
+# ====================================================================== vram
 
-    d = paths.cache_dir() / "gate"
+@gate.command()
+@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@click.option("--vram-target", type=int, callback=_positive, required=True, metavar="MiB",
+              help="The device memory budget given to llama-server (--vram-target), checked against the process's peak.")
+@click.option("--allowance", type=int, callback=_non_negative, default=200, show_default=True, metavar="MiB",
+              help="How far above the target the peak may go.")
+@click.option("--ctx", "n_ctx", type=int, callback=_positive, default=32768, show_default=True, help="Context size.")
+@click.option("--prompt-tokens", type=int, callback=_positive, default=None, help="Prompt length.  [default: half the context]")
+@click.option("--n-predict", type=int, callback=_positive, default=512, show_default=True, help="Tokens generated after the prompt (EOS ignored).")
+@click.option("--kv-residency-mode", "mode", type=click.Choice(["auto", "window"]), default="auto", show_default=True,
+              help="auto: resident when the KV fits the target, a window otherwise.")
+@_cache_type_options
+@click.option("--gpu", "gpu_index", type=int, callback=_non_negative, default=0, show_default=True, metavar="N", help="The GPU (NVML index) to watch.")
+@click.option("--interval-ms", type=int, callback=_positive, default=50, show_default=True, help="NVML sampling interval.")
+@click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads of the server.  [default: llama-server's]")
+@_ngl_option(default=999, help_default="999: every layer")
+@_build_options
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mode, ctk, ctv, ctkt, ctvt, gpu_index, interval_ms,
+         threads, n_gpu_layers, build_dir, lib_dir, json_out) -> None:
+    """Device memory stays within --vram-target + allowance through a long decode (NVIDIA GPUs only).
+
+    Starts llama-server with --vram-target on the model, prefills --prompt-tokens and generates --n-predict
+    tokens, and samples NVML every --interval-ms from the moment the process starts: the server process's
+    memory (usedGpuMemory of its pid), or, where NVML does not report it, the growth of the device's used
+    memory. Pass: the peak <= target + allowance.
+
+    \b
+    Exit status:
+      0  pass
+      1  the peak exceeded the limit (or an error)
+      2  usage error
+      3  no NVIDIA GPU found (no driver, no NVML, or no device), as `rollingkv probe pcie`;
+         with --json the report is {"gate": "vram", "verdict": "no-gpu", "error": "no NVIDIA GPU found", ...}
+    """
+    from rollingkv_cli import gate_common, gate_vram, models
+    from rollingkv_cli.console import RollingKVError, abort, console
+    from rollingkv_cli.pcie import NO_GPU_MESSAGE
+
+    if build_dir is not None and lib_dir is not None:
+        raise click.UsageError("give --build or --lib-dir, not both")
+    if prompt_tokens is not None and prompt_tokens + n_predict > n_ctx:
+        abort(f"--prompt-tokens {prompt_tokens} + --n-predict {n_predict} exceed --ctx {n_ctx}", "raise --ctx or shorten the run")
+    # the GPU first: without one nothing else matters (and the answer is the same as probe pcie's)
     try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        d = Path(tempfile.mkdtemp(prefix="rollingkv-gate-logs-"))
-    return d
+        nvml = gate_vram.nvml_module()
+        handle, gpu_name, total = gate_vram.open_gpu(nvml, gpu_index)
+    except (ImportError, gate_vram.NoGpu) as e:
+        reason = f"nvidia-ml-py (pynvml) is not installed: {e}" if isinstance(e, ImportError) else str(e)
+        if json_out is not None:
+            gate_common.write_json(json_out, gate_vram.no_gpu_report(reason))
+        raise RollingKVError(NO_GPU_MESSAGE, f"{reason}; gate vram needs an NVIDIA GPU and its driver", gate_common.EXIT_NO_GPU) from None
+    except IndexError:
+        abort(f"--gpu {gpu_index}: no such GPU", "see `rollingkv probe pcie` for the GPUs NVML lists")
+    if vram_target * 2**20 > total:
+        abort(f"--vram-target {vram_target} MiB is more than GPU {gpu_index} has ({total / 2**20:.0f} MiB)")
+    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    build = gate_common.resolve_build(build_dir, lib_dir)
+    if not build.cuda:
+        abort(f"the build {build.dir or build.lib_dir} is CPU-only: nothing would use the GPU", "build with `rollingkv build --cuda`, or give --build/--lib-dir of a CUDA build")
+    cfg = gate_vram.VramConfig(model=model_path, build=build, vram_target=vram_target, allowance=allowance, n_ctx=n_ctx,
+                               prompt_tokens=prompt_tokens, n_predict=n_predict, mode=mode, ctk=ctk, ctv=ctv, ctkt=ctkt, ctvt=ctvt,
+                               gpu=gpu_index, interval_s=interval_ms / 1000, threads=threads, n_gpu_layers=n_gpu_layers)
+    r = gate_vram.run(cfg, nvml, handle, gpu_name, console, gate_common.logs_dir())
+    gate_vram.print_report(console, r)
+    if json_out is not None:
+        gate_common.write_json(json_out, r)
+        console.print(f"[dim]report: {json_out}[/]")
+    if r["passed"]:
+        console.print(f"[bold green]PASS[/] {r['why']}")
+        return
+    console.print(f"[bold red]FAIL[/] {r['why']}", soft_wrap=True)
+    sys.exit(EXIT_FAIL)
 
 
-def _short_path(p: Path | None) -> str:
-    s = str(p)
-    return s if len(s) <= 40 else "…" + s[-39:]
+# ====================================================================== matrix
 
+@gate.command()
+@click.option("--model", "model_spec", default="demo", show_default=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@click.option("--tokens", "n_tokens", type=int, callback=_positive, default=1024, show_default=True,
+              help="Synthetic tokens decoded teacher-forced per equivalence cell.")
+@click.option("--splits", callback=_fraction_list, default="0.25,0.5,0.75", show_default=True,
+              help="Window sizes as fractions of the sequence (the window holds the oldest positions).")
+@click.option("--tail-types", callback=_type_list, default="f16,q8_0,q4_0", show_default=True, help="Tail K/V types (the window is f16).")
+@click.option("--exact-split", type=float, default=0.5, show_default=True,
+              help="Window fraction of the exactness cells (quantized window + same tail vs the resident quantized cache).")
+@click.option("--needle/--no-needle", default=True, show_default=True, help="Also run the needle gate (f16 tail).")
+@click.option("--needle-filler-tokens", type=int, callback=_positive, default=1536, show_default=True, help="The needle's filler length.")
+@click.option("--needle-depths", callback=_fraction_list, default="0.5,0.85", show_default=True, help="The needle's placements.")
+@click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="YAML/JSON file overriding the default bounds (as for gate equiv).")
+@click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
+@click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode.")
+@_ngl_option()
+@_build_options
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs/gates"), show_default=True,
+              help="Where NAME.json and NAME.md go.")
+@click.option("--name", default=None, help="Report file name.  [default: <date>-<host>-<backend>]")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the reference logits are kept during the run.  [default: the temp dir]")
+def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle_filler_tokens, needle_depths, thresholds_file,
+           threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
+    """The gates over tail types x split points: one JSON report and a markdown table.
 
-def _tail_desc(mode: str, ctkt: str | None, ctvt: str | None) -> str:
-    if mode == "off" or (ctkt is None and ctvt is None):
-        return ""
-    return f", tail {ctkt or '='}/{ctvt or '='}"
+    Per tail type T and split S: the f16-window + T-tail cache with a window of S x the sequence against
+    the resident f16 cache (same-type bounds for f16; for a quantized T, the quantized bounds relative to
+    the resident T cache, as `gate equiv --tail-baseline`); per quantized T, a T window + T tail against
+    the resident T cache (must be exact); and the needle gate. Every cell reuses one reference decode.
 
-
-def _progress(console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("[dim]{task.fields[stage]}[/]"), TimeElapsedColumn(), console=console, transient=False)
-
-
-def _run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
-    """Run one gate_runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
+    \b
+    Exit status: 0 every cell passes, 1 one fails (or an error), 2 usage error,
+    4 every cell passes but the needle is inconclusive (the model misses it even resident).
+    """
+    from rollingkv_cli import gate_common, gate_matrix, models
     from rollingkv_cli.console import abort, console
 
-    env = dict(os.environ)
-    env.pop("LLAMA_CPP_LIB_PATH", None)  # the child sets it for the library it was given
-    env["PYTHONUNBUFFERED"] = "1"
-    task = progress.add_task(label, total=total or None, stage="starting") if progress is not None else None
-    error: dict | None = None
-    tail: deque[str] = deque(maxlen=20)
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, start_new_session=True)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                kind, _, rest = line.rstrip("\n").partition(" ")
-                if kind == "PROGRESS" and progress is not None:
-                    done, _, tot = rest.partition(" ")
-                    progress.update(task, completed=int(done), total=int(tot))
-                elif kind == "STAGE" and progress is not None:
-                    progress.update(task, stage=rest)
-                elif kind == "ERROR":
-                    try:
-                        error = json.loads(rest)
-                    except json.JSONDecodeError:
-                        error = {"message": rest}
-                elif kind != "RESULT":
-                    tail.append(line.rstrip("\n"))
-            rc = proc.wait()
-        except BaseException:
-            _kill(proc)
-            raise
-    if progress is not None:
-        progress.update(task, stage="done" if rc == 0 else "failed")
-    if error is not None:
-        hint = error.get("hint")
-        abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
-    if rc != 0 or not result_path.is_file():
-        from rich.panel import Panel
-
-        from rollingkv_cli.builder import log_tail
-
-        console.print(Panel(log_tail(log_path, 15).rstrip() or "\n".join(tail), title=f"last lines of {log_path}", border_style="red"))
-        why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
-        abort(f"the {role} run failed ({why})", f"full log: {log_path}")
-    return json.loads(result_path.read_text())
+    if build_dir is not None and lib_dir is not None:
+        raise click.UsageError("give --build or --lib-dir, not both")
+    if not 0 < exact_split < 1:
+        raise click.BadParameter("must be a fraction strictly between 0 and 1", param_hint="'--exact-split'")
+    if name is not None and (not name or "/" in name or name.startswith(".")):
+        raise click.BadParameter("a plain file name (no '/')", param_hint="'--name'")
+    if n_tokens < 16:
+        abort(f"--tokens {n_tokens} is too short for windows at {', '.join(f'{s:g}' for s in splits)} of it", "use at least 16")
+    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    build = gate_common.resolve_build(build_dir, lib_dir)
+    if needle:
+        build.require_server()
+    tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
+    try:
+        tmp_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        abort(f"cannot create --out {out_dir}: {e.strerror or e}")
+    cfg = gate_matrix.MatrixConfig(model=model_path, model_spec=model_spec, build=build, tokens=n_tokens, splits=tuple(splits),
+                                   tail_types=tuple(tail_types), exact_split=exact_split, needle=needle,
+                                   needle_filler_tokens=needle_filler_tokens, needle_depths=tuple(needle_depths),
+                                   thresholds_file=thresholds_file, threads=threads or os.cpu_count() or 1, n_batch=n_batch,
+                                   n_gpu_layers=n_gpu_layers, argv=_argv_after("matrix"))
+    r = gate_matrix.run(cfg, console, gate_common.logs_dir(), tmp_root)
+    name = name or gate_matrix.default_name(r["backend"])
+    jp, mp = gate_matrix.write_outputs(r, out_dir, name)
+    _print_matrix(console, r)
+    console.print(f"[dim]report: {jp}\ntable:  {mp}[/]")
+    if r["verdict"] == "pass":
+        console.print("[bold green]PASS[/] every cell holds its bounds" + (" and the needle is retrieved exactly" if needle else ""))
+        return
+    if r["verdict"] == "inconclusive":
+        console.print("[bold yellow]INCONCLUSIVE[/] every cell passes, but the model does not retrieve the needle even fully resident")
+        sys.exit(EXIT_INCONCLUSIVE)
+    what = list(r["failed_cells"]) + (["needle"] if r.get("needle") and r["needle"]["verdict"] == "fail" else [])
+    console.print("[bold red]FAIL[/] " + ", ".join(what), soft_wrap=True)
+    sys.exit(EXIT_FAIL)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    from rollingkv_cli.procs import stop_group
-
-    stop_group(proc)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return str(v)
-    if v == 0:
-        return "0"
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.6f}" if 1e-3 <= abs(v) < 1e4 else f"{v:.3e}"
+def _argv_after(word: str) -> list[str]:
+    argv = list(sys.argv[1:])
+    return argv[argv.index(word) + 1:] if word in argv else []
 
 
-def _print_table(console, s: dict, th: dict, v, profile: str) -> None:
+def _print_matrix(console, r: dict) -> None:
     from rich.table import Table
 
-    by_metric = {c.metric: c for c in v.checks}
-    t = Table(title=f"equivalence gate ({profile.replace('_', '-')} bounds)", title_justify="left")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_column("bound", justify="right")
-    t.add_column("", justify="center")
-    rows = [
-        ("positions", "n"),
-        ("mean total variation", "mean_tv"),
-        ("max total variation", "max_tv"),
-        ("mean KL(ref‖cand), nats", "mean_kl"),
-        ("max KL(ref‖cand), nats", "max_kl"),
-        ("top-1 agreement", "top1_agreement"),
-        (f"real disagreements (margin > {s.get('real_margin_nats', th.get('real_margin_nats'))} nats)", "real_frac"),
-        (f"top-{s.get('topk', 5)} order agreement", "frac_full_agree"),
-        ("non-finite rows", "nonfinite"),
-    ]
-    for label, key in rows:
-        c = by_metric.get(key)
-        if c is None:
-            bound, mark = "", "[dim]–[/]"
-        else:
-            b = int(c.bound) if c.metric in ("n", "nonfinite") else c.bound
-            bound = ("≤ " if c.kind == "max" else "≥ ") + _fmt(b)
-            mark = "[green]✓[/]" if c.ok else "[bold red]✗[/]"
-        t.add_row(label, _fmt(s.get(key)), bound, mark)
-    t.add_row("[dim]bitwise-identical rows[/]", f"[dim]{s.get('bitwise_equal_rows')}/{s.get('n')}[/]", "", "")
-    t.add_row("[dim]max |Δ logit|[/]", f"[dim]{_fmt(s.get('max_abs_logit_diff'))}[/]", "", "")
+    from rollingkv_cli.gate_matrix import _g
+
+    t = Table(title=f"gate matrix: mean TV / real flips vs resident f16 ({r['tokens']['n']} tokens)", title_justify="left")
+    t.add_column("tail")
+    by = {(c["tail"], c["split"]): c for c in r["cells"]}
+    for s in r["splits"]:
+        w = next((c["window_cells"] for c in r["cells"] if c["split"] == s), "?")
+        t.add_column(f"window {s:g} ({w})", justify="right")
+    t.add_column("baseline (resident)", justify="right")
+    for ty in r["tail_types"]:
+        row = [ty]
+        for s in r["splits"]:
+            c = by.get((ty, s))
+            if c is None:
+                row.append("")
+                continue
+            m = c["metrics"]
+            row.append(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {_g(m['mean_tv'])} / {_g(m['real_frac'])}")
+        bl = r["baselines"].get(ty)
+        row.append(f"{_g(bl['metrics']['mean_tv'])} / {_g(bl['metrics']['real_frac'])}" if bl else "[dim]–[/]")
+        t.add_row(*row)
     console.print(t)
-    worst = s.get("worst", [])[:3]
-    if worst and s.get("max_tv"):
-        console.print("[dim]worst positions: " + ", ".join(
-            f"{w['pos']} (tv {w['tv']:.2e}, top-1 {w['top1_ref']}→{w['top1_cand']}, margin {w['ref_margin']:.2f})" for w in worst) + "[/]")
-
-
-def _print_plan(console, plan) -> None:
-    if not plan:
-        return
-    keys = [k for k in ("mode_requested", "mode", "reason", "window_cells", "tail_cells") if k in plan]
-    if keys:
-        console.print("[dim]plan: " + ", ".join(f"{k}={plan[k]}" for k in keys) + "[/]")
+    for c in r["exact"]:
+        m = c["metrics"]
+        console.print(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {c['type']} window + {c['type']} tail vs resident {c['type']}: "
+                      f"mean TV {_g(m['mean_tv'])}, {m.get('bitwise_equal_rows')}/{m['n']} rows bitwise identical")
+    nd = r.get("needle")
+    if nd:
+        mark = {"pass": "[green]✓[/]", "fail": "[bold red]✗[/]", "inconclusive": "[yellow]?[/]"}[nd["verdict"]]
+        console.print(f"{mark} needle: " + ", ".join(
+            f"depth {p['depth']:g} ({p['number']}): {p['verdict']}" for p in nd["placements"]))

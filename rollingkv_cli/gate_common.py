@@ -1,0 +1,187 @@
+"""What the gates share: exit codes, which build (library + llama-server) they run, logs, llama-server runs.
+
+`gate equiv` drives libllama through ctypes (gate_runner, one process per library); `gate needle` and
+`gate vram` drive llama-server processes (rollingkv_cli/server.py), the way users run the split cache.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollingkv_cli.console import RollingKVError, abort
+
+EXIT_PASS = 0
+EXIT_FAIL = 1  # a bound failed, answers differ, or an error
+EXIT_USAGE = 2  # click's usage errors
+EXIT_NO_GPU = 3  # gate vram without an NVIDIA GPU / NVML: the same code as `rollingkv probe pcie`
+EXIT_INCONCLUSIVE = 4  # gate needle: the resident model itself does not retrieve the needle
+
+# keep in step with llama_ext.GGML_TYPES (not imported here: registering commands stays cheap)
+CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+
+@dataclass
+class GateBuild:
+    """The library and server the gates run: the active build, a build directory, or a bare lib directory."""
+
+    lib_dir: Path
+    server: Path | None
+    cuda: bool
+    dir: Path | None = None
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def backend(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def require_server(self) -> Path:
+        if self.server is None or not self.server.is_file():
+            where = self.dir or self.lib_dir
+            abort(f"no llama-server in {where}", "run `rollingkv build` (it builds llama-server next to libllama.so)")
+        return self.server
+
+    def describe(self) -> dict:
+        return {"dir": str(self.dir) if self.dir else None, "lib_dir": str(self.lib_dir), "backend": self.backend,
+                "pin": self.manifest.get("pin"), "series_hash": self.manifest.get("series_hash"),
+                "options": self.manifest.get("options")}
+
+
+def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) -> GateBuild:
+    """--build DIR (a `rollingkv build` directory), --lib-dir DIR (llama.cpp's build/bin of our series), or
+    the active build ($ROLLINGKV_BUILD, else the one `rollingkv build` activated)."""
+    from rollingkv_cli import builder
+
+    if build_dir is not None and lib_dir is not None:
+        abort("give --build or --lib-dir, not both")
+    if lib_dir is not None:
+        p = Path(lib_dir).expanduser()
+        if p.is_file():
+            p = p.parent
+        if not (p / "libllama.so").is_file():
+            abort(f"--lib-dir {lib_dir}: no libllama.so there", "give the directory holding libllama.so and llama-server (llama.cpp's build/bin)")
+        p = p.resolve()
+        server = p / "llama-server"
+        cuda = any(p.glob("libggml-cuda.so*"))
+        return GateBuild(p, server if server.is_file() else None, cuda)
+    if build_dir is not None:
+        b = builder.Build.load(Path(build_dir).expanduser())
+        if b is None:
+            abort(f"--build {build_dir} is not a finished rollingkv build (no valid manifest.json)",
+                  "give the directory `rollingkv build --print-dir` prints")
+    else:
+        b = builder.active_build(required=True)
+    assert b is not None
+    if not (b.lib_dir / "libllama.so").is_file():
+        abort(f"the build {b.dir} has no libllama.so", "run `rollingkv build`")
+    server = b.artifact("llama-server")
+    cuda = bool(b.manifest.get("options", {}).get("cuda"))
+    return GateBuild(b.lib_dir, server if server.is_file() else None, cuda, b.dir, b.manifest)
+
+
+def logs_dir() -> Path:
+    from rollingkv_cli import paths
+
+    d = paths.cache_dir() / "gate"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        d = Path(tempfile.mkdtemp(prefix="rollingkv-gate-logs-"))
+    return d
+
+
+def write_json(path: Path, doc: dict) -> None:
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n")
+    except OSError as e:
+        abort(f"cannot write {path}: {e.strerror or e}")
+
+
+# ------------------------------------------------------------------ llama-server runs
+
+def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int | None, ctk: str, ctv: str,
+                residency: dict | None) -> list[str]:
+    """llama-server flags of a gate run: one slot, flash attention, no auto-fitting, our residency flags.
+
+    residency: None or {"mode": "off"} for the resident reference; else mode/window_cells/vram_target_mib/
+    type_k_tail/type_v_tail as in llama_rolling_kv_params."""
+    args = ["-m", str(model), "-fa", "on", "-c", str(n_ctx), "-np", "1", "-ctk", ctk, "-ctv", ctv,
+            "--no-warmup", "-fit", "off", "--seed", "0"]
+    if threads:
+        args += ["-t", str(threads), "-tb", str(threads)]
+    if n_gpu_layers is not None:
+        args += ["-ngl", str(n_gpu_layers)]
+    r = residency or {"mode": "off"}
+    args += ["--kv-residency-mode", r.get("mode", "off")]
+    if r.get("mode", "off") != "off":
+        if r.get("window_cells"):
+            args += ["--kv-window-cells", str(r["window_cells"])]
+        if r.get("vram_target_mib"):
+            args += ["--vram-target", str(r["vram_target_mib"])]
+        if r.get("type_k_tail"):
+            args += ["-ctkt", r["type_k_tail"]]
+        if r.get("type_v_tail"):
+            args += ["-ctvt", r["type_v_tail"]]
+        if r.get("pcie_bw_gbps"):
+            args += ["--pcie-bw-gbps", f"{float(r['pcie_bw_gbps']):g}"]
+    return args
+
+
+def start_server(binary: Path, args: list[str], log_path: Path, timeout: float | None = None, env: dict | None = None):
+    """A healthy ServerProcess, or a RollingKVError naming its log (the last log lines are printed)."""
+    from rollingkv_cli.server import ServerProcess
+
+    srv = ServerProcess(binary, args, log_path=log_path, env=env)
+    srv.start()
+    try:
+        srv.wait_healthy(timeout=timeout or float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+    except RollingKVError as e:
+        srv.stop()
+        print_log_tail(log_path)
+        raise e
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def print_log_tail(log_path: Path, n: int = 15) -> None:
+    from rich.panel import Panel
+
+    from rollingkv_cli.builder import log_tail
+    from rollingkv_cli.console import err_console
+
+    text = log_tail(log_path, n).rstrip()
+    if text:
+        err_console.print(Panel(text, title=f"last lines of {log_path}", border_style="red"))
+
+
+def request(srv, path: str, payload: dict | None = None, timeout: float = 3600.0) -> dict:
+    """srv.request with an HTTP or connection failure turned into a one-line error naming the log."""
+    import urllib.error
+
+    try:
+        return srv.request(path, payload, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        try:
+            body = e.read().decode(errors="replace")[:300]
+        except Exception:
+            body = ""
+        raise RollingKVError(f"llama-server answered {path} with HTTP {e.code}: {body}",
+                             f"see its log: {srv.log_path}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        alive = srv.alive()
+        raise RollingKVError(f"llama-server {'did not answer' if alive else 'died during'} {path}: {e}",
+                             f"see its log: {srv.log_path}") from None
+
+
+def plan_of(srv) -> dict | None:
+    try:
+        return request(srv, "/props", timeout=30).get("rolling_kv")
+    except RollingKVError:
+        return None

@@ -1,0 +1,216 @@
+"""`gate equiv`'s runs: one gate_runner child per decode, compared on the fly; shared by `gate matrix`.
+
+An EquivSession holds what every decode of one token sequence shares (model, tokens, context, batch,
+threads, GPU layers, the work directory); `decode()` runs one child: a reference that saves its logits, a
+candidate that compares against saved logits, or both at once (a baseline that is compared and is itself
+the reference of later runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def runner_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rollingkv_cli.gate_runner", *args]
+
+
+def progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("[dim]{task.fields[stage]}[/]"), TimeElapsedColumn(), console=console, transient=False)
+
+
+def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
+    """Run one gate_runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
+    from rollingkv_cli.console import abort, console
+
+    env = dict(os.environ)
+    env.pop("LLAMA_CPP_LIB_PATH", None)  # the child sets it for the library it was given
+    env["PYTHONUNBUFFERED"] = "1"
+    task = progress.add_task(label, total=total or None, stage="starting") if progress is not None else None
+    error: dict | None = None
+    tail: deque[str] = deque(maxlen=20)
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                kind, _, rest = line.rstrip("\n").partition(" ")
+                if kind == "PROGRESS" and progress is not None:
+                    done, _, tot = rest.partition(" ")
+                    progress.update(task, completed=int(done), total=int(tot))
+                elif kind == "STAGE" and progress is not None:
+                    progress.update(task, stage=rest)
+                elif kind == "ERROR":
+                    try:
+                        error = json.loads(rest)
+                    except json.JSONDecodeError:
+                        error = {"message": rest}
+                elif kind != "RESULT":
+                    tail.append(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:
+            _kill(proc)
+            raise
+    if progress is not None:
+        progress.update(task, stage="done" if rc == 0 else "failed")
+    if error is not None:
+        hint = error.get("hint")
+        abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
+    if rc != 0 or not result_path.is_file():
+        from rich.panel import Panel
+
+        from rollingkv_cli.builder import log_tail
+
+        console.print(Panel(log_tail(log_path, 15).rstrip() or "\n".join(tail), title=f"last lines of {log_path}", border_style="red"))
+        why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+        abort(f"the {role} run failed ({why})", f"full log: {log_path}")
+    return json.loads(result_path.read_text())
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    from rollingkv_cli.procs import stop_group
+
+    stop_group(proc)
+
+
+@dataclass
+class EquivSession:
+    model: Path
+    wd: Path  # temporary: tokens and logits
+    logs: Path
+    threads: int
+    n_batch: int = 512
+    n_gpu_layers: int | None = None
+    n_ctx: int | None = None
+    tokens: Path | None = None
+    n_tokens: int = 0
+    n_vocab: int = 0
+    token_info: dict = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+
+    def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, status=None) -> dict:
+        from rollingkv_cli import gate_equiv as me
+
+        args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens-out", str(self.wd / "tokens.npy"),
+                "--out", str(self.wd / "tokenize.json")]
+        args += ["--tokenize", str(prompt_file)] if prompt_file is not None else ["--synthetic", str(synthetic_tokens)]
+        self.commands["tokenize"] = runner_cmd(args)
+        tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json")
+        self.tokens = self.wd / "tokens.npy"
+        self.n_tokens = int(tok["n_tokens"])
+        self.n_vocab = int(tok["n_vocab"])
+        self.token_info = tok
+        return tok
+
+    def logits_bytes(self) -> int:
+        return self.n_tokens * self.n_vocab * 4
+
+    def decode(self, role: str, lib_dir: Path, ctk: str, ctv: str, residency: dict | None, *, save: Path | None = None,
+               reference: Path | None = None, real_margin_nats: float = 0.5, positions_out: Path | None = None,
+               progress=None, label: str = "") -> dict:
+        """One child run. residency None: plain llama_init_from_model (any library); else our residency API."""
+        from rollingkv_cli import gate_equiv as me
+
+        assert self.tokens is not None and self.n_ctx is not None
+        assert save is not None or reference is not None
+        args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens", str(self.tokens), "--ctx", str(self.n_ctx),
+                "--n-batch", str(self.n_batch), "--threads", str(self.threads), "-ctk", ctk, "-ctv", ctv]
+        if self.n_gpu_layers is not None:
+            args += ["--n-gpu-layers", str(self.n_gpu_layers)]
+        if residency is not None:
+            args += ["--residency", json.dumps(residency)]
+        if save is not None:
+            args += ["--save-logits", str(save)]
+        if reference is not None:
+            args += ["--reference-logits", str(reference), "--real-margin-nats", str(real_margin_nats)]
+        if positions_out is not None:
+            args += ["--positions-out", str(positions_out)]
+        out = self.wd / f"{role}.json"
+        args += ["--out", str(out)]
+        self.commands[role] = runner_cmd(args)
+        return me.run_child(role, self.commands[role], self.logs / f"{role}.log", out, progress, label or role, self.n_tokens)
+
+
+# ------------------------------------------------------------------ display
+
+def fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if v == 0:
+        return "0"
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.6f}" if 1e-3 <= abs(v) < 1e4 else f"{v:.3e}"
+
+
+def short_path(p: Path | None) -> str:
+    s = str(p)
+    return s if len(s) <= 40 else "…" + s[-39:]
+
+
+def tail_desc(mode: str, ctkt: str | None, ctvt: str | None) -> str:
+    if mode == "off" or (ctkt is None and ctvt is None):
+        return ""
+    return f", tail {ctkt or '='}/{ctvt or '='}"
+
+
+def print_table(console, s: dict, th: dict, v, profile: str, title: str | None = None) -> None:
+    from rich.table import Table
+
+    by_metric = {c.metric: c for c in v.checks}
+    t = Table(title=title or f"equivalence gate ({profile.replace('_', '-')} bounds)", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_column("bound", justify="right")
+    t.add_column("", justify="center")
+    rows = [
+        ("positions", "n"),
+        ("mean total variation", "mean_tv"),
+        ("max total variation", "max_tv"),
+        ("mean KL(ref‖cand), nats", "mean_kl"),
+        ("max KL(ref‖cand), nats", "max_kl"),
+        ("top-1 agreement", "top1_agreement"),
+        (f"real disagreements (margin > {s.get('real_margin_nats', th.get('real_margin_nats'))} nats)", "real_frac"),
+        (f"top-{s.get('topk', 5)} order agreement", "frac_full_agree"),
+        ("non-finite rows", "nonfinite"),
+    ]
+    for label, key in rows:
+        c = by_metric.get(key)
+        if c is None:
+            bound, mark = "", "[dim]–[/]"
+        else:
+            b = int(c.bound) if c.metric in ("n", "nonfinite") else c.bound
+            bound = ("≤ " if c.kind == "max" else "≥ ") + fmt(b)
+            mark = "[green]✓[/]" if c.ok else "[bold red]✗[/]"
+        t.add_row(label, fmt(s.get(key)), bound, mark)
+    t.add_row("[dim]bitwise-identical rows[/]", f"[dim]{s.get('bitwise_equal_rows')}/{s.get('n')}[/]", "", "")
+    t.add_row("[dim]max |Δ logit|[/]", f"[dim]{fmt(s.get('max_abs_logit_diff'))}[/]", "", "")
+    console.print(t)
+    worst = s.get("worst", [])[:3]
+    if worst and s.get("max_tv"):
+        console.print("[dim]worst positions: " + ", ".join(
+            f"{w['pos']} (tv {w['tv']:.2e}, top-1 {w['top1_ref']}→{w['top1_cand']}, margin {w['ref_margin']:.2f})" for w in worst) + "[/]")
+
+
+def print_plan(console, plan) -> None:
+    if not plan:
+        return
+    keys = [k for k in ("mode_requested", "mode", "reason", "window_cells", "tail_cells") if k in plan]
+    if keys:
+        console.print("[dim]plan: " + ", ".join(f"{k}={plan[k]}" for k in keys) + "[/]")

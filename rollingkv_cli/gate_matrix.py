@@ -1,0 +1,378 @@
+"""`gate matrix`: the equivalence gate over tail types x split points, the quantized parts' exactness, and
+the needle gate, with one JSON report and one markdown table.
+
+For one synthetic token sequence (decoded teacher-forced, gate_runner children as in `gate equiv`):
+
+- ``reference``         the resident cache of the window's type (f16), logits saved;
+- ``baseline-T``        for each quantized tail type T: the resident cache of type T against the reference
+                        (the loss of T itself), logits saved: the reference of T's exactness cell;
+- ``cell-T-S``          window = S x the sequence (cells [0, wc)), f16 window + T tail, against the f16
+                        reference: same-type bounds for an f16 tail, the quantized bounds relative to
+                        baseline-T (gate_math.relative_thresholds) otherwise;
+- ``exact-T``           T window + T tail against the resident T cache: the split must be exact on
+                        quantized parts too (same-type bounds);
+- the needle gate (gate_needle) with an f16 tail.
+
+One reference serves every cell, so the matrix costs (1 + #quantized types x 2 + #types x #splits)
+decodes plus the needle's two servers.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollingkv_cli import gate_math
+
+WINDOW_TYPE = "f16"
+
+
+@dataclass
+class MatrixConfig:
+    model: Path
+    model_spec: str
+    build: object  # gate_common.GateBuild
+    tokens: int = 1024
+    splits: tuple[float, ...] = (0.25, 0.5, 0.75)
+    tail_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+    exact_split: float = 0.5
+    needle: bool = True
+    needle_filler_tokens: int = 1536
+    needle_depths: tuple[float, ...] = (0.5, 0.85)
+    needle_seed: int = 0
+    needle_n_predict: int = 12  # " 48213." is 7 tokens for the demo model; enough to see the answer diverge after it
+    thresholds_file: Path | None = None
+    threads: int = 1
+    n_batch: int = 512
+    n_gpu_layers: int | None = None
+    argv: list[str] = field(default_factory=list)
+
+
+def window_for(split: float, n_tokens: int) -> int:
+    return max(1, min(n_tokens - 1, round(split * n_tokens)))
+
+
+def needle_window(filler_tokens: int) -> int:
+    """A quarter of the needle's filler, in whole 64-cell steps: both default depths (0.5, 0.85) lie in the tail."""
+    return max(64, filler_tokens // 4 // 64 * 64)
+
+
+def is_quantized(t: str) -> bool:
+    return gate_math.profile_for((WINDOW_TYPE, WINDOW_TYPE), (t, t)) == "quantized"
+
+
+def backend_label(build, n_gpu_layers: int | None) -> str:
+    if build.cuda and n_gpu_layers != 0:
+        return "cuda"
+    return "cpu"
+
+
+def default_name(backend: str) -> str:
+    host = socket.gethostname().split(".")[0] or "host"
+    return f"{time.strftime('%Y-%m-%d')}-{host}-{backend}"
+
+
+def equiv_command(cfg: MatrixConfig, n_ctx: int, window: int, tail: str, ctk: str = WINDOW_TYPE, baseline: bool = False) -> str:
+    parts = ["rollingkv", "gate", "equiv", "--model", cfg.model_spec, "--synthetic-tokens", str(cfg.tokens), "--ctx", str(n_ctx),
+             "--kv-window-cells", str(window)]
+    if ctk != WINDOW_TYPE:
+        parts += ["-ctk", ctk, "-ctv", ctk]
+    if tail != ctk:
+        parts += ["-ctkt", tail, "-ctvt", tail]
+    if baseline:
+        parts.append("--tail-baseline")
+    if cfg.n_gpu_layers is not None:
+        parts += ["-ngl", str(cfg.n_gpu_layers)]
+    if cfg.thresholds_file:
+        parts += ["--thresholds", str(cfg.thresholds_file)]
+    return " ".join(parts)
+
+
+_SUMMARY_KEYS = ("n", "mean_tv", "max_tv", "mean_kl", "max_kl", "top1_agreement", "real_frac", "frac_full_agree", "nonfinite",
+                 "n_top1_disagree", "n_real", "bitwise_equal_rows", "bitwise_identical", "max_abs_logit_diff")
+
+
+def _metrics(summary: dict) -> dict:
+    return {k: summary.get(k) for k in _SUMMARY_KEYS}
+
+
+def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
+    """Every cell; the report. Raises RollingKVError on errors (a failed bound is a result, not an error)."""
+    import shutil
+    import tempfile
+
+    from rollingkv_cli import gate_equiv
+    from rollingkv_cli.console import abort
+
+    t_start = time.time()
+    th_cache: dict[str, dict] = {}
+
+    def thresholds(profile: str) -> dict:
+        if profile not in th_cache:
+            try:
+                th_cache[profile] = gate_math.load_thresholds(cfg.thresholds_file, profile)
+            except gate_math.ThresholdsError as e:
+                abort(str(e), "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
+        return dict(th_cache[profile])
+
+    thresholds("same_type")
+    if any(is_quantized(t) for t in cfg.tail_types):
+        thresholds("quantized")
+    lib = cfg.build.lib_dir
+    n_ctx = -(-cfg.tokens // 256) * 256 + 256
+    quantized = [t for t in cfg.tail_types if is_quantized(t)]
+    cells: list[dict] = []
+    exact: list[dict] = []
+    baselines: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rollingkv-matrix-", dir=work_dir) as td:
+        wd = Path(td)
+        sess = gate_equiv.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
+                                       n_gpu_layers=cfg.n_gpu_layers, n_ctx=n_ctx)
+        with console.status("tokenizing"):
+            tok = sess.tokenize(lib, None, cfg.tokens)
+        if not tok.get("has_residency"):
+            abort("this build has no KV residency API; rebuild", f"{lib} lacks llama_init_from_model_rolling_kv: run `rollingkv build`")
+        need = sess.logits_bytes() * (1 + len(quantized))
+        free = shutil.disk_usage(wd).free
+        if need > free - (64 << 20):
+            abort(f"the reference logits need {need / 2**20:.0f} MiB in {work_dir}, {free / 2**20:.0f} MiB are free",
+                  "point --work-dir at a larger disk, or lower --tokens")
+        n = sess.n_tokens
+        console.print(f"[dim]{cfg.model.name}: {n} tokens, ctx {n_ctx}, batch {cfg.n_batch}, {cfg.threads} threads"
+                      f"{'' if cfg.n_gpu_layers is None else f', -ngl {cfg.n_gpu_layers}'}; window {WINDOW_TYPE}, tails "
+                      f"{', '.join(cfg.tail_types)} at {', '.join(f'{s:g}' for s in cfg.splits)} of the sequence[/]")
+        ref = {WINDOW_TYPE: wd / f"ref-{WINDOW_TYPE}.npy"}
+        with gate_equiv.progress(console) as prog:
+            r = sess.decode("reference", lib, WINDOW_TYPE, WINDOW_TYPE, {"mode": "off"}, save=ref[WINDOW_TYPE], progress=prog,
+                            label=f"reference (resident {WINDOW_TYPE})")
+            ref_timing = r.get("timings")
+            for t in quantized:
+                ref[t] = wd / f"ref-{t}.npy"
+                r = sess.decode(f"baseline-{t}", lib, t, t, {"mode": "off"}, save=ref[t], reference=ref[WINDOW_TYPE],
+                                real_margin_nats=thresholds("quantized")["real_margin_nats"], progress=prog,
+                                label=f"baseline (resident {t} vs {WINDOW_TYPE})")
+                baselines[t] = {"metrics": _metrics(r["summary"]), "timings": r.get("timings")}
+            for t in cfg.tail_types:
+                for s in cfg.splits:
+                    w = window_for(s, n)
+                    profile = "quantized" if is_quantized(t) else "same_type"
+                    th = thresholds(profile)
+                    how = None
+                    if profile == "quantized":
+                        th, how = gate_math.relative_thresholds(th, baselines[t]["metrics"])
+                    res = {"mode": "window", "window_cells": w}
+                    if t != WINDOW_TYPE:
+                        res.update(type_k_tail=t, type_v_tail=t)
+                    role = f"cell-{t}-{round(s * 100)}"
+                    r = sess.decode(role, lib, WINDOW_TYPE, WINDOW_TYPE, res, reference=ref[WINDOW_TYPE], real_margin_nats=th["real_margin_nats"],
+                                    progress=prog, label=f"{t} tail, window {w} ({s:g})")
+                    v = gate_math.verdict(r["summary"], th)
+                    cells.append({"kind": "split", "tail": t, "split": s, "window_cells": w, "profile": profile, "thresholds": th,
+                                  "relative_to_baseline": how, "metrics": _metrics(r["summary"]), "worst": r["summary"].get("worst", [])[:5],
+                                  "checks": v.to_dict()["checks"], "passed": v.passed, "failed_checks": [c.name for c in v.failed],
+                                  "plan": _plan_brief(r.get("plan")), "timings": r.get("timings"),
+                                  "command": equiv_command(cfg, n_ctx, w, t, baseline=profile == "quantized")})
+            for t in quantized:
+                w = window_for(cfg.exact_split, n)
+                th = thresholds("same_type")
+                r = sess.decode(f"exact-{t}", lib, t, t, {"mode": "window", "window_cells": w}, reference=ref[t],
+                                real_margin_nats=th["real_margin_nats"], progress=prog, label=f"{t} window + {t} tail vs resident {t}")
+                v = gate_math.verdict(r["summary"], th)
+                exact.append({"kind": "exact", "type": t, "split": cfg.exact_split, "window_cells": w, "profile": "same_type",
+                              "thresholds": th, "metrics": _metrics(r["summary"]), "checks": v.to_dict()["checks"], "passed": v.passed,
+                              "failed_checks": [c.name for c in v.failed], "plan": _plan_brief(r.get("plan")), "timings": r.get("timings"),
+                              "command": equiv_command(cfg, n_ctx, w, t, ctk=t)})
+        commands = dict(sess.commands)
+
+    needle = None
+    if cfg.needle:
+        from rollingkv_cli import gate_needle
+
+        ncfg = gate_needle.NeedleConfig(model=cfg.model, build=cfg.build, filler_tokens=cfg.needle_filler_tokens,
+                                        depths=tuple(cfg.needle_depths), seed=cfg.needle_seed,
+                                        window_cells=needle_window(cfg.needle_filler_tokens), threads=cfg.threads,
+                                        n_gpu_layers=cfg.n_gpu_layers, n_predict=cfg.needle_n_predict)
+        console.print(f"[dim]needle: {cfg.needle_filler_tokens} filler tokens, window {ncfg.window_cells}, depths "
+                      f"{', '.join(f'{d:g}' for d in ncfg.depths)}[/]")
+        needle = gate_needle.run(ncfg, console, logs)
+        needle["command"] = (f"rollingkv gate needle --model {cfg.model_spec} --filler-tokens {cfg.needle_filler_tokens} "
+                             f"--kv-window-cells {ncfg.window_cells} " + " ".join(f"--depth {d:g}" for d in ncfg.depths)
+                             + f" --seed {cfg.needle_seed} --n-predict {cfg.needle_n_predict}" + ("" if cfg.n_gpu_layers is None else f" -ngl {cfg.n_gpu_layers}"))
+
+    all_cells = cells + exact
+    failed = [c for c in all_cells if not c["passed"]]
+    if failed or (needle is not None and needle["verdict"] == "fail"):
+        verdict = "fail"
+    elif needle is not None and needle["verdict"] == "inconclusive":
+        verdict = "inconclusive"
+    else:
+        verdict = "pass"
+    from rollingkv_cli import __version__
+
+    return {
+        "gate": "matrix",
+        "rollingkv": __version__,
+        "verdict": verdict,
+        "passed": verdict == "pass",
+        "failed_cells": [_cell_name(c) for c in failed],
+        "model": str(cfg.model),
+        "tokens": {"n": sess.n_tokens, "n_vocab": sess.n_vocab, "kind": "synthetic", "seed": 0},
+        "n_ctx": n_ctx,
+        "n_batch": cfg.n_batch,
+        "threads": cfg.threads,
+        "n_gpu_layers": cfg.n_gpu_layers,
+        "window_type": WINDOW_TYPE,
+        "splits": list(cfg.splits),
+        "tail_types": list(cfg.tail_types),
+        "thresholds_file": str(cfg.thresholds_file) if cfg.thresholds_file else None,
+        "reference_timings": ref_timing,
+        "baselines": baselines,
+        "cells": cells,
+        "exact": exact,
+        "needle": needle,
+        "build": cfg.build.describe(),
+        "backend": backend_label(cfg.build, cfg.n_gpu_layers),
+        "host": {"name": socket.gethostname(), "machine": platform.machine(), "cpu": _cpu_model(), "python": sys.version.split()[0]},
+        "argv": cfg.argv,
+        "runner_commands": commands,
+        "wall_s": round(time.time() - t_start, 2),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _plan_brief(plan: dict | None) -> dict | None:
+    if not plan:
+        return None
+    return {k: plan.get(k) for k in ("mode_chosen", "split", "window_cells", "tail_cells", "type_k_tail", "type_v_tail", "reason") if k in plan}
+
+
+def _cell_name(c: dict) -> str:
+    if c["kind"] == "exact":
+        return f"exact-{c['type']}"
+    return f"{c['tail']}@{c['split']:g}"
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+# ------------------------------------------------------------------ markdown
+
+def _g(v, digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if v == 0:
+        return "0"
+    return f"{v:.{digits}g}" if abs(v) < 1e-3 or abs(v) >= 1e4 else f"{v:.{digits + 1}f}".rstrip("0").rstrip(".")
+
+
+def markdown(r: dict) -> str:
+    mark = {True: "✓", False: "✗"}
+    b = r["build"]
+    lines = [f"# Gate matrix: {r['verdict'].upper()}", ""]
+    lines.append(f"{r['finished_at']}, host `{r['host']['name']}` ({r['host'].get('cpu') or r['host']['machine']}), backend "
+                 f"**{r['backend']}**, build series `{(b.get('series_hash') or '?')[:12]}` ({b.get('dir') or b.get('lib_dir')}), "
+                 f"model `{Path(r['model']).name}`, {r['tokens']['n']} synthetic tokens (teacher-forced), ctx {r['n_ctx']}, "
+                 f"batch {r['n_batch']}, {r['threads']} threads"
+                 + ("" if r["n_gpu_layers"] is None else f", -ngl {r['n_gpu_layers']}") + f"; wall {r['wall_s']:.0f} s.")
+    lines += ["", "Command: `" + " ".join(["rollingkv", "gate", "matrix", *r.get("argv", [])]) + "`", ""]
+    lines += ["## Split vs resident: f16 window + tail of each type, against the resident f16 cache", ""]
+    lines += ["Each cell: mean total variation, top-1 agreement, real disagreements (top-1 flips where the reference's",
+              "margin exceeds 0.5 nats), bitwise-identical rows; ✓ when every bound holds. f16 tails get the same-type bounds",
+              "(mean TV ≤ 1e-4, top-1 ≥ 0.999, no real flip); quantized tails the quantized bounds relative to the resident cache",
+              "of their own type (`--tail-baseline`: max(absolute bound, factor × the baseline's value)).", ""]
+    splits = r["splits"]
+    by = {(c["tail"], c["split"]): c for c in r["cells"]}
+    w_of = {s: next((c["window_cells"] for c in r["cells"] if c["split"] == s), None) for s in splits}
+    lines.append("| tail | " + " | ".join(f"window {s:g} ({w_of[s]} cells)" for s in splits) + " | bounds |")
+    lines.append("| --- | " + " | ".join("---" for _ in splits) + " | --- |")
+    for t in r["tail_types"]:
+        row = [f"`{t}`"]
+        bounds = ""
+        for s in splits:
+            c = by.get((t, s))
+            if c is None:
+                row.append("")
+                continue
+            m = c["metrics"]
+            cell = (f"{mark[c['passed']]} TV {_g(m['mean_tv'])}, top-1 {_g(m['top1_agreement'], 4)}, real {_g(m['real_frac'])}, "
+                    f"bitwise {m.get('bitwise_equal_rows')}/{m['n']}")
+            row.append(cell)
+            th = c["thresholds"]
+            how = c.get("relative_to_baseline") or {}
+
+            def src(key: str) -> str:
+                h = how.get(key)
+                if not h:
+                    return ""
+                return f" ({_g(h['factor'])}× baseline)" if h["bound"] > h["absolute"] else " (absolute)"
+
+            bounds = f"TV ≤ {_g(th.get('max_mean_tv'))}{src('max_mean_tv')}, real ≤ {_g(th.get('max_real_frac'))}{src('max_real_frac')}"
+            if th.get("min_top1_agreement") is not None:
+                bounds += f", top-1 ≥ {_g(th['min_top1_agreement'], 4)}"
+        row.append(bounds)
+        lines.append("| " + " | ".join(row) + " |")
+    if r["baselines"]:
+        lines += ["", "## Baselines: the whole cache in the tail's type (resident) against the resident f16 cache", "",
+                  "| type | mean TV | max TV | mean KL | top-1 | real |", "| --- | --- | --- | --- | --- | --- |"]
+        for t, bl in r["baselines"].items():
+            m = bl["metrics"]
+            lines.append(f"| `{t}` | {_g(m['mean_tv'])} | {_g(m['max_tv'])} | {_g(m['mean_kl'])} | {_g(m['top1_agreement'], 4)} | {_g(m['real_frac'])} |")
+    if r["exact"]:
+        lines += ["", "## Quantized parts are exact: window and tail of the same quantized type against the resident cache of that type", "",
+                  "| type | window | mean TV | max TV | top-1 | bitwise rows | |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for c in r["exact"]:
+            m = c["metrics"]
+            lines.append(f"| `{c['type']}` | {c['window_cells']} | {_g(m['mean_tv'])} | {_g(m['max_tv'])} | {_g(m['top1_agreement'], 4)} | "
+                         f"{m.get('bitwise_equal_rows')}/{m['n']} | {mark[c['passed']]} |")
+    nd = r.get("needle")
+    if nd:
+        plan = nd.get("plan") or {}
+        lines += ["", f"## Needle: {nd['verdict'].upper()}", "",
+                  f"A seeded 5-digit number in number-free filler prose, asked for at the end ({nd['format']} prompt); the resident",
+                  f"server and the split server (window {plan.get('window_cells')} + tail {plan.get('tail_cells')} cells, f16 tail)",
+                  "answer greedily; pass = identical answer tokens and the reference retrieved the number.", "",
+                  "| depth | prompt tokens | needle at | number | resident answer | split answer | |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        vm = {"pass": "✓", "fail": "✗", "inconclusive": "? (not retrieved even resident)"}
+        for p in nd["placements"]:
+            ra = p["reference"]["text"].strip().replace("\n", "⏎").replace("|", "\\|")[:32]
+            ca = "identical tokens" if p["identical"] else "differs at token %s" % p["first_difference"]
+            lines.append(f"| {p['depth']:g} | {p['n_tokens']} | {p['needle_start']}–{p['needle_end'] - 1} | {p['number']} | `{ra}` | {ca} | {vm[p['verdict']]} |")
+        lines += ["", f"`{nd.get('command', '')}`"]
+    lines += ["", "## Cells as single gates", ""]
+    for c in r["cells"] + r["exact"]:
+        lines.append(f"- {_cell_name(c)}: `{c['command']}`")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(r: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
+    from rollingkv_cli.gate_common import write_json
+
+    jp = out_dir / f"{name}.json"
+    mp = out_dir / f"{name}.md"
+    write_json(jp, r)
+    try:
+        mp.write_text(markdown(r))
+    except OSError as e:
+        from rollingkv_cli.console import abort
+
+        abort(f"cannot write {mp}: {e.strerror or e}")
+    return jp, mp
+
+
+def load_report(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,355 @@
+"""`gate vram`: the device memory of a llama-server run with --vram-target stays within the target plus an
+allowance through a long decode.
+
+NVML is sampled in a thread every ~50 ms from the moment the server process starts (model load, context
+creation, prefill and decode all count):
+
+- the process's own memory: ``nvmlDeviceGetComputeRunningProcesses`` -> ``usedGpuMemory`` of the server's pid
+  (what the verdict uses when NVML reports it);
+- the device's used memory (``nvmlDeviceGetMemoryInfo().used``) minus what was used before the server
+  started: the fallback when NVML lists no memory for the pid (containers with their own pid namespace,
+  drivers that report "not available"). It counts every other process's growth too, so it errs on the
+  side of failing.
+
+The NVML module is passed in (``pynvml`` from nvidia-ml-py in real runs), so the sampler is tested with a
+fake one on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+MIB = 1 << 20
+DEFAULT_ALLOWANCE_MIB = 200
+DEFAULT_INTERVAL_S = 0.05
+
+
+class NoGpu(Exception):
+    """NVML is missing, does not initialise, or has no such GPU."""
+
+
+def nvml_module():
+    """The NVML bindings (nvidia-ml-py's ``pynvml``); tests replace this function."""
+    import pynvml
+
+    return pynvml
+
+
+def open_gpu(nvml, index: int):
+    """(handle, name, total bytes) of GPU `index`; NoGpu when NVML or the GPU is missing."""
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # ImportError is the caller's; NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise NoGpu(f"NVML unavailable: {e}") from None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception as e:
+        raise NoGpu(f"NVML lists no devices: {e}") from None
+    if count == 0:
+        raise NoGpu("NVML found no GPU")
+    if not 0 <= index < count:
+        raise IndexError(index)
+    h = nvml.nvmlDeviceGetHandleByIndex(index)
+    name = nvml.nvmlDeviceGetName(h)
+    name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    total = int(nvml.nvmlDeviceGetMemoryInfo(h).total)
+    return h, name, total
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the sampler started
+    process_bytes: int | None  # the watched pids' usedGpuMemory summed; None when NVML lists none of them
+    device_used_bytes: int | None
+
+
+@dataclass
+class VramStats:
+    baseline_used_bytes: int | None
+    samples: list[Sample] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def peak_process_bytes(self) -> int | None:
+        v = [s.process_bytes for s in self.samples if s.process_bytes is not None]
+        return max(v) if v else None
+
+    @property
+    def peak_device_used_bytes(self) -> int | None:
+        v = [s.device_used_bytes for s in self.samples if s.device_used_bytes is not None]
+        return max(v) if v else None
+
+    @property
+    def peak_device_delta_bytes(self) -> int | None:
+        p = self.peak_device_used_bytes
+        if p is None:
+            return None
+        return max(0, p - (self.baseline_used_bytes or 0))
+
+    @property
+    def source(self) -> str | None:
+        if self.peak_process_bytes is not None:
+            return "process"
+        if self.peak_device_used_bytes is not None:
+            return "device"
+        return None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """What the verdict uses: the process's peak when NVML reported it, else the device's growth."""
+        return self.peak_process_bytes if self.source == "process" else self.peak_device_delta_bytes
+
+    def to_dict(self) -> dict:
+        def mib(b):
+            return None if b is None else round(b / MIB, 1)
+
+        return {"source": self.source, "peak_mib": mib(self.peak_bytes), "peak_process_mib": mib(self.peak_process_bytes),
+                "peak_device_used_mib": mib(self.peak_device_used_bytes), "peak_device_delta_mib": mib(self.peak_device_delta_bytes),
+                "baseline_device_used_mib": mib(self.baseline_used_bytes), "samples": self.n,
+                "process_samples": sum(1 for s in self.samples if s.process_bytes is not None), "sample_errors": self.errors,
+                "duration_s": round(self.samples[-1].t, 2) if self.samples else 0.0}
+
+
+class NvmlSampler:
+    """Samples a GPU's memory for a set of pids in a daemon thread until stop()."""
+
+    def __init__(self, nvml, handle, pids: set[int] | Callable[[], set[int]], interval_s: float = DEFAULT_INTERVAL_S,
+                 baseline_used_bytes: int | None = None, on_sample: Callable[[Sample, "VramStats"], None] | None = None):
+        self.nvml = nvml
+        self.handle = handle
+        self._pids = pids
+        self.interval_s = interval_s
+        self.on_sample = on_sample
+        self.stats = VramStats(baseline_used_bytes)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.monotonic()
+
+    def pids(self) -> set[int]:
+        return set(self._pids() if callable(self._pids) else self._pids)
+
+    def sample(self) -> Sample:
+        """One sample; an NVML call that fails leaves its field None (and counts an error)."""
+        proc = dev = None
+        failed = False
+        try:
+            want = self.pids()
+            used = [p.usedGpuMemory for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+                    if int(p.pid) in want and p.usedGpuMemory is not None]
+            proc = int(sum(used)) if used else None
+        except Exception:
+            failed = True
+        try:
+            dev = int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+        except Exception:
+            failed = True
+        if failed:
+            self.stats.errors += 1
+        s = Sample(round(time.monotonic() - self._t0, 4), proc, dev)
+        self.stats.samples.append(s)
+        if self.on_sample is not None:
+            try:
+                self.on_sample(s, self.stats)
+            except Exception:
+                pass
+        return s
+
+    def _loop(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                break
+
+    def start(self) -> "NvmlSampler":
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="rollingkv-nvml-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> VramStats:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+            self.sample()  # one last look after the run
+        return self.stats
+
+    def __enter__(self) -> "NvmlSampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def verdict(stats: VramStats, target_mib: int, allowance_mib: int) -> tuple[str, str]:
+    """('pass'|'fail', why)."""
+    peak = stats.peak_bytes
+    limit = (target_mib + allowance_mib) * MIB
+    if peak is None:
+        return "fail", "NVML reported no memory figure for the run"
+    if peak <= limit:
+        return "pass", f"peak {peak / MIB:.0f} MiB <= {target_mib} + {allowance_mib} MiB"
+    return "fail", f"peak {peak / MIB:.0f} MiB > {target_mib} + {allowance_mib} MiB (over by {(peak - limit) / MIB:.0f} MiB)"
+
+
+def no_gpu_report(reason: str) -> dict:
+    from rollingkv_cli.pcie import NO_GPU_MESSAGE
+
+    return {"gate": "vram", "verdict": "no-gpu", "passed": False, "gpus": [], "error": NO_GPU_MESSAGE, "reason": reason}
+
+
+# ------------------------------------------------------------------ the run
+
+@dataclass
+class VramConfig:
+    model: Path
+    build: object  # gate_common.GateBuild
+    vram_target: int
+    allowance: int = DEFAULT_ALLOWANCE_MIB
+    n_ctx: int = 32768
+    prompt_tokens: int | None = None
+    n_predict: int = 512
+    mode: str = "auto"
+    ctk: str = "f16"
+    ctv: str = "f16"
+    ctkt: str | None = None
+    ctvt: str | None = None
+    gpu: int = 0
+    interval_s: float = DEFAULT_INTERVAL_S
+    threads: int | None = None
+    n_gpu_layers: int = 999
+
+    def residency(self) -> dict:
+        r: dict = {"mode": self.mode, "vram_target_mib": self.vram_target}
+        if self.ctkt:
+            r["type_k_tail"] = self.ctkt
+        if self.ctvt:
+            r["type_v_tail"] = self.ctvt
+        return r
+
+
+def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
+    """Start llama-server with the target, sample NVML, prefill + decode; the report."""
+    import os
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from rollingkv_cli import gate_common as gc
+    from rollingkv_cli.gate_runner import synthetic_text
+    from rollingkv_cli.server import ServerProcess
+
+    t_start = time.time()
+    binary = cfg.build.require_server()
+    prompt_tokens = cfg.prompt_tokens or cfg.n_ctx // 2
+    args = gc.server_args(cfg.model, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.ctk, cfg.ctv, cfg.residency())
+    bw = os.environ.get("ROLLINGKV_PCIE_BW_GBPS")
+    if bw:
+        args += ["--pcie-bw-gbps", bw]
+    log_path = logs / "vram-server.log"
+    try:
+        baseline = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:
+        baseline = None
+    srv = ServerProcess(binary, args, log_path=log_path)
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.fields[stage]}[/]"),
+                        TextColumn("{task.fields[peak]}"), TimeElapsedColumn(), console=console, transient=False)
+    timings: dict = {}
+    plan = None
+    completion: dict = {}
+    with progress:
+        task = progress.add_task(f"llama-server --vram-target {cfg.vram_target}", stage="starting", peak="")
+
+        def on_sample(s: Sample, st: VramStats) -> None:
+            p = st.peak_bytes
+            if p is not None:
+                progress.update(task, peak=f"peak {p / MIB:.0f} MiB ({st.source})")
+
+        srv.start()
+        sampler = NvmlSampler(nvml, handle, {srv.proc.pid}, cfg.interval_s, baseline, on_sample).start()
+        try:
+            t0 = time.perf_counter()
+            try:
+                srv.wait_healthy(timeout=float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+            except BaseException:
+                gc.print_log_tail(log_path)
+                raise
+            timings["load_s"] = round(time.perf_counter() - t0, 2)
+            plan = gc.plan_of(srv)
+            progress.update(task, stage="building the prompt")
+            text = synthetic_text(prompt_tokens * 6, seed=0)
+            toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
+            while len(toks) < prompt_tokens:
+                text = synthetic_text(len(text) * 2, seed=0)
+                toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
+            toks = toks[:prompt_tokens]
+            if prompt_tokens + cfg.n_predict > cfg.n_ctx:
+                from rollingkv_cli.console import abort
+
+                abort(f"--prompt-tokens {prompt_tokens} + --n-predict {cfg.n_predict} exceed --ctx {cfg.n_ctx}")
+            progress.update(task, stage=f"prefill {prompt_tokens} + decode {cfg.n_predict} tokens")
+            t1 = time.perf_counter()
+            completion = gc.request(srv, "/completion", {"prompt": toks, "n_predict": cfg.n_predict, "ignore_eos": True,
+                                                         "temperature": 0, "top_k": 1, "cache_prompt": False})
+            timings["request_s"] = round(time.perf_counter() - t1, 2)
+            progress.update(task, stage="done")
+        finally:
+            stats = sampler.stop()
+            srv.stop()
+    v, why = verdict(stats, cfg.vram_target, cfg.allowance)
+    tm = completion.get("timings") or {}
+    return {
+        "gate": "vram",
+        "verdict": v,
+        "passed": v == "pass",
+        "why": why,
+        "vram_target_mib": cfg.vram_target,
+        "allowance_mib": cfg.allowance,
+        "limit_mib": cfg.vram_target + cfg.allowance,
+        "memory": stats.to_dict(),
+        "gpu": {"index": cfg.gpu, "name": gpu_name},
+        "plan": plan,
+        "model": str(cfg.model),
+        "n_ctx": cfg.n_ctx,
+        "prompt_tokens": prompt_tokens,
+        "n_predict": cfg.n_predict,
+        "tokens_evaluated": completion.get("tokens_evaluated"),
+        "tokens_predicted": completion.get("tokens_predicted"),
+        "server_timings": {k: tm.get(k) for k in ("prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second") if k in tm},
+        "timings": timings,
+        "cache_types": {"k": cfg.ctk, "v": cfg.ctv, "k_tail": cfg.ctkt or cfg.ctk, "v_tail": cfg.ctvt or cfg.ctv},
+        "residency": cfg.residency(),
+        "server": {"command": srv.command, "log": str(log_path)},
+        "build": cfg.build.describe(),
+        "wall_s": round(time.time() - t_start, 2),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def print_report(console, r: dict) -> None:
+    from rich.table import Table
+
+    from rollingkv_cli.serving import describe_plan
+
+    m = r["memory"]
+    t = Table(title=f"VRAM gate: GPU {r['gpu']['index']} ({r['gpu']['name']})", title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("target", f"{r['vram_target_mib']} MiB + {r['allowance_mib']} MiB allowance = {r['limit_mib']} MiB")
+    t.add_row("peak (verdict)", f"{m['peak_mib']} MiB, from {m['source'] or 'nothing'}")
+    t.add_row("peak of the server process", f"{m['peak_process_mib']} MiB" if m["peak_process_mib"] is not None else "not reported by NVML")
+    t.add_row("peak device used", f"{m['peak_device_used_mib']} MiB ({m['peak_device_delta_mib']} MiB above the {m['baseline_device_used_mib']} MiB before)")
+    t.add_row("samples", f"{m['samples']} over {m['duration_s']} s ({m['process_samples']} with the process's figure)")
+    t.add_row("decode", f"{r['tokens_evaluated']} prompt + {r['tokens_predicted']} generated tokens, ctx {r['n_ctx']}")
+    st = r.get("server_timings") or {}
+    if st:
+        t.add_row("speed", f"prefill {st.get('prompt_per_second', 0):.0f} tok/s, decode {st.get('predicted_per_second', 0):.1f} tok/s")
+    t.add_row("plan", describe_plan(r.get("plan")))
+    console.print(t)

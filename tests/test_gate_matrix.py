@@ -1,0 +1,134 @@
+"""`rollingkv gate matrix` (scripts/gate-matrix.sh): option checks, the markdown table from a report, and the
+whole matrix on the CPU build with the demo model at CI sizes (every cell must pass), plus a perturbed run that
+must fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_cli import run_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_windows_and_types():
+    from rollingkv_cli import gate_matrix as gm
+
+    assert [gm.window_for(s, 384) for s in (0.25, 0.5, 0.75)] == [96, 192, 288]
+    assert gm.window_for(0.001, 100) == 1 and gm.window_for(0.999, 100) == 99
+    assert [gm.is_quantized(t) for t in ("f16", "f32", "q8_0", "q4_0", "bf16")] == [False, False, True, True, True]
+    assert gm.needle_window(640) == 128 and gm.needle_window(1536) == 384 and gm.needle_window(100) == 64
+    name = gm.default_name("cpu")
+    assert name.endswith("-cpu") and name[:4].isdigit() and "/" not in name
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--splits", "0.5,1.5"], "strictly between 0 and 1"),
+    (["--splits", ","], "at least one"),
+    (["--tail-types", "q8_0,q9"], "q9: not a cache type"),
+    (["--exact-split", "1"], "strictly between 0 and 1"),
+    (["--name", "a/b"], "plain file name"),
+    (["--build", "/x", "--lib-dir", "/y"], "not both"),
+])
+def test_usage_errors(capsys, isolated_cache, args, match):
+    code, _, err = run_main(["gate", "matrix", *args], capsys)
+    assert code == 2 and match in err
+
+
+def test_bad_lib_dir(capsys, isolated_cache, tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    code, _, err = run_main(["gate", "matrix", "--model", str(tmp_path / "m.gguf"), "--lib-dir", str(tmp_path)], capsys)
+    assert code == 1 and "no libllama.so" in err and "Traceback" not in err
+
+
+def _report(**over) -> dict:
+    th_same = {"max_mean_tv": 1e-4, "min_top1_agreement": 0.999, "max_real_frac": 0.0, "real_margin_nats": 0.5}
+    th_q = {"max_mean_tv": 0.3, "max_real_frac": 0.03, "baseline_factor": 3.0, "real_margin_nats": 0.5}
+    m0 = {"n": 384, "mean_tv": 0.0, "max_tv": 0.0, "mean_kl": 0.0, "top1_agreement": 1.0, "real_frac": 0.0, "bitwise_equal_rows": 384}
+    mq = {"n": 384, "mean_tv": 0.1, "max_tv": 0.5, "mean_kl": 0.04, "top1_agreement": 0.9, "real_frac": 0.02, "bitwise_equal_rows": 1}
+    how = {"max_mean_tv": {"absolute": 0.02, "baseline": 0.1, "factor": 3.0, "bound": 0.3},
+           "max_real_frac": {"absolute": 0.01, "baseline": 0.01, "factor": 3.0, "bound": 0.03}}
+    cells = [{"kind": "split", "tail": "f16", "split": 0.5, "window_cells": 192, "thresholds": th_same, "metrics": m0, "passed": True,
+              "relative_to_baseline": None, "command": "rollingkv gate equiv A"},
+             {"kind": "split", "tail": "q4_0", "split": 0.5, "window_cells": 192, "thresholds": th_q, "metrics": mq, "passed": False,
+              "relative_to_baseline": how, "command": "rollingkv gate equiv B"}]
+    r = {"verdict": "fail", "finished_at": "2026-11-30T10:00:00+0000", "host": {"name": "ci", "cpu": "Some CPU", "machine": "x86_64"},
+         "backend": "cpu", "build": {"series_hash": "abcdef0123456789", "dir": "/b"}, "model": "/m/demo.gguf", "tokens": {"n": 384},
+         "n_ctx": 768, "n_batch": 512, "threads": 2, "n_gpu_layers": None, "wall_s": 12.0, "argv": ["--tokens", "384"],
+         "splits": [0.5], "tail_types": ["f16", "q4_0"], "cells": cells,
+         "baselines": {"q4_0": {"metrics": mq}}, "exact": [], "needle": None}
+    r.update(over)
+    return r
+
+
+def test_markdown_table():
+    from rollingkv_cli.gate_matrix import markdown
+
+    md = markdown(_report())
+    assert md.startswith("# Gate matrix: FAIL")
+    assert "| tail | window 0.5 (192 cells) | bounds |" in md
+    f16_row = next(line for line in md.splitlines() if line.startswith("| `f16`"))
+    q4_row = next(line for line in md.splitlines() if line.startswith("| `q4_0`"))
+    assert "✓ TV 0," in f16_row and "bitwise 384/384" in f16_row and "top-1 ≥ 0.999" in f16_row
+    assert "✗ TV 0.1," in q4_row and "TV ≤ 0.3 (3× baseline)" in q4_row and "real ≤ 0.03 (3× baseline)" in q4_row
+    assert "`rollingkv gate matrix --tokens 384`" in md and "`rollingkv gate equiv B`" in md
+    assert "## Needle" not in md
+
+
+# ---------------------------------------------------------------- the real matrix (CI sizes)
+
+CI_SIZES = ["--tokens", "384", "--needle-filler-tokens", "640", "--threads", "2"]
+
+
+def _matrix(cpu_build, args, env_extra=None, timeout=900):
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHON": sys.executable, **(env_extra or {})}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    return subprocess.run(["bash", str(REPO / "scripts" / "gate-matrix.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.build
+@pytest.mark.slow
+def test_matrix_ci_sizes_every_cell_passes(cpu_build, demo_model, tmp_path):
+    out = tmp_path / "gates"
+    proc = _matrix(cpu_build, ["--model", str(demo_model), *CI_SIZES, "--out", str(out), "--name", "ci"])
+    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((out / "ci.json").read_text())
+    md = (out / "ci.md").read_text()
+    assert r["verdict"] == "pass" and r["failed_cells"] == [] and r["backend"] == "cpu"
+    assert r["build"]["dir"] == str(cpu_build.dir)
+    assert [(c["tail"], c["window_cells"]) for c in r["cells"]] == [(t, w) for t in ("f16", "q8_0", "q4_0") for w in (96, 192, 288)]
+    assert all(c["passed"] for c in r["cells"] + r["exact"])
+    for c in r["cells"]:
+        assert c["plan"]["split"] and c["plan"]["window_cells"] == c["window_cells"]
+        if c["tail"] == "f16":  # the split of a same-type cache is exact
+            assert c["metrics"]["mean_tv"] == 0.0 and c["metrics"]["bitwise_equal_rows"] == 384
+        else:  # a quantized tail loses something, within max(absolute, 3 x its own type's resident loss)
+            assert c["metrics"]["mean_tv"] > 0 and c["profile"] == "quantized"
+            assert c["thresholds"]["max_mean_tv"] >= 3 * r["baselines"][c["tail"]]["metrics"]["mean_tv"] - 1e-12
+    assert {e["type"] for e in r["exact"]} == {"q8_0", "q4_0"}
+    assert all(e["metrics"]["bitwise_equal_rows"] == 384 for e in r["exact"])  # quantized parts: bit-identical
+    nd = r["needle"]
+    assert nd["verdict"] == "pass" and nd["plan"]["window_cells"] == 128
+    assert all(p["needle_in_tail"] and p["identical"] and p["reference_retrieved"] for p in nd["placements"])
+    assert md.startswith("# Gate matrix: PASS") and "| `q4_0` |" in md and "## Needle: PASS" in md
+
+
+@pytest.mark.build
+def test_matrix_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
+    """One f16 cell with the op's debug switch on: the matrix reports it and exits 1."""
+    out = tmp_path / "gates"
+    proc = _matrix(cpu_build, ["--model", str(demo_model), "--tokens", "256", "--splits", "0.5", "--tail-types", "f16", "--no-needle",
+                               "--threads", "2", "--out", str(out), "--name", "bad"],
+                   env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads((out / "bad.json").read_text())
+    assert r["verdict"] == "fail" and r["failed_cells"] == ["f16@0.5"] and "max_mean_tv" in r["cells"][0]["failed_checks"]
+    assert (out / "bad.md").read_text().startswith("# Gate matrix: FAIL")
