@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Device call (GPU machine, repo root, .device/src + .device/series carried) that isolates the open GPU exactness
+# bug (docs/perf/2026-11-30-cuda-streaming.md): the split cache on the GPU differs from the resident run from the
+# first position that reads the tail, with or without run-ahead. Build, the model-shaped op-test cases, then the
+# same teacher-forced gate under switches that each remove one suspect. Results: $OUT/log.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
+export ROLLINGKV_CACHE_DIR=/tmp/rkv-cache ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1 COLUMNS=160
+export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+step() { echo "== $1 ($(date +%T))"; }
+[ -f .device/series/series.tgz ] && rm -rf native patches && tar -xzf .device/series/series.tgz
+step build
+bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
+B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"
+step "op tests, model-shaped cases (permuted Q, GQA 3/4, prefill 512 over a 512 window, long decode)"
+for host in "" "--tail-host"; do
+  "$B/build/bin/test-rolling-kv-ops" -b CUDA0 $host | grep -E "q-perm|passed" | cut -c1-220
+done
+M=/tmp/synth-8L.gguf
+[ -f $M ] || python3 -m rollingkv_cli model synth $M --layers 8 --embd 2048 --heads 16 --kv-heads 4 --ff 5632 --vocab 32000 --ctx 32768 --force | tail -1
+gate() {  # label, env..., then -- gate args
+  local label=$1; shift
+  local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" timeout 90 python3 -m rollingkv_cli gate equiv --model $M --synthetic-tokens 2048 --kv-window-cells 512 "$@" \
+    2>&1 | grep -E "mean total|top-1 agree|bitwise|PASS|FAIL" | tr '\n' ' '; echo " <- $label"
+}
+step "teacher-forced gate, synth 8L, window 512 of 2048, f16: one suspect removed per run"
+gate default X=1 --
+gate sched-copy LLAMA_RKV_SCHED_COPY=1 --
+gate no-graphs GGML_CUDA_DISABLE_GRAPHS=1 --
+gate no-fusion GGML_CUDA_DISABLE_FUSION=1 --
+gate runahead0 GGML_RKV_RUNAHEAD=0 --
+gate nbatch32 X=1 -- --n-batch 32
+gate cpu-op X=1 -- -ngl 0
+step done
