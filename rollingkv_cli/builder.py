@@ -275,8 +275,6 @@ def empty_series() -> patchset.Series:
 
 def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False,
           activate: bool = True) -> Build:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     series = empty_series() if opts.unpatched else (series or patchset.load_series())
     check_toolchain(opts)
     bdir = build_dir_for(opts, series)

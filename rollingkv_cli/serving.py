@@ -9,6 +9,7 @@ import re
 import signal
 import time
 import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,8 +164,6 @@ class _Stop(Exception):
 
 
 def _metrics(srv) -> dict[str, float]:
-    import urllib.request
-
     out: dict[str, float] = {}
     try:
         with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:

@@ -32,6 +32,14 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
     return cache
 
 
+@pytest.fixture
+def fake_gguf(tmp_path) -> Path:
+    """A file with the GGUF magic and nothing else: passes "is it a GGUF" checks, fails any real load."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF" + b"\0" * 60)
+    return p
+
+
 @pytest.fixture(scope="session")
 def cpu_build():
     """The CPU build of the patched llama.cpp (built on demand; the same one `rollingkv build --no-cuda` makes)."""

@@ -164,13 +164,6 @@ def test_help(runner, cmd):
             assert opt in result.output
 
 
-@pytest.fixture
-def fake_gguf(tmp_path) -> Path:
-    p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + b"\0" * 60)
-    return p
-
-
 @pytest.mark.parametrize("args,match", [
     (["--tail-types", "f16,q3_k"], "unknown tail type 'q3_k'"),
     (["--fractions", "0.5,1.5"], "outside [0, 1]"),

@@ -31,13 +31,6 @@ def test_help(runner, cmd):
         assert opt in result.output, opt
 
 
-@pytest.fixture
-def fake_gguf(tmp_path) -> Path:
-    p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + b"\0" * 60)
-    return p
-
-
 @pytest.mark.parametrize("args,match", [
     (["--prompt-file", "{gguf}", "--synthetic-tokens", "8"], "not both"),
     (["--kv-window-cells", "8", "--vram-target", "100"], "not both"),

@@ -9,7 +9,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -82,13 +81,6 @@ class H(BaseHTTPRequestHandler):
 
 ThreadingHTTPServer((opt("--host", "127.0.0.1"), int(opt("--port"))), H).serve_forever()
 '''
-
-
-@pytest.fixture
-def fake_gguf(tmp_path) -> Path:
-    p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + b"\0" * 60)
-    return p
 
 
 @pytest.fixture

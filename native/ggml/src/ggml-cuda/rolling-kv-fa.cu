@@ -76,8 +76,8 @@ static int rkv_get_parts(const ggml_tensor * dst, rkv_part parts[2]) {
     return np;
 }
 
-// padded copy of a part's K or V: [D, n_pad, nh, ne3], contiguous, same type
-static void rkv_padded_header(ggml_tensor & t, const ggml_tensor * src, int64_t n_pad) {
+// a header with src's type and shape that is not a view and not a graph node (its data is set by the caller)
+static void rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
     t = *src;
     t.op        = GGML_OP_NONE;
     t.view_src  = nullptr;
@@ -85,6 +85,11 @@ static void rkv_padded_header(ggml_tensor & t, const ggml_tensor * src, int64_t 
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
         t.src[i] = nullptr;
     }
+}
+
+// padded copy of a part's K or V: [D, n_pad, nh, ne3], contiguous, same type
+static void rkv_padded_header(ggml_tensor & t, const ggml_tensor * src, int64_t n_pad) {
+    rkv_detached_header(t, src);
     t.ne[1] = n_pad;
     t.nb[0] = ggml_type_size(t.type);
     t.nb[1] = ggml_row_size(t.type, t.ne[0]);
@@ -100,13 +105,7 @@ static bool rkv_mask_view_ok(const ggml_tensor * q, const ggml_tensor * mask, co
 
 // the part's mask columns [col0, col0 + n) as a tensor header; data set by the caller (view or compact copy)
 static void rkv_mask_header(ggml_tensor & m, const ggml_tensor * mask, const rkv_part & p, bool view, int64_t n_cols) {
-    m = *mask;
-    m.op       = GGML_OP_NONE;
-    m.view_src = nullptr;
-    m.view_offs = 0;
-    for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        m.src[i] = nullptr;
-    }
+    rkv_detached_header(m, mask);
     m.ne[0] = n_cols;
     if (view) {
         m.data = (char *) mask->data + p.col0*mask->nb[0];
@@ -365,13 +364,7 @@ static size_t rkv_slot_need(const ggml_tensor * kt, const ggml_tensor * vt, int6
 
 // slot header: the tail view's layout, cells [0, n) of each stream packed per stream
 static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n, void * data, ggml_backend_buffer_t buffer) {
-    t = *src;
-    t.op        = GGML_OP_NONE;
-    t.view_src  = nullptr;
-    t.view_offs = 0;
-    for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        t.src[i] = nullptr;
-    }
+    rkv_detached_header(t, src);
     t.ne[1]  = n;
     t.nb[3]  = n*t.nb[1];
     t.data   = data;
