@@ -317,6 +317,18 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_flash_attn_ext_add_sinks(ref, sk);
     ggml_prec_set_acc(ref, GGML_PREC_F32);
 
+    // mixed types in a prefill-sized batch over an F16/F32 window: queries in Q tiles that never read the tail
+    // must be bit-identical to the resident cache of the window's type (checked on CPU, see sfa_mixed_tiles)
+    ggml_tensor * ref_w = nullptr;
+    if (c.mixed() && m && n_q >= 64 && s > 0 && s < n_kv && c.tkw == c.tvw &&
+            (c.tkw == GGML_TYPE_F16 || c.tkw == GGML_TYPE_F32) && !g_tail_host) {
+        kvs.push_back(make_kv(ctx, c.tkw, hk, 0, n_kv, c.cache_layout, 3)); ggml_tensor * kw_full = kvs.back().view;
+        kvs.push_back(make_kv(ctx, c.tvw, hv, 0, n_kv, c.cache_layout, 3)); ggml_tensor * vw_full = kvs.back().view;
+        ref_w = ggml_flash_attn_ext(ctx, q, kw_full, vw_full, m, scale, c.max_bias, c.softcap);
+        ggml_flash_attn_ext_add_sinks(ref_w, sk);
+        ggml_prec_set_acc(ref_w, GGML_PREC_F32);
+    }
+
     // --tail-host, same types, cache layout: a second op (out_b) after set_rows that overwrite tail rows in host
     // memory (and the same rows of the reference), with new values on every evaluation. Its tail copies run ahead
     // of those writes (issued during the first op), so it is exact only if the op takes written rows again.
@@ -372,6 +384,9 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
     ggml_build_forward_expand(gf, ref);
+    if (ref_w) {
+        ggml_build_forward_expand(gf, ref_w);
+    }
     if (out_b) {
         for (ggml_tensor * w : g_writes) {
             ggml_build_forward_expand(gf, w);
@@ -455,6 +470,11 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
     }
     ggml_backend_tensor_get(ref, hr.data(), 0, ggml_nbytes(ref));
+    std::vector<float> hrw;
+    if (ref_w) {
+        hrw.resize(ggml_nelements(ref_w));
+        ggml_backend_tensor_get(ref_w, hrw.data(), 0, ggml_nbytes(ref_w));
+    }
 
     ggml_backend_buffer_free(buf);
     if (buf_host) ggml_backend_buffer_free(buf_host);
@@ -484,8 +504,11 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     }
 
     size_t n_nonfinite = 0;
-    for (float x : ho) {
-        if (!std::isfinite(x)) n_nonfinite++;
+    int64_t first_nonfinite = -1;
+    for (size_t e = 0; e < ho.size(); ++e) {
+        if (!std::isfinite(ho[e])) {
+            if (n_nonfinite++ == 0) first_nonfinite = (int64_t) e;
+        }
     }
 
     const double err = nmse(ho.data(), hr.data(), ho.size());
@@ -503,8 +526,37 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         g_extra = n_diff == 0 ? " bitexact" : " DIFF " + std::to_string(n_diff) + "/" + std::to_string(ho.size());
         ok = ok && n_diff == 0;
     }
+    if (ref_w && is_cpu) {
+        // the first query row that reads the tail; rows of earlier Q tiles (64 rows, tiles may start anywhere
+        // before it) never do
+        int64_t r_star = n_q;
+        for (int64_t i = 0; i < n_q && r_star == n_q; ++i) {
+            for (int64_t j = s; j < n_kv; ++j) {
+                if (ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY) {
+                    r_star = i;
+                    break;
+                }
+            }
+        }
+        const int64_t n_rows = std::max<int64_t>(0, r_star - 64);
+        size_t n_diff = 0, n_cmp = 0;
+        for (int64_t i3 = 0; i3 < ne3; ++i3) {
+            for (int64_t i = 0; i < n_rows; ++i) {
+                for (int64_t h = 0; h < n_head; ++h) {
+                    const size_t e0 = (size_t) (((i3*n_q + i)*n_head + h)*D);
+                    n_cmp += D;
+                    n_diff += memcmp(&ho[e0], &hrw[e0], D*sizeof(float)) != 0;
+                }
+            }
+        }
+        g_extra += n_cmp == 0 ? " (no tail-free rows)" : n_diff == 0 ? " tail-free-rows-bitexact" : " TAIL-FREE-ROWS-DIFF " + std::to_string(n_diff);
+        ok = ok && n_diff == 0;
+    }
     if (!ok && n_nonfinite) {
-        g_extra += " non-finite=" + std::to_string(n_nonfinite);
+        // dst is [DV, n_head, n_q, ne3]: name the first non-finite query row and head
+        const int64_t row = first_nonfinite/D;
+        g_extra += " non-finite=" + std::to_string(n_nonfinite) + " (first at q " + std::to_string((row/n_head) % n_q) +
+            ", head " + std::to_string(row % n_head) + ")";
     }
     if (n_ref_zeroed) {
         g_extra += " ref-masked-nan-as-0=" + std::to_string(n_ref_zeroed);
@@ -611,6 +663,10 @@ static std::vector<test_case> make_cases(bool quick) {
     cases.push_back(mk( 64, 2, 2,  512, 512, 256, Q8,  Q8,  MASK_ROWS, false, 0.0f, 0.0f, false));
     cases.push_back(mk( 64, 2, 2,  300, 100, 170, GGML_TYPE_F32, GGML_TYPE_F32, MASK_ROWS, true, 0.0f, 30.0f, true));
     cases.push_back(mk( 64, 2, 2,  300,  64,  33, F16, F16, MASK_CAUSAL, false, 8.0f, 0.0f, false)); // ALiBi
+    // mixed types in prefill: the queries before the window boundary must match the resident window type exactly
+    cases.push_back(mk(128, 2, 4, 1024, 512, 768, F16, F16, MASK_CAUSAL, false, 0.0f, 0.0f, true, Q8, Q8));
+    cases.push_back(mk( 64, 2, 2, 1024, 512, 768, F16, F16, MASK_HOLES, true, 0.0f, 0.0f, true, Q4, F16));
+
     // the shapes of the models the GPU gates run: permuted Q (as llama passes it), prefill ubatches of 512 over a
     // 512-cell window, decode over a long tail; SmolLM2-135M (D 64, 9 heads / 3 KV heads) and the 8-layer synthetic
     // model (D 128, 16 / 4)

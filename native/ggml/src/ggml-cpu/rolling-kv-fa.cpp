@@ -24,7 +24,11 @@
 // reference; path (c) is used with per-key continuation of the running softmax state across
 // the boundary, each key using its own part's arithmetic (Q converted to each part's
 // vec_dot type; V accumulated in f16 if both V parts are F16, like upstream, else in f32
-// with each part's to_float). Fully masked rows give 0, sinks are applied once.
+// with each part's to_float). Fully masked rows give 0, sinks are applied once. Exception, in
+// prefill-sized batches over an F16/F32 window (K type == V type): Q tiles whose rows all mask
+// the tail (the queries before the window boundary) run path (b) over the window alone, which
+// is what upstream runs on the resident cache of the window's type for them, so those rows are
+// bit-identical to it (sfa_mixed_tiles); the other tiles run (c).
 //
 // Debug switch (equivalence-gate self-test): if the environment variable
 // ROLLINGKV_DEBUG_PERTURB_TAIL is set to a float x, every tail key's attention score (after
@@ -114,6 +118,11 @@ struct sfa_ctx {
     float    logit_softcap;
     uint32_t n_head_log2;
     float    m0, m1;
+
+    // per-thread scratch strides in wdata (floats); equal (the larger of the two) when one op runs both the tiled
+    // and the one_chunk path at once, so that the threads' scratch never overlaps (sfa_mixed_tiles)
+    int64_t oc_stride;
+    int64_t tiled_stride;
 
     bool  perturb_tail;   // debug: ROLLINGKV_DEBUG_PERTURB_TAIL set
     float perturb_mul;    // 1 + x
@@ -239,7 +248,7 @@ static void sfa_one_chunk(
         float S = 0.0f;      // sum
         float M = -INFINITY; // maximum KQ value
 
-        float       * VKQ32 = (float       *) params->wdata + ith*sfa_oc_floats_per_thread(DK, DV); // FP32 VKQ accumulator
+        float       * VKQ32 = (float       *) params->wdata + ith*c.oc_stride; // FP32 VKQ accumulator
         float       * V32   =                 (VKQ32 + 1*DV); // (temporary) FP32 V buffer
         ggml_fp16_t * VKQ16 = (ggml_fp16_t *) (VKQ32 + 1*DV); // (temporary) FP16 VKQ accumulator
         void        * Q_q[2] = { (void *) (VKQ32 + 2*DV), (void *) (VKQ32 + 2*DV + DK) }; // Q converted to each part's vec_dot type
@@ -469,7 +478,7 @@ static void sfa_tiled(
         // VKQ32:  Q_TILE_SZ * DV (FP32 output accumulator)
         // V32:    KV_TILE_SZ * DV (F32 buffer for V tile)
         // K_f32:  KV_TILE_SZ * DK (F32 buffer for K tile - GEMM path)
-        float * base  = (float *) params->wdata + ith*sfa_tiled_floats_per_thread(DK, DV);
+        float * base  = (float *) params->wdata + ith*c.tiled_stride;
 
         void  * Q_q    = base;
         float * KQ     = (float *)((char *)base + Q_TILE_SZ * DK * sizeof(float));
@@ -655,6 +664,45 @@ static void sfa_tiled(
 }
 
 // ops.cpp ggml_flash_attn_ext_reduce_partials: combines the per-chunk partials in chunk order
+// Mixed window/tail types in a prefill-sized batch: upstream's tiled path over a resident cache of the window's
+// type skips KV tiles that every row of a Q tile masks, so a Q tile whose rows all mask the tail is computed
+// there exactly as the tiled path over the window alone (the KV tile that straddles the split adds exact zeros
+// either way). Those tiles (the queries before the window boundary) run that way here, bit-identical to the
+// resident run; the others, which read the tail, run one_chunk over both parts. Tiles are formed exactly as
+// sfa_tiled forms them (Q tile size, chunk and head boundaries).
+static bool sfa_tile_tail_masked(const sfa_ctx & c, int64_t iq1, int64_t iq2, int64_t iq3, int tile_rows) {
+    const ggml_tensor * mask = c.mask;
+    for (int tq = 0; tq < tile_rows; tq++) {
+        const ggml_fp16_t * mp = (const ggml_fp16_t *) ((const char *) mask->data + (iq1 + tq)*mask->nb[1] +
+                (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]);
+        for (int64_t ic = c.n_win; ic < c.nek1; ic++) {
+            if (GGML_CPU_FP16_TO_FP32(mp[ic]) != -INFINITY) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+static void sfa_mixed_tiles(const ggml_compute_params * params, const sfa_ctx & c, const sfa_ctx & c_win, int64_t ir0, int64_t ir1) {
+    const int64_t neq1 = c.q->ne[1];
+    const int64_t neq2 = c.q->ne[2];
+    static constexpr int Q_TILE_SZ = ggml_fa_tile_config::Q;
+    int64_t ir = ir0;
+    while (ir < ir1) {
+        const int64_t iq3 = ir/(neq2*neq1);
+        const int64_t iq2 = (ir - iq3*neq2*neq1)/neq1;
+        const int64_t iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
+        const int tile_rows = std::min(Q_TILE_SZ, std::min((int)(ir1 - ir), (int)(neq1 - iq1)));
+        if (sfa_tile_tail_masked(c, iq1, iq2, iq3, tile_rows)) {
+            sfa_tiled(params, c_win, (int) ir, (int) (ir + tile_rows));
+        } else {
+            sfa_one_chunk(params, c, ir, ir + tile_rows, 0, c.nek1, nullptr, 0);
+        }
+        ir += tile_rows;
+    }
+}
+
 // Partials layout in wdata (after the one_chunk scratch): [n_q_heads][n_chunks][2 + DV]
 static void sfa_reduce_partials(
         const ggml_compute_params * params,
@@ -823,6 +871,9 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
     c.DK    = DK;
     c.DV    = DV;
 
+    c.oc_stride    = sfa_oc_floats_per_thread(DK, DV);
+    c.tiled_stride = sfa_tiled_floats_per_thread(DK, DV);
+
     c.same_types = true;
     c.k_type     = GGML_TYPE_COUNT;
     c.v_type     = GGML_TYPE_COUNT;
@@ -947,6 +998,28 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
 #endif
         use_tiled &= (DV % f32_epr == 0);
 #endif
+        // mixed types: the window alone as the resident cache of its type would run (see sfa_mixed_tiles)
+        const sfa_part & pw = c.part[0];
+        bool use_mixed_tiles = !use_ref && !c.same_types && c.mask && pw.n > 0 && c.part[1].n > 0 &&
+                               q->type == GGML_TYPE_F32 && pw.k->type == pw.v->type &&
+                               (pw.k->type == GGML_TYPE_F32 || pw.k->type == GGML_TYPE_F16) &&
+                               neq1 >= Q_TILE_SZ;
+#if defined(GGML_SIMD) && !defined(__x86_64__) && !defined(_M_X64)
+        use_mixed_tiles &= (DV % f32_epr == 0);
+#endif
+        if (use_mixed_tiles) {
+            // both paths run at once on different threads: one scratch stride for both (within the work size,
+            // which is the larger of nth x either stride)
+            c.oc_stride = c.tiled_stride = std::max(c.oc_stride, c.tiled_stride);
+        }
+        sfa_ctx c_win = c;
+        if (use_mixed_tiles) {
+            sfa_init_part(c_win.part[1], nullptr, nullptr, c.n_win);
+            c_win.nek1       = c.n_win;
+            c_win.same_types = true;
+            c_win.k_type     = pw.k->type;
+            c_win.v_type     = pw.v->type;
+        }
         int current_chunk = ith;
 
         while (current_chunk < nchunk) {
@@ -955,6 +1028,8 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
 
             if (use_tiled) {
                 sfa_tiled(params, c, ir0, ir1);
+            } else if (use_mixed_tiles) {
+                sfa_mixed_tiles(params, c, c_win, ir0, ir1);
             } else {
                 sfa_one_chunk(params, c, ir0, ir1, 0, nek1, nullptr, 0);
             }
