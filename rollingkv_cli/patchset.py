@@ -24,6 +24,7 @@ from rollingkv_cli.upstream import PIN
 
 BASE_TAG = "rollingkv-base"
 NATIVE_TAG = "rollingkv-native"
+SYNC_STAMP = "rollingkv-native-synced.json"  # in the checkout's .git: native/ as of the last checkout or export
 # Fixed identities and dates make checkout -> export reproducible byte for byte.
 _GIT_ENV = {
     "GIT_AUTHOR_NAME": "rollingkv",
@@ -165,6 +166,7 @@ def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
     _git(["add", "-A"], dest)
     _git(["commit", "-q", "--allow-empty", "-m", "rollingkv native sources\n\nWhole new files; exported to native/, never to patches/."], dest)
     _git(["tag", NATIVE_TAG], dest)
+    _write_sync_stamp(dest, series.native_dir)
     for patch in series.patches:
         proc = _git(["am", "-q", "--keep-cr", "--committer-date-is-author-date", str(patch)], dest, check=False)
         if proc.returncode != 0:
@@ -172,7 +174,46 @@ def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
             abort(f"patch {patch.name} does not apply at the pin: {_first_line(proc.stderr or proc.stdout)}", REGENERATE_HINT)
 
 
-def export(src: Path, series_dirs: tuple[Path, Path] | None = None) -> list[Path]:
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _native_hashes(native_dir: Path) -> dict[str, str]:
+    if not native_dir.is_dir():
+        return {}
+    return {str(f.relative_to(native_dir)): _file_hash(f) for f in native_dir.rglob("*") if f.is_file()}
+
+
+def _write_sync_stamp(checkout_dir: Path, native_dir: Path) -> None:
+    import json
+
+    (checkout_dir / ".git" / SYNC_STAMP).write_text(json.dumps(_native_hashes(native_dir), indent=0, sort_keys=True) + "\n")
+
+
+def native_conflicts(src: Path, native_dir: Path) -> list[str]:
+    """Files of native_dir changed since the checkout src last synced with it (checkout or export) that the
+    checkout does not hold as they are: exporting would overwrite or delete them (someone edited native/
+    directly, in parallel with the checkout)."""
+    import json
+
+    stamp = src / ".git" / SYNC_STAMP
+    if not stamp.is_file():
+        return []  # a checkout from before the stamp: nothing to compare with
+    try:
+        synced = json.loads(stamp.read_text())
+    except json.JSONDecodeError:
+        return []
+    conflicts = []
+    for rel, h in sorted(_native_hashes(native_dir).items()):
+        if synced.get(rel) == h:
+            continue  # unchanged since the last sync: the checkout's version wins
+        if (src / rel).is_file() and _file_hash(src / rel) == h:
+            continue  # the checkout already has it
+        conflicts.append(rel)
+    return conflicts
+
+
+def export(src: Path, series_dirs: tuple[Path, Path] | None = None, force: bool = False) -> list[Path]:
     """Regenerate patches/ (and native/) from a checkout made by `checkout`."""
     patches_dir, native_dir = series_dirs or (paths.data_dir("patches"), paths.data_dir("native"))
     for tag in (BASE_TAG, NATIVE_TAG):
@@ -180,6 +221,11 @@ def export(src: Path, series_dirs: tuple[Path, Path] | None = None) -> list[Path
             abort(f"{src} is not a rollingkv patch checkout (tag {tag} missing)", "make one with `rollingkv patches checkout DIR`")
     if _git(["status", "--porcelain"], src).stdout.strip():
         abort(f"{src} has uncommitted changes", "commit them (one commit per hook, message saying why) and export again")
+    conflicts = [] if force else native_conflicts(src, native_dir)
+    if conflicts:
+        shown = ", ".join(f"native/{c}" for c in conflicts[:6]) + (f" and {len(conflicts) - 6} more" if len(conflicts) > 6 else "")
+        abort(f"{shown} changed since {src} last synced with native/; exporting would overwrite it",
+              f"copy those files into {src} and commit them there (or export with --force to discard them)")
     added = _git(["diff", "--name-only", "--diff-filter=A", BASE_TAG, "HEAD"], src).stdout.split()
     modified = _git(["diff", "--name-only", "--diff-filter=MDR", BASE_TAG, "HEAD"], src).stdout.split()
     # native/: exactly the files that do not exist upstream
@@ -200,6 +246,7 @@ def export(src: Path, series_dirs: tuple[Path, Path] | None = None) -> list[Path
         ).stdout
         written = [Path(line) for line in out.split() if line.endswith(".patch")]
     write_index(load_series(patches_dir, native_dir))
+    _write_sync_stamp(src, native_dir)
     return sorted(written)
 
 

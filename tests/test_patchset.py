@@ -67,6 +67,33 @@ def test_export_picks_up_a_new_hook_and_a_new_native_file(tmp_path, pristine_tre
     assert "docs-say-hello" in (out_patches / "README.md").read_text()
 
 
+def test_export_refuses_to_overwrite_native_edits_made_outside_the_checkout(tmp_path, pristine_tree):
+    co = tmp_path / "co"
+    patchset.checkout(co, pristine_tree)
+    out_patches, out_native = tmp_path / "patches", tmp_path / "native"
+    out_patches.mkdir()
+    patchset.export(co, (out_patches, out_native))  # the first export syncs native/ with the checkout
+    rel = "src/llama-kv-residency.cpp"
+    # someone edits native/ directly while the checkout moves on: exporting would lose the edit
+    (out_native / rel).write_text((out_native / rel).read_text() + "\n// edited in native/\n")
+    (co / "src" / "llama-kv-cache-split.cpp").write_text((co / "src" / "llama-kv-cache-split.cpp").read_text() + "\n// edited in the checkout\n")
+    subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "edit"], check=True)
+    with pytest.raises(RollingKVError) as e:
+        patchset.export(co, (out_patches, out_native))
+    assert f"native/{rel}" in e.value.message and "--force" in e.value.hint
+    assert (out_native / rel).read_text().endswith("// edited in native/\n")  # nothing was touched
+    # once the checkout holds the edit, the export goes through and keeps it
+    shutil.copy2(out_native / rel, co / rel)
+    subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "take the edit"], check=True)
+    patchset.export(co, (out_patches, out_native))
+    assert (out_native / rel).read_text().endswith("// edited in native/\n")
+    assert (out_native / "src" / "llama-kv-cache-split.cpp").read_text().endswith("// edited in the checkout\n")
+    # --force discards a direct edit
+    (out_native / rel).write_text("// scratch\n")
+    patchset.export(co, (out_patches, out_native), force=True)
+    assert (out_native / rel).read_text().endswith("// edited in native/\n")
+
+
 def test_apply_twice_is_a_no_op(tmp_path, pristine_tree):
     tree = tmp_path / "tree"
     shutil.copytree(pristine_tree, tree)

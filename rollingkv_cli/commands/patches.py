@@ -33,12 +33,16 @@ def checkout(dest: Path) -> None:
 
 @patches.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def export(src: Path) -> None:
-    """Regenerate patches/ (format-patch, stable names) and native/ from a checkout SRC."""
+@click.option("--force", is_flag=True, help="Overwrite native/ files that changed since SRC last synced with native/.")
+def export(src: Path, force: bool) -> None:
+    """Regenerate patches/ (format-patch, stable names) and native/ from a checkout SRC.
+
+    Refuses when a native/ file was edited directly since SRC was checked out or last exported (it would be
+    lost): copy it into SRC first, or pass --force."""
     from rollingkv_cli import patchset
     from rollingkv_cli.console import success
 
-    written = patchset.export(src)
+    written = patchset.export(src, force=force)
     series = patchset.load_series()
     success(f"exported {len(written)} patches and {len(series.native_files)} native files (series {series.hash[:12]})")
 
