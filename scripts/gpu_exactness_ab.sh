@@ -11,6 +11,8 @@ export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 step() { echo "== $1 ($(date +%T))"; }
 [ -f .device/series/series.tgz ] && rm -rf native patches && tar -xzf .device/series/series.tgz
+# the demo model travels in two halves: keep this call's half for the next call (scripts/gpu_issue_runs.sh)
+[ -f .device/model1/demo.part1 ] && bash scripts/device-run.sh stash-model-part1
 step build
 bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
 B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"
