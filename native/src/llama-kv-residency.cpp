@@ -33,8 +33,6 @@ static const size_t LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
 static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
 
 // the streaming op's staging ring (ggml-cuda/rolling-kv-fa.cu reads the same variables)
-static const int LLAMA_RKV_SLOTS_DEFAULT    = 3;
-static const int LLAMA_RKV_SLOT_MIB_DEFAULT = 32;
 
 // the copy that measures the device memory bandwidth: large enough to leave the caches of any device behind,
 // small enough to fit next to the weights (a smaller one is tried when it does not)
@@ -49,44 +47,16 @@ static double llama_rkv_mib(size_t bytes) {
 // planner inputs
 //
 
-bool llama_rkv_tail_type_ok(ggml_type t) {
-    switch (t) {
-        case GGML_TYPE_F32:
-        case GGML_TYPE_F16:
-        case GGML_TYPE_BF16:
-        case GGML_TYPE_Q8_0:
-        case GGML_TYPE_Q4_0:
-        case GGML_TYPE_Q4_1:
-        case GGML_TYPE_Q5_0:
-        case GGML_TYPE_Q5_1:
-            return true;
-        default:
-            return false;
-    }
-}
-
-// parsed exactly as the CUDA op parses them (rkv_env_int in ggml-cuda/rolling-kv-fa.cu): the planner must count the
-// ring the op will allocate
-static int llama_rkv_env_clamped(const char * name, int def, int lo, int hi) {
-    const char * s = getenv(name);
-    if (!s || !*s) {
-        return def;
-    }
-    return std::max(lo, std::min(hi, atoi(s)));
-}
-
 size_t llama_rkv_min_slot(size_t row_k_tail, size_t row_v_tail, uint32_t n_stream) {
     if (row_k_tail == 0 && row_v_tail == 0) {
         return 0;
     }
-    // rkv_slot_need(kt, vt, 256): K rows padded to 256 bytes, then V, plus 256
-    return GGML_PAD((size_t) 256*row_k_tail*n_stream, 256) + (size_t) 256*row_v_tail*n_stream + 256;
+    return ggml_streaming_flash_attn_slot_need(row_k_tail, row_v_tail, n_stream, 256);
 }
 
 size_t llama_rkv_slot_ring(int * n_slots, size_t * slot_bytes, size_t min_slot) {
-    const int    slots = llama_rkv_env_clamped("GGML_RKV_SLOTS", LLAMA_RKV_SLOTS_DEFAULT, 2, 8);
-    const size_t slot  = std::max((size_t) llama_rkv_env_clamped("GGML_RKV_SLOT_MIB", LLAMA_RKV_SLOT_MIB_DEFAULT, 1, 4096)*LLAMA_RKV_MIB,
-                                  min_slot);
+    const int    slots = ggml_streaming_flash_attn_ring_slots();
+    const size_t slot  = std::max(ggml_streaming_flash_attn_ring_slot_bytes(), min_slot);
     if (n_slots) {
         *n_slots = slots;
     }
@@ -1257,7 +1227,7 @@ std::string llama_rkv_plan_simulate(const char * json_in) {
         }
     }
     for (ggml_type t : { st.req.type_k_tail, st.req.type_v_tail }) {
-        if (t != GGML_TYPE_COUNT && !llama_rkv_tail_type_ok(t)) {
+        if (t != GGML_TYPE_COUNT && !ggml_streaming_flash_attn_cpu_type_supported(t)) {
             return rkv_invalid("unsupported tail type");
         }
     }

@@ -173,10 +173,9 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
 // pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
 void llama_rkv_plan_estimate(llama_rkv_state & st);
 
-// the staging ring of the CUDA streaming op, per device, as ggml-cuda/rolling-kv-fa.cu sizes it: GGML_RKV_SLOTS
-// slots (atoi, clamped to [2, 8], default 3) of GGML_RKV_SLOT_MIB MiB (atoi, clamped to [1, 4096], default 32),
-// each at least one 256-cell chunk of the widest layer's tail K (padded to 256 bytes) then V, plus 256 bytes
-// (llama_rkv_min_slot; row bytes per stream, n_stream streams). Bytes.
+// the staging ring of the CUDA streaming op, per device, as the op sizes it (ggml_streaming_flash_attn_ring_* in
+// ggml-rolling-kv.h): slots of at least one 256-cell chunk of the widest layer's tail (llama_rkv_min_slot; row
+// bytes per stream, n_stream streams). Bytes.
 size_t llama_rkv_min_slot(size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
 size_t llama_rkv_slot_ring(int * n_slots = nullptr, size_t * slot_bytes = nullptr, size_t min_slot = 0);
 
@@ -196,8 +195,6 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
 // for a CPU device) through ggml-backend; once per device and process; < 0 when it could not be measured
 double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how);
 
-// the types the CPU flash attention reads for K/V (also valid tail types)
-bool llama_rkv_tail_type_ok(ggml_type t);
 
 // the request llama_init_from_model_rolling_kv hands to the llama_context being constructed on this thread
 void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st);

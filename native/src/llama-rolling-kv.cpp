@@ -32,6 +32,7 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 //
 
 #include "llama-kv-residency.h"
+#include "ggml-rolling-kv.h"
 #include "llama-context.h"
 #include "llama-impl.h"
 
@@ -121,7 +122,7 @@ struct llama_context * llama_init_from_model_rolling_kv(
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
     for (ggml_type t : { req.type_k_tail, req.type_v_tail }) {
-        if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !llama_rkv_tail_type_ok(t))) {
+        if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !ggml_streaming_flash_attn_cpu_type_supported(t))) {
             return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1",
                     ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)");
         }

@@ -74,6 +74,19 @@ extern "C" {
     GGML_API void ggml_set_streamed(struct ggml_tensor * t);
     GGML_API bool ggml_is_streamed(const struct ggml_tensor * t); // t or the tensor it views
 
+    // the K/V types the op's CPU forward reads (in either part); the rolling-KV cache accepts them as tail types
+    GGML_API bool ggml_streaming_flash_attn_cpu_type_supported(enum ggml_type type);
+
+    // The device ring through which a GPU backend streams a host tail, one definition for the op and for llama's
+    // planner (which must count what the op allocates): GGML_RKV_SLOTS slots (atoi, clamped to [2, 8], default 3)
+    // of GGML_RKV_SLOT_MIB MiB (atoi, clamped to [1, 4096], default 32), read from the environment at each call.
+#define GGML_STREAMING_FA_MAX_SLOTS 8
+    GGML_API int    ggml_streaming_flash_attn_ring_slots(void);
+    GGML_API size_t ggml_streaming_flash_attn_ring_slot_bytes(void);
+    // bytes a slot needs for n_cells cells of every stream of a tail: the K rows padded to 256 bytes, then the V
+    // rows, plus 256 (row_k/row_v: bytes of one cell's K/V row in one stream)
+    GGML_API size_t ggml_streaming_flash_attn_slot_need(size_t row_k, size_t row_v, int64_t n_stream, int64_t n_cells);
+
 #ifdef __cplusplus
 }
 #endif

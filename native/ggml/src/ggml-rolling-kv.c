@@ -3,6 +3,8 @@
 #include "ggml-rolling-kv.h"
 #include "ggml-impl.h"
 
+#include <stdlib.h>
+
 static void ggml_streaming_fa_check_part(
         const struct ggml_tensor * q,
         const struct ggml_tensor * k,
@@ -122,4 +124,41 @@ void ggml_set_streamed(struct ggml_tensor * t) {
 bool ggml_is_streamed(const struct ggml_tensor * t) {
     const struct ggml_tensor * root = t->view_src ? t->view_src : t;
     return (root->flags & GGML_TENSOR_FLAG_STREAMED) != 0;
+}
+
+bool ggml_streaming_flash_attn_cpu_type_supported(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+        case GGML_TYPE_BF16:
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_1:
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q5_1:
+            return true;
+        default:
+            return false;
+    }
+}
+
+static int ggml_streaming_fa_env_int(const char * name, int def, int lo, int hi) {
+    const char * v = getenv(name);
+    if (!v || !*v) {
+        return def;
+    }
+    const int x = atoi(v);
+    return x < lo ? lo : x > hi ? hi : x;
+}
+
+int ggml_streaming_flash_attn_ring_slots(void) {
+    return ggml_streaming_fa_env_int("GGML_RKV_SLOTS", 3, 2, GGML_STREAMING_FA_MAX_SLOTS);
+}
+
+size_t ggml_streaming_flash_attn_ring_slot_bytes(void) {
+    return (size_t) ggml_streaming_fa_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024;
+}
+
+size_t ggml_streaming_flash_attn_slot_need(size_t row_k, size_t row_v, int64_t n_stream, int64_t n_cells) {
+    return GGML_PAD((size_t) n_cells*row_k*(size_t) n_stream, 256) + (size_t) n_cells*row_v*(size_t) n_stream + 256;
 }

@@ -772,22 +772,6 @@ static void sfa_reduce_partials(
     }
 }
 
-static bool sfa_type_supported(ggml_type t) {
-    switch (t) {
-        case GGML_TYPE_F32:
-        case GGML_TYPE_F16:
-        case GGML_TYPE_BF16:
-        case GGML_TYPE_Q8_0:
-        case GGML_TYPE_Q4_0:
-        case GGML_TYPE_Q4_1:
-        case GGML_TYPE_Q5_0:
-        case GGML_TYPE_Q5_1:
-            return true;
-        default:
-            return false;
-    }
-}
-
 } // namespace
 
 extern "C" size_t ggml_streaming_flash_attn_work_size(const ggml_tensor * node, int n_tasks) {
@@ -812,7 +796,7 @@ extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) 
     }
     for (int i : { GGML_STREAMING_FA_SRC_K_WIN, GGML_STREAMING_FA_SRC_V_WIN, GGML_STREAMING_FA_SRC_K_TAIL, GGML_STREAMING_FA_SRC_V_TAIL }) {
         const ggml_tensor * t = op->src[i];
-        if (t && !sfa_type_supported(t->type)) {
+        if (t && !ggml_streaming_flash_attn_cpu_type_supported(t->type)) {
             return false;
         }
     }

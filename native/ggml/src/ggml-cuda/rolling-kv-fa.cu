@@ -217,8 +217,6 @@ static __global__ void rkv_merge(float * O_acc, float * lse_acc, const float * _
 // host tail streaming: the slot ring, the copy stream and its events (one per backend context)
 //
 
-#define RKV_MAX_SLOTS 8
-
 // one H2D chunk of a host tail: cells [c0, c0 + n) of every stream of the tail of ops[op], K then V
 struct rkv_fifo_chunk {
     int     op;
@@ -241,8 +239,8 @@ struct ggml_cuda_rkv_ring {
     int         n_slots    = 0;
     size_t      slot_bytes = 0;
     char      * base       = nullptr;
-    cudaEvent_t copy_done[RKV_MAX_SLOTS] = {};
-    cudaEvent_t slot_free[RKV_MAX_SLOTS] = {};
+    cudaEvent_t copy_done[GGML_STREAMING_FA_MAX_SLOTS] = {};
+    cudaEvent_t slot_free[GGML_STREAMING_FA_MAX_SLOTS] = {};
     cudaEvent_t ev_fork = nullptr;
     cudaEvent_t ev_join = nullptr;
 
@@ -262,10 +260,6 @@ static int rkv_env_int(const char * name, int def, int lo, int hi) {
     return std::max(lo, std::min(hi, atoi(v)));
 }
 
-size_t ggml_cuda_rkv_ring_bytes(void) {
-    return (size_t) rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS) * (size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096) * 1024*1024;
-}
-
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (!r) {
@@ -275,7 +269,7 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
     if (ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]) {
         CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]));
     }
-    for (int i = 0; i < RKV_MAX_SLOTS; ++i) {
+    for (int i = 0; i < GGML_STREAMING_FA_MAX_SLOTS; ++i) {
         if (r->copy_done[i]) CUDA_CHECK(cudaEventDestroy(r->copy_done[i]));
         if (r->slot_free[i]) CUDA_CHECK(cudaEventDestroy(r->slot_free[i]));
     }
@@ -292,7 +286,7 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
 static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t need) {
     if (!ctx.rkv_ring) {
         ggml_cuda_rkv_ring * r = new ggml_cuda_rkv_ring;
-        r->n_slots = rkv_env_int("GGML_RKV_SLOTS", 3, 2, RKV_MAX_SLOTS);
+        r->n_slots = ggml_streaming_flash_attn_ring_slots();
         for (int i = 0; i < r->n_slots; ++i) {
             CUDA_CHECK(cudaEventCreateWithFlags(&r->copy_done[i], cudaEventDisableTiming));
             CUDA_CHECK(cudaEventCreateWithFlags(&r->slot_free[i], cudaEventDisableTiming));
@@ -302,7 +296,7 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
         ctx.rkv_ring = r;
     }
     ggml_cuda_rkv_ring & r = *ctx.rkv_ring;
-    const size_t want = std::max(need, (size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024);
+    const size_t want = std::max(need, ggml_streaming_flash_attn_ring_slot_bytes());
     if (r.slot_bytes < need) {
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
@@ -354,12 +348,8 @@ static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, size
     }
 }
 
-static size_t rkv_slot_bytes_env(void) {
-    return std::max((size_t) rkv_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024, (size_t) 1024);
-}
-
 static size_t rkv_slot_need(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_c) {
-    return GGML_PAD(n_c*kt->nb[1]*kt->ne[3], 256) + n_c*vt->nb[1]*vt->ne[3] + 256;
+    return ggml_streaming_flash_attn_slot_need(kt->nb[1], vt->nb[1], kt->ne[3], n_c);
 }
 
 // slot header: the tail view's layout, cells [0, n) of each stream packed per stream
@@ -463,7 +453,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     std::vector<rkv_fifo_op>    ops;
     std::vector<rkv_fifo_chunk> fifo;
     std::vector<std::pair<const ggml_tensor *, const ggml_tensor *>> writes; // (root written, set_rows node)
-    const size_t slot_bytes = rkv_slot_bytes_env();
+    const size_t slot_bytes = ggml_streaming_flash_attn_ring_slot_bytes();
     size_t need = 0;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(cgraph)); ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(cgraph), i);
@@ -627,7 +617,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             rkv_fifo_op o;
             o.node  = dst;
             o.first = 0;
-            rkv_make_chunks(t.k, t.v, rkv_slot_bytes_env(), 0, local_fifo);
+            rkv_make_chunks(t.k, t.v, ggml_streaming_flash_attn_ring_slot_bytes(), 0, local_fifo);
             o.count = (int) local_fifo.size();
             local_ops.push_back(std::move(o));
             size_t need = 0;

@@ -15,9 +15,6 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
 struct ggml_cuda_rkv_ring;
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx);
 
-// device bytes the ring takes once a host tail is streamed (GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB)
-size_t ggml_cuda_rkv_ring_bytes(void);
-
 // before a graph is evaluated (eagerly or captured): plan the copies of all its host tails as one FIFO, so the
 // copy stream runs ahead across layers (GGML_RKV_RUNAHEAD=0: each op streams only its own tail)
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
