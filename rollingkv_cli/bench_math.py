@@ -260,20 +260,16 @@ def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, ban
         vanilla_res = find("vanilla_resident") or find("resident")
         q4 = find("window", "q4_0", 0.5)
 
-        if _ok(half) and _ok(ngl):
-            add("vs_ngl", d, half["tokens_per_s"] / ngl["tokens_per_s"],
-                f"{half['tokens_per_s']:.3g} vs {ngl['tokens_per_s']:.3g} tok/s (-ngl {ngl.get('n_gpu_layers')})")
-        else:
-            add("vs_ngl", d, None, "")
-        if _ok(full) and _ok(nkvo):
-            add("vs_nkvo", d, full["tokens_per_s"] / nkvo["tokens_per_s"], f"{full['tokens_per_s']:.3g} vs {nkvo['tokens_per_s']:.3g} tok/s")
-        else:
-            add("vs_nkvo", d, None, "")
-        if _ok(auto) and _ok(vanilla_res):
-            add("auto_vs_vanilla", d, auto["tokens_per_s"] / vanilla_res["tokens_per_s"],
-                f"{auto['tokens_per_s']:.3g} vs {vanilla_res['tokens_per_s']:.3g} tok/s ({vanilla_res['label']})")
-        else:
-            add("auto_vs_vanilla", d, None, "")
+        def speed_ratio(key: str, a: dict | None, b: dict | None, what_b=lambda c: "") -> None:
+            """Target `key` = tokens/s of cell a over cell b (no value when either did not run)."""
+            if _ok(a) and _ok(b):
+                add(key, d, a["tokens_per_s"] / b["tokens_per_s"], f"{a['tokens_per_s']:.3g} vs {b['tokens_per_s']:.3g} tok/s{what_b(b)}")
+            else:
+                add(key, d, None, "")
+
+        speed_ratio("vs_ngl", half, ngl, lambda c: f" (-ngl {c.get('n_gpu_layers')})")
+        speed_ratio("vs_nkvo", full, nkvo)
+        speed_ratio("auto_vs_vanilla", auto, vanilla_res, lambda c: f" ({c['label']})")
         if window_type == "q4_0":
             add("q4_0_bytes", d, None, "", "the window type is q4_0 already")
             add("q4_0_faster", d, None, "", "the window type is q4_0 already")
@@ -283,8 +279,5 @@ def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, ban
                     f"{q4['tail_bytes_per_token'] / 1e6:.3g} vs {half['tail_bytes_per_token'] / 1e6:.3g} MB/token")
             else:
                 add("q4_0_bytes", d, None, "")
-            if _ok(q4) and _ok(half):
-                add("q4_0_faster", d, q4["tokens_per_s"] / half["tokens_per_s"], f"{q4['tokens_per_s']:.3g} vs {half['tokens_per_s']:.3g} tok/s")
-            else:
-                add("q4_0_faster", d, None, "")
+            speed_ratio("q4_0_faster", q4, half)
     return out
