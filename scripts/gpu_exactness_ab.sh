@@ -3,16 +3,7 @@
 # bug (docs/perf/2026-11-30-cuda-streaming.md): the split cache on the GPU differs from the resident run from the
 # first position that reads the tail, with or without run-ahead. Build, the model-shaped op-test cases, then the
 # same teacher-forced gate under switches that each remove one suspect. Results: $OUT/log.txt.
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
-export ROLLINGKV_CACHE_DIR=/tmp/rkv-cache ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1 COLUMNS=160
-export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-step() { echo "== $1 ($(date +%T))"; }
-[ -f .device/series/series.tgz ] && rm -rf native patches && tar -xzf .device/series/series.tgz
-# the demo model travels in two halves: keep this call's half for the next call (scripts/gpu_issue_runs.sh)
-[ -f .device/model1/demo.part1 ] && bash scripts/device-run.sh stash-model-part1
+. "$(dirname "$0")/device-lib.sh"
 step build
 bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
 B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"

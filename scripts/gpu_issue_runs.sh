@@ -7,20 +7,12 @@
 #   vram.json          `gate vram` on the synthetic 28-layer model, a target that forces a tail (issue 5, 7)
 #   serve.jsonl        `rollingkv serve` demo: window vs resident answers, plan, CUDA graph reuse, NVML (issue 6)
 #   auto.jsonl         auto mode under several --vram-target values: the plan chosen and the NVML peak (issue 5)
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
-export ROLLINGKV_CACHE_DIR="${ROLLINGKV_CACHE_DIR:-/tmp/rkv-cache}" ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1 COLUMNS=160
-export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-step() { echo "== $1 ($(date +%T))"; }
+. "$(dirname "$0")/device-lib.sh"
 NGL="${NGL:-99}"
-[ -f .device/series/series.tgz ] && rm -rf native patches && tar -xzf .device/series/series.tgz
 if [ -z "${ROLLINGKV_BUILD:-}" ]; then
   B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)" || { echo "no CUDA build on this machine"; exit 3; }
   export ROLLINGKV_BUILD="$B"
 fi
-if [ -f .device/model2/demo.part2 ] && [ -f /tmp/rkv-model.part1 ]; then bash scripts/device-run.sh join-model; fi
 SYNTH="${SYNTH:-/tmp/synth28.gguf}"
 [ -f "$SYNTH" ] || python3 -m rollingkv_cli model synth "$SYNTH" --ctx 131072 --force | tail -1
 

@@ -3,23 +3,10 @@
 # at most 8 files under $OUT): CUDA build, op tests with device and pinned-host tails, the ctypes load check,
 # teacher-forced equivalence on the GPU (demo + synthetic model), and a decode smoke benchmark with NVML peaks.
 #   STAGES="build optest ctypes gate bench" (default: all)
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
-export ROLLINGKV_CACHE_DIR=/tmp/rkv-cache ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py"
+. "$(dirname "$0")/device-lib.sh"
 STAGES="${STAGES:-build optest ctypes gate bench}"
-LOG="$OUT/log.txt"
-exec > >(tee -a "$LOG") 2>&1
 rkv() { python3 -m rollingkv_cli "$@"; }
-step() { echo "== $1 ($(date +%T))"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-
-# the series as committed (HEAD), carried as .device/series/series.tgz: uncommitted edits in the working tree
-# copy (work in progress of other engineers) stay out of the device build
-if [ -f .device/series/series.tgz ]; then
-  rm -rf native patches && tar -xzf .device/series/series.tgz && echo "series from $(cat .device/series/commit)"
-fi
 
 step "build (CUDA sm_90)"
 t0=$(date +%s)
@@ -39,10 +26,6 @@ if has optest; then
   grep -E "FAIL|passed|exit|skipped,|Assert|error" "$OUT/optests.txt" | grep -v " OK$" | cut -c1-400 | head -30
 fi
 
-[ -f .device/model1/demo.part1 ] && bash scripts/device-run.sh stash-model-part1
-if [ ! -f /tmp/rkv-cache/models/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f .device/model2/demo.part2 ] && [ -f /tmp/rkv-model.part1 ]; then
-  bash scripts/device-run.sh join-model
-fi
 
 if has ctypes; then
   step "ctypes: load the demo model through llama_cpp + our extension"

@@ -1,0 +1,21 @@
+# Sourced by the gpu_*.sh device-call scripts, which run ON the GPU machine (through the device tool):
+# - the environment the carried tree needs (cache in /tmp, offline, the packed llama_cpp bindings and gguf-py);
+# - $OUT, with everything the script prints also in $OUT/log.txt, and step() for section headers;
+# - the committed patch series (.device/series/series.tgz, made from HEAD) in place of the working copy's
+#   native/ and patches/, so uncommitted work in progress never reaches a device build;
+# - the demo model, which travels in two halves over two back-to-back calls: the first half is kept in /tmp,
+#   the model is joined when the second half arrives.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
+export ROLLINGKV_CACHE_DIR="${ROLLINGKV_CACHE_DIR:-/tmp/rkv-cache}" ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1 COLUMNS="${COLUMNS:-160}"
+export PYTHONPATH="$PWD:/tmp/rkv-pylib:/tmp/rkv-src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+step() { echo "== $1 ($(date +%T))"; }
+if [ -f .device/series/series.tgz ]; then
+  rm -rf native patches && tar -xzf .device/series/series.tgz && echo "series from $(cat .device/series/commit 2>/dev/null)"
+fi
+[ -f .device/model1/demo.part1 ] && bash scripts/device-run.sh stash-model-part1
+if [ ! -f /tmp/rkv-cache/models/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f .device/model2/demo.part2 ] && [ -f /tmp/rkv-model.part1 ]; then
+  bash scripts/device-run.sh join-model
+fi
