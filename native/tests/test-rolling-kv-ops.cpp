@@ -194,7 +194,6 @@ static std::string g_extra; // extra per-case info printed on the case line
 // same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
 static bool           g_tail_host   = false;
 static ggml_backend_t g_cpu_backend = nullptr;
-static std::vector<ggml_tensor *> g_writes; // set_rows nodes between the two ops of a --tail-host case
 
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -334,6 +333,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     // of those writes (issued during the first op), so it is exact only if the op takes written rows again.
     ggml_tensor * out_b = nullptr, * ref_b = nullptr, * w_k = nullptr, * w_v = nullptr;
     ggml_tensor * ix_tail = nullptr, * ix_ref = nullptr;
+    std::vector<ggml_tensor *> writes; // the set_rows nodes between the two ops
     std::vector<int64_t> h_ix_tail, h_ix_ref;
     if (g_tail_host && !c.mixed() && c.cache_layout && s < n_kv) {
         const int64_t n_tail = n_kv - s;
@@ -355,11 +355,10 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         ggml_flash_attn_ext_add_sinks(ref_b, sk);
         ggml_prec_set_acc(ref_b, GGML_PREC_F32);
         // the writes are graph nodes of their own (set_rows returns a view of the written tensor)
-        g_writes.clear();
-        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[0].storage), w_k, ix_tail));
-        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[1].storage), w_v, ix_tail));
-        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs[0].storage), w_k, ix_ref));
-        g_writes.push_back(ggml_set_rows(ctx, rows2d(kvs[1].storage), w_v, ix_ref));
+        writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[0].storage), w_k, ix_tail));
+        writes.push_back(ggml_set_rows(ctx, rows2d(kvs_host[1].storage), w_v, ix_tail));
+        writes.push_back(ggml_set_rows(ctx, rows2d(kvs[0].storage), w_k, ix_ref));
+        writes.push_back(ggml_set_rows(ctx, rows2d(kvs[1].storage), w_v, ix_ref));
     }
 
 
@@ -388,7 +387,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         ggml_build_forward_expand(gf, ref_w);
     }
     if (out_b) {
-        for (ggml_tensor * w : g_writes) {
+        for (ggml_tensor * w : writes) {
             ggml_build_forward_expand(gf, w);
         }
         ggml_build_forward_expand(gf, out_b);

@@ -352,6 +352,20 @@ static size_t rkv_slot_need(const ggml_tensor * kt, const ggml_tensor * vt, int6
     return ggml_streaming_flash_attn_slot_need(kt->nb[1], vt->nb[1], kt->ne[3], n_c);
 }
 
+// append a streaming op with a host tail and its chunks to a copy plan; returns the slot size the chunks need
+// (the first chunk is the largest)
+static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::vector<rkv_fifo_chunk> & fifo, std::vector<rkv_fifo_op> & ops) {
+    const ggml_tensor * kt = node->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const ggml_tensor * vt = node->src[GGML_STREAMING_FA_SRC_V_TAIL];
+    rkv_fifo_op o;
+    o.node  = node;
+    o.first = (int) fifo.size();
+    rkv_make_chunks(kt, vt, slot_bytes, (int) ops.size(), fifo);
+    o.count = (int) fifo.size() - o.first;
+    ops.push_back(std::move(o));
+    return rkv_slot_need(kt, vt, fifo[ops.back().first].n);
+}
+
 // slot header: the tail view's layout, cells [0, n) of each stream packed per stream
 static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n, void * data, ggml_backend_buffer_t buffer) {
     rkv_detached_header(t, src);
@@ -467,23 +481,15 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         if (node->op != GGML_OP_STREAMING_FLASH_ATTN || !rkv_streams_tail(node)) {
             continue;
         }
+        need = std::max(need, rkv_plan_tail(node, slot_bytes, fifo, ops));
         const ggml_tensor * kt = node->src[GGML_STREAMING_FA_SRC_K_TAIL];
         const ggml_tensor * vt = node->src[GGML_STREAMING_FA_SRC_V_TAIL];
-        rkv_fifo_op o;
-        o.node  = node;
-        o.first = (int) fifo.size();
-        rkv_make_chunks(kt, vt, slot_bytes, (int) ops.size(), fifo);
-        o.count = (int) fifo.size() - o.first;
-        for (int c = o.first; c < (int) fifo.size(); ++c) {
-            need = std::max(need, rkv_slot_need(kt, vt, fifo[c].n));
-        }
         const ggml_tensor * kroot = kt->view_src ? kt->view_src : kt;
         const ggml_tensor * vroot = vt->view_src ? vt->view_src : vt;
         for (const auto & w : writes) {
-            if (w.first == kroot) o.writes_k.push_back(w.second);
-            if (w.first == vroot) o.writes_v.push_back(w.second);
+            if (w.first == kroot) ops.back().writes_k.push_back(w.second);
+            if (w.first == vroot) ops.back().writes_v.push_back(w.second);
         }
-        ops.push_back(std::move(o));
     }
     if (ops.empty()) {
         return;
@@ -575,7 +581,8 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     }
 
     // the parts: the window, then the tail, either whole (device) or as chunks streamed through the slot ring
-    const bool host_tail = seg[nseg - 1].k == dst->src[GGML_STREAMING_FA_SRC_K_TAIL] && rkv_is_host(seg[nseg - 1].k);
+    // (the same predicate as ggml_cuda_rkv_graph_begin's, so that an op streams exactly when the plan holds it)
+    const bool host_tail = rkv_streams_tail(dst);
 
     std::vector<rkv_part>  parts;
     std::vector<ggml_tensor> slot_k, slot_v;
@@ -614,17 +621,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         } else {
             // the ring's slots and events are shared: an op outside the graph's plan must not stream while it runs
             GGML_ASSERT((!ctx.rkv_ring || ctx.rkv_ring->ops.empty()) && "rolling-KV: a host-tail op outside the graph's copy plan");
-            rkv_fifo_op o;
-            o.node  = dst;
-            o.first = 0;
-            rkv_make_chunks(t.k, t.v, ggml_streaming_flash_attn_ring_slot_bytes(), 0, local_fifo);
-            o.count = (int) local_fifo.size();
-            local_ops.push_back(std::move(o));
-            size_t need = 0;
-            for (const auto & ch : local_fifo) {
-                need = std::max(need, rkv_slot_need(t.k, t.v, ch.n));
-            }
-            ring      = &rkv_ring(ctx, need);
+            ring      = &rkv_ring(ctx, rkv_plan_tail(dst, ggml_streaming_flash_attn_ring_slot_bytes(), local_fifo, local_ops));
             fifo      = &local_fifo;
             fops      = &local_ops;
             next_copy = &local_next;
