@@ -119,14 +119,14 @@ class EquivSession:
 
     def decode(self, role: str, lib_dir: Path, ctk: str, ctv: str, residency: dict | None, *, save: Path | None = None,
                reference: Path | None = None, real_margin_nats: float = 0.5, positions_out: Path | None = None,
-               progress=None, label: str = "") -> dict:
+               progress=None, label: str = "", n_batch: int | None = None) -> dict:
         """One child run. residency None: plain llama_init_from_model (any library); else our residency API."""
         from rollingkv_cli import gate_equiv as me
 
         assert self.tokens is not None and self.n_ctx is not None
         assert save is not None or reference is not None
         args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens", str(self.tokens), "--ctx", str(self.n_ctx),
-                "--n-batch", str(self.n_batch), "--threads", str(self.threads), "-ctk", ctk, "-ctv", ctv]
+                "--n-batch", str(n_batch or self.n_batch), "--threads", str(self.threads), "-ctk", ctk, "-ctv", ctv]
         if self.n_gpu_layers is not None:
             args += ["--n-gpu-layers", str(self.n_gpu_layers)]
         if residency is not None:
@@ -162,6 +162,11 @@ def fmt(v) -> str:
 def short_path(p: Path | None) -> str:
     s = str(p)
     return s if len(s) <= 40 else "…" + s[-39:]
+
+
+def order_floor_batch(n_batch: int) -> int:
+    """The order-floor run's batch: half the gate's (another tiling of the same math), 2 for a batch of 1."""
+    return n_batch // 2 if n_batch >= 2 else 2
 
 
 def tail_desc(mode: str, ctkt: str | None, ctvt: str | None) -> str:

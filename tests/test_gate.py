@@ -16,7 +16,7 @@ from test_cli import run_main
 
 
 HELP_OPTIONS = {
-    "equiv": ("--synthetic-tokens", "--kv-window-cells", "-ctkt", "--reference", "--thresholds", "--tail-baseline", "-ngl", "--json"),
+    "equiv": ("--synthetic-tokens", "--kv-window-cells", "-ctkt", "--reference", "--thresholds", "--tail-baseline", "--order-floor", "-ngl", "--json"),
     "needle": ("--depth", "--filler-tokens", "--seed", "--format", "--kv-window-cells", "--vram-target", "-ctkt", "-ngl", "--json", "inconclusive"),
     "vram": ("--vram-target", "--allowance", "--n-predict", "--interval-ms", "--gpu", "--json", "no NVIDIA GPU found"),
     "matrix": ("--tail-types", "--splits", "--needle-filler-tokens", "--build", "--lib-dir", "-ngl", "--out"),
@@ -282,6 +282,24 @@ def test_equiv_tail_baseline_on_a_quantized_tail(cpu_build, demo_model, tmp_path
     tv = b["bounds"]["max_mean_tv"]
     assert tv["bound"] == max(0.02, 3.0 * b["metrics"]["mean_tv"]) == r["thresholds"]["max_mean_tv"]
     assert set(r["commands"]) == {"tokenize", "reference", "baseline", "candidate"}
+
+
+@pytest.mark.build
+def test_equiv_order_floor_decodes_a_half_batch_resident_run(cpu_build, demo_model, tmp_path):
+    """--order-floor: a third child decodes the resident cache with half the batch, and the bounds are the looser
+    of the absolute ones and 2 x its distance (on the CPU the split is bit-identical, so it passes either way)."""
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), "--synthetic-tokens", "256", "--ctx", "512", "--threads", "2",
+                             "--n-batch", "128", "--kv-window-cells", "128", "--order-floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    f = r["order_floor"]
+    assert f["n_batch"] == 64 and f["metrics"]["n"] == 256
+    assert r["thresholds"]["max_mean_tv"] == max(1e-4, 2.0 * f["metrics"]["mean_tv"]) == f["bounds"]["max_mean_tv"]["bound"]
+    cmd = r["commands"]["order_floor"]
+    assert cmd[cmd.index("--n-batch") + 1] == "64" and r["commands"]["candidate"][cmd.index("--n-batch") + 1] == "128"
+    assert set(r["commands"]) == {"tokenize", "reference", "order_floor", "candidate"}
+    assert r["metrics"]["bitwise_equal_rows"] == 256
 
 
 # ---------------------------------------------------------------- gate needle on the demo model

@@ -240,3 +240,31 @@ def test_relative_thresholds_factor_from_the_file(tmp_path):
     f.write_text("baseline_factor: -1\n")
     with pytest.raises(gm.ThresholdsError, match=">= 0"):
         gm.load_thresholds(f, "quantized")
+
+
+def test_order_floor_thresholds_relax_upper_and_agreement_bounds():
+    s = gm.default_thresholds("same_type")
+    floor = {"mean_tv": 0.01, "top1_agreement": 0.98, "real_frac": 0.002, "mean_kl": 0.3, "frac_full_agree": 0.5}
+    th, how = gm.order_floor_thresholds(s, floor)
+    assert th["order_factor"] == gm.DEFAULT_ORDER_FACTOR == 2.0
+    assert th["max_mean_tv"] == pytest.approx(0.02) and how["max_mean_tv"]["floor"] == 0.01
+    assert th["min_top1_agreement"] == pytest.approx(0.96)  # 1 - 2 x 0.02
+    assert th["max_real_frac"] == pytest.approx(0.004)
+    assert th["max_mean_kl"] is None and "min_frac_full_agree" not in how  # disabled checks stay disabled
+    assert s["max_mean_tv"] == 1e-4  # the input is not modified
+    # a floor tighter than the absolute bounds changes nothing
+    th2, _ = gm.order_floor_thresholds(s, {"mean_tv": 0.0, "top1_agreement": 1.0, "real_frac": 0.0})
+    assert {k: th2[k] for k in ("max_mean_tv", "min_top1_agreement", "max_real_frac")} == \
+        {k: s[k] for k in ("max_mean_tv", "min_top1_agreement", "max_real_frac")}
+    # the split passes within 2 x floor and fails beyond it
+    ok = {"n": 100, "nonfinite": 0, "mean_tv": 0.019, "top1_agreement": 0.97, "real_frac": 0.0}
+    assert not gm.verdict(ok, s).passed and gm.verdict(ok, th).passed
+    assert not gm.verdict(dict(ok, mean_tv=0.021), th).passed
+    assert not gm.verdict(dict(ok, top1_agreement=0.95), th).passed
+
+
+def test_order_factor_from_the_file(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("order_factor: 1.5\n")
+    th, _ = gm.order_floor_thresholds(gm.load_thresholds(f, "same_type"), {"mean_tv": 0.01})
+    assert th["max_mean_tv"] == pytest.approx(0.015)

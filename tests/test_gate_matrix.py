@@ -81,6 +81,25 @@ def test_markdown_table():
     assert "## Needle" not in md
 
 
+def test_markdown_order_floor():
+    """A GPU matrix: the floor table, and each bound says whether the order floor set it."""
+    from rollingkv_cli.gate_matrix import markdown
+
+    r = _report(backend="cuda")
+    f16 = r["cells"][0]
+    f16["thresholds"] = dict(f16["thresholds"], max_mean_tv=0.02, min_top1_agreement=0.96)
+    f16["relative_to_order_floor"] = {"max_mean_tv": {"absolute": 1e-4, "floor": 0.01, "factor": 2.0, "bound": 0.02},
+                                      "min_top1_agreement": {"absolute": 0.999, "floor": 0.98, "factor": 2.0, "bound": 0.96},
+                                      "max_real_frac": {"absolute": 0.0, "floor": 0.0, "factor": 2.0, "bound": 0.0}}
+    r["order_floors"] = {"f16": {"n_batch": 256, "metrics": {"n": 384, "mean_tv": 0.01, "max_tv": 0.2, "top1_agreement": 0.98,
+                                                              "real_frac": 0.0, "bitwise_equal_rows": 0}}}
+    md = markdown(r)
+    f16_row = next(line for line in md.splitlines() if line.startswith("| `f16`"))
+    assert "TV ≤ 0.02 (2× order floor)" in f16_row and "top-1 ≥ 0.96 (2× order floor)" in f16_row and "real ≤ 0 (absolute)" in f16_row
+    assert "## Order floors" in md and "| `f16` | 256 | 0.01 | 0.2 | 0.98 | 0 | 0/384 |" in md
+    assert "## Order floors" not in markdown(_report())
+
+
 # ---------------------------------------------------------------- the real matrix (CI sizes)
 
 CI_SIZES = ["--tokens", "384", "--needle-filler-tokens", "640", "--threads", "2"]
@@ -103,6 +122,7 @@ def test_matrix_ci_sizes_every_cell_passes(cpu_build, demo_model, tmp_path):
     r = json.loads((out / "ci.json").read_text())
     md = (out / "ci.md").read_text()
     assert r["verdict"] == "pass" and r["failed_cells"] == [] and r["backend"] == "cpu"
+    assert r["order_floors"] == {} and "--order-floor" not in r["cells"][0]["command"]  # the CPU split is bit-identical: no floor
     assert r["build"]["dir"] == str(cpu_build.dir)
     assert [(c["tail"], c["window_cells"]) for c in r["cells"]] == [(t, w) for t in ("f16", "q8_0", "q4_0") for w in (96, 192, 288)]
     assert all(c["passed"] for c in r["cells"] + r["exact"])

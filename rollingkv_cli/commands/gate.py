@@ -131,6 +131,10 @@ def _cache_type_options(f):
 @click.option("--tail-baseline", is_flag=True,
               help="Quantized tail: also decode the resident cache with every K/V in the tail's type, and let the split lose up to "
                    "baseline_factor (3) times what that loses (each upper bound becomes max(bound, factor x baseline)).")
+@click.option("--order-floor", is_flag=True,
+              help="GPU: also decode the resident cache with half the batch (the same math in another floating-point order, "
+                   "as GPU attention kernels tile by shape), and let the split differ up to order_factor (2) times what that "
+                   "run differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
@@ -139,7 +143,8 @@ def _cache_type_options(f):
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
-          reference, thresholds_file, tail_baseline, json_out, threads, n_batch, n_gpu_layers, build_dir, lib_dir, work_dir) -> None:
+          reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_gpu_layers, build_dir, lib_dir,
+          work_dir) -> None:
     """Decode one sequence with the reference and the candidate and compare every position's distribution.
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
@@ -202,6 +207,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     logs_dir = gate_common.logs_dir()
     results: dict[str, dict] = {}
     baseline_how = None
+    floor_how = None
     with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
         wd = Path(td)
         sess = gate_equiv.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch,
@@ -245,6 +251,12 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                   real_margin_nats=thresholds["real_margin_nats"], progress=progress,
                                                   label=f"baseline (resident {bk}/{bv})")
                 thresholds, baseline_how = gate_math.relative_thresholds(thresholds, results["baseline"]["summary"])
+            if order_floor:
+                fb = gate_equiv.order_floor_batch(n_batch)
+                results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
+                                                     real_margin_nats=thresholds["real_margin_nats"], progress=progress,
+                                                     label=f"order floor (resident, batch {fb})", n_batch=fb)
+                thresholds, floor_how = gate_math.order_floor_thresholds(thresholds, results["order_floor"]["summary"])
             results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",
                                                real_margin_nats=thresholds["real_margin_nats"], positions_out=positions_tmp,
                                                progress=progress, label=cand_label)
@@ -262,12 +274,19 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     title = None
     if baseline_how:
         title = f"equivalence gate (quantized bounds, relative to the resident {ctkt or ctk}/{ctvt or ctv} cache)"
+    if floor_how:
+        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + (", " if title else "") + "relaxed to the order floor where looser)"
     gate_equiv.print_table(console, summary, thresholds, v, profile, title=title)
     ref_r, cand_r = results["reference"], results["candidate"]
     if baseline_how:
         bs = results["baseline"]["summary"]
         console.print(f"[dim]baseline (the whole cache {ctkt or ctk}/{ctvt or ctv}, resident): mean TV {gate_equiv.fmt(bs['mean_tv'])}, "
                       f"real {gate_equiv.fmt(bs['real_frac'])}; bounds = max(absolute, {thresholds['baseline_factor']:g} x baseline)[/]")
+    if floor_how:
+        fs = results["order_floor"]["summary"]
+        console.print(f"[dim]order floor (the resident cache, batch {gate_equiv.order_floor_batch(n_batch)}): mean TV {gate_equiv.fmt(fs['mean_tv'])}, "
+                      f"top-1 {gate_equiv.fmt(fs['top1_agreement'])}, real {gate_equiv.fmt(fs['real_frac'])}; "
+                      f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser[/]")
     gate_equiv.print_plan(console, cand_r.get("plan"))
     console.print(f"[dim]decode: reference {ref_r['timings']['decode_s']:.1f} s ({ref_r['timings']['tokens_per_s']} tok/s), "
                   f"candidate {cand_r['timings']['decode_s']:.1f} s ({cand_r['timings']['tokens_per_s']} tok/s); "
@@ -298,6 +317,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                       "timings": cand_r.get("timings")},
         "baseline": None if not baseline_how else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "metrics": results["baseline"]["summary"],
                                                    "bounds": baseline_how, "timings": results["baseline"].get("timings")},
+        "order_floor": None if not floor_how else {"n_batch": gate_equiv.order_floor_batch(n_batch), "metrics": results["order_floor"]["summary"],
+                                                   "bounds": floor_how, "timings": results["order_floor"].get("timings")},
         "build": build.describe(),
         "positions_file": str(positions_file) if positions_file else None,
         "commands": sess.commands,
@@ -501,6 +522,9 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
 @click.option("--needle-depths", callback=_fraction_list, default="0.5,0.85", show_default=True, help="The needle's placements.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (as for gate equiv).")
+@click.option("--order-floor/--no-order-floor", default=None,
+              help="Bounds relaxed to the resident run's own floating-point order floor (as gate equiv --order-floor).  "
+                   "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode.")
 @_ngl_option()
@@ -511,7 +535,7 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits are kept during the run.  [default: the temp dir]")
 def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle_filler_tokens, needle_depths, thresholds_file,
-           threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
+           order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
     """The gates over tail types x split points: one JSON report and a markdown table.
 
     Per tail type T and split S: the f16-window + T-tail cache with a window of S x the sequence against
@@ -550,7 +574,9 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     cfg = gate_matrix.MatrixConfig(model=model_path, model_spec=model_spec, build=build, tokens=n_tokens, splits=tuple(splits),
                                    tail_types=tuple(tail_types), exact_split=exact_split, needle=needle,
                                    needle_filler_tokens=needle_filler_tokens, needle_depths=tuple(needle_depths),
-                                   thresholds_file=thresholds_file, threads=threads or os.cpu_count() or 1, n_batch=n_batch,
+                                   thresholds_file=thresholds_file,
+                                   order_floor=gate_matrix.backend_label(build, n_gpu_layers) == "cuda" if order_floor is None else order_floor,
+                                   threads=threads or os.cpu_count() or 1, n_batch=n_batch,
                                    n_gpu_layers=n_gpu_layers, argv=_argv_after("matrix"))
     r = gate_matrix.run(cfg, console, gate_common.logs_dir(), tmp_root)
     name = name or gate_matrix.default_name(r["backend"])
