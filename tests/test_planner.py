@@ -44,6 +44,9 @@ GPU = dict(kv_size=131072, n_layer=32, n_embd_k_gqa=1024, n_embd_v_gqa=1024, wei
            ring_mib=96, free_mib=140000, pcie_bw_gbps=53.5, mem_bw_gbps=4000)
 
 
+RUNTIME_MIB = 640  # the library's default GPU runtime reserve (LLAMA_RKV_RUNTIME_MIB)
+
+
 def fig(**kw) -> dict:
     return {**GPU, **kw}
 
@@ -64,13 +67,16 @@ class Expect:
         other, ring = round(f.get("other_kv_mib", 0) * MiB), round(f["ring_mib"] * MiB)
         free, target = round(f["free_mib"] * MiB), f.get("vram_target_mib", 0)
         reserve = round(f.get("reserve_mib", 1024) * MiB)
+        # the GPU runtime's own memory (CUDA context, cuBLAS, pools) counts against a target only
+        runtime = round(f.get("runtime_mib", 0 if f.get("host_memory") else RUNTIME_MIB) * MiB)
         self.avail = max(0, min(target * MiB - weights, free)) if target else max(0, free - reserve)
         self.kv_resident = f["kv_size"] * self.cell
-        self.fits = compute + other + self.kv_resident <= self.avail
-        self.kv_budget = max(0, self.avail - compute - other - ring)
+        fixed = compute + other + (runtime if target else 0)
+        self.fits = fixed + self.kv_resident <= self.avail
+        self.kv_budget = max(0, self.avail - fixed - ring)
         self.window = max(0, self.kv_budget // self.cell - 1) // ALIGN * ALIGN
-        need_split = weights + compute + other + ring + (ALIGN + 1) * self.cell
-        need_resident = weights + compute + other + self.kv_resident
+        need_split = weights + compute + other + runtime + ring + (ALIGN + 1) * self.cell
+        need_resident = weights + compute + other + runtime + self.kv_resident
         self.min_target_mib = math.ceil(min(need_split, need_resident) / MiB)
         self.weights, self.other, self.n_layer, self.n_stream = weights, other, n_layer, n_stream
 
@@ -95,7 +101,7 @@ print(json.dumps(out))
 """
 
 # the target at which the whole KV of GPU just fits, in MiB (the figures are whole MiB)
-FIT_MIB = GPU["weights_mib"] + GPU["compute_mib"] + GPU["kv_size"] * 32 * 4096 // MiB
+FIT_MIB = GPU["weights_mib"] + GPU["compute_mib"] + RUNTIME_MIB + GPU["kv_size"] * 32 * 4096 // MiB
 SWEEP = [6000, 6001, 9000, 12345, 15000, 18000, 20000, FIT_MIB - 200, FIT_MIB - 2]
 TAIL_TYPES = ["f16", "q8_0", "q4_0"]
 
@@ -133,6 +139,9 @@ def _cases() -> dict:
                           "_env": {"GGML_RKV_SLOTS": "", "GGML_RKV_SLOT_MIB": ""}},
         "two_gpus": fig(vram_target_mib=10000, devices=[{"name": "CUDA0", "n_layer": 16, "weights_mib": 2000},
                                                        {"name": "CUDA1", "n_layer": 16, "weights_mib": 5000}]),
+        "runtime_given": fig(vram_target_mib=12000, runtime_mib=100),
+        "runtime_env": {**fig(vram_target_mib=12000), "_env": {"LLAMA_RKV_RUNTIME_MIB": "1000"}},
+        "runtime_no_target": fig(free_mib=9000, runtime_mib=5000),
         "bad_key": fig(vram_target_mib=1, windw_cells=5),
         "bad_tail": fig(type_k_tail="q2_K"),
         "missing": {k: v for k, v in GPU.items() if k != "kv_size"},
@@ -193,7 +202,7 @@ def test_barely_does_not_fit(sim):
 def test_far_from_fitting_and_link_model(sim):
     f = CASES["far"]
     p, e = sim["far"], Expect(f)
-    assert p["window_cells"] == e.window == 24576  # (8000 - 4500 - 300 - 96) MiB / 128 KiB, less the trash row, aligned
+    assert p["window_cells"] == e.window == 19456  # (8000 - 4500 - 300 - 640 - 96) MiB / 128 KiB, less the trash row, aligned
     tail = f["kv_size"] - e.window
     assert p["tail_cells"] == tail
     link, est = p["link"], p["estimate"]
@@ -212,9 +221,9 @@ def test_far_from_fitting_and_link_model(sim):
 def test_target_below_weights_refused_with_minimum(sim, cpu_build):
     p, e = sim["below_weights"], Expect(CASES["below_weights"])
     assert p["mode_chosen"] == "refused" and not p["split"] and p["layers"] == []
-    assert p["budget"]["min_target_mib"] == e.min_target_mib == 4500 + 300 + 96 + math.ceil(257 * 131072 / MiB)
+    assert p["budget"]["min_target_mib"] == e.min_target_mib == 4500 + 300 + RUNTIME_MIB + 96 + math.ceil(257 * 131072 / MiB)
     assert f"minimum of {e.min_target_mib} MiB" in p["error"] and "4000 MiB" in p["error"]
-    for term in ("weights 4500 MiB", "compute", "ring 96 MiB", "256-cell"):
+    for term in ("weights 4500 MiB", "compute", f"GPU runtime ~{RUNTIME_MIB} MiB", "ring 96 MiB", "256-cell"):
         assert term in p["error"]
     # the minimum is exact: at it, a 256-cell window; one MiB less, refused
     r = run_python(_SIMULATE, cpu_build.lib_dir, env_extra={"RKV_CASES": json.dumps({
@@ -273,6 +282,22 @@ def test_other_caches_come_off_the_budget(sim):
     assert with_other["budget"]["other_kv_bytes"] == 2048 * MiB
 
 
+def test_gpu_runtime_counts_against_a_target_only(sim):
+    """NVML counts the CUDA context, cuBLAS and the pools per process: a vram_target must leave room for them."""
+    default, given, env = sim["tail_f16"], sim["runtime_given"], sim["runtime_env"]
+    assert default["budget"]["runtime_bytes"] == RUNTIME_MIB * MiB == default["budget"]["devices"][0]["runtime_bytes"]
+    assert given["budget"]["runtime_bytes"] == 100 * MiB and env["budget"]["runtime_bytes"] == 1000 * MiB
+    for name in ("runtime_given", "runtime_env"):
+        assert sim[name]["window_cells"] == Expect({**CASES[name], **({"runtime_mib": 1000} if name == "runtime_env" else {})}).window
+    # every MiB of runtime is a MiB less of window
+    cell = 32 * 4096
+    assert given["window_cells"] - default["window_cells"] == pytest.approx((RUNTIME_MIB - 100) * MiB / cell, abs=ALIGN)
+    assert default["window_cells"] - env["window_cells"] == pytest.approx((1000 - RUNTIME_MIB) * MiB / cell, abs=ALIGN)
+    # without a target the budget is free memory (the context is gone from it already) minus the reserve
+    assert sim["runtime_no_target"]["window_cells"] == sim["no_target"]["window_cells"]
+    assert sim["runtime_no_target"]["budget"]["min_target_mib"] == sim["no_target"]["budget"]["min_target_mib"] + 5000 - RUNTIME_MIB
+
+
 # ------------------------------------------------------------------------------------ budget sources
 
 
@@ -316,7 +341,7 @@ def test_two_devices_the_tighter_one_decides(sim):
     assert set(devs) == {"CUDA0", "CUDA1"} and p["budget"]["weights_bytes"] == 7000 * MiB
     # CUDA1 holds 3000 MiB more weights: its budget binds
     cell = 16 * 4096
-    kv_budget = (10000 - 5000 - 300 - 96) * MiB
+    kv_budget = (10000 - 5000 - 300 - RUNTIME_MIB - 96) * MiB
     assert devs["CUDA1"]["kv_budget_bytes"] == kv_budget and devs["CUDA1"]["fit_cells"] < devs["CUDA0"]["fit_cells"]
     assert p["window_cells"] == (kv_budget // cell - 1) // ALIGN * ALIGN
 

@@ -28,6 +28,25 @@ static const size_t LLAMA_RKV_MIB = 1024ull*1024;
 // batches, fragmentation, other processes starting later)
 static const size_t LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
 
+// the device memory of a GPU runtime that no ggml buffer accounts for: the CUDA context and its kernel modules,
+// cuBLAS handles and workspaces, the CUDA pool's growth. A vram_target is a per-process cap as NVML measures it, so
+// it counts against the target (the free-VRAM budget sees the context gone from free already). On the H200 with
+// CUDA 13, llama-server's NVML peak was 653 MiB above weights + compute estimate + ring + window
+// (docs/perf/2026-11-30-gpu-gates/vram-*.json); LLAMA_RKV_RUNTIME_MIB overrides it.
+static const size_t LLAMA_RKV_RUNTIME_RESERVE = 640*LLAMA_RKV_MIB;
+
+static size_t llama_rkv_runtime_reserve() {
+    const char * v = getenv("LLAMA_RKV_RUNTIME_MIB");
+    if (v && *v) {
+        char * end = nullptr;
+        const long long mib = strtoll(v, &end, 10);
+        if (end && *end == '\0' && mib >= 0) {
+            return (size_t) mib*LLAMA_RKV_MIB;
+        }
+    }
+    return LLAMA_RKV_RUNTIME_RESERVE;
+}
+
 // n_kv grows in steps of 256 cells (llama_kv_cache::get_n_kv) and the CUDA kernels split the parts at
 // 256-cell boundaries: a window of a multiple of 256 cells keeps whole n_kv steps on one side
 static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
@@ -283,7 +302,7 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
             d.avail = d.free > st.reserve ? d.free - st.reserve : 0;
         }
 
-        const size_t fixed       = d.compute + d.other_kv;
+        const size_t fixed       = d.compute + d.other_kv + (target > 0 ? d.runtime : 0);
         const size_t fixed_split = fixed + d.ring; // a resident cache streams nothing: no ring
 
         if (fixed + d.kv_resident > d.avail) {
@@ -302,8 +321,10 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
         }
 
         // the smallest target with a plan: the whole KV, or the smallest window
-        const size_t need_resident = d.weights + fixed + d.kv_resident;
-        const size_t need_split    = d.weights + fixed_split + (LLAMA_RKV_WINDOW_ALIGN + 1)*d.cell_bytes;
+        // (as a target: the runtime counts)
+        const size_t fixed_target  = d.compute + d.other_kv + d.runtime;
+        const size_t need_resident = d.weights + fixed_target + d.kv_resident;
+        const size_t need_split    = d.weights + fixed_target + d.ring + (LLAMA_RKV_WINDOW_ALIGN + 1)*d.cell_bytes;
         const size_t need          = kv_size > LLAMA_RKV_WINDOW_ALIGN ? std::min(need_resident, need_split) : need_resident;
 
         d.min_target_mib  = (int64_t) ((need + LLAMA_RKV_MIB - 1)/LLAMA_RKV_MIB);
@@ -326,8 +347,8 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
     if (target > 0 && target < d.min_target_mib) {
         snprintf(buf, sizeof(buf),
                 "vram_target %" PRId64 " MiB is below the minimum of %" PRId64 " MiB on %s: weights %.0f MiB + compute buffers "
-                "~%.0f MiB (estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB + a %u-cell KV window %.0f MiB",
-                target, d.min_target_mib, d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute),
+                "~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other KV caches %.0f MiB + streaming ring %.0f MiB + a %u-cell KV window %.0f MiB",
+                target, d.min_target_mib, d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime),
                 llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring), LLAMA_RKV_WINDOW_ALIGN, llama_rkv_mib(min_window));
     } else {
         const std::string reserve = target > 0 ? "" : " minus a " + std::to_string(st.reserve/LLAMA_RKV_MIB) + " MiB reserve";
@@ -668,6 +689,7 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
             d.weights          = llama_rkv_weights_bytes(model, dev);
             d.other_kv         = g->other_kv;
             d.ring             = in.host_memory ? 0 : ring; // no staging: the CPU op reads the tail in place
+            d.runtime          = in.host_memory ? 0 : llama_rkv_runtime_reserve();
             d.row_bytes_window = g->row_bytes_window;
             d.row_bytes_tail   = g->row_bytes_tail;
             d.conv_cell_bytes  = in.host_memory ? 0 : g->conv_cell_bytes;
@@ -797,8 +819,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     if (st->devs.empty()) {
         res += ",\"budget\":null";
     } else {
-        size_t free = 0, weights = 0, compute = 0, other_kv = 0, ring = 0, kv_resident = 0;
+        size_t free = 0, weights = 0, compute = 0, other_kv = 0, ring = 0, kv_resident = 0, runtime = 0;
         for (const auto & d : st->devs) {
+            runtime     += d.runtime;
             free        += d.free;
             weights     += d.weights;
             compute     += d.compute;
@@ -809,9 +832,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         snprintf(buf, sizeof(buf),
                 ",\"budget\":{\"budgeted\":%s,\"vram_target_mib\":%" PRId64 ",\"min_target_mib\":%" PRId64
                 ",\"reserve_bytes\":%zu,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu,\"other_kv_bytes\":%zu"
-                ",\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu",
+                ",\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu,\"runtime_bytes\":%zu",
                 st->budgeted ? "true" : "false", st->req.vram_target_mib, st->min_target_mib,
-                st->reserve, free, weights, compute, other_kv, ring, st->ring_slots, st->ring_slot_size, kv_resident);
+                st->reserve, free, weights, compute, other_kv, ring, st->ring_slots, st->ring_slot_size, kv_resident, runtime);
         res += buf;
         res += ",\"compute_note\":" + llama_rkv_json_str(st->compute_note);
         res += ",\"devices\":[";
@@ -822,9 +845,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
             snprintf(buf, sizeof(buf),
                     ",\"host_memory\":%s,\"n_layer\":%u,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
                     ",\"other_kv_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu,\"kv_resident_bytes\":%zu"
-                    ",\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64 "}",
+                    ",\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64 ",\"runtime_bytes\":%zu}",
                     d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.ring, d.avail,
-                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib);
+                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime);
             res += buf;
         }
         res += "]}";
@@ -1205,6 +1228,8 @@ std::string llama_rkv_plan_simulate(const char * json_in) {
     base.compute     = r.mib("compute_mib", 0);
     base.other_kv    = r.mib("other_kv_mib", 0);
     base.ring        = r.mib("ring_mib", ring_unset);
+    const size_t runtime_unset = (size_t) -1; // default: the library's GPU runtime reserve on a GPU, 0 in host memory
+    base.runtime     = r.mib("runtime_mib", runtime_unset);
     const size_t reserve = r.mib("reserve_mib", LLAMA_RKV_VRAM_RESERVE);
 
     const double mem_bw = r.num("mem_bw_gbps", -1.0);
@@ -1256,6 +1281,9 @@ std::string llama_rkv_plan_simulate(const char * json_in) {
     const size_t conv  = (st.type_k != GGML_TYPE_F16 ? n_embd_k_gqa*2 : 0) + (st.type_v != GGML_TYPE_F16 ? n_embd_v_gqa*2 : 0);
 
     auto add_dev = [&](llama_rkv_dev_budget d, uint32_t n) {
+        if (d.runtime == runtime_unset) {
+            d.runtime = d.host_memory ? 0 : llama_rkv_runtime_reserve();
+        }
         d.n_layer          = n;
         d.row_bytes_window = n*row_w;
         d.row_bytes_tail   = n*row_t;
@@ -1281,6 +1309,7 @@ std::string llama_rkv_plan_simulate(const char * json_in) {
             d.compute     = dr.mib("compute_mib", base.compute);
             d.other_kv    = dr.mib("other_kv_mib", base.other_kv);
             d.ring        = dr.mib("ring_mib", d.host_memory ? 0 : base.ring);
+            d.runtime     = dr.mib("runtime_mib", base.runtime);
             const uint32_t n = (uint32_t) dr.count("n_layer", 0, true);
             if (!dr.err.empty()) {
                 return rkv_invalid("devices[" + std::to_string(i) + "]: " + dr.err);

@@ -57,6 +57,8 @@ struct llama_rkv_dev_budget {
     size_t   compute          = 0;     // compute buffer estimate
     size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model)
     size_t   ring             = 0;     // staging ring of the streaming op, counted only when the cache splits
+    size_t   runtime          = 0;     // the GPU runtime's own memory (context, library handles, pool growth):
+                                       // counted against a vram_target only (NVML counts it per process)
     size_t   row_bytes_window = 0;     // K+V bytes of one cell of one stream over this device's layers, window types
     size_t   row_bytes_tail   = 0;     // the same at the tail types
     size_t   conv_cell_bytes  = 0;     // f16 copy of one cell of one layer's K/V that flash attention makes of

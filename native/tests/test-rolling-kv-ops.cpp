@@ -10,8 +10,11 @@
 //    included). On the CPU backend the output must be BIT-IDENTICAL to the reference
 //    (the CPU kernel runs ops.cpp's own path - split-KV decode, tiled or one-chunk -
 //    over the virtual concatenation; printed as "bitexact" / "DIFF n"). On other
-//    backends only the NMSE is checked, against the same 5e-7 (the CUDA parts run the
-//    stock kernels; on the H200 same-type cases measured <= 4.6e-7).
+//    backends the NMSE is checked against the same 5e-7 (the CUDA parts run the stock
+//    kernels; on the H200 same-type cases measured <= 4.6e-7); where it is exceeded (prefill
+//    shapes reach ~6e-7: the kernels take Q and P in f16), the op passes if it is no farther
+//    from attention in double precision than ggml_flash_attn_ext over the concatenation is
+//    (NMSE within 2x; printed as "exact: op .., stock ..").
 //  - mixed window/tail types: window and tail are separate tensors of their own types
 //    holding the same floats; the reference is ggml_flash_attn_ext over an F32
 //    concatenation of the dequantized window and tail. Q is then not quantized to
@@ -26,7 +29,10 @@
 //    ggml's CUDA flash attention writes NaN (0/0) there, and such reference values are taken
 //    as 0 (counted on the case line as ref-masked-nan-as-0).
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host]
+// --exact: compute the double-precision reference for every case and fail a case where ggml_flash_attn_ext
+// itself is farther than 1e-4 NMSE from it (a self-check of that reference: scale, softcap, ALiBi, sinks, masks).
+//
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact]
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
 
 #include "ggml.h"
@@ -184,6 +190,78 @@ static double nmse(const float * a, const float * b, size_t n) {
     return err/ref;
 }
 
+// Attention in double precision over the values the op's K/V hold (after their types' rounding), the reference
+// for backends whose kernels round (the CUDA kernels take Q and P in f16): dst layout [DV, n_head, n_q, ne3],
+// 0 for fully masked rows without sinks (as the op). Scale, softcap, ALiBi slopes and sinks as ggml's CPU path.
+static std::vector<float> exact_attention(const test_case & c, const std::vector<float> & hq, kv_host & k, kv_host & v,
+        const std::vector<ggml_fp16_t> & hm, int64_t n_q_pad, const std::vector<float> & hs, float scale) {
+    const int64_t D = c.D, n_kv = c.n_kv, n_head = c.n_head_kv*c.gqa, n_q = c.n_q, ne3 = c.ne3;
+    GGML_UNUSED(n_q_pad);
+    std::vector<float> out(D*n_head*n_q*ne3, 0.0f);
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2((double) n_head));
+    const double m0 = pow(2.0, -(double) c.max_bias/n_head_log2);
+    const double m1 = pow(2.0, -((double) c.max_bias/2.0)/n_head_log2);
+    const double sc = c.softcap != 0.0f ? (double) scale/c.softcap : (double) scale;
+
+    auto worker = [&](int64_t h0, int64_t h1) {
+        std::vector<double> sv(n_kv), acc(D);
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t hk = h/c.gqa;
+            const double slope = c.max_bias > 0.0f ? (h < (int64_t) n_head_log2 ? pow(m0, h + 1) : pow(m1, 2*(h - n_head_log2) + 1)) : 1.0;
+            for (int64_t i3 = 0; i3 < ne3; ++i3) {
+                for (int64_t iq = 0; iq < n_q; ++iq) {
+                    const float * qr = c.q_perm ? &hq[((i3*n_q + iq)*n_head + h)*D] : &hq[((i3*n_head + h)*n_q + iq)*D];
+                    double mx = -INFINITY;
+                    for (int64_t j = 0; j < n_kv; ++j) {
+                        const double mv = hm.empty() ? 0.0 : (double) ggml_fp16_to_fp32(hm[iq*n_kv + j]);
+                        if (mv == -INFINITY) { sv[j] = -INFINITY; continue; }
+                        double dot = 0.0;
+                        const float * kr = &k.at(i3, hk, j, 0);
+                        for (int64_t d = 0; d < D; ++d) dot += (double) qr[d]*kr[d];
+                        double x = dot*sc;
+                        if (c.softcap != 0.0f) x = c.softcap*tanh(x);
+                        sv[j] = x + slope*mv;
+                        mx = std::max(mx, sv[j]);
+                    }
+                    if (c.sinks) mx = std::max(mx, (double) hs[h]);
+                    if (mx == -INFINITY) continue; // fully masked, no sinks: 0
+                    double sum = c.sinks ? exp((double) hs[h] - mx) : 0.0;
+                    std::fill(acc.begin(), acc.end(), 0.0);
+                    for (int64_t j = 0; j < n_kv; ++j) {
+                        if (sv[j] == -INFINITY) continue;
+                        const double p = exp(sv[j] - mx);
+                        sum += p;
+                        const float * vr = &v.at(i3, hk, j, 0);
+                        for (int64_t d = 0; d < D; ++d) acc[d] += p*vr[d];
+                    }
+                    float * o = &out[((i3*n_q + iq)*n_head + h)*D];
+                    for (int64_t d = 0; d < D; ++d) o[d] = (float) (acc[d]/sum);
+                }
+            }
+        }
+    };
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(n_head, (int64_t) std::thread::hardware_concurrency()));
+    std::vector<std::thread> th;
+    for (int64_t t = 0; t < nt; ++t) {
+        th.emplace_back(worker, t*n_head/nt, (t + 1)*n_head/nt);
+    }
+    for (auto & t : th) t.join();
+    return out;
+}
+
+// K or V host values as a tensor of `type` holds them: every row rounded through the type
+static void round_through(kv_host & x, ggml_type type) {
+    if (type == GGML_TYPE_F32) return;
+    for (int64_t i3 = 0; i3 < x.ne3; ++i3)
+    for (int64_t h = 0; h < x.nh; ++h)
+    for (int64_t cc = 0; cc < x.n_kv; ++cc) {
+        float * row = &x.at(i3, h, cc, 0);
+        auto qb = to_type(type, row, 1, x.D);
+        auto back = from_type(type, qb.data(), 1, x.D);
+        memcpy(row, back.data(), x.D*sizeof(float));
+    }
+}
+
 enum result { RES_PASS, RES_FAIL, RES_SKIP };
 
 static std::string g_extra; // extra per-case info printed on the case line
@@ -193,6 +271,7 @@ static std::string g_extra; // extra per-case info printed on the case line
 // move the op to the CPU nor copy the tail: one split, no device compute buffer), and three evaluations of the
 // same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
 static bool           g_tail_host   = false;
+static bool           g_exact_check = false;
 static ggml_backend_t g_cpu_backend = nullptr;
 
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
@@ -259,6 +338,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor * sk = c.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : nullptr;
 
     std::vector<kv_dev> kvs;
+    kv_host exact_k, exact_v; // the values the op's K/V hold (for the exact reference on non-CPU backends)
     ggml_tensor *kw = nullptr, *vw = nullptr, *kt = nullptr, *vt = nullptr, *kref = nullptr, *vref = nullptr;
     std::vector<uint8_t> kref_bytes, vref_bytes;
 
@@ -304,6 +384,11 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
         kvs.push_back(make_kv(ctx, GGML_TYPE_F32, rk, 0, n_kv, c.cache_layout, 3)); kref = kvs.back().view;
         kvs.push_back(make_kv(ctx, GGML_TYPE_F32, rv, 0, n_kv, c.cache_layout, 3)); vref = kvs.back().view;
+        if (!is_cpu || g_exact_check) { exact_k = rk; exact_v = rv; }
+    }
+    if ((!is_cpu || g_exact_check) && !c.mixed()) {
+        exact_k = hk; round_through(exact_k, c.tkw);
+        exact_v = hv; round_through(exact_v, c.tvw);
     }
 
     const float scale = 1.0f/sqrtf((float) D);
@@ -448,7 +533,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 ggml_backend_tensor_get(ref_b, hrb.data(), 0, ggml_nbytes(ref_b));
                 const double ea = nmse(ho.data(), hr.data(), ho.size());
                 const double eb = nmse(hob.data(), hrb.data(), hob.size());
-                if (!(ea <= 5e-7) || !(eb <= 5e-7)) {
+                // a stale row (copied before its write) errs by ~1e-2 NMSE; the kernels' own rounding is ~6e-7
+                if (!(ea <= 5e-5) || !(eb <= 5e-5)) {
                     char b[160];
                     snprintf(b, sizeof(b), " WRITTEN-ROWS run %d: NMSE first op %.2e, op after the writes %.2e", run, ea, eb);
                     g_extra += b;
@@ -516,13 +602,33 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     *out_thr  = thr;
 
     bool ok = n_nonfinite == 0 && err <= thr && sched_ok;
+    if (!is_cpu && n_nonfinite == 0 && sched_ok && !ok) {
+        // the stock kernels round too (Q and P in f16): the op passes when it is no farther from the exact
+        // result than ggml_flash_attn_ext over the concatenation is (within 2x its NMSE)
+        const std::vector<float> ex = exact_attention(c, hq, exact_k, exact_v, hm, n_q_pad, hs, scale);
+        const double e_op  = nmse(ho.data(), ex.data(), ex.size());
+        const double e_ref = nmse(hr.data(), ex.data(), ex.size());
+        char b[128];
+        snprintf(b, sizeof(b), " exact: op %.2e, stock %.2e", e_op, e_ref);
+        g_extra += b;
+        ok = e_op <= 2.0*e_ref;
+    }
+    if (g_exact_check) {
+        const std::vector<float> ex = exact_attention(c, hq, exact_k, exact_v, hm, n_q_pad, hs, scale);
+        const double e_op  = nmse(ho.data(), ex.data(), ex.size());
+        const double e_ref = nmse(hr.data(), ex.data(), ex.size());
+        char b[128];
+        snprintf(b, sizeof(b), " exact-check: op %.2e, stock %.2e", e_op, e_ref);
+        g_extra += b;
+        ok = ok && e_ref <= 1e-4 && e_op <= 1e-4;
+    }
     if (!c.mixed() && is_cpu) {
         // same types on CPU: bit-identical to ggml_flash_attn_ext over the concatenation
         size_t n_diff = 0;
         for (size_t i = 0; i < ho.size(); ++i) {
             if (memcmp(&ho[i], &hr[i], sizeof(float)) != 0) n_diff++;
         }
-        g_extra = n_diff == 0 ? " bitexact" : " DIFF " + std::to_string(n_diff) + "/" + std::to_string(ho.size());
+        g_extra += n_diff == 0 ? " bitexact" : " DIFF " + std::to_string(n_diff) + "/" + std::to_string(ho.size());
         ok = ok && n_diff == 0;
     }
     if (ref_w && is_cpu) {
@@ -715,8 +821,10 @@ int main(int argc, char ** argv) {
             only = atol(argv[++i]);
         } else if (a == "--tail-host") {
             g_tail_host = true;
+        } else if (a == "--exact") {
+            g_exact_check = true;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact]\n", argv[0]);
             return 2;
         }
     }
