@@ -213,7 +213,8 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
         ncfg = gate_needle.NeedleConfig(model=cfg.model, build=cfg.build, filler_tokens=cfg.needle_filler_tokens,
                                         depths=tuple(cfg.needle_depths), seed=cfg.needle_seed,
                                         window_cells=needle_window(cfg.needle_filler_tokens), threads=cfg.threads,
-                                        n_gpu_layers=cfg.n_gpu_layers, n_predict=cfg.needle_n_predict)
+                                        n_gpu_layers=cfg.n_gpu_layers, n_predict=cfg.needle_n_predict,
+                                        match="answer" if cfg.order_floor else "tokens")
         console.print(f"[dim]needle: {cfg.needle_filler_tokens} filler tokens, window {ncfg.window_cells}, depths "
                       f"{', '.join(f'{d:g}' for d in ncfg.depths)}[/]")
         needle = gate_needle.run(ncfg, console, logs)

@@ -12,6 +12,12 @@ the candidate (the split cache). Verdict per placement:
 - ``inconclusive``  identical answers, but the reference itself does not retrieve the number: the model
                      cannot do this task, so the gate proves nothing about the tail.
 
+``match="answer"`` (the default on the GPU) compares the answers only through the number: pass when both
+retrieve it and the texts agree up to its end. GPU kernels reproduce the resident run only up to the
+floating-point order of their sums (``gate equiv --order-floor``), which can flip a near tie in what the
+model says after the answer (on the H200, the resident demo model ended " 93494." where the split one
+went on " 93494.\n\nThe answer is"); what the tail must deliver is the fact.
+
 The whole gate fails when any placement fails, is inconclusive when none fails and one is inconclusive.
 This module holds the prompt construction and the verdict (pure, tested without a model) and the runs.
 """
@@ -91,7 +97,15 @@ def retrieved(answer_text: str, number: str) -> bool:
     return number in answer_text
 
 
-def placement_verdict(ref: Answer, cand: Answer, number: str) -> str:
+MATCHES = ("tokens", "answer")
+
+
+def placement_verdict(ref: Answer, cand: Answer, number: str, match: str = "tokens") -> str:
+    if match == "answer":
+        if not retrieved(ref.text, number):
+            return "inconclusive" if ref.tokens == cand.tokens or not retrieved(cand.text, number) else "fail"
+        end = ref.text.index(number) + len(number)
+        return "pass" if cand.text[:end] == ref.text[:end] else "fail"
     if ref.tokens != cand.tokens:
         return "fail"
     if not retrieved(ref.text, number):
@@ -248,6 +262,7 @@ class NeedleConfig:
     n_gpu_layers: int | None = None
     filler_file: Path | None = None
     mode: str = "window"
+    match: str = "tokens"  # or "answer": through the number only (the GPU's order floor, see the module doc)
 
     def residency(self) -> dict:
         r: dict = {"mode": self.mode}
@@ -335,7 +350,7 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
 
     results = []
     for pl, ra, ca in zip(placements, answers["reference"], answers["candidate"]):
-        v = placement_verdict(ra, ca, pl.number)
+        v = placement_verdict(ra, ca, pl.number, cfg.match)
         results.append({**placement_dict(pl, (plan or {}).get("window_cells")), "verdict": v,
                         "reference_retrieved": retrieved(ra.text, pl.number),
                         "candidate_retrieved": retrieved(ca.text, pl.number),
@@ -346,6 +361,7 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
         "gate": "needle",
         "verdict": verdict,
         "passed": verdict == "pass",
+        "match": cfg.match,
         "model": str(cfg.model),
         "format": cfg.fmt,
         "seed": cfg.seed,

@@ -4,15 +4,20 @@
 # first position that reads the tail, with or without run-ahead. Build, the model-shaped op-test cases, the
 # resident run's own order floor (--order-floor: the resident cache with half the batch; is the difference just
 # the GPU kernels' floating-point order?), then the same gate under switches that each remove one suspect.
-# Results: $OUT/log.txt, $OUT/synth8L-floor*.json.
+# Results: $OUT/log.txt, $OUT/synth8L-floor*.json, $OUT/optest-*.txt. The suspect switches (AB_VARIANTS=1) all gave
+# the same distance on the H200 (docs/perf/2026-11-30-gpu-exactness.md): the difference is the floor, not a bug.
 . "$(dirname "$0")/device-lib.sh"
 step build
 bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
 B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"
 step "op tests, model-shaped cases (permuted Q, GQA 3/4, prefill 512 over a 512 window, long decode)"
 for host in "" "--tail-host"; do
-  "$B/build/bin/test-rolling-kv-ops" -b CUDA0 $host | grep -E "q-perm|passed" | cut -c1-220
+  "$B/build/bin/test-rolling-kv-ops" -b CUDA0 $host > "/tmp/optest$host.txt" 2>&1; echo "op test -b CUDA0 $host: exit $?"
+  grep -E "FAIL|exact:|passed" "/tmp/optest$host.txt" | cut -c1-260 | tail -40
 done
+grep -h "exact:" /tmp/optest*.txt | sed 's/.*exact: op \([^,]*\), stock \([^ ]*\).*/\1 \2/' | \
+  awk '{r=$1/$2; if (r>m) m=r; n++} END {print n " cases decided by the double-precision reference; worst op/stock NMSE ratio " m}'
+cp /tmp/optest.txt "$OUT/optest-cuda0.txt"; cp /tmp/optest--tail-host.txt "$OUT/optest-cuda0-tail-host.txt"
 M=/tmp/synth-8L.gguf
 [ -f $M ] || python3 -m rollingkv_cli model synth $M --layers 8 --embd 2048 --heads 16 --kv-heads 4 --ff 5632 --vocab 32000 --ctx 32768 --force | tail -1
 gate() {  # label, env..., then -- gate args
@@ -24,11 +29,13 @@ gate() {  # label, env..., then -- gate args
 step "teacher-forced gate, synth 8L, window 512 of 2048, f16: the resident run's own order floor (batch 256 vs 512), then one suspect removed per run"
 gate floor X=1 -- --order-floor --json "$OUT/synth8L-floor.json"
 gate floor-window256 X=1 -- --order-floor --kv-window-cells 256 --json "$OUT/synth8L-floor-w256.json"
+[ -n "${AB_VARIANTS:-}" ] && {
 gate sched-copy LLAMA_RKV_SCHED_COPY=1 --
 gate no-graphs GGML_CUDA_DISABLE_GRAPHS=1 --
 gate no-fusion GGML_CUDA_DISABLE_FUSION=1 --
 gate runahead0 GGML_RKV_RUNAHEAD=0 --
 gate nbatch32 X=1 -- --n-batch 32
 gate cpu-op X=1 -- -ngl 0
+}
 gate q8_0-tail X=1 -- -ctkt q8_0 -ctvt q8_0 --tail-baseline --order-floor
 step done

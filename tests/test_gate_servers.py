@@ -175,6 +175,14 @@ def test_needle_verdicts():
     assert placement_verdict(ref, Answer([1, 2, 4], " 48214."), "48213") == "fail"
     assert placement_verdict(Answer([5], " 1."), Answer([5], " 1."), "48213") == "inconclusive"
     assert placement_verdict(Answer([5], " 1."), Answer([6], " 48213."), "48213") == "fail"  # a difference is a failure
+    # match="answer" (GPU): identical through the number; what follows it may differ
+    ref = Answer([1, 2, 3, 2], " 48213.")
+    assert placement_verdict(ref, Answer([1, 2, 3, 9, 9], " 48213.\n\nThe answer is"), "48213", "answer") == "pass"
+    assert placement_verdict(ref, Answer([1, 2, 3, 9, 9], " 48213.\n\nThe answer is"), "48213") == "fail"
+    assert placement_verdict(ref, Answer([1, 4], " 4821."), "48213", "answer") == "fail"
+    assert placement_verdict(ref, Answer([7, 1, 2, 3], " is 48213."), "48213", "answer") == "fail"  # not the same answer
+    assert placement_verdict(Answer([5], " 1."), Answer([6], " 2."), "48213", "answer") == "inconclusive"
+    assert placement_verdict(Answer([5], " 1."), Answer([6], " 48213."), "48213", "answer") == "fail"
     assert overall_verdict(["pass", "pass"]) == "pass"
     assert overall_verdict(["pass", "inconclusive"]) == "inconclusive"
     assert overall_verdict(["inconclusive", "fail"]) == "fail"

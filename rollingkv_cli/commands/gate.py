@@ -378,15 +378,18 @@ def _parse_reference(spec: str) -> tuple[str, Path | None]:
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per server.  [default: all cores]")
 @_ngl_option(help_default="llama-server's")
 @_build_options
+@click.option("--match", type=click.Choice(["tokens", "answer"]), default=None,
+              help="tokens: identical answer tokens; answer: identical through the number (GPU kernels' float order may flip "
+                   "a near tie after it).  [default: answer on the CUDA backend, tokens on the CPU]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict, n_ctx, kv_window_cells, vram_target, mode,
-           ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, json_out) -> None:
+           ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, match, json_out) -> None:
     """Retrieve a fact placed in the host tail: the split cache must answer exactly as the resident one.
 
     A seeded random number ("The secret number is 48213.") goes into filler text at each --depth; a
     resident llama-server (residency off) and a split one (window [0, N) on the device, the rest in the
-    tail) answer the same prompt tokens greedily. Pass: identical answer tokens at every placement, and the
-    resident run retrieved the number.
+    tail) answer the same prompt tokens greedily. Pass: identical answer tokens at every placement (on the
+    GPU: identical answers through the number, see --match), and the resident run retrieved the number.
 
     \b
     Exit status:
@@ -396,7 +399,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
       4  inconclusive: the model does not retrieve this needle even fully resident
          (try another --seed, a shorter --filler-tokens, or --format chat)
     """
-    from rollingkv_cli import gate_common, gate_needle, models
+    from rollingkv_cli import gate_common, gate_matrix, gate_needle, models
     from rollingkv_cli.console import console
 
     if kv_window_cells is not None and vram_target is not None:
@@ -411,7 +414,8 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
     cfg = gate_needle.NeedleConfig(model=model_path, build=build, filler_tokens=filler_tokens, depths=tuple(depths), seed=seed,
                                    fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, vram_target=vram_target, ctk=ctk, ctv=ctv,
                                    ctkt=ctkt, ctvt=ctvt, n_predict=n_predict, threads=threads or os.cpu_count() or 1,
-                                   n_gpu_layers=n_gpu_layers, filler_file=filler_file, mode=mode)
+                                   n_gpu_layers=n_gpu_layers, filler_file=filler_file, mode=mode,
+                                   match=match or ("answer" if gate_matrix.backend_label(build, n_gpu_layers) == "cuda" else "tokens"))
     r = gate_needle.run(cfg, console, gate_common.logs_dir())
     gate_needle.print_report(console, r)
     if json_out is not None:
