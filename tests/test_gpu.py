@@ -77,18 +77,13 @@ def test_op_streams_a_pinned_host_tail(cuda_build):
     assert "SCHED" not in out and "REPLAY-DIFF" not in out
 
 
-def test_probe_pcie_measures_the_link(tmp_path):
+def test_probe_pcie_measures_the_link(tmp_path, monkeypatch):
     """NVML for real: the link and a measured pinned host-to-device copy, cached."""
     n, why = _gpu_count()
     if n == 0:
         pytest.skip(f"no NVIDIA GPU: {why}")
-    env_cache = {"ROLLINGKV_CACHE_DIR": str(tmp_path)}
-    os.environ.update(env_cache)
-    try:
-        proc = _cli(["probe", "pcie", "--json", "--refresh"])
-    finally:
-        for k in env_cache:
-            os.environ.pop(k, None)
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path))  # a fresh profile (restored after the test)
+    proc = _cli(["probe", "pcie", "--json", "--refresh"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     g = r["gpus"][0]

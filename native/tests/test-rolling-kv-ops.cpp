@@ -325,6 +325,31 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
     }
 
+    // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
+    // attention) writes 0 there, but ggml's CUDA flash attention writes 0/0 = NaN when there are no
+    // sinks. Such reference values are taken as 0; any other non-finite reference value still fails.
+    std::vector<bool> row_masked(n_q, false);
+    if (c.mask != MASK_NONE && !c.sinks) {
+        for (int64_t i = 0; i < n_q; ++i) {
+            row_masked[i] = true;
+            for (int64_t j = 0; j < n_kv && row_masked[i]; ++j) {
+                if (ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY) {
+                    row_masked[i] = false;
+                }
+            }
+        }
+    }
+    auto zero_masked_nan = [&](std::vector<float> & r) {
+        size_t n = 0;
+        for (size_t e = 0; e < r.size(); ++e) {
+            if (row_masked[(int64_t) (e/(size_t) (D*n_head)) % n_q] && !std::isfinite(r[e])) {
+                r[e] = 0.0f;
+                n++;
+            }
+        }
+        return n;
+    };
+
     const size_t ctx_size = 128*ggml_tensor_overhead() + ggml_graph_overhead();
     ggml_init_params ip = { ctx_size, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
@@ -531,6 +556,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 ggml_backend_tensor_get(ref, hr.data(), 0, ggml_nbytes(ref));
                 ggml_backend_tensor_get(out_b, hob.data(), 0, ggml_nbytes(out_b));
                 ggml_backend_tensor_get(ref_b, hrb.data(), 0, ggml_nbytes(ref_b));
+                zero_masked_nan(hr);
+                zero_masked_nan(hrb);
                 const double ea = nmse(ho.data(), hr.data(), ho.size());
                 const double eb = nmse(hob.data(), hrb.data(), hob.size());
                 // a stale row (copied before its write) errs by ~1e-2 NMSE; the kernels' own rounding is ~6e-7
@@ -569,24 +596,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
     // attention) writes 0 there, but ggml's CUDA flash attention writes 0/0 = NaN when there are no
     // sinks. Such reference values are taken as 0; any other non-finite reference value still fails.
-    size_t n_ref_zeroed = 0;
-    if (m && !c.sinks) {
-        std::vector<bool> row_masked(n_q, true);
-        for (int64_t i = 0; i < n_q; ++i) {
-            for (int64_t j = 0; j < n_kv && row_masked[i]; ++j) {
-                if (ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY) {
-                    row_masked[i] = false;
-                }
-            }
-        }
-        for (size_t e = 0; e < hr.size(); ++e) {
-            const int64_t iq1 = (int64_t) (e/(size_t) (D*n_head)) % n_q;
-            if (row_masked[iq1] && !std::isfinite(hr[e])) {
-                hr[e] = 0.0f;
-                n_ref_zeroed++;
-            }
-        }
-    }
+    const size_t n_ref_zeroed = zero_masked_nan(hr);
 
     size_t n_nonfinite = 0;
     int64_t first_nonfinite = -1;
@@ -597,12 +607,13 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     }
 
     const double err = nmse(ho.data(), hr.data(), ho.size());
-    const double thr = c.mixed() ? 5e-5 : 5e-7;
+    // written rows (--tail-host): every run compared with its own reference above; stale rows err by ~1e-2
+    const double thr = c.mixed() || out_b ? 5e-5 : 5e-7;
     *out_nmse = err;
     *out_thr  = thr;
 
     bool ok = n_nonfinite == 0 && err <= thr && sched_ok;
-    if (!is_cpu && n_nonfinite == 0 && sched_ok && !ok) {
+    if (!is_cpu && n_nonfinite == 0 && sched_ok && !ok && !out_b) {
         // the stock kernels round too (Q and P in f16): the op passes when it is no farther from the exact
         // result than ggml_flash_attn_ext over the concatenation is (within 2x its NMSE)
         const std::vector<float> ex = exact_attention(c, hq, exact_k, exact_v, hm, n_q_pad, hs, scale);
