@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,11 +96,22 @@ def test_probe_pcie_measures_the_link(tmp_path, monkeypatch):
     assert r["profile"].startswith(str(tmp_path))  # cached in this cache dir
 
 
-def test_gate_equiv_demo_split_within_the_order_floor(cuda_build, demo_model, tmp_path):
-    """The demo model fully offloaded, a 256-cell window of 1024 tokens: the split's distance to the resident run is
-    at most 2x the resident run's own distance to itself at half the batch (docs/perf/2026-11-30-gpu-exactness.md)."""
+@pytest.fixture(scope="module")
+def synth_model(tmp_path_factory) -> Path:
+    """A small Llama-shaped GGUF with random f16 weights (4 layers, GQA 4, head 128), made with gguf-py."""
+    pytest.importorskip("gguf", reason="gguf-py is needed to write the synthetic model")
+    path = tmp_path_factory.mktemp("synth") / "synth-4L.gguf"
+    proc = _cli(["model", "synth", str(path), "--layers", "4", "--embd", "1024", "--heads", "8", "--kv-heads", "2",
+                 "--ff", "2816", "--vocab", "32000", "--ctx", "4096", "--force"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return path
+
+
+def test_gate_equiv_split_within_the_order_floor(cuda_build, synth_model, tmp_path):
+    """Fully offloaded, a 256-cell window of 1024 tokens: the split's distance to the resident run is at most 2x the
+    resident run's own distance to itself at half the batch (docs/perf/2026-11-30-gpu-exactness.md)."""
     out = tmp_path / "r.json"
-    proc = _cli(["gate", "equiv", "--model", str(demo_model), "--synthetic-tokens", "1024", "--kv-window-cells", "256",
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "1024", "--kv-window-cells", "256",
                  "-ngl", "99", "--order-floor", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     r = json.loads(out.read_text())
