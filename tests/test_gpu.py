@@ -118,4 +118,4 @@ def test_gate_equiv_split_within_the_order_floor(cuda_build, synth_model, tmp_pa
     assert r["candidate"]["plan"]["split"] and r["candidate"]["plan"]["window_cells"] == 256
     assert r["metrics"]["nonfinite"] == 0
     assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
-    assert r["metrics"]["bitwise_equal_rows"] >= 256  # positions before the tail: the same kernels, bit for bit
+    assert r["verdict"] == "pass" and r["order_floor"]["n_batch"] == 256 and r["order_floor"]["metrics"]["n"] == 1024
