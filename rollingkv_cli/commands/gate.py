@@ -131,10 +131,11 @@ def _cache_type_options(f):
 @click.option("--tail-baseline", is_flag=True,
               help="Quantized tail: also decode the resident cache with every K/V in the tail's type, and let the split lose up to "
                    "baseline_factor (3) times what that loses (each upper bound becomes max(bound, factor x baseline)).")
-@click.option("--order-floor", is_flag=True,
-              help="GPU: also decode the resident cache with half the batch (the same math in another floating-point order, "
-                   "as GPU attention kernels tile by shape), and let the split differ up to order_factor (2) times what that "
-                   "run differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))).")
+@click.option("--order-floor/--no-order-floor", default=None,
+              help="Also decode the resident cache with half the batch (the same math in another floating-point order, as GPU "
+                   "attention kernels tile by shape), and let the split differ up to order_factor (2) times what that run "
+                   "differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))).  "
+                   "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
@@ -183,6 +184,10 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
     build = gate_common.resolve_build(build_dir, lib_dir)
     cand_lib = build.lib_dir
+    if order_floor is None:
+        from rollingkv_cli import gate_matrix
+
+        order_floor = gate_matrix.backend_label(build, n_gpu_layers) == "cuda"
     if ref_kind == "resident":
         ref_lib = cand_lib
 
