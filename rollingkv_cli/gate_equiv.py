@@ -92,6 +92,7 @@ class EquivSession:
     logs: Path
     threads: int
     n_batch: int = 512
+    n_seq: int = 1  # sequences decoded side by side in every batch (one unified KV cache)
     n_gpu_layers: int | None = None
     n_ctx: int | None = None
     tokens: Path | None = None
@@ -109,7 +110,7 @@ class EquivSession:
         self.commands["tokenize"] = runner_cmd(args)
         tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json")
         self.tokens = self.wd / "tokens.npy"
-        self.n_tokens = int(tok["n_tokens"])
+        self.n_tokens = int(tok["n_tokens"]) // self.n_seq * self.n_seq  # the runner decodes n_seq equal sequences
         self.n_vocab = int(tok["n_vocab"])
         self.token_info = tok
         return tok
@@ -126,7 +127,7 @@ class EquivSession:
         assert self.tokens is not None and self.n_ctx is not None
         assert save is not None or reference is not None
         args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens", str(self.tokens), "--ctx", str(self.n_ctx),
-                "--n-batch", str(n_batch or self.n_batch), "--threads", str(self.threads), "-ctk", ctk, "-ctv", ctv]
+                "--n-batch", str(n_batch or self.n_batch), "--n-seq", str(self.n_seq), "--threads", str(self.threads), "-ctk", ctk, "-ctv", ctv]
         if self.n_gpu_layers is not None:
             args += ["--n-gpu-layers", str(self.n_gpu_layers)]
         if residency is not None:

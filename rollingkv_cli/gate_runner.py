@@ -249,9 +249,15 @@ def logits(args) -> dict:
     t0 = time.perf_counter()
     lib_dir = resolve_lib_dir(args.lib_dir)
     tokens = np.load(args.tokens).astype(np.int32)
-    n = int(tokens.shape[0])
+    n_seq = args.n_seq
+    # n_seq > 1: the text as n_seq contiguous sequences of L tokens, decoded side by side (every batch holds b
+    # positions of each, in one unified KV cache, as llama-server's parallel slots); logit row k*L + p is
+    # sequence k at position p, in both runs
+    seq_len = int(tokens.shape[0]) // n_seq
+    n = seq_len*n_seq
+    tokens = tokens[:n]
     if n == 0:
-        raise RunnerError("no tokens to decode")
+        raise RunnerError("no tokens to decode" if n_seq == 1 else f"fewer tokens than the {n_seq} sequences")
     if n > args.ctx:
         raise RunnerError(f"{n} tokens do not fit a context of {args.ctx}")
     residency = json.loads(args.residency) if args.residency else None
@@ -274,7 +280,9 @@ def logits(args) -> dict:
         cp.n_ctx = args.ctx
         cp.n_batch = args.n_batch
         cp.n_ubatch = args.n_ubatch or args.n_batch
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq
+        if n_seq > 1:
+            cp.kv_unified = True  # one cache for all sequences (llama-server's default with parallel slots)
         cp.n_threads = args.threads
         cp.n_threads_batch = args.threads
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -300,41 +308,49 @@ def logits(args) -> dict:
                 raise RunnerError(f"reference logits {ref.shape} do not match {n} tokens x {n_vocab} vocabulary")
 
         B = args.n_batch
-        batch = llama_cpp.llama_batch_init(B, 0, 1)
+        b = max(1, B // n_seq)  # positions of each sequence per batch
+        batch = llama_cpp.llama_batch_init(max(B, n_seq), 0, 1)
         t_decode = t_compare = 0.0
         emit("STAGE", "decoding")
         emit("PROGRESS", f"0 {n}")
-        for s in range(0, n, B):
-            e = min(n, s + B)
-            m = e - s
+        for s in range(0, seq_len, b):
+            e = min(seq_len, s + b)
+            w = e - s
+            m = w*n_seq
             batch.n_tokens = m
-            for i in range(m):
-                batch.token[i] = int(tokens[s + i])
-                batch.pos[i] = s + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1
+            for k in range(n_seq):
+                for i in range(w):
+                    j = k*w + i
+                    batch.token[j] = int(tokens[k*seq_len + s + i])
+                    batch.pos[j] = s + i
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = k
+                    batch.logits[j] = 1
             t1 = time.perf_counter()
             rc = llama_cpp.llama_decode(ctx, batch)
             if rc != 0:
-                raise RunnerError(f"llama_decode failed with status {rc} at positions {s}..{e - 1}")
+                raise RunnerError(f"llama_decode failed with status {rc} at positions {s}..{e - 1}"
+                                  + (f" of {n_seq} sequences" if n_seq > 1 else ""))
             ptr = llama_cpp.llama_get_logits(ctx)
             if not ptr:
                 raise RunnerError("llama_get_logits returned NULL")
             rows = np.ctypeslib.as_array(ptr, shape=(m, n_vocab))
             t2 = time.perf_counter()
             t_decode += t2 - t1
-            if out_mm is not None:
-                out_mm[s:e] = rows
-            if ref is not None:
-                r = np.asarray(ref[s:e])
-                c = np.array(rows, copy=True)
-                acc.add(r, c, start=s)
-                d = np.abs(r.astype(np.float64) - c.astype(np.float64))
-                max_abs = max(max_abs, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
-                bitwise_rows += int((r.view(np.uint32) == c.view(np.uint32)).all(axis=-1).sum())
+            for k in range(n_seq):
+                g0, g1 = k*seq_len + s, k*seq_len + e  # logit rows of sequence k at positions s..e-1
+                part = rows[k*w:(k + 1)*w]
+                if out_mm is not None:
+                    out_mm[g0:g1] = part
+                if ref is not None:
+                    r = np.asarray(ref[g0:g1])
+                    c = np.array(part, copy=True)
+                    acc.add(r, c, start=g0)
+                    d = np.abs(r.astype(np.float64) - c.astype(np.float64))
+                    max_abs = max(max_abs, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
+                    bitwise_rows += int((r.view(np.uint32) == c.view(np.uint32)).all(axis=-1).sum())
             t_compare += time.perf_counter() - t2
-            emit("PROGRESS", f"{e} {n}")
+            emit("PROGRESS", f"{e*n_seq} {n}")
         if out_mm is not None:
             out_mm.flush()
             del out_mm
@@ -352,6 +368,7 @@ def logits(args) -> dict:
         "plan": plan,
         "residency": residency,
         "n_tokens": n,
+        "n_seq": n_seq,
         "n_vocab": n_vocab,
         "n_ctx": n_ctx,
         "n_batch": args.n_batch,
@@ -424,6 +441,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--n-ubatch", type=int, default=0)
+    ap.add_argument("--n-seq", type=int, default=1, help="decode the tokens as N sequences side by side (one unified KV cache)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--n-gpu-layers", type=int, default=None)
     ap.add_argument("-ctk", "--cache-type-k", dest="ctk", default="f16")
@@ -446,8 +464,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error("--tokens needs --ctx")
         if not (a.save_logits or a.reference_logits):
             ap.error("--tokens needs --save-logits or --reference-logits")
-        if a.n_batch < 1 or a.ctx < 1 or a.threads < 1:
-            ap.error("--ctx, --n-batch and --threads must be positive")
+        if a.n_batch < 1 or a.ctx < 1 or a.threads < 1 or a.n_seq < 1:
+            ap.error("--ctx, --n-batch, --n-seq and --threads must be positive")
     if a.synthetic is not None and a.synthetic < 1:
         ap.error("--synthetic must be positive")
     return a

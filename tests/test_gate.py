@@ -16,7 +16,7 @@ from test_cli import run_main
 
 
 HELP_OPTIONS = {
-    "equiv": ("--synthetic-tokens", "--kv-window-cells", "-ctkt", "--reference", "--thresholds", "--tail-baseline", "--order-floor", "-ngl", "--json"),
+    "equiv": ("--synthetic-tokens", "--kv-window-cells", "-ctkt", "--reference", "--thresholds", "--tail-baseline", "--order-floor", "--n-seq", "-ngl", "--json"),
     "needle": ("--depth", "--filler-tokens", "--seed", "--format", "--kv-window-cells", "--vram-target", "-ctkt", "-ngl", "--json", "inconclusive"),
     "vram": ("--vram-target", "--allowance", "--n-predict", "--interval-ms", "--gpu", "--json", "no NVIDIA GPU found"),
     "matrix": ("--tail-types", "--splits", "--needle-filler-tokens", "--build", "--lib-dir", "-ngl", "--out"),
@@ -300,6 +300,25 @@ def test_equiv_order_floor_decodes_a_half_batch_resident_run(cpu_build, demo_mod
     assert cmd[cmd.index("--n-batch") + 1] == "64" and r["commands"]["candidate"][cmd.index("--n-batch") + 1] == "128"
     assert set(r["commands"]) == {"tokenize", "reference", "order_floor", "candidate"}
     assert r["metrics"]["bitwise_equal_rows"] == 256
+
+
+@pytest.mark.build
+def test_equiv_four_sequences_side_by_side(cpu_build, demo_model, tmp_path):
+    """--n-seq 4: four sequences in every batch of one unified cache (llama-server's parallel slots), their cells
+    interleaved across the window and the tail: bit-identical on the CPU; the perturbed merge fails it."""
+    out = tmp_path / "r.json"
+    args = ["--model", str(demo_model), "--synthetic-tokens", "512", "--ctx", "768", "--threads", "2", "--n-batch", "128",
+            "--n-seq", "4", "--kv-window-cells", "128", "--json", str(out)]
+    proc = _gate(cpu_build, args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["n_seq"] == 4 and r["metrics"]["n"] == 512 and r["metrics"]["bitwise_equal_rows"] == 512
+    assert r["candidate"]["plan"]["split"] and r["candidate"]["plan"]["window_cells"] == 128
+    cmd = r["commands"]["candidate"]
+    assert cmd[cmd.index("--n-seq") + 1] == "4" and r["commands"]["reference"][cmd.index("--n-seq") + 1] == "4"
+    bad = _gate(cpu_build, args, env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert json.loads(out.read_text())["metrics"]["mean_tv"] > 1e-4
 
 
 # ---------------------------------------------------------------- gate needle on the demo model

@@ -119,3 +119,16 @@ def test_gate_equiv_split_within_the_order_floor(cuda_build, synth_model, tmp_pa
     assert r["metrics"]["nonfinite"] == 0
     assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
     assert r["verdict"] == "pass" and r["order_floor"]["n_batch"] == 256 and r["order_floor"]["metrics"]["n"] == 1024
+
+
+def test_gate_equiv_four_parallel_sequences_within_the_order_floor(cuda_build, synth_model, tmp_path):
+    """Four sequences side by side in one unified cache (llama-server's --parallel 4), spilled: their interleaved tail
+    rows are written and streamed in the same graphs. A race (a row copied before its write, a slot reused early)
+    would put the split far outside the floor, or make it non-finite."""
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "2048", "--n-seq", "4", "--n-batch", "128",
+                 "--kv-window-cells", "256", "-ngl", "99", "--order-floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["n_seq"] == 4 and r["candidate"]["plan"]["split"] and r["metrics"]["nonfinite"] == 0
+    assert r["verdict"] == "pass" and r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]

@@ -139,13 +139,16 @@ def _cache_type_options(f):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=_positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=_positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
+@click.option("--n-seq", type=int, callback=_positive, default=1, show_default=True,
+              help="Decode the text as N equal sequences side by side, each batch holding positions of all of them in one "
+                   "unified KV cache (as llama-server's --parallel N slots): their cells interleave in the window and the tail.")
 @_ngl_option()
 @_build_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
-          reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_gpu_layers, build_dir, lib_dir,
-          work_dir) -> None:
+          reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
+          lib_dir, work_dir) -> None:
     """Decode one sequence with the reference and the candidate and compare every position's distribution.
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
@@ -215,14 +218,14 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     floor_how = None
     with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
         wd = Path(td)
-        sess = gate_equiv.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch,
+        sess = gate_equiv.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
                                        n_gpu_layers=n_gpu_layers)
         # ------------------------------------------------------------ tokens (with the candidate's library)
         with console.status("tokenizing"):
             tok = sess.tokenize(cand_lib, prompt_file, synthetic_tokens)
         n_tokens, n_vocab = sess.n_tokens, sess.n_vocab
         if n_tokens == 0:
-            abort(f"{prompt_file} holds no tokens")
+            abort(f"{prompt_file or 'the text'} holds fewer than {n_seq} tokens" if n_seq > 1 else f"{prompt_file} holds no tokens")
         if mode != "off" and not tok.get("has_residency"):
             abort("this build has no KV residency API; rebuild",
                   f"{build.dir or build.lib_dir} lacks llama_init_from_model_rolling_kv: run `rollingkv build`, or check with --kv-residency-mode off")
@@ -243,7 +246,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
 
         ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({gate_equiv.short_path(ref_lib)})"
         cand_label = f"candidate ({mode})"
-        console.print(f"[dim]{model_path.name}: {n_tokens} tokens, ctx {n_ctx}, batch {n_batch}, {threads} threads, "
+        console.print(f"[dim]{model_path.name}: {n_tokens} tokens{f' as {n_seq} sequences side by side' if n_seq > 1 else ''}, "
+                      f"ctx {n_ctx}, batch {n_batch}, {threads} threads, "
                       f"K/V {ctk}/{ctv}{gate_equiv.tail_desc(mode, ctkt, ctvt)}"
                       f"{'' if n_gpu_layers is None else f', -ngl {n_gpu_layers}'}[/]")
         positions_tmp = wd / "positions.npz"
@@ -311,6 +315,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "tokens": {"n": n_tokens, "n_vocab": n_vocab, **tok.get("source", {})},
         "n_ctx": n_ctx,
         "n_batch": n_batch,
+        "n_seq": n_seq,
         "threads": threads,
         "n_gpu_layers": n_gpu_layers,
         "cache_types": {"k": ctk, "v": ctv, "k_tail": ctkt or ctk, "v_tail": ctvt or ctv},
