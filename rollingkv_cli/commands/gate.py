@@ -149,7 +149,10 @@ def _cache_type_options(f):
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
           reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
           lib_dir, work_dir) -> None:
-    """Decode one sequence with the reference and the candidate and compare every position's distribution.
+    """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
+
+    The text runs as one sequence, or as --n-seq sequences side by side. On the CUDA backend the bounds also
+    follow the resident run's own floating-point order floor (--order-floor).
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
