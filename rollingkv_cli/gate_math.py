@@ -172,25 +172,34 @@ def load_thresholds(path: Path | str | None, profile: str) -> dict[str, float | 
     return th
 
 
+def _relaxed(th: dict[str, float | None], run: dict[str, Any], factor_key: str, default_factor: float, label: str,
+             upper: tuple[str, ...], agreement: tuple[str, ...] = ()) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Bounds relative to another run's metrics against the same reference: each enabled upper bound becomes
+    max(bound, factor x metric), each enabled agreement bound (a fraction) min(bound, 1 - factor x (1 - metric)).
+    Returns (thresholds, how: {check: {"absolute", label, "factor", "bound"}})."""
+    out = dict(th)
+    factor = th.get(factor_key)
+    factor = default_factor if factor is None else float(factor)
+    out[factor_key] = factor
+    how: dict[str, Any] = {}
+    for key in upper + agreement:
+        bound = th.get(key)
+        m = run.get(CHECKS[key][0])
+        if bound is None or m is None or not math.isfinite(float(m)):
+            continue
+        if key in upper:
+            out[key] = max(float(bound), factor * float(m))
+        else:
+            out[key] = min(float(bound), max(0.0, 1.0 - factor * (1.0 - float(m))))
+        how[key] = {"absolute": float(bound), label: float(m), "factor": factor, "bound": out[key]}
+    return out, how
+
+
 def relative_thresholds(th: dict[str, float | None], baseline: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, Any]]:
     """Bounds relative to a baseline run's metrics (the resident cache of the tail's type against the same
     reference): each enabled upper bound in BASELINE_CHECKS becomes max(bound, factor x baseline metric).
     Returns (thresholds, how: {check: {"absolute", "baseline", "factor", "bound"}})."""
-    out = dict(th)
-    factor = th.get("baseline_factor")
-    factor = DEFAULT_BASELINE_FACTOR if factor is None else float(factor)
-    out["baseline_factor"] = factor
-    how: dict[str, Any] = {}
-    for key in BASELINE_CHECKS:
-        bound = th.get(key)
-        metric = CHECKS[key][0]
-        b = baseline.get(metric)
-        if bound is None or b is None or not math.isfinite(float(b)):
-            continue
-        rel = factor * float(b)
-        out[key] = max(float(bound), rel)
-        how[key] = {"absolute": float(bound), "baseline": float(b), "factor": factor, "bound": out[key]}
-    return out, how
+    return _relaxed(th, baseline, "baseline_factor", DEFAULT_BASELINE_FACTOR, "baseline", BASELINE_CHECKS)
 
 
 # --order-floor: GPU attention kernels tile and split the KV range by problem shape (Q tiles, stream-k work
@@ -208,22 +217,7 @@ def order_floor_thresholds(th: dict[str, float | None], floor: dict[str, Any]) -
     """Bounds relative to the order-floor run's metrics: each enabled upper bound becomes
     max(bound, factor x floor), each agreement lower bound min(bound, 1 - factor x (1 - floor)).
     Returns (thresholds, how: {check: {"absolute", "floor", "factor", "bound"}})."""
-    out = dict(th)
-    factor = th.get("order_factor")
-    factor = DEFAULT_ORDER_FACTOR if factor is None else float(factor)
-    out["order_factor"] = factor
-    how: dict[str, Any] = {}
-    for key in ORDER_MAX_CHECKS + ORDER_MIN_CHECKS:
-        bound = th.get(key)
-        f = floor.get(CHECKS[key][0])
-        if bound is None or f is None or not math.isfinite(float(f)):
-            continue
-        if key in ORDER_MAX_CHECKS:
-            out[key] = max(float(bound), factor * float(f))
-        else:
-            out[key] = min(float(bound), max(0.0, 1.0 - factor * (1.0 - float(f))))
-        how[key] = {"absolute": float(bound), "floor": float(f), "factor": factor, "bound": out[key]}
-    return out, how
+    return _relaxed(th, floor, "order_factor", DEFAULT_ORDER_FACTOR, "floor", ORDER_MAX_CHECKS, ORDER_MIN_CHECKS)
 
 
 # ------------------------------------------------------------------ per-row math

@@ -19,3 +19,23 @@ fi
 if [ ! -f /tmp/rkv-cache/models/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f .device/model2/demo.part2 ] && [ -f /tmp/rkv-model.part1 ]; then
   bash scripts/device-run.sh join-model
 fi
+
+# build the committed series for CUDA (sm_90) in this machine's /tmp cache; sets B (the build dir) and ROLLINGKV_BUILD
+build_cuda() {
+  step build
+  bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
+  B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"
+}
+
+# the whole op test on CUDA0, with a device tail and then a pinned-host tail through the scheduler: failures, totals,
+# and the cases the double-precision reference decided; full logs to $OUT/optest-cuda0{,-tail-host}.txt
+op_tests_cuda() {
+  local host
+  for host in "" "--tail-host"; do
+    "$B/build/bin/test-rolling-kv-ops" -b CUDA0 $host > "/tmp/optest$host.txt" 2>&1; echo "op test -b CUDA0 $host: exit $?"
+    grep -E "FAIL|passed" "/tmp/optest$host.txt" | cut -c1-260 | tail -20
+    grep -h "exact:" "/tmp/optest$host.txt" | sed 's/.*exact: op \([^,]*\), stock \([^ ]*\).*/\1 \2/' | \
+      awk '{r=$1/$2; if (r>m) m=r; n++} END {print n+0 " cases decided by the double-precision reference; worst op/stock NMSE ratio " m+0}'
+  done
+  cp /tmp/optest.txt "$OUT/optest-cuda0.txt"; cp /tmp/optest--tail-host.txt "$OUT/optest-cuda0-tail-host.txt"
+}

@@ -7,17 +7,9 @@
 # Results: $OUT/log.txt, $OUT/synth8L-floor*.json, $OUT/optest-*.txt. The suspect switches (AB_VARIANTS=1) all gave
 # the same distance on the H200 (docs/perf/2026-11-30-gpu-exactness.md): the difference is the floor, not a bug.
 . "$(dirname "$0")/device-lib.sh"
-step build
-bash scripts/device-run.sh build --cuda --cuda-arch 90 -q > /tmp/build.txt 2>&1 || { tail -40 /tmp/build.txt; exit 1; }
-B="$(python3 -m rollingkv_cli build --cuda --cuda-arch 90 --source /tmp/rkv-src --print-dir)"; export ROLLINGKV_BUILD="$B"
-step "op tests, model-shaped cases (permuted Q, GQA 3/4, prefill 512 over a 512 window, long decode)"
-for host in "" "--tail-host"; do
-  "$B/build/bin/test-rolling-kv-ops" -b CUDA0 $host > "/tmp/optest$host.txt" 2>&1; echo "op test -b CUDA0 $host: exit $?"
-  grep -E "FAIL|exact:|passed" "/tmp/optest$host.txt" | cut -c1-260 | tail -40
-done
-grep -h "exact:" /tmp/optest*.txt | sed 's/.*exact: op \([^,]*\), stock \([^ ]*\).*/\1 \2/' | \
-  awk '{r=$1/$2; if (r>m) m=r; n++} END {print n " cases decided by the double-precision reference; worst op/stock NMSE ratio " m}'
-cp /tmp/optest.txt "$OUT/optest-cuda0.txt"; cp /tmp/optest--tail-host.txt "$OUT/optest-cuda0-tail-host.txt"
+build_cuda
+step "op test on CUDA0 (model-shaped cases: permuted Q, GQA 3/4, prefill 512 over a 512 window, long decode)"
+op_tests_cuda
 M=/tmp/synth-8L.gguf
 [ -f $M ] || python3 -m rollingkv_cli model synth $M --layers 8 --embd 2048 --heads 16 --kv-heads 4 --ff 5632 --vocab 32000 --ctx 32768 --force | tail -1
 gate() {  # label, env..., then -- gate args
