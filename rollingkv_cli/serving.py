@@ -127,8 +127,56 @@ def model_weight_bytes(model: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
 
 
-def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None) -> list[str]:
+# llama-server's flags that decide the GPU layers (its --fit is on by default and adjusts unset ones)
+_GPU_LAYER_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers", "-fit", "--fit")
+# what must stay free next to the weights for `-ngl all` to be safe: the GPU runtime (CUDA context, cuBLAS, pools),
+# compute buffers and the smallest window with its slot ring (the planner refuses less, naming the minimum)
+GPU_LAYERS_HEADROOM_MIB = 1024
+
+
+def _free_vram_mib() -> int | None:
+    """Free memory over all NVIDIA GPUs (NVML), or None where NVML does not answer."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return sum(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+                       for i in range(pynvml.nvmlDeviceGetCount())) // 2**20
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weights_mib=None) -> tuple[list[str], str | None]:
+    """(extra llama-server args, a note) for the GPU layers.
+
+    llama-server's --fit (on by default) makes a context whose KV does not fit in VRAM fit by moving layers to the
+    CPU. After that the whole KV of the remaining GPU layers fits, so auto residency plans resident, and decoding
+    runs at the speed of vanilla's partial offload. The rolling-KV cache is the better trade: all layers on the
+    GPU, the KV that does not fit in pinned host memory. So when the weights fit with room to spare, pass
+    `-ngl all` (a set value, which --fit leaves alone). The user's own -ngl/--fit always wins; residency off,
+    CPU builds and weights that do not fit keep llama-server's behaviour.
+    """
+    if not cuda or s.kv_residency_mode == "off":
+        return [], None
+    if any(a == f or a.startswith(f + "=") for a in s.extra_args for f in _GPU_LAYER_FLAGS):
+        return [], None
+    weights = model_weight_bytes(s.model) / 2**20 if weights_mib is None else weights_mib
+    budget, what = (s.vram_target, "--vram-target") if s.vram_target is not None else (free_vram_mib(), "free VRAM")
+    if budget is None:
+        return [], "GPU layers: llama-server's --fit decides (NVML did not report free VRAM)"
+    if weights + GPU_LAYERS_HEADROOM_MIB > budget:
+        return [], (f"GPU layers: the weights ({weights:.0f} MiB) + {GPU_LAYERS_HEADROOM_MIB} MiB do not fit the {what} "
+                    f"({budget} MiB): llama-server's --fit moves layers to the CPU; the rolling KV covers those on the GPU")
+    return ["-ngl", "all"], (f"GPU layers: all (weights {weights:.0f} MiB of {budget} MiB {what}); the rolling KV cache, "
+                             "not --fit, makes room for the context")
+
+
+def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None) -> list[str]:
     args = ["-m", str(s.model), "-fa", "on", "--metrics", "--slots", "--slot-save-path", str(slot_dir)]
+    args += gpu_layer_args or []
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
                       ("kv_window_cells", "--kv-window-cells"), ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt")):
@@ -281,7 +329,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     slot_dir.mkdir(parents=True, exist_ok=True)
     log_dir = paths.cache_dir() / "logs"
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
-    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth), host=s.host, port=port, log_path=log_path)
+    ngl_args, ngl_note = gpu_layers(s, cuda)
+    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args), host=s.host, port=port, log_path=log_path)
     if print_args:
         print(shlex.join(srv.command))
         return
@@ -289,6 +338,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
     if bandwidth is not None:
         info(f"[dim]PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}[/]")
+    if ngl_note:
+        info(f"[dim]{ngl_note}[/]")
     info(f"[dim]log: {log_path}[/]")
 
     def on_term(signum, frame):

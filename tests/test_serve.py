@@ -151,3 +151,44 @@ def test_killed_server_is_reported(cpu_build, demo_model):
     assert proc.returncode == 1
     assert "exited unexpectedly" in out and "full log" in out
     assert _server_pids(port) == []
+
+
+# ---------------------------------------------------------------- GPU layers: the rolling KV, not --fit, makes room
+
+def _settings(tmp_path, **kw):
+    from rollingkv_cli.serving import ServeSettings
+
+    return ServeSettings(model=tmp_path / "m.gguf", extra_args=kw.pop("extra_args", []), **kw)
+
+
+def test_gpu_layers_all_when_the_weights_fit(tmp_path):
+    from rollingkv_cli.serving import GPU_LAYERS_HEADROOM_MIB, gpu_layers
+
+    free = lambda: 80000  # noqa: E731
+    args, note = gpu_layers(_settings(tmp_path), True, free_vram_mib=free, weights_mib=5564)
+    assert args == ["-ngl", "all"] and "all" in note and "80000 MiB free VRAM" in note
+    # the explicit target is the budget, not free VRAM
+    args, note = gpu_layers(_settings(tmp_path, vram_target=7500), True, free_vram_mib=free, weights_mib=5564)
+    assert args == ["-ngl", "all"] and "--vram-target" in note
+    # weights + headroom beyond the budget: llama-server's --fit decides, and the note says so
+    tight = 5564 + GPU_LAYERS_HEADROOM_MIB - 1
+    args, note = gpu_layers(_settings(tmp_path, vram_target=tight), True, free_vram_mib=free, weights_mib=5564)
+    assert args == [] and "--fit moves layers to the CPU" in note
+    args, note = gpu_layers(_settings(tmp_path), True, free_vram_mib=lambda: None, weights_mib=5564)
+    assert args == [] and "NVML" in note
+
+
+@pytest.mark.parametrize("case", ["cpu", "off", "ngl", "ngl=", "fit", "long"])
+def test_gpu_layers_left_alone(tmp_path, case):
+    from rollingkv_cli.serving import gpu_layers
+
+    s = _settings(tmp_path, kv_residency_mode="off" if case == "off" else None,
+                  extra_args={"ngl": ["-ngl", "20"], "ngl=": ["--n-gpu-layers=20"], "fit": ["-fit", "on"],
+                              "long": ["--gpu-layers", "all"]}.get(case, []))
+    assert gpu_layers(s, case != "cpu", free_vram_mib=lambda: 80000, weights_mib=100) == ([], None)
+
+
+def test_print_args_cpu_build_has_no_gpu_layers(capsys, demo_model, cpu_build, monkeypatch):
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    code, out, _ = run_main(["serve", str(demo_model), "--print-args"], capsys)
+    assert code == 0 and "-ngl" not in out.split()
