@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Cross-build the committed series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
+# pack it for a device call that then needs no build (scripts/gpu_prebuilt.sh): .device/prebuilt/cuda-build.tgz.
+# No libcuda here: ggml-cuda links against an empty stub with the driver's SONAME (libcuda.so.1), and its cu*
+# symbols resolve at load time on the GPU machine. CPU code is built for AVX2/FMA/F16C, not -march=native.
+# usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+B="${1:-/tmp/rkv-cross-cuda}"
+mkdir -p "$B" /tmp/cudastub
+[ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -x c - -o /tmp/cudastub/libcuda.so -Wl,-soname,libcuda.so.1
+[ -d "$B/src" ] || rollingkv patches checkout "$B/src"   # the pinned tree with the committed series applied
+PIN=$(python -c "from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)")
+SER=$(python -c "from rollingkv_cli import patchset; print(patchset.load_series().hash)")
+cmake -S "$B/src" -B "$B/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DGGML_CCACHE=OFF \
+  -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DCUDA_cuda_driver_LIBRARY=/tmp/cudastub/libcuda.so -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
+  -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"
+ninja -C "$B/build" -j "$(nproc)" llama llama-server test-rolling-kv-ops
+python - "$B" "$PIN" "$SER" <<'PY'
+import json, sys, time
+b, pin, ser = sys.argv[1:]
+json.dump({"pin": pin, "series_hash": ser, "source": "cross-built on the dev VM (scripts/cross-build-cuda.sh)",
+           "options": {"cuda": True, "cuda_arch": "90", "backend_dl": False, "toolchain": "gcc", "source": None,
+                       "pinned": True, "unpatched": False},
+           "artifacts": ["libllama.so", "llama-server", "test-rolling-kv-ops"], "cuda_arch": "90",
+           "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, open(f"{b}/manifest.json", "w"), indent=2)
+PY
+mkdir -p .device/prebuilt
+tar -C "$B" -czf .device/prebuilt/cuda-build.tgz manifest.json build/bin
+git rev-parse --short HEAD > .device/prebuilt/commit
+ls -la .device/prebuilt
