@@ -2,7 +2,7 @@
 # Cross-build the committed series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
 # pack it for a device call that then needs no build (scripts/gpu_prebuilt.sh): .device/prebuilt/cuda-build.tgz.
 # No libcuda here: ggml-cuda links against an empty stub with the driver's SONAME (libcuda.so.1), and its cu*
-# symbols resolve at load time on the GPU machine. CPU code is built for AVX2/FMA/F16C, not -march=native.
+# symbols resolve at load time on the GPU machine (--no-as-needed keeps libcuda.so.1 in its DT_NEEDED). CPU code is built for AVX2/FMA/F16C, not -march=native.
 # usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ cmake -S "$B/src" -B "$B/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHAR
   -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DGGML_CCACHE=OFF \
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCUDA_cuda_driver_LIBRARY=/tmp/cudastub/libcuda.so -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
-  -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"
+  "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -Wl,--no-as-needed" -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"
 ninja -C "$B/build" -j "$(nproc)" llama llama-server test-rolling-kv-ops
 python - "$B" "$PIN" "$SER" <<'PY'
 import json, sys, time
@@ -29,6 +29,8 @@ json.dump({"pin": pin, "series_hash": ser, "source": "cross-built on the dev VM 
            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, open(f"{b}/manifest.json", "w"), indent=2)
 PY
 mkdir -p .device/prebuilt
-tar -C "$B" -czf .device/prebuilt/cuda-build.tgz manifest.json build/bin
+# the build tree's RUNPATHs are absolute: unpack at the same path (tar -C / on the device)
+tar -C / -czf .device/prebuilt/cuda-build.tgz "${B#/}/manifest.json" "${B#/}/build/bin"
+echo "$B" > .device/prebuilt/dir
 git rev-parse --short HEAD > .device/prebuilt/commit
 ls -la .device/prebuilt

@@ -5,10 +5,10 @@
 # not fit. Results: $OUT/log.txt.
 . "$(dirname "$0")/device-lib.sh"
 step "unpack (gguf-py, bindings, the prebuilt build of $(cat .device/prebuilt/commit 2>/dev/null))"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib /tmp/rkv-prebuilt
+mkdir -p /tmp/rkv-src /tmp/rkv-pylib
 tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz
-tar -C /tmp/rkv-prebuilt -xzf .device/prebuilt/cuda-build.tgz
-export ROLLINGKV_BUILD=/tmp/rkv-prebuilt B=/tmp/rkv-prebuilt
+tar -C / -xzf .device/prebuilt/cuda-build.tgz   # at the path it was built in: its RUNPATHs are absolute
+B="$(cat .device/prebuilt/dir)"; export ROLLINGKV_BUILD="$B" B
 ldd "$B/build/bin/libggml-cuda.so" | grep -E "libcuda|cublas|cudart|not found"
 
 step "GPU tests (pytest -m gpu)"
