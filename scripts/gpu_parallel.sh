@@ -31,18 +31,12 @@ res = {"concurrent": [None] * 8, "alone": [None] * 8, "errors": []}
 try:
     srv.start(); srv.wait_healthy(timeout=240)
     plan = json.load(urllib.request.urlopen(srv.url + "/props", timeout=30)).get("rolling_kv")
-    def client(c):
-        for i in (c, c + 4):
-            try:
-                res["concurrent"][i] = post(reqs[i])["tokens"] if "tokens" in post.__doc__ or False else None
-            except Exception as e:
-                res["errors"].append(f"{i}: {e}")
-    # token ids of the answers: ask for them with n_probs 0 and return_tokens
-    for r in reqs:
+    for r in reqs:  # the answers' token ids (falls back to the text)
         r["return_tokens"] = True
     def run(i, key):
         try:
-            res[key][i] = post(reqs[i]).get("tokens")
+            r = post(reqs[i])
+            res[key][i] = r.get("tokens") or r.get("content")
         except Exception as e:
             res["errors"].append(f"{key} {i}: {type(e).__name__}: {e}")
     th = [threading.Thread(target=lambda c=c: [run(i, "concurrent") for i in (c, c + 4)]) for c in range(4)]
@@ -52,7 +46,7 @@ try:
     same = [res["concurrent"][i] == res["alone"][i] for i in range(8)]
     prefix = [next((k for k, (a, b) in enumerate(zip(res["concurrent"][i] or [], res["alone"][i] or [])) if a != b), 32) for i in range(8)]
     summary = {"plan": {k: (plan or {}).get(k) for k in ("mode_chosen", "window_cells", "tail_cells", "n_stream")},
-               "completed": sum(r is not None and len(r) == 32 for r in res["concurrent"]), "errors": res["errors"],
+               "completed": sum(r is not None for r in res["concurrent"]), "errors": res["errors"],
                "identical_to_alone": sum(same), "first_difference": prefix}
 except Exception as e:
     summary = {"error": f"{type(e).__name__}: {e}"}
