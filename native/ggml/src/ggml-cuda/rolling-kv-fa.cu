@@ -375,6 +375,13 @@ static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n,
     t.buffer = buffer;
 }
 
+// Speed probes, for measuring where a token's time goes (docs/perf); the outputs are WRONG with either set:
+// GGML_RKV_DEBUG_SKIP_COPY=1 issues no tail copies (the attention reads whatever the slots hold), and
+// GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 copies the tail but runs no attention over its chunks. Events and merges stay.
+static bool rkv_debug_skip(const char * name) {
+    return rkv_env_int(name, 0, 0, 1) == 1;
+}
+
 static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt, const ggml_tensor * vt,
         const rkv_fifo_chunk & ch, int i) {
     const int s = i % r.n_slots;
@@ -384,11 +391,12 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
     }
     char * slot = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + GGML_PAD(ch.n*kt->nb[1]*kt->ne[3], 256);
-    for (int64_t i3 = 0; i3 < kt->ne[3]; ++i3) {
+    const int64_t n3 = rkv_debug_skip("GGML_RKV_DEBUG_SKIP_COPY") ? 0 : kt->ne[3];
+    for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
             ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
     }
-    for (int64_t i3 = 0; i3 < vt->ne[3]; ++i3) {
+    for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
@@ -746,6 +754,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
 
     const float * sinks_d = sinks ? (const float *) sinks->data : nullptr;
     const int nth = (int) std::min<int64_t>(DV, 256);
+    const bool skip_tail_attn = ring && rkv_debug_skip("GGML_RKV_DEBUG_SKIP_TAIL_ATTN");
     GGML_ASSERT(nrows <= INT_MAX);
 
     for (int i = 0; i < np; ++i) {
@@ -803,7 +812,9 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         if (!pp.direct) {
             pp.shadow.data = O_tmp.ptr;
         }
-        ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
+        if (!(ic >= 0 && skip_tail_attn)) {
+            ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
+        }
 
         if (ic >= 0) {
             // the slot may be refilled as soon as the attention over it is done: queue the copies that this frees,

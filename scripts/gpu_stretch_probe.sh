@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device call on the prebuilt CUDA build (scripts/cross-build-cuda.sh; carry .device/prebuilt, .device/src,
+# .device/series): where a decode token's time goes at depth 16384 (issue 4's stretch gap). llama-bench on the
+# synthetic 28-layer model, resident and with 25% / 50% f16 tails, each also with the speed probes that make the
+# outputs wrong: GGML_RKV_DEBUG_SKIP_COPY=1 (no tail copies: compute alone, chunked as usual) and
+# GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 (the copies without the attention over them). Results: $OUT/log.txt, $OUT/probe.jsonl.
+. "$(dirname "$0")/device-lib.sh"
+mkdir -p /tmp/rkv-src /tmp/rkv-pylib
+[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
+B="$(cat .device/prebuilt/dir)"; [ -f "$B/manifest.json" ] || tar -C / -xzf .device/prebuilt/cuda-build.tgz
+SYNTH=/tmp/synth28.gguf
+[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+D=16384; N=32
+bench() {  # label, env..., -- llama-bench residency args
+  local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" timeout 120 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 -n $N -d $D -r 2 -ngl 99 -o json "$@" 2>/dev/null | \
+    python3 -c "import json,sys; r=json.load(sys.stdin)[0]; print(json.dumps({'label': '$label', 'tok_s': r['avg_ts'], 'ms': 1000/r['avg_ts']}))" \
+    | tee -a "$OUT/probe.jsonl"
+}
+step "llama-bench -d $D -n $N, synthetic 28-layer model"
+bench resident X=1 -- --kv-residency-mode off
+for w in 12288 8192; do
+  bench "window $w" X=1 -- --kv-residency-mode window --kv-window-cells $w
+  bench "window $w skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells $w
+  bench "window $w skip-tail-attn" GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 -- --kv-residency-mode window --kv-window-cells $w
+  bench "window $w runahead0" GGML_RKV_RUNAHEAD=0 -- --kv-residency-mode window --kv-window-cells $w
+done
+step done
