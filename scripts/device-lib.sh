@@ -39,3 +39,15 @@ op_tests_cuda() {
   done
   cp /tmp/optest.txt "$OUT/optest-cuda0.txt"; cp /tmp/optest--tail-host.txt "$OUT/optest-cuda0-tail-host.txt"
 }
+
+# `rollingkv serve MODEL -c 65536 --vram-target 9000` without -ngl: the GPU-layers note, the plan, the offload log
+serve_without_ngl() {
+  local model=$1 pid log
+  python3 -m rollingkv_cli serve "$model" -c 65536 --vram-target 9000 --port 18081 -q > /tmp/serve-nongl.txt 2>&1 &
+  pid=$!
+  for i in $(seq 1 240); do curl -sf localhost:18081/health >/dev/null && break; sleep 0.5; done
+  curl -s localhost:18081/props | python3 -c "import json,sys; p=json.load(sys.stdin).get('rolling_kv') or {}; print({k: p.get(k) for k in ('mode_chosen','window_cells','tail_cells','reason')})"
+  kill -TERM $pid; wait $pid; echo "serve exit $?"
+  grep -E "GPU layers|residency" /tmp/serve-nongl.txt | head -3
+  log=$(grep -o "log: [^ ]*" /tmp/serve-nongl.txt | head -1 | cut -d' ' -f2); [ -f "$log" ] && grep -m2 -E "offloaded [0-9]+/[0-9]+ layers" "$log"
+}

@@ -75,13 +75,7 @@ PY
 step done
 
 step "issue 5/6: rollingkv serve without -ngl on a KV that does not fit: all layers stay on the GPU, auto splits the KV"
-python3 -m rollingkv_cli serve "$SYNTH" -c 65536 --vram-target 9000 --port 18081 -q > /tmp/serve-nongl.txt 2>&1 &
-pid=$!
-for i in $(seq 1 240); do curl -sf localhost:18081/health >/dev/null && break; sleep 0.5; done
-curl -s localhost:18081/props | python3 -c "import json,sys; p=json.load(sys.stdin).get('rolling_kv') or {}; print({k: p.get(k) for k in ('mode_chosen','window_cells','tail_cells','reason')})"
-kill -TERM $pid; wait $pid; echo "serve exit $?"
-grep -E "GPU layers|residency" /tmp/serve-nongl.txt | head -3
-log=$(grep -o "log: [^ ]*" /tmp/serve-nongl.txt | head -1 | cut -d' ' -f2); [ -f "$log" ] && grep -m2 -E "offloaded [0-9]+/[0-9]+ layers" "$log"
+serve_without_ngl "$SYNTH"
 
 step "the GPU tests (pytest -m gpu): op on CUDA0, pinned-host tail, probe pcie, gate equiv on the demo model"
 timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -15
