@@ -37,6 +37,10 @@ class GateBuild:
     def backend(self) -> str:
         return "cuda" if self.cuda else "cpu"
 
+    def on_gpu(self, n_gpu_layers: int | None) -> bool:
+        """A CUDA build with layers offloaded (-ngl 0 runs every op of the model on the CPU)."""
+        return self.cuda and n_gpu_layers != 0
+
     def require_server(self) -> Path:
         if self.server is None or not self.server.is_file():
             where = self.dir or self.lib_dir

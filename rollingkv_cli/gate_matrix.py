@@ -68,9 +68,7 @@ def is_quantized(t: str) -> bool:
 
 
 def backend_label(build, n_gpu_layers: int | None) -> str:
-    if build.cuda and n_gpu_layers != 0:
-        return "cuda"
-    return "cpu"
+    return "cuda" if build.on_gpu(n_gpu_layers) else "cpu"
 
 
 def default_name(backend: str) -> str:

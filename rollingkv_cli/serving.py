@@ -135,18 +135,9 @@ GPU_LAYERS_HEADROOM_MIB = 1024
 
 
 def _free_vram_mib() -> int | None:
-    """Free memory over all NVIDIA GPUs (NVML), or None where NVML does not answer."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return sum(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
-                       for i in range(pynvml.nvmlDeviceGetCount())) // 2**20
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
+    """Free memory over all NVIDIA GPUs (NVML: total - used), or None where NVML does not answer."""
+    vram = _vram_mib()
+    return sum(total - used for used, total in vram) if vram else None
 
 
 def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weights_mib=None) -> tuple[list[str], str | None]:

@@ -19,18 +19,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def _gpu_count() -> tuple[int, str]:
+    from rollingkv_cli import pcie
+
     try:
-        import pynvml
-    except ImportError:
-        return 0, "nvidia-ml-py is not installed"
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # pynvml.NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-        return 0, f"no NVIDIA driver ({type(e).__name__})"
-    try:
-        return pynvml.nvmlDeviceGetCount(), "NVML reports no device"
-    finally:
-        pynvml.nvmlShutdown()
+        return len(pcie.discover()), ""
+    except pcie.NoGpuError as e:
+        return 0, e.reason
 
 
 @pytest.fixture(scope="module")

@@ -191,9 +191,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     build = gate_common.resolve_build(build_dir, lib_dir)
     cand_lib = build.lib_dir
     if order_floor is None:
-        from rollingkv_cli import gate_matrix
-
-        order_floor = gate_matrix.backend_label(build, n_gpu_layers) == "cuda"
+        order_floor = build.on_gpu(n_gpu_layers)
     if ref_kind == "resident":
         ref_lib = cand_lib
 
@@ -412,7 +410,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
       4  inconclusive: the model does not retrieve this needle even fully resident
          (try another --seed, a shorter --filler-tokens, or --format chat)
     """
-    from rollingkv_cli import gate_common, gate_matrix, gate_needle, models
+    from rollingkv_cli import gate_common, gate_needle, models
     from rollingkv_cli.console import console
 
     if kv_window_cells is not None and vram_target is not None:
@@ -428,7 +426,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
                                    fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, vram_target=vram_target, ctk=ctk, ctv=ctv,
                                    ctkt=ctkt, ctvt=ctvt, n_predict=n_predict, threads=threads or os.cpu_count() or 1,
                                    n_gpu_layers=n_gpu_layers, filler_file=filler_file, mode=mode,
-                                   match=match or ("answer" if gate_matrix.backend_label(build, n_gpu_layers) == "cuda" else "tokens"))
+                                   match=match or ("answer" if build.on_gpu(n_gpu_layers) else "tokens"))
     r = gate_needle.run(cfg, console, gate_common.logs_dir())
     gate_needle.print_report(console, r)
     if json_out is not None:
@@ -592,7 +590,7 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
                                    tail_types=tuple(tail_types), exact_split=exact_split, needle=needle,
                                    needle_filler_tokens=needle_filler_tokens, needle_depths=tuple(needle_depths),
                                    thresholds_file=thresholds_file,
-                                   order_floor=gate_matrix.backend_label(build, n_gpu_layers) == "cuda" if order_floor is None else order_floor,
+                                   order_floor=build.on_gpu(n_gpu_layers) if order_floor is None else order_floor,
                                    threads=threads or os.cpu_count() or 1, n_batch=n_batch,
                                    n_gpu_layers=n_gpu_layers, argv=_argv_after("matrix"))
     r = gate_matrix.run(cfg, console, gate_common.logs_dir(), tmp_root)
