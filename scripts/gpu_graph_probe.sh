@@ -27,6 +27,7 @@ print(json.dumps({'label': sys.argv[1], 'ms': ms, 'warmup_complete': count(r'CUD
                   'update_failed': count(r'CUDA graph update failed'), 'disabling': count(r'disabling CUDA graphs'),
                   'rkv_ring': count(r'tail slot ring'), 'stderr_lines': err.count('\n')}))
 PY
+  cp /tmp/gp.err "/tmp/gp-${label// /_}.err"
 }
 step "llama-bench -v -d $D -n $N"
 run resident X=1 -- --kv-residency-mode off
@@ -34,5 +35,5 @@ run "window 8192" X=1 -- --kv-residency-mode window --kv-window-cells 8192
 run "window 8192 skip-both" GGML_RKV_DEBUG_SKIP_COPY=1 GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 -- --kv-residency-mode window --kv-window-cells 8192
 run "resident graphs off" GGML_CUDA_DISABLE_GRAPHS=1 -- --kv-residency-mode off
 run "window 8192 skip-both graphs off" GGML_CUDA_DISABLE_GRAPHS=1 GGML_RKV_DEBUG_SKIP_COPY=1 GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 -- --kv-residency-mode window --kv-window-cells 8192
-grep -E "CUDA graph|CUDA Graph|rolling|residency" /tmp/gp.err | sort | uniq -c | sort -rn | head -20
+grep -E "CUDA graph|CUDA Graph|rolling|residency|graph" /tmp/gp-window_8192.err | sed "s/id [0-9]*/id N/"  | sort | uniq -c | sort -rn | head -20
 step done
