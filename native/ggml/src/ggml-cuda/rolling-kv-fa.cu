@@ -40,6 +40,7 @@
 // that re-read the host tail at every replay.
 
 #include "rolling-kv-fa.cuh"
+#include "rolling-kv-profile.cuh"
 
 #include "fattn-common.cuh"
 #include "fattn.cuh"
@@ -261,6 +262,7 @@ static int rkv_env_int(const char * name, int def, int lo, int hi) {
 }
 
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
+    ggml_cuda_rkv_prof_free(ctx);
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (!r) {
         return;
@@ -382,8 +384,8 @@ static bool rkv_debug_skip(const char * name) {
     return rkv_env_int(name, 0, 0, 1) == 1;
 }
 
-static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt, const ggml_tensor * vt,
-        const rkv_fifo_chunk & ch, int i) {
+static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
+        const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i) {
     const int s = i % r.n_slots;
     if (i >= r.n_slots) {
         // the attention over chunk i - n_slots (already enqueued on the compute stream) must be done with this slot
@@ -392,6 +394,7 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
     char * slot = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + GGML_PAD(ch.n*kt->nb[1]*kt->ne[3], 256);
     const int64_t n3 = rkv_debug_skip("GGML_RKV_DEBUG_SKIP_COPY") ? 0 : kt->ne[3];
+    ggml_cuda_rkv_prof_copy(ctx, cs, 0);
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
             ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
@@ -400,6 +403,7 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
+    ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
     CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
 }
 
@@ -741,7 +745,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     auto issue = [&](int i) {
         const rkv_fifo_chunk & ch = (*fifo)[i];
         const ggml_tensor * node = (*fops)[ch.op].node;
-        rkv_issue_copy(*ring, cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+        rkv_issue_copy(ctx, *ring, cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
     };
     if (ring && op_idx == 0) {
         CUDA_CHECK(cudaEventRecord(ring->ev_fork, stream));
@@ -767,6 +771,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             const int g = o.first + ic;
             GGML_ASSERT(g < *next_copy && "rolling-KV: a chunk is attended before its copy was issued");
             CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[g % ring->n_slots], 0));
+            ggml_cuda_rkv_prof_mark(ctx, "rkv wait for chunk copy");
             // rows written by this graph after the chunk may have been copied: take them again from the host tail
             for (const ggml_tensor * w : o.writes_k) {
                 rkv_refresh(stream, (char *) slot_k[ic].data, seg[nseg - 1].k, w, (*fifo)[g]);
@@ -774,6 +779,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             for (const ggml_tensor * w : o.writes_v) {
                 rkv_refresh(stream, (char *) slot_v[ic].data, seg[nseg - 1].v, w, (*fifo)[g]);
             }
+            ggml_cuda_rkv_prof_mark(ctx, "rkv refresh written rows");
         }
 
         ggml_cuda_pool_alloc<half> mask_buf(pool);
@@ -812,9 +818,11 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         if (!pp.direct) {
             pp.shadow.data = O_tmp.ptr;
         }
+        ggml_cuda_rkv_prof_mark(ctx, "rkv mask/pad");
         if (!(ic >= 0 && skip_tail_attn)) {
             ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
         }
+        ggml_cuda_rkv_prof_mark(ctx, ic >= 0 ? "rkv FA chunk" : i == 0 ? "rkv FA window" : "rkv FA device tail");
 
         if (ic >= 0) {
             // the slot may be refilled as soon as the attention over it is done: queue the copies that this frees,
@@ -848,6 +856,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
                     rkv_merge<true, false><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_acc.ptr, sinks_d, (int) DV, n_head);
                 }
                 CUDA_CHECK(cudaGetLastError());
+                ggml_cuda_rkv_prof_mark(ctx, "rkv merge");
             }
             continue;
         }
@@ -857,6 +866,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             rkv_merge<false, false><<<(unsigned) nrows, nth, 0, stream>>>(O_acc, lse_acc.ptr, O_tmp.ptr, lse_tmp.ptr, sinks_d, (int) DV, n_head);
         }
         CUDA_CHECK(cudaGetLastError());
+        ggml_cuda_rkv_prof_mark(ctx, "rkv merge");
     }
 
     if (ring && op_idx == (int) fops->size() - 1) {
