@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device call on the prebuilt CUDA build (carry .device/prebuilt, .device/src, .device/series): the GPU timeline of a
+# decode token (GGML_RKV_PROFILE=1, CUDA graphs off, see native/ggml/src/ggml-cuda/rolling-kv-profile.cuh) at depth
+# 16384 on the synthetic 28-layer model: resident, 25% and 50% f16 tails, a 50% q4_0 tail, and the 50% tail without
+# copies. Results: $OUT/log.txt (the decode profiles), $OUT/profile-*.txt (every profile of each run).
+. "$(dirname "$0")/device-lib.sh"
+mkdir -p /tmp/rkv-src /tmp/rkv-pylib
+[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
+B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz
+SYNTH=/tmp/synth28.gguf
+[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+D=${D:-16384}; N=16
+prof() {  # label, env..., -- llama-bench residency args
+  local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  step "$label"
+  env GGML_CUDA_DISABLE_GRAPHS=1 GGML_RKV_PROFILE=1 "${envs[@]}" timeout 150 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 \
+    -n $N -d $D -r 1 -ngl 99 -o json "$@" > /dev/null 2> /tmp/prof.err
+  grep "rkv profile" /tmp/prof.err > "$OUT/profile-${label// /_}.txt"
+  awk '/rkv profile \[/ {show = ($0 ~ / ubatch 1:/)} show' /tmp/prof.err | grep "rkv profile" | head -24
+}
+prof resident X=1 -- --kv-residency-mode off
+prof "window 12288" X=1 -- --kv-residency-mode window --kv-window-cells 12288
+prof "window 8192" X=1 -- --kv-residency-mode window --kv-window-cells 8192
+prof "window 8192 skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells 8192
+prof "window 8192 q4_0" X=1 -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
+step done
