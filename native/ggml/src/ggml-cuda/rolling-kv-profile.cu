@@ -33,6 +33,8 @@ struct rkv_prof_group {
     double  lead_ms    = 0.0;   // span start to the first copy
     double  trail_ms   = 0.0;   // last copy done to span end
     std::map<std::string, rkv_prof_stat> steps;
+    std::vector<float> gaps_ms;     // per evaluation, for the median (the first decode's gap follows the prefill)
+    std::vector<float> replay_ms;   // CUDA graph replays: GPU time of each launch (graphs on, no per-node events)
 };
 
 struct rkv_prof {
@@ -46,6 +48,8 @@ struct rkv_prof {
     std::chrono::steady_clock::time_point t_begin, t_end;
     bool have_end = false;
     bool active   = false;
+    cudaEvent_t replay0 = nullptr, replay1 = nullptr; // around the last graph launch, read at the next one
+    int64_t replay_key = -1;
     std::map<int64_t, rkv_prof_group> groups;
 
     cudaEvent_t event() {
@@ -58,10 +62,10 @@ struct rkv_prof {
     }
 };
 
-std::mutex g_mutex;
-std::unordered_map<const ggml_backend_cuda_context *, rkv_prof *> g_profs;
+static std::mutex g_mutex;
+static std::unordered_map<const ggml_backend_cuda_context *, rkv_prof *> g_profs;
 
-rkv_prof * rkv_prof_of(const ggml_backend_cuda_context & ctx, bool create) {
+static rkv_prof * rkv_prof_of(const ggml_backend_cuda_context & ctx, bool create) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_profs.find(&ctx);
     if (it != g_profs.end()) {
@@ -73,7 +77,27 @@ rkv_prof * rkv_prof_of(const ggml_backend_cuda_context & ctx, bool create) {
     return g_profs[&ctx] = new rkv_prof;
 }
 
-rkv_prof * rkv_prof_active(const ggml_backend_cuda_context & ctx) {
+static int64_t rkv_prof_key(const ggml_cgraph * cgraph) {
+    // group by ubatch size: the Q rows of the first attention node (else the first node's ne[1])
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(cgraph);
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        const ggml_tensor * n = ggml_graph_node(g, i);
+        if (n->op == GGML_OP_FLASH_ATTN_EXT || n->op == GGML_OP_STREAMING_FLASH_ATTN) {
+            return n->src[0]->ne[1];
+        }
+    }
+    return ggml_graph_n_nodes(g) > 0 ? ggml_graph_node(g, 0)->ne[1] : 0;
+}
+
+static float rkv_median(std::vector<float> v) {
+    if (v.empty()) {
+        return 0.0f;
+    }
+    std::nth_element(v.begin(), v.begin() + v.size()/2, v.end());
+    return v[v.size()/2];
+}
+
+static rkv_prof * rkv_prof_active(const ggml_backend_cuda_context & ctx) {
     if (!ggml_cuda_rkv_prof_enabled()) {
         return nullptr;
     }
@@ -81,11 +105,11 @@ rkv_prof * rkv_prof_active(const ggml_backend_cuda_context & ctx) {
     return p && p->active ? p : nullptr;
 }
 
-double rkv_ms(std::chrono::steady_clock::duration d) {
+static double rkv_ms(std::chrono::steady_clock::duration d) {
     return std::chrono::duration<double, std::milli>(d).count();
 }
 
-float rkv_elapsed(cudaEvent_t a, cudaEvent_t b) {
+static float rkv_elapsed(cudaEvent_t a, cudaEvent_t b) {
     float ms = 0.0f;
     CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     return ms;
@@ -125,16 +149,7 @@ void ggml_cuda_rkv_prof_graph_begin(ggml_backend_cuda_context & ctx, const ggml_
     p.copy_bytes.clear();
     p.active = true;
 
-    // group by ubatch size: the Q rows of the first attention node (else the first node's ne[1])
-    ggml_cgraph * g = const_cast<ggml_cgraph *>(cgraph);
-    p.key = ggml_graph_n_nodes(g) > 0 ? ggml_graph_node(g, 0)->ne[1] : 0;
-    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
-        const ggml_tensor * n = ggml_graph_node(g, i);
-        if (n->op == GGML_OP_FLASH_ATTN_EXT || n->op == GGML_OP_STREAMING_FLASH_ATTN) {
-            p.key = n->src[0]->ne[1];
-            break;
-        }
-    }
+    p.key = rkv_prof_key(cgraph);
 
     static const unsigned long long hold_ns = [] {
         const char * v = getenv("GGML_RKV_PROFILE_HOLD_US");
@@ -208,6 +223,7 @@ void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx) {
     if (p.have_end) {
         g.gaps++;
         g.gap_ms += rkv_ms(p.t_begin - p.t_end);
+        g.gaps_ms.push_back((float) rkv_ms(p.t_begin - p.t_end));
     }
     const double enq = rkv_ms(t_enq - p.t_begin);
     g.enqueue_ms += enq;
@@ -240,6 +256,27 @@ void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx) {
     p.have_end = true;
 }
 
+void ggml_cuda_rkv_prof_replay(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, bool after) {
+    if (!ggml_cuda_rkv_prof_enabled()) {
+        return;
+    }
+    rkv_prof & p = *rkv_prof_of(ctx, true);
+    if (!p.replay0) {
+        CUDA_CHECK(cudaEventCreate(&p.replay0));
+        CUDA_CHECK(cudaEventCreate(&p.replay1));
+    }
+    if (!after) {
+        if (p.replay_key >= 0) { // the previous launch is done (llama synchronized before building this graph)
+            CUDA_CHECK(cudaEventSynchronize(p.replay1));
+            p.groups[p.replay_key].replay_ms.push_back(rkv_elapsed(p.replay0, p.replay1));
+        }
+        p.replay_key = rkv_prof_key(cgraph);
+        CUDA_CHECK(cudaEventRecord(p.replay0, ctx.stream()));
+    } else {
+        CUDA_CHECK(cudaEventRecord(p.replay1, ctx.stream()));
+    }
+}
+
 void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
     rkv_prof * p = rkv_prof_of(ctx, false);
     if (!p) {
@@ -249,12 +286,23 @@ void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
         std::lock_guard<std::mutex> lock(g_mutex);
         g_profs.erase(&ctx);
     }
+    if (p->replay_key >= 0) {
+        CUDA_CHECK(cudaEventSynchronize(p->replay1));
+        p->groups[p->replay_key].replay_ms.push_back(rkv_elapsed(p->replay0, p->replay1));
+    }
     for (const auto & kv : p->groups) {
         const rkv_prof_group & g = kv.second;
+        if (!g.replay_ms.empty()) {
+            fprintf(stderr, "rkv profile [%s] ubatch %lld: %zu CUDA graph launches, GPU time per launch: median %.3f ms\n",
+                ctx.name.c_str(), (long long) kv.first, g.replay_ms.size(), rkv_median(g.replay_ms));
+        }
+        if (g.evals == 0) {
+            continue;
+        }
         const double n = (double) g.evals;
-        fprintf(stderr, "rkv profile [%s] ubatch %lld: %lld evaluations, GPU span %.3f ms, host between evaluations %.3f ms, "
+        fprintf(stderr, "rkv profile [%s] ubatch %lld: %lld evaluations, GPU span %.3f ms, host between evaluations: median %.3f ms, "
             "enqueue %.3f ms%s\n", ctx.name.c_str(), (long long) kv.first, (long long) g.evals, g.span_ms/n,
-            g.gaps ? g.gap_ms/g.gaps : 0.0, g.enqueue_ms/n, g.host_bound ? " (HOST-BOUND: enqueue outlasted the hold)" : "");
+            rkv_median(g.gaps_ms), g.enqueue_ms/n, g.host_bound ? " (HOST-BOUND: enqueue outlasted the hold in some)" : "");
         if (g.copy_bytes > 0) {
             // the copy stream's idle time inside the span: waiting for a free slot (or for the fork)
             const double nc    = (double) g.copy_evals;

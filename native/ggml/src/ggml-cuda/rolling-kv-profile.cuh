@@ -1,11 +1,12 @@
-// rolling-KV: GPU timeline profile of eagerly evaluated graphs (debug; GGML_RKV_PROFILE=1 with GGML_CUDA_DISABLE_GRAPHS=1)
+// rolling-KV: GPU timeline profile of graph evaluations (debug; GGML_RKV_PROFILE=1)
 //
-// Where does a decode token's time go when the tail streams? Each graph is held on the GPU by a spin kernel
-// (GGML_RKV_PROFILE_HOLD_US, 20000 by default) while the host enqueues every node with a timing event after it, so
-// the events measure back-to-back GPU execution as a CUDA graph replay would, not the host's launch rate. The time
-// between two events on the compute stream is charged to the later mark (a node's op, or a step inside the
-// streaming op); the tail copies are timed on the copy stream. The summary (per ubatch size: GPU span, the host's
-// time between graphs, copy busy/lead/trail/stall, the costliest steps) goes to stderr when the context is freed.
+// Where does a decode token's time go when the tail streams? With GGML_CUDA_DISABLE_GRAPHS=1, each graph is held on
+// the GPU by a spin kernel (GGML_RKV_PROFILE_HOLD_US, 20000 by default) while the host enqueues every node with a
+// timing event after it, so that the events time back-to-back GPU execution rather than the host's launch rate (the
+// events themselves add a few us each, and a queue that fills before the hold ends is reported). The time between
+// two events on the compute stream is charged to the later mark (a node's op, or a step inside the streaming op);
+// tail copies are timed on the copy stream. With CUDA graphs on, only each graph launch is timed: next to
+// llama-bench's time per token it gives the host's share. The summary goes to stderr when the context is freed.
 #pragma once
 
 #include "common.cuh"
@@ -18,4 +19,7 @@ void ggml_cuda_rkv_prof_node(ggml_backend_cuda_context & ctx, const ggml_tensor 
 void ggml_cuda_rkv_prof_mark(ggml_backend_cuda_context & ctx, const char * label);           // on ctx.stream()
 void ggml_cuda_rkv_prof_copy(ggml_backend_cuda_context & ctx, cudaStream_t cs, size_t bytes); // bytes 0: start, else end
 void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx);
+// with CUDA graphs on: events around each graph launch only (after = false before it); the launches' GPU time,
+// next to llama-bench's time per token, gives the host's share of a token
+void ggml_cuda_rkv_prof_replay(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, bool after);
 void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx); // prints the summary
