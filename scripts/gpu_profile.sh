@@ -10,17 +10,21 @@ B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz
 SYNTH=/tmp/synth28.gguf
 [ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
 D=${D:-16384}; N=16
-prof() {  # label, env..., -- llama-bench residency args
+prof() {  # label, env..., -- llama-bench residency args (graphs on unless the env says otherwise)
   local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   step "$label"
-  env GGML_CUDA_DISABLE_GRAPHS=1 GGML_RKV_PROFILE=1 "${envs[@]}" timeout 150 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 \
-    -n $N -d $D -r 1 -ngl 99 -o json "$@" > /dev/null 2> /tmp/prof.err
+  env GGML_RKV_PROFILE=1 GGML_RKV_PROFILE_HOLD_US=80000 "${envs[@]}" timeout 150 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 \
+    -n $N -d $D -r 1 -ngl 99 -o json "$@" > /tmp/prof.json 2> /tmp/prof.err
+  python3 -c "import json; r=json.load(open('/tmp/prof.json'))[0]; print('llama-bench: %.3f ms/token' % (1000/r['avg_ts']))"
   grep "rkv profile" /tmp/prof.err > "$OUT/profile-${label// /_}.txt"
   awk '/rkv profile \[/ {show = ($0 ~ / ubatch 1:/)} show' /tmp/prof.err | grep "rkv profile" | head -24
 }
-prof resident X=1 -- --kv-residency-mode off
-prof "window 12288" X=1 -- --kv-residency-mode window --kv-window-cells 12288
-prof "window 8192" X=1 -- --kv-residency-mode window --kv-window-cells 8192
-prof "window 8192 skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells 8192
-prof "window 8192 q4_0" X=1 -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
+for w in off 12288 8192; do
+  a="--kv-residency-mode window --kv-window-cells $w"; [ $w = off ] && a="--kv-residency-mode off"
+  prof "graphs $w" X=1 -- $a
+done
+prof "graphs 8192 q4_0" X=1 -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
+prof "graphs 8192 skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells 8192
+prof "eager 12288" GGML_CUDA_DISABLE_GRAPHS=1 -- --kv-residency-mode window --kv-window-cells 12288
+prof "eager 8192" GGML_CUDA_DISABLE_GRAPHS=1 -- --kv-residency-mode window --kv-window-cells 8192
 step done
