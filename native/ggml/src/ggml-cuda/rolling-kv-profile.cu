@@ -37,6 +37,15 @@ struct rkv_prof_group {
     std::vector<float> replay_ms;   // CUDA graph replays: GPU time of each launch (graphs on, no per-node events)
 };
 
+// host time between consecutive profile points of a context, charged to the later point (medians per token)
+struct rkv_host_points {
+    std::chrono::steady_clock::time_point last;
+    bool have = false;
+    std::map<int64_t, std::map<std::string, std::vector<float>>> ms; // per ubatch size and point: one value per graph
+    std::map<std::string, float> token;                              // the current graph's sums
+    int64_t key = -1;                                                // the current graph's ubatch size
+};
+
 struct rkv_prof {
     std::vector<cudaEvent_t> pool;
     size_t used = 0;
@@ -50,6 +59,7 @@ struct rkv_prof {
     bool active   = false;
     cudaEvent_t replay0 = nullptr, replay1 = nullptr; // around the last graph launch, read at the next one
     int64_t replay_key = -1;
+    rkv_host_points host;
     std::map<int64_t, rkv_prof_group> groups;
 
     cudaEvent_t event() {
@@ -277,6 +287,29 @@ void ggml_cuda_rkv_prof_replay(ggml_backend_cuda_context & ctx, const ggml_cgrap
     }
 }
 
+void ggml_cuda_rkv_prof_host(ggml_backend_cuda_context & ctx, const char * point, const ggml_cgraph * cgraph) {
+    if (!ggml_cuda_rkv_prof_enabled()) {
+        return;
+    }
+    rkv_host_points & h = rkv_prof_of(ctx, true)->host;
+    const auto now = std::chrono::steady_clock::now();
+    const std::string pt = point;
+    if (h.have) {
+        h.token[pt] += (float) rkv_ms(now - h.last);
+    }
+    if (cgraph) { // a new graph starts: the time up to here closes the previous one
+        if (h.key >= 0) {
+            for (const auto & kv : h.token) {
+                h.ms[h.key][kv.first].push_back(kv.second);
+            }
+        }
+        h.token.clear();
+        h.key = rkv_prof_key(cgraph);
+    }
+    h.last = now;
+    h.have = true;
+}
+
 void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
     rkv_prof * p = rkv_prof_of(ctx, false);
     if (!p) {
@@ -315,6 +348,13 @@ void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
         std::sort(steps.begin(), steps.end(), [](const auto & a, const auto & b) { return a.second.ms > b.second.ms; });
         for (size_t i = 0; i < steps.size() && i < 20; ++i) {
             fprintf(stderr, "rkv profile   %8.3f ms %7.1f x  %s\n", steps[i].second.ms/n, steps[i].second.n/n, steps[i].first.c_str());
+        }
+    }
+    for (const auto & g : p->host.ms) {
+        fprintf(stderr, "rkv profile [%s] ubatch %lld: host time per graph (median), charged to the point that ends it:\n",
+            ctx.name.c_str(), (long long) g.first);
+        for (const auto & kv : g.second) {
+            fprintf(stderr, "rkv profile   %8.3f ms  up to %s (%zu graphs)\n", rkv_median(kv.second), kv.first.c_str(), kv.second.size());
         }
     }
     for (cudaEvent_t e : p->pool) {

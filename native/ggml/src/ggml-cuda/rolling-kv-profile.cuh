@@ -22,4 +22,8 @@ void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx);
 // with CUDA graphs on: events around each graph launch only (after = false before it); the launches' GPU time,
 // next to llama-bench's time per token, gives the host's share of a token
 void ggml_cuda_rkv_prof_replay(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, bool after);
+// a host timestamp at a named point (graph_compute entry, before/after the launch, synchronized): the host time
+// between consecutive points is charged to the later one, summed per graph, medians in the summary
+// (cgraph: at graph_compute entry, where a new graph starts)
+void ggml_cuda_rkv_prof_host(ggml_backend_cuda_context & ctx, const char * point, const ggml_cgraph * cgraph = nullptr);
 void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx); // prints the summary
