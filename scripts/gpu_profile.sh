@@ -25,6 +25,9 @@ for w in off 12288 8192; do
 done
 prof "graphs 8192 q4_0" X=1 -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
 prof "graphs 8192 skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells 8192
-prof "eager 12288" GGML_CUDA_DISABLE_GRAPHS=1 -- --kv-residency-mode window --kv-window-cells 12288
-prof "eager 8192" GGML_CUDA_DISABLE_GRAPHS=1 -- --kv-residency-mode window --kv-window-cells 8192
+step "scheduler splits of a decode graph, window 512 of 1024 (GGML_SCHED_DEBUG=2)"
+GGML_SCHED_DEBUG=2 timeout 60 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 -n 2 -d 1024 -r 1 -ngl 99 -v \
+  --kv-residency-mode window --kv-window-cells 512 > /dev/null 2> /tmp/sched.err
+grep -E "SPLIT|inputs" /tmp/sched.err | sed 's/#[0-9]*//g' | sort | uniq -c | sort -rn | head -12
+grep -A12 "## SPLIT" /tmp/sched.err | tail -40 | cut -c1-200
 step done
