@@ -270,8 +270,11 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
     // all streams in one 2D tensor: the indices are global (strm*rows_per_stream + row)
     ggml_tensor * dst = ggml_reshape_2d(ctx, t, t->ne[0], t->ne[1]*t->ne[2]);
 
-    // row 0 of idxs routes to the window, row 1 to the tail
-    ggml_tensor * ix = ggml_view_1d(ctx, idxs, n_tokens, tail ? idxs->nb[1] : 0);
+    // row 0 of idxs routes to the window, row 1 to the tail: through the views made with the input (shared by all
+    // layers), else a view of its own
+    const auto it = rkv_idx_views.find(idxs);
+    ggml_tensor * ix = it != rkv_idx_views.end() ? (tail ? it->second.second : it->second.first)
+                                                 : ggml_view_1d(ctx, idxs, n_tokens, tail ? idxs->nb[1] : 0);
 
     return ggml_set_rows(ctx, dst, cur, ix);
 }
@@ -290,6 +293,18 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
 
     ggml_set_input(idxs);
     ggml_set_name(idxs, name);
+
+    // One window-row and one tail-row view for every layer: the scheduler copies each distinct view of a CPU input to
+    // the GPU on its own, with a synchronization (a view per layer cost ~1 ms of host time per decode token on the
+    // H200, docs/perf). A K input starts a new graph: the views of earlier graphs are dropped.
+    if (strcmp(name, "attn_inp_k_idxs") == 0) {
+        rkv_idx_views.clear();
+    }
+    ggml_tensor * win  = ggml_view_1d(ctx, idxs, ubatch.n_tokens, 0);
+    ggml_tensor * tail = ggml_view_1d(ctx, idxs, ubatch.n_tokens, idxs->nb[1]);
+    ggml_format_name(win,  "%s (window)", name);
+    ggml_format_name(tail, "%s (tail)",   name);
+    rkv_idx_views[idxs] = { win, tail };
 
     return idxs;
 }
