@@ -2,7 +2,7 @@
 # Device call on the prebuilt CUDA build (carry .device/prebuilt, .device/src, .device/series): the GPU timeline of a
 # decode token (GGML_RKV_PROFILE=1, CUDA graphs off, see native/ggml/src/ggml-cuda/rolling-kv-profile.cuh) at depth
 # 16384 on the synthetic 28-layer model: resident, 25% and 50% f16 tails, a 50% q4_0 tail, and the 50% tail without
-# copies. Results: $OUT/log.txt (the decode profiles), $OUT/profile-*.txt (every profile of each run).
+# copies, the scheduler's split inputs, then the GPU tests. Results: $OUT/log.txt, $OUT/profile-*.txt.
 . "$(dirname "$0")/device-lib.sh"
 mkdir -p /tmp/rkv-src /tmp/rkv-pylib
 [ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
@@ -24,10 +24,14 @@ for w in off 12288 8192; do
   prof "graphs $w" X=1 -- $a
 done
 prof "graphs 8192 q4_0" X=1 -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
-prof "graphs 8192 skip-copy" GGML_RKV_DEBUG_SKIP_COPY=1 -- --kv-residency-mode window --kv-window-cells 8192
-step "scheduler splits of a decode graph, window 512 of 1024 (GGML_SCHED_DEBUG=2)"
+step "scheduler split inputs of a spilled decode graph, window 512 of 1024 (GGML_SCHED_DEBUG=2)"
 GGML_SCHED_DEBUG=2 timeout 60 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 -n 2 -d 1024 -r 1 -ngl 99 -v \
   --kv-residency-mode window --kv-window-cells 512 > /dev/null 2> /tmp/sched.err
-grep -E "SPLIT|inputs" /tmp/sched.err | sed 's/#[0-9]*//g' | sort | uniq -c | sort -rn | head -12
-grep -A12 "## SPLIT" /tmp/sched.err | tail -40 | cut -c1-200
+grep -o "## SPLIT #[0-9]*: [A-Za-z0-9]* # [0-9]* inputs" /tmp/sched.err | sort | uniq -c
+grep -o "## SPLIT #1: CUDA0 # [0-9]* inputs: .*" /tmp/sched.err | tail -1 | cut -c1-400
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  step "GPU tests (pytest -m gpu) on this build"
+  export ROLLINGKV_BUILD="$B"
+  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -8
+fi
 step done
