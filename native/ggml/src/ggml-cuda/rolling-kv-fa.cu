@@ -32,8 +32,7 @@
 // never copied by the scheduler. The op streams it itself: the tail cells of a layer are contiguous rows,
 // so it copies them host to device in a few large cudaMemcpyAsync calls (GGML_RKV_SLOT_MIB per slot, 32 MiB
 // by default: copies of >= 8 MiB run near the link's peak, 1 MiB copies at half of it) into a ring of
-// GGML_RKV_SLOTS device slots (3 by default) on two dedicated copy streams (K rows, V rows: one copy's setup
-// overlaps the other's transfer; GGML_RKV_COPY_STREAMS=1 uses one). Per-slot events order the copies
+// GGML_RKV_SLOTS device slots (3 by default) on a dedicated copy stream. Per-slot events order the copies
 // against the attention over the previous chunk in the same slot, so the copy of chunk i+1 overlaps the
 // attention over chunk i; each chunk is one more part merged into the running (O, lse). The copy stream
 // forks from the compute stream at the op (after this layer's new K/V rows were written into the tail)
@@ -246,13 +245,6 @@ struct ggml_cuda_rkv_ring {
     cudaEvent_t ev_fork = nullptr;
     cudaEvent_t ev_join = nullptr;
 
-    // copy streams: K rows on the first, V rows on the second (GGML_RKV_COPY_STREAMS=1: both on the first), so that
-    // one copy's setup overlaps the other's transfer: back-to-back copies on one stream leave the link idle for a few
-    // us each (16 MiB copies reach 54.0 GB/s, 256 MiB ones 55.2 on the H200, docs/perf)
-    int         n_cs = 1;
-    cudaEvent_t k_done[GGML_STREAMING_FA_MAX_SLOTS] = {}; // K rows of the slot's chunk landed (second stream waits)
-    cudaEvent_t ev_join_k = nullptr;
-
     // the copy plan of the graph being evaluated (ggml_cuda_rkv_graph_begin): one FIFO of chunks over all its
     // streaming ops, so that the copy stream runs ahead across layers (the next layer's tail streams while this
     // layer computes), bounded by the ring
@@ -276,19 +268,15 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
         return;
     }
     ggml_cuda_set_device(ctx.device);
-    for (int c = 1; c <= 2; ++c) {
-        if (ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - c]) {
-            CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - c]));
-        }
+    if (ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]) {
+        CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][GGML_CUDA_MAX_STREAMS - 1]));
     }
     for (int i = 0; i < GGML_STREAMING_FA_MAX_SLOTS; ++i) {
         if (r->copy_done[i]) CUDA_CHECK(cudaEventDestroy(r->copy_done[i]));
         if (r->slot_free[i]) CUDA_CHECK(cudaEventDestroy(r->slot_free[i]));
-        if (r->k_done[i])    CUDA_CHECK(cudaEventDestroy(r->k_done[i]));
     }
     if (r->ev_fork) CUDA_CHECK(cudaEventDestroy(r->ev_fork));
     if (r->ev_join) CUDA_CHECK(cudaEventDestroy(r->ev_join));
-    if (r->ev_join_k) CUDA_CHECK(cudaEventDestroy(r->ev_join_k));
     if (r->base) CUDA_CHECK(cudaFree(r->base));
     delete r;
     ctx.rkv_ring = nullptr;
@@ -307,13 +295,6 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
         }
         CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_fork, cudaEventDisableTiming));
         CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_join, cudaEventDisableTiming));
-        r->n_cs = rkv_env_int("GGML_RKV_COPY_STREAMS", 2, 1, 2);
-        if (r->n_cs > 1) {
-            for (int i = 0; i < r->n_slots; ++i) {
-                CUDA_CHECK(cudaEventCreateWithFlags(&r->k_done[i], cudaEventDisableTiming));
-            }
-            CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_join_k, cudaEventDisableTiming));
-        }
         ctx.rkv_ring = r;
     }
     ggml_cuda_rkv_ring & r = *ctx.rkv_ring;
@@ -403,43 +384,27 @@ static bool rkv_debug_skip(const char * name) {
     return rkv_env_int(name, 0, 0, 1) == 1;
 }
 
-// copy stream c (0: K rows, 1: V rows; one stream when the ring has one)
-static cudaStream_t rkv_copy_stream(ggml_backend_cuda_context & ctx, const ggml_cuda_rkv_ring & r, int c) {
-    return ctx.stream(ctx.device, GGML_CUDA_MAX_STREAMS - 1 - (r.n_cs > 1 ? c : 0));
-}
-
-static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, const ggml_tensor * kt,
+static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
         const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i) {
     const int s = i % r.n_slots;
-    cudaStream_t cs_k = rkv_copy_stream(ctx, r, 0);
-    cudaStream_t cs_v = rkv_copy_stream(ctx, r, 1);
     if (i >= r.n_slots) {
         // the attention over chunk i - n_slots (already enqueued on the compute stream) must be done with this slot
-        CUDA_CHECK(cudaStreamWaitEvent(cs_k, r.slot_free[s], 0));
-        if (cs_v != cs_k) {
-            CUDA_CHECK(cudaStreamWaitEvent(cs_v, r.slot_free[s], 0));
-        }
+        CUDA_CHECK(cudaStreamWaitEvent(cs, r.slot_free[s], 0));
     }
     char * slot = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + GGML_PAD(ch.n*kt->nb[1]*kt->ne[3], 256);
     const int64_t n3 = rkv_debug_skip("GGML_RKV_DEBUG_SKIP_COPY") ? 0 : kt->ne[3];
-    ggml_cuda_rkv_prof_copy(ctx, cs_k, 0);
+    ggml_cuda_rkv_prof_copy(ctx, cs, 0);
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
-            ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs_k));
-    }
-    if (cs_v != cs_k) {
-        CUDA_CHECK(cudaEventRecord(r.k_done[s], cs_k));
+            ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
-            ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs_v));
+            ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
-    if (cs_v != cs_k) {
-        CUDA_CHECK(cudaStreamWaitEvent(cs_v, r.k_done[s], 0)); // copy_done covers the K rows too
-    }
-    ggml_cuda_rkv_prof_copy(ctx, cs_v, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
-    CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs_v));
+    ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
+    CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
 }
 
 // Rows of a chunk that this graph wrote (set_rows, through unified addressing) after the chunk may have been
@@ -634,6 +599,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     std::vector<rkv_part>  parts;
     std::vector<ggml_tensor> slot_k, slot_v;
     ggml_cuda_rkv_ring * ring = nullptr;
+    cudaStream_t cstream = nullptr;
 
     // the copy plan of a host tail: this op's entry in the graph's FIFO (copies run ahead across ops), or a FIFO of
     // its own (run-ahead off, or an op outside a planned graph)
@@ -673,6 +639,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             next_copy = &local_next;
             op_idx    = 0;
         }
+        cstream = ctx.stream(device, GGML_CUDA_MAX_STREAMS - 1);
         const rkv_fifo_op & o = (*fops)[op_idx];
         slot_k.resize(o.count);
         slot_v.resize(o.count);
@@ -778,13 +745,11 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     auto issue = [&](int i) {
         const rkv_fifo_chunk & ch = (*fifo)[i];
         const ggml_tensor * node = (*fops)[ch.op].node;
-        rkv_issue_copy(ctx, *ring, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+        rkv_issue_copy(ctx, *ring, cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
     };
     if (ring && op_idx == 0) {
         CUDA_CHECK(cudaEventRecord(ring->ev_fork, stream));
-        for (int c = 0; c < ring->n_cs; ++c) {
-            CUDA_CHECK(cudaStreamWaitEvent(rkv_copy_stream(ctx, *ring, c), ring->ev_fork, 0));
-        }
+        CUDA_CHECK(cudaStreamWaitEvent(cstream, ring->ev_fork, 0));
         *next_copy = 0;
         while (*next_copy < (int) fifo->size() && *next_copy < ring->n_slots) {
             issue((*next_copy)++);
@@ -907,11 +872,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     if (ring && op_idx == (int) fops->size() - 1) {
         // the last streaming op joins the copy stream back (required to end a CUDA graph capture)
         GGML_ASSERT(*next_copy == (int) fifo->size());
-        CUDA_CHECK(cudaEventRecord(ring->ev_join, rkv_copy_stream(ctx, *ring, 1)));
+        CUDA_CHECK(cudaEventRecord(ring->ev_join, cstream));
         CUDA_CHECK(cudaStreamWaitEvent(stream, ring->ev_join, 0));
-        if (ring->n_cs > 1) {
-            CUDA_CHECK(cudaEventRecord(ring->ev_join_k, rkv_copy_stream(ctx, *ring, 0)));
-            CUDA_CHECK(cudaStreamWaitEvent(stream, ring->ev_join_k, 0));
-        }
     }
 }
