@@ -30,6 +30,8 @@ for v in $AB_VALUES; do
   env GGML_RKV_PROFILE=1 "$AB_VAR=$v" timeout 120 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 -n 16 -d 16384 -r 1 -ngl 99 \
     --kv-residency-mode window --kv-window-cells 8192 -o json 2>&1 >/dev/null | grep -E "ubatch 1: [0-9]+ CUDA graph|up to graph launch end" | head -2 | sed "s/^/$AB_VAR=$v: /"
 done
-step "GPU tests (pytest -m gpu)"
-timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -4
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  step "GPU tests (pytest -m gpu)"
+  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -4
+fi
 step done
