@@ -384,17 +384,6 @@ static bool rkv_debug_skip(const char * name) {
     return rkv_env_int(name, 0, 0, 1) == 1;
 }
 
-// the kind of the tail copies: GGML_RKV_COPY_KIND=0 host-to-device (default), 1 cudaMemcpyDefault (UVA decides),
-// 2 device-to-device through the host tail's mapped address (the pinned tail is device-accessible under UVA).
-// Experiment: a CUDA graph launch costs ~0.36 ms of host time per GB of captured host-to-device copies (docs/perf)
-static cudaMemcpyKind rkv_copy_kind() {
-    switch (rkv_env_int("GGML_RKV_COPY_KIND", 0, 0, 2)) {
-        case 1:  return cudaMemcpyDefault;
-        case 2:  return cudaMemcpyDeviceToDevice;
-        default: return cudaMemcpyHostToDevice;
-    }
-}
-
 static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
         const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i) {
     const int s = i % r.n_slots;
@@ -405,15 +394,14 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
     char * slot = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + GGML_PAD(ch.n*kt->nb[1]*kt->ne[3], 256);
     const int64_t n3 = rkv_debug_skip("GGML_RKV_DEBUG_SKIP_COPY") ? 0 : kt->ne[3];
-    const cudaMemcpyKind kind = rkv_copy_kind();
     ggml_cuda_rkv_prof_copy(ctx, cs, 0);
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
-            ch.n*kt->nb[1], kind, cs));
+            ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
-            ch.n*vt->nb[1], kind, cs));
+            ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
     CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
