@@ -21,6 +21,12 @@ optest tail-host-chunks256-slots2 GGML_RKV_CHUNK_CELLS=256 GGML_RKV_SLOTS=2 -- -
 SYNTH=/tmp/synth28.gguf
 [ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
 step "llama-bench -d 16384 -n 32 -r 3 per $AB_VAR"
+ab() {  # label, env..., -- llama-bench residency args
+  local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" timeout 120 "$B/build/bin/llama-bench" -m $SYNTH -fa 1 -p 0 -n 32 -d 16384 -r 3 -ngl 99 -o json "$@" 2>/dev/null | \
+    python3 -c "import json,sys; r=json.load(sys.stdin)[0]; print(json.dumps({'label': '$label', 'tok_s': r['avg_ts'], 'ms': 1000/r['avg_ts'], 'sd_ts': r['stddev_ts']}))" \
+    | tee -a "$OUT/ab.jsonl"
+}
 for w in 12288 8192; do
   for v in $AB_VALUES; do ab "f16 window $w, $AB_VAR=$v" "$AB_VAR=$v" -- --kv-residency-mode window --kv-window-cells $w; done
 done
