@@ -63,6 +63,45 @@ print(json.dumps(out))
     assert r["auto"]["mode_chosen"] == "resident" and r["big"]["mode_chosen"] == "resident"
 
 
+def test_every_layer_shares_one_index_view_per_region(cpu_build, demo_model):
+    """The split cache's set_rows take their window and tail indices through one view per region of each index
+    input, shared by every layer. A view per layer made the scheduler copy each one to the GPU on its own, with a
+    synchronization: 112 split inputs per decode token on the 28-layer model, ~1 ms of host time on the H200
+    (docs/perf/2026-11-30-where-decode-time-goes.md). Seen here through the scheduler's eval callback."""
+    r = _py(cpu_build, demo_model, """
+class T(ctypes.Structure):  # struct ggml_tensor of the pin (ggml.h)
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+                ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
+                ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+seen = {}
+def observe(t, ask, user):
+    node = T.from_address(t)
+    name = node.name.decode()
+    for region, prefix in (("k_tail", "cache_k_tail_l"), ("v_tail", "cache_v_tail_l"), ("k_win", "cache_k_l"), ("v_win", "cache_v_l")):
+        if name.startswith(prefix) and node.src[1]:
+            seen.setdefault(region, {}).setdefault(name.split(" ")[0], (node.src[1], T.from_address(node.src[1]).name.decode()))
+            break
+    return False
+cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
+cp = cparams()
+cp.cb_eval = cb
+ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256))
+b = llama_cpp.llama_batch_init(300, 0, 1)
+for i in range(300):
+    b.token[i] = (i * 37 + 11) % 20000 + 100; b.pos[i] = i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == 299
+b.n_tokens = 300
+assert llama_cpp.llama_decode(ctx, b) == 0
+out = {region: {"layers": len(v), "views": len({p for p, _ in v.values()}), "names": sorted({n for _, n in v.values()})}
+       for region, v in seen.items()}
+print(json.dumps(out))
+""")
+    for region, name in (("k_tail", "attn_inp_k_idxs (tail)"), ("v_tail", "attn_inp_v_idxs (tail)"),
+                         ("k_win", "attn_inp_k_idxs (window)"), ("v_win", "attn_inp_v_idxs (window)")):
+        assert r[region]["layers"] == 30, r
+        assert r[region]["views"] == 1 and r[region]["names"] == [name], (region, r[region])
+
+
 def test_refusals_return_null(cpu_build, demo_model):
     r = _py(cpu_build, demo_model, """
 res = {}
