@@ -1,4 +1,4 @@
-// rolling-KV: GPU timeline profile of eagerly evaluated graphs (see rolling-kv-profile.cuh)
+// rolling-KV: GPU timeline profile of graph evaluations (debug, GGML_RKV_PROFILE=1; see rolling-kv-profile.cuh)
 
 #include "rolling-kv-profile.cuh"
 
@@ -359,6 +359,11 @@ void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
     }
     for (cudaEvent_t e : p->pool) {
         CUDA_CHECK(cudaEventDestroy(e));
+    }
+    for (cudaEvent_t e : { p->replay0, p->replay1 }) {
+        if (e) {
+            CUDA_CHECK(cudaEventDestroy(e));
+        }
     }
     delete p;
 }
