@@ -51,3 +51,20 @@ serve_without_ngl() {
   grep -E "GPU layers|residency" /tmp/serve-nongl.txt | head -3
   log=$(grep -o "log: [^ ]*" /tmp/serve-nongl.txt | head -1 | cut -d' ' -f2); [ -f "$log" ] && grep -m2 -E "offloaded [0-9]+/[0-9]+ layers" "$log"
 }
+
+# the CUDA build cross-built on the dev VM (scripts/cross-build-cuda.sh; carry .device/prebuilt, .device/src) with the
+# packed gguf-py and llama_cpp bindings; sets and exports B and ROLLINGKV_BUILD. Always unpacked (a warm machine may
+# hold an older build at the same path), at the path it was built in: its RUNPATHs are absolute.
+use_prebuilt() {
+  mkdir -p /tmp/rkv-src /tmp/rkv-pylib
+  [ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
+  B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz
+  export B ROLLINGKV_BUILD="$B"
+  echo "prebuilt build of $(cat .device/prebuilt/commit 2>/dev/null) in $B"
+}
+
+# the synthetic 28-layer model of anchors.md, written once per machine; sets SYNTH
+synth_model() {
+  SYNTH=/tmp/synth28.gguf
+  [ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+}

@@ -3,11 +3,9 @@
 # on the synthetic 28-layer model at one depth (DEPTH, default 16384; extra bench options in BENCH_ARGS), with the
 # link measured in the same run. Results: $OUT/log.txt, $OUT/bench-tail-$DEPTH.json (plot it with `rollingkv bench plot`).
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz; export ROLLINGKV_BUILD="$B"
+use_prebuilt
 DEPTH=${DEPTH:-16384}
-step "bench tail -d $DEPTH (build of $(cat .device/prebuilt/commit))"
+step "bench tail -d $DEPTH"
 # shellcheck disable=SC2086
 bash scripts/bench-tail.sh --synth /tmp/synth28.gguf -d "$DEPTH" --json "$OUT/bench-tail-$DEPTH.json" --no-plot ${BENCH_ARGS:-} 2>&1 | tail -45
 step done

@@ -5,10 +5,8 @@
 # then decode at depth 16384 (llama-bench -r 3, synthetic 28-layer model) per value, f16 25%/50% and q4_0 50% tails,
 # and the host time of a CUDA graph launch per value (GGML_RKV_PROFILE=1). Results: $OUT/log.txt, $OUT/ab.jsonl.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz; export ROLLINGKV_BUILD="$B"
-step "op test -b CUDA0 --tail-host (build of $(cat .device/prebuilt/commit))"
+use_prebuilt
+step "op test -b CUDA0 --tail-host"
 optest() { # name, env..., -- args
   local name=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   env "${envs[@]}" timeout 240 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 "$@" > "$OUT/optest-$name.txt" 2>&1
@@ -18,8 +16,7 @@ AB_VAR=${AB_VAR:-GGML_RKV_COPY_KIND}; AB_VALUES=${AB_VALUES:-0 1 2}
 optest tail-host X=1 -- --tail-host
 for v in $AB_VALUES; do optest "tail-host-$v" "$AB_VAR=$v" -- --tail-host --quick; done
 optest tail-host-chunks256-slots2 GGML_RKV_CHUNK_CELLS=256 GGML_RKV_SLOTS=2 -- --tail-host --quick
-SYNTH=/tmp/synth28.gguf
-[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+synth_model
 step "llama-bench -d 16384 -n 32 -r 3 per $AB_VAR"
 ab() {  # label, env..., -- llama-bench residency args
   local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift

@@ -3,15 +3,12 @@
 # series. The whole op test on CUDA0 (device tail, then pinned-host tail), the GPU tests, and decode at depth 16384 for
 # the 50% f16 and q4_0 tails next to resident (llama-bench -r 3, synthetic 28-layer model). Results: $OUT/log.txt.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz; export ROLLINGKV_BUILD="$B" B
-step "op tests (build of $(cat .device/prebuilt/commit))"
+use_prebuilt
+step "op tests"
 op_tests_cuda
 step "GPU tests (pytest -m gpu)"
 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -3
-SYNTH=/tmp/synth28.gguf
-[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+synth_model
 step "llama-bench -d 16384 -n 32 -r 3"
 for args in "--kv-residency-mode off" "--kv-residency-mode window --kv-window-cells 8192" \
             "--kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0"; do

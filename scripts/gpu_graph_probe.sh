@@ -4,11 +4,8 @@
 # synthetic 28-layer model, counting ggml-cuda's graph log lines (warmup complete / reset, graph reused, captures),
 # plus resident and 50%-tail timings with GGML_CUDA_DISABLE_GRAPHS=1. Results: $OUT/log.txt, $OUT/graphs.jsonl.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; [ -f "$B/manifest.json" ] || tar -C / -xzf .device/prebuilt/cuda-build.tgz
-SYNTH=/tmp/synth28.gguf
-[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+use_prebuilt
+synth_model
 D=16384; N=32
 run() {  # label, env..., -- llama-bench residency args: timing and graph log counts of one run
   local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift

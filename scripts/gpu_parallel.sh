@@ -4,10 +4,7 @@
 # with -np 4 and a 512-cell window under 4 concurrent clients x 2 requests of ~1500 prompt tokens each: every
 # request completes, and each answer is compared with the same request sent alone. Results: $OUT/log.txt, $OUT/*.json.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; [ -f "$B/manifest.json" ] || tar -C / -xzf .device/prebuilt/cuda-build.tgz
-export ROLLINGKV_BUILD="$B"
+use_prebuilt
 M=/tmp/synth-4L.gguf
 [ -f $M ] || python3 -m rollingkv_cli model synth $M --layers 4 --embd 1024 --heads 8 --kv-heads 2 --ff 2816 --vocab 32000 --ctx 16384 --force | tail -1
 step "gate equiv --n-seq 4, window 256, 2048 tokens, -ngl 99 (order floor on)"

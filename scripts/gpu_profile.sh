@@ -4,11 +4,8 @@
 # 16384 on the synthetic 28-layer model: resident, 25% and 50% f16 tails, a 50% q4_0 tail, and the 50% tail without
 # copies, the scheduler's split inputs, then the GPU tests. Results: $OUT/log.txt, $OUT/profile-*.txt.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; tar -C / -xzf .device/prebuilt/cuda-build.tgz
-SYNTH=/tmp/synth28.gguf
-[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+use_prebuilt
+synth_model
 D=${D:-16384}; N=16
 prof() {  # label, env..., -- llama-bench residency args (graphs on unless the env says otherwise)
   local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
@@ -31,7 +28,6 @@ grep -o "## SPLIT #[0-9]*: [A-Za-z0-9]* # [0-9]* inputs" /tmp/sched.err | sort |
 grep -o "## SPLIT #1: CUDA0 # [0-9]* inputs: .*" /tmp/sched.err | tail -1 | cut -c1-400
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   step "GPU tests (pytest -m gpu) on this build"
-  export ROLLINGKV_BUILD="$B"
   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -8
 fi
 step done

@@ -5,11 +5,8 @@
 # outputs wrong: GGML_RKV_DEBUG_SKIP_COPY=1 (no tail copies: compute alone, chunked as usual) and
 # GGML_RKV_DEBUG_SKIP_TAIL_ATTN=1 (the copies without the attention over them). Results: $OUT/log.txt, $OUT/probe.jsonl.
 . "$(dirname "$0")/device-lib.sh"
-mkdir -p /tmp/rkv-src /tmp/rkv-pylib
-[ -d /tmp/rkv-src/gguf-py ] || { tar -C /tmp/rkv-src -xzf .device/src/llama.cpp.tgz && tar -C /tmp/rkv-pylib -xzf .device/src/pylib.tgz; }
-B="$(cat .device/prebuilt/dir)"; [ -f "$B/manifest.json" ] || tar -C / -xzf .device/prebuilt/cuda-build.tgz
-SYNTH=/tmp/synth28.gguf
-[ -f $SYNTH ] || python3 -m rollingkv_cli model synth $SYNTH --ctx 131072 --force | tail -1
+use_prebuilt
+synth_model
 D=16384; N=32
 bench() {  # label, env..., -- llama-bench residency args
   local label=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
