@@ -37,7 +37,8 @@
 // attention over chunk i; each chunk is one more part merged into the running (O, lse). The copy stream
 // forks from the compute stream at the op (after this layer's new K/V rows were written into the tail)
 // and joins it at the end of the op, which keeps CUDA graph capture valid: the copies become memcpy nodes
-// that re-read the host tail at every replay.
+// that re-read the host tail at every replay. The first GGML_RKV_SLOTS chunks of a graph's plan are copied before the
+// graph is launched, outside any capture (ggml_cuda_rkv_graph_begin); the graph waits for them as external events.
 
 #include "rolling-kv-fa.cuh"
 #include "rolling-kv-profile.cuh"
@@ -251,6 +252,13 @@ struct ggml_cuda_rkv_ring {
     std::vector<rkv_fifo_chunk> fifo;
     std::vector<rkv_fifo_op>    ops;
     int next_copy = 0;
+
+    // chunks [0, n_pre) of the plan are copied before the graph is launched (ggml_cuda_rkv_graph_begin, outside any
+    // capture), each signalling pre_done[i]: the link is busy while the host still launches the graph and layer 0
+    // computes, time a copy forked inside the graph cannot use (the launch alone is ~0.1-0.35 ms, docs/perf)
+    int         n_pre = 0;
+    cudaEvent_t pre_done[GGML_STREAMING_FA_MAX_SLOTS] = {};
+    cudaEvent_t ev_pre = nullptr;
 };
 
 static int rkv_env_int(const char * name, int def, int lo, int hi) {
@@ -274,7 +282,9 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
     for (int i = 0; i < GGML_STREAMING_FA_MAX_SLOTS; ++i) {
         if (r->copy_done[i]) CUDA_CHECK(cudaEventDestroy(r->copy_done[i]));
         if (r->slot_free[i]) CUDA_CHECK(cudaEventDestroy(r->slot_free[i]));
+        if (r->pre_done[i])  CUDA_CHECK(cudaEventDestroy(r->pre_done[i]));
     }
+    if (r->ev_pre) CUDA_CHECK(cudaEventDestroy(r->ev_pre));
     if (r->ev_fork) CUDA_CHECK(cudaEventDestroy(r->ev_fork));
     if (r->ev_join) CUDA_CHECK(cudaEventDestroy(r->ev_join));
     if (r->base) CUDA_CHECK(cudaFree(r->base));
@@ -292,7 +302,9 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
         for (int i = 0; i < r->n_slots; ++i) {
             CUDA_CHECK(cudaEventCreateWithFlags(&r->copy_done[i], cudaEventDisableTiming));
             CUDA_CHECK(cudaEventCreateWithFlags(&r->slot_free[i], cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventCreateWithFlags(&r->pre_done[i], cudaEventDisableTiming));
         }
+        CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_pre, cudaEventDisableTiming));
         CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_fork, cudaEventDisableTiming));
         CUDA_CHECK(cudaEventCreateWithFlags(&r->ev_join, cudaEventDisableTiming));
         ctx.rkv_ring = r;
@@ -384,8 +396,9 @@ static bool rkv_debug_skip(const char * name) {
     return rkv_env_int(name, 0, 0, 1) == 1;
 }
 
+// copy chunk i of a plan into its slot on the copy stream cs and record `done` (the slot's copy_done by default)
 static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
-        const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i) {
+        const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i, cudaEvent_t done = nullptr) {
     const int s = i % r.n_slots;
     if (i >= r.n_slots) {
         // the attention over chunk i - n_slots (already enqueued on the compute stream) must be done with this slot
@@ -404,7 +417,7 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
-    CUDA_CHECK(cudaEventRecord(r.copy_done[s], cs));
+    CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }
 
 // Rows of a chunk that this graph wrote (set_rows, through unified addressing) after the chunk may have been
@@ -471,6 +484,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         r->fifo.clear();
         r->ops.clear();
         r->next_copy = 0;
+        r->n_pre     = 0;
     }
     if (rkv_env_int("GGML_RKV_RUNAHEAD", 1, 0, 1) == 0) {
         return; // every op streams its own tail only (copies overlap that op's attention, not other layers)
@@ -509,6 +523,22 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     r = &rkv_ring(ctx, need); // outside any capture: this runs before the graph is captured or replayed
     r->fifo = std::move(fifo);
     r->ops  = std::move(ops);
+
+    // Copy the first chunks now, before the graph is launched, after everything already on the compute stream (a
+    // previous graph may still read the slots). Exact for the run-ahead's reason: rows this graph writes before an
+    // op are copied again into its slots from the host tail before the attention (writes_k/writes_v, rkv_refresh).
+    // GGML_RKV_PRELAUNCH=0: every copy is forked inside the graph.
+    if (rkv_env_int("GGML_RKV_PRELAUNCH", 1, 0, 1) == 1) {
+        r->n_pre = std::min<int>(r->n_slots, (int) r->fifo.size());
+        cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_MAX_STREAMS - 1);
+        CUDA_CHECK(cudaEventRecord(r->ev_pre, ctx.stream()));
+        CUDA_CHECK(cudaStreamWaitEvent(cs, r->ev_pre, 0));
+        for (int i = 0; i < r->n_pre; ++i) {
+            const ggml_tensor * node = r->ops[r->fifo[i].op].node;
+            rkv_issue_copy(ctx, *r, cs, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL],
+                r->fifo[i], i, r->pre_done[i]);
+        }
+    }
 }
 
 bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op) {
@@ -747,10 +777,17 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         const ggml_tensor * node = (*fops)[ch.op].node;
         rkv_issue_copy(ctx, *ring, cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
     };
+    // chunks [0, n_pre) of the graph's plan were copied before the launch (ggml_cuda_rkv_graph_begin): their events
+    // were recorded outside any capture, so a capture takes the waits as external event nodes
+    const int n_pre = ring && fifo == &ring->fifo ? ring->n_pre : 0;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (n_pre > 0) {
+        CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    }
     if (ring && op_idx == 0) {
         CUDA_CHECK(cudaEventRecord(ring->ev_fork, stream));
         CUDA_CHECK(cudaStreamWaitEvent(cstream, ring->ev_fork, 0));
-        *next_copy = 0;
+        *next_copy = n_pre;
         while (*next_copy < (int) fifo->size() && *next_copy < ring->n_slots) {
             issue((*next_copy)++);
         }
@@ -770,7 +807,12 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
             const rkv_fifo_op & o = (*fops)[op_idx];
             const int g = o.first + ic;
             GGML_ASSERT(g < *next_copy && "rolling-KV: a chunk is attended before its copy was issued");
-            CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[g % ring->n_slots], 0));
+            if (g < n_pre) {
+                CUDA_CHECK(cudaStreamWaitEvent(stream, ring->pre_done[g],
+                    capture == cudaStreamCaptureStatusActive ? cudaEventWaitExternal : cudaEventWaitDefault));
+            } else {
+                CUDA_CHECK(cudaStreamWaitEvent(stream, ring->copy_done[g % ring->n_slots], 0));
+            }
             ggml_cuda_rkv_prof_mark(ctx, "rkv wait for chunk copy");
             // rows written by this graph after the chunk may have been copied: take them again from the host tail
             for (const ggml_tensor * w : o.writes_k) {
