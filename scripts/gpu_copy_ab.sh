@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device call on the prebuilt CUDA build (carry .device/prebuilt, .device/src, .device/series): an A/B of a tail-copy
-# setting (AB_VAR, values AB_VALUES; session 4: GGML_RKV_COPY_STREAMS 1 2, then GGML_RKV_COPY_KIND 0 1 2). Exactness
+# setting (AB_VAR, values AB_VALUES; default GGML_RKV_PRELAUNCH 1 0. Session 4 ran it on GGML_RKV_COPY_STREAMS and
+# GGML_RKV_COPY_KIND, two experiments since reverted: docs/perf/2026-11-30-where-decode-time-goes.md). Exactness
 # first: the op test with a pinned-host tail on CUDA0 for every value (quick set, plus the whole set at the default);
 # then decode at depth 16384 (llama-bench -r 3, synthetic 28-layer model) per value, f16 25%/50% and q4_0 50% tails,
 # and the host time of a CUDA graph launch per value (GGML_RKV_PROFILE=1). Results: $OUT/log.txt, $OUT/ab.jsonl.
@@ -12,7 +13,7 @@ optest() { # name, env..., -- args
   env "${envs[@]}" timeout 240 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 "$@" > "$OUT/optest-$name.txt" 2>&1
   echo "$name: exit $? $(grep -E "passed" "$OUT/optest-$name.txt" | tail -1)"; grep FAIL "$OUT/optest-$name.txt" | head -5
 }
-AB_VAR=${AB_VAR:-GGML_RKV_COPY_KIND}; AB_VALUES=${AB_VALUES:-0 1 2}
+AB_VAR=${AB_VAR:-GGML_RKV_PRELAUNCH}; AB_VALUES=${AB_VALUES:-1 0}
 optest tail-host X=1 -- --tail-host
 for v in $AB_VALUES; do optest "tail-host-$v" "$AB_VAR=$v" -- --tail-host --quick; done
 optest tail-host-chunks256-slots2 GGML_RKV_CHUNK_CELLS=256 GGML_RKV_SLOTS=2 -- --tail-host --quick
