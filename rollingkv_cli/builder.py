@@ -32,7 +32,7 @@ class BuildOptions:
     toolchain: str = "gcc"  # or "cosmocc"
     source: str | None = None  # a local tree; None = the pinned sdist
     pinned: bool = True
-    unpatched: bool = False  # the pin as upstream ships it (a reference for equivalence gates); libllama only
+    unpatched: bool = False  # the pin with only the upstream fixes (a reference for equivalence gates); libllama only
 
     def key(self, series_hash: str) -> str:
         options = asdict(self)
@@ -269,13 +269,14 @@ def build_dir_for(opts: BuildOptions, series: patchset.Series) -> Path:
     return paths.builds_dir() / opts.key(series.hash)
 
 
-def empty_series() -> patchset.Series:
-    return patchset.Series((), (), paths.data_dir("patches"), paths.data_dir("native"))
+def reference_series() -> patchset.Series:
+    """What the `--unpatched` reference build applies: the upstream fixes, nothing of ours."""
+    return patchset.load_series().fixes_only()
 
 
 def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False,
           activate: bool = True) -> Build:
-    series = empty_series() if opts.unpatched else (series or patchset.load_series())
+    series = reference_series() if opts.unpatched else (series or patchset.load_series())
     check_toolchain(opts)
     bdir = build_dir_for(opts, series)
     existing = Build.load(bdir)

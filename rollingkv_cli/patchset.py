@@ -3,6 +3,9 @@
 Rules (ollama's llama/ workflow, adapted):
 - a file that does not exist upstream is *native*: it lives whole under native/ at its tree path;
 - a change to an upstream file is a *hook*: it lives in a numbered git patch under patches/;
+- a fix of an upstream bug is an *upstream fix*: a numbered git patch under patches/upstream-fixes/, applied
+  first, by our build and by the `--unpatched` reference build alike (the reference is "upstream as it should
+  behave", not "upstream crashing"); each names the upstream PR so a pin bump can drop it;
 - applying is idempotent (a patch whose reverse applies is already in) and refuses foreign changes;
 - patches/ is never edited by hand: `rollingkv patches checkout DIR`, commit, `rollingkv patches export DIR`.
 """
@@ -20,10 +23,12 @@ from pathlib import Path
 
 from rollingkv_cli import paths
 from rollingkv_cli.console import abort
-from rollingkv_cli.upstream import PIN
+from rollingkv_cli.upstream import PIN, identify_tree
 
 BASE_TAG = "rollingkv-base"
+FIXES_TAG = "rollingkv-upstream-fixes"  # the last upstream-fix commit (= BASE_TAG when there is none)
 NATIVE_TAG = "rollingkv-native"
+FIXES_SUBDIR = "upstream-fixes"  # under patches/
 SYNC_STAMP = "rollingkv-native-synced.json"  # in the checkout's .git: native/ as of the last checkout or export
 # Fixed identities and dates make checkout -> export reproducible byte for byte.
 _GIT_ENV = {
@@ -42,14 +47,17 @@ REGENERATE_HINT = (
 
 @dataclass(frozen=True)
 class Series:
-    patches: tuple[Path, ...]
+    patches: tuple[Path, ...]  # hooks, applied after the native files
     native_files: tuple[str, ...]  # paths relative to the tree (and to native/)
     patches_dir: Path
     native_dir: Path
+    fixes: tuple[Path, ...] = ()  # upstream fixes (patches/upstream-fixes/), applied first
 
     @property
     def hash(self) -> str:
         h = hashlib.sha256()
+        for p in self.fixes:
+            h.update(b"F" + p.name.encode() + b"\0" + p.read_bytes())
         for p in self.patches:
             h.update(b"P" + p.name.encode() + b"\0" + p.read_bytes())
         for rel in self.native_files:
@@ -57,19 +65,26 @@ class Series:
         return h.hexdigest()
 
     def patch_hashes(self) -> dict[str, str]:
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in self.patches}
+        return {(f"{FIXES_SUBDIR}/" if p in self.fixes else "") + p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in (*self.fixes, *self.patches)}
+
+    def fixes_only(self) -> "Series":
+        """The upstream fixes alone: what the `--unpatched` reference build applies."""
+        return Series((), (), self.patches_dir, self.native_dir, self.fixes)
 
 
 def load_series(patches_dir: Path | None = None, native_dir: Path | None = None) -> Series:
     patches_dir = patches_dir or paths.data_dir("patches")
     native_dir = native_dir or paths.data_dir("native")
     patches = tuple(sorted(patches_dir.glob("*.patch"))) if patches_dir.is_dir() else ()
+    fixes_dir = patches_dir / FIXES_SUBDIR
+    fixes = tuple(sorted(fixes_dir.glob("*.patch"))) if fixes_dir.is_dir() else ()
     native: list[str] = []
     if native_dir.is_dir():
         for root, _dirs, files in os.walk(native_dir):
             for f in files:
                 native.append(str((Path(root) / f).relative_to(native_dir)))
-    return Series(patches, tuple(sorted(native)), patches_dir, native_dir)
+    return Series(patches, tuple(sorted(native)), patches_dir, native_dir, fixes)
 
 
 def _git(args: list[str], cwd: Path, check: bool = True, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -96,43 +111,68 @@ def _first_line(text: str) -> str:
 
 
 def apply_series(tree: Path, series: Series | None = None, log=print) -> list[str]:
-    """Copy native files and apply hook patches to `tree`. Returns what was done; a second call does nothing."""
+    """Apply the upstream fixes, copy the native files, apply the hook patches. Returns what was done; a
+    second call does nothing. Everything is checked before anything is written: a refused tree is untouched."""
     series = series or load_series()
-    done: list[str] = []
+    _require_llama_tree(tree)
+    native_todo: list[str] = []
     for rel in series.native_files:
         src, dst = series.native_dir / rel, tree / rel
-        if dst.exists():
-            if filecmp.cmp(src, dst, shallow=False):
-                continue
+        if not dst.exists():
+            native_todo.append(rel)
+        elif not filecmp.cmp(src, dst, shallow=False):
             abort(
                 f"{rel} in {tree} differs from native/{rel}: the tree has foreign changes",
                 "start from a pristine tree at the pin (rollingkv build does) or " + REGENERATE_HINT,
             )
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
+    fixes_todo = _pending(tree, series.fixes, [], "upstream fix")
+    hooks_todo = _pending(tree, series.patches, list(series.fixes) if fixes_todo else [], "patch")
+    done: list[str] = []
+    for patch in fixes_todo:
+        _git(["apply", "--whitespace=nowarn", str(patch)], tree)
+        done.append(f"upstream fix {patch.name}")
+        log(f"applied upstream fix {patch.name}")
+    for rel in native_todo:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(series.native_dir / rel, tree / rel)
         done.append(f"native {rel}")
-    if not series.patches:
-        return done
-    if _series_applies(tree, series, reverse=True) is None:
-        return done  # the whole series is in already
-    failing = _series_applies(tree, series, reverse=False)
-    if failing is not None:
-        patch, err = failing
-        abort(f"patch {patch.name} does not apply to {tree}: {err}", REGENERATE_HINT)
-    for patch in series.patches:
+    for patch in hooks_todo:
         _git(["apply", "--whitespace=nowarn", str(patch)], tree)
         done.append(f"patch {patch.name}")
         log(f"applied {patch.name}")
     return done
 
 
-def _series_applies(tree: Path, series: Series, reverse: bool) -> tuple[Path, str] | None:
-    """Dry run of the whole series (or its reversal, last patch first) on a scratch copy of the files it
-    touches. Patches that touch the same file only apply in order, so they are checked in order.
-    Returns None when every step applies, else (the first failing patch, git's reason)."""
+def _require_llama_tree(tree: Path) -> None:
+    marks = ("CMakeLists.txt", "include/llama.h", "ggml/include/ggml.h")
+    if not tree.is_dir() or not all((tree / m).is_file() for m in marks):
+        abort(f"{tree} is not a llama.cpp source tree (no {', '.join(marks)})",
+              f"pass the root of a llama.cpp tree at the pin {PIN.short} (`rollingkv patches checkout DIR` makes one)")
+
+
+def _pending(tree: Path, patches: tuple[Path, ...], before: list[Path], kind: str) -> list[Path]:
+    """The patches of one segment still to apply: none when the whole segment is in (its reversal applies),
+    all of them when they apply on top of `before` (the earlier segment, not yet in the tree). Refuses a
+    tree where neither holds, before anything is written."""
+    if not patches:
+        return []
+    if not before and _dry_run(tree, [(p, True) for p in reversed(patches)]) is None:
+        return []
+    failing = _dry_run(tree, [(p, False) for p in (*before, *patches)])
+    if failing is None:
+        return list(patches)
+    patch, err = failing
+    pinned, why = identify_tree(tree)
+    hint = REGENERATE_HINT if pinned else f"{why}: start from a tree at the pin {PIN.short}, or " + REGENERATE_HINT
+    abort(f"{kind} {patch.name} does not apply to {tree}: {err}; nothing was written", hint)
+
+
+def _dry_run(tree: Path, steps: list[tuple[Path, bool]]) -> tuple[Path, str] | None:
+    """Apply (patch, reverse) steps in order on a scratch copy of the files they touch: patches that touch
+    the same file only apply in order. None when every step applies, else (the first failing patch, git's reason)."""
     import tempfile
 
-    touched = sorted({f for p in series.patches for f in describe_patch(p)[2]})
+    touched = sorted({f for p, _ in steps for f in describe_patch(p)[2]})
     with tempfile.TemporaryDirectory(prefix="rkv-apply-") as tmp:
         scratch = Path(tmp) / "tree"
         for rel in touched:
@@ -140,8 +180,7 @@ def _series_applies(tree: Path, series: Series, reverse: bool) -> tuple[Path, st
                 (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(tree / rel, scratch / rel)
         scratch.mkdir(exist_ok=True)
-        order = list(reversed(series.patches)) if reverse else list(series.patches)
-        for patch in order:
+        for patch, reverse in steps:
             args = ["apply", "--whitespace=nowarn"] + (["--reverse"] if reverse else []) + [str(patch)]
             proc = _git(args, scratch, check=False)
             if proc.returncode != 0:
@@ -160,6 +199,9 @@ def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
     _git(["add", "-A"], dest)
     _git(["commit", "-q", "-m", f"llama.cpp {PIN.llama_cpp_commit}\n\nVendored in {PIN.bindings_package} {PIN.bindings_version}."], dest)
     _git(["tag", BASE_TAG], dest)
+    for patch in series.fixes:
+        _am(dest, patch)
+    _git(["tag", FIXES_TAG], dest)
     for rel in series.native_files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(series.native_dir / rel, dest / rel)
@@ -168,10 +210,14 @@ def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
     _git(["tag", NATIVE_TAG], dest)
     _write_sync_stamp(dest, series.native_dir)
     for patch in series.patches:
-        proc = _git(["am", "-q", "--keep-cr", "--committer-date-is-author-date", str(patch)], dest, check=False)
-        if proc.returncode != 0:
-            _git(["am", "--abort"], dest, check=False)
-            abort(f"patch {patch.name} does not apply at the pin: {_first_line(proc.stderr or proc.stdout)}", REGENERATE_HINT)
+        _am(dest, patch)
+
+
+def _am(dest: Path, patch: Path) -> None:
+    proc = _git(["am", "-q", "--keep-cr", "--committer-date-is-author-date", str(patch)], dest, check=False)
+    if proc.returncode != 0:
+        _git(["am", "--abort"], dest, check=False)
+        abort(f"patch {patch.name} does not apply at the pin: {_first_line(proc.stderr or proc.stdout)}", REGENERATE_HINT)
 
 
 def _file_hash(path: Path) -> str:
@@ -216,9 +262,17 @@ def native_conflicts(src: Path, native_dir: Path) -> list[str]:
 def export(src: Path, series_dirs: tuple[Path, Path] | None = None, force: bool = False) -> list[Path]:
     """Regenerate patches/ (and native/) from a checkout made by `checkout`."""
     patches_dir, native_dir = series_dirs or (paths.data_dir("patches"), paths.data_dir("native"))
-    for tag in (BASE_TAG, NATIVE_TAG):
+    for tag in (BASE_TAG, FIXES_TAG, NATIVE_TAG):
         if _git(["rev-parse", "-q", "--verify", f"refs/tags/{tag}"], src, check=False).returncode != 0:
             abort(f"{src} is not a rollingkv patch checkout (tag {tag} missing)", "make one with `rollingkv patches checkout DIR`")
+    # the base, then the upstream fixes up to FIXES_TAG (the base itself when there is none), the native commit, the hooks
+    commit = {t: _git(["rev-parse", f"{t}^{{commit}}"], src).stdout.strip() for t in (BASE_TAG, FIXES_TAG, NATIVE_TAG)}
+    order = [commit[BASE_TAG], *_git(["rev-list", "--reverse", "--first-parent", f"{BASE_TAG}..HEAD"], src).stdout.split()]
+    pos = {t: order.index(c) if c in order else -1 for t, c in commit.items()}
+    if not 0 <= pos[FIXES_TAG] < pos[NATIVE_TAG]:
+        abort(f"{src}: the tags {BASE_TAG}, {FIXES_TAG}, {NATIVE_TAG} are not in that order below HEAD",
+              f"after a rebase, move the tags to the last upstream-fix commit and the native commit (`git tag -f TAG COMMIT`)")
+    has_fixes = pos[FIXES_TAG] > 0
     if _git(["status", "--porcelain"], src).stdout.strip():
         abort(f"{src} has uncommitted changes", "commit them (one commit per hook, message saying why) and export again")
     conflicts = [] if force else native_conflicts(src, native_dir)
@@ -226,31 +280,39 @@ def export(src: Path, series_dirs: tuple[Path, Path] | None = None, force: bool 
         shown = ", ".join(f"native/{c}" for c in conflicts[:6]) + (f" and {len(conflicts) - 6} more" if len(conflicts) > 6 else "")
         abort(f"{shown} changed since {src} last synced with native/; exporting would overwrite it",
               f"copy those files into {src} and commit them there (or export with --force to discard them)")
-    added = _git(["diff", "--name-only", "--diff-filter=A", BASE_TAG, "HEAD"], src).stdout.split()
-    modified = _git(["diff", "--name-only", "--diff-filter=MDR", BASE_TAG, "HEAD"], src).stdout.split()
+    added = _git(["diff", "--name-only", "--diff-filter=A", FIXES_TAG, "HEAD"], src).stdout.split()
+    modified = _git(["diff", "--name-only", "--diff-filter=MDR", FIXES_TAG, "HEAD"], src).stdout.split()
     # native/: exactly the files that do not exist upstream
     if native_dir.exists():
         shutil.rmtree(native_dir)
     for rel in added:
         (native_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / rel, native_dir / rel)
-    for old in patches_dir.glob("*.patch"):
+    fixes_dir = patches_dir / FIXES_SUBDIR
+    for old in (*patches_dir.glob("*.patch"), *fixes_dir.glob("*.patch")):
         old.unlink()
     patches_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    written: list[Path] = []  # the upstream fixes, then the hooks
+    if has_fixes:
+        fixes_dir.mkdir(exist_ok=True)
+        out = _git(["format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--full-index",
+                    "-o", str(fixes_dir), f"{BASE_TAG}..{FIXES_TAG}"], src).stdout
+        written += sorted(Path(line) for line in out.split() if line.endswith(".patch"))
+    elif fixes_dir.is_dir() and not any(fixes_dir.iterdir()):
+        fixes_dir.rmdir()
     if modified:
         out = _git(
             ["format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--full-index",
              "-o", str(patches_dir), f"{NATIVE_TAG}..HEAD", "--", *modified],
             src,
         ).stdout
-        written = [Path(line) for line in out.split() if line.endswith(".patch")]
+        written += sorted(Path(line) for line in out.split() if line.endswith(".patch"))
     write_index(load_series(patches_dir, native_dir))
     _write_sync_stamp(src, native_dir)
-    return sorted(written)
+    return written
 
 
-_SUBJECT = re.compile(r"^Subject: \[PATCH\] (.*)$", re.M)
+_SUBJECT = re.compile(r"^Subject: \[PATCH\] (.*(?:\n[ \t].*)*)$", re.M)  # a long subject is folded over lines
 
 
 def describe_patch(patch: Path) -> tuple[str, str, list[str]]:
@@ -258,11 +320,20 @@ def describe_patch(patch: Path) -> tuple[str, str, list[str]]:
     text = patch.read_text()
     head, _, rest = text.partition("\n---\n")
     m = _SUBJECT.search(head)
-    subject = m.group(1).strip() if m else patch.stem
+    subject = " ".join(m.group(1).split()) if m else patch.stem
     body = head[m.end():].strip() if m else ""
     why = " ".join(body.split("\n\n")[0].split()) if body else ""
     files = re.findall(r"^diff --git a/(\S+) b/", rest, re.M)
     return subject, why, files
+
+
+def _patch_table(patches: tuple[Path, ...], prefix: str, title: str) -> list[str]:
+    lines = [title, "", "| patch | purpose | files touched |", "| --- | --- | --- |"]
+    for p in patches:
+        subject, why, files = describe_patch(p)
+        purpose = subject + (f": {why}" if why else "")
+        lines.append(f"| `{prefix}{p.name}` | {purpose.replace('|', '/')} | {', '.join(f'`{f}`' for f in files)} |")
+    return lines + [""]
 
 
 def write_index(series: Series) -> Path:
@@ -272,17 +343,23 @@ def write_index(series: Series) -> Path:
         f"Against llama.cpp `{PIN.llama_cpp_commit}` (vendored in {PIN.bindings_package} {PIN.bindings_version}; the pin lives in `rollingkv_cli/upstream.py`).",
         "Generated by `rollingkv patches export`: do not edit this file or the patches by hand.",
         "",
-        "Whole new source files live under `native/` at their tree paths and are copied in before the patches apply;",
-        "the patches below only add hooks to upstream files.",
+        "The series has three parts, applied in this order:",
         "",
-        "| patch | purpose | files touched |",
-        "| --- | --- | --- |",
+        f"1. **Upstream fixes** (`{FIXES_SUBDIR}/`): bugs of the pinned llama.cpp itself, fixed as upstream fixes them (each names",
+        "   its upstream PR; drop it when a pin bump contains it). Both our build and the `--unpatched` reference build apply them,",
+        "   so the reference stays \"upstream as it should behave\".",
+        "2. **Native files** (`native/`): whole new source files, copied in at their tree paths.",
+        "3. **Hooks** (the numbered patches here): small changes to upstream files that call into the native files.",
+        "",
+        f"In a checkout (`rollingkv patches checkout DIR`) the tags `{BASE_TAG}`, `{FIXES_TAG}` and `{NATIVE_TAG}` mark the",
+        "boundaries. A new hook is a commit on top. A new upstream fix goes below the native commit: `git rebase -i "
+        f"{FIXES_TAG}`, add the fix as the first commit (`edit` the native commit, commit the fix before it, `git rebase",
+        f"--continue`), then `git tag -f {FIXES_TAG} <the fix>` and `git tag -f {NATIVE_TAG} <the native commit>`, and export.",
+        "",
     ]
-    for p in series.patches:
-        subject, why, files = describe_patch(p)
-        purpose = subject + (f": {why}" if why else "")
-        lines.append(f"| `{p.name}` | {purpose.replace('|', '/')} | {', '.join(f'`{f}`' for f in files)} |")
-    lines += ["", "## Native files", ""]
+    lines += _patch_table(series.fixes, f"{FIXES_SUBDIR}/", "## Upstream fixes") if series.fixes else []
+    lines += _patch_table(series.patches, "", "## Hooks")
+    lines += ["## Native files", ""]
     lines += [f"- `native/{rel}`" for rel in series.native_files] or ["(none)"]
     index = series.patches_dir / "README.md"
     index.write_text("\n".join(lines) + "\n")

@@ -34,7 +34,8 @@ def _index_text(series) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "patches"
         shutil.copytree(series.patches_dir, copy)
-        patchset.write_index(patchset.Series(tuple(copy / p.name for p in series.patches), series.native_files, copy, series.native_dir))
+        patchset.write_index(patchset.Series(tuple(copy / p.name for p in series.patches), series.native_files, copy, series.native_dir,
+                                             tuple(copy / patchset.FIXES_SUBDIR / p.name for p in series.fixes)))
         return (copy / "README.md").read_text()
 
 
@@ -43,12 +44,69 @@ def test_checkout_export_round_trip_is_byte_identical(tmp_path, pristine_tree):
     co = tmp_path / "co"
     patchset.checkout(co, pristine_tree, series)
     log = subprocess.run(["git", "-C", str(co), "log", "--format=%s"], capture_output=True, text=True, check=True).stdout
-    assert len(log.splitlines()) == 2 + len(series.patches)
+    assert len(log.splitlines()) == 2 + len(series.fixes) + len(series.patches)
     out_patches, out_native = tmp_path / "patches", tmp_path / "native"
     out_patches.mkdir()
     patchset.export(co, (out_patches, out_native))
-    assert _dir_files(out_patches) == _dir_files(series.patches_dir)
+    assert _dir_files(out_patches) == _dir_files(series.patches_dir)  # upstream-fixes/ included
     assert _dir_files(out_native) == _dir_files(series.native_dir)
+
+
+def test_upstream_fixes_are_a_series_of_their_own():
+    series = patchset.load_series()
+    assert series.fixes, "the AMX fix is carried as an upstream fix"
+    for p in series.fixes:
+        subject, why, files = patchset.describe_patch(p)
+        body = p.read_text().partition("\n---\n")[0]
+        assert "Upstream bug fix" in why and "ggml-org/llama.cpp#" in body, f"{p.name} names the upstream PR it carries"
+    ref = series.fixes_only()
+    assert ref.fixes == series.fixes and not ref.patches and not ref.native_files
+    assert ref.hash != series.hash and ref.hash != patchset.Series((), (), series.patches_dir, series.native_dir).hash
+    index = (series.patches_dir / "README.md").read_text()
+    assert "## Upstream fixes" in index and all(f"upstream-fixes/{p.name}" in index for p in series.fixes)
+
+
+def test_reference_tree_gets_the_fixes_only_and_then_the_full_series(tmp_path, pristine_tree):
+    """The --unpatched reference applies the upstream fixes alone; the full series applies on top of that tree."""
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    series = patchset.load_series()
+    done = patchset.apply_series(tree, series.fixes_only(), log=lambda m: None)
+    assert done == [f"upstream fix {p.name}" for p in series.fixes]
+    assert "ggml_tile_config_make" in (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text()
+    assert not (tree / series.native_files[0]).exists()
+    assert patchset.apply_series(tree, series.fixes_only(), log=lambda m: None) == []
+    rest = patchset.apply_series(tree, series, log=lambda m: None)
+    assert len(rest) == len(series.native_files) + len(series.patches)
+    assert patchset.apply_series(tree, series, log=lambda m: None) == []
+
+
+def test_apply_to_a_directory_that_is_not_llama_cpp_writes_nothing(tmp_path, runner):
+    from rollingkv_cli.cli import rollingkv
+
+    junk = tmp_path / "not-llama"
+    junk.mkdir()
+    (junk / "CMakeLists.txt").write_text("project(other)\n")
+    r = runner.invoke(rollingkv, ["patches", "apply", str(junk)])
+    assert r.exit_code == 1
+    assert "is not a llama.cpp source tree" in str(r.exception or r.output)
+    assert sorted(p.name for p in junk.rglob("*")) == ["CMakeLists.txt"]
+
+
+def test_apply_to_llama_cpp_at_another_commit_writes_nothing_and_says_so(tmp_path, pristine_tree):
+    tree = tmp_path / "other"
+    shutil.copytree(pristine_tree, tree)
+    series = patchset.load_series()
+    rel = "src/llama-graph.cpp"  # a file hooks touch and the pin's fingerprint covers
+    assert rel in upstream.FINGERPRINT_FILES
+    first = next(p for p in series.patches if rel in patchset.describe_patch(p)[2])
+    (tree / rel).write_text((tree / rel).read_text().replace("\n", "\n// moved on upstream\n", 4000))
+    before = _dir_files(tree)
+    with pytest.raises(RollingKVError) as e:
+        patchset.apply_series(tree, series, log=lambda m: None)
+    assert f"patch {first.name} does not apply" in e.value.message and "nothing was written" in e.value.message
+    assert "does not match llama.cpp" in e.value.hint
+    assert _dir_files(tree) == before  # no native file, no upstream fix, no earlier hook
 
 
 def test_export_picks_up_a_new_hook_and_a_new_native_file(tmp_path, pristine_tree):
@@ -99,7 +157,7 @@ def test_apply_twice_is_a_no_op(tmp_path, pristine_tree):
     shutil.copytree(pristine_tree, tree)
     series = patchset.load_series()
     first = patchset.apply_series(tree, series, log=lambda m: None)
-    assert len(first) == len(series.patches) + len(series.native_files)
+    assert len(first) == len(series.fixes) + len(series.patches) + len(series.native_files)
     snapshot = _dir_files(tree / "src")
     assert patchset.apply_series(tree, series, log=lambda m: None) == []
     assert _dir_files(tree / "src") == snapshot

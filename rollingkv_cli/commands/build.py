@@ -16,7 +16,7 @@ from rollingkv_cli.paths import ENV_SOURCE_DIR
 @click.option("--toolchain", type=click.Choice(["gcc", "cosmocc"]), default="gcc", show_default=True, help="Host compiler; cosmocc must be on PATH.")
 @click.option("--source", type=click.Path(file_okay=False, path_type=Path), envvar=ENV_SOURCE_DIR, help=f"A local llama.cpp tree instead of the pinned sdist [env: {ENV_SOURCE_DIR}].")
 @click.option("--allow-unpinned", is_flag=True, help="Accept a --source tree at another commit than the pin.")
-@click.option("--unpatched", is_flag=True, help="Build libllama of the pin WITHOUT our series (a reference for `gate equiv --reference lib:DIR`); never becomes the active build.")
+@click.option("--unpatched", is_flag=True, help="Build libllama of the pin with only the upstream fixes (patches/upstream-fixes/), none of our series: the reference for `gate equiv --reference lib:DIR`; never becomes the active build.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), help="Parallel compile jobs (default: all cores).")
 @click.option("--print-dir", is_flag=True, help="Print the build directory for these options and exit (it must be built).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
@@ -36,7 +36,7 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
         cuda=use_cuda, cuda_arch=arch, backend_dl=backend_dl, toolchain=toolchain,
         source=str(source.expanduser().resolve()) if source else None, pinned=not allow_unpinned, unpatched=unpatched,
     )
-    series = builder.empty_series() if unpatched else patchset.load_series()
+    series = builder.reference_series() if unpatched else patchset.load_series()
     if print_dir:
         bdir = builder.build_dir_for(opts, series)
         if builder.Build.load(bdir) is None:

@@ -1,4 +1,4 @@
-"""`rollingkv info`: the active build and what it was made from."""
+"""`rollingkv info`: the active build, what it was made from, and the CPU paths it runs on this host."""
 
 from __future__ import annotations
 
@@ -8,35 +8,53 @@ import click
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest and the host's CPU facts as JSON.")
 def info(as_json: bool) -> None:
-    """Show the active build: pin, patch series, options, artifacts."""
+    """Show the active build (pin, patch series, options, artifacts) and the host CPU: its model, and the
+    features and weight buffer types (AMX, CPU_REPACK) the build's CPU backend uses, so a crash report says
+    which kernels ran."""
+    from rich.markup import escape
     from rich.table import Table
 
-    from rollingkv_cli import builder, patchset, upstream
+    from rollingkv_cli import builder, hostinfo, patchset, upstream
     from rollingkv_cli.console import console, warn
 
     b = builder.active_build(required=True)
     assert b is not None
     current = patchset.load_series().hash
     stale = b.manifest.get("series_hash") != current
+    cpu = hostinfo.backend_info(b.lib_dir)
+    host = {"cpu_model": hostinfo.cpu_model(), "cpu_flags": sorted(set(hostinfo.KERNEL_FLAGS) & hostinfo.cpu_flags()),
+            "ggml_features": cpu.enabled, "cpu_extra_buffer_types": cpu.extra_buffer_types,
+            "ggml_system_info": cpu.system_info, "error": cpu.error}
     if as_json:
-        click.echo(json.dumps({"dir": str(b.dir), "stale": stale, **b.manifest}, indent=2))
+        click.echo(json.dumps({"dir": str(b.dir), "stale": stale, **b.manifest, "host": host}, indent=2))
         return
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
+
+    def row(key: str, value: str) -> None:
+        t.add_row(key, escape(value))  # paths and library text may hold brackets
+
     m = b.manifest
     opts = m.get("options", {})
-    t.add_row("build", str(b.dir))
-    t.add_row("llama.cpp", f"{m.get('pin', '?')[:12]} ({m.get('source')})")
-    t.add_row("bindings", m.get("bindings", upstream.PIN.bindings_package))
-    t.add_row("series", f"{m.get('series_hash', '?')[:12]} ({len(m.get('patches', {}))} patches, {len(m.get('native_files', []))} native files)")
-    t.add_row("backend", ("CUDA " + str(m.get("cuda_arch"))) if opts.get("cuda") else "CPU")
-    t.add_row("backends as modules", "yes" if opts.get("backend_dl") else "no")
-    t.add_row("toolchain", opts.get("toolchain", "gcc"))
-    t.add_row("artifacts", ", ".join(m.get("artifacts", [])))
-    t.add_row("built", f"{m.get('built_at')} in {m.get('build_seconds')} s")
+    row("build", str(b.dir))
+    row("llama.cpp", f"{m.get('pin', '?')[:12]} ({m.get('source')})")
+    row("bindings", m.get("bindings", upstream.PIN.bindings_package))
+    row("series", f"{m.get('series_hash', '?')[:12]} ({len(m.get('patches', {}))} patches, {len(m.get('native_files', []))} native files)")
+    row("backend", ("CUDA " + str(m.get("cuda_arch"))) if opts.get("cuda") else "CPU")
+    row("backends as modules", "yes" if opts.get("backend_dl") else "no")
+    row("toolchain", opts.get("toolchain", "gcc"))
+    row("artifacts", ", ".join(m.get("artifacts", [])))
+    row("built", f"{m.get('built_at')} in {m.get('build_seconds')} s")
+    row("host CPU", host["cpu_model"])
+    row("CPU flags", " ".join(host["cpu_flags"]) or "(none of the kernel-relevant ones)")
+    if cpu.error:
+        t.add_row("CPU backend", f"[red]{escape(cpu.error)}[/]")
+    else:
+        row("CPU backend uses", " ".join(cpu.enabled) or "(no feature reported)")
+        row("weight buffer types", ", ".join(cpu.extra_buffer_types) or "none (plain CPU buffers)")
     console.print(t)
     if stale:
         warn("the patch series changed since this build: run `rollingkv build`")

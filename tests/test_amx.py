@@ -1,0 +1,120 @@
+"""ggml's AMX weight path on Intel Xeons with AMX (the upstream fix in patches/upstream-fixes/).
+
+Without the fix the first quantized matmul through the AMX buffer type dies with SIGILL at `tilezero`: the tile
+config was filled on the stack and the compiler dropped the stores. These tests run the demo model's Q4_1
+weights through that path and prove from the library that it is the path taken; on a CPU without AMX they skip
+and say so (nothing here passes because AMX is absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rollingkv_cli import hostinfo
+
+pytestmark = pytest.mark.build
+
+_REQUIRES_AMX = pytest.mark.skipif(
+    not hostinfo.has_amx(),
+    reason=f"this CPU ({hostinfo.cpu_model()}) has no AMX (amx_tile/amx_int8 not in /proc/cpuinfo): ggml's AMX kernels cannot run here",
+)
+
+# Teacher-forced logits of a fixed prompt, with ggml's extra weight buffer types (AMX, CPU_REPACK) on or off.
+_LOGITS = """
+import json, math, os, sys
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, _ = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+extra = os.environ["RKV_EXTRA_BUFTS"] == "1"
+default_params = llama_cpp.llama_model_default_params
+def params():
+    p = default_params()
+    p.use_extra_bufts = extra
+    return p
+llama_cpp.llama_model_default_params = params
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_batch=64, n_threads=2, logits_all=True, verbose=True, flash_attn=True)
+toks = llm.tokenize(b"The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is")
+llm.eval(toks)
+rows = [list(map(float, llm.scores[i])) for i in range(len(toks))]
+print(json.dumps({"n": len(toks), "finite": all(math.isfinite(x) for r in rows for x in r),
+                  "argmax": [max(range(len(r)), key=r.__getitem__) for r in rows]}))
+"""
+
+
+def _logits(lib_dir, model, extra_bufts: bool) -> tuple[dict, str]:
+    env = {**os.environ, "RKV_TEST_LIB_DIR": str(lib_dir), "RKV_EXTRA_BUFTS": "1" if extra_bufts else "0"}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOGITS), str(model)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    from rollingkv_cli.procs import describe_exit
+
+    assert proc.returncode == 0, f"the demo model through {'the AMX path' if extra_bufts else 'plain CPU buffers'}: " \
+                                 f"{describe_exit(proc.returncode)}\n{proc.stderr[-3000:]}"
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1]), proc.stderr
+
+
+@_REQUIRES_AMX
+def test_the_build_uses_amx_on_an_amx_cpu(cpu_build):
+    """On an AMX CPU a native build must compile and offer the AMX path: else the decode test below proves nothing."""
+    info = hostinfo.backend_info(cpu_build.lib_dir)
+    assert info.error is None, info.error
+    assert info.features.get("AMX_INT8") == "1", f"the CPU has AMX, the build's CPU backend reports: {info.system_info}"
+    assert "AMX" in info.extra_buffer_types, info.extra_buffer_types
+
+
+@_REQUIRES_AMX
+@pytest.mark.parametrize("which", ["ours", "reference"])
+def test_demo_model_decodes_through_the_amx_buffer_type(which, cpu_build, unpatched_build, demo_model):
+    build = cpu_build if which == "ours" else unpatched_build  # the reference build carries the fix too
+    amx, log = _logits(build.lib_dir, demo_model, extra_bufts=True)
+    assert "AMX model buffer size" in log, "the weights did not go to the AMX buffer type: the test would prove nothing"
+    plain, plain_log = _logits(build.lib_dir, demo_model, extra_bufts=False)
+    assert "AMX model buffer size" not in plain_log
+    assert amx["finite"] and plain["finite"]
+    # int8 tiles and the plain q8 dot products round differently; a wrong tile config gives garbage, not a near miss
+    agree = sum(a == b for a, b in zip(amx["argmax"], plain["argmax"])) / amx["n"]
+    assert agree >= 0.9, f"AMX and plain CPU buffers agree on the top token at only {agree:.0%} of {amx['n']} positions"
+
+
+def test_cpu_facts_come_from_the_host():
+    """What `rollingkv info` reports about the CPU is read from this host (not a default that hides a missing feature)."""
+    flags = hostinfo.cpu_flags()
+    if not hostinfo.CPUINFO.is_file():
+        pytest.skip("no /proc/cpuinfo on this host")
+    assert flags, "no flags line in /proc/cpuinfo"
+    assert hostinfo.has_amx() == ({"amx_tile", "amx_int8"} <= flags)
+    assert hostinfo.cpu_model() != "unknown"
+
+
+def test_parse_system_info():
+    text = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | F16C = 0 | LLAMAFILE = 1 | REPACK = 1 | "
+    feats = hostinfo.parse_system_info(text)
+    assert feats["AMX_INT8"] == "1" and feats["F16C"] == "0"
+    assert hostinfo.BackendInfo(features=feats).enabled == ["SSE3", "AVX2", "AVX512", "AMX_INT8", "LLAMAFILE", "REPACK"]
+
+
+@pytest.mark.build
+def test_info_shows_the_cpu_backend_features(cpu_build, monkeypatch):
+    from click.testing import CliRunner
+
+    from rollingkv_cli.cli import rollingkv
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    r = CliRunner().invoke(rollingkv, ["info", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    host = json.loads(r.output)["host"]
+    assert host["error"] is None, host["error"]
+    assert host["cpu_model"] == hostinfo.cpu_model()
+    # the features the CPU backend reports match what this CPU has (the native build compiles for it)
+    assert ("AVX2" in host["ggml_features"]) == ("avx2" in hostinfo.cpu_flags())
+    assert ("AMX_INT8" in host["ggml_features"]) == hostinfo.has_amx()
+    assert ("AMX" in host["cpu_extra_buffer_types"]) == hostinfo.has_amx()
+    assert "CPU :" in host["ggml_system_info"]
+    r = CliRunner().invoke(rollingkv, ["info"], catch_exceptions=False)
+    assert r.exit_code == 0 and "CPU backend uses" in r.output and hostinfo.cpu_model()[:20] in r.output
