@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -117,11 +118,33 @@ def resolve_cuda(cuda: bool | None, cuda_arch: str | None) -> tuple[bool, str | 
         cuda = bool(nvcc and caps)
     if not cuda:
         return False, None
-    if cuda_arch is None:
-        cuda_arch = ";".join(caps) if caps else "native"
-    if not re.fullmatch(r"(native|all|all-major|\d+[a-z]?(-real|-virtual)?(;\d+[a-z]?(-real|-virtual)?)*)", cuda_arch):
-        abort(f"--cuda-arch {cuda_arch!r} is not a CUDA architecture list", "use e.g. 90, 86;90 or native")
+    if cuda_arch is None and caps:
+        cuda_arch = ";".join(caps)
+    _check_cuda_arch(cuda_arch, caps)
     return True, cuda_arch
+
+
+_CUDA_ARCH_LIST = re.compile(r"(native|all|all-major|\d+[a-z]?(-real|-virtual)?(;\d+[a-z]?(-real|-virtual)?)*)")
+
+
+def _check_cuda_arch(cuda_arch: str | None, caps: list[str]) -> None:
+    # CMake's `native` asks the driver for the GPUs: without one, configure fails after the tree was copied and patched
+    if cuda_arch is None or (cuda_arch == "native" and not caps):
+        given = " (--cuda-arch native asks the GPU)" if cuda_arch else ""
+        abort(f"no NVIDIA GPU found to build for{given}: pass --cuda-arch, e.g. 90",
+              "name the compute capability of the GPU the build will run on (86;90 for several)")
+    if not _CUDA_ARCH_LIST.fullmatch(cuda_arch):
+        abort(f"--cuda-arch {cuda_arch!r} is not a CUDA architecture list", "use e.g. 90, 86;90 or native")
+
+
+def validate_options(opts: BuildOptions) -> None:
+    """Everything about opts that can be refused without writing anything (also for callers that skip resolve_cuda)."""
+    if opts.cuda:
+        if not nvcc_path():
+            abort("--cuda needs nvcc, and none was found on PATH, in CUDACXX or /usr/local/cuda/bin", "install the CUDA toolkit or build with --no-cuda")
+        _check_cuda_arch(opts.cuda_arch, gpu_compute_capabilities() if opts.cuda_arch == "native" else [])
+    elif opts.cuda_arch:
+        abort("--cuda-arch given but this is not a CUDA build", "add --cuda")
 
 
 def cmake_flags(opts: BuildOptions, build_dir: Path, series_hash: str) -> list[str]:
@@ -284,15 +307,27 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
         if activate and not opts.unpatched:
             set_active(bdir)
         return existing  # nothing changed: a no-op
+    # everything that can be refused is refused before the build directory exists
+    validate_options(opts)
+    log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
+    source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
+    fresh = not bdir.exists()
     bdir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(bdir):
-        # another process may have finished the same build while we waited for the lock
-        existing = Build.load(bdir)
-        if existing is not None:
-            if activate and not opts.unpatched:
-                set_active(bdir)
-            return existing
-        return _build_locked(opts, series, bdir, jobs, quiet, activate)
+    try:
+        with _build_lock(bdir):
+            # another process may have finished the same build while we waited for the lock
+            existing = Build.load(bdir)
+            if existing is not None:
+                if activate and not opts.unpatched:
+                    set_active(bdir)
+                return existing
+            return _build_locked(opts, series, bdir, source, fresh, jobs, quiet, activate)
+    except BaseException:
+        # a directory this run made that never got past configure (CMake writes build.ninja only after a
+        # successful configure) is only a patched copy of the source: remove it. A failed compile's tree stays, to resume.
+        if fresh and not (bdir / "build" / "build.ninja").exists():
+            shutil.rmtree(bdir, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -310,12 +345,11 @@ def _build_lock(bdir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, jobs: int | None, quiet: bool,
-                  activate: bool) -> Build:
+def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, source: Path, fresh: bool, jobs: int | None,
+                  quiet: bool, activate: bool) -> Build:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
-    source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / MANIFEST).unlink(missing_ok=True)  # never leave a stale manifest describing a half build
     tree = prepare_tree(source, bdir / "src", series, log=log)
@@ -337,6 +371,10 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, jobs:
         task = progress.add_task("configuring", total=None)
         rc = _run_logged(["cmake", "-S", str(tree), "-B", str(cmake_dir), *flags], lf, env)
         if rc != 0:
+            if fresh:  # build() removes this directory: keep its log where the user can read it
+                kept = Path(tempfile.gettempdir()) / f"rollingkv-configure-{bdir.name}.log"
+                shutil.copyfile(log_path, kept)
+                _fail("cmake configure failed", kept, "the build directory was removed; fix the cause above and run `rollingkv build` again")
             _fail("cmake configure failed", log_path)
         targets = targets_for(opts, cmake_dir)
         progress.update(task, description="compiling")
@@ -372,11 +410,11 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, jobs:
     return Build(bdir, manifest)
 
 
-def _fail(what: str, log_path: Path) -> None:
+def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `rollingkv build` again: it resumes where it stopped") -> None:
     from rich.panel import Panel
 
     console.print(Panel(log_tail(log_path).rstrip(), title=f"last lines of {log_path}", border_style="red"))
-    abort(f"{what} (full log: {log_path})", "fix the cause above and run `rollingkv build` again: it resumes where it stopped")
+    abort(f"{what} (full log: {log_path})", hint)
 
 
 def set_active(bdir: Path) -> None:
