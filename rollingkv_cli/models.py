@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -79,11 +80,88 @@ def resolve_model(spec: str, log=print) -> Path:
     if not p.exists():
         abort(f"model {spec} not found", "give a path to a .gguf file, or `demo`")
     if not p.is_file():
-        abort(f"model {spec} is not a file")
-    with open(p, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            abort(f"{spec} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
+        abort(f"model {spec} is not a file", "give a path to a .gguf file, or `demo`")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        _unreadable(spec, e)
+    if magic != GGUF_MAGIC:
+        abort(f"{spec} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
     return p.resolve()
+
+
+def _unreadable(name: str, e: OSError) -> None:
+    abort(f"cannot read model {name}: {e.strerror or e}", "check its permissions (ls -l)" if isinstance(e, PermissionError) else None)
+
+
+GGUF_VERSIONS = (2, 3)  # what the pin's gguf.cpp reads (v1 is refused, v0 and newer ones too)
+LLAMA_MAX_LAYERS = 512  # llama.cpp GGML_ASSERTs (aborts) on more at load
+_ROPE_ARCHES = ("llama", "gemma2")  # rope over the whole head when no rope.dimension_count is given
+
+
+def check_gguf(path: Path, name: str | None = None) -> None:
+    """Refuse, as one line naming the file, a GGUF that llama.cpp would fail to load or abort on, where that is
+    cheap to see: the header, truncation (gguf-py's reader maps every tensor, so a short file raises) and the
+    hyperparameters whose bad values end in a GGML_ASSERT rather than a load error."""
+    import gguf
+
+    name = name or str(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        _unreadable(name, e)
+    if head[:4] != GGUF_MAGIC:
+        abort(f"{name} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
+    if len(head) < 24:
+        abort(f"{name} is truncated: {size} bytes, shorter than a GGUF header", "download or convert it again")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0 and version:
+        abort(f"{name} is a big-endian GGUF", "llama.cpp on this machine reads little-endian files only")
+    if version not in GGUF_VERSIONS:
+        abort(f"{name} is GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, GGUF_VERSIONS))}",
+              "convert it again with a current llama.cpp")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure of gguf-py's reader means a corrupt or short file
+        abort(f"{name} is truncated or corrupt ({size} bytes; gguf-py cannot read it: {e})", "download or convert it again")
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        abort(f"{name} is truncated: its tensors end at byte {end}, the file has {size}", "download or convert it again")
+    _check_hparams(reader, name)
+
+
+def _field(reader, key: str):
+    """A scalar metadata value, or None (absent, or an array: per-layer values are llama.cpp's to check)."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None or len(f.data) != 1:
+        return None
+    v = f.parts[f.data[0]]
+    return v.tobytes().decode(errors="replace") if f.types[0] == gguf.GGUFValueType.STRING else int(v[0]) if len(v) == 1 else None
+
+
+def _check_hparams(reader, name: str) -> None:
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        return  # llama.cpp refuses this at load, with an error, not an abort
+    layers = _field(reader, f"{arch}.block_count")
+    if layers is not None and not 0 < layers <= LLAMA_MAX_LAYERS:
+        abort(f"{name} has {layers} layers; llama.cpp loads 1 to {LLAMA_MAX_LAYERS}", "the file is corrupt or not a model llama.cpp runs")
+    heads, kv_heads = _field(reader, f"{arch}.attention.head_count"), _field(reader, f"{arch}.attention.head_count_kv")
+    if heads and kv_heads and heads % kv_heads:
+        abort(f"{name} has {heads} attention heads and {kv_heads} KV heads: the heads must be a multiple of the KV heads",
+              "the file is corrupt")
+    embd = _field(reader, f"{arch}.embedding_length")
+    n_rot = _field(reader, f"{arch}.rope.dimension_count")
+    if n_rot is None and arch in _ROPE_ARCHES and heads and embd:
+        n_rot = _field(reader, f"{arch}.attention.key_length") or embd // heads
+    if n_rot is not None and n_rot % 2:
+        abort(f"{name} rotates {n_rot} dimensions per head (RoPE): llama.cpp needs an even number and would abort",
+              "the file is corrupt or was written with an odd head dimension")
 
 
 # ---------------------------------------------------------------- synthetic Llama-shaped GGUF
@@ -103,18 +181,39 @@ class SynthSpec:
     sliding_window: int = 128  # gemma2 only
 
     def validate(self) -> None:
-        if min(self.layers, self.embd, self.heads, self.kv_heads, self.ff, self.ctx) < 1:
-            abort("every size must be positive")
+        """Refuse shapes the pin's llama.cpp cannot run, before anything is written (several would load and then
+        abort in a GGML_ASSERT)."""
+        for flag, v in (("--layers", self.layers), ("--embd", self.embd), ("--heads", self.heads), ("--kv-heads", self.kv_heads),
+                        ("--ff", self.ff), ("--vocab", self.vocab), ("--ctx", self.ctx), ("--sliding-window", self.sliding_window)):
+            if not 0 < v < 2**31:
+                abort(f"{flag} {v} is out of range: every size must be positive (and below 2^31)")
+        if self.seed < 0:
+            abort(f"--seed {self.seed} must not be negative")
+        if self.type not in SYNTH_TYPES:
+            abort(f"unknown weight type {self.type!r}", f"use one of {', '.join(SYNTH_TYPES)}")
+        if self.arch not in SYNTH_ARCHES:
+            abort(f"unknown architecture {self.arch!r}", f"use one of {', '.join(SYNTH_ARCHES)}")
+        if self.layers > LLAMA_MAX_LAYERS:
+            abort(f"--layers {self.layers}: llama.cpp loads at most {LLAMA_MAX_LAYERS} layers")
         if self.embd % self.heads:
             abort(f"--embd {self.embd} is not a multiple of --heads {self.heads}")
+        if (self.embd // self.heads) % 2:
+            abort(f"head_dim {self.embd // self.heads} (--embd {self.embd} / --heads {self.heads}) is odd: RoPE rotates pairs of "
+                  "dimensions and llama.cpp aborts on an odd head_dim", "pick --embd and --heads with an even quotient, e.g. 64 or 128")
         if self.heads % self.kv_heads:
             abort(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
         if self.vocab < 260:
             abort("--vocab must be at least 260 (3 control tokens + 256 byte tokens + 1)")
         if self.type == "q8_0" and (self.embd % 32 or self.ff % 32):
             abort("q8_0 needs --embd and --ff to be multiples of 32")
-        if self.arch not in ("llama", "gemma2"):
-            abort(f"unknown architecture {self.arch!r}", "use llama or gemma2")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embd // self.heads
+
+
+SYNTH_TYPES = ("f16", "q8_0")
+SYNTH_ARCHES = ("llama", "gemma2")
 
 
 def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -129,12 +228,9 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
-    """Random weights in the Llama layout; one random pool reused by every tensor keeps it fast."""
-    import gguf
-
-    spec.validate()
-    head_dim = spec.embd // spec.heads
+def _synth_tensors(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is a weight matrix) of every tensor, in file order."""
+    head_dim = spec.head_dim
     shapes: list[tuple[str, tuple[int, ...], bool]] = [("token_embd.weight", (spec.vocab, spec.embd), True)]
     for i in range(spec.layers):
         p = f"blk.{i}."
@@ -154,6 +250,63 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
     shapes += [("output_norm.weight", (spec.embd,), False)]
     if spec.arch == "llama":  # gemma2 ties the output to the token embedding
         shapes.append(("output.weight", (spec.vocab, spec.embd), True))
+    return shapes
+
+
+def _tensor_nbytes(spec: SynthSpec, shape: tuple[int, ...], mat: bool) -> int:
+    n = int(np.prod(shape))
+    if not mat:
+        return 4 * n  # f32 norms
+    return n // 32 * 34 if spec.type == "q8_0" else 2 * n
+
+
+def synth_nbytes(spec: SynthSpec) -> int:
+    """The size of the file write_synthetic makes (an upper bound: the metadata is estimated generously)."""
+    align = 32  # GGUF_DEFAULT_ALIGNMENT
+    tensors = _synth_tensors(spec)
+    data = sum(-(-_tensor_nbytes(spec, s, m) // align) * align for _, s, m in tensors)
+    infos = sum(8 + len(name) + 4 + 8 * len(s) + 4 + 8 for name, s, _ in tensors)
+    tokens, _, _ = _tokenizer(spec.vocab)
+    vocab = sum(8 + len(t.encode()) for t in tokens) + 8 * len(tokens)  # strings, scores and types
+    return 24 + 4096 + vocab + infos + align + data
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def _free_bytes(target: Path) -> tuple[Path, int]:
+    """(the nearest existing directory of target, its filesystem's free bytes)."""
+    d = target.parent.resolve()
+    while not d.exists():
+        d = d.parent
+    import shutil
+
+    return d, shutil.disk_usage(d).free
+
+
+def check_room(out: Path, nbytes: int) -> None:
+    where, free = _free_bytes(out)
+    need = nbytes + (64 << 20)  # headroom: the filesystem's own blocks, a log someone writes meanwhile
+    if free < need:
+        abort(f"{where} has {human_bytes(free)} free; writing {out.name} needs {human_bytes(nbytes)} (+64 MiB headroom)",
+              "free some space, write to another filesystem, or make the model smaller (--layers, --embd, --ff, --type q8_0)")
+
+
+def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path:
+    """Random weights in the Llama layout; one random pool reused by every tensor keeps it fast.
+
+    Writes OUT.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
+    failure or interrupt the .part and the directories made for it are removed."""
+    import gguf
+
+    spec.validate()
+    nbytes = synth_nbytes(spec)
+    check_room(out, nbytes)
+    if log is not None:
+        log(f"writing {out}: {human_bytes(nbytes)}")
+    shapes = _synth_tensors(spec)
+    head_dim = spec.head_dim
     largest = max(int(np.prod(s)) for _, s, mat in shapes if mat)
     rng = np.random.default_rng(spec.seed)
     std = 1.0 / np.sqrt(spec.embd)
@@ -169,53 +322,67 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None) -> Path:
         pool = (rng.standard_normal(largest + 65536, dtype=np.float32) * std).astype(np.float16)
     ones = np.ones(spec.embd, dtype=np.float32)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
     tmp = out.with_name(out.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), spec.arch)
-    w.add_name(f"rollingkv-synth-{spec.layers}L-{spec.embd}d")
-    w.add_context_length(spec.ctx)
-    w.add_embedding_length(spec.embd)
-    w.add_block_count(spec.layers)
-    w.add_feed_forward_length(spec.ff)
-    w.add_head_count(spec.heads)
-    w.add_head_count_kv(spec.kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    if spec.arch == "gemma2":
-        w.add_sliding_window(spec.sliding_window)
-        w.add_attn_logit_softcapping(50.0)
-        w.add_final_logit_softcapping(30.0)
-    w.add_file_type(7 if quant else 1)
-    w.add_vocab_size(spec.vocab)
-    tokens, scores, types = _tokenizer(spec.vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    for k, (name, shape, mat) in enumerate(shapes):
-        if not mat:
-            w.add_tensor(name, ones)
-            continue
-        n = int(np.prod(shape))
-        if quant:
-            rows, cols = shape
-            nbytes = rows * (cols // 32) * 34
-            off = (k * 34 * 7919) % (pool.size - nbytes + 1)
-            off -= off % 34
-            w.add_tensor(name, pool[off: off + nbytes].reshape(rows, (cols // 32) * 34), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            off = (k * 7919) % (pool.size - n + 1)
-            w.add_tensor(name, pool[off: off + n].reshape(shape))
+    w = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        w = gguf.GGUFWriter(str(tmp), spec.arch)
+        w.add_name(f"rollingkv-synth-{spec.layers}L-{spec.embd}d")
+        w.add_context_length(spec.ctx)
+        w.add_embedding_length(spec.embd)
+        w.add_block_count(spec.layers)
+        w.add_feed_forward_length(spec.ff)
+        w.add_head_count(spec.heads)
+        w.add_head_count_kv(spec.kv_heads)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        if spec.arch == "gemma2":
+            w.add_sliding_window(spec.sliding_window)
+            w.add_attn_logit_softcapping(50.0)
+            w.add_final_logit_softcapping(30.0)
+        w.add_file_type(7 if quant else 1)
+        w.add_vocab_size(spec.vocab)
+        tokens, scores, types = _tokenizer(spec.vocab)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        for k, (name, shape, mat) in enumerate(shapes):
+            if not mat:
+                w.add_tensor(name, ones)
+                continue
+            n = int(np.prod(shape))
+            if quant:
+                rows, cols = shape
+                nb = rows * (cols // 32) * 34
+                off = (k * 34 * 7919) % (pool.size - nb + 1)
+                off -= off % 34
+                w.add_tensor(name, pool[off: off + nb].reshape(rows, (cols // 32) * 34), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                off = (k * 7919) % (pool.size - n + 1)
+                w.add_tensor(name, pool[off: off + n].reshape(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file(progress=False)
-    finally:
         w.close()
-    os.replace(tmp, out)
+        os.replace(tmp, out)
+    except BaseException as e:
+        if w is not None:
+            w.close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        for d in made:  # innermost first; only the ones still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(e, OSError):
+            abort(f"could not write {out}: {e.strerror or e}", "check the directory's permissions and free space")
+        raise
     return out

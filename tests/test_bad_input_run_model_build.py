@@ -112,7 +112,41 @@ def build_configure_fails(ctx: Ctx):
     return ["build", "--no-cuda", "-q", "--source", str(tree), "--allow-unpinned"], [bdir]
 
 
+# ------------------------------------------------------------------------------------------- synth rows
+
+SMALL = ["--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2", "--ff", "128", "--vocab", "300", "--ctx", "1024"]
+
+
+def _synth(*shape: str, out: str = "m.gguf"):
+    def setup(ctx: Ctx):
+        target = ctx.tmp / out
+        return ["model", "synth", str(target), *shape], [target, target.with_name(target.name + ".part")]
+    return setup
+
+
+def synth_no_room(ctx: Ctx):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    ctx.monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (100 << 20), 100 << 20))
+    return _synth()(ctx)  # the default shape: ~5.6 GiB on a filesystem with 100 MiB free
+
+
+def synth_parent_is_a_file(ctx: Ctx):
+    (ctx.tmp / "afile").write_text("x")
+    return _synth(*SMALL, out="afile/m.gguf")(ctx)
+
+
 ROWS = {
+    "synth odd head_dim": Row(_synth("--embd", "66", "--heads", "2"), "head_dim 33 (--embd 66 / --heads 2) is odd"),
+    "synth embd not a multiple of heads": Row(_synth("--embd", "100", "--heads", "3"), "not a multiple of --heads"),
+    "synth kv-heads do not divide heads": Row(_synth("--heads", "24", "--kv-heads", "5"), "not a multiple of --kv-heads 5"),
+    "synth too many layers": Row(_synth("--layers", "600"), "at most 512 layers"),
+    "synth zero size": Row(_synth("--ff", "0"), "--ff 0 is out of range"),
+    "synth negative vocab": Row(_synth("--vocab", "-5"), "--vocab -5 is out of range"),
+    "synth q8_0 unaligned": Row(_synth("--type", "q8_0", "--embd", "80", "--heads", "4", "--kv-heads", "2"), "multiples of 32"),
+    "synth no room on the filesystem": Row(synth_no_room, "free; writing m.gguf needs 5.6"),
+    "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
     "build --cuda, nvcc but no GPU": Row(build_cuda_no_gpu, "no NVIDIA GPU found to build for: pass --cuda-arch, e.g. 90"),
     "build --cuda-arch native, no GPU": Row(build_cuda_native_no_gpu, "no NVIDIA GPU found to build for"),
     "build --source missing": Row(build_source_missing, "is not a directory"),
@@ -167,3 +201,66 @@ def test_failed_compile_keeps_its_tree_and_says_where_the_log_is(tmp_path, isola
     (bdir,) = (isolated_cache / "builds").iterdir()
     assert f"full log: {bdir / 'build.log'}" in err.replace("\n", "")
     assert (bdir / "build" / "build.ninja").is_file() and not (bdir / "manifest.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- synth: existing OUT, interrupts
+
+BIG = ["--layers", "8", "--embd", "2048", "--heads", "16", "--kv-heads", "4", "--ff", "8192"]  # ~1.2 GiB: a few seconds
+
+
+def test_synth_existing_out(tmp_path, capsys):
+    """Refused without --force (untouched); with --force replaced whole (the new file is complete, no .part)."""
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    code, _, err = run_main(["model", "synth", str(out), *SMALL], capsys)
+    assert code == 1 and "--force" in err and out.read_bytes() == b"keep me"
+    code, _, err = run_main(["model", "synth", str(out), *SMALL, "--force"], capsys)
+    assert code == 0, err
+    import gguf
+
+    assert gguf.GGUFReader(str(out)).fields["llama.block_count"].parts[-1][0] == 2
+    assert not out.with_name("m.gguf.part").exists()
+
+
+def test_synth_says_its_size_before_writing(tmp_path, capsys):
+    from rollingkv_cli import models
+
+    code, out, _ = run_main(["model", "synth", str(tmp_path / "m.gguf"), *SMALL], capsys)
+    assert code == 0
+    first = out.splitlines()[0]
+    assert first.startswith(f"writing {tmp_path / 'm.gguf'}: ") and "KiB" in first
+    spec = models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300, ctx=1024)
+    size = (tmp_path / "m.gguf").stat().st_size
+    assert size <= models.synth_nbytes(spec) < size + 8192  # an upper bound, and a close one
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "force-over-existing"])
+def test_synth_interrupted_leaves_nothing(tmp_path, sig, code, existing):
+    out = tmp_path / "big.gguf"
+    part = tmp_path / "big.gguf.part"
+    if existing:
+        out.write_bytes(b"the old model")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollingkv_cli", "model", "synth", str(out), *BIG, *(["--force"] if existing else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's background job may ignore SIGINT
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (part.exists() and part.stat().st_size > (64 << 20)):  # mid-write
+            assert proc.poll() is None, f"synth ended before it was interrupted: {proc.communicate()}"
+            assert time.monotonic() < deadline, "synth never started writing"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stdout + stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr  # "aborted" (Ctrl-C) or the SIGTERM error line
+    assert not part.exists()
+    assert (out.read_bytes() == b"the old model") if existing else not out.exists()

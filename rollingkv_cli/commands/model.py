@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import click
@@ -36,20 +38,42 @@ def demo(print_path: bool) -> None:
 @click.option("--vocab", type=int, default=32000, show_default=True)
 @click.option("--ctx", type=int, default=131072, show_default=True, help="Trained context length written to the GGUF.")
 @click.option("--type", "wtype", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True, help="Type of the weight matrices.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--arch", type=click.Choice(["llama", "gemma2"]), default="llama", show_default=True, help="gemma2: interleaved sliding-window attention (iSWA), every other layer local.")
 @click.option("--sliding-window", type=click.IntRange(min=1), default=128, show_default=True, help="Window of the local layers (gemma2).")
-@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (atomically: the old file stays until the new one is complete).")
 def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window, force) -> None:
-    """Write a Llama-shaped GGUF with random weights to OUT (defaults: the anchors' 28-layer, 8-KV-head model)."""
+    """Write a Llama-shaped GGUF with random weights to OUT (defaults: the anchors' 28-layer, 8-KV-head model, ~6 GiB in f16).
+
+    The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
+    or failed write leaves nothing behind (no OUT.part)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, success
 
-    if out.exists() and not force:
-        abort(f"{out} exists", "pass --force to overwrite it")
     spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window)
-    with console.status(f"writing {out}"):
-        models.write_synthetic(out, spec)
-    head_dim = embd // heads
-    kv_per_token = 2 * layers * kv_heads * head_dim * 2
-    success(f"{out}: {out.stat().st_size / 2**30:.2f} GiB, head_dim {head_dim}, f16 KV {kv_per_token // 1024} KiB/token")
+    spec.validate()
+    if out.exists() and not force:
+        abort(f"{out} exists", "pass --force to replace it")
+    with _sigterm_raises(), console.status(f"writing {out}"):
+        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True))
+    kv_per_token = 2 * layers * kv_heads * spec.head_dim * 2
+    success(f"{out}: {models.human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}, f16 KV {kv_per_token // 1024} KiB/token")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM unwinds like Ctrl-C (so the writer removes its .part) instead of killing the process mid-write."""
+    from rollingkv_cli.console import RollingKVError
+
+    def on_term(signum, frame):
+        raise RollingKVError("terminated (SIGTERM) while writing: nothing was written", code=128 + signal.SIGTERM)
+
+    try:
+        old, installed = signal.signal(signal.SIGTERM, on_term), True
+    except ValueError:  # not the main thread: leave signals alone
+        old, installed = None, False
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, old)
