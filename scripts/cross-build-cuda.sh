@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Cross-build the committed series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
-# pack it for a device call that then needs no build (scripts/gpu_prebuilt.sh): .device/prebuilt/cuda-build.tgz.
+# pack it for device calls that then need no build (scripts/device/*.sh --prebuilt): .device/prebuilt/cuda-build.tgz.
 # No libcuda here: ggml-cuda links against an empty stub with the driver's SONAME (libcuda.so.1), and its cu*
 # symbols resolve at load time on the GPU machine (--no-as-needed keeps libcuda.so.1 in its DT_NEEDED). CPU code is built for AVX2/FMA/F16C, not -march=native.
 # usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
 . .venv/bin/activate
 B="${1:-/tmp/rkv-cross-cuda}"
 mkdir -p "$B" /tmp/cudastub

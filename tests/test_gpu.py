@@ -2,7 +2,7 @@
 
 They run when an NVIDIA GPU answers through NVML and the active build ($ROLLINGKV_BUILD, or what `rollingkv build
 --cuda` activated) is a CUDA build; otherwise every test here is skipped with the reason (CI has no GPU). On the
-GPU machine: `python -m pytest -m gpu tests/test_gpu.py` (scripts/gpu_issue_runs.sh runs it).
+GPU machine: `python -m pytest -m gpu tests/test_gpu.py` (scripts/device/gpu-tests.sh runs it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Smoke test of a build on a GPU machine: llama-server with the demo model fully offloaded answers,
-and llama_cpp (ctypes) on our libllama sees the GPU. Prints a JSON summary (also to --out).
+"""Smoke test of a build on the GPU machine: llama-server with the demo model fully offloaded answers,
+and llama_cpp (ctypes) on our libllama sees the GPU. Prints a JSON summary (also to --out); exit 0 when the
+answer names Paris and llama_cpp reports GPU offload.
 
-    python3 scripts/gpu_smoke.py --model PATH [--out FILE]
+    python3 scripts/device/smoke.py --model PATH [--out FILE]     (`scripts/device/check.sh smoke` runs it)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rollingkv_cli import builder  # noqa: E402
 from rollingkv_cli.server import ServerProcess  # noqa: E402

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Device entry point (runs ON the GPU machine; docs/device.md): make one build, then run named checks on it, in order.
+#   bash scripts/device/check.sh [--cpu|--cuda|--prebuilt] CHECK...
+# --cpu (default): `rollingkv build --no-cuda` from the carried tree, e.g. for a CPU test on the device host's CPU
+# (a 16-core Intel Xeon with AMX); --cuda: a CUDA build from the carried tree; --prebuilt: the cross-built CUDA build.
+# Carry .device/src (plus .device/prebuilt, .device/series, or the demo model halves as the checks need). CHECK is:
+#   op-tests            the op test on the build's backend (CPU: -b CPU; CUDA: the whole matrix, device + pinned-host tail)
+#   gpu-tests           pytest -m gpu tests/test_gpu.py
+#   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
+#   serve-without-ngl   rollingkv serve on a KV that does not fit --vram-target 9000, without -ngl
+#   gate-matrix         rollingkv gate matrix on the demo model (-ngl 99 on CUDA) into $OUT/matrix.{json,md}
+#   gate-vram           rollingkv gate vram at $VRAM_TARGETS MiB (default 20000 7500 6800) on the synthetic model
+#   probe-pcie          rollingkv probe pcie --refresh --json into $OUT/probe.json
+#   smoke               llama-server answers with the demo model on the GPU; llama_cpp sees GPU offload
+#   tests/...           one pytest file or node id, e.g. tests/test_rolling_kv.py::test_every_layer_shares_one_index_view_per_region
+#   pytest ARGS...      pytest with every remaining argument, e.g. pytest tests/test_ops.py -k 'q8_0 and not slow'
+#   anything else       a pytest -k expression over tests/
+# Prints a summary line per check; exit 1 when one failed.
+mode=cpu
+case "${1:-}" in
+  --cpu|--cuda|--prebuilt) mode=${1#--}; shift ;;
+esac
+[ $# -gt 0 ] || { echo "usage: $0 [--cpu|--cuda|--prebuilt] CHECK...  (see the header of $0)" >&2; exit 2; }
+# shellcheck source=SCRIPTDIR/lib.sh
+. "$(dirname "$0")/lib.sh"
+pick_build "$mode"
+
+summary=() rc=0
+record() {  # name, status
+  summary+=("$(printf '%-40s %s' "$1" "$([ "$2" = 0 ] && echo ok || echo "FAILED (exit $2)")")")
+  [ "$2" = 0 ] || rc=1
+}
+while [ $# -gt 0 ]; do
+  name=$1; shift
+  step "check: $name"
+  # shellcheck disable=SC2119
+  case "$name" in
+    op-tests) if [ "$BUILD_KIND" = cpu ]; then op_tests_cpu; else op_tests_cuda; fi ;;
+    gpu-tests) gpu_tests ;;
+    decode-cells) decode_cells ;;
+    serve-without-ngl) synth_model; serve_without_ngl "$SYNTH" ;;
+    gate-matrix) gate_matrix_run ;;
+    gate-vram) gate_vram_targets ;;
+    probe-pcie) probe_pcie ;;
+    smoke) smoke ;;
+    pytest) name="pytest $*"; run_pytest "$@"; set -- ;;
+    tests/*) run_pytest "$name" ;;
+    *) run_pytest tests -k "$name" ;;
+  esac
+  record "$name" $?
+done
+step "summary (build: $BUILD_KIND, $B)"
+printf '%s\n' "${summary[@]}"
+exit $rc

@@ -1,0 +1,233 @@
+# shellcheck shell=bash
+# Sourced by the scripts/device/*.sh entry points, which run ON the GPU machine: the device tool copies the working
+# tree there and runs one bash command in the repository root, with no network. docs/device.md is the workflow.
+# Sourcing it:
+# - cds to the repository root; everything printed also goes to $OUT/log.txt ($OUT: the tool's folder of files that
+#   come back; /tmp/rkv-out elsewhere); step() prints a section header;
+# - exports the environment the carried tree needs: the cache in /tmp/rkv-cache (kept while the machine is warm),
+#   offline, the packed llama_cpp bindings and the tree's gguf-py on PYTHONPATH;
+# - with .device/series carried (pack.sh --series): runs in /tmp/rkv-tree, a copy of the tree with native/ and patches/
+#   as committed at HEAD, so uncommitted work in progress never reaches a device build (the tree itself is unchanged);
+# - with .device/model1, then .device/model2 carried in two back-to-back calls (pack.sh --model): the demo model's
+#   halves, kept in /tmp and joined into the cache when the second arrives.
+# Builds: build_cpu, build_cuda, use_prebuilt, or pick_build MODE; each sets and exports B and ROLLINGKV_BUILD.
+# Checks (each returns its status): op_tests_cpu, op_tests_cuda, gpu_tests, run_pytest, decode_cell, decode_cells,
+# serve_without_ngl, gate_matrix_run, gate_vram_targets, probe_pcie, smoke.
+set -u
+RKV_CHECKOUT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+DEV="$RKV_CHECKOUT/.device"
+OUT="${OUT:-/tmp/rkv-out}"; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+RKV_ROOT="$RKV_CHECKOUT"
+if [ -f "$DEV/series/series.tgz" ]; then
+  RKV_ROOT=/tmp/rkv-tree
+  rm -rf "$RKV_ROOT" && mkdir -p "$RKV_ROOT" || exit 1
+  tar -C "$RKV_CHECKOUT" --exclude=./.device --exclude=./.git --exclude=./.venv -cf - . | tar -C "$RKV_ROOT" -xf - || exit 1
+  rm -rf "$RKV_ROOT/native" "$RKV_ROOT/patches" && tar -C "$RKV_ROOT" -xzf "$DEV/series/series.tgz" || exit 1
+  echo "series of commit $(cat "$DEV/series/commit" 2>/dev/null): running in $RKV_ROOT"
+fi
+cd "$RKV_ROOT" || exit 1
+RKV_SRC=/tmp/rkv-src RKV_PYLIB=/tmp/rkv-pylib
+DEMO_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+export ROLLINGKV_CACHE_DIR="${ROLLINGKV_CACHE_DIR:-/tmp/rkv-cache}" ROLLINGKV_OFFLINE=1 PYTHONUNBUFFERED=1 COLUMNS="${COLUMNS:-160}"
+export PYTHONPATH="$RKV_ROOT:$RKV_PYLIB:$RKV_SRC/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
+
+step() { echo "== $1 ($(date +%T))"; }
+rkv() { python3 -m rollingkv_cli "$@"; }
+
+if [ -f "$DEV/model1/demo.part1" ]; then
+  cp "$DEV/model1/demo.part1" /tmp/rkv-model.part1
+fi
+if [ ! -f "$ROLLINGKV_CACHE_DIR/models/$DEMO_GGUF" ] && [ -f "$DEV/model2/demo.part2" ] && [ -f /tmp/rkv-model.part1 ]; then
+  mkdir -p "$ROLLINGKV_CACHE_DIR/models"
+  cat /tmp/rkv-model.part1 "$DEV/model2/demo.part2" > "$ROLLINGKV_CACHE_DIR/models/$DEMO_GGUF"
+  sha256sum "$ROLLINGKV_CACHE_DIR/models/$DEMO_GGUF"
+fi
+
+# Unpack .device/src once per machine: the pinned llama.cpp tree into /tmp/rkv-src, the bindings into /tmp/rkv-pylib.
+# The tree also becomes the cache's pristine tree of the pin, so `rollingkv build` without --source, and the tests'
+# build fixtures (conftest.py's cpu_build, unpatched_build), work offline.
+unpack_src() {
+  [ -f "$DEV/src/llama.cpp.tgz" ] || { echo "no .device/src: run scripts/device/pack.sh and carry .device/src"; return 1; }
+  if [ ! -f "$RKV_SRC/.rkv-unpacked" ]; then
+    rm -rf "$RKV_SRC" "$RKV_PYLIB" && mkdir -p "$RKV_SRC" "$RKV_PYLIB"
+    tar -C "$RKV_SRC" -xzf "$DEV/src/llama.cpp.tgz" && tar -C "$RKV_PYLIB" -xzf "$DEV/src/pylib.tgz" || return 1
+    touch "$RKV_SRC/.rkv-unpacked"
+  fi
+  local pristine
+  pristine="$(python3 -c 'from rollingkv_cli import paths, upstream; print(paths.upstream_dir() / upstream.PIN.short)')" || return 1
+  if [ ! -f "$pristine/.rollingkv-extracted" ]; then
+    rm -rf "$pristine" && mkdir -p "$(dirname "$pristine")" && cp -a "$RKV_SRC" "$pristine" && rm -f "$pristine/.rkv-unpacked"
+    python3 -c 'from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)' > "$pristine/.rollingkv-extracted"
+  fi
+}
+
+# build_cpu [rollingkv build args...]: `rollingkv build --no-cuda` of the series from the carried tree (a minute or
+# two on 16 cores), e.g. for a CPU test on the device host's CPU (Intel Xeon with AMX).
+build_cpu() {
+  _build "CPU" --no-cuda "$@"
+}
+
+# build_cuda [rollingkv build args...]: `rollingkv build --cuda --cuda-arch 90` from the carried tree (~260 s cold).
+build_cuda() {
+  _build "CUDA sm_90" --cuda --cuda-arch 90 "$@"
+}
+
+_build() {
+  local kind=$1 t0=$SECONDS; shift
+  unpack_src || exit 1
+  step "build ($kind)"
+  rkv build -q "$@" > /tmp/rkv-build.txt 2>&1 || { tail -40 /tmp/rkv-build.txt; exit 1; }
+  B="$(rkv build "$@" --print-dir)" || exit 1
+  export B ROLLINGKV_BUILD="$B"
+  echo "$kind build in $B ($((SECONDS - t0)) s)"
+}
+
+# use_prebuilt: the CUDA build cross-built here by scripts/cross-build-cuda.sh (carry .device/prebuilt and .device/src).
+# Always unpacked (a warm machine may hold an older build at the same path), at the path it was built in: its
+# RUNPATHs are absolute.
+use_prebuilt() {
+  unpack_src || exit 1
+  [ -f "$DEV/prebuilt/cuda-build.tgz" ] || { echo "no .device/prebuilt: run scripts/cross-build-cuda.sh and carry .device/prebuilt"; exit 1; }
+  B="$(cat "$DEV/prebuilt/dir")"; tar -C / -xzf "$DEV/prebuilt/cuda-build.tgz" || exit 1
+  export B ROLLINGKV_BUILD="$B"
+  echo "prebuilt CUDA build of commit $(cat "$DEV/prebuilt/commit" 2>/dev/null) in $B"
+}
+
+# pick_build cpu|cuda|prebuilt|auto [rollingkv build args...]; auto: the prebuilt when carried, else a CUDA build.
+# Sets BUILD_KIND to the one chosen.
+pick_build() {
+  BUILD_KIND=$1; shift
+  if [ "$BUILD_KIND" = auto ]; then
+    if [ -f "$DEV/prebuilt/cuda-build.tgz" ]; then BUILD_KIND=prebuilt; else BUILD_KIND=cuda; fi
+  fi
+  case "$BUILD_KIND" in
+    cpu) build_cpu "$@" ;;
+    cuda) build_cuda "$@" ;;
+    prebuilt) use_prebuilt ;;
+    *) echo "unknown build '$BUILD_KIND' (cpu, cuda, prebuilt, auto)"; exit 2 ;;
+  esac
+}
+
+# the synthetic 28-layer model of anchors.md (`rollingkv model synth` defaults), written once per machine; sets SYNTH
+synth_model() {
+  SYNTH=/tmp/synth28.gguf
+  [ -f "$SYNTH" ] || rkv model synth "$SYNTH" --ctx 131072 --force | tail -1
+}
+
+# the demo model, when its two halves arrived (see above); sets DEMO
+demo_model() {
+  DEMO="$ROLLINGKV_CACHE_DIR/models/$DEMO_GGUF"
+  [ -f "$DEMO" ] || { echo "no demo model: carry .device/model1, then .device/model2 in the next call (pack.sh --model)"; return 1; }
+}
+
+# op_tests_cpu [test-rolling-kv-ops args...]: the op test on the CPU backend (full log: $OUT/optest-cpu.txt)
+op_tests_cpu() {
+  local rc
+  timeout 600 "$B/build/bin/test-rolling-kv-ops" -b CPU "$@" > "$OUT/optest-cpu.txt" 2>&1; rc=$?
+  echo "op test -b CPU $*: exit $rc"; grep -E "FAIL|passed" "$OUT/optest-cpu.txt" | cut -c1-260 | tail -20
+  return $rc
+}
+
+# op_tests_cuda: the whole op test on CUDA0, with a device tail and then a pinned-host tail through the scheduler:
+# failures, totals, and the cases the double-precision reference decided; full logs $OUT/optest-cuda0{,-tail-host}.txt
+op_tests_cuda() {
+  local host rc=0 r log
+  for host in "" "--tail-host"; do
+    log="$OUT/optest-cuda0${host:+-tail-host}.txt"
+    timeout 300 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 ${host:+"$host"} > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
+    echo "op test -b CUDA0${host:+ $host}: exit $r"
+    grep -E "FAIL|passed" "$log" | cut -c1-260 | tail -20
+    grep -h "exact:" "$log" | sed 's/.*exact: op \([^,]*\), stock \([^ ]*\).*/\1 \2/' | \
+      awk '{r=$1/$2; if (r>m) m=r; n++} END {print n+0 " cases decided by the double-precision reference; worst op/stock NMSE ratio " m+0}'
+  done
+  return $rc
+}
+
+# run_pytest ARGS...: pytest on the active build (B), e.g. run_pytest tests/test_rolling_kv.py -k 'shares'
+run_pytest() {
+  timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest -q -rs -p no:cacheprovider "$@"
+}
+
+# gpu_tests: the GPU test suite (pytest -m gpu: the op on CUDA0, the pinned-host tail, probe pcie, gate equiv within
+# the order floor, four parallel sequences)
+gpu_tests() {
+  timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -15
+  return "${PIPESTATUS[0]}"
+}
+
+# decode_cell LABEL [ENV=VALUE...] -- [llama-bench args...]: decode speed of one cell on the synthetic model,
+# llama-bench -fa 1 -p 0 -n $N -d $D -r $R -ngl 99 (N 32, D 16384, R 3 unless set); one JSON line, also in
+# $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, no pre-launch" GGML_RKV_PRELAUNCH=0 -- --kv-residency-mode window \
+#   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
+decode_cell() {
+  local label=$1 envs=(); shift
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  synth_model
+  env "${envs[@]}" timeout 300 "$B/build/bin/llama-bench" -m "$SYNTH" -fa 1 -p 0 -n "${N:-32}" -d "${D:-16384}" -r "${R:-3}" \
+    -ngl 99 -o json "$@" 2>/dev/null | python3 -c "
+import json, sys
+r = json.load(sys.stdin)[0]
+print(json.dumps({'label': sys.argv[1], 'ms': round(1000 / r['avg_ts'], 3), 'tok_s': r['avg_ts'], 'sd_ts': r['stddev_ts'],
+                  'samples_ms': [round(1000 / x, 2) for x in r['samples_ts']]}))" "$label" | tee -a "$OUT/decode.jsonl"
+  return "${PIPESTATUS[0]}"
+}
+
+# decode_cells: the closing check's three cells at depth 16384: resident, 50% f16 tail, 50% q4_0 tail
+decode_cells() {
+  local rc=0
+  decode_cell resident -- --kv-residency-mode off || rc=1
+  decode_cell "f16 50% tail" -- --kv-residency-mode window --kv-window-cells 8192 || rc=1
+  decode_cell "q4_0 50% tail" -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0 || rc=1
+  return $rc
+}
+
+# serve_without_ngl MODEL: `rollingkv serve MODEL -c 65536 --vram-target 9000` without -ngl: the GPU-layers note,
+# the plan, the offload log
+serve_without_ngl() {
+  local model=$1 pid log rc
+  python3 -m rollingkv_cli serve "$model" -c 65536 --vram-target 9000 --port 18081 -q > /tmp/serve-nongl.txt 2>&1 &
+  pid=$!
+  for _ in $(seq 1 240); do curl -sf localhost:18081/health >/dev/null && break; sleep 0.5; done
+  curl -s localhost:18081/props | python3 -c "import json,sys; p=json.load(sys.stdin).get('rolling_kv') or {}; print({k: p.get(k) for k in ('mode_chosen','window_cells','tail_cells','reason')})"
+  kill -TERM $pid; wait $pid; rc=$?; echo "serve exit $rc"
+  grep -E "GPU layers|residency" /tmp/serve-nongl.txt | head -3
+  log=$(grep -o "log: [^ ]*" /tmp/serve-nongl.txt | head -1 | cut -d' ' -f2)
+  [ -n "$log" ] && [ -f "$log" ] && grep -m2 -E "offloaded [0-9]+/[0-9]+ layers" "$log"
+  return $rc
+}
+
+# gate_matrix_run [gate matrix args...]: `rollingkv gate matrix` on the demo model (-ngl 99 on a CUDA build) into
+# $OUT/matrix.{json,md}; copy them to docs/gates/<date>-<host>-<backend>.{json,md} here
+gate_matrix_run() {
+  local ngl=()
+  demo_model || return 1
+  [ "${BUILD_KIND:-}" != cpu ] && ngl=(-ngl 99)
+  timeout "${MATRIX_TIMEOUT:-300}" python3 -m rollingkv_cli gate matrix --model demo "${ngl[@]}" --out "$OUT" --name matrix "$@" 2>&1 | tail -24
+  return "${PIPESTATUS[0]}"
+}
+
+# gate_vram_targets: `rollingkv gate vram` (auto mode, NVML peak) on the synthetic model, 32768 context, at each of
+# $VRAM_TARGETS MiB (default 20000 7500 6800: resident, and two that force a tail); reports $OUT/vram-T.json
+gate_vram_targets() {
+  local target rc=0
+  synth_model
+  for target in ${VRAM_TARGETS:-20000 7500 6800}; do
+    timeout "${VRAM_TIMEOUT:-150}" python3 -m rollingkv_cli gate vram --model "$SYNTH" --vram-target "$target" --ctx 32768 \
+      --n-predict 256 --json "$OUT/vram-$target.json" 2>&1 | grep -E "target|peak|plan|tail|speed|PASS|FAIL" | cut -c1-200
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  return $rc
+}
+
+# probe_pcie: `rollingkv probe pcie --refresh --json`, measured now, into $OUT/probe.json
+probe_pcie() {
+  timeout 60 python3 -m rollingkv_cli probe pcie --refresh --json > "$OUT/probe.json"
+}
+
+# smoke: llama-server with the demo model fully offloaded answers, and llama_cpp (ctypes) sees the GPU ($OUT/smoke.json)
+smoke() {
+  demo_model || return 1
+  timeout 300 python3 scripts/device/smoke.py --model "$DEMO" --out "$OUT/smoke.json"
+}
