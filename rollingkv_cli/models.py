@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import subprocess
 import sys
@@ -102,63 +103,138 @@ _ROPE_ARCHES = ("llama", "gemma2")  # rope over the whole head when no rope.dime
 
 def check_gguf(path: Path, name: str | None = None) -> None:
     """Refuse, as one line naming the file, a GGUF that llama.cpp would fail to load or abort on, where that is
-    cheap to see: the header, truncation (gguf-py's reader maps every tensor, so a short file raises) and the
-    hyperparameters whose bad values end in a GGML_ASSERT rather than a load error."""
-    import gguf
-
+    cheap to see: the header, truncation (every tensor's data must lie inside the file) and the hyperparameters
+    whose bad values end in a GGML_ASSERT rather than a load error. Reads the metadata only (no tensor data)."""
     name = name or str(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(24)
+            if head[:4] != GGUF_MAGIC:
+                abort(f"{name} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
+            if len(head) < 24:
+                abort(f"{name} is truncated: {size} bytes, shorter than a GGUF header", "download or convert it again")
+            version = int.from_bytes(head[4:8], "little")
+            if version & 0xFFFF == 0 and version:
+                abort(f"{name} is a big-endian GGUF", "llama.cpp on this machine reads little-endian files only")
+            if version not in GGUF_VERSIONS:
+                abort(f"{name} is GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, GGUF_VERSIONS))}",
+                      "convert it again with a current llama.cpp")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                fields, end = _scan_gguf(mm, name)
     except OSError as e:
         _unreadable(name, e)
-    if head[:4] != GGUF_MAGIC:
-        abort(f"{name} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
-    if len(head) < 24:
-        abort(f"{name} is truncated: {size} bytes, shorter than a GGUF header", "download or convert it again")
-    version = int.from_bytes(head[4:8], "little")
-    if version & 0xFFFF == 0 and version:
-        abort(f"{name} is a big-endian GGUF", "llama.cpp on this machine reads little-endian files only")
-    if version not in GGUF_VERSIONS:
-        abort(f"{name} is GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, GGUF_VERSIONS))}",
-              "convert it again with a current llama.cpp")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure of gguf-py's reader means a corrupt or short file
-        abort(f"{name} is truncated or corrupt ({size} bytes; gguf-py cannot read it: {e})", "download or convert it again")
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
-        abort(f"{name} is truncated: its tensors end at byte {end}, the file has {size}", "download or convert it again")
-    _check_hparams(reader, name)
+        abort(f"{name} is truncated: {size} bytes, its tensors end at byte {end}", "download or convert it again")
+    _check_hparams(fields, name)
 
 
-def _field(reader, key: str):
-    """A scalar metadata value, or None (absent, or an array: per-layer values are llama.cpp's to check)."""
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None or len(f.data) != 1:
-        return None
-    v = f.parts[f.data[0]]
-    return v.tobytes().decode(errors="replace") if f.types[0] == gguf.GGUFValueType.STRING else int(v[0]) if len(v) == 1 else None
+class _Short(Exception):
+    """A read past the end of the file."""
 
 
-def _check_hparams(reader, name: str) -> None:
-    arch = _field(reader, "general.architecture")
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _scan_gguf(mm, name: str) -> tuple[dict, int]:
+    """(scalar metadata, the byte where the last tensor's data ends), walking the header like gguf.cpp does."""
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n = len(mm)
+
+    def take(fmt: str, pos: int):
+        k = struct.calcsize(fmt)
+        if pos + k > n:
+            raise _Short
+        return struct.unpack_from(fmt, mm, pos)[0], pos + k
+
+    def string(pos: int) -> tuple[str, int]:
+        length, pos = take("<Q", pos)
+        if pos + length > n:
+            raise _Short
+        return bytes(mm[pos:pos + length]).decode("utf-8", errors="replace"), pos + length
+
+    def value(vtype: int, pos: int):
+        if vtype in _GGUF_SCALAR:
+            return take(_GGUF_SCALAR[vtype], pos)
+        if vtype == _GGUF_STRING:
+            return string(pos)
+        if vtype == _GGUF_ARRAY:
+            itype, pos = take("<I", pos)
+            count, pos = take("<Q", pos)
+            if itype in _GGUF_SCALAR:
+                pos += count * struct.calcsize(_GGUF_SCALAR[itype])
+                if pos > n:
+                    raise _Short
+            else:
+                for _ in range(count):
+                    _, pos = value(itype, pos)
+            return None, pos  # arrays (token lists, per-layer values) are llama.cpp's to check
+        abort(f"{name} is corrupt: unknown GGUF value type {vtype}", "download or convert it again")
+
+    try:
+        pos = 8
+        n_tensors, pos = take("<Q", pos)
+        n_kv, pos = take("<Q", pos)
+        fields: dict = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            vtype, pos = take("<I", pos)
+            fields[key], pos = value(vtype, pos)
+        infos = []
+        for _ in range(n_tensors):
+            tname, pos = string(pos)
+            n_dims, pos = take("<I", pos)
+            if n_dims > 4:  # GGML_MAX_DIMS
+                abort(f"{name} is corrupt: tensor {tname} has {n_dims} dimensions", "download or convert it again")
+            dims = []
+            for _ in range(n_dims):
+                d, pos = take("<Q", pos)
+                dims.append(d)
+            ttype, pos = take("<I", pos)
+            offset, pos = take("<Q", pos)
+            infos.append((tname, dims, ttype, offset))
+    except _Short:
+        abort(f"{name} is truncated: {n} bytes, it ends inside its own header", "download or convert it again")
+    align = fields.get("general.alignment") or 32
+    data_start = -(-pos // align) * align
+    end = data_start
+    for tname, dims, ttype, offset in infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            abort(f"{name}: tensor {tname} has an unknown type {ttype}", "the file is corrupt or newer than this llama.cpp")
+        elements = 1
+        for d in dims:
+            elements *= d
+        if dims and dims[0] % block:
+            abort(f"{name}: tensor {tname} has {dims[0]} columns, not a multiple of its type's block of {block}", "the file is corrupt")
+        end = max(end, data_start + offset + elements // block * type_size)
+    return fields, end
+
+
+def _check_hparams(fields: dict, name: str) -> None:
+    def get(key: str):
+        v = fields.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    arch = fields.get("general.architecture")
     if not isinstance(arch, str):
         return  # llama.cpp refuses this at load, with an error, not an abort
-    layers = _field(reader, f"{arch}.block_count")
+    layers = get(f"{arch}.block_count")
     if layers is not None and not 0 < layers <= LLAMA_MAX_LAYERS:
         abort(f"{name} has {layers} layers; llama.cpp loads 1 to {LLAMA_MAX_LAYERS}", "the file is corrupt or not a model llama.cpp runs")
-    heads, kv_heads = _field(reader, f"{arch}.attention.head_count"), _field(reader, f"{arch}.attention.head_count_kv")
+    heads, kv_heads = get(f"{arch}.attention.head_count"), get(f"{arch}.attention.head_count_kv")
     if heads and kv_heads and heads % kv_heads:
         abort(f"{name} has {heads} attention heads and {kv_heads} KV heads: the heads must be a multiple of the KV heads",
               "the file is corrupt")
-    embd = _field(reader, f"{arch}.embedding_length")
-    n_rot = _field(reader, f"{arch}.rope.dimension_count")
+    embd = get(f"{arch}.embedding_length")
+    n_rot = get(f"{arch}.rope.dimension_count")
     if n_rot is None and arch in _ROPE_ARCHES and heads and embd:
-        n_rot = _field(reader, f"{arch}.attention.key_length") or embd // heads
+        n_rot = get(f"{arch}.attention.key_length") or embd // heads
     if n_rot is not None and n_rot % 2:
         abort(f"{name} rotates {n_rot} dimensions per head (RoPE): llama.cpp needs an even number and would abort",
               "the file is corrupt or was written with an odd head dimension")
