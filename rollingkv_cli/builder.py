@@ -310,7 +310,9 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
     # everything that can be refused is refused before the build directory exists
     validate_options(opts)
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
-    source, _ = upstream.resolve_source(Path(opts.source) if opts.source else None, allow_unpinned=not opts.pinned, log=log)
+    # a local tree is checked here; the sdist is fetched and extracted under the lock (one extraction at a time)
+    local = opts.source or os.environ.get(paths.ENV_SOURCE_DIR)
+    source = upstream.resolve_source(Path(local), allow_unpinned=not opts.pinned, log=log)[0] if local else None
     fresh = not bdir.exists()
     bdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -345,11 +347,13 @@ def _build_lock(bdir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, source: Path, fresh: bool, jobs: int | None,
+def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, source: Path | None, fresh: bool, jobs: int | None,
                   quiet: bool, activate: bool) -> Build:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
+    if source is None:
+        source = upstream.pristine_tree(log)
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / MANIFEST).unlink(missing_ok=True)  # never leave a stale manifest describing a half build
     tree = prepare_tree(source, bdir / "src", series, log=log)
