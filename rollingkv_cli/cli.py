@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -60,3 +61,22 @@ def main() -> None:
         sys.exit(err.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except BrokenPipeError:
+        # the reader went away (`rollingkv ... | head`): stop quietly; flushing at exit would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except Exception as err:  # the last resort: every expected failure is a RollingKVError with its own message
+        _internal_error(err)
+
+
+def _internal_error(err: Exception) -> None:
+    from rollingkv_cli import paths
+    from rollingkv_cli.console import err_console, text
+
+    if os.environ.get(paths.ENV_TRACEBACK, "").strip() not in ("", "0", "false", "no", "off"):
+        raise err
+    first = (str(err).strip().splitlines() or [""])[0]
+    err_console.print(text(f"internal error: {type(err).__name__}: {first}".rstrip(": "), style="bold red"), soft_wrap=True)
+    err_console.print(text(f"hint: this is a bug in rollingkv; please report it with the full traceback, which "
+                           f"{paths.ENV_TRACEBACK}=1 shows (run the command again with it set)", style="dim"), soft_wrap=True)
+    sys.exit(1)

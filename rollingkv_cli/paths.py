@@ -11,16 +11,45 @@ ENV_BUILD_DIR = "ROLLINGKV_BUILD"  # use this build instead of the active one
 ENV_SOURCE_DIR = "ROLLINGKV_LLAMA_CPP_SOURCE"  # a local llama.cpp tree instead of the sdist
 ENV_OFFLINE = "ROLLINGKV_OFFLINE"  # never touch the network
 ENV_PCIE_BW = "ROLLINGKV_PCIE_BW_GBPS"  # explicit link bandwidth
+ENV_SERVE_START_TIMEOUT = "ROLLINGKV_SERVE_START_TIMEOUT"  # seconds llama-server may take to become healthy
+ENV_TRACEBACK = "ROLLINGKV_TRACEBACK"  # show the full traceback of an internal error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+_usable: set[Path] = set()
+
+
 def cache_dir() -> Path:
+    """The cache root, created if missing; a one-line error when it is a file or cannot be written."""
     explicit = os.environ.get(ENV_CACHE_DIR)
     if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rollingkv"
+        p = Path(explicit).expanduser()
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        p = Path(base) / "rollingkv"
+    if p not in _usable:
+        _check_cache_dir(p, explicit)
+        _usable.add(p)
+    return p
+
+
+def _check_cache_dir(p: Path, explicit: str | None) -> None:
+    from rollingkv_cli.console import abort
+
+    what = f"${ENV_CACHE_DIR}={explicit}" if explicit else f"the cache directory {p}"
+    hint = (f"point {ENV_CACHE_DIR} at a directory you can write (it is created if missing), or unset it" if explicit
+            else f"set {ENV_CACHE_DIR} to a directory you can write")
+    if p.exists() and not p.is_dir():
+        abort(f"{what} is a file, not a directory", hint)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except NotADirectoryError:
+        abort(f"{what} cannot be created: a part of the path is a file", hint)
+    except OSError as e:
+        abort(f"{what} cannot be created: {e.strerror or e}", hint)
+    if not os.access(p, os.W_OK | os.X_OK):
+        abort(f"{what} is not writable", hint)
 
 
 def sdist_dir() -> Path:
@@ -50,6 +79,19 @@ def data_dir(name: str) -> Path:
     if in_repo.is_dir():
         return in_repo
     return Path(__file__).resolve().parent / "_data" / name
+
+
+def pcie_bw_env() -> float | None:
+    """$ROLLINGKV_PCIE_BW_GBPS as a positive number of GB/s, None when unset."""
+    from rollingkv_cli.userinput import env_float
+
+    return env_float(ENV_PCIE_BW, positive=True, unit="GB/s", example="the host<->GPU bandwidth per direction, e.g. 25 or 53.5")
+
+
+def serve_start_timeout() -> float:
+    from rollingkv_cli.userinput import env_float
+
+    return env_float(ENV_SERVE_START_TIMEOUT, 600.0, positive=True, unit="seconds", example="a number of seconds such as 600")
 
 
 def offline() -> bool:

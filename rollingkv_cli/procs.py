@@ -1,25 +1,154 @@
-"""Child processes we start in their own process group (builds, gate runners, servers)."""
+"""Child processes: started tied to our life, stopped as a group, and their deaths described.
+
+Every long-lived child (llama-server, gate runners, llama-bench, the build's ninja) starts through
+`popen_tied`: on Linux it gets a parent-death signal, so that it goes when we go, however we go (SIGKILL,
+a closed terminal's SIGHUP, a crash), even from its own session where no signal of ours reaches it.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # looked up here, not in the child between fork and exec
+
+
+def _tie_to_parent(sig: int):
+    """A preexec_fn: the kernel sends `sig` to the child when the thread that forked it ends."""
+    parent = os.getpid()
+    prctl = _PRCTL
+
+    def tie() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # we died between fork and prctl: nobody would send the signal
+            os.kill(os.getpid(), sig)
+
+    return tie
+
+
+def popen_tied(cmd, *, new_session: bool = True, death_signal: int = signal.SIGTERM, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen whose child dies with this process (Linux; elsewhere a plain Popen).
+
+    new_session: the child leads its own session and process group (stop_group takes the group down, and
+    a terminal's Ctrl-C reaches only us); False keeps it in ours. The death signal follows the *thread*
+    that starts the child: call this from the main thread (as every caller does), not a short-lived worker.
+    """
+    if _PRCTL is not None:
+        if "preexec_fn" in kwargs:
+            raise TypeError("popen_tied sets its own preexec_fn")
+        kwargs["preexec_fn"] = _tie_to_parent(death_signal)
+    return subprocess.Popen(cmd, start_new_session=new_session, **kwargs)
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> int | None:
-    """SIGTERM the child's whole process group, wait up to `grace` seconds, then SIGKILL it: never an orphan."""
+    """SIGTERM the child's whole process group (the child alone when it shares ours), wait up to `grace`
+    seconds, then SIGKILL it: never an orphan.
+
+    An interrupt while waiting (a second Ctrl-C, another SIGTERM/SIGHUP) cuts the wait short: the group is
+    killed and reaped first, then the interrupt goes on.
+    """
+    if proc.poll() is not None:
+        return proc.returncode
+    _signal_group(proc, signal.SIGTERM)
+    pending: BaseException | None = None
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    except BaseException as e:  # KeyboardInterrupt, or a signal handler's exception
+        pending = e
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        while True:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=grace)
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                break  # SIGKILLed but not reaped in time (uninterruptible I/O): nothing more we can do
+            except BaseException as e:  # even more interrupts: it is already SIGKILLed, just reap it
+                pending = pending or e
+    if pending is not None:
+        raise pending
     return proc.returncode
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """The child's process group when it leads one (popen_tied's default), else the child alone."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------------ how a child ended
+
+_SIGNAL_CAUSES = {
+    "SIGILL": ("the CPU met an instruction it does not allow: ggml's CPU code used a feature this CPU or kernel does not "
+               "give it (e.g. AMX tile or AVX-512 kernels: a build made for another CPU, a VM that hides features, AMX without "
+               "the kernel's permission); `rollingkv info` shows the host CPU's features and those the CPU backend uses",
+               "turn off ggml's extra weight buffer types (AMX, repacking): llama-server --no-repack (after `--` for "
+               "`rollingkv serve`), llama-bench --repack 0; or rebuild on this machine with `rollingkv build`"),
+    "SIGSEGV": ("a crash in llama.cpp (a memory fault)",
+                "if it is in ggml's CPU backend, try without its extra weight buffer types (llama-server --no-repack, "
+                "llama-bench --repack 0) or rebuild with `rollingkv build`; else report it with the log"),
+    "SIGBUS": ("a memory-mapped file went away under it: the model file was truncated or replaced while loaded, or the disk is full",
+               "check the model file (and free disk space), then start again"),
+    "SIGABRT": ("llama.cpp aborted (a failed GGML_ASSERT or an uncaught exception)", "the last lines of the log say why"),
+    "SIGKILL": ("it was killed outright: most often the kernel's out-of-memory killer",
+                "check `dmesg | grep -i oom`; a smaller context, window or batch needs less memory"),
+    "SIGFPE": ("an arithmetic fault in llama.cpp", "report it with the log"),
+}
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def exit_parts(rc: int | None, log_path: Path | str | None = None) -> tuple[str, str | None]:
+    """(how it ended, what to do): ('killed by SIGILL (signal 4): <likely cause>', '<workaround>; log: <path>').
+
+    rc is Popen.returncode: negative for a signal, None while it runs."""
+    advice = None
+    if rc is None:
+        what = "still running"
+    elif rc >= 0:
+        what = f"exit status {rc}"
+    else:
+        name = signal_name(-rc)
+        what = f"killed by {name} (signal {-rc})"
+        cause = _SIGNAL_CAUSES.get(name)
+        if cause:
+            what += f": {cause[0]}"
+            advice = cause[1]
+    if log_path:
+        advice = f"{advice}; log: {log_path}" if advice else f"log: {log_path}"
+    return what, advice
+
+
+def describe_exit(rc: int | None, log_path: Path | str | None = None) -> str:
+    """How a child ended, in one phrase for a message: never a bare 'exit -11'."""
+    what, advice = exit_parts(rc, log_path)
+    return f"{what}; {advice}" if advice else what

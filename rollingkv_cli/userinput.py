@@ -1,0 +1,137 @@
+"""One rule for reading what the user gives us: files and environment variables.
+
+Every read of a user's file or variable goes through here, so that an OS, decode or parse error becomes
+the tool's one-line error (RollingKVError, exit status 1) naming the file or variable, what is wrong with
+it, and what to do, never a traceback. `what` names the file's role ("config file", "thresholds file").
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rollingkv_cli.console import abort
+
+
+def read_bytes(path: Path | str, what: str) -> bytes:
+    p = Path(path)
+    try:
+        return p.read_bytes()
+    except FileNotFoundError:
+        abort(f"cannot read {what} {p}: no such file", "check the path")
+    except IsADirectoryError:
+        abort(f"cannot read {what} {p}: it is a directory", "give the path of a file")
+    except PermissionError:
+        abort(f"cannot read {what} {p}: permission denied", "check its permissions (ls -l), or give a copy you can read")
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            abort(f"cannot read {what} {p}: a part of the path is a file, not a directory", "check the path")
+        abort(f"cannot read {what} {p}: {e.strerror or e}")
+
+
+def decode_utf8(data: bytes, path: Path | str, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        abort(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, line {line})",
+              "save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`")
+
+
+def read_text(path: Path | str, what: str) -> str:
+    """The file's text, strictly UTF-8 (a byte-order mark is dropped)."""
+    text = decode_utf8(read_bytes(path, what), path, what)
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def read_json(path: Path | str, what: str) -> Any:
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        abort(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+              "fix the file, or give another one")
+    except RecursionError:
+        abort(f"{what} {path} is not usable JSON: nested too deeply")
+
+
+def read_yaml(path: Path | str, what: str) -> Any:
+    import yaml
+
+    text = read_text(path, what)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        abort(f"{what} {path} is not valid YAML: {problem}{where}", "fix the file, or give another one")
+    except RecursionError:
+        abort(f"{what} {path} is not usable YAML: nested too deeply")
+
+
+def read_data(path: Path | str, what: str) -> Any:
+    """JSON for a .json file, else YAML (which reads JSON too)."""
+    return read_json(path, what) if Path(path).suffix.lower() == ".json" else read_yaml(path, what)
+
+
+# ------------------------------------------------------------------ environment variables
+
+def env_str(name: str) -> str | None:
+    """The variable's value with surrounding blanks removed; None when unset or blank."""
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return None
+    return v.strip()
+
+
+def _unset_hint(name: str, example: str) -> str:
+    return f"set it to {example}, or unset it (`unset {name}`)"
+
+
+def env_float(name: str, default: float | None = None, *, positive: bool = False, minimum: float | None = None,
+              unit: str = "", example: str = "a number such as 2.5") -> float | None:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    units = f" of {unit}" if unit else ""
+    try:
+        v = float(raw)
+    except ValueError:
+        abort(f"${name}={os.environ[name]!r} is not a number{units}", _unset_hint(name, example))
+    if not math.isfinite(v) or (positive and v <= 0) or (minimum is not None and v < minimum):
+        need = "a positive number" if positive else f"a number >= {minimum:g}" if minimum is not None else "a finite number"
+        abort(f"${name}={os.environ[name]!r} must be {need}{units}", _unset_hint(name, example))
+    return v
+
+
+def env_int(name: str, default: int | None = None, *, minimum: int | None = None, example: str = "a whole number such as 3") -> int | None:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw, 10)
+    except ValueError:
+        abort(f"${name}={os.environ[name]!r} is not a whole number", _unset_hint(name, example))
+    if minimum is not None and v < minimum:
+        abort(f"${name}={os.environ[name]!r} must be at least {minimum}", _unset_hint(name, example))
+    return v
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, "1 or 0"))
