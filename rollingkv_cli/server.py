@@ -5,6 +5,7 @@ Used by `rollingkv serve` and by the tests (vLLM's RemoteOpenAIServer habits).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -16,20 +17,54 @@ from pathlib import Path
 
 from rollingkv_cli.console import RollingKVError
 
+_HOST_HINT = "give an address of this machine with --host, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+
+
+def resolve_host(host: str, port: int = 0) -> tuple[int, tuple]:
+    """(address family, socket address) to bind host:port; a one-line error for a name that does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) and e.strerror else str(e)
+        raise RollingKVError(f"cannot resolve host {host!r}: {why}", _HOST_HINT) from None
+    if not infos:
+        raise RollingKVError(f"cannot resolve host {host!r}: no address", _HOST_HINT)
+    family, _, _, _, addr = infos[0]
+    return family, addr
+
+
+def _probe_socket(host: str, port: int) -> socket.socket:
+    family, addr = resolve_host(host, port)
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise RollingKVError(f"cannot listen on {host}: it is not an address of this machine", _HOST_HINT) from None
+        if e.errno == errno.EACCES:
+            raise RollingKVError(f"cannot listen on {host} port {port}: permission denied",
+                                 "ports below 1024 need privileges: pick another with --port (0 = any free port)") from None
+        raise RollingKVError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return s
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    with _probe_socket(host, 0) as s:
         return s.getsockname()[1]
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
+    """Whether something listens on host:port; RollingKVError when the host does not resolve or is not ours."""
+    try:
+        _probe_socket(host, port).close()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
             return True
+        raise
     return False
 
 
@@ -62,16 +97,25 @@ class ServerProcess:
             self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
             self._log_file.flush()
         out = self._log_file if self._log_file else subprocess.DEVNULL
-        # own process group: a signal to us never half-kills it, and we can take the group down
-        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        from rollingkv_cli.procs import popen_tied
+
+        # own process group: a signal to us never half-kills it, and we can take the group down; tied: it
+        # dies with us even when we are SIGKILLed or lose the terminal
+        try:
+            self.proc = popen_tied(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            self._close_log()
+            raise RollingKVError(f"cannot start {self.binary}: {e.strerror or e}", "run `rollingkv build`") from None
         return self
 
     def wait_healthy(self, timeout: float = 120.0, on_poll=None) -> None:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is None or self.proc.poll() is not None:
-                code = None if self.proc is None else self.proc.returncode
-                raise RollingKVError(f"llama-server exited during start-up (exit code {code})", self._log_hint())
+                from rollingkv_cli.procs import exit_parts
+
+                what, advice = exit_parts(None if self.proc is None else self.proc.returncode, self.log_path)
+                raise RollingKVError(f"llama-server exited during start-up ({what})", advice)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -97,11 +141,16 @@ class ServerProcess:
 
         if self.proc is None:
             return None
-        stop_group(self.proc, grace)
+        try:
+            stop_group(self.proc, grace)
+        finally:
+            self._close_log()
+        return self.proc.returncode
+
+    def _close_log(self) -> None:
         if self._log_file:
             self._log_file.close()
             self._log_file = None
-        return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
         self.start()

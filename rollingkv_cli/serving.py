@@ -4,7 +4,7 @@ pre-flight checks, supervision, live status. The click layer is commands/serve.p
 from __future__ import annotations
 
 import ctypes
-import os
+import math
 import re
 import signal
 import time
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
-from rollingkv_cli.console import RollingKVError, abort, console, err_console, info, is_interactive, success, warn
+from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
+                                   success, usage_error, warn)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
 # types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types)
@@ -43,73 +44,176 @@ class ServeSettings:
     extra_args: list[str] = field(default_factory=list)
 
 
-def _load_config(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        abort(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
-    if not isinstance(data, dict):
-        abort(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - set(CONFIG_KEYS))
-    if unknown:
-        abort(f"{path}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(CONFIG_KEYS)}")
-    return data
+class SettingError(ValueError):
+    """A setting's value is bad: the text says why, without naming where it came from."""
 
 
-def _check_value(key: str, value, source: str):
-    """Config values get the same validation click gives flags."""
-    if value is None:
-        return None
-    choices = {"kv_residency_mode": RESIDENCY_MODES}
-    for k in ("cache_type_k", "cache_type_v", "cache_type_k_tail", "cache_type_v_tail"):
-        choices[k] = CACHE_TYPES
-    if key in choices:
-        if value not in choices[key]:
-            abort(f"{source}: {key} {value!r} is not one of {', '.join(choices[key])}")
-        return value
-    if key in ("vram_target", "kv_window_cells", "ctx_size", "parallel", "port"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "port" else 1):
-            abort(f"{source}: {key} must be a positive integer, got {value!r}")
-        return value
-    if key == "pcie_bw_gbps":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            abort(f"{source}: pcie_bw_gbps must be a positive number, got {value!r}")
-        return float(value)
-    if key == "host":
-        return str(value)
-    if key == "extra_args":
-        if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) for a in value):
-            abort(f"{source}: extra_args must be a list of strings")
-        return [str(a) for a in value]
+@dataclass(frozen=True)
+class Setting:
+    """One serve setting, checked the same way from a flag (text) and from the config file (YAML values)."""
+
+    key: str
+    kind: str  # "int" | "float" | "choice" | "str"
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    def check(self, value, from_text: bool = False):
+        """The value, converted; SettingError when it is not acceptable."""
+        if self.kind == "choice":
+            v = str(value) if from_text else value
+            if v not in self.choices:
+                raise SettingError(f"{value!r} is not one of {', '.join(self.choices)}")
+            if self.key == "kv_residency_mode" and v == "head":
+                raise SettingError("head mode is not implemented yet; use window or auto")
+            return v
+        if self.kind == "str":
+            if from_text:
+                value = str(value)
+            if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
+                raise SettingError(f"must be a host name or address, not {value!r}")
+            return value
+        if self.kind == "int":
+            v = _as_int(value, from_text)
+        else:
+            v = _as_float(value, from_text)
+        positive = self.kind == "float" and self.lo == 0  # an exclusive bound: a positive number
+        if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
+            raise SettingError(f"must be {self._range()}, not {value if from_text else repr(value)}")
+        return v
+
+    def _range(self) -> str:
+        noun = "an integer" if self.kind == "int" else "a number"
+        if self.kind == "float" and self.lo == 0:
+            return "a positive number"
+        if self.hi is not None:
+            return f"{noun} from {self.lo:g} to {self.hi:g}"
+        return f"{noun} of at least {self.lo:g}" if self.lo is not None else noun
+
+
+def _as_int(value, from_text: bool) -> int:
+    if from_text:
+        try:
+            return int(str(value).strip(), 10)
+        except ValueError:
+            raise SettingError(f"{value!r} is not an integer") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingError(f"must be an integer, not {value!r}")
     return value
 
 
+def _as_float(value, from_text: bool) -> float:
+    if from_text:
+        try:
+            v = float(str(value).strip())
+        except ValueError:
+            raise SettingError(f"{value!r} is not a number") from None
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingError(f"must be a number, not {value!r}")
+    else:
+        v = float(value)
+    if not math.isfinite(v):
+        raise SettingError(f"must be a finite number, not {value!r}")
+    return v
+
+
+# the one table of what serve accepts: the flags (commands/serve.py) and the config file check against it
+SETTINGS: dict[str, Setting] = {s.key: s for s in (
+    Setting("kv_residency_mode", "choice", choices=RESIDENCY_MODES),
+    Setting("vram_target", "int", lo=1),
+    Setting("kv_window_cells", "int", lo=1),
+    Setting("ctx_size", "int", lo=64),
+    Setting("parallel", "int", lo=1, hi=256),
+    Setting("cache_type_k", "choice", choices=CACHE_TYPES),
+    Setting("cache_type_v", "choice", choices=CACHE_TYPES),
+    Setting("cache_type_k_tail", "choice", choices=CACHE_TYPES),
+    Setting("cache_type_v_tail", "choice", choices=CACHE_TYPES),
+    Setting("pcie_bw_gbps", "float", lo=0),
+    Setting("host", "str"),
+    Setting("port", "int", lo=0, hi=65535),
+)}
+assert set(SETTINGS) == set(_FLAG_KEYS)
+
+
+def check_setting(key: str, value, from_text: bool = False):
+    return SETTINGS[key].check(value, from_text)
+
+
+def _load_config(path: Path) -> dict:
+    from rollingkv_cli.userinput import read_yaml
+
+    data = read_yaml(path, "config file")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        abort(f"config file {path}: expected a mapping of settings, got {type(data).__name__}",
+              "write one `key: value` per line, e.g. `ctx_size: 4096`")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        usage_error(f"config file {path}: unknown key(s) {', '.join(unknown)}", f"known keys: {', '.join(CONFIG_KEYS)}")
+    return data
+
+
+def _config_value(key: str, value, source: str):
+    if value is None:
+        return None
+    if key == "extra_args":
+        if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value):
+            usage_error(f"{source}: extra_args must be a list of strings")
+        return [str(a) for a in value]
+    if key == "model":
+        if not isinstance(value, str) or not value.strip():
+            usage_error(f"{source}: model must be a GGUF path or `demo`, not {value!r}")
+        return value
+    try:
+        return check_setting(key, value)
+    except SettingError as e:
+        usage_error(f"{source}: {key} {e}")
+
+
 def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], config_file: Path | None, extra: list[str]) -> ServeSettings:
+    """Flags (already checked by their click type, SettingType) over the config file (checked here by the same
+    Setting), then the checks across settings, which name where each value came from."""
     from rollingkv_cli import models
 
     config = _load_config(config_file) if config_file else {}
+    source = f"config file {config_file}"
     merged: dict = {}
+    where: dict[str, str] = {}
     for key in _FLAG_KEYS:
         if key in explicit or key not in config:
             merged[key] = flags.get(key)
+            where[key] = SETTINGS[key].flag
         else:
-            merged[key] = _check_value(key, config[key], str(config_file))
-    if flags.get("pcie_bw_gbps") is not None and "pcie_bw_gbps" in explicit and flags["pcie_bw_gbps"] <= 0:
-        abort(f"--pcie-bw-gbps must be positive, got {flags['pcie_bw_gbps']}")
-    spec = model_spec or config.get("model")
+            merged[key] = _config_value(key, config[key], source)
+            where[key] = f"{source}: {key}"
+    spec = model_spec or _config_value("model", config.get("model"), source)
+    extra_args = list(extra) if extra else _config_value("extra_args", config.get("extra_args", []), source)
+    _check_together(merged, where)
     if not spec:
         abort("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
-    model = models.resolve_model(str(spec), log=lambda m: console.print(f"[dim]{m}[/]"))
-    extra_args = list(extra) if extra else _check_value("extra_args", config.get("extra_args", []), str(config_file))
+    model = models.resolve_model(str(spec), log=note)
     s = ServeSettings(model=model, extra_args=extra_args or [], **{k: v for k, v in merged.items() if k not in ("host", "port")})
     s.host = merged.get("host") or DEFAULT_HOST
     s.port = DEFAULT_PORT if merged.get("port") is None else merged["port"]
-    if s.kv_window_cells and s.ctx_size and s.kv_window_cells > s.ctx_size:
-        abort(f"--kv-window-cells {s.kv_window_cells} is larger than the context ({s.ctx_size})", "a window of the whole context is the resident cache: use --kv-residency-mode off")
     return s
+
+
+def _check_together(m: dict, where: dict[str, str]) -> None:
+    """Settings that are fine alone but not together (usage errors, as a bad flag)."""
+    window, ctx, parallel = m.get("kv_window_cells"), m.get("ctx_size"), m.get("parallel")
+    if window and ctx and window > ctx:
+        usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
+                    "a window of the whole context is the resident cache: use --kv-residency-mode off")
+    if ctx and parallel and ctx < parallel:
+        # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
+        usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
+                    "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
 
 
 # ------------------------------------------------------------------ checks on the build and the model
@@ -184,6 +288,9 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
         return s.pcie_bw_gbps, "explicit --pcie-bw-gbps"
     if not cuda:
         return None, "CPU build: no link to model"
+    env = paths.pcie_bw_env()  # a bad value is an error here, as in `probe pcie`, not a warning below
+    if env is not None:
+        return env, f"explicit ${paths.ENV_PCIE_BW}"
     try:
         from rollingkv_cli import pcie
     except ImportError:
@@ -274,7 +381,7 @@ def _status_table(srv, started: float, plan: dict | None):
     from rich.table import Table
 
     m = _metrics(srv)
-    t = Table(show_header=False, box=None, title=f"llama-server {srv.url}", title_justify="left")
+    t = Table(show_header=False, box=None, title=f"llama-server {esc(srv.url)}", title_justify="left")
     t.add_column(style="bold")
     t.add_column()
     t.add_row("uptime", f"{time.time() - started:.0f} s")
@@ -284,7 +391,7 @@ def _status_table(srv, started: float, plan: dict | None):
     vram = _vram_mib()
     if vram:
         t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
-    t.add_row("KV", describe_plan(plan))
+    t.add_row("KV", esc(describe_plan(plan)))
     return t
 
 
@@ -292,7 +399,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     import shlex
 
     from rollingkv_cli import builder
-    from rollingkv_cli.server import ServerProcess, port_in_use
+    from rollingkv_cli.server import ServerProcess, free_port, port_in_use, resolve_host
 
     b = builder.active_build(required=True)
     assert b is not None
@@ -311,13 +418,12 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
                   f"the minimum is about {weights_mib + 512:.0f} MiB (weights + compute buffers), or drop --vram-target")
     cuda = bool(b.manifest.get("options", {}).get("cuda"))
     bandwidth, tier = _resolve_bandwidth(s, cuda)
-    port = s.port or 0
-    if port == 0:
-        from rollingkv_cli.server import free_port
-
-        port = free_port(s.host)
+    start_timeout = paths.serve_start_timeout()
+    resolve_host(s.host)  # a name that does not resolve is said so, before anything is created
+    port = s.port or free_port(s.host)
+    if not print_args and port_in_use(s.host, port):
+        abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
     slot_dir = paths.cache_dir() / "slots"
-    slot_dir.mkdir(parents=True, exist_ok=True)
     log_dir = paths.cache_dir() / "logs"
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
@@ -325,29 +431,34 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if print_args:
         print(shlex.join(srv.command))
         return
-    if port_in_use(s.host, port):
-        abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
+    try:
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        abort(f"cannot create {slot_dir.parent}/{{slots,logs}}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
     if bandwidth is not None:
-        info(f"[dim]PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}[/]")
+        note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:
-        info(f"[dim]{ngl_note}[/]")
-    info(f"[dim]log: {log_path}[/]")
+        note(ngl_note)
+    note(f"log: {log_path}")
 
     def on_term(signum, frame):
         raise _Stop()
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    # SIGHUP (the terminal closed) stops the server as SIGTERM and Ctrl-C do
+    old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
     exit_code = 0
     try:
         srv.start()
-        with console.status(f"starting llama-server on {srv.url} ({s.model.name})", spinner="dots") if not quiet else _null():
-            srv.wait_healthy(timeout=float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+        status = f"starting llama-server on {esc(srv.url)} ({esc(s.model.name)})"
+        with console.status(status, spinner="dots") if not quiet else _null():
+            srv.wait_healthy(timeout=start_timeout)
         props = srv.request("/props")
         plan = props.get("rolling_kv")
         success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
         info(describe_plan(plan))
         for line in describe_plan_details(plan):
-            info(f"[dim]{line}[/]")
+            note(line)
         started = time.time()
         if is_interactive() and not quiet:
             from rich.live import Live
@@ -376,11 +487,17 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         from rollingkv_cli.builder import log_tail
 
         if srv.proc is not None:
-            err_console.print(log_tail(log_path, 15).rstrip())
+            log_panel(log_tail(log_path, 15), f"last lines of {log_path}")
         raise e
     finally:
-        srv.stop()
-        signal.signal(signal.SIGTERM, old)
+        # a second Ctrl-C / SIGTERM / SIGHUP while stopping only hurries the stop: stop_group kills, then re-raises
+        try:
+            srv.stop()
+        except _Stop:
+            pass
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     if exit_code:
         raise SystemExit(exit_code)
     success("llama-server stopped")
@@ -388,10 +505,11 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
 
 def _report_death(srv, code, log_path: Path) -> None:
     from rollingkv_cli.builder import log_tail
+    from rollingkv_cli.procs import exit_parts
 
-    err_console.print(f"[bold red]error:[/] llama-server exited unexpectedly (exit code {code})")
-    err_console.print(log_tail(log_path, 20).rstrip())
-    err_console.print(f"[dim]full log: {log_path}[/]")
+    what, advice = exit_parts(code)
+    log_panel(log_tail(log_path, 20), f"last lines of {log_path}")
+    print_error(RollingKVError(f"llama-server exited unexpectedly ({what})", f"{advice}; full log: {log_path}" if advice else f"full log: {log_path}"))
 
 
 class _null:

@@ -32,20 +32,21 @@ def test_print_args_merges_config_and_flags(tmp_path, capsys, demo_model, monkey
 
 
 @pytest.mark.parametrize(
-    "yaml_text, message",
+    "yaml_text, message, exit_code",
     [
-        ("model: demo\nwindow: 3\n", "unknown key"),
-        ("model: demo\ncache_type_k: q3_k\n", "cache_type_k"),
-        ("model: demo\nparallel: -1\n", "positive integer"),
-        ("- just\n- a list\n", "mapping"),
-        ("model: [unclosed\n", "not valid YAML"),
+        # a bad setting exits 2, as the same bad flag does; a file that does not parse exits 1
+        ("model: demo\nwindow: 3\n", "unknown key", 2),
+        ("model: demo\ncache_type_k: q3_k\n", "cache_type_k", 2),
+        ("model: demo\nparallel: -1\n", "parallel must be an integer from 1 to 256, not -1", 2),
+        ("- just\n- a list\n", "mapping", 1),
+        ("model: [unclosed\n", "not valid YAML", 1),
     ],
 )
-def test_bad_config_is_refused(tmp_path, capsys, yaml_text, message):
+def test_bad_config_is_refused(tmp_path, capsys, yaml_text, message, exit_code):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml_text)
     code, _, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
-    assert code == 1 and message in err
+    assert code == exit_code and message in err
 
 
 def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
@@ -61,7 +62,7 @@ def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
     code, _, err = run_main(["serve"], capsys)
     assert code == 1 and "no MODEL" in err
     code, _, err = run_main(["serve", "demo", "-c", "1024", "--kv-window-cells", "4096"], capsys)
-    assert code == 1 and "larger than the context" in err
+    assert code == 2 and "larger than the context" in err  # flags that contradict: a usage error
 
 
 def test_vram_target_below_weights(capsys, demo_model, cpu_build, monkeypatch):

@@ -6,23 +6,49 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.serving import CACHE_TYPES, RESIDENCY_MODES
+from rollingkv_cli.serving import SETTINGS, SettingError, check_setting
+
+
+class SettingType(click.ParamType):
+    """A serve flag checked by the same Setting as the config file's key (serving.SETTINGS): one validator."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.setting = SETTINGS[key]
+        self.name = {"int": "integer", "float": "float", "choice": "choice", "str": "text"}[self.setting.kind]
+
+    def get_metavar(self, param, ctx=None) -> str | None:
+        if self.setting.choices:
+            return "[" + "|".join(self.setting.choices) + "]"
+        return None
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value  # a default, or a value click already converted
+        try:
+            return check_setting(self.key, value, from_text=True)
+        except SettingError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _setting(*decls: str, key: str, **kw):
+    return click.option(*decls, type=SettingType(key), **kw)
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.argument("model_spec", metavar="MODEL", required=False)
-@click.option("--kv-residency-mode", type=click.Choice(RESIDENCY_MODES), help="KV residency: auto (default), window, head, off.")
-@click.option("--vram-target", type=click.IntRange(min=1), metavar="MiB", help="Device memory budget for weights + KV + buffers.")
-@click.option("--kv-window-cells", type=click.IntRange(min=1), metavar="N", help="Explicit window size in cells per sequence stream.")
-@click.option("-c", "--ctx-size", type=click.IntRange(min=64), metavar="N", help="Context size (all slots together).")
-@click.option("-np", "--parallel", type=click.IntRange(1, 256), metavar="N", help="Number of slots (concurrent sequences).")
-@click.option("-ctk", "--cache-type-k", type=click.Choice(CACHE_TYPES), help="K cache type (window).")
-@click.option("-ctv", "--cache-type-v", type=click.Choice(CACHE_TYPES), help="V cache type (window).")
-@click.option("-ctkt", "--cache-type-k-tail", type=click.Choice(CACHE_TYPES), help="K cache type of the host tail (default: the window's).")
-@click.option("-ctvt", "--cache-type-v-tail", type=click.Choice(CACHE_TYPES), help="V cache type of the host tail (default: the window's).")
-@click.option("--pcie-bw-gbps", type=float, help="Host->device bandwidth to plan with (default: the probed profile).")
-@click.option("--host", help="Address to bind (default 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), help="Port (default 8080; 0 picks a free one).")
+@_setting("--kv-residency-mode", key="kv_residency_mode", help="KV residency: auto (default), window, off (head: not implemented yet).")
+@_setting("--vram-target", key="vram_target", metavar="MiB", help="Device memory budget for weights + KV + buffers.")
+@_setting("--kv-window-cells", key="kv_window_cells", metavar="N", help="Explicit window size in cells per sequence stream.")
+@_setting("-c", "--ctx-size", key="ctx_size", metavar="N", help="Context size (all slots together), at least 64.")
+@_setting("-np", "--parallel", key="parallel", metavar="N", help="Number of slots (concurrent sequences), 1 to 256.")
+@_setting("-ctk", "--cache-type-k", key="cache_type_k", help="K cache type (window).")
+@_setting("-ctv", "--cache-type-v", key="cache_type_v", help="V cache type (window).")
+@_setting("-ctkt", "--cache-type-k-tail", key="cache_type_k_tail", help="K cache type of the host tail (default: the window's).")
+@_setting("-ctvt", "--cache-type-v-tail", key="cache_type_v_tail", help="V cache type of the host tail (default: the window's).")
+@_setting("--pcie-bw-gbps", key="pcie_bw_gbps", metavar="GBPS", help="Host->device bandwidth to plan with (default: the probed profile).")
+@_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
+@_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="YAML file with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
@@ -32,7 +58,8 @@ def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra,
     """Run the patched llama-server (OpenAI-compatible API) on MODEL (a GGUF path or `demo`).
 
     Arguments after `--` go to llama-server unchanged. The server's output goes to a log file whose
-    path is printed; Ctrl-C or SIGTERM stop it gracefully.
+    path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
+    The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
     from rollingkv_cli import serving
 
