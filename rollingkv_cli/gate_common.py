@@ -6,16 +6,14 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollingkv_cli.console import RollingKVError, abort
+from rollingkv_cli.console import EXIT_USAGE, RollingKVError, abort  # noqa: F401  (EXIT_USAGE: a bad flag value)
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # a bound failed, answers differ, or an error
-EXIT_USAGE = 2  # click's usage errors
 EXIT_NO_GPU = 3  # gate vram without an NVIDIA GPU / NVML: the same code as `rollingkv probe pcie`
 EXIT_INCONCLUSIVE = 4  # gate needle: the resident model itself does not retrieve the needle
 
@@ -138,12 +136,14 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
 
 def start_server(binary: Path, args: list[str], log_path: Path, timeout: float | None = None, env: dict | None = None):
     """A healthy ServerProcess, or a RollingKVError naming its log (the last log lines are printed)."""
+    from rollingkv_cli import paths
     from rollingkv_cli.server import ServerProcess
 
+    timeout = timeout or paths.serve_start_timeout()  # a bad value refused before anything starts
     srv = ServerProcess(binary, args, log_path=log_path, env=env)
     srv.start()
     try:
-        srv.wait_healthy(timeout=timeout or float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+        srv.wait_healthy(timeout=timeout)
     except RollingKVError as e:
         srv.stop()
         print_log_tail(log_path)
@@ -155,14 +155,10 @@ def start_server(binary: Path, args: list[str], log_path: Path, timeout: float |
 
 
 def print_log_tail(log_path: Path, n: int = 15) -> None:
-    from rich.panel import Panel
-
     from rollingkv_cli.builder import log_tail
-    from rollingkv_cli.console import err_console
+    from rollingkv_cli.console import log_panel
 
-    text = log_tail(log_path, n).rstrip()
-    if text:
-        err_console.print(Panel(text, title=f"last lines of {log_path}", border_style="red"))
+    log_panel(log_tail(log_path, n), f"last lines of {log_path}")
 
 
 def request(srv, path: str, payload: dict | None = None, timeout: float = 3600.0) -> dict:
@@ -179,9 +175,12 @@ def request(srv, path: str, payload: dict | None = None, timeout: float = 3600.0
         raise RollingKVError(f"llama-server answered {path} with HTTP {e.code}: {body}",
                              f"see its log: {srv.log_path}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
-        alive = srv.alive()
-        raise RollingKVError(f"llama-server {'did not answer' if alive else 'died during'} {path}: {e}",
-                             f"see its log: {srv.log_path}") from None
+        if srv.alive():
+            raise RollingKVError(f"llama-server did not answer {path}: {e}", f"see its log: {srv.log_path}") from None
+        from rollingkv_cli.procs import exit_parts
+
+        what, advice = exit_parts(srv.proc.returncode if srv.proc else None, srv.log_path)
+        raise RollingKVError(f"llama-server died during {path} ({what})", advice) from None
 
 
 def plan_of(srv) -> dict | None:

@@ -31,7 +31,8 @@ def progress(console):
 
 def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
     """Run one gate_runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
-    from rollingkv_cli.console import abort, console
+    from rollingkv_cli.console import abort, console, log_panel
+    from rollingkv_cli.procs import exit_parts, popen_tied
 
     env = dict(os.environ)
     env.pop("LLAMA_CPP_LIB_PATH", None)  # the child sets it for the library it was given
@@ -42,7 +43,7 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, start_new_session=True)
+        proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, stdin=subprocess.DEVNULL)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -69,13 +70,11 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
         hint = error.get("hint")
         abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
     if rc != 0 or not result_path.is_file():
-        from rich.panel import Panel
-
         from rollingkv_cli.builder import log_tail
 
-        console.print(Panel(log_tail(log_path, 15).rstrip() or "\n".join(tail), title=f"last lines of {log_path}", border_style="red"))
-        why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
-        abort(f"the {role} run failed ({why})", f"full log: {log_path}")
+        log_panel(log_tail(log_path, 15).rstrip() or "\n".join(tail), f"last lines of {log_path}", console)
+        what, advice = exit_parts(rc)
+        abort(f"the {role} run failed ({what})", f"{advice}; full log: {log_path}" if advice else f"full log: {log_path}")
     return json.loads(result_path.read_text())
 
 
@@ -219,4 +218,4 @@ def print_plan(console, plan) -> None:
         return
     keys = [k for k in ("mode_requested", "mode", "reason", "window_cells", "tail_cells") if k in plan]
     if keys:
-        console.print("[dim]plan: " + ", ".join(f"{k}={plan[k]}" for k in keys) + "[/]")
+        console.print("plan: " + ", ".join(f"{k}={plan[k]}" for k in keys), style="dim", markup=False)

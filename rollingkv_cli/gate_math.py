@@ -24,7 +24,6 @@ batches can be streamed in and the summary, the worst positions and the verdict 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +90,11 @@ EXACT_FLOAT_TYPES = {"f32", "f16"}
 
 
 class ThresholdsError(ValueError):
-    """A thresholds file that cannot be used (unreadable, unknown keys, bad values)."""
+    """A thresholds file that cannot be used (unreadable, unknown keys, bad values); hint: what to do, if not the keys."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str | None]) -> str:
@@ -143,21 +146,14 @@ def load_thresholds(path: Path | str | None, profile: str) -> dict[str, float | 
     th = default_thresholds(profile)
     if path is None:
         return th
+    from rollingkv_cli.console import RollingKVError
+    from rollingkv_cli.userinput import read_data
+
     p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ThresholdsError(f"cannot read thresholds file {p}: {e.strerror or e}") from None
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ThresholdsError(f"thresholds file {p} does not parse: {first}") from None
+        data = read_data(p, "thresholds file")  # JSON for .json, else YAML
+    except RollingKVError as e:  # unreadable, not UTF-8, does not parse
+        raise ThresholdsError(e.message, e.hint) from None
     if data is None:
         return th
     if not isinstance(data, dict):

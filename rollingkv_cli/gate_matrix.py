@@ -19,7 +19,6 @@ decodes plus the needle's two servers.
 
 from __future__ import annotations
 
-import json
 import platform
 import socket
 import sys
@@ -108,7 +107,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     import tempfile
 
     from rollingkv_cli import gate_equiv
-    from rollingkv_cli.console import abort
+    from rollingkv_cli.console import abort, esc
 
     t_start = time.time()
     th_cache: dict[str, dict] = {}
@@ -118,7 +117,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
             try:
                 th_cache[profile] = gate_math.load_thresholds(cfg.thresholds_file, profile)
             except gate_math.ThresholdsError as e:
-                abort(str(e), "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
+                abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
         return dict(th_cache[profile])
 
     thresholds("same_type")
@@ -145,7 +144,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
             abort(f"the reference logits need {need / 2**20:.0f} MiB in {work_dir}, {free / 2**20:.0f} MiB are free",
                   "point --work-dir at a larger disk, or lower --tokens")
         n = sess.n_tokens
-        console.print(f"[dim]{cfg.model.name}: {n} tokens, ctx {n_ctx}, batch {cfg.n_batch}, {cfg.threads} threads"
+        console.print(f"[dim]{esc(cfg.model.name)}: {n} tokens, ctx {n_ctx}, batch {cfg.n_batch}, {cfg.threads} threads"
                       f"{'' if cfg.n_gpu_layers is None else f', -ngl {cfg.n_gpu_layers}'}; window {WINDOW_TYPE}, tails "
                       f"{', '.join(cfg.tail_types)} at {', '.join(f'{s:g}' for s in cfg.splits)} of the sequence[/]")
         ref = {WINDOW_TYPE: wd / f"ref-{WINDOW_TYPE}.npy"}
@@ -407,4 +406,6 @@ def write_outputs(r: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
 
 
 def load_report(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+    from rollingkv_cli.userinput import read_json
+
+    return read_json(path, "gate matrix report")

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollingkv_cli.console import RollingKVError, abort
+from rollingkv_cli.console import RollingKVError, abort, usage_error
 
 FORMATS = ("plain", "chat")
 QUESTION = "What is the secret number?"
@@ -292,13 +292,13 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     binary = cfg.build.require_server()
     n_ctx = cfg.n_ctx or cfg.default_ctx()
     if cfg.window_cells is not None and cfg.window_cells >= n_ctx:
-        abort(f"--kv-window-cells {cfg.window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
+        # the context is --ctx or follows from --filler-tokens: a usage error either way
+        usage_error(f"--kv-window-cells {cfg.window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
     filler_src = None
     if cfg.filler_file is not None:
-        try:
-            filler_src = Path(cfg.filler_file).read_text(errors="replace")
-        except OSError as e:
-            abort(f"cannot read {cfg.filler_file}: {e.strerror or e}")
+        from rollingkv_cli.userinput import read_text
+
+        filler_src = read_text(cfg.filler_file, "filler file")
         if not filler_src.strip():
             abort(f"{cfg.filler_file} is empty")
     ref_res = {"mode": "off"}
@@ -382,6 +382,8 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
 def print_report(console, r: dict) -> None:
     from rich.table import Table
 
+    from rollingkv_cli.console import esc
+
     plan = r.get("plan") or {}
     t = Table(title=f"needle gate: window {plan.get('window_cells', '?')} + tail {plan.get('tail_cells', '?')} cells, "
                     f"{r['format']} prompt", title_justify="left")
@@ -396,5 +398,5 @@ def print_report(console, r: dict) -> None:
             cand = f"differs at token {p['first_difference']}: " + p["candidate"]["text"].strip().replace("\n", "⏎")[:30]
         mark = {"pass": "[green]✓[/]", "fail": "[bold red]✗[/]", "inconclusive": "[yellow]?[/]"}[p["verdict"]]
         t.add_row(f"{p['depth']:g}", str(p["n_tokens"]), f"{p['needle_start']}–{p['needle_end'] - 1}", p["number"],
-                  ("" if p["reference_retrieved"] else "[yellow](not retrieved)[/] ") + ref_text, cand, mark)
+                  ("" if p["reference_retrieved"] else "[yellow](not retrieved)[/] ") + esc(ref_text), esc(cand), mark)  # model text
     console.print(t)

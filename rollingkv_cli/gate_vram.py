@@ -238,11 +238,10 @@ class VramConfig:
 
 def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
     """Start llama-server with the target, sample NVML, prefill + decode; the report."""
-    import os
-
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rollingkv_cli import gate_common as gc
+    from rollingkv_cli import paths
     from rollingkv_cli.gate_runner import synthetic_text
     from rollingkv_cli.server import ServerProcess
 
@@ -250,9 +249,10 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
     binary = cfg.build.require_server()
     prompt_tokens = cfg.prompt_tokens or cfg.n_ctx // 2
     args = gc.server_args(cfg.model, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.ctk, cfg.ctv, cfg.residency())
-    bw = os.environ.get("ROLLINGKV_PCIE_BW_GBPS")
-    if bw:
-        args += ["--pcie-bw-gbps", bw]
+    bw = paths.pcie_bw_env()
+    if bw is not None:
+        args += ["--pcie-bw-gbps", f"{bw:g}"]
+    start_timeout = paths.serve_start_timeout()
     log_path = logs / "vram-server.log"
     try:
         baseline = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
@@ -277,7 +277,7 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
         try:
             t0 = time.perf_counter()
             try:
-                srv.wait_healthy(timeout=float(os.environ.get("ROLLINGKV_SERVE_START_TIMEOUT", "600")))
+                srv.wait_healthy(timeout=start_timeout)
             except BaseException:
                 gc.print_log_tail(log_path)
                 raise
@@ -336,10 +336,11 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
 def print_report(console, r: dict) -> None:
     from rich.table import Table
 
+    from rollingkv_cli.console import esc
     from rollingkv_cli.serving import describe_plan
 
     m = r["memory"]
-    t = Table(title=f"VRAM gate: GPU {r['gpu']['index']} ({r['gpu']['name']})", title_justify="left", show_header=False)
+    t = Table(title=f"VRAM gate: GPU {r['gpu']['index']} ({esc(str(r['gpu']['name']))})", title_justify="left", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("target", f"{r['vram_target_mib']} MiB + {r['allowance_mib']} MiB allowance = {r['limit_mib']} MiB")
@@ -351,5 +352,5 @@ def print_report(console, r: dict) -> None:
     st = r.get("server_timings") or {}
     if st:
         t.add_row("speed", f"prefill {st.get('prompt_per_second', 0):.0f} tok/s, decode {st.get('predicted_per_second', 0):.1f} tok/s")
-    t.add_row("plan", describe_plan(r.get("plan")))
+    t.add_row("plan", esc(describe_plan(r.get("plan"))))
     console.print(t)

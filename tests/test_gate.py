@@ -52,17 +52,18 @@ def _one_error(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--ctx", "1024", "--kv-window-cells", "1024"], "must be smaller than --ctx 1024"),
-    (["--ctx", "512", "--synthetic-tokens", "600"], "do not fit --ctx 512"),
-    (["--reference", "lib:/nonexistent/dir"], "does not exist"),
-    (["--reference", "lib:{tmp}"], "no libllama.so"),
-    (["--thresholds", "{tmp}/missing.yaml"], "cannot read"),
+@pytest.mark.parametrize("args,match,exit_code", [
+    # flags that contradict each other are usage errors (2), as click's own checks of one flag
+    (["--ctx", "1024", "--kv-window-cells", "1024"], "must be smaller than --ctx 1024", 2),
+    (["--ctx", "512", "--synthetic-tokens", "600"], "do not fit --ctx 512", 2),
+    (["--reference", "lib:/nonexistent/dir"], "does not exist", 1),
+    (["--reference", "lib:{tmp}"], "no libllama.so", 1),
+    (["--thresholds", "{tmp}/missing.yaml"], "cannot read", 1),
 ])
-def test_bad_input_one_line(capsys, isolated_cache, fake_gguf, tmp_path, args, match):
+def test_bad_input_one_line(capsys, isolated_cache, fake_gguf, tmp_path, args, match, exit_code):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), *args], capsys)
-    assert code == 1 and match in _one_error(err)
+    assert code == exit_code and match in _one_error(err)
 
 
 def test_missing_model(capsys, isolated_cache):

@@ -203,7 +203,7 @@ def test_thresholds_file_per_profile_json(tmp_path):
     ("min_top1_agreement: 1.5\n", "fraction"),
     ("- 1\n- 2\n", "mapping"),
     ("same_type: {max_mean_tv: 1}\nmax_real_frac: 0\n", "mixes"),
-    ("max_mean_tv: [1\n", "does not parse"),
+    ("max_mean_tv: [1\n", "not valid YAML"),
 ])
 def test_thresholds_file_errors(tmp_path, text, match):
     f = tmp_path / "t.yaml"

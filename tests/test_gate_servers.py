@@ -240,7 +240,7 @@ def test_needle_in_the_window_is_refused(capsys, fake_server_build, fake_gguf):
 
 def test_needle_window_as_large_as_the_context(capsys, fake_server_build, fake_gguf):
     code, _, err = run_main([*NEEDLE, "--model", str(fake_gguf), "--kv-window-cells", "1000", "--ctx", "1000"], capsys)
-    assert code == 1 and "must be smaller than the context (1000)" in err
+    assert code == 2 and "must be smaller than the context (1000)" in err  # flags that contradict: a usage error
 
 
 def test_needle_unsplit_candidate_is_refused(capsys, fake_server_build, fake_gguf, monkeypatch):
@@ -440,7 +440,7 @@ def test_vram_refuses_a_cpu_build(capsys, fake_server_build, fake_gguf, monkeypa
 @pytest.mark.parametrize("args,match,code", [
     (["--gpu", "3"], "no such GPU", 1),
     (["--vram-target", "999999"], "more than GPU 0 has", 1),
-    (["--prompt-tokens", "4000", "--ctx", "4096"], "exceed --ctx 4096", 1),
+    (["--prompt-tokens", "4000", "--ctx", "4096"], "exceed --ctx 4096", 2),  # flags that contradict: a usage error
     (["--allowance", "-1"], "at least 0", 2),
 ])
 def test_vram_bad_input(capsys, fake_server_build, fake_gguf, monkeypatch, args, match, code):

@@ -157,7 +157,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
     from rollingkv_cli import __version__, gate_common, gate_equiv, gate_math, models, paths
-    from rollingkv_cli.console import abort, console, warn
+    from rollingkv_cli.console import abort, console, esc, note, usage_error, warn
 
     t_start = time.time()
     # ---------------------------------------------------------------- input checks, cheapest first
@@ -170,24 +170,29 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     if prompt_file is None and synthetic_tokens is None:
         synthetic_tokens = 2048
     if n_ctx is not None and kv_window_cells is not None and kv_window_cells >= n_ctx:
-        abort(f"--kv-window-cells {kv_window_cells} must be smaller than --ctx {n_ctx}",
+        usage_error(f"--kv-window-cells {kv_window_cells} must be smaller than --ctx {n_ctx}",
               "the window holds cells [0, window); a window as large as the context leaves no tail to check")
     if n_ctx is not None and synthetic_tokens is not None and synthetic_tokens > n_ctx:
-        abort(f"{synthetic_tokens} tokens do not fit --ctx {n_ctx}", "raise --ctx or lower --synthetic-tokens")
+        usage_error(f"{synthetic_tokens} tokens do not fit --ctx {n_ctx}", "raise --ctx or lower --synthetic-tokens")
     if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt):
         warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target and the tail types")
     profile = gate_math.profile_for((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
     try:
         thresholds = gate_math.load_thresholds(thresholds_file, profile)
     except gate_math.ThresholdsError as e:
-        abort(str(e), "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
+        abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
     if tail_baseline and profile != "quantized":
         warn("--tail-baseline applies to a quantized tail only: the tail holds the window's type, the same-type bounds apply")
         tail_baseline = False
     ref_kind, ref_lib = _parse_reference(reference)
     threads = threads or os.cpu_count() or 1
+    if prompt_file is not None:
+        from rollingkv_cli.userinput import read_text
 
-    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+        read_text(prompt_file, "prompt file")  # readable UTF-8 text, said here rather than by the runner
+    pcie_bw = paths.pcie_bw_env() if mode != "off" else None
+
+    model_path = models.resolve_model(model_spec, log=note)
     build = gate_common.resolve_build(build_dir, lib_dir)
     cand_lib = build.lib_dir
     if order_floor is None:
@@ -199,12 +204,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     if mode != "off":
         residency = {"mode": mode, "window_cells": kv_window_cells or 0, "vram_target_mib": vram_target or 0,
                      "type_k_tail": ctkt, "type_v_tail": ctvt}
-        pcie = os.environ.get(paths.ENV_PCIE_BW)
-        if pcie:
-            try:
-                residency["pcie_bw_gbps"] = float(pcie)
-            except ValueError:
-                abort(f"{paths.ENV_PCIE_BW}={pcie!r} is not a number")
+        if pcie_bw is not None:
+            residency["pcie_bw_gbps"] = pcie_bw
     cand_residency = residency or {"mode": "off"}
     ref_residency = {"mode": "off"} if ref_kind == "resident" else None
 
@@ -245,9 +246,9 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
             abort(f"the reference logits need {need / 2**20:.0f} MiB in {tmp_root}, {free / 2**20:.0f} MiB are free",
                   "point --work-dir at a larger disk, or decode fewer tokens")
 
-        ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({gate_equiv.short_path(ref_lib)})"
+        ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({esc(gate_equiv.short_path(ref_lib))})"
         cand_label = f"candidate ({mode})"
-        console.print(f"[dim]{model_path.name}: {n_tokens} tokens{f' as {n_seq} sequences side by side' if n_seq > 1 else ''}, "
+        console.print(f"[dim]{esc(model_path.name)}: {n_tokens} tokens{f' as {n_seq} sequences side by side' if n_seq > 1 else ''}, "
                       f"ctx {n_ctx}, batch {n_batch}, {threads} threads, "
                       f"K/V {ctk}/{ctv}{gate_equiv.tail_desc(mode, ctkt, ctvt)}"
                       f"{'' if n_gpu_layers is None else f', -ngl {n_gpu_layers}'}[/]")
@@ -339,11 +340,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     }
     if json_out is not None:
         gate_common.write_json(json_out, report)
-        console.print(f"[dim]report: {json_out}[/]")
+        note(f"report: {json_out}")
     if v.passed:
         console.print("[bold green]PASS[/] the candidate reproduces the reference within every bound")
         return
-    console.print("[bold red]FAIL[/] " + "; ".join(c.describe() for c in v.failed), soft_wrap=True)
+    console.print("[bold red]FAIL[/] " + esc("; ".join(c.describe() for c in v.failed)), soft_wrap=True)
     # SystemExit, not click's Exit: with standalone_mode=False click turns Exit into a return value
     sys.exit(EXIT_FAIL)
 
@@ -411,7 +412,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
          (try another --seed, a shorter --filler-tokens, or --format chat)
     """
     from rollingkv_cli import gate_common, gate_needle, models
-    from rollingkv_cli.console import console
+    from rollingkv_cli.console import console, note
 
     if kv_window_cells is not None and vram_target is not None:
         raise click.UsageError("give --kv-window-cells or --vram-target, not both")
@@ -420,7 +421,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
     if kv_window_cells is None and vram_target is None:
         kv_window_cells = 256
     depths = depths or (0.5, 0.85)
-    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    model_path = models.resolve_model(model_spec, log=note)
     build = gate_common.resolve_build(build_dir, lib_dir)
     cfg = gate_needle.NeedleConfig(model=model_path, build=build, filler_tokens=filler_tokens, depths=tuple(depths), seed=seed,
                                    fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, vram_target=vram_target, ctk=ctk, ctv=ctv,
@@ -431,7 +432,7 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
     gate_needle.print_report(console, r)
     if json_out is not None:
         gate_common.write_json(json_out, r)
-        console.print(f"[dim]report: {json_out}[/]")
+        note(f"report: {json_out}")
     if r["verdict"] == "pass":
         console.print("[bold green]PASS[/] the split cache answers exactly as the resident one, and the number was retrieved")
         return
@@ -482,13 +483,13 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
          with --json the report is {"gate": "vram", "verdict": "no-gpu", "error": "no NVIDIA GPU found", ...}
     """
     from rollingkv_cli import gate_common, gate_vram, models
-    from rollingkv_cli.console import RollingKVError, abort, console
+    from rollingkv_cli.console import RollingKVError, abort, console, esc, note, usage_error
     from rollingkv_cli.pcie import NO_GPU_MESSAGE
 
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
     if prompt_tokens is not None and prompt_tokens + n_predict > n_ctx:
-        abort(f"--prompt-tokens {prompt_tokens} + --n-predict {n_predict} exceed --ctx {n_ctx}", "raise --ctx or shorten the run")
+        usage_error(f"--prompt-tokens {prompt_tokens} + --n-predict {n_predict} exceed --ctx {n_ctx}", "raise --ctx or shorten the run")
     # the GPU first: without one nothing else matters (and the answer is the same as probe pcie's)
     try:
         nvml = gate_vram.nvml_module()
@@ -502,7 +503,7 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
         abort(f"--gpu {gpu_index}: no such GPU", "see `rollingkv probe pcie` for the GPUs NVML lists")
     if vram_target * 2**20 > total:
         abort(f"--vram-target {vram_target} MiB is more than GPU {gpu_index} has ({total / 2**20:.0f} MiB)")
-    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    model_path = models.resolve_model(model_spec, log=note)
     build = gate_common.resolve_build(build_dir, lib_dir)
     if not build.cuda:
         abort(f"the build {build.dir or build.lib_dir} is CPU-only: nothing would use the GPU", "build with `rollingkv build --cuda`, or give --build/--lib-dir of a CUDA build")
@@ -513,11 +514,11 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
     gate_vram.print_report(console, r)
     if json_out is not None:
         gate_common.write_json(json_out, r)
-        console.print(f"[dim]report: {json_out}[/]")
+        note(f"report: {json_out}")
     if r["passed"]:
-        console.print(f"[bold green]PASS[/] {r['why']}")
+        console.print(f"[bold green]PASS[/] {esc(r['why'])}")
         return
-    console.print(f"[bold red]FAIL[/] {r['why']}", soft_wrap=True)
+    console.print(f"[bold red]FAIL[/] {esc(r['why'])}", soft_wrap=True)
     sys.exit(EXIT_FAIL)
 
 
@@ -563,7 +564,7 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     4 every cell passes but the needle is inconclusive (the model misses it even resident).
     """
     from rollingkv_cli import gate_common, gate_matrix, models
-    from rollingkv_cli.console import abort, console
+    from rollingkv_cli.console import abort, console, note, usage_error
 
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
@@ -572,8 +573,8 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     if name is not None and (not name or "/" in name or name.startswith(".")):
         raise click.BadParameter("a plain file name (no '/')", param_hint="'--name'")
     if n_tokens < 16:
-        abort(f"--tokens {n_tokens} is too short for windows at {', '.join(f'{s:g}' for s in splits)} of it", "use at least 16")
-    model_path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+        usage_error(f"--tokens {n_tokens} is too short for windows at {', '.join(f'{s:g}' for s in splits)} of it", "use at least 16")
+    model_path = models.resolve_model(model_spec, log=note)
     build = gate_common.resolve_build(build_dir, lib_dir)
     if needle:
         build.require_server()
@@ -597,7 +598,7 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     name = name or gate_matrix.default_name(r["backend"])
     jp, mp = gate_matrix.write_outputs(r, out_dir, name)
     _print_matrix(console, r)
-    console.print(f"[dim]report: {jp}\ntable:  {mp}[/]")
+    note(f"report: {jp}\ntable:  {mp}")
     if r["verdict"] == "pass":
         console.print("[bold green]PASS[/] every cell holds its bounds" + (" and the needle is retrieved exactly" if needle else ""))
         return
