@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import bench_math as bm
-from rollingkv_cli.console import abort, console
+from rollingkv_cli.console import abort, console, esc
 
 SCHEMA = "rollingkv.bench.tail/1"
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -37,14 +37,12 @@ STDERR_TAIL = 25
 
 def default_ring_bytes() -> int:
     """The CUDA op's slot ring: GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB when set, else 3 x 32 MiB."""
-    def env_int(name: str, default: int) -> int:
-        try:
-            v = int(os.environ.get(name, ""))
-            return v if v > 0 else default
-        except ValueError:
-            return default
+    from rollingkv_cli.userinput import env_int
 
-    return env_int("GGML_RKV_SLOTS", DEFAULT_RING_SLOTS) * env_int("GGML_RKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB) << 20
+    # the CUDA op reads the same variables: a value it would not take is refused here, not guessed around
+    slots = env_int("GGML_RKV_SLOTS", DEFAULT_RING_SLOTS, minimum=1, example="a number of slots such as 3")
+    slot_mib = env_int("GGML_RKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB, minimum=1, example="a size in MiB such as 32")
+    return slots * slot_mib << 20
 
 
 @dataclass
@@ -205,26 +203,25 @@ class CellRunner:
     """Runs one llama-bench process; stderr lines feed a callback (progress).
 
     llama-bench starts no children, so the process stays in our process group: a Ctrl-C or a group kill
-    from an outer `timeout` reaches it too, and our own timeout stops just it (terminate, then kill)."""
+    from an outer `timeout` reaches it too, and our own timeout stops just it (terminate, then kill). It is
+    tied to us as well (procs.popen_tied): a SIGKILL of ours or a closed terminal takes it down."""
 
     def __init__(self, on_line=None):
         self.on_line = on_line
 
     @staticmethod
     def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=grace)
+        from rollingkv_cli.procs import stop_group
+
+        stop_group(proc, grace)  # in our group: just it; a second Ctrl-C while it stops kills it at once
 
     def run(self, args: list[str], timeout: float | None) -> tuple[int | None, str, list[str], float, bool]:
         """(returncode, stdout, stderr tail, wall seconds, timed out)."""
         t0 = time.monotonic()
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                stdin=subprocess.DEVNULL)
+        from rollingkv_cli.procs import popen_tied
+
+        proc = popen_tied(args, new_session=False, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                          stdin=subprocess.DEVNULL)
         tail: deque[str] = deque(maxlen=STDERR_TAIL)
         out_chunks: list[str] = []
 
@@ -339,7 +336,7 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
     if gpu is None:
         abort(f"--gpu {gpu_index}: no such GPU", f"NVML sees GPUs {', '.join(str(g.index) for g in gpus)}")
     try:
-        with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({gpu.name})"):
+        with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({esc(gpu.name)})"):
             entry = pcie.measure(gpu)
     except (pcie.CudaUnavailable, pcie.MeasureError) as e:
         res = pcie.resolve_bandwidth(gpu_index, gpus=gpus)
@@ -358,10 +355,13 @@ def _now() -> str:
 
 
 def write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        abort(f"cannot write the report {path}: {e.strerror or e}", "give another --json")
 
 
 def refresh(doc: dict) -> None:
@@ -380,9 +380,10 @@ def _num(v: float | None, fmt: str = ".3g") -> str:
 
 
 def cell_line(c: dict) -> str:
+    """One cell as console markup (its label and error are escaped: stderr lines hold brackets)."""
     if c["status"] != "ok":
-        return f"{c['label']} at d={c['depth']}: [red]{c['status']}[/]" + (f" ({c.get('error')})" if c.get("error") else "")
-    s = f"{c['label']} at d={c['depth']}: [bold]{c['tokens_per_s']:.4g} tok/s[/] (±{c.get('stddev_ts', 0):.2g}), {c['ms_per_token']:.3g} ms/token"
+        return f"{esc(str(c['label']))} at d={c['depth']}: [red]{esc(str(c['status']))}[/]" + (f" ({esc(str(c.get('error')))})" if c.get("error") else "")
+    s = f"{esc(str(c['label']))} at d={c['depth']}: [bold]{c['tokens_per_s']:.4g} tok/s[/] (±{c.get('stddev_ts', 0):.2g}), {c['ms_per_token']:.3g} ms/token"
     if c.get("tail_bytes_per_token"):
         s += f", tail {_mb(c['tail_bytes_per_token'])} MB/token"
     if c.get("ratio_floor") is not None:
@@ -408,7 +409,7 @@ def print_report(doc: dict) -> None:
     for depth in doc["config"]["depths"]:
         cells = [c for c in doc["cells"] if c["depth"] == depth]
         dp = doc["depths"].get(str(depth), {})
-        tb = Table(title=f"decode at depth {depth} (kv_size {dp.get('kv_size')}, n_gen {doc['config']['n_gen']}), {doc['build']['backend']}",
+        tb = Table(title=esc(f"decode at depth {depth} (kv_size {dp.get('kv_size')}, n_gen {doc['config']['n_gen']}), {doc['build']['backend']}"),
                    title_justify="left")
         for col, just in (("cell", "left"), ("window", "right"), ("tail", "right"), ("tail MB/tok", "right"), ("tok/s", "right"),
                           ("ms/tok", "right"), ("floor ms", "right"), ("x floor", "right"), ("stretch ms", "right"),
@@ -417,7 +418,7 @@ def print_report(doc: dict) -> None:
         for c in cells:
             ok = c["status"] == "ok"
             tb.add_row(
-                c["label"],
+                esc(str(c["label"])),
                 "-" if c.get("window_cells") is None else str(c["window_cells"]),
                 _pct(c["tail_fraction"]) if c["kind"] == "window" else "-",
                 _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto") else "-",
@@ -426,22 +427,22 @@ def print_report(doc: dict) -> None:
                 _num(c.get("floor_ms")), _num(c.get("ratio_floor"), ".2f"),
                 _num(c.get("stretch_floor_ms")), _num(c.get("ratio_stretch"), ".2f"),
                 _num(c.get("wall_s"), ".1f"),
-                {"ok": "[green]ok[/]", "pending": "[dim]pending[/]"}.get(c["status"], f"[red]{c['status']}[/]"),
+                {"ok": "[green]ok[/]", "pending": "[dim]pending[/]"}.get(c["status"], f"[red]{esc(str(c['status']))}[/]"),
             )
         out.print(tb)
     bw = doc["bandwidth"]
     out.print(f"bandwidth: {bw['gbps']:.4g} GB/s ({bw['source']}; {bw['note']})" if bw.get("gbps") is not None
-                  else f"bandwidth: null ({bw['note']})", soft_wrap=True)
+              else f"bandwidth: null ({bw['note']})", soft_wrap=True, markup=False)
     tt = Table(title="issue 4 targets (computed from the cells above)", title_justify="left")
     for col in ("target", "depth", "value", "need", "status", "detail"):
         tt.add_column(col)
     for t in doc["targets"]:
         style = {"met": "green", "not met": "red", "n/a": "dim", "info": "yellow"}[t["status"]]
         detail = "; ".join(x for x in (t.get("detail"), t.get("note")) if x)
-        tt.add_row(t["target"], str(t["depth"]), _num(t["value"], ".3g"), f"{t['op']} {t['threshold']:g}", f"[{style}]{t['status']}[/]", detail)
+        tt.add_row(esc(str(t["target"])), str(t["depth"]), _num(t["value"], ".3g"), esc(f"{t['op']} {t['threshold']:g}"), f"[{style}]{t['status']}[/]", esc(detail))
     out.print(tt)
     for n in doc.get("notes", []):
-        out.print(f"[dim]note:[/] {n}", soft_wrap=True)
+        out.print(f"[dim]note:[/] {esc(str(n))}", soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -462,13 +463,16 @@ def _compatible(old: dict, doc: dict) -> list[str]:
 
 def resume_cells(out: Path, doc: dict) -> int:
     """Take over the measured cells of an earlier run of the same configuration (same command line per cell)."""
-    try:
-        old = json.loads(out.read_text())
-    except FileNotFoundError:
+    from rollingkv_cli.console import RollingKVError
+    from rollingkv_cli.userinput import read_json
+
+    if not out.exists():
         return 0
-    except (OSError, json.JSONDecodeError) as e:
-        abort(f"--resume: cannot read {out}: {e}", "give another --json, or drop --resume to start over")
-    if old.get("schema") != SCHEMA:
+    try:
+        old = read_json(out, "--resume report")
+    except RollingKVError as e:
+        abort(e.message, "give another --json, or drop --resume to start over")
+    if not isinstance(old, dict) or old.get("schema") != SCHEMA:
         abort(f"--resume: {out} is not a `bench tail` report (schema {old.get('schema')!r})")
     diffs = _compatible(old, doc)
     if diffs:
@@ -480,6 +484,59 @@ def resume_cells(out: Path, doc: dict) -> int:
             doc["cells"][i] = dict(done[c["command"]], resumed=True)
             n += 1
     return n
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_CELL_OPTIONAL_NUMBERS = ("window_cells", "tail_fraction", "tail_bytes_per_token", "host_kv_bytes_per_token", "wall_s", "stddev_ts",
+                          "ms_per_token", "n_gpu_layers")
+
+
+def report_problem(doc) -> str | None:
+    """The first part of a `bench tail` report that `bench show`/`bench plot` could not use, or None.
+
+    A report is ours (its schema) but may be cut off, hand-edited or from a broken run: say what is wrong
+    instead of failing somewhere in the tables."""
+    if not isinstance(doc, dict):
+        return f"the top level is a {type(doc).__name__}, not an object"
+    for key, typ in (("config", dict), ("bandwidth", dict), ("cells", list), ("depths", dict), ("build", dict), ("model", dict)):
+        if not isinstance(doc.get(key), typ):
+            return f"'{key}' is missing or not {'an object' if typ is dict else 'a list'}"
+    cfg = doc["config"]
+    if not isinstance(cfg.get("depths"), list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in cfg["depths"]):
+        return "'config.depths' is not a list of integers"
+    if not isinstance(cfg.get("n_gen"), int) or not isinstance(cfg.get("window_type"), str):
+        return "'config.n_gen' or 'config.window_type' is missing"
+    if not isinstance(cfg.get("tail_types"), list) or not all(isinstance(t, str) for t in cfg["tail_types"]):
+        return "'config.tail_types' is not a list of type names"
+    gbps = doc["bandwidth"].get("gbps")
+    if gbps is not None and not (_is_num(gbps) and gbps > 0):
+        return f"'bandwidth.gbps' is {gbps!r}, not a positive number or null"
+    if not isinstance(doc.get("notes", []), list):
+        return "'notes' is not a list"
+    if not isinstance(doc["model"].get("path", ""), str):
+        return "'model.path' is not a string"
+    for i, c in enumerate(doc["cells"]):
+        where = f"cells[{i}]"
+        if not isinstance(c, dict):
+            return f"{where} is not an object"
+        for key, typ in (("label", str), ("status", str), ("kind", str)):
+            if not isinstance(c.get(key), typ):
+                return f"{where}.{key} is missing or not a string"
+        if not isinstance(c.get("depth"), int) or isinstance(c.get("depth"), bool):
+            return f"{where}.depth is missing or not an integer"
+        for key in _CELL_OPTIONAL_NUMBERS:
+            if c.get(key) is not None and not _is_num(c[key]):
+                return f"{where}.{key} is {c[key]!r}, not a number"
+        if c["kind"] == "window" and not _is_num(c.get("tail_fraction")):
+            return f"{where} is a window cell without a numeric tail_fraction"
+        if c["status"] == "ok" and not (_is_num(c.get("tokens_per_s")) and c["tokens_per_s"] > 0 and _is_num(c.get("ms_per_token"))):
+            return f"{where} is 'ok' without positive tokens_per_s and ms_per_token"
+        if not isinstance(c.get("fractions", []), list) or not all(_is_num(f) for f in c.get("fractions", [])):
+            return f"{where}.fractions is not a list of numbers"
+    return None
 
 
 def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_desc: str) -> dict:
@@ -511,7 +568,7 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     if resume:
         n = resume_cells(cfg.out, doc)
         if n:
-            console.print(f"[dim]--resume: {n} measured cells taken over from {cfg.out}[/]")
+            console.print(f"--resume: {n} measured cells taken over from {cfg.out}", style="dim", markup=False)
     doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps)
     if doc["bandwidth"]["gbps"] is None:
         doc["notes"].append(doc["bandwidth"]["note"])
@@ -531,7 +588,8 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """SIGTERM (an outer timeout) ends the run like Ctrl-C: the running cell is stopped and marked, the report written."""
+    """SIGTERM (an outer timeout) or SIGHUP (the terminal closed) ends the run like Ctrl-C: the running cell is
+    stopped and marked, the report written."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -539,22 +597,23 @@ def _sigterm_as_interrupt():
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console.print(f"[dim]{len(todo)} cells to run ({len(doc['cells']) - len(todo)} already measured); report: {cfg.out}[/]")
+    console.print(f"{len(todo)} cells to run ({len(doc['cells']) - len(todo)} already measured); report: {cfg.out}", style="dim", markup=False)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("cells", total=len(todo))
         for i, c in enumerate(todo, 1):
-            desc = f"[{i}/{len(todo)}] {c['label']} at d={c['depth']}"
+            desc = esc(f"[{i}/{len(todo)}] {c['label']} at d={c['depth']}")  # markup-safe: a progress description
             timeout, limit = cfg.cell_timeout, "--cell-timeout"
             if cfg.time_budget:
                 left = cfg.time_budget - (time.monotonic() - t0)
@@ -568,7 +627,7 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
 
             def on_line(line: str, desc=desc) -> None:
                 if line.startswith("llama-bench: benchmark"):
-                    progress.update(task, description=f"{desc}: {line.split(':', 2)[-1].strip()}")
+                    progress.update(task, description=f"{desc}: {esc(line.split(':', 2)[-1].strip())}")
 
             if not console.is_terminal:  # a log: say what runs, so a cut-off run shows where it stopped
                 console.print(f"{desc}: running", soft_wrap=True)
@@ -589,7 +648,10 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                 c["status"], c["error"] = "timeout", f"stopped after {wall:.0f} s ({limit})"
                 c["stderr_tail"] = err_tail
             elif rc != 0:
-                c["status"], c["error"] = "failed", f"llama-bench exit {rc}: {err_tail[-1] if err_tail else ''}"
+                from rollingkv_cli.procs import describe_exit
+
+                how = "could not start" if rc is None else describe_exit(rc)
+                c["status"], c["error"] = "failed", f"llama-bench {how}: {err_tail[-1] if err_tail else ''} (stderr_tail in {cfg.out})"
                 c["stderr_tail"] = err_tail
             else:
                 try:
@@ -600,5 +662,5 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                     c["stderr_tail"] = err_tail
             refresh(doc)
             write_json(cfg.out, doc)
-            progress.console.print(f"[{i}/{len(todo)}] " + cell_line(c), soft_wrap=True)
+            progress.console.print(esc(f"[{i}/{len(todo)}] ") + cell_line(c), soft_wrap=True)
             progress.advance(task)

@@ -303,14 +303,14 @@ def load_profile() -> dict:
     """{cache key: entry}. A missing file is empty; a corrupt one is renamed aside with a warning, never lost."""
     p = profile_path()
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as e:
-        warn(f"cannot read {p} ({e}); ignoring the cached measurements")
+        warn(f"cannot read {p} ({e.strerror or e}); ignoring the cached measurements")
         return {}
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         _move_aside(p, f"not JSON: {e}")
         return {}
@@ -613,9 +613,9 @@ def resolve_bandwidth(gpu_index: int = 0, explicit=None, gpus: list[GpuInfo] | N
     """
     if explicit is not None:
         return Resolution(parse_explicit(explicit, explicit_name), "explicit", f"given with {explicit_name}")
-    env = os.environ.get(paths.ENV_PCIE_BW)
-    if env is not None and env.strip() != "":
-        return Resolution(parse_explicit(env, paths.ENV_PCIE_BW), "explicit", f"from ${paths.ENV_PCIE_BW}")
+    env = paths.pcie_bw_env()
+    if env is not None:
+        return Resolution(env, "explicit", f"from ${paths.ENV_PCIE_BW}")
     why = ""
     if gpus is None:
         try:

@@ -327,7 +327,7 @@ def test_failed_cell_and_floors_with_a_fake_bench(capsys, fake_build, tiny_model
     doc = json.loads(out.read_text())
     by = {c["kind"] + "/" + str(c.get("tail_type")) + "/" + str(c.get("window_cells")): c for c in doc["cells"]}
     nkvo = by["vanilla_nkvo/None/None"]
-    assert nkvo["status"] == "failed" and "exit 3" in nkvo["error"] and "out of memory" in nkvo["stderr_tail"][-1]
+    assert nkvo["status"] == "failed" and "exit status 3" in nkvo["error"] and "out of memory" in nkvo["stderr_tail"][-1]
     assert all(c["status"] == "ok" for c in doc["cells"] if c is not nkvo) and not doc["complete"]
     row = 2 * 64 * 2 * 2  # 2 layers x (K + V) x 64 elements (1 KV head of 64) x f16
     for key, window, tail_row in (("window/f16/512", 512, row), ("window/f16/256", 256, row), ("window/q8_0/512", 512, 2 * 2 * 2 * 34)):

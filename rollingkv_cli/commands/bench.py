@@ -140,7 +140,7 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
     """
     from rollingkv_cli import bench_gguf, bench_math, bench_plot, bench_tail, builder, models
-    from rollingkv_cli.console import abort, console, warn
+    from rollingkv_cli.console import abort, console, esc, note, warn
 
     if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
         raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
@@ -152,7 +152,7 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
                                      f"nothing could go to the tail (use a depth of at least {bench_math.MIN_WINDOW})", param_hint="--depth")
     depths = list(dict.fromkeys(depths))
 
-    model = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    model = models.resolve_model(model_spec, log=note)
     build = builder.active_build()
     bench_bin = build.artifact("llama-bench")
     if not bench_bin.is_file():
@@ -178,10 +178,10 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     plans = {d: bench_tail.depth_plan(cfg, info, d) for d in depths}
     doc = bench_tail.new_document(cfg, build, info, plans, vanilla_desc)
 
-    console.print(f"model {model.name}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
-                  f"{info.weights.device_bytes_all / 2**30:.2f} GiB of weights on the device at -ngl 99; build {build.dir.name} ({backend})",
+    console.print(f"model {esc(model.name)}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
+                  f"{info.weights.device_bytes_all / 2**30:.2f} GiB of weights on the device at -ngl 99; build {esc(build.dir.name)} ({backend})",
                   soft_wrap=True)
-    console.print(f"vanilla: {vanilla_desc}", soft_wrap=True)
+    console.print(f"vanilla: {vanilla_desc}", soft_wrap=True, markup=False)
     for d, p in plans.items():
         b, g = p["budget"], p["ngl"]
         console.print(f"depth {d}: kv_size {p['kv_size']}; VRAM of the 50%-tail run (window {p['window_cells_50pct']}): "
@@ -198,8 +198,8 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
         for col in ("#", "cell", "depth", "window", "tail MB/tok", "command"):
             t.add_column(col, overflow="fold")
         for i, c in enumerate(doc["cells"], 1):
-            t.add_row(str(i), c["label"], str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
-                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] == "window" else "-", c["command"])
+            t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
+                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] == "window" else "-", esc(c["command"]))
         bench_tail.report_console().print(t)
         return
     if json_out and json_out.exists() and not resume:
@@ -214,32 +214,30 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
                 bench_plot.render(doc, png)
                 doc["png"] = str(png)
                 bench_tail.write_json(out, doc)
-                console.print(f"plot: {png}")
+                console.print(f"plot: {png}", markup=False)
             except Exception as e:  # a plot must never cost the measurements
                 warn(f"could not draw {png}: {e}")
         else:
-            console.print(f"[dim]matplotlib is not installed: no PNG; `rollingkv bench plot {out}` draws it where it is "
-                          "(pip install 'rollingkv\\[plot]')[/]", soft_wrap=True)
-    console.print(f"report: {out}")
+            note(f"matplotlib is not installed: no PNG; `rollingkv bench plot {out}` draws it where it is "
+                 "(pip install 'rollingkv[plot]')")
+    console.print(f"report: {out}", markup=False)
     bad = [c for c in doc["cells"] if c["status"] != "ok"]
     if bad:
         raise click.exceptions.Exit(1)
 
 
 def _load_report(path: Path) -> dict:
-    import json
-
     from rollingkv_cli import bench_tail
     from rollingkv_cli.console import abort
+    from rollingkv_cli.userinput import read_json
 
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as e:
-        abort(f"cannot read {path}: {e.strerror or e}")
-    except json.JSONDecodeError as e:
-        abort(f"{path} is not JSON: {e}")
+    doc = read_json(path, "report")
     if not isinstance(doc, dict) or doc.get("schema") != bench_tail.SCHEMA:
         abort(f"{path} is not a `rollingkv bench tail` report", f"expected schema {bench_tail.SCHEMA}")
+    problem = bench_tail.report_problem(doc)
+    if problem:
+        abort(f"{path} is a malformed `rollingkv bench tail` report: {problem}",
+              "make a new one with `rollingkv bench tail`")
     return doc
 
 
@@ -255,7 +253,10 @@ def plot(report: Path, output: Path | None) -> None:
     if not bench_plot.have_matplotlib():
         abort("matplotlib is not installed", "pip install 'rollingkv[plot]' (or pip install matplotlib)")
     out = output or report.with_suffix(".png")
-    bench_plot.render(doc, out)
+    try:
+        bench_plot.render(doc, out)
+    except OSError as e:
+        abort(f"cannot write the plot {out}: {e.strerror or e}", "give another path with -o")
     success(f"plot: {out}")
 
 

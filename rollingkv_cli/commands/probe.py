@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import click
 
@@ -48,13 +47,11 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
     """
     from rollingkv_cli import paths
     from rollingkv_cli import pcie as link
-    from rollingkv_cli.console import abort, console, err_console, warn
+    from rollingkv_cli.console import abort, console, err_console, esc, note, warn
 
     if refresh and no_measure:
         raise click.UsageError("--refresh and --no-measure contradict each other")
-    env = os.environ.get(paths.ENV_PCIE_BW)
-    if env is not None and env.strip():
-        link.parse_explicit(env, paths.ENV_PCIE_BW)  # refuse a bad value before spending time measuring
+    paths.pcie_bw_env()  # refuse a bad value before spending time measuring
     try:
         gpus = link.discover()
     except link.NoGpuError:
@@ -81,7 +78,7 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
                 if as_json:
                     m = link.measure(g)
                 else:
-                    with err_console.status(f"measuring GPU {g.index} ({g.name}): pinned copies of 1, 16, 256 MiB"):
+                    with err_console.status(f"measuring GPU {g.index} ({esc(g.name)}): pinned copies of 1, 16, 256 MiB"):
                         m = link.measure(g)
             except link.CudaUnavailable as e:
                 cuda_missing = True
@@ -151,7 +148,7 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
             linkcell += "\n[bold red]downtrained[/]" + ("[dim]?[/]" if _maybe_idle(g, loaded, width) else "")
         measured = f"H2D {_triple(entry.get('h2d'))}\nD2H {_triple(entry.get('d2h'))}" if entry else "-"
         t.add_row(
-            f"{g.index} {g.name}\n[dim]{g.pci_bus_id}[/]",
+            f"{g.index} {esc(g.name)}\n[dim]{esc(g.pci_bus_id)}[/]",
             linkcell,
             _fmt(link.theoretical_gbps(gen, width)),
             measured,
@@ -160,14 +157,14 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
     console.print(t)
     for g, entry, loaded, down, res, gen, width in rows:
         if entry:
-            console.print(f"[dim]GPU {g.index}: measured {entry.get('measured_at')} with {entry.get('cudart')} (CUDA {entry.get('cudart_version')})[/]", soft_wrap=True)
+            note(f"GPU {g.index}: measured {entry.get('measured_at')} with {entry.get('cudart')} (CUDA {entry.get('cudart_version')})")
         if down:
             why = ("read at idle, when GPUs may lower the generation to save power: measuring reads it under load"
                    if _maybe_idle(g, loaded, width) else "under load" if loaded else "fewer lanes than the slot has")
             warn(f"GPU {g.index}: link runs at Gen{gen} x{width} of Gen{g.max_gen} x{g.max_width} ({why}); "
                  "check the slot, riser and BIOS PCIe settings")
-        console.print(f"[dim]GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})[/]", soft_wrap=True)
-    console.print(f"[dim]cache: {link.profile_path()}[/]", soft_wrap=True)
+        note(f"GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})")
+    note(f"cache: {link.profile_path()}")
 
 
 def _maybe_idle(g, loaded: bool, width: int | None) -> bool:
