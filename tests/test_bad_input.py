@@ -1,0 +1,387 @@
+"""Bad input and hostile conditions end in one clear line, write nothing and leave nothing running.
+
+One row per class of failure (the robustness issue's list):
+  1  text with brackets is shown as is (rich markup never eats or chokes on it)
+  2  every user file / environment variable read gives a one-line error (OS, decode, parse)
+  3  config values are checked by the flags' validator; bad values exit 2 either way
+  4  a host name that does not resolve is said so
+  5  head residency mode is refused before anything starts
+  6  children die with the supervisor (SIGHUP, SIGKILL), a second Ctrl-C still kills
+  7  a child killed by a signal is reported by the signal's name, cause and log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from test_cli import run_main
+
+REPO = Path(__file__).resolve().parent.parent
+LATIN1 = "caf\u00e9 cr\u00e8me\n".encode("latin-1")  # not UTF-8
+
+
+def _standin(sig: str) -> str:
+    """A child that writes a line and kills itself with `sig` (no core file)."""
+    return ("import os, resource, signal, sys\n"
+            "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+            f"sys.stderr.write('stand-in: about to die by {sig}\\n'); sys.stderr.flush()\n"
+            f"os.kill(os.getpid(), signal.{sig})\n")
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if not p.is_dir()}
+
+
+def _children(pid: int | None = None) -> list[int]:
+    """Live (not zombie) processes whose parent is pid (default: this process), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (exited, not reaped by whoever adopted it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.1)
+    return _gone(pid)
+
+
+def _report(tmp: Path, **over) -> Path:
+    from rollingkv_cli.bench_tail import SCHEMA
+
+    doc = {"schema": SCHEMA, "config": {"depths": [1024], "n_gen": 4, "window_type": "f16", "tail_types": ["f16"]},
+           "bandwidth": {"gbps": None, "source": None, "note": "no link"}, "cells": [], "depths": {}, "build": {"backend": "CPU"},
+           "model": {"path": "m.gguf"}, "notes": [], "targets": []}
+    doc.update(over)
+    p = tmp / "report.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+@pytest.fixture
+def standin_build(monkeypatch, isolated_cache, tmp_path):
+    """The active build: an empty libllama.so and a llama-server that dies by SIGILL at once."""
+    from rollingkv_cli import builder
+
+    bdir = tmp_path / "build"
+    bin_dir = bdir / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "libllama.so").write_bytes(b"")
+    server = bin_dir / "llama-server"
+    server.write_text(f"#!{sys.executable}\n" + _standin("SIGILL"))
+    server.chmod(0o755)
+    monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y", "options": {}}))
+    return bdir
+
+
+def _free_port() -> int:
+    from rollingkv_cli.server import free_port
+
+    return free_port()
+
+
+@dataclass
+class Row:
+    """argv (with {tmp} and {gguf}) run through main(); env; files made first; what the one error line says."""
+
+    args: list[str]
+    code: int
+    expect: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, bytes | str] = field(default_factory=dict)
+    setup: Callable | None = None  # (tmp_path, monkeypatch) -> None
+    build: bool = False  # needs the stand-in build
+    writes: bool = False  # a run that starts a child writes its log (and names it)
+    hint: list[str] = field(default_factory=list)
+
+
+def _no_matplotlib(tmp, monkeypatch):
+    from rollingkv_cli import bench_plot
+
+    monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: False)
+
+
+def _runner_dies(tmp, monkeypatch):
+    from rollingkv_cli import gate_equiv
+
+    monkeypatch.setattr(gate_equiv, "runner_cmd", lambda args: [sys.executable, "-c", _standin("SIGSEGV")])
+
+
+ROWS = {
+    # 1: markup
+    "1-brackets-in-a-path": Row(["bench", "show", "{tmp}/model[v2].json"], 1, ["{tmp}/model[v2].json"]),
+    "1-closing-tag-in-a-path": Row(["bench", "show", "{tmp}/a[/]b.json"], 1, ["{tmp}/a[/]b.json"]),
+    "1-plot-hint-keeps-[plot]": Row(["bench", "plot", "{tmp}/report.json"], 1, ["matplotlib is not installed"],
+                                    setup=lambda tmp, mp: (_report(tmp), _no_matplotlib(tmp, mp)), hint=["pip install 'rollingkv[plot]'"]),
+    # 2: reading user input
+    "2-config-not-utf8": Row(["serve", "--config", "{tmp}/serve.yaml", "--print-args"], 1, ["config file", "serve.yaml", "not UTF-8"],
+                             files={"serve.yaml": b"model: demo\n# " + LATIN1}),
+    "2-thresholds-not-utf8": Row(["gate", "equiv", "--model", "{gguf}", "--thresholds", "{tmp}/t.yaml"], 1, ["thresholds file", "not UTF-8"],
+                                 files={"t.yaml": b"max_mean_tv: 1e-5 # " + LATIN1}),
+    "2-prompt-file-not-utf8": Row(["gate", "equiv", "--model", "{gguf}", "--prompt-file", "{tmp}/p.txt"], 1, ["prompt file", "p.txt", "not UTF-8"],
+                                  files={"p.txt": LATIN1}),
+    "2-report-not-utf8": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json", "not UTF-8"], files={"r.json": b'{"note": "' + LATIN1 + b'"}'}),
+    "2-report-not-json": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json", "not valid JSON", "line 1"], files={"r.json": "{oops"}),
+    "2-malformed-report-show": Row(["bench", "show", "{tmp}/report.json"], 1, ["malformed", "cells[0].status"],
+                                   setup=lambda tmp, mp: _report(tmp, cells=[{"label": "x", "depth": 1024, "kind": "window"}])),
+    "2-malformed-report-plot": Row(["bench", "plot", "{tmp}/report.json"], 1, ["malformed", "config.depths"],
+                                   setup=lambda tmp, mp: _report(tmp, config={"depths": "1024"})),
+    "2-env-not-a-number": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_SERVE_START_TIMEOUT='soon'", "not a number"],
+                              env={"ROLLINGKV_SERVE_START_TIMEOUT": "soon"}, build=True),
+    "2-env-pcie-not-a-number": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["$ROLLINGKV_PCIE_BW_GBPS='fast'", "GB/s"],
+                                   env={"ROLLINGKV_PCIE_BW_GBPS": "fast"}),
+    "2-cache-dir-is-a-file": Row(["model", "demo"], 1, ["$ROLLINGKV_CACHE_DIR=", "is a file, not a directory"],
+                                 env={"ROLLINGKV_CACHE_DIR": "{tmp}/afile"}, files={"afile": "x"}),
+    "2-cache-dir-cannot-be-made": Row(["model", "demo"], 1, ["$ROLLINGKV_CACHE_DIR=/proc/rollingkv-cache", "cannot be created"],
+                                      env={"ROLLINGKV_CACHE_DIR": "/proc/rollingkv-cache"}),
+    # 3: config values checked as flags, exit 2 for both
+    "3-config-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["c.yaml", "port must be an integer from 0 to 65535, not 70000"],
+                         files={"c.yaml": "model: demo\nport: 70000\n"}),
+    "3-flag-port": Row(["serve", "demo", "--port", "70000", "--print-args"], 2, ["must be an integer from 0 to 65535, not 70000"]),
+    "3-config-parallel-1000-ctx-10": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["ctx_size must be an integer of at least 64"],
+                                         files={"c.yaml": "model: demo\nparallel: 1000\nctx_size: 10\n"}),
+    "3-config-fewer-cells-than-slots": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["ctx_size 100 has fewer cells than", "parallel 200"],
+                                           files={"c.yaml": "model: demo\nparallel: 200\nctx_size: 100\n"}),
+    "3-flag-pcie-negative": Row(["serve", "demo", "--pcie-bw-gbps", "-1", "--print-args"], 2, ["must be a positive number"]),
+    "3-config-pcie-negative": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["pcie_bw_gbps must be a positive number"],
+                                  files={"c.yaml": "model: demo\npcie_bw_gbps: -1\n"}),
+    # 4: host that does not resolve
+    "4-host-does-not-resolve": Row(["serve", "{gguf}", "--host", "no.such.host.invalid", "-q"], 1, ["cannot resolve host 'no.such.host.invalid'"],
+                                   build=True),
+    # 5: head mode
+    "5-head-flag": Row(["serve", "demo", "--kv-residency-mode", "head", "--print-args"], 2, ["head mode is not implemented yet; use window or auto"]),
+    "5-head-config": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["kv_residency_mode head mode is not implemented yet; use window or auto"],
+                         files={"c.yaml": "model: demo\nkv_residency_mode: head\n"}),
+    # 7: a child killed by a signal
+    "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
+                                 build=True, writes=True, hint=["--no-repack", "log: "]),
+    "7-gate-runner-sigsegv": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["run failed", "killed by SIGSEGV"],
+                                 setup=_runner_dies, build=True, writes=True, hint=["--no-repack", "full log: "]),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_bad_input(name, capsys, isolated_cache, tmp_path, monkeypatch, fake_gguf, request):
+    row = ROWS[name]
+    if row.build:
+        request.getfixturevalue("standin_build")
+    sub = lambda s: s.replace("{tmp}", str(tmp_path)).replace("{gguf}", str(fake_gguf)).replace("{port}", str(port))  # noqa: E731
+    port = _free_port()
+    for rel, content in row.files.items():
+        (tmp_path / rel).write_bytes(content if isinstance(content, bytes) else content.encode())
+    for k, v in row.env.items():
+        monkeypatch.setenv(k, sub(v))
+    if row.setup:
+        row.setup(tmp_path, monkeypatch)
+    before = _files(tmp_path)
+
+    code, out, err = run_main([sub(a) for a in row.args], capsys)
+
+    assert code == row.code, err
+    errors = [line for line in err.splitlines() if line.startswith(("error:", "Error:"))]
+    assert len(errors) == 1, err
+    for e in row.expect:
+        assert sub(e) in errors[0], err
+    hints = [line for line in err.splitlines() if line.startswith("hint:")]
+    for h in row.hint:
+        assert hints and h in hints[0], err
+    assert "Traceback" not in out + err
+    if not row.writes:
+        assert _files(tmp_path) == before, "nothing written"
+    assert _children() == [], "nothing left running"
+
+
+def test_internal_error_is_one_line_with_a_way_to_the_traceback(capsys, isolated_cache, monkeypatch):
+    """The last-resort net (no expected failure may rely on it)."""
+    from rollingkv_cli import serving
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(serving, "resolve_settings", boom)
+    code, _, err = run_main(["serve", "demo"], capsys)
+    assert code == 1 and err.splitlines()[0] == "internal error: ZeroDivisionError: a bug"
+    assert "ROLLINGKV_TRACEBACK=1" in err
+    monkeypatch.setenv("ROLLINGKV_TRACEBACK", "1")
+    with pytest.raises(ZeroDivisionError):
+        run_main(["serve", "demo"], capsys)
+
+
+# ---------------------------------------------------------------- 6: children die with us
+
+def _spawn_parent(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """A stand-in supervisor: starts `sleep` through popen_tied in its own session, prints its pid, waits."""
+    code = ("import sys, time\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            "from rollingkv_cli.procs import popen_tied\n"
+            "p = popen_tied(['sleep', '120'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(parent.stdout.readline())
+    return parent, child
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+def test_tied_child_dies_with_its_parent(tmp_path, sig):
+    parent, child = _spawn_parent(tmp_path)
+    try:
+        assert not _gone(child)
+        parent.send_signal(sig)
+        parent.wait(timeout=10)
+        assert _wait_gone(child, 5), f"the child outlived its parent's {sig.name}"
+    finally:
+        for pid in (child, parent.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        parent.wait()
+
+
+def test_second_interrupt_still_kills():
+    """Ctrl-C while stop_group waits on a child that ignores SIGTERM: it is killed and reaped, then the interrupt goes on."""
+    from rollingkv_cli.procs import popen_tied, stop_group
+
+    proc = popen_tied([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                       "print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stop_group(proc, grace=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == -signal.SIGKILL, "killed, not abandoned"
+
+
+def test_every_child_is_started_tied():
+    """One mechanism: no long-lived child is started with a bare subprocess.Popen outside procs.py."""
+    # builder._run_logged (the build's ninja) belongs to the build work; it is to switch to procs.popen_tied too
+    pending = {"builder.py"}
+    bare = sorted(p.name for p in (REPO / "rollingkv_cli").rglob("*.py")
+                  if "subprocess.Popen(" in p.read_text() and p.name not in {"procs.py"} | pending)
+    assert bare == []
+
+
+def _serve(cpu_build, port) -> subprocess.Popen:
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "-c", "1024", "--port", str(port), "-q", "--", "-t", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def _server_child(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
+    """The llama-server pid once `serve` says it serves."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("serve exited before serving:\n" + "".join(seen))
+        seen.append(line)
+        if "serving " in line:
+            kids = _children(proc.pid)
+            assert len(kids) == 1, kids
+            assert "llama-server" in Path(f"/proc/{kids[0]}/cmdline").read_bytes().decode(errors="replace")
+            return kids[0], "".join(seen)
+    raise AssertionError("serve did not report serving:\n" + "".join(seen))
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_serve_child_dies_with_the_supervisor(cpu_build, demo_model, sig):
+    proc = _serve(cpu_build, _free_port())
+    server = None
+    try:
+        server, _ = _server_child(proc)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert _wait_gone(server, 10), f"llama-server outlived `rollingkv serve`'s {sig.name}"
+        if sig == signal.SIGHUP:  # handled as SIGTERM: a clean stop
+            assert proc.returncode == 0 and "llama-server stopped" in out, out
+    finally:
+        for pid in (server, proc.pid):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait()
+
+
+# ---------------------------------------------------------------- 7: deaths by a signal, described
+
+@pytest.mark.parametrize("sig,words", [("SIGILL", ["instruction", "AMX", "AVX-512", "rollingkv info", "--no-repack", "rollingkv build"]),
+                                       ("SIGSEGV", ["crash", "--no-repack"]),
+                                       ("SIGKILL", ["out-of-memory"])])
+def test_describe_exit_names_the_signal(tmp_path, sig, words):
+    from rollingkv_cli.procs import describe_exit, popen_tied
+
+    log = tmp_path / "child.log"
+    with open(log, "w") as f:
+        proc = popen_tied([sys.executable, "-c", _standin(sig)], stderr=f)
+        rc = proc.wait(timeout=30)
+    assert rc == -getattr(signal, sig)
+    text = describe_exit(rc, log)
+    assert f"killed by {sig} (signal {-rc})" in text and f"log: {log}" in text
+    for w in words:
+        assert w in text, text
+    assert describe_exit(3, log) == f"exit status 3; log: {log}"
+
+
+def test_server_process_reports_a_signal_death(tmp_path):
+    from rollingkv_cli.console import RollingKVError
+    from rollingkv_cli.server import ServerProcess
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n" + _standin("SIGSEGV"))
+    binary.chmod(0o755)
+    srv = ServerProcess(binary, [], log_path=tmp_path / "s.log")
+    srv.start()
+    with pytest.raises(RollingKVError) as e:
+        srv.wait_healthy(timeout=30)
+    srv.stop()
+    assert "killed by SIGSEGV (signal 11)" in e.value.message and str(tmp_path / "s.log") in e.value.hint
+    assert "about to die" in (tmp_path / "s.log").read_text()
