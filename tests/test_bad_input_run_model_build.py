@@ -91,6 +91,13 @@ def build_source_missing(ctx: Ctx):
     return ["build", "--no-cuda", "--source", str(ctx.tmp / "nonexistent")], _build_nothing_written(ctx)
 
 
+def build_sdist_not_cached(ctx: Ctx):
+    from rollingkv_cli import builder, patchset
+
+    bdir = builder.build_dir_for(builder.BuildOptions(), patchset.load_series())  # isolated_cache is offline, no sdist
+    return ["build", "--no-cuda", "-q"], [bdir]
+
+
 def _fake_tree(ctx: Ctx, cmake: str) -> Path:
     """A tree that passes as llama.cpp with --allow-unpinned; the series is not applied (it is for the real tree)."""
     from rollingkv_cli import patchset
@@ -112,15 +119,130 @@ def build_configure_fails(ctx: Ctx):
     return ["build", "--no-cuda", "-q", "--source", str(tree), "--allow-unpinned"], [bdir]
 
 
+# ------------------------------------------------------------------------------------------- run rows
+
+def _small_model(ctx: Ctx, name: str = "s.gguf", unchecked: bool = False, **shape) -> Path:
+    from rollingkv_cli import models
+
+    class Unchecked(models.SynthSpec):  # a file an older or foreign writer could have made
+        def validate(self) -> None:
+            pass
+
+    spec = dict(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300, ctx=1024) | shape
+    return models.write_synthetic(ctx.tmp / name, (Unchecked if unchecked else models.SynthSpec)(**spec))
+
+
+def _run(model: Path | str, *args: str) -> list[str]:
+    return ["run", str(model), *(args or ("-p", "hi"))]
+
+
+def run_truncated_demo(ctx: Ctx):
+    t = ctx.tmp / "t.gguf"
+    t.write_bytes(ctx.demo.read_bytes()[:1_000_000])  # `head -c 1000000 demo.gguf > t.gguf`
+    return _run(t), []
+
+
+def run_truncated_synth(ctx: Ctx):
+    s = _small_model(ctx)
+    t = ctx.tmp / "t.gguf"
+    t.write_bytes(s.read_bytes()[: s.stat().st_size // 2])
+    return _run(t), []
+
+
+def run_cut_in_header(ctx: Ctx):
+    s = _small_model(ctx)
+    t = ctx.tmp / "t.gguf"
+    t.write_bytes(s.read_bytes()[:3000])  # inside the token list
+    return _run(t), []
+
+
+def run_header_only(ctx: Ctx):
+    t = ctx.tmp / "h.gguf"
+    t.write_bytes(b"GGUF" + b"\0" * 60)  # the magic, version 0
+    return _run(t), []
+
+
+def run_prompt_too_long(ctx: Ctx):
+    return _run(ctx.demo, "-c", "64", "-p", "word " * 400), []
+
+
+def run_unknown_arch(ctx: Ctx):
+    import gguf
+
+    t = ctx.tmp / "a.gguf"
+    w = gguf.GGUFWriter(str(t), "no-such-arch")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return _run(t), []
+
+
+def run_odd_head_dim(ctx: Ctx):
+    return _run(_small_model(ctx, "odd.gguf", unchecked=True, embd=66, heads=2, kv_heads=2)), []
+
+
+def run_llama_cpp_aborts(ctx: Ctx):
+    """A gemma2 file that rotates more dimensions than a head has: passes check_gguf, then GGML_ASSERTs in llama.cpp
+    (ggml_rope: n_dims <= ne0). The CLI must survive that abort and say it in one line."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_rope_dimension_count
+    ctx.monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: real(self, 4 * n))
+    m = _small_model(ctx, "rot.gguf", arch="gemma2")
+    ctx.monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", real)
+    return _run(m), []
+
+
+def run_model_is_a_directory(ctx: Ctx):
+    (ctx.tmp / "d.gguf").mkdir()
+    return _run(ctx.tmp / "d.gguf"), []
+
+
+def run_model_missing(ctx: Ctx):
+    return _run(ctx.tmp / "nope.gguf"), []
+
+
+def run_model_unreadable(ctx: Ctx):
+    # root reads a chmod-000 file; /proc/self/mem is a regular file whose first bytes no one can read (EIO)
+    return _run("/proc/self/mem"), []
+
+
+def run_model_chmod_000(ctx: Ctx):
+    if os.geteuid() == 0:
+        pytest.skip("root reads a chmod-000 file (the /proc/self/mem row covers an unreadable model)")
+    s = _small_model(ctx)
+    s.chmod(0)
+    return _run(s), []
+
+
+def run_binary_prompt_file(ctx: Ctx):
+    f = ctx.tmp / "prompt.bin"
+    f.write_bytes(bytes(range(256)) * 8)
+    return _run(_small_model(ctx), "--prompt-file", str(f)), []
+
+
+def run_prompt_file_with_nul(ctx: Ctx):
+    f = ctx.tmp / "prompt.txt"
+    f.write_bytes(b"hello\0world\n")  # valid UTF-8, still not text
+    return _run(_small_model(ctx), "--prompt-file", str(f)), []
+
+
+def run_prompt_not_utf8(ctx: Ctx):
+    return _run(_small_model(ctx), "-p", os.fsdecode(b"caf\xe9")), []  # latin-1 bytes in argv
+
+
 # ------------------------------------------------------------------------------------------- synth rows
 
 SMALL = ["--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2", "--ff", "128", "--vocab", "300", "--ctx", "1024"]
 
 
 def _synth(*shape: str, out: str = "m.gguf"):
+    """The bad values over a small shape: should the refusal regress, the test writes kilobytes, not the default ~6 GiB."""
     def setup(ctx: Ctx):
         target = ctx.tmp / out
-        return ["model", "synth", str(target), *shape], [target, target.with_name(target.name + ".part")]
+        return ["model", "synth", str(target), *SMALL, *shape], [target, target.with_name(target.name + ".part")]
     return setup
 
 
@@ -128,29 +250,45 @@ def synth_no_room(ctx: Ctx):
     import collections
 
     usage = collections.namedtuple("usage", "total used free")
-    ctx.monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (100 << 20), 100 << 20))
-    return _synth()(ctx)  # the default shape: ~5.6 GiB on a filesystem with 100 MiB free
+    ctx.monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (100 << 10), 100 << 10))
+    return _synth()(ctx)  # ~230 KiB (+ headroom) on a filesystem with 100 KiB free
 
 
 def synth_parent_is_a_file(ctx: Ctx):
     (ctx.tmp / "afile").write_text("x")
-    return _synth(*SMALL, out="afile/m.gguf")(ctx)
+    return _synth(out="afile/m.gguf")(ctx)
 
 
 ROWS = {
+    "run truncated demo (head -c 1000000)": Row(run_truncated_demo, "t.gguf is truncated: 1000000 bytes", proc=True, needs_build=True),
+    "run truncated GGUF": Row(run_truncated_synth, "bytes, its tensors end at byte", proc=True),
+    "run GGUF cut inside its header": Row(run_cut_in_header, "t.gguf is truncated: 3000 bytes, it ends inside its own header", proc=True),
+    "run GGUF header only, version 0": Row(run_header_only, "is GGUF version 0; llama.cpp reads versions 2 and 3", proc=True),
+    "run prompt longer than the context": Row(run_prompt_too_long, "does not fit the context of 256 tokens, -c 64 rounded up", proc=True, needs_build=True),
+    "run GGUF llama.cpp refuses": Row(run_unknown_arch, "llama.cpp could not load", proc=True, needs_build=True),
+    "run GGUF with odd head_dim": Row(run_odd_head_dim, "rotates 33 dimensions per head", proc=True, needs_build=True),
+    "run GGUF llama.cpp aborts on": Row(run_llama_cpp_aborts, "llama.cpp aborted while running", proc=True, needs_build=True),
+    "run model is a directory": Row(run_model_is_a_directory, "is not a file", proc=True),
+    "run model missing": Row(run_model_missing, "not found", proc=True),
+    "run model unreadable (EIO)": Row(run_model_unreadable, "cannot read model /proc/self/mem", proc=True),
+    "run model chmod 000": Row(run_model_chmod_000, "cannot read model", proc=True),
+    "run binary --prompt-file": Row(run_binary_prompt_file, "is not UTF-8 text", proc=True),
+    "run --prompt-file with a NUL": Row(run_prompt_file_with_nul, "holds a NUL byte", proc=True),
+    "run --prompt not UTF-8": Row(run_prompt_not_utf8, "--prompt is not UTF-8 text", proc=True),
     "synth odd head_dim": Row(_synth("--embd", "66", "--heads", "2"), "head_dim 33 (--embd 66 / --heads 2) is odd"),
     "synth embd not a multiple of heads": Row(_synth("--embd", "100", "--heads", "3"), "not a multiple of --heads"),
-    "synth kv-heads do not divide heads": Row(_synth("--heads", "24", "--kv-heads", "5"), "not a multiple of --kv-heads 5"),
+    "synth kv-heads do not divide heads": Row(_synth("--embd", "96", "--heads", "24", "--kv-heads", "5"), "not a multiple of --kv-heads 5"),
     "synth too many layers": Row(_synth("--layers", "600"), "at most 512 layers"),
     "synth zero size": Row(_synth("--ff", "0"), "--ff 0 is out of range"),
     "synth negative vocab": Row(_synth("--vocab", "-5"), "--vocab -5 is out of range"),
     "synth q8_0 unaligned": Row(_synth("--type", "q8_0", "--embd", "80", "--heads", "4", "--kv-heads", "2"), "multiples of 32"),
-    "synth no room on the filesystem": Row(synth_no_room, "free; writing m.gguf needs 5.6"),
+    "synth no room on the filesystem": Row(synth_no_room, "has 100 KiB free; writing m.gguf needs 23"),
     "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
     "build --cuda, nvcc but no GPU": Row(build_cuda_no_gpu, "no NVIDIA GPU found to build for: pass --cuda-arch, e.g. 90"),
     "build --cuda-arch native, no GPU": Row(build_cuda_native_no_gpu, "no NVIDIA GPU found to build for"),
     "build --source missing": Row(build_source_missing, "is not a directory"),
     "build: configure fails": Row(build_configure_fails, "cmake configure failed"),
+    "build offline, sdist not cached": Row(build_sdist_not_cached, "is not cached and ROLLINGKV_OFFLINE is set"),
 }
 
 
@@ -161,11 +299,13 @@ def _params() -> list:
 
 
 @pytest.mark.parametrize("row", _params())
-def test_bad_input(row: Row, tmp_path, isolated_cache, monkeypatch, capsys, request):
-    ctx = Ctx(tmp=tmp_path, cache=isolated_cache, monkeypatch=monkeypatch, env={"ROLLINGKV_CACHE_DIR": str(isolated_cache), "ROLLINGKV_OFFLINE": "1"})
-    if row.needs_build:
-        ctx.env["ROLLINGKV_BUILD"] = str(request.getfixturevalue("cpu_build").dir)
-        ctx.demo = request.getfixturevalue("demo_model")
+def test_bad_input(row: Row, tmp_path, monkeypatch, capsys, request):
+    build = request.getfixturevalue("cpu_build") if row.needs_build else None  # from the user cache, before isolating
+    demo = request.getfixturevalue("demo_model") if row.needs_build else None
+    cache = request.getfixturevalue("isolated_cache")
+    ctx = Ctx(tmp=tmp_path, cache=cache, monkeypatch=monkeypatch, env={"ROLLINGKV_CACHE_DIR": str(cache), "ROLLINGKV_OFFLINE": "1"}, demo=demo)
+    if build is not None:
+        ctx.env["ROLLINGKV_BUILD"] = str(build.dir)
     argv, must_not_exist = row.setup(ctx)
     if row.proc:
         code, out, err = _proc(argv, ctx.env)
@@ -258,9 +398,91 @@ def test_synth_interrupted_leaves_nothing(tmp_path, sig, code, existing):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == code, stderr
-    assert "Traceback" not in stdout + stderr
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, stderr  # "aborted" (Ctrl-C) or the SIGTERM error line
-    assert not part.exists()
-    assert (out.read_bytes() == b"the old model") if existing else not out.exists()
+    try:
+        assert proc.returncode == code, stderr
+        assert "Traceback" not in stdout + stderr
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, stderr  # "aborted" (Ctrl-C) or the SIGTERM error line
+        assert not part.exists()
+        assert (out.read_bytes() == b"the old model") if existing else not out.exists()
+    finally:  # a failing run must not keep a GiB in pytest's kept temp dirs
+        part.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------- run: stdout, the guard
+
+@pytest.mark.build
+def test_run_stdout_is_the_answer_alone(cpu_build, demo_model):
+    """`rollingkv run ... > answer.txt` captures the answer only; banner, progress and timings are on stderr."""
+    code, out, err = _proc(["run", "demo", "-p", "What is the capital of France? Answer in one word.", "-n", "8"],
+                           {"ROLLINGKV_BUILD": str(cpu_build.dir)})
+    assert code == 0, err
+    assert "Paris" in out and len(out.strip().splitlines()) == 1
+    assert "rollingkv api=" not in out and "rollingkv api=" in err and "prompt +" in err
+
+
+def _guarded(body: str) -> subprocess.CompletedProcess:
+    code = f"""
+import os, sys
+from rollingkv_cli import llama_ext
+from rollingkv_cli.console import RollingKVError, abort, print_error
+def child():
+{body}
+try:
+    llama_ext.run_isolated(child, "testing the guard")
+except RollingKVError as e:
+    print_error(e)
+    sys.exit(e.code)
+print("parent goes on")
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("body, code, out, err", [
+    ("    os.abort()", 1, "", "error: llama.cpp crashed (SIGABRT) while testing the guard"),
+    ("    os.kill(os.getpid(), 11)", 1, "", "error: llama.cpp crashed (SIGSEGV) while testing the guard"),
+    ("    abort('bad input', 'a hint', code=3)", 3, "", "error: bad input"),
+    ("    print('the answer')", 0, "the answer\nparent goes on\n", ""),
+    ("    sys.exit(5)", 5, "", ""),
+], ids=["abort", "segfault", "error", "answer", "exit"])
+def test_run_isolated_survives_the_child(body, code, out, err):
+    """What llama.cpp does to the child (abort, segfault) comes back as one error line; errors and exits as they were."""
+    proc = _guarded(body)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == out
+    assert (err in proc.stderr) if err else proc.stderr == ""
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model, sig):
+    """The signal reaches the child that runs llama.cpp; the command exits 130 and no process of it is left."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Write a very long story about a dragon and a lighthouse.")
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollingkv_cli", "run", str(demo_model), "--prompt-file", str(prompt), "-n", "4000", "-c", "8192"],
+            stdout=subprocess.PIPE, stderr=err_file, text=True, env={**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while "rollingkv api=" not in err_path.read_text():  # the child has loaded the library
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(1.0)  # into the generation
+            proc.send_signal(sig)
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = err_path.read_text()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    time.sleep(0.2)
+    assert not _running_with(str(prompt)), "the child running llama.cpp outlived the command"

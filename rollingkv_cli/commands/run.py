@@ -1,29 +1,86 @@
-"""`rollingkv run`: answer one prompt with a model through llama_cpp's ctypes bindings on our library."""
+"""`rollingkv run`: answer one prompt with a model through llama_cpp's ctypes bindings on our library.
+
+Only the answer goes to stdout (`rollingkv run ... > answer.txt`); the banner, progress and timings go to stderr.
+"""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import click
 
 
 @click.command()
 @click.argument("model_spec", metavar="MODEL")
-@click.option("-p", "--prompt", required=True, help="The user message.")
+@click.option("-p", "--prompt", help="The user message.")
+@click.option("-f", "--prompt-file", type=click.Path(path_type=Path), help="Read the user message from a file (UTF-8 text).")
 @click.option("-n", "--max-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
-@click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True)
+@click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True, help="Context size in tokens (llama.cpp rounds it up to a multiple of 256).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's own log.")
-def run(model_spec, prompt, max_tokens, ctx_size, seed, temperature, verbose) -> None:
+def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature, verbose) -> None:
     """Answer PROMPT with MODEL (a GGUF path or `demo`), using the active build."""
     from rollingkv_cli import llama_ext, models
-    from rollingkv_cli.console import console
+    from rollingkv_cli.console import err_console
 
-    path = models.resolve_model(model_spec, log=lambda m: console.print(f"[dim]{m}[/]"))
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give the message with -p/--prompt or -f/--prompt-file (one of them)")
+    text = _prompt_text(prompt, prompt_file)
+    path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
+    if model_spec != "demo":  # the demo is verified by its sha256
+        models.check_gguf(path, model_spec)
+    llama_ext.run_isolated(lambda: _answer(path, model_spec, text, max_tokens, ctx_size, seed, temperature, verbose),
+                           f"running {model_spec}", verbose)
+
+
+def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
+    """The message as text, checked before anything is tokenized: strict UTF-8 (llama_cpp encodes it as UTF-8 and
+    failed with a traceback on anything else) and no NUL (binary data, not a message)."""
+    from rollingkv_cli.console import abort
+
+    if prompt_file is not None:
+        from rollingkv_cli import userinput
+
+        what = f"prompt file {prompt_file}"
+        text = userinput.read_text(prompt_file, "prompt file")
+    else:
+        what = "--prompt"
+        text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable bytes from argv arrive as surrogates
+            abort(f"--prompt is not UTF-8 text (character {e.start})", "pass UTF-8 text (check the terminal's locale), or use --prompt-file")
+    if "\0" in text:
+        abort(f"{what} holds a NUL byte at character {text.index(chr(0))}: not text", "give a text file, not a binary one")
+    return text
+
+
+def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, seed: int, temperature: float, verbose: bool) -> None:
+    """In run_isolated's child: load, answer, print the answer alone on stdout."""
+    import time
+
+    from rollingkv_cli import llama_ext
+    from rollingkv_cli.console import abort, err_console
+
     llama_cpp, ext = llama_ext.load()
-    with console.status(f"loading {path.name}"):
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=ctx_size, seed=seed, verbose=verbose, flash_attn=True)
-    console.print(f"[dim]{ext.build_info()}[/]")
-    out = llm.create_chat_completion(
-        messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=temperature, seed=seed,
-    )
+    err_console.print(ext.build_info(), style="dim", markup=False, soft_wrap=True)
+    with err_console.status(f"loading {path.name}"):
+        llm = llama_ext.open_model(llama_cpp, path, name, n_ctx=ctx_size, seed=seed, verbose=verbose, flash_attn=True)
+    t0 = time.monotonic()
+    try:
+        out = llm.create_chat_completion(
+            messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature, seed=seed,
+        )
+    except ValueError as e:
+        m = re.search(r"Requested tokens \((\d+)\) exceed context window of (\d+)", str(e))
+        if m is None:
+            raise
+        padded = f", -c {ctx_size} rounded up to a multiple of {llama_ext.CTX_PAD}" if int(m[2]) != ctx_size else ""
+        abort(f"the prompt is {m[1]} tokens with the chat template and does not fit the context of {m[2]} tokens{padded}",
+              "raise -c/--ctx-size or shorten the prompt")
     click.echo(out["choices"][0]["message"]["content"].strip())
+    usage = out.get("usage") or {}
+    err_console.print(f"{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} generated tokens "
+                      f"in {time.monotonic() - t0:.1f} s", style="dim", markup=False, soft_wrap=True)
