@@ -29,15 +29,16 @@ _REQUIRES_AMX = pytest.mark.skipif(
 _LOGITS = """
 import json, math, os, sys
 from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, _ = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+from rollingkv_cli.gate_runner import load_bindings
+llama_cpp, _, _ = load_bindings(Path(os.environ["RKV_TEST_LIB_DIR"]))  # ours or the reference
+import llama_cpp.llama_cpp as low  # Llama() takes its model params from here
 extra = os.environ["RKV_EXTRA_BUFTS"] == "1"
-default_params = llama_cpp.llama_model_default_params
+default_params = low.llama_model_default_params
 def params():
     p = default_params()
     p.use_extra_bufts = extra
     return p
-llama_cpp.llama_model_default_params = params
+low.llama_model_default_params = params
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_batch=64, n_threads=2, logits_all=True, verbose=True, flash_attn=True)
 toks = llm.tokenize(b"The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is")
 llm.eval(toks)
