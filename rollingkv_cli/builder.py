@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths, patchset, upstream
-from rollingkv_cli.console import abort, console
+from rollingkv_cli.console import abort, console, log_panel, note
 
 MANIFEST = "manifest.json"
 BASE_TARGETS = ("llama", "llama-server", "llama-bench")
@@ -252,7 +252,10 @@ def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -
     """Run a command, append its output to log_file, advance the progress bar from ninja's [n/N]."""
     log_file.write(f"$ {' '.join(cmd)}\n")
     log_file.flush()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1, start_new_session=True)
+    from rollingkv_cli.procs import popen_tied
+
+    # tied to us: a closed terminal or a killed `rollingkv build` never leaves ninja and the compilers running
+    proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -309,7 +312,7 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
         return existing  # nothing changed: a no-op
     # everything that can be refused is refused before the build directory exists
     validate_options(opts)
-    log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
+    log = (lambda m: None) if quiet else note
     # a local tree is checked here; the sdist is fetched and extracted under the lock (one extraction at a time)
     local = opts.source or os.environ.get(paths.ENV_SOURCE_DIR)
     source = upstream.resolve_source(Path(local), allow_unpinned=not opts.pinned, log=log)[0] if local else None
@@ -351,7 +354,7 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, sourc
                   quiet: bool, activate: bool) -> Build:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    log = (lambda m: None) if quiet else (lambda m: console.print(f"[dim]{m}[/]"))
+    log = (lambda m: None) if quiet else note
     if source is None:
         source = upstream.pristine_tree(log)
     bdir.mkdir(parents=True, exist_ok=True)
@@ -384,7 +387,9 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, sourc
         progress.update(task, description="compiling")
         rc = _run_logged(["cmake", "--build", str(cmake_dir), "-j", str(jobs), "--target", *targets], lf, env, progress, task)
         if rc != 0:
-            _fail("build failed", log_path)
+            from rollingkv_cli.procs import describe_exit
+
+            _fail(f"build failed ({describe_exit(rc)})" if rc < 0 else "build failed", log_path)
     artifacts = artifacts_for(targets)
     missing = [a for a in artifacts if not (cmake_dir / "bin" / a).exists()]
     if missing:
@@ -415,9 +420,8 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, sourc
 
 
 def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `rollingkv build` again: it resumes where it stopped") -> None:
-    from rich.panel import Panel
 
-    console.print(Panel(log_tail(log_path).rstrip(), title=f"last lines of {log_path}", border_style="red"))
+    log_panel(log_tail(log_path), f"last lines of {log_path}", console)  # literally: compiler output is full of brackets
     abort(f"{what} (full log: {log_path})", hint)
 
 

@@ -271,7 +271,7 @@ def export(src: Path, series_dirs: tuple[Path, Path] | None = None, force: bool 
     pos = {t: order.index(c) if c in order else -1 for t, c in commit.items()}
     if not 0 <= pos[FIXES_TAG] < pos[NATIVE_TAG]:
         abort(f"{src}: the tags {BASE_TAG}, {FIXES_TAG}, {NATIVE_TAG} are not in that order below HEAD",
-              f"after a rebase, move the tags to the last upstream-fix commit and the native commit (`git tag -f TAG COMMIT`)")
+              "after a rebase, move the tags to the last upstream-fix commit and the native commit (`git tag -f TAG COMMIT`)")
     has_fixes = pos[FIXES_TAG] > 0
     if _git(["status", "--porcelain"], src).stdout.strip():
         abort(f"{src} has uncommitted changes", "commit them (one commit per hook, message saying why) and export again")

@@ -27,7 +27,7 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
     building again with nothing changed is a no-op. The finished build becomes the active one.
     """
     from rollingkv_cli import builder, patchset
-    from rollingkv_cli.console import abort, console, success
+    from rollingkv_cli.console import abort, note, success
 
     use_cuda, arch = builder.resolve_cuda(cuda, cuda_arch)
     if cuda_arch and not use_cuda:
@@ -50,4 +50,4 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
         success(f"up to date: {kind} build {b.dir}")
     else:
         success(f"built {kind}{' (backends as modules)' if backend_dl else ''} in {b.manifest['build_seconds']} s: {b.dir}")
-    console.print(f"[dim]{'reference (not active)' if unpatched else 'active build'}; libllama: {b.lib_dir / 'libllama.so'}[/]")
+    note(f"{'reference (not active)' if unpatched else 'active build'}; libllama: {b.lib_dir / 'libllama.so'}")

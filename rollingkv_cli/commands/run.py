@@ -62,11 +62,11 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
     import time
 
     from rollingkv_cli import llama_ext
-    from rollingkv_cli.console import abort, err_console
+    from rollingkv_cli.console import abort, err_console, esc
 
     llama_cpp, ext = llama_ext.load()
     err_console.print(ext.build_info(), style="dim", markup=False, soft_wrap=True)
-    with err_console.status(f"loading {path.name}"):
+    with err_console.status(f"loading {esc(path.name)}"):
         llm = llama_ext.open_model(llama_cpp, path, name, n_ctx=ctx_size, seed=seed, verbose=verbose, flash_attn=True)
     t0 = time.monotonic()
     try:
