@@ -1,4 +1,5 @@
-"""The `rollingkv` command: a click root group; each command lives in rollingkv_cli/commands/<name>.py."""
+"""The `rollingkv` command: a click root group; each command lives in rollingkv_cli/commands/<name>.py, or, for a
+command family (gate, bench), in its package rollingkv_cli/<name>/ (the group in cli.py)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,24 @@ def rollingkv() -> None:
 
 
 def _register() -> None:
-    """Each module rollingkv_cli/commands/<name>.py defines the click command <name>.
+    """Each module rollingkv_cli/commands/<name>.py, and each command family's package rollingkv_cli/<name>/
+    (its click group in <name>/cli.py, next to the modules doing the work), defines the click command <name>.
 
     Heavy imports stay inside the command bodies, so registering all of them is cheap.
     """
     import importlib
+    import importlib.util
     import pkgutil
 
+    import rollingkv_cli
     from rollingkv_cli import commands
 
-    for mod in sorted(m.name for m in pkgutil.iter_modules(commands.__path__)):
-        cmd = getattr(importlib.import_module(f"rollingkv_cli.commands.{mod}"), mod)
-        rollingkv.add_command(cmd)
+    found = [f"rollingkv_cli.commands.{m.name}" for m in pkgutil.iter_modules(commands.__path__)]
+    found += [f"rollingkv_cli.{m.name}.cli" for m in pkgutil.iter_modules(rollingkv_cli.__path__)
+              if m.ispkg and importlib.util.find_spec(f"rollingkv_cli.{m.name}.cli") is not None]
+    for mod in sorted(found):
+        name = mod.removesuffix(".cli").rsplit(".", 1)[1]
+        rollingkv.add_command(getattr(importlib.import_module(mod), name))
 
 
 _register()

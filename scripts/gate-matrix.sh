@@ -3,7 +3,7 @@
 # exactness, and gate needle; writes docs/gates/<date>-<host>-<backend>.json and .md (or --out DIR).
 # Run from anywhere; every argument goes to `rollingkv gate matrix` (see its --help). Examples:
 #   scripts/gate-matrix.sh                                      CPU, the demo model, the active build
-#   scripts/gate-matrix.sh --tokens 384 --needle-filler-tokens 640   CI sizes (tests/test_gate_matrix.py)
+#   scripts/gate-matrix.sh --tokens 384 --needle-filler-tokens 640   CI sizes (tests/gate/test_matrix.py)
 #   scripts/gate-matrix.sh --build "$(rollingkv build --cuda --print-dir)" -ngl 99 --tokens 2048   on a GPU
 #   scripts/gate-matrix.sh --lib-dir /path/llama.cpp/build/bin -ngl 99                 a bare build/bin
 # The machine needs Python >= 3.10 with click, rich, numpy, pyyaml and the llama_cpp bindings importable

@@ -29,7 +29,7 @@ _REQUIRES_AMX = pytest.mark.skipif(
 _LOGITS = """
 import json, math, os, sys
 from pathlib import Path
-from rollingkv_cli.gate_runner import load_bindings
+from rollingkv_cli.gate.runner import load_bindings
 llama_cpp, _, _ = load_bindings(Path(os.environ["RKV_TEST_LIB_DIR"]))  # ours or the reference
 import llama_cpp.llama_cpp as low  # Llama() takes its model params from here
 extra = os.environ["RKV_EXTRA_BUFTS"] == "1"

@@ -78,7 +78,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def _report(tmp: Path, **over) -> Path:
-    from rollingkv_cli.bench_tail import SCHEMA
+    from rollingkv_cli.bench.tail import SCHEMA
 
     doc = {"schema": SCHEMA, "config": {"depths": [1024], "n_gen": 4, "window_type": "f16", "tail_types": ["f16"]},
            "bandwidth": {"gbps": None, "source": None, "note": "no link"}, "cells": [], "depths": {}, "build": {"backend": "CPU"},
@@ -127,13 +127,13 @@ class Row:
 
 
 def _no_matplotlib(tmp, monkeypatch):
-    from rollingkv_cli import bench_plot
+    from rollingkv_cli.bench import plot as bench_plot
 
     monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: False)
 
 
 def _runner_dies(tmp, monkeypatch):
-    from rollingkv_cli import gate_equiv
+    from rollingkv_cli.gate import equiv as gate_equiv
 
     monkeypatch.setattr(gate_equiv, "runner_cmd", lambda args: [sys.executable, "-c", _standin("SIGSEGV")])
 

@@ -32,7 +32,8 @@ def cuda_build():
     n, why = _gpu_count()
     if n == 0:
         pytest.skip(f"no NVIDIA GPU: {why}")
-    from rollingkv_cli import builder, gate_common
+    from rollingkv_cli import builder
+    from rollingkv_cli.gate import common as gate_common
 
     if builder.active_build(required=False) is None:
         pytest.skip("no active build: run `rollingkv build --cuda` (or set ROLLINGKV_BUILD)")

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.build, pytest.mark.slow]
 
 
 def _prompt(k: int, n_chars: int = 3200) -> str:
-    from rollingkv_cli.gate_runner import synthetic_text
+    from rollingkv_cli.gate.runner import synthetic_text
 
     return f"Document {k}.\n" + synthetic_text(n_chars, seed=k) + "\nSummary of the document in one sentence:"
 

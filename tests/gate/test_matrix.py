@@ -14,11 +14,11 @@ import pytest
 
 from test_cli import run_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_windows_and_types():
-    from rollingkv_cli import gate_matrix as gm
+    from rollingkv_cli.gate import matrix as gm
 
     assert [gm.window_for(s, 384) for s in (0.25, 0.5, 0.75)] == [96, 192, 288]
     assert gm.window_for(0.001, 100) == 1 and gm.window_for(0.999, 100) == 99
@@ -68,7 +68,7 @@ def _report(**over) -> dict:
 
 
 def test_markdown_table():
-    from rollingkv_cli.gate_matrix import markdown
+    from rollingkv_cli.gate.matrix import markdown
 
     md = markdown(_report())
     assert md.startswith("# Gate matrix: FAIL")
@@ -83,7 +83,7 @@ def test_markdown_table():
 
 def test_markdown_order_floor():
     """A GPU matrix: the floor table, and each bound says whether the order floor set it."""
-    from rollingkv_cli.gate_matrix import markdown
+    from rollingkv_cli.gate.matrix import markdown
 
     r = _report(backend="cuda")
     f16 = r["cells"][0]

@@ -1,6 +1,6 @@
 """What the gates share: exit codes, which build (library + llama-server) they run, logs, llama-server runs.
 
-`gate equiv` drives libllama through ctypes (gate_runner, one process per library); `gate needle` and
+`gate equiv` drives libllama through ctypes (gate/runner.py, one process per library); `gate needle` and
 `gate vram` drive llama-server processes (rollingkv_cli/server.py), the way users run the split cache.
 """
 

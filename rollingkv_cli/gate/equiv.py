@@ -1,4 +1,4 @@
-"""`gate equiv`'s runs: one gate_runner child per decode, compared on the fly; shared by `gate matrix`.
+"""`gate equiv`'s runs: one runner child per decode, compared on the fly; shared by `gate matrix`.
 
 An EquivSession holds what every decode of one token sequence shares (model, tokens, context, batch,
 threads, GPU layers, the work directory); `decode()` runs one child: a reference that saves its logits, a
@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def runner_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "rollingkv_cli.gate_runner", *args]
+    return [sys.executable, "-m", "rollingkv_cli.gate.runner", *args]
 
 
 def progress(console):
@@ -30,7 +30,7 @@ def progress(console):
 
 
 def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
-    """Run one gate_runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
+    """Run one runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
     from rollingkv_cli.console import abort, console, log_panel
     from rollingkv_cli.procs import exit_parts, popen_tied
 
@@ -101,7 +101,7 @@ class EquivSession:
     commands: dict[str, list[str]] = field(default_factory=dict)
 
     def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, status=None) -> dict:
-        from rollingkv_cli import gate_equiv as me
+        from rollingkv_cli.gate import equiv as me
 
         args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens-out", str(self.wd / "tokens.npy"),
                 "--out", str(self.wd / "tokenize.json")]
@@ -121,7 +121,7 @@ class EquivSession:
                reference: Path | None = None, real_margin_nats: float = 0.5, positions_out: Path | None = None,
                progress=None, label: str = "", n_batch: int | None = None) -> dict:
         """One child run. residency None: plain llama_init_from_model (any library); else our residency API."""
-        from rollingkv_cli import gate_equiv as me
+        from rollingkv_cli.gate import equiv as me
 
         assert self.tokens is not None and self.n_ctx is not None
         assert save is not None or reference is not None

@@ -133,10 +133,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 # ------------------------------------------------------------------ filler
 
 def filler_prose(n_chars: int, seed: int = 0) -> str:
-    """Deterministic public-domain prose WITHOUT numbers (gate_runner's sentences, not its numbered templates):
+    """Deterministic public-domain prose WITHOUT numbers (runner's sentences, not its numbered templates):
     digits in the filler act as distractors that a small model confuses with the secret number (measured on
     the demo model: 7 of 8 placements retrieved with numbered filler, 8 of 8 without)."""
-    from rollingkv_cli.gate_runner import _SENTENCES
+    from rollingkv_cli.gate.runner import _SENTENCES
 
     rng = random.Random(f"rollingkv-needle-filler/{seed}")
     parts: list[str] = []
@@ -182,13 +182,13 @@ class ServerSide:
         self.srv = srv
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        from rollingkv_cli.gate_common import request
+        from rollingkv_cli.gate.common import request
 
         return list(request(self.srv, "/tokenize", {"content": text, "add_special": add_special, "parse_special": True},
                             timeout=120)["tokens"])
 
     def apply_template(self, user_content: str) -> str:
-        from rollingkv_cli.gate_common import request
+        from rollingkv_cli.gate.common import request
 
         r = request(self.srv, "/apply-template", {"messages": [{"role": "user", "content": user_content}]}, timeout=60)
         if "prompt" not in r:
@@ -196,7 +196,7 @@ class ServerSide:
         return r["prompt"]
 
     def answer(self, tokens: list[int], n_predict: int) -> Answer:
-        from rollingkv_cli.gate_common import request
+        from rollingkv_cli.gate.common import request
 
         t0 = time.perf_counter()
         r = request(self.srv, "/completion", {"prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1,
@@ -245,7 +245,7 @@ def check_in_tail(placements: list[Placement], window_cells: int, where: str) ->
 @dataclass
 class NeedleConfig:
     model: Path
-    build: "object"  # gate_common.GateBuild
+    build: "object"  # common.GateBuild
     filler_tokens: int = 1536
     depths: tuple[float, ...] = (0.5, 0.9)
     seed: int = 0
@@ -286,7 +286,7 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     """Both servers, every placement; the report (verdicts included). Raises RollingKVError on errors."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from rollingkv_cli import gate_common as gc
+    from rollingkv_cli.gate import common as gc
 
     t_start = time.time()
     binary = cfg.build.require_server()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollingkv_cli import bench_math as bm
+from rollingkv_cli.bench import arithmetic as bm
 
 _VANILLA = {
     "resident": ("resident (off)", "*", "black"),

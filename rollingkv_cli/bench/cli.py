@@ -1,4 +1,4 @@
-"""`rollingkv bench`: speed benchmarks of the split KV cache (the work lives in rollingkv_cli/bench_*.py)."""
+"""The `bench` click group: speed benchmarks of the split KV cache (the work lives in the modules next to this one)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-# keep in step with bench_math.CACHE_TYPES (not imported here: registering commands stays cheap)
+# keep in step with arithmetic.CACHE_TYPES (not imported here: registering commands stays cheap)
 CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 SKIPPABLE = ["auto", "ngl", "nkvo"]
 
@@ -139,7 +139,9 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
     """
-    from rollingkv_cli import bench_gguf, bench_math, bench_plot, bench_tail, builder, models
+    from rollingkv_cli import builder, models
+    from rollingkv_cli.bench import arithmetic, gguf
+    from rollingkv_cli.bench import plot as plotting, tail as tail_runs
     from rollingkv_cli.console import abort, console, esc, note, warn
 
     if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
@@ -147,9 +149,9 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     if not any(t == window_type for t in tail_types) and not mixed_fractions:
         raise click.UsageError("no cell to run: no tail type equals --window-type and --mixed-fractions is empty")
     for d in depths:
-        if bench_math.kv_size(d, n_gen) <= bench_math.MIN_WINDOW:
-            raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {bench_math.MIN_WINDOW} cells, the smallest window: "
-                                     f"nothing could go to the tail (use a depth of at least {bench_math.MIN_WINDOW})", param_hint="--depth")
+        if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
+            raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
+                                     f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
     depths = list(dict.fromkeys(depths))
 
     model = models.resolve_model(model_spec, log=note)
@@ -157,7 +159,7 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     bench_bin = build.artifact("llama-bench")
     if not bench_bin.is_file():
         abort(f"the build {build.dir} has no llama-bench", "run `rollingkv build` (it builds llama-bench)")
-    info = bench_gguf.read_model(model)
+    info = gguf.read_model(model)
     for t in sorted({window_type, *tail_types}):
         try:
             info.kv.row_bytes(t, t)
@@ -168,15 +170,15 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     out = json_out or _default_out(model)
-    cfg = bench_tail.TailConfig(
+    cfg = tail_runs.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
         window_type=window_type, threads=threads,
-        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else bench_tail.default_ring_bytes(),
+        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_runs.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
         pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
-    plans = {d: bench_tail.depth_plan(cfg, info, d) for d in depths}
-    doc = bench_tail.new_document(cfg, build, info, plans, vanilla_desc)
+    plans = {d: tail_runs.depth_plan(cfg, info, d) for d in depths}
+    doc = tail_runs.new_document(cfg, build, info, plans, vanilla_desc)
 
     console.print(f"model {esc(model.name)}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
                   f"{info.weights.device_bytes_all / 2**30:.2f} GiB of weights on the device at -ngl 99; build {esc(build.dir.name)} ({backend})",
@@ -200,20 +202,20 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
         for i, c in enumerate(doc["cells"], 1):
             t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
                       f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] == "window" else "-", esc(c["command"]))
-        bench_tail.report_console().print(t)
+        tail_runs.report_console().print(t)
         return
     if json_out and json_out.exists() and not resume:
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
 
-    doc = bench_tail.run(cfg, doc, info, resume)
-    bench_tail.print_report(doc)
+    doc = tail_runs.run(cfg, doc, info, resume)
+    tail_runs.print_report(doc)
     if cfg.plot:
         png = out.with_suffix(".png")
-        if bench_plot.have_matplotlib():
+        if plotting.have_matplotlib():
             try:
-                bench_plot.render(doc, png)
+                plotting.render(doc, png)
                 doc["png"] = str(png)
-                bench_tail.write_json(out, doc)
+                tail_runs.write_json(out, doc)
                 console.print(f"plot: {png}", markup=False)
             except Exception as e:  # a plot must never cost the measurements
                 warn(f"could not draw {png}: {e}")
@@ -227,14 +229,14 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
 
 
 def _load_report(path: Path) -> dict:
-    from rollingkv_cli import bench_tail
+    from rollingkv_cli.bench import tail as tail_runs
     from rollingkv_cli.console import abort
     from rollingkv_cli.userinput import read_json
 
     doc = read_json(path, "report")
-    if not isinstance(doc, dict) or doc.get("schema") != bench_tail.SCHEMA:
-        abort(f"{path} is not a `rollingkv bench tail` report", f"expected schema {bench_tail.SCHEMA}")
-    problem = bench_tail.report_problem(doc)
+    if not isinstance(doc, dict) or doc.get("schema") != tail_runs.SCHEMA:
+        abort(f"{path} is not a `rollingkv bench tail` report", f"expected schema {tail_runs.SCHEMA}")
+    problem = tail_runs.report_problem(doc)
     if problem:
         abort(f"{path} is a malformed `rollingkv bench tail` report: {problem}",
               "make a new one with `rollingkv bench tail`")
@@ -246,15 +248,15 @@ def _load_report(path: Path) -> dict:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
     """Draw the PNG of a `bench tail` report (needs matplotlib: pip install 'rollingkv[plot]')."""
-    from rollingkv_cli import bench_plot
+    from rollingkv_cli.bench import plot as plotting
     from rollingkv_cli.console import abort, success
 
     doc = _load_report(report)
-    if not bench_plot.have_matplotlib():
+    if not plotting.have_matplotlib():
         abort("matplotlib is not installed", "pip install 'rollingkv[plot]' (or pip install matplotlib)")
     out = output or report.with_suffix(".png")
     try:
-        bench_plot.render(doc, out)
+        plotting.render(doc, out)
     except OSError as e:
         abort(f"cannot write the plot {out}: {e.strerror or e}", "give another path with -o")
     success(f"plot: {out}")
@@ -264,8 +266,8 @@ def plot(report: Path, output: Path | None) -> None:
 @click.argument("report", type=click.Path(dir_okay=False, path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""
-    from rollingkv_cli import bench_tail
+    from rollingkv_cli.bench import tail as tail_runs
 
     doc = _load_report(report)
-    bench_tail.refresh(doc)
-    bench_tail.print_report(doc)
+    tail_runs.refresh(doc)
+    tail_runs.print_report(doc)

@@ -206,7 +206,7 @@ def _ok(cell: dict | None) -> bool:
 def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, bandwidth_gbps: float | None) -> list[dict]:
     """One entry per (target, depth): value, threshold, status (met / not met / n/a) and why.
 
-    Cells are the JSON cells of a run (see bench_tail): kind, depth, tail_type, fractions, status,
+    Cells are the JSON cells of a run (see tail.py): kind, depth, tail_type, fractions, status,
     tokens_per_s, tail_bytes_per_token, ratio_floor, ratio_stretch."""
     out = []
 

@@ -1,4 +1,4 @@
-"""gate_math against distributions whose TV and KL are known in closed form."""
+"""The gate's metrics (rollingkv_cli/gate/metrics.py) against distributions whose TV and KL are known in closed form."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from rollingkv_cli import gate_math as gm
+from rollingkv_cli.gate import metrics as gm
 
 
 def logits_of(probs) -> np.ndarray:

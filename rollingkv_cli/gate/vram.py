@@ -211,7 +211,7 @@ def no_gpu_report(reason: str) -> dict:
 @dataclass
 class VramConfig:
     model: Path
-    build: object  # gate_common.GateBuild
+    build: object  # common.GateBuild
     vram_target: int
     allowance: int = DEFAULT_ALLOWANCE_MIB
     n_ctx: int = 32768
@@ -240,9 +240,9 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
     """Start llama-server with the target, sample NVML, prefill + decode; the report."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from rollingkv_cli import gate_common as gc
+    from rollingkv_cli.gate import common as gc
     from rollingkv_cli import paths
-    from rollingkv_cli.gate_runner import synthetic_text
+    from rollingkv_cli.gate.runner import synthetic_text
     from rollingkv_cli.server import ServerProcess
 
     t_start = time.time()

@@ -3,13 +3,13 @@
 llama_cpp binds its library once per process, so every library (the reference's, the candidate's) gets
 its own interpreter running this module:
 
-    python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokenize FILE|--synthetic N --tokens-out T.npy
-    python -m rollingkv_cli.gate_runner --lib-dir DIR --model PATH --tokens T.npy --ctx N --n-batch B
+    python -m rollingkv_cli.gate.runner --lib-dir DIR --model PATH --tokenize FILE|--synthetic N --tokens-out T.npy
+    python -m rollingkv_cli.gate.runner --lib-dir DIR --model PATH --tokens T.npy --ctx N --n-batch B
             [--threads N] [-ctk TYPE -ctv TYPE] [--residency JSON]
             (--save-logits REF.npy | --reference-logits REF.npy | both) --out OUT.json
 
 The reference run saves every position's f32 logits as one (n_tokens, n_vocab) .npy; the candidate run
-compares each decoded batch against that file (memory-mapped) with gate_math as it goes, so there is
+compares each decoded batch against that file (memory-mapped) with metrics.py as it goes, so there is
 never a second full logits file (a baseline run does both: it is compared, and saved as the reference of
 later runs). The library may be ours (then llama_ext binds it and the residency API
 is used when --residency asks for it) or an unpatched libllama (plain llama_init_from_model).
@@ -243,7 +243,7 @@ def _tokenize_text(llama_cpp, vocab, text: bytes) -> list[int]:
 
 
 def logits(args) -> dict:
-    from rollingkv_cli import gate_math
+    from rollingkv_cli.gate import metrics
     from rollingkv_cli.llama_ext import GGML_TYPES
 
     t0 = time.perf_counter()
@@ -297,7 +297,7 @@ def logits(args) -> dict:
         t_load = time.perf_counter() - t0
 
         ref = out_mm = None
-        acc = gate_math.GateAccumulator(topk=args.topk)
+        acc = metrics.GateAccumulator(topk=args.topk)
         max_abs = 0.0
         bitwise_rows = 0
         if args.save_logits:
@@ -383,7 +383,7 @@ def logits(args) -> dict:
     }
     if ref is not None:
         summary = acc.summary(real_margin_nats=args.real_margin_nats)
-        summary["max_abs_logit_diff"] = gate_math._f(max_abs)
+        summary["max_abs_logit_diff"] = metrics._f(max_abs)
         summary["bitwise_equal_rows"] = bitwise_rows
         summary["bitwise_identical"] = bitwise_rows == n
         result["summary"] = summary
@@ -428,7 +428,7 @@ def _init_context(llama_cpp, ext, model, cp, residency: dict | None):
 # ------------------------------------------------------------------ entry point
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.gate_runner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.gate.runner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib-dir", required=True)
     ap.add_argument("--model", required=True)
     src = ap.add_mutually_exclusive_group()

@@ -1,17 +1,17 @@
 """`gate matrix`: the equivalence gate over tail types x split points, the quantized parts' exactness, and
 the needle gate, with one JSON report and one markdown table.
 
-For one synthetic token sequence (decoded teacher-forced, gate_runner children as in `gate equiv`):
+For one synthetic token sequence (decoded teacher-forced, runner children as in `gate equiv`):
 
 - ``reference``         the resident cache of the window's type (f16), logits saved;
 - ``baseline-T``        for each quantized tail type T: the resident cache of type T against the reference
                         (the loss of T itself), logits saved: the reference of T's exactness cell;
 - ``cell-T-S``          window = S x the sequence (cells [0, wc)), f16 window + T tail, against the f16
                         reference: same-type bounds for an f16 tail, the quantized bounds relative to
-                        baseline-T (gate_math.relative_thresholds) otherwise;
+                        baseline-T (metrics.relative_thresholds) otherwise;
 - ``exact-T``           T window + T tail against the resident T cache: the split must be exact on
                         quantized parts too (same-type bounds);
-- the needle gate (gate_needle) with an f16 tail.
+- the needle gate (needle.py) with an f16 tail.
 
 One reference serves every cell, so the matrix costs (1 + #quantized types x 2 + #types x #splits)
 decodes plus the needle's two servers.
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollingkv_cli import gate_math
+from rollingkv_cli.gate import metrics
 
 WINDOW_TYPE = "f16"
 
@@ -35,7 +35,7 @@ WINDOW_TYPE = "f16"
 class MatrixConfig:
     model: Path
     model_spec: str
-    build: object  # gate_common.GateBuild
+    build: object  # common.GateBuild
     tokens: int = 1024
     splits: tuple[float, ...] = (0.25, 0.5, 0.75)
     tail_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
@@ -63,7 +63,7 @@ def needle_window(filler_tokens: int) -> int:
 
 
 def is_quantized(t: str) -> bool:
-    return gate_math.profile_for((WINDOW_TYPE, WINDOW_TYPE), (t, t)) == "quantized"
+    return metrics.profile_for((WINDOW_TYPE, WINDOW_TYPE), (t, t)) == "quantized"
 
 
 def backend_label(build, n_gpu_layers: int | None) -> str:
@@ -106,7 +106,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     import shutil
     import tempfile
 
-    from rollingkv_cli import gate_equiv
+    from rollingkv_cli.gate import equiv as equiv_runs
     from rollingkv_cli.console import abort, esc
 
     t_start = time.time()
@@ -115,9 +115,9 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     def thresholds(profile: str) -> dict:
         if profile not in th_cache:
             try:
-                th_cache[profile] = gate_math.load_thresholds(cfg.thresholds_file, profile)
-            except gate_math.ThresholdsError as e:
-                abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(gate_math.CHECKS) | gate_math.PARAM_KEYS)))
+                th_cache[profile] = metrics.load_thresholds(cfg.thresholds_file, profile)
+            except metrics.ThresholdsError as e:
+                abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(metrics.CHECKS) | metrics.PARAM_KEYS)))
         return dict(th_cache[profile])
 
     thresholds("same_type")
@@ -132,7 +132,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     floors: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollingkv-matrix-", dir=work_dir) as td:
         wd = Path(td)
-        sess = gate_equiv.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
+        sess = equiv_runs.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
                                        n_gpu_layers=cfg.n_gpu_layers, n_ctx=n_ctx)
         with console.status("tokenizing"):
             tok = sess.tokenize(lib, None, cfg.tokens)
@@ -148,7 +148,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                       f"{'' if cfg.n_gpu_layers is None else f', -ngl {cfg.n_gpu_layers}'}; window {WINDOW_TYPE}, tails "
                       f"{', '.join(cfg.tail_types)} at {', '.join(f'{s:g}' for s in cfg.splits)} of the sequence[/]")
         ref = {WINDOW_TYPE: wd / f"ref-{WINDOW_TYPE}.npy"}
-        with gate_equiv.progress(console) as prog:
+        with equiv_runs.progress(console) as prog:
             r = sess.decode("reference", lib, WINDOW_TYPE, WINDOW_TYPE, {"mode": "off"}, save=ref[WINDOW_TYPE], progress=prog,
                             label=f"reference (resident {WINDOW_TYPE})")
             ref_timing = r.get("timings")
@@ -159,7 +159,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                                 label=f"baseline (resident {t} vs {WINDOW_TYPE})")
                 baselines[t] = {"metrics": _metrics(r["summary"]), "timings": r.get("timings")}
             if cfg.order_floor:
-                fb = gate_equiv.order_floor_batch(cfg.n_batch)
+                fb = equiv_runs.order_floor_batch(cfg.n_batch)
                 for t in [WINDOW_TYPE, *quantized]:
                     r = sess.decode(f"order-floor-{t}", lib, t, t, {"mode": "off"}, reference=ref[t], n_batch=fb,
                                     real_margin_nats=thresholds("same_type")["real_margin_nats"], progress=prog,
@@ -169,7 +169,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
             def floor_relaxed(th: dict, ref_type: str) -> tuple[dict, dict | None]:
                 if ref_type not in floors:
                     return th, None
-                return gate_math.order_floor_thresholds(th, floors[ref_type]["metrics"])
+                return metrics.order_floor_thresholds(th, floors[ref_type]["metrics"])
             for t in cfg.tail_types:
                 for s in cfg.splits:
                     w = window_for(s, n)
@@ -177,7 +177,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                     th = thresholds(profile)
                     how = None
                     if profile == "quantized":
-                        th, how = gate_math.relative_thresholds(th, baselines[t]["metrics"])
+                        th, how = metrics.relative_thresholds(th, baselines[t]["metrics"])
                     th, floor_how = floor_relaxed(th, WINDOW_TYPE)
                     res = {"mode": "window", "window_cells": w}
                     if t != WINDOW_TYPE:
@@ -185,7 +185,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                     role = f"cell-{t}-{round(s * 100)}"
                     r = sess.decode(role, lib, WINDOW_TYPE, WINDOW_TYPE, res, reference=ref[WINDOW_TYPE], real_margin_nats=th["real_margin_nats"],
                                     progress=prog, label=f"{t} tail, window {w} ({s:g})")
-                    v = gate_math.verdict(r["summary"], th)
+                    v = metrics.verdict(r["summary"], th)
                     cells.append({"kind": "split", "tail": t, "split": s, "window_cells": w, "profile": profile, "thresholds": th,
                                   "relative_to_baseline": how, "relative_to_order_floor": floor_how, "metrics": _metrics(r["summary"]), "worst": r["summary"].get("worst", [])[:5],
                                   "checks": v.to_dict()["checks"], "passed": v.passed, "failed_checks": [c.name for c in v.failed],
@@ -196,7 +196,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                 th, floor_how = floor_relaxed(thresholds("same_type"), t)
                 r = sess.decode(f"exact-{t}", lib, t, t, {"mode": "window", "window_cells": w}, reference=ref[t],
                                 real_margin_nats=th["real_margin_nats"], progress=prog, label=f"{t} window + {t} tail vs resident {t}")
-                v = gate_math.verdict(r["summary"], th)
+                v = metrics.verdict(r["summary"], th)
                 exact.append({"kind": "exact", "type": t, "split": cfg.exact_split, "window_cells": w, "profile": "same_type",
                               "thresholds": th, "relative_to_order_floor": floor_how, "metrics": _metrics(r["summary"]), "checks": v.to_dict()["checks"], "passed": v.passed,
                               "failed_checks": [c.name for c in v.failed], "plan": _plan_brief(r.get("plan")), "timings": r.get("timings"),
@@ -205,16 +205,16 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
 
     needle = None
     if cfg.needle:
-        from rollingkv_cli import gate_needle
+        from rollingkv_cli.gate import needle as needle_runs
 
-        ncfg = gate_needle.NeedleConfig(model=cfg.model, build=cfg.build, filler_tokens=cfg.needle_filler_tokens,
+        ncfg = needle_runs.NeedleConfig(model=cfg.model, build=cfg.build, filler_tokens=cfg.needle_filler_tokens,
                                         depths=tuple(cfg.needle_depths), seed=cfg.needle_seed,
                                         window_cells=needle_window(cfg.needle_filler_tokens), threads=cfg.threads,
                                         n_gpu_layers=cfg.n_gpu_layers, n_predict=cfg.needle_n_predict,
                                         match="answer" if cfg.order_floor else "tokens")
         console.print(f"[dim]needle: {cfg.needle_filler_tokens} filler tokens, window {ncfg.window_cells}, depths "
                       f"{', '.join(f'{d:g}' for d in ncfg.depths)}[/]")
-        needle = gate_needle.run(ncfg, console, logs)
+        needle = needle_runs.run(ncfg, console, logs)
         needle["command"] = (f"rollingkv gate needle --model {cfg.model_spec} --filler-tokens {cfg.needle_filler_tokens} "
                              f"--kv-window-cells {ncfg.window_cells} " + " ".join(f"--depth {d:g}" for d in ncfg.depths)
                              + f" --seed {cfg.needle_seed} --n-predict {cfg.needle_n_predict}" + ("" if cfg.n_gpu_layers is None else f" -ngl {cfg.n_gpu_layers}"))
@@ -356,7 +356,7 @@ def markdown(r: dict) -> str:
         lines += ["", "## Order floors: the resident cache with half the batch against the resident cache (same type)", "",
                   "GPU attention kernels tile and split the KV range by shape, so the resident run is reproducible only up to the",
                   "floating-point order of its sums; every bound is the looser of the absolute one and "
-                  f"{_g(gate_math.DEFAULT_ORDER_FACTOR)}× this floor (`--order-floor`).", "",
+                  f"{_g(metrics.DEFAULT_ORDER_FACTOR)}× this floor (`--order-floor`).", "",
                   "| type | batch | mean TV | max TV | top-1 | real | bitwise rows |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for t, fl in r["order_floors"].items():
             m = fl["metrics"]
@@ -391,7 +391,7 @@ def markdown(r: dict) -> str:
 
 
 def write_outputs(r: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
-    from rollingkv_cli.gate_common import write_json
+    from rollingkv_cli.gate.common import write_json
 
     jp = out_dir / f"{name}.json"
     mp = out_dir / f"{name}.md"

@@ -4,7 +4,7 @@ vanilla llama.cpp offers at the same depth, in one run (issue 4, item 5).
 One llama-bench process per cell (`-fa 1 -p 0 -n N -d DEPTH -r R -o json`), so that every cell has its own
 command line, wall time and timeout, and the JSON report is rewritten after every cell: a run cut short
 (a device-call limit, Ctrl-C) leaves every finished cell on disk, and `--resume` runs only what is missing.
-No click in here: the command is rollingkv_cli/commands/bench.py; the arithmetic is bench_math.
+No click in here: the command is cli.py; the arithmetic is arithmetic.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollingkv_cli import bench_math as bm
+from rollingkv_cli.bench import arithmetic as bm
 from rollingkv_cli.console import abort, console, esc
 
 SCHEMA = "rollingkv.bench.tail/1"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
-from rollingkv_cli.bench_math import KVShape, WeightSplit
+from rollingkv_cli.bench.arithmetic import KVShape, WeightSplit
 from rollingkv_cli.console import abort
 
 

@@ -1,0 +1,275 @@
+"""`gate equiv`: split vs resident next-token distributions, teacher-forced (the runs: gate/equiv.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive
+from rollingkv_cli.gate.common import EXIT_FAIL
+
+MODES = ["window", "auto", "off"]
+
+
+@click.command()
+@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")
+@click.option("--synthetic-tokens", type=int, callback=positive, default=None,
+              help="Decode N tokens of built-in deterministic public-domain prose.  [default: 2048]")
+@click.option("--ctx", "n_ctx", type=int, callback=positive, default=None,
+              help="Context size. Default: the token count rounded up to 256, plus 256.")
+@click.option("--kv-window-cells", type=int, callback=positive, default=None, help="Cells of the device window per stream.")
+@click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window.")
+@cache_type_options
+@click.option("--kv-residency-mode", "mode", type=click.Choice(MODES), default="window", show_default=True,
+              help="The candidate's residency mode (off: the plain resident cache, a sanity run).")
+@click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
+              help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
+@click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="YAML/JSON file overriding the default bounds (flat keys, or per profile: same_type/quantized).")
+@click.option("--tail-baseline", is_flag=True,
+              help="Quantized tail: also decode the resident cache with every K/V in the tail's type, and let the split lose up to "
+                   "baseline_factor (3) times what that loses (each upper bound becomes max(bound, factor x baseline)).")
+@click.option("--order-floor/--no-order-floor", default=None,
+              help="Also decode the resident cache with half the batch (the same math in another floating-point order, as GPU "
+                   "attention kernels tile by shape), and let the split differ up to order_factor (2) times what that run "
+                   "differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))).  "
+                   "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+@click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per run.  [default: all cores]")
+@click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
+@click.option("--n-seq", type=int, callback=positive, default=1, show_default=True,
+              help="Decode the text as N equal sequences side by side, each batch holding positions of all of them in one "
+                   "unified KV cache (as llama-server's --parallel N slots): their cells interleave in the window and the tail.")
+@ngl_option()
+@build_options
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
+def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
+          reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
+          lib_dir, work_dir) -> None:
+    """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
+
+    The text runs as one sequence, or as --n-seq sequences side by side. On the CUDA backend the bounds also
+    follow the resident run's own floating-point order floor (--order-floor).
+
+    Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
+    """
+    from rollingkv_cli import __version__, models, paths
+    from rollingkv_cli.gate import common, metrics
+    from rollingkv_cli.gate import equiv as equiv_runs
+    from rollingkv_cli.console import abort, console, esc, note, usage_error, warn
+
+    t_start = time.time()
+    # ---------------------------------------------------------------- input checks, cheapest first
+    if prompt_file is not None and synthetic_tokens is not None:
+        raise click.UsageError("give --prompt-file or --synthetic-tokens, not both")
+    if kv_window_cells is not None and vram_target is not None:
+        raise click.UsageError("give --kv-window-cells or --vram-target, not both")
+    if build_dir is not None and lib_dir is not None:
+        raise click.UsageError("give --build or --lib-dir, not both")
+    if prompt_file is None and synthetic_tokens is None:
+        synthetic_tokens = 2048
+    if n_ctx is not None and kv_window_cells is not None and kv_window_cells >= n_ctx:
+        usage_error(f"--kv-window-cells {kv_window_cells} must be smaller than --ctx {n_ctx}",
+              "the window holds cells [0, window); a window as large as the context leaves no tail to check")
+    if n_ctx is not None and synthetic_tokens is not None and synthetic_tokens > n_ctx:
+        usage_error(f"{synthetic_tokens} tokens do not fit --ctx {n_ctx}", "raise --ctx or lower --synthetic-tokens")
+    if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt):
+        warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target and the tail types")
+    profile = metrics.profile_for((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
+    try:
+        thresholds = metrics.load_thresholds(thresholds_file, profile)
+    except metrics.ThresholdsError as e:
+        abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(metrics.CHECKS) | metrics.PARAM_KEYS)))
+    if tail_baseline and profile != "quantized":
+        warn("--tail-baseline applies to a quantized tail only: the tail holds the window's type, the same-type bounds apply")
+        tail_baseline = False
+    ref_kind, ref_lib = _parse_reference(reference)
+    threads = threads or os.cpu_count() or 1
+    if prompt_file is not None:
+        from rollingkv_cli.userinput import read_text
+
+        read_text(prompt_file, "prompt file")  # readable UTF-8 text, said here rather than by the runner
+    pcie_bw = paths.pcie_bw_env() if mode != "off" else None
+
+    model_path = models.resolve_model(model_spec, log=note)
+    build = common.resolve_build(build_dir, lib_dir)
+    cand_lib = build.lib_dir
+    if order_floor is None:
+        order_floor = build.on_gpu(n_gpu_layers)
+    if ref_kind == "resident":
+        ref_lib = cand_lib
+
+    residency = None
+    if mode != "off":
+        residency = {"mode": mode, "window_cells": kv_window_cells or 0, "vram_target_mib": vram_target or 0,
+                     "type_k_tail": ctkt, "type_v_tail": ctvt}
+        if pcie_bw is not None:
+            residency["pcie_bw_gbps"] = pcie_bw
+    cand_residency = residency or {"mode": "off"}
+    ref_residency = {"mode": "off"} if ref_kind == "resident" else None
+
+    tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
+    try:
+        tmp_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    logs_dir = common.logs_dir()
+    results: dict[str, dict] = {}
+    baseline_how = None
+    floor_how = None
+    with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
+        wd = Path(td)
+        sess = equiv_runs.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
+                                       n_gpu_layers=n_gpu_layers)
+        # ------------------------------------------------------------ tokens (with the candidate's library)
+        with console.status("tokenizing"):
+            tok = sess.tokenize(cand_lib, prompt_file, synthetic_tokens)
+        n_tokens, n_vocab = sess.n_tokens, sess.n_vocab
+        if n_tokens == 0:
+            abort(f"{prompt_file or 'the text'} holds fewer than {n_seq} tokens" if n_seq > 1 else f"{prompt_file} holds no tokens")
+        if mode != "off" and not tok.get("has_residency"):
+            abort("this build has no KV residency API; rebuild",
+                  f"{build.dir or build.lib_dir} lacks llama_init_from_model_rolling_kv: run `rollingkv build`, or check with --kv-residency-mode off")
+        if n_ctx is None:
+            n_ctx = -(-n_tokens // 256) * 256 + 256
+        elif n_tokens > n_ctx:
+            abort(f"{prompt_file or 'the text'} is {n_tokens} tokens and does not fit --ctx {n_ctx}", "raise --ctx or shorten the prompt")
+        if kv_window_cells is not None and kv_window_cells >= n_ctx:
+            abort(f"--kv-window-cells {kv_window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
+        if mode != "off" and kv_window_cells is not None and kv_window_cells >= n_tokens:
+            warn(f"the window ({kv_window_cells} cells) holds all {n_tokens} tokens: the tail is never read")
+        sess.n_ctx = n_ctx
+        need = sess.logits_bytes() * (2 if tail_baseline else 1)
+        free = shutil.disk_usage(wd).free
+        if need > free - (64 << 20):
+            abort(f"the reference logits need {need / 2**20:.0f} MiB in {tmp_root}, {free / 2**20:.0f} MiB are free",
+                  "point --work-dir at a larger disk, or decode fewer tokens")
+
+        ref_label = "reference (resident)" if ref_kind == "resident" else f"reference ({esc(equiv_runs.short_path(ref_lib))})"
+        cand_label = f"candidate ({mode})"
+        console.print(f"[dim]{esc(model_path.name)}: {n_tokens} tokens{f' as {n_seq} sequences side by side' if n_seq > 1 else ''}, "
+                      f"ctx {n_ctx}, batch {n_batch}, {threads} threads, "
+                      f"K/V {ctk}/{ctv}{equiv_runs.tail_desc(mode, ctkt, ctvt)}"
+                      f"{'' if n_gpu_layers is None else f', -ngl {n_gpu_layers}'}[/]")
+        positions_tmp = wd / "positions.npz"
+        with equiv_runs.progress(console) as progress:
+            results["reference"] = sess.decode("reference", ref_lib, ctk, ctv, ref_residency, save=wd / "ref.npy",
+                                               progress=progress, label=ref_label)
+            if tail_baseline:
+                bk, bv = ctkt or ctk, ctvt or ctv
+                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, {"mode": "off"}, reference=wd / "ref.npy",
+                                                  real_margin_nats=thresholds["real_margin_nats"], progress=progress,
+                                                  label=f"baseline (resident {bk}/{bv})")
+                thresholds, baseline_how = metrics.relative_thresholds(thresholds, results["baseline"]["summary"])
+            if order_floor:
+                fb = equiv_runs.order_floor_batch(n_batch)
+                results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
+                                                     real_margin_nats=thresholds["real_margin_nats"], progress=progress,
+                                                     label=f"order floor (resident, batch {fb})", n_batch=fb)
+                thresholds, floor_how = metrics.order_floor_thresholds(thresholds, results["order_floor"]["summary"])
+            results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",
+                                               real_margin_nats=thresholds["real_margin_nats"], positions_out=positions_tmp,
+                                               progress=progress, label=cand_label)
+        positions_file = None
+        if json_out is not None:
+            positions_file = json_out.with_suffix(".positions.npz")
+            try:
+                positions_file.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(positions_tmp, positions_file)
+            except OSError:
+                positions_file = None
+
+    summary = results["candidate"]["summary"]
+    v = metrics.verdict(summary, thresholds)
+    title = None
+    if baseline_how:
+        title = f"equivalence gate (quantized bounds, relative to the resident {ctkt or ctk}/{ctvt or ctv} cache)"
+    if floor_how:
+        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + (", " if title else "") + "relaxed to the order floor where looser)"
+    equiv_runs.print_table(console, summary, thresholds, v, profile, title=title)
+    ref_r, cand_r = results["reference"], results["candidate"]
+    if baseline_how:
+        bs = results["baseline"]["summary"]
+        console.print(f"[dim]baseline (the whole cache {ctkt or ctk}/{ctvt or ctv}, resident): mean TV {equiv_runs.fmt(bs['mean_tv'])}, "
+                      f"real {equiv_runs.fmt(bs['real_frac'])}; bounds = max(absolute, {thresholds['baseline_factor']:g} x baseline)[/]")
+    if floor_how:
+        fs = results["order_floor"]["summary"]
+        console.print(f"[dim]order floor (the resident cache, batch {equiv_runs.order_floor_batch(n_batch)}): mean TV {equiv_runs.fmt(fs['mean_tv'])}, "
+                      f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
+                      f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser[/]")
+    equiv_runs.print_plan(console, cand_r.get("plan"))
+    console.print(f"[dim]decode: reference {ref_r['timings']['decode_s']:.1f} s ({ref_r['timings']['tokens_per_s']} tok/s), "
+                  f"candidate {cand_r['timings']['decode_s']:.1f} s ({cand_r['timings']['tokens_per_s']} tok/s); "
+                  f"compare {cand_r['timings']['compare_s']:.1f} s[/]")
+
+    report = {
+        "rollingkv": __version__,
+        "verdict": "pass" if v.passed else "fail",
+        "passed": v.passed,
+        "failed_checks": [c.name for c in v.failed],
+        "profile": profile,
+        "thresholds": thresholds,
+        "thresholds_file": str(thresholds_file.resolve()) if thresholds_file else None,
+        "metrics": summary,
+        "checks": v.to_dict()["checks"],
+        "model": str(model_path),
+        "tokens": {"n": n_tokens, "n_vocab": n_vocab, **tok.get("source", {})},
+        "n_ctx": n_ctx,
+        "n_batch": n_batch,
+        "n_seq": n_seq,
+        "threads": threads,
+        "n_gpu_layers": n_gpu_layers,
+        "cache_types": {"k": ctk, "v": ctv, "k_tail": ctkt or ctk, "v_tail": ctvt or ctv},
+        "reference": {"spec": reference, "lib": ref_r.get("lib"), "build_info": ref_r.get("build_info"),
+                      "rollingkv_lib": ref_r.get("rollingkv"), "residency": ref_residency, "context_via": ref_r.get("context_via"),
+                      "plan": ref_r.get("plan"), "n_ctx": ref_r.get("n_ctx"), "timings": ref_r.get("timings")},
+        "candidate": {"lib": cand_r.get("lib"), "build_info": cand_r.get("build_info"), "residency": cand_residency,
+                      "context_via": cand_r.get("context_via"), "plan": cand_r.get("plan"), "n_ctx": cand_r.get("n_ctx"),
+                      "timings": cand_r.get("timings")},
+        "baseline": None if not baseline_how else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "metrics": results["baseline"]["summary"],
+                                                   "bounds": baseline_how, "timings": results["baseline"].get("timings")},
+        "order_floor": None if not floor_how else {"n_batch": equiv_runs.order_floor_batch(n_batch), "metrics": results["order_floor"]["summary"],
+                                                   "bounds": floor_how, "timings": results["order_floor"].get("timings")},
+        "build": build.describe(),
+        "positions_file": str(positions_file) if positions_file else None,
+        "commands": sess.commands,
+        "logs": str(logs_dir),
+        "wall_s": round(time.time() - t_start, 2),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if json_out is not None:
+        common.write_json(json_out, report)
+        note(f"report: {json_out}")
+    if v.passed:
+        console.print("[bold green]PASS[/] the candidate reproduces the reference within every bound")
+        return
+    console.print("[bold red]FAIL[/] " + esc("; ".join(c.describe() for c in v.failed)), soft_wrap=True)
+    # SystemExit, not click's Exit: with standalone_mode=False click turns Exit into a return value
+    sys.exit(EXIT_FAIL)
+
+
+def _parse_reference(spec: str) -> tuple[str, Path | None]:
+    from rollingkv_cli.console import abort
+
+    if spec == "resident":
+        return "resident", None
+    if spec.startswith("lib:") and len(spec) > 4:
+        p = Path(spec[4:]).expanduser()
+        if p.is_file():
+            p = p.parent
+        if not p.is_dir():
+            abort(f"--reference {spec}: {p} does not exist", "give lib:DIR with the libllama.so of another build, e.g. lib:/path/llama.cpp/build/bin")
+        if not (p / "libllama.so").is_file():
+            abort(f"--reference {spec}: no libllama.so in {p}", "give the directory holding libllama.so (llama.cpp's build/bin)")
+        return "lib", p.resolve()
+    raise click.BadParameter(f"{spec!r} is neither `resident` nor `lib:PATH`", param_hint="'--reference'")
+
