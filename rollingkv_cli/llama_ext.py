@@ -108,11 +108,10 @@ class Extension:
             lib.llama_rolling_kv_plan_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
             lib.llama_kv_residency_mode_from_str.restype = ctypes.c_int32
             lib.llama_kv_residency_mode_from_str.argtypes = [ctypes.c_char_p]
-        # API 2: the planner on given figures, and why a context was refused
-        self.has_planner = hasattr(lib, "llama_rolling_kv_plan_simulate")
+        # API 2: why a context was refused; the planner on given figures is the test library next to libllama
+        self.has_planner = hasattr(lib, "llama_rolling_kv_last_error")
+        self._sim = None
         if self.has_planner:
-            lib.llama_rolling_kv_plan_simulate.restype = ctypes.c_int32
-            lib.llama_rolling_kv_plan_simulate.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
             lib.llama_rolling_kv_last_error.restype = ctypes.c_char_p
             lib.llama_rolling_kv_last_error.argtypes = []
         lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
@@ -184,18 +183,27 @@ class Extension:
 
     def _require_planner(self) -> None:
         if not self.has_planner:
-            abort("this build has no planner API (llama_rolling_kv_plan_simulate)", "rebuild with `rollingkv build`")
+            abort("this build has no planner API (llama_rolling_kv_last_error)", "rebuild with `rollingkv build`")
 
     def simulate_plan(self, figures: dict) -> dict:
-        """llama_rolling_kv_plan_simulate: the library's planner on the given figures (keys: see
-        include/llama-rolling-kv.h), without a model or a device. Invalid input gives {"error": ..., "invalid_input": true}."""
+        """rollingkv_plan_simulate: the library's planner on the given figures (keys: see rollingkv/plan-simulate.cpp of
+        the tree), without a model or a device, from the planner test library librollingkv-plan-sim.so next to libllama.
+        Invalid input gives {"error": ..., "invalid_input": true}."""
         import json
 
         self._require_planner()
+        if self._sim is None:
+            path = Path(self._lib._name).parent / "librollingkv-plan-sim.so"
+            if not path.is_file():
+                abort(f"this build has no planner test library ({path.name} next to {Path(self._lib._name).name})",
+                      "rebuild with `rollingkv build`")
+            self._sim = ctypes.CDLL(str(path))
+            self._sim.rollingkv_plan_simulate.restype = ctypes.c_int32
+            self._sim.rollingkv_plan_simulate.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         data = json.dumps(figures).encode()
-        n = self._lib.llama_rolling_kv_plan_simulate(data, None, 0)
+        n = self._sim.rollingkv_plan_simulate(data, None, 0)
         buf = ctypes.create_string_buffer(n + 1)
-        self._lib.llama_rolling_kv_plan_simulate(data, buf, n + 1)
+        self._sim.rollingkv_plan_simulate(data, buf, n + 1)
         return json.loads(buf.value.decode())
 
     def last_error(self) -> str:

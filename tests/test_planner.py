@@ -1,6 +1,7 @@
 """The VRAM-budget planner of the library (llama-kv-residency.cpp).
 
-Most tests run the planner on FAKE memory figures through llama_rolling_kv_plan_simulate (no model, no GPU)
+Most tests run the planner on FAKE memory figures through rollingkv_plan_simulate (no model, no GPU; the
+planner test library librollingkv-plan-sim next to libllama, which models a GPU as the CUDA backend reports it)
 and check its plan against the budget arithmetic written out independently below:
 
     avail     = min(vram_target - weights, free)        (no target: free - reserve)
@@ -44,7 +45,7 @@ GPU = dict(kv_size=131072, n_layer=32, n_embd_k_gqa=1024, n_embd_v_gqa=1024, wei
            ring_mib=96, free_mib=140000, pcie_bw_gbps=53.5, mem_bw_gbps=4000)
 
 
-RUNTIME_MIB = 640  # the library's default GPU runtime reserve (LLAMA_RKV_RUNTIME_MIB)
+RUNTIME_MIB = 640  # the CUDA backend's default runtime reserve (ROLLINGKV_RUNTIME_MIB)
 
 
 def fig(**kw) -> dict:
@@ -88,15 +89,8 @@ from rollingkv_cli import llama_ext
 llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
 out = {}
 for name, case in json.loads(os.environ["RKV_CASES"]).items():
-    env = case.pop("_env", {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    case.pop("_env", None)  # set on the process: the knobs are read once
     out[name] = ext.simulate_plan(case)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
 print(json.dumps(out))
 """
 
@@ -126,21 +120,21 @@ def _cases() -> dict:
         "no_link": fig(vram_target_mib=12000, pcie_bw_gbps=0),
         "no_mem_bw": fig(vram_target_mib=12000, mem_bw_gbps=0),
         "ring_env": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
-                     "_env": {"GGML_RKV_SLOTS": "5", "GGML_RKV_SLOT_MIB": "16"}},
+                     "_env": {"ROLLINGKV_SLOTS": "5", "ROLLINGKV_SLOT_MIB": "16"}},
         "ring_env_low": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
-                         "_env": {"GGML_RKV_SLOTS": "three", "GGML_RKV_SLOT_MIB": "0"}},
+                         "_env": {"ROLLINGKV_SLOTS": "three", "ROLLINGKV_SLOT_MIB": "0"}},
         "ring_env_high": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
-                          "_env": {"GGML_RKV_SLOTS": "99", "GGML_RKV_SLOT_MIB": "64"}},
+                          "_env": {"ROLLINGKV_SLOTS": "99", "ROLLINGKV_SLOT_MIB": "64"}},
         "ring_default": {**{k: v for k, v in fig(vram_target_mib=12000).items() if k != "ring_mib"},
-                         "_env": {"GGML_RKV_SLOTS": "", "GGML_RKV_SLOT_MIB": ""}},
+                         "_env": {"ROLLINGKV_SLOTS": "", "ROLLINGKV_SLOT_MIB": ""}},
         # 8 streams of f32 K/V of 8192 wide: one 256-cell chunk of a layer is 128 MiB, more than a 32 MiB slot
         "ring_big_rows": {**{k: v for k, v in fig(vram_target_mib=60000, kv_size=16384, n_stream=8, n_embd_k_gqa=8192,
                                                 n_embd_v_gqa=8192, n_layer=4, type_k="f32", type_v="f32").items() if k != "ring_mib"},
-                          "_env": {"GGML_RKV_SLOTS": "", "GGML_RKV_SLOT_MIB": ""}},
+                          "_env": {"ROLLINGKV_SLOTS": "", "ROLLINGKV_SLOT_MIB": ""}},
         "two_gpus": fig(vram_target_mib=10000, devices=[{"name": "CUDA0", "n_layer": 16, "weights_mib": 2000},
                                                        {"name": "CUDA1", "n_layer": 16, "weights_mib": 5000}]),
         "runtime_given": fig(vram_target_mib=12000, runtime_mib=100),
-        "runtime_env": {**fig(vram_target_mib=12000), "_env": {"LLAMA_RKV_RUNTIME_MIB": "1000"}},
+        "runtime_env": {**fig(vram_target_mib=12000), "_env": {"ROLLINGKV_RUNTIME_MIB": "1000"}},
         "runtime_no_target": fig(free_mib=9000, runtime_mib=5000),
         "bad_key": fig(vram_target_mib=1, windw_cells=5),
         "bad_tail": fig(type_k_tail="q2_K"),
@@ -159,8 +153,15 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def sim(cpu_build) -> dict:
-    """Every case of CASES through the library's planner, in one process."""
-    return run_python(_SIMULATE, cpu_build.lib_dir, env_extra={"RKV_CASES": json.dumps(CASES)})
+    """Every case of CASES through the library's planner: one process per environment (_env), since the library
+    reads its ROLLINGKV_* knobs once per process."""
+    groups: dict[str, dict] = {}
+    for name, case in CASES.items():
+        groups.setdefault(json.dumps(case.get("_env", {}), sort_keys=True), {})[name] = case
+    out: dict = {}
+    for env, cases in groups.items():
+        out.update(run_python(_SIMULATE, cpu_build.lib_dir, env_extra={**json.loads(env), "RKV_CASES": json.dumps(cases)}))
+    return out
 
 
 def _plain(name: str) -> dict:
@@ -317,7 +318,7 @@ def test_free_memory_caps_the_target(sim):
 
 
 def test_ring_from_environment(sim):
-    """GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB, read as the CUDA op reads them (atoi, slots clamped to [2, 8], MiB to [1, 4096])."""
+    """ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB, read as the CUDA op reads them (atoi, slots clamped to [2, 8], MiB to [1, 4096])."""
     p = sim["ring_env"]
     assert p["budget"]["ring_slots"] == 5 and p["budget"]["ring_bytes"] == 80 * MiB
     assert p["window_cells"] == Expect({**_plain("ring_env"), "ring_mib": 80}).window
@@ -474,13 +475,14 @@ def test_server_refuses_a_target_below_the_minimum(cpu_build, demo_model):
 def test_server_reports_the_budget_in_props(cpu_build, demo_model, tmp_path):
     from rollingkv_cli.server import ServerProcess
 
-    env = {**os.environ, "GGML_RKV_SLOTS": "2"}
+    env = {**os.environ, "ROLLINGKV_SLOTS": "2"}
     with ServerProcess(cpu_build.artifact("llama-server"), ["-m", str(demo_model), "-t", "2", "-c", "8192", "-np", "1", "-fa", "on",
                                                             "--vram-target", "300", "--pcie-bw-gbps", "20"],
                        log_path=tmp_path / "srv.log", env=env) as srv:
         plan = srv.request("/props")["rolling_kv"]
     assert plan["mode_requested"] == "auto" and plan["split"] and plan["window_cells"] % ALIGN == 0
-    assert plan["budget"]["vram_target_mib"] == 300 and plan["budget"]["ring_slots"] == 2
+    # host memory streams nothing: no ring, whatever ROLLINGKV_SLOTS says (the ring is the GPU backend's figure)
+    assert plan["budget"]["vram_target_mib"] == 300 and plan["budget"]["ring_slots"] == 0 and plan["budget"]["ring_bytes"] == 0
     assert plan["link"]["link_bw_gbps"] == pytest.approx(20.0) and plan["estimate"]["ms_per_token"] > 0
     # the server's one line at start (the library's own budget lines are below its default log level)
     assert f"chosen window, window {plan['window_cells']} + tail" in (tmp_path / "srv.log").read_text()

@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 2
+#define LLAMA_ROLLING_KV_API_VERSION 3
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -66,18 +66,24 @@ LLAMA_API const char * llama_rolling_kv_last_error(void);
 // bytes including the terminating NUL; returns the full length (excluding NUL), or -1 if ctx is NULL.
 LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
-// The planner on figures given as a JSON object instead of a model and a device (no device is touched):
-//   mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail, type_v_tail,
-//   kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
-//   device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib
-//   (default: the GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB ring; 0 for host memory), reserve_mib (the default
-//   reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), refuse
-//   (a reason the cache is not eligible), devices (optional list of objects with name, n_layer, free_mib,
-//   weights_mib, compute_mib, other_kv_mib, ring_mib, host_memory: one per device, layers split in order).
-// (*: required.) Writes the plan as llama_rolling_kv_plan_json does, plus "simulated": true; a refused
-// request has mode_chosen "refused" and the message in "error"; invalid input gives {"error": ...,
-// "invalid_input": true}. Returns the full length (excluding NUL), or -1 if json_in is NULL.
-LLAMA_API int32_t llama_rolling_kv_plan_simulate(const char * json_in, char * buf, size_t buf_size);
+// The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at
+// its top level. Returns false if ctx or info is NULL. A context created without residency parameters reports
+// mode_requested and mode_chosen "off", nothing split.
+struct llama_rolling_kv_plan_info {
+    enum llama_kv_residency_mode mode_requested;
+    const char *   mode_chosen;    // "off" (the upstream cache), "resident", "window" (split) or "refused"; static storage
+    bool           split;
+    uint32_t       kv_size;        // cells per stream
+    uint32_t       n_stream;
+    uint32_t       window_cells;   // per stream; 0 when not split
+    uint32_t       tail_cells;     // per stream; 0 when not split
+    enum ggml_type type_k_tail;    // GGML_TYPE_COUNT when unknown
+    enum ggml_type type_v_tail;
+    size_t         device_bytes;   // K/V bytes of all layers in their device (window) buffers
+    size_t         host_bytes;     // K/V bytes of all layers' tails in host memory
+};
+
+LLAMA_API bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_rolling_kv_plan_info * info);
 
 LLAMA_API const char * llama_kv_residency_mode_name(enum llama_kv_residency_mode mode);
 // -1 when s names no mode ("off", "auto", "head", "window")

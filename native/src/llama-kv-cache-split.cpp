@@ -16,7 +16,6 @@
 #include "ggml-rolling-kv.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -168,10 +167,8 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
     }
 
     // a tail in a GPU's pinned memory is accessed in place by that GPU (new rows written through unified addressing,
-    // attention streaming it in bulk) instead of being copied whole by the scheduler before every graph;
-    // LLAMA_RKV_SCHED_COPY=1 keeps the scheduler's copies (a baseline for the benchmark)
-    const char * sched_copy = getenv("LLAMA_RKV_SCHED_COPY");
-    if (buft != ggml_backend_cpu_buffer_type() && !(sched_copy && atoi(sched_copy) != 0)) {
+    // attention streaming it in bulk) instead of being copied whole by the scheduler before every graph
+    if (buft != ggml_backend_cpu_buffer_type()) {
         ggml_set_streamed(layer.k_tail);
         if (layer.v_tail) {
             ggml_set_streamed(layer.v_tail);
@@ -296,9 +293,13 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
 
     // One window-row and one tail-row view for every layer: the scheduler copies each distinct view of a CPU input to
     // the GPU on its own, with a synchronization (a view per layer cost ~1 ms of host time per decode token on the
-    // H200, docs/perf). A K input starts a new graph: the views of earlier graphs are dropped.
-    if (strcmp(name, "attn_inp_k_idxs") == 0) {
+    // H200, docs/perf). They are kept per input tensor for the graph being built, which is the graph of the ggml
+    // context the input is made in: the views of a graph built in another context are dropped. (The graph contexts
+    // of consecutive builds differ: a graph result allocates its new context before it frees the old one.) Every
+    // index input a cpy receives was made here for the graph being built, since the inputs precede the layers.
+    if (ctx != rkv_idx_ctx) {
         rkv_idx_views.clear();
+        rkv_idx_ctx = ctx;
     }
     ggml_tensor * win  = ggml_view_1d(ctx, idxs, ubatch.n_tokens, 0);
     ggml_tensor * tail = ggml_view_1d(ctx, idxs, ubatch.n_tokens, idxs->nb[1]);

@@ -1,10 +1,10 @@
-// rollingkv: KV residency planner and the state it shares with the context.
+// rollingkv: the KV residency planner and the state it shares with the context.
 //
 // A residency request (llama_rolling_kv_params) travels from llama_init_from_model_rolling_kv into the
-// context's llama_cparams (cparams.rkv) and from there to the KV cache constructor, which asks the planner
-// whether to split each attention layer's cache by cell index into a device window (cells [0, wc)) and a
-// host tail (cells [wc, kv_size)). The outcome (the plan) is recorded in the same state, for
-// llama_rolling_kv_plan_json and the logs.
+// context's llama_cparams (cparams.rkv, see llama-rolling-kv-internal.h) and from there to the KV cache
+// constructor, which asks the planner (llama_rkv_plan_cache) whether to split each attention layer's cache by
+// cell index into a device window (cells [0, wc)) and a host tail (cells [wc, kv_size)). The outcome (the plan)
+// is recorded in the same state, for llama_rolling_kv_plan_json and the logs.
 //
 // The budget (per device that holds KV layers; the target is per device):
 //
@@ -15,10 +15,11 @@
 // model weights were loaded, so free already excludes them: they are subtracted from the target only,
 // never from free. Out of avail come the compute buffers (not allocated yet: an estimate, see
 // llama_rkv_compute_estimate), the caches that never split (the SWA cache of an iSWA model, allocated after
-// the planning cache) and, when the cache splits, the CUDA streaming op's staging ring (llama_rkv_slot_ring).
-// The whole KV fits: resident (the upstream cache, no ring); otherwise the largest window of a multiple of
-// 256 cells that fits every device. A target that cannot hold even a 256-cell window is refused with the
-// minimum, in MiB.
+// the planning cache), with a target the device runtime's own memory, and, when the cache splits, the ring
+// through which the device streams the tail. The last two are the backend's figures (ggml_rkv_dev_budget,
+// ggml-rolling-kv.h): the planner knows no backend. The whole KV fits: resident (the upstream cache, no
+// ring); otherwise the largest window of a multiple of 256 cells that fits every device. A target that cannot
+// hold even a 256-cell window is refused with the minimum, in MiB.
 //
 // The expected time per token of a split (the link model, at full context):
 //   t_token ~ (weights + window KV + other KV) / mem_bw + tail KV / link_bw
@@ -29,14 +30,28 @@
 #include "llama-rolling-kv.h"
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "ggml-rolling-kv.h"
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
 struct llama_model;
+
+// constants of the planner (not knobs)
+static const size_t   LLAMA_RKV_MIB          = 1024ull*1024;
+// reserve kept free on the device when the budget is the free VRAM (no vram_target): what the compute
+// estimate does not cover (cuBLAS workspaces, the CUDA pool's growth for dequantized weights in large
+// batches, fragmentation, other processes starting later)
+static const size_t   LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
+// n_kv grows in steps of 256 cells (llama_kv_cache::get_n_kv) and the GPU kernels split the parts at
+// 256-cell boundaries: a window of a multiple of 256 cells keeps whole n_kv steps on one side
+static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
+
+// "off", "auto", "head", "window" (llama_kv_residency_mode_name)
+const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode);
 
 struct llama_rkv_layer_plan {
     int32_t  il;
@@ -56,9 +71,10 @@ struct llama_rkv_dev_budget {
     size_t   weights          = 0;     // model weights on this device
     size_t   compute          = 0;     // compute buffer estimate
     size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model)
-    size_t   ring             = 0;     // staging ring of the streaming op, counted only when the cache splits
-    size_t   runtime          = 0;     // the GPU runtime's own memory (context, library handles, pool growth):
-                                       // counted against a vram_target only (NVML counts it per process)
+    size_t   ring             = 0;     // the device's tail ring (the backend's figure), counted only when the cache splits
+    size_t   runtime          = 0;     // the device runtime's own memory (the backend's figure: context, library
+                                       // handles, pool growth): counted against a vram_target only (NVML counts it
+                                       // per process)
     size_t   row_bytes_window = 0;     // K+V bytes of one cell of one stream over this device's layers, window types
     size_t   row_bytes_tail   = 0;     // the same at the tail types
     size_t   conv_cell_bytes  = 0;     // f16 copy of one cell of one layer's K/V that flash attention makes of
@@ -175,11 +191,10 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
 // pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
 void llama_rkv_plan_estimate(llama_rkv_state & st);
 
-// the staging ring of the CUDA streaming op, per device, as the op sizes it (ggml_streaming_flash_attn_ring_* in
-// ggml-rolling-kv.h): slots of at least one 256-cell chunk of the widest layer's tail (llama_rkv_min_slot; row
-// bytes per stream, n_stream streams). Bytes.
-size_t llama_rkv_min_slot(size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
-size_t llama_rkv_slot_ring(int * n_slots = nullptr, size_t * slot_bytes = nullptr, size_t min_slot = 0);
+// what dev spends on the streaming op beyond its tensors, as its backend reports it (GGML_RKV_DEV_BUDGET_PROC,
+// ggml-rolling-kv.h): the ring it streams a tail through, for tails whose widest layer has these K/V rows (bytes per
+// stream, n_stream streams), and its runtime's memory; zeros for host memory and for backends that report nothing
+ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
 
 // model weights in the buffers of dev (host memory when dev is a CPU device)
 size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);
@@ -197,29 +212,18 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
 // for a CPU device) through ggml-backend; once per device and process; < 0 when it could not be measured
 double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how);
 
+// the decision on budget inputs that are already known (st.devs filled, or none to budget): what the cache constructor
+// (llama_rkv_plan_cache, from the devices) and the planner's test harness (on given figures) share
+struct llama_rkv_decide_in {
+    const char * refuse = nullptr;  // why this cache cannot split (not eligible), nullptr: eligible
+    std::string  op_unsupported;    // a device that cannot run the streaming op, why ("": all can)
+    std::string  no_device;         // why no device could be budgeted (st.devs empty)
+    bool         host_memory = false; // st.devs are host memory (a run without GPU)
+    bool         quiet       = false; // no logs
+    size_t       reserve     = LLAMA_RKV_VRAM_RESERVE; // kept free when there is no vram_target
+    std::function<double(std::string *)> measure; // device memory bandwidth; called only for a split
+};
 
-// the request llama_init_from_model_rolling_kv hands to the llama_context being constructed on this thread
-void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st);
-std::shared_ptr<llama_rkv_state> llama_rkv_take_pending();
-
-std::string llama_rkv_plan_to_json(const llama_rkv_state * st);
-
-// llama_rolling_kv_plan_simulate: the planner on figures given as JSON (see llama-rolling-kv.h)
-std::string llama_rkv_plan_simulate(const char * json_in);
-
-// attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the
-// window views k/v and the tail views k_tail/v_tail, with GGML_OP_STREAMING_FLASH_ATTN.
-// q: [DK, n_head, n_tokens]; k/v/k_tail/v_tail: 4D views [D, n_head_kv, n_kv_part, n_stream] (get_k layout)
-// returns [DV*n_head, n_tokens]
-ggml_tensor * llama_rkv_build_attn_mha(
-        ggml_context * ctx,
-         ggml_tensor * q,
-         ggml_tensor * k,
-         ggml_tensor * v,
-         ggml_tensor * k_tail,
-         ggml_tensor * v_tail,
-         ggml_tensor * kq_mask,
-         ggml_tensor * sinks,
-               float   kq_scale,
-               float   max_alibi_bias,
-               float   logit_softcap);
+// st.req, st.kv_size, st.n_stream, st.type_k/v and the inputs of st.devs in: the window cells per stream (0:
+// resident), the plan in st (st.error set, 0 returned, when the request is refused)
+uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in);

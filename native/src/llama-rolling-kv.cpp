@@ -28,21 +28,188 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 }
 
 //
-// KV residency
+// KV residency: the C API over the planner (llama-kv-residency.cpp); the request hand-over and the plan JSON
 //
 
-#include "llama-kv-residency.h"
+#include "llama-rolling-kv-internal.h"
 #include "ggml-rolling-kv.h"
 #include "llama-context.h"
 #include "llama-impl.h"
 
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+
+//
+// request hand-over
+//
+
+static thread_local std::shared_ptr<llama_rkv_state> g_rkv_pending;
+
+void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st) {
+    g_rkv_pending = std::move(st);
+}
+
+std::shared_ptr<llama_rkv_state> llama_rkv_take_pending() {
+    return std::move(g_rkv_pending);
+}
+
+//
+// JSON
+//
+
+static std::string llama_rkv_json_str(const std::string & s) {
+    std::string res = "\"";
+    for (const char c : s) {
+        switch (c) {
+            case '"':  res += "\\\""; break;
+            case '\\': res += "\\\\"; break;
+            case '\n': res += "\\n";  break;
+            default:
+                if ((unsigned char) c < 0x20) {
+                    char buf[8];
+                    snprintf(buf, sizeof(buf), "\\u%04x", c);
+                    res += buf;
+                } else {
+                    res += c;
+                }
+        }
+    }
+    return res + "\"";
+}
+
+// a number, or null when unknown (< 0)
+static std::string llama_rkv_json_num(double v) {
+    if (v < 0.0 || !std::isfinite(v)) {
+        return "null";
+    }
+    char buf[64];
+    snprintf(buf, sizeof(buf), "%.6g", v);
+    return buf;
+}
+
+static const char * llama_rkv_type_name(ggml_type t) {
+    return t == GGML_TYPE_COUNT ? "none" : ggml_type_name(t);
+}
+
+static const char * llama_rkv_chosen_name(const llama_rkv_state * st) {
+    if (!st->error.empty()) {
+        return "refused";
+    }
+    if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
+        return "window";
+    }
+    // "off" only for the upstream cache the request asked for; anything else kept whole on the device is resident
+    return st->req.mode == LLAMA_KV_RESIDENCY_OFF ? "off" : "resident";
+}
+
+std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
+    if (!st) {
+        return "{\"mode_requested\":\"off\",\"mode_chosen\":\"off\",\"split\":false,"
+               "\"reason\":\"context created without residency parameters (llama_init_from_model)\",\"layers\":[],"
+               "\"device_bytes\":0,\"host_bytes\":0}";
+    }
+
+    char buf[1024];
+    std::string res = "{";
+
+    // the flat keys first: llama-bench reads mode_chosen, window_cells and tail_cells by their first occurrence
+    res += "\"mode_requested\":" + llama_rkv_json_str(llama_kv_residency_mode_name(st->req.mode));
+    res += ",\"mode_chosen\":"   + llama_rkv_json_str(llama_rkv_chosen_name(st));
+    res += std::string(",\"split\":") + (st->window_cells > 0 ? "true" : "false");
+    res += ",\"reason\":"        + llama_rkv_json_str(st->reason);
+    res += std::string(",\"eligible\":") + (st->eligible ? "true" : "false");
+    res += ",\"error\":" + (st->error.empty() ? std::string("null") : llama_rkv_json_str(st->error));
+
+    snprintf(buf, sizeof(buf),
+            ",\"kv_size\":%u,\"n_stream\":%u,\"window_cells\":%u,\"tail_cells\":%u"
+            ",\"vram_target_mib\":%" PRId64 ",\"pcie_bw_gbps\":%g",
+            st->kv_size, st->n_stream, st->window_cells, st->tail_cells,
+            st->req.vram_target_mib, (double) st->req.pcie_bw_gbps);
+    res += buf;
+
+    res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
+    res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
+    res += ",\"type_k_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
+    res += ",\"type_v_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
+
+    if (st->devs.empty()) {
+        res += ",\"budget\":null";
+    } else {
+        size_t free = 0, weights = 0, compute = 0, other_kv = 0, ring = 0, kv_resident = 0, runtime = 0;
+        for (const auto & d : st->devs) {
+            runtime     += d.runtime;
+            free        += d.free;
+            weights     += d.weights;
+            compute     += d.compute;
+            other_kv    += d.other_kv;
+            ring        += d.ring;
+            kv_resident += d.kv_resident;
+        }
+        snprintf(buf, sizeof(buf),
+                ",\"budget\":{\"budgeted\":%s,\"vram_target_mib\":%" PRId64 ",\"min_target_mib\":%" PRId64
+                ",\"reserve_bytes\":%zu,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu,\"other_kv_bytes\":%zu"
+                ",\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu,\"runtime_bytes\":%zu",
+                st->budgeted ? "true" : "false", st->req.vram_target_mib, st->min_target_mib,
+                st->reserve, free, weights, compute, other_kv, ring, st->ring_slots, st->ring_slot_size, kv_resident, runtime);
+        res += buf;
+        res += ",\"compute_note\":" + llama_rkv_json_str(st->compute_note);
+        res += ",\"devices\":[";
+        for (size_t i = 0; i < st->devs.size(); ++i) {
+            const auto & d = st->devs[i];
+            res += i > 0 ? ",{" : "{";
+            res += "\"name\":" + llama_rkv_json_str(d.name);
+            snprintf(buf, sizeof(buf),
+                    ",\"host_memory\":%s,\"n_layer\":%u,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
+                    ",\"other_kv_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu,\"kv_resident_bytes\":%zu"
+                    ",\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64 ",\"runtime_bytes\":%zu}",
+                    d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.ring, d.avail,
+                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime);
+            res += buf;
+        }
+        res += "]}";
+    }
+
+    res += ",\"link\":{\"mem_bw_gbps\":" + llama_rkv_json_num(st->mem_bw_gbps);
+    res += ",\"mem_bw_source\":" + llama_rkv_json_str(st->mem_bw_source);
+    res += ",\"link_bw_gbps\":" + llama_rkv_json_num(st->link_bw_gbps);
+    res += ",\"link_bw_source\":" + llama_rkv_json_str(st->link_bw_source) + "}";
+
+    res += ",\"estimate\":{\"device_bytes_per_token\":" + llama_rkv_json_num(st->window_cells ? st->est_device_bytes : -1.0);
+    res += ",\"tail_bytes_per_token\":" + llama_rkv_json_num(st->window_cells ? st->est_tail_bytes : -1.0);
+    res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->t_resident_ms);
+    res += ",\"t_tail_ms\":" + llama_rkv_json_num(st->t_tail_ms);
+    res += ",\"ms_per_token\":" + llama_rkv_json_num(st->t_token_ms) + "}";
+
+    size_t dev_total = 0;
+    size_t host_total = 0;
+
+    res += ",\"layers\":[";
+    for (size_t i = 0; i < st->layers.size(); ++i) {
+        const auto & l = st->layers[i];
+        snprintf(buf, sizeof(buf),
+                "%s{\"il\":%d,\"window_cells\":%u,\"tail_cells\":%u,\"device_bytes\":%zu,\"host_bytes\":%zu,\"split\":%s}",
+                i > 0 ? "," : "", l.il, l.window_cells, l.tail_cells, l.device_bytes, l.host_bytes, l.split ? "true" : "false");
+        res += buf;
+        dev_total  += l.device_bytes;
+        host_total += l.host_bytes;
+    }
+    res += "]";
+
+    snprintf(buf, sizeof(buf), ",\"device_bytes\":%zu,\"host_bytes\":%zu}", dev_total, host_total);
+    res += buf;
+
+    return res;
+}
+
+//
+// the C API
+//
 
 struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     llama_rolling_kv_params res;
@@ -56,13 +223,7 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
 }
 
 const char * llama_kv_residency_mode_name(enum llama_kv_residency_mode mode) {
-    switch (mode) {
-        case LLAMA_KV_RESIDENCY_OFF:    return "off";
-        case LLAMA_KV_RESIDENCY_AUTO:   return "auto";
-        case LLAMA_KV_RESIDENCY_HEAD:   return "head";
-        case LLAMA_KV_RESIDENCY_WINDOW: return "window";
-    }
-    return "unknown";
+    return llama_rkv_mode_name(mode);
 }
 
 int32_t llama_kv_residency_mode_from_str(const char * s) {
@@ -122,9 +283,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
     for (ggml_type t : { req.type_k_tail, req.type_v_tail }) {
-        if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !ggml_streaming_flash_attn_cpu_type_supported(t))) {
-            return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1",
-                    ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)");
+        if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !ggml_rkv_tail_type_supported(t))) {
+            return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of %s",
+                    ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)", ggml_rkv_tail_type_names());
         }
     }
 
@@ -192,9 +353,27 @@ int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf,
     return llama_rkv_copy_out(llama_rkv_plan_to_json(ctx->get_cparams().rkv.get()), buf, buf_size);
 }
 
-int32_t llama_rolling_kv_plan_simulate(const char * json_in, char * buf, size_t buf_size) {
-    if (!json_in) {
-        return -1;
+bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_rolling_kv_plan_info * info) {
+    if (!ctx || !info) {
+        return false;
     }
-    return llama_rkv_copy_out(llama_rkv_plan_simulate(json_in), buf, buf_size);
+    const llama_rkv_state * st = ctx->get_cparams().rkv.get();
+
+    *info = {};
+    info->mode_requested = st ? st->req.mode : LLAMA_KV_RESIDENCY_OFF;
+    info->mode_chosen    = st ? llama_rkv_chosen_name(st) : "off";
+    info->split          = st && st->window_cells > 0;
+    info->kv_size        = st ? st->kv_size  : 0;
+    info->n_stream       = st ? st->n_stream : 0;
+    info->window_cells   = st ? st->window_cells : 0;
+    info->tail_cells     = st ? st->tail_cells   : 0;
+    info->type_k_tail    = st ? st->type_k_tail  : GGML_TYPE_COUNT;
+    info->type_v_tail    = st ? st->type_v_tail  : GGML_TYPE_COUNT;
+    if (st) {
+        for (const auto & l : st->layers) {
+            info->device_bytes += l.device_bytes;
+            info->host_bytes   += l.host_bytes;
+        }
+    }
+    return true;
 }

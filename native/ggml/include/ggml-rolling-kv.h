@@ -8,8 +8,8 @@
 //   ggml_flash_attn_ext(q, concat(k_window, k_tail), concat(v_window, v_tail), mask, ...)
 //
 // where the concatenation is along the KV-cell dimension (ne[1]). The window and the
-// tail may have different types (and K and V may differ too), exactly as accepted by
-// ggml_flash_attn_ext. Either segment may be empty: pass NULL for its K and V.
+// tail may have different types (and K and V may differ too), each one of the types
+// ggml_rkv_tail_type_supported accepts. Either segment may be empty: pass NULL for its K and V.
 //
 //   q        : [DK, n_q, n_head, ne3]                      f32
 //   k_window : [DK, n_win,  n_head_kv, ne3]   (or NULL)   same conventions as ggml_flash_attn_ext's k
@@ -23,8 +23,12 @@
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
 // op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win
+//
+// The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
+// documented in one place: ggml/src/ggml-rolling-kv-impl.h.
 
 #include "ggml.h"
+#include "ggml-backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -64,28 +68,36 @@ extern "C" {
     // number of window cells (k_window->ne[1], or 0 when the window is empty)
     GGML_API int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a);
 
+    // The K/V types of the op's parts, and so the types a rolling-KV tail may use: f32, f16, bf16, q8_0, q4_0,
+    // q4_1, q5_0, q5_1. Every backend that runs the op falls back to the CPU forward (which reads all of them)
+    // for what it cannot run itself. One list for the CPU backend, libllama, common's flags and llama-bench.
+    GGML_API bool ggml_rkv_tail_type_supported(enum ggml_type type);
+    // the type named s ("q8_0", ...) when it is one of those, else GGML_TYPE_COUNT
+    GGML_API enum ggml_type ggml_rkv_tail_type_from_name(const char * s);
+    // "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1": for messages
+    GGML_API const char * ggml_rkv_tail_type_names(void);
+
     // A "streamed" tensor is a KV tail the rolling-KV cache keeps in a GPU's pinned host memory. The backend
     // scheduler lets that GPU access it in place instead of copying the whole tensor to the device before
     // every graph: ops that write it (set_rows of the new K/V rows) run on the GPU and write through unified
     // addressing, and GGML_OP_STREAMING_FLASH_ATTN copies its cells in large blocks on its own stream.
-    // Stored as a bit of ggml_tensor.flags far above ggml's own flags; views inherit it through view_src.
-#define GGML_TENSOR_FLAG_STREAMED (1 << 24)
-
+    // The flag is GGML_TENSOR_FLAG_STREAMED of ggml_tensor.flags (ggml.h); views inherit it through view_src.
     GGML_API void ggml_set_streamed(struct ggml_tensor * t);
     GGML_API bool ggml_is_streamed(const struct ggml_tensor * t); // t or the tensor it views
 
-    // the K/V types the op's CPU forward reads (in either part); the rolling-KV cache accepts them as tail types
-    GGML_API bool ggml_streaming_flash_attn_cpu_type_supported(enum ggml_type type);
-
-    // The device ring through which a GPU backend streams a host tail, one definition for the op and for llama's
-    // planner (which must count what the op allocates): GGML_RKV_SLOTS slots (atoi, clamped to [2, 8], default 3)
-    // of GGML_RKV_SLOT_MIB MiB (atoi, clamped to [1, 4096], default 32), read from the environment at each call.
-#define GGML_STREAMING_FA_MAX_SLOTS 8
-    GGML_API int    ggml_streaming_flash_attn_ring_slots(void);
-    GGML_API size_t ggml_streaming_flash_attn_ring_slot_bytes(void);
-    // bytes a slot needs for n_cells cells of every stream of a tail: the K rows padded to 256 bytes, then the V
-    // rows, plus 256 (row_k/row_v: bytes of one cell's K/V row in one stream)
-    GGML_API size_t ggml_streaming_flash_attn_slot_need(size_t row_k, size_t row_v, int64_t n_stream, int64_t n_cells);
+    // What a device spends on the op beyond its tensors, for llama's KV residency planner: a backend that streams
+    // a host tail through device memory of its own, or whose runtime holds device memory no ggml buffer accounts
+    // for, exports ggml_backend_rkv_dev_budget_t under the name GGML_RKV_DEV_BUDGET_PROC through
+    // ggml_backend_reg_get_proc_address. A device whose backend does not: nothing (zeros).
+    struct ggml_rkv_dev_budget {
+        int    ring_slots;      // slots of the device ring through which the op streams a host tail (0: none)
+        size_t ring_slot_bytes; // bytes per slot: at least one chunk of the widest layer's tail
+        size_t runtime_bytes;   // device memory of the backend's runtime itself (context, library handles, pools)
+    };
+    // row_k_tail/row_v_tail: bytes of one cell's K/V row of the widest layer's tail, per stream; n_stream streams
+    typedef void (*ggml_backend_rkv_dev_budget_t)(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail,
+            int64_t n_stream, struct ggml_rkv_dev_budget * out);
+#define GGML_RKV_DEV_BUDGET_PROC "ggml_backend_rkv_dev_budget"
 
 #ifdef __cplusplus
 }

@@ -1,9 +1,12 @@
 // rolling-KV: graph constructors for GGML_OP_STREAMING_FLASH_ATTN (see ggml-rolling-kv.h)
 
 #include "ggml-rolling-kv.h"
+#include "ggml-rolling-kv-impl.h"
 #include "ggml-impl.h"
+#include "ggml-threading.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static void ggml_streaming_fa_check_part(
         const struct ggml_tensor * q,
@@ -126,39 +129,106 @@ bool ggml_is_streamed(const struct ggml_tensor * t) {
     return (root->flags & GGML_TENSOR_FLAG_STREAMED) != 0;
 }
 
-bool ggml_streaming_flash_attn_cpu_type_supported(enum ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_F32:
-        case GGML_TYPE_F16:
-        case GGML_TYPE_BF16:
-        case GGML_TYPE_Q8_0:
-        case GGML_TYPE_Q4_0:
-        case GGML_TYPE_Q4_1:
-        case GGML_TYPE_Q5_0:
-        case GGML_TYPE_Q5_1:
+//
+// the K/V types of the op's parts (= the rolling-KV tail types)
+//
+
+static const enum ggml_type ggml_rkv_tail_types[] = {
+    GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+};
+
+bool ggml_rkv_tail_type_supported(enum ggml_type type) {
+    for (size_t i = 0; i < sizeof(ggml_rkv_tail_types)/sizeof(ggml_rkv_tail_types[0]); ++i) {
+        if (ggml_rkv_tail_types[i] == type) {
             return true;
-        default:
-            return false;
+        }
     }
+    return false;
 }
 
-static int ggml_streaming_fa_env_int(const char * name, int def, int lo, int hi) {
+enum ggml_type ggml_rkv_tail_type_from_name(const char * s) {
+    if (s) {
+        for (size_t i = 0; i < sizeof(ggml_rkv_tail_types)/sizeof(ggml_rkv_tail_types[0]); ++i) {
+            if (strcmp(ggml_type_name(ggml_rkv_tail_types[i]), s) == 0) {
+                return ggml_rkv_tail_types[i];
+            }
+        }
+    }
+    return GGML_TYPE_COUNT;
+}
+
+const char * ggml_rkv_tail_type_names(void) {
+    return "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
+}
+
+//
+// knobs (ggml-rolling-kv-impl.h): read once
+//
+
+static const char * ggml_rkv_env(const char * name) {
     const char * v = getenv(name);
-    if (!v || !*v) {
+    return v && *v ? v : NULL;
+}
+
+// atoi, clamped to [lo, hi]; unset or empty: def
+static int ggml_rkv_env_int(const char * name, int def, int lo, int hi) {
+    const char * v = ggml_rkv_env(name);
+    if (!v) {
         return def;
     }
     const int x = atoi(v);
     return x < lo ? lo : x > hi ? hi : x;
 }
 
-int ggml_streaming_flash_attn_ring_slots(void) {
-    return ggml_streaming_fa_env_int("GGML_RKV_SLOTS", 3, 2, GGML_STREAMING_FA_MAX_SLOTS);
+static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
+    struct ggml_rkv_knobs k;
+    memset(&k, 0, sizeof(k));
+
+    k.ring_slots      = ggml_rkv_env_int("ROLLINGKV_SLOTS", 3, 2, GGML_RKV_MAX_SLOTS);
+    k.ring_slot_bytes = (size_t) ggml_rkv_env_int("ROLLINGKV_SLOT_MIB", 32, 1, 4096)*1024*1024;
+
+    k.runtime_mib = -1;
+    {
+        const char * v = ggml_rkv_env("ROLLINGKV_RUNTIME_MIB");
+        if (v) {
+            char * end = NULL;
+            const long long mib = strtoll(v, &end, 10);
+            if (end && *end == '\0' && mib >= 0) {
+                k.runtime_mib = mib;
+            }
+        }
+    }
+
+    {
+        const char * v = ggml_rkv_env("ROLLINGKV_DEBUG_PERTURB_TAIL");
+        k.perturb_tail = v ? strtof(v, NULL) : 0.0f;
+    }
+    k.chunk_cells = ggml_rkv_env_int("ROLLINGKV_DEBUG_CHUNK_CELLS", 0, 0, 1 << 30);
+
+#ifdef ROLLINGKV_DEBUG
+    k.skip_copy       = ggml_rkv_env_int("ROLLINGKV_DEBUG_SKIP_COPY",      0, 0, 1) == 1;
+    k.skip_tail_attn  = ggml_rkv_env_int("ROLLINGKV_DEBUG_SKIP_TAIL_ATTN", 0, 0, 1) == 1;
+    k.no_runahead     = ggml_rkv_env_int("ROLLINGKV_DEBUG_NO_RUNAHEAD",    0, 0, 1) == 1;
+    k.no_prelaunch    = ggml_rkv_env_int("ROLLINGKV_DEBUG_NO_PRELAUNCH",   0, 0, 1) == 1;
+    k.profile         = ggml_rkv_env_int("ROLLINGKV_DEBUG_PROFILE",        0, 0, 1) == 1;
+    k.profile_hold_us = ggml_rkv_env_int("ROLLINGKV_DEBUG_PROFILE_HOLD_US", 20000, 0, 10000000);
+    if (k.profile_hold_us <= 0) {
+        k.profile_hold_us = 20000;
+    }
+#endif
+
+    return k;
 }
 
-size_t ggml_streaming_flash_attn_ring_slot_bytes(void) {
-    return (size_t) ggml_streaming_fa_env_int("GGML_RKV_SLOT_MIB", 32, 1, 4096)*1024*1024;
-}
-
-size_t ggml_streaming_flash_attn_slot_need(size_t row_k, size_t row_v, int64_t n_stream, int64_t n_cells) {
-    return GGML_PAD((size_t) n_cells*row_k*(size_t) n_stream, 256) + (size_t) n_cells*row_v*(size_t) n_stream + 256;
+// read under ggml's critical section, once; callers keep the pointer (the struct never changes after that)
+const struct ggml_rkv_knobs * ggml_rkv_get_knobs(void) {
+    static struct ggml_rkv_knobs knobs;
+    static bool                  done = false;
+    ggml_critical_section_start();
+    if (!done) {
+        knobs = ggml_rkv_knobs_read();
+        done  = true;
+    }
+    ggml_critical_section_end();
+    return &knobs;
 }

@@ -30,16 +30,15 @@
 // is what upstream runs on the resident cache of the window's type for them, so those rows are
 // bit-identical to it (sfa_mixed_tiles); the other tiles run (c).
 //
-// Debug switch (equivalence-gate self-test): if the environment variable
-// ROLLINGKV_DEBUG_PERTURB_TAIL is set to a float x, every tail key's attention score (after
-// scale, softcap and mask) is multiplied by (1 + x) before the softmax. It exists only so
-// that `rollingkv gate equiv` can prove it fails on a wrong window/tail merge; x must be
-// > -1. Read once and cached; off by default, and when off it costs one predictable branch
-// per key (one_chunk) or per KV tile (tiled).
+// Test hook (equivalence-gate self-test): ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h) multiplies every
+// tail key's attention score (after scale, softcap and mask) by (1 + x) before the softmax. It exists only so that
+// `rollingkv gate equiv` can prove it fails on a wrong window/tail merge; x must be > -1. Read once; off by default,
+// and when off it costs one predictable branch per key (one_chunk) or per KV tile (tiled).
 
 #include "rolling-kv-fa.h"
 
 #include "ggml-rolling-kv.h"
+#include "ggml-rolling-kv-impl.h"
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
@@ -172,11 +171,9 @@ static sfa_rows sfa_make_rows(const sfa_ctx & c, int64_t iq2, int64_t iq3) {
     return r;
 }
 
+// test hook: ROLLINGKV_DEBUG_PERTURB_TAIL (ggml-rolling-kv-impl.h), read once
 static float sfa_debug_perturb_tail_x() {
-    static const float x = [] {
-        const char * e = getenv("ROLLINGKV_DEBUG_PERTURB_TAIL");
-        return (e && *e) ? strtof(e, nullptr) : 0.0f;
-    }();
+    static const float x = ggml_rkv_get_knobs()->perturb_tail;
     return x;
 }
 
@@ -796,7 +793,7 @@ extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) 
     }
     for (int i : { GGML_STREAMING_FA_SRC_K_WIN, GGML_STREAMING_FA_SRC_V_WIN, GGML_STREAMING_FA_SRC_K_TAIL, GGML_STREAMING_FA_SRC_V_TAIL }) {
         const ggml_tensor * t = op->src[i];
-        if (t && !ggml_streaming_flash_attn_cpu_type_supported(t->type)) {
+        if (t && !ggml_rkv_tail_type_supported(t->type)) {
             return false;
         }
     }

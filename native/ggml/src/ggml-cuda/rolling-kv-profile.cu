@@ -1,8 +1,12 @@
-// rolling-KV: GPU timeline profile of graph evaluations (debug, GGML_RKV_PROFILE=1; see rolling-kv-profile.cuh)
+// rolling-KV: GPU timeline profile of graph evaluations (ROLLINGKV_DEBUG builds, ROLLINGKV_DEBUG_PROFILE=1; see
+// rolling-kv-profile.cuh)
 
 #include "rolling-kv-profile.cuh"
 
+#ifdef GGML_CUDA_RKV_PROFILE
+
 #include "ggml-rolling-kv.h"
+#include "../ggml-rolling-kv-impl.h"
 
 #include <algorithm>
 #include <chrono>
@@ -141,10 +145,7 @@ static __global__ void rkv_prof_hold(const unsigned long long ns) {
 }
 
 bool ggml_cuda_rkv_prof_enabled() {
-    static const bool on = [] {
-        const char * v = getenv("GGML_RKV_PROFILE");
-        return v && atoi(v) == 1;
-    }();
+    static const bool on = ggml_rkv_get_knobs()->profile;
     return on;
 }
 
@@ -161,10 +162,7 @@ void ggml_cuda_rkv_prof_graph_begin(ggml_backend_cuda_context & ctx, const ggml_
 
     p.key = rkv_prof_key(cgraph);
 
-    static const unsigned long long hold_ns = [] {
-        const char * v = getenv("GGML_RKV_PROFILE_HOLD_US");
-        return 1000ull*(v && atoi(v) > 0 ? (unsigned long long) atoi(v) : 20000ull);
-    }();
+    static const unsigned long long hold_ns = 1000ull*(unsigned long long) ggml_rkv_get_knobs()->profile_hold_us;
     p.t_begin = std::chrono::steady_clock::now();
     rkv_prof_hold<<<1, 1, 0, ctx.stream()>>>(hold_ns);
     CUDA_CHECK(cudaGetLastError());
@@ -237,10 +235,7 @@ void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx) {
     }
     const double enq = rkv_ms(t_enq - p.t_begin);
     g.enqueue_ms += enq;
-    static const double hold_ms = [] {
-        const char * v = getenv("GGML_RKV_PROFILE_HOLD_US");
-        return (v && atoi(v) > 0 ? atoi(v) : 20000)/1000.0;
-    }();
+    static const double hold_ms = ggml_rkv_get_knobs()->profile_hold_us/1000.0;
     if (enq > hold_ms) {
         g.host_bound++;
     }
@@ -367,3 +362,5 @@ void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
     }
     delete p;
 }
+
+#endif // GGML_CUDA_RKV_PROFILE

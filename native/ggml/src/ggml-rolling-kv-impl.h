@@ -1,0 +1,74 @@
+#pragma once
+
+// rolling-KV: the knobs, in one place (private to ggml; parsed in ggml-rolling-kv.c).
+//
+// Every knob is an environment variable with the prefix ROLLINGKV_, read ONCE per process, on the first call of
+// ggml_rkv_get_knobs(); later changes of the environment have no effect. Unset or empty: the default.
+//
+// Tuning (for users):
+//   ROLLINGKV_SLOTS=N         slots of the device ring through which the CUDA op streams a host tail (atoi, clamped
+//                             to [2, 8], default 3). More slots let the copies run further ahead of the attention.
+//   ROLLINGKV_SLOT_MIB=N      MiB per slot (atoi, clamped to [1, 4096], default 32; a slot always holds at least one
+//                             256-cell chunk of the widest layer's tail). Copies of >= 8 MiB run near the link's peak.
+//                             The ring (slots x slot size) is device memory that llama's planner counts.
+//   ROLLINGKV_RUNTIME_MIB=N   the device memory a GPU runtime holds that no ggml buffer accounts for (CUDA context,
+//                             cuBLAS, pools), counted against a vram_target (strtoll, >= 0; default: the backend's
+//                             estimate, 640 MiB for CUDA, measured with CUDA 13 on an H200). Other GPUs, drivers or
+//                             CUDA versions hold more or less: the one figure a user must correct for a vram_target
+//                             to hold as NVML measures it.
+//
+// Test hooks (exact outputs unless stated; the tests set them, users have no reason to):
+//   ROLLINGKV_DEBUG_PERTURB_TAIL=x      every tail key's attention score (after scale, softcap and mask) is multiplied
+//                                       by (1 + x) before the softmax, in the CPU forward (x > -1). Makes the outputs
+//                                       WRONG on purpose: the equivalence gates prove with it that they fail on a wrong
+//                                       window/tail merge. Off (0) by default; off, it costs one predictable branch per
+//                                       key or KV tile.
+//   ROLLINGKV_DEBUG_CHUNK_CELLS=N       the CUDA op copies a host tail in chunks of N cells (rounded up to 256) instead
+//                                       of as few as the slots hold: many chunks, slot reuse and copies running ahead
+//                                       across ops on the op test's small tails. 0 (default): off.
+//
+// Lab switches, compiled only with the CMake option -DROLLINGKV_DEBUG=ON (ROLLINGKV_DEBUG defined; default OFF: the
+// fields stay 0 and every use compiles to nothing):
+//   ROLLINGKV_DEBUG_SKIP_COPY=1         speed probe, WRONG outputs: issue no tail copies (the attention reads stale slots)
+//   ROLLINGKV_DEBUG_SKIP_TAIL_ATTN=1    speed probe, WRONG outputs: copy the tail but attend over none of its chunks
+//   ROLLINGKV_DEBUG_NO_RUNAHEAD=1       A/B: each op streams only its own tail (no copy plan across the graph's ops)
+//   ROLLINGKV_DEBUG_NO_PRELAUNCH=1      A/B: no tail copies before a graph is launched, all are forked inside it
+//   ROLLINGKV_DEBUG_PROFILE=1           the GPU timeline profile (ggml-cuda/rolling-kv-profile.cu, hooks of patch 0018)
+//   ROLLINGKV_DEBUG_PROFILE_HOLD_US=N   how long the profile holds an eager graph on the GPU (default 20000)
+
+#include "ggml.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GGML_RKV_MAX_SLOTS 8 // the largest ROLLINGKV_SLOTS (the CUDA ring's fixed event arrays hold this many)
+
+struct ggml_rkv_knobs {
+    // tuning
+    int     ring_slots;       // ROLLINGKV_SLOTS
+    size_t  ring_slot_bytes;  // ROLLINGKV_SLOT_MIB, in bytes
+    int64_t runtime_mib;      // ROLLINGKV_RUNTIME_MIB; -1: unset (the backend's estimate)
+
+    // test hooks
+    float   perturb_tail;     // ROLLINGKV_DEBUG_PERTURB_TAIL; 0: off
+    int64_t chunk_cells;      // ROLLINGKV_DEBUG_CHUNK_CELLS; 0: off
+
+    // lab switches (ROLLINGKV_DEBUG builds only; false/0 otherwise)
+    bool    skip_copy;        // ROLLINGKV_DEBUG_SKIP_COPY
+    bool    skip_tail_attn;   // ROLLINGKV_DEBUG_SKIP_TAIL_ATTN
+    bool    no_runahead;      // ROLLINGKV_DEBUG_NO_RUNAHEAD
+    bool    no_prelaunch;     // ROLLINGKV_DEBUG_NO_PRELAUNCH
+    bool    profile;          // ROLLINGKV_DEBUG_PROFILE
+    int64_t profile_hold_us;  // ROLLINGKV_DEBUG_PROFILE_HOLD_US
+};
+
+// the knobs of this process, read from the environment on the first call (thread-safe)
+GGML_API const struct ggml_rkv_knobs * ggml_rkv_get_knobs(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,555 @@
+// rollingkv: the KV residency planner on figures given as JSON, for the tests (no model, no device).
+//
+// Not part of libllama: a small library of its own (librollingkv-plan-sim, built with the op tests), which the Python
+// tests load through ctypes next to libllama (rollingkv_cli/llama_ext.py, Extension.simulate_plan). It runs the
+// library's own decision (llama_rkv_decide, llama-kv-residency.h) on a llama_rkv_state filled from the figures and
+// writes the plan as llama_rolling_kv_plan_json does. A device that is not host memory is modelled as a CUDA device:
+// its ring and runtime memory default to what the CUDA backend reports (ggml-cuda/rolling-kv-budget.h, from the
+// ROLLINGKV_SLOTS / ROLLINGKV_SLOT_MIB / ROLLINGKV_RUNTIME_MIB knobs of the process, read once).
+//
+//   int32_t rollingkv_plan_simulate(const char * json_in, char * buf, size_t buf_size);
+//
+// Input: a JSON object with mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail,
+// type_v_tail, kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
+// device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib (default: the CUDA
+// ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
+// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), refuse (a reason the
+// cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
+// other_kv_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order). (*: required.)
+// Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
+// mode_chosen "refused" and the message in "error"; invalid input gives {"error": ..., "invalid_input": true}.
+// Returns the full length (excluding NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
+
+#include "llama-kv-residency.h"
+#include "llama-rolling-kv-internal.h"
+
+#include "ggml-cuda/rolling-kv-budget.h"
+#include "ggml-rolling-kv.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(_WIN32)
+#define RKV_SIM_API extern "C" __declspec(dllexport)
+#else
+#define RKV_SIM_API extern "C" __attribute__((visibility("default")))
+#endif
+
+namespace {
+
+std::string llama_rkv_json_str(const std::string & s) {
+    std::string res = "\"";
+    for (const char c : s) {
+        switch (c) {
+            case '"':  res += "\\\""; break;
+            case '\\': res += "\\\\"; break;
+            case '\n': res += "\\n";  break;
+            default:
+                if ((unsigned char) c < 0x20) {
+                    char buf[8];
+                    snprintf(buf, sizeof(buf), "\\u%04x", c);
+                    res += buf;
+                } else {
+                    res += c;
+                }
+        }
+    }
+    return res + "\"";
+}
+
+// the JSON subset the simulate input needs: objects, arrays, strings, numbers, true/false/null
+struct rkv_jv {
+    enum kind_t { NUL, BOOL, NUM, STR, ARR, OBJ } kind = NUL;
+    bool        b   = false;
+    double      num = 0.0;
+    std::string str;
+    std::vector<rkv_jv> arr;
+    std::vector<std::pair<std::string, rkv_jv>> obj;
+
+    const rkv_jv * get(const std::string & key) const {
+        for (const auto & kv : obj) {
+            if (kv.first == key) {
+                return &kv.second;
+            }
+        }
+        return nullptr;
+    }
+};
+
+struct rkv_jparser {
+    const char * p;
+    const char * end;
+    std::string  err;
+
+    void ws() {
+        while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
+            ++p;
+        }
+    }
+
+    bool fail(const char * what) {
+        if (err.empty()) {
+            err = what;
+        }
+        return false;
+    }
+
+    bool lit(const char * s) {
+        const size_t n = strlen(s);
+        if ((size_t) (end - p) >= n && strncmp(p, s, n) == 0) {
+            p += n;
+            return true;
+        }
+        return false;
+    }
+
+    bool string(std::string & out) {
+        if (p >= end || *p != '"') {
+            return fail("expected a string");
+        }
+        ++p;
+        while (p < end && *p != '"') {
+            char c = *p++;
+            if (c == '\\') {
+                if (p >= end) {
+                    return fail("unterminated string");
+                }
+                c = *p++;
+                switch (c) {
+                    case '"': case '\\': case '/': out += c; break;
+                    case 'b': out += '\b'; break;
+                    case 'f': out += '\f'; break;
+                    case 'n': out += '\n'; break;
+                    case 'r': out += '\r'; break;
+                    case 't': out += '\t'; break;
+                    case 'u': {
+                        if (end - p < 4) {
+                            return fail("bad \\u escape");
+                        }
+                        const unsigned long cp = strtoul(std::string(p, 4).c_str(), nullptr, 16);
+                        out += cp < 0x80 ? (char) cp : '?';
+                        p += 4;
+                    } break;
+                    default: return fail("bad escape");
+                }
+            } else {
+                out += c;
+            }
+        }
+        if (p >= end) {
+            return fail("unterminated string");
+        }
+        ++p;
+        return true;
+    }
+
+    bool value(rkv_jv & v, int depth) {
+        if (depth > 16) {
+            return fail("nested too deep");
+        }
+        ws();
+        if (p >= end) {
+            return fail("unexpected end");
+        }
+        if (*p == '{') {
+            ++p;
+            v.kind = rkv_jv::OBJ;
+            ws();
+            if (p < end && *p == '}') {
+                ++p;
+                return true;
+            }
+            while (true) {
+                ws();
+                std::string key;
+                if (!string(key)) {
+                    return false;
+                }
+                ws();
+                if (p >= end || *p != ':') {
+                    return fail("expected ':'");
+                }
+                ++p;
+                rkv_jv item;
+                if (!value(item, depth + 1)) {
+                    return false;
+                }
+                if (v.get(key)) {
+                    err = "duplicate key " + key;
+                    return false;
+                }
+                v.obj.emplace_back(std::move(key), std::move(item));
+                ws();
+                if (p < end && *p == ',') {
+                    ++p;
+                    continue;
+                }
+                if (p < end && *p == '}') {
+                    ++p;
+                    return true;
+                }
+                return fail("expected ',' or '}'");
+            }
+        }
+        if (*p == '[') {
+            ++p;
+            v.kind = rkv_jv::ARR;
+            ws();
+            if (p < end && *p == ']') {
+                ++p;
+                return true;
+            }
+            while (true) {
+                rkv_jv item;
+                if (!value(item, depth + 1)) {
+                    return false;
+                }
+                v.arr.push_back(std::move(item));
+                ws();
+                if (p < end && *p == ',') {
+                    ++p;
+                    continue;
+                }
+                if (p < end && *p == ']') {
+                    ++p;
+                    return true;
+                }
+                return fail("expected ',' or ']'");
+            }
+        }
+        if (*p == '"') {
+            v.kind = rkv_jv::STR;
+            return string(v.str);
+        }
+        if (lit("true"))  { v.kind = rkv_jv::BOOL; v.b = true;  return true; }
+        if (lit("false")) { v.kind = rkv_jv::BOOL; v.b = false; return true; }
+        if (lit("null"))  { v.kind = rkv_jv::NUL;               return true; }
+
+        // a number: the JSON characters only, then strtod on them
+        const char * q = p;
+        while (q < end && (isdigit((unsigned char) *q) || *q == '-' || *q == '+' || *q == '.' || *q == 'e' || *q == 'E')) {
+            ++q;
+        }
+        if (q == p) {
+            return fail("unexpected character");
+        }
+        const std::string num(p, q);
+        char * num_end = nullptr;
+        v.num  = strtod(num.c_str(), &num_end);
+        v.kind = rkv_jv::NUM;
+        if (*num_end != '\0' || !std::isfinite(v.num)) {
+            return fail("bad number");
+        }
+        p = q;
+        return true;
+    }
+};
+
+// typed reads of the input object that refuse wrong types and remember every key read
+struct rkv_jreader {
+    const rkv_jv & o;
+    std::string    err;
+    std::vector<std::string> known;
+
+    const rkv_jv * at(const char * key, rkv_jv::kind_t kind, const char * what) {
+        known.push_back(key);
+        const rkv_jv * v = o.get(key);
+        if (!v || v->kind == rkv_jv::NUL) {
+            return nullptr;
+        }
+        if (v->kind != kind && err.empty()) {
+            err = std::string(key) + " must be " + what;
+            return nullptr;
+        }
+        return v->kind == kind ? v : nullptr;
+    }
+
+    double num(const char * key, double def, bool required = false) {
+        const rkv_jv * v = at(key, rkv_jv::NUM, "a number");
+        if (!v) {
+            if (required && err.empty()) {
+                err = std::string(key) + " is required";
+            }
+            return def;
+        }
+        return v->num;
+    }
+
+    // a count: a non-negative integer
+    uint64_t count(const char * key, uint64_t def, bool required = false) {
+        const double v = num(key, (double) def, required);
+        if (v < 0 || v != std::floor(v) || v > 9.0e15) {
+            if (err.empty()) {
+                err = std::string(key) + " must be a non-negative integer";
+            }
+            return def;
+        }
+        return (uint64_t) v;
+    }
+
+    size_t mib(const char * key, size_t def_bytes) {
+        const double v = num(key, -1.0);
+        if (!o.get(key) || o.get(key)->kind == rkv_jv::NUL) {
+            return def_bytes;
+        }
+        if (v < 0) {
+            if (err.empty()) {
+                err = std::string(key) + " must be >= 0";
+            }
+            return def_bytes;
+        }
+        return (size_t) std::llround(v*LLAMA_RKV_MIB);
+    }
+
+    std::string str(const char * key, const std::string & def) {
+        const rkv_jv * v = at(key, rkv_jv::STR, "a string");
+        return v ? v->str : def;
+    }
+
+    bool flag(const char * key, bool def) {
+        const rkv_jv * v = at(key, rkv_jv::BOOL, "true or false");
+        return v ? v->b : def;
+    }
+
+    std::string unknown_key() const {
+        for (const auto & kv : o.obj) {
+            if (std::find(known.begin(), known.end(), kv.first) == known.end()) {
+                return kv.first;
+            }
+        }
+        return "";
+    }
+};
+
+ggml_type rkv_type_from_name(const std::string & s) {
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * name = ggml_type_name((ggml_type) t);
+        if (name && s == name) {
+            return (ggml_type) t;
+        }
+    }
+    return GGML_TYPE_COUNT;
+}
+
+std::string rkv_invalid(const std::string & why) {
+    return "{\"error\":" + llama_rkv_json_str("invalid input: " + why) + ",\"invalid_input\":true}";
+}
+
+} // namespace
+
+static std::string rkv_plan_simulate(const char * json_in) {
+    rkv_jv in;
+    {
+        rkv_jparser ps { json_in, json_in + strlen(json_in), "" };
+        if (!ps.value(in, 0)) {
+            return rkv_invalid(ps.err);
+        }
+        ps.ws();
+        if (ps.p != ps.end) {
+            return rkv_invalid("trailing characters after the object");
+        }
+        if (in.kind != rkv_jv::OBJ) {
+            return rkv_invalid("expected an object");
+        }
+    }
+
+    rkv_jreader r { in, "", {} };
+
+    llama_rkv_state st;
+    st.req = llama_rolling_kv_default_params();
+
+    const std::string mode = r.str("mode", "auto");
+    const int32_t mode_i = llama_kv_residency_mode_from_str(mode.c_str());
+    if (mode_i < 0) {
+        return rkv_invalid("unknown mode " + mode);
+    }
+    st.req.mode            = (llama_kv_residency_mode) mode_i;
+    st.req.vram_target_mib = (int64_t) r.count("vram_target_mib", 0);
+    st.req.window_cells    = (int64_t) r.count("window_cells", 0);
+    st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
+
+    st.kv_size  = (uint32_t) r.count("kv_size", 0, true);
+    st.n_stream = (uint32_t) r.count("n_stream", 1);
+
+    const uint32_t n_layer      = (uint32_t) r.count("n_layer", 0, true);
+    const uint64_t n_embd_k_gqa = r.count("n_embd_k_gqa", 0, true);
+    const uint64_t n_embd_v_gqa = r.count("n_embd_v_gqa", 0, true);
+
+    st.type_k = rkv_type_from_name(r.str("type_k", "f16"));
+    st.type_v = rkv_type_from_name(r.str("type_v", "f16"));
+    const std::string tkt = r.str("type_k_tail", "");
+    const std::string tvt = r.str("type_v_tail", "");
+    st.req.type_k_tail = tkt.empty() ? GGML_TYPE_COUNT : rkv_type_from_name(tkt);
+    st.req.type_v_tail = tvt.empty() ? GGML_TYPE_COUNT : rkv_type_from_name(tvt);
+
+    const std::string dev_name    = r.str("device", "GPU0");
+    const bool        host_memory = r.flag("host_memory", false);
+    const size_t      ring_unset  = (size_t) -1; // default: the ring the CUDA op would allocate (needs the row sizes)
+
+    llama_rkv_dev_budget base;
+    base.name        = dev_name;
+    base.host_memory = host_memory;
+    base.free        = r.mib("free_mib", 0);
+    base.weights     = r.mib("weights_mib", 0);
+    base.compute     = r.mib("compute_mib", 0);
+    base.other_kv    = r.mib("other_kv_mib", 0);
+    base.ring        = r.mib("ring_mib", ring_unset);
+    const size_t runtime_unset = (size_t) -1; // default: the library's GPU runtime reserve on a GPU, 0 in host memory
+    base.runtime     = r.mib("runtime_mib", runtime_unset);
+    const size_t reserve = r.mib("reserve_mib", LLAMA_RKV_VRAM_RESERVE);
+
+    const double mem_bw = r.num("mem_bw_gbps", -1.0);
+    const std::string refuse = r.str("refuse", "");
+
+    const rkv_jv * devs = r.at("devices", rkv_jv::ARR, "a list of objects");
+
+    if (!r.err.empty()) {
+        return rkv_invalid(r.err);
+    }
+    if (!r.unknown_key().empty()) {
+        return rkv_invalid("unknown key " + r.unknown_key());
+    }
+    if (st.kv_size == 0 || n_layer == 0 || n_embd_k_gqa == 0 || n_embd_v_gqa == 0 || st.n_stream == 0) {
+        return rkv_invalid("kv_size, n_stream, n_layer, n_embd_k_gqa and n_embd_v_gqa must be > 0");
+    }
+    for (ggml_type t : { st.type_k, st.type_v }) {
+        if (t == GGML_TYPE_COUNT) {
+            return rkv_invalid("unknown type_k or type_v");
+        }
+    }
+    for (ggml_type t : { st.req.type_k_tail, st.req.type_v_tail }) {
+        if (t != GGML_TYPE_COUNT && !ggml_rkv_tail_type_supported(t)) {
+            return rkv_invalid("unsupported tail type");
+        }
+    }
+    if ((!tkt.empty() && st.req.type_k_tail == GGML_TYPE_COUNT) || (!tvt.empty() && st.req.type_v_tail == GGML_TYPE_COUNT)) {
+        return rkv_invalid("unknown tail type");
+    }
+
+    const ggml_type type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
+    const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
+
+    for (const auto & [t, n] : { std::make_pair(st.type_k, n_embd_k_gqa), std::make_pair(st.type_v, n_embd_v_gqa),
+                                 std::make_pair(type_k_tail, n_embd_k_gqa), std::make_pair(type_v_tail, n_embd_v_gqa) }) {
+        if (n % ggml_blck_size(t) != 0) {
+            return rkv_invalid(std::string("the K/V row size is not a multiple of the block size of ") + ggml_type_name(t));
+        }
+    }
+
+    // a GPU device is modelled as a CUDA device: the ring and the runtime memory the CUDA backend reports
+    ggml_rkv_dev_budget cuda;
+    ggml_cuda_rkv_dev_budget_of(ggml_row_size(type_k_tail, n_embd_k_gqa), ggml_row_size(type_v_tail, n_embd_v_gqa), st.n_stream, &cuda);
+    if (base.ring == ring_unset) {
+        if (!host_memory) {
+            st.ring_slots     = cuda.ring_slots;
+            st.ring_slot_size = cuda.ring_slot_bytes;
+        }
+        base.ring = host_memory ? 0 : (size_t) cuda.ring_slots*cuda.ring_slot_bytes;
+    }
+
+    // one layer's K+V bytes per cell and stream, as the cache constructor counts them
+    const size_t row_w = ggml_row_size(st.type_k, n_embd_k_gqa) + ggml_row_size(st.type_v, n_embd_v_gqa);
+    const size_t row_t = ggml_row_size(type_k_tail, n_embd_k_gqa) + ggml_row_size(type_v_tail, n_embd_v_gqa);
+    const size_t conv  = (st.type_k != GGML_TYPE_F16 ? n_embd_k_gqa*2 : 0) + (st.type_v != GGML_TYPE_F16 ? n_embd_v_gqa*2 : 0);
+
+    auto add_dev = [&](llama_rkv_dev_budget d, uint32_t n) {
+        if (d.runtime == runtime_unset) {
+            d.runtime = d.host_memory ? 0 : cuda.runtime_bytes;
+        }
+        d.n_layer          = n;
+        d.row_bytes_window = n*row_w;
+        d.row_bytes_tail   = n*row_t;
+        d.conv_cell_bytes  = d.host_memory ? 0 : conv;
+        st.devs.push_back(std::move(d));
+    };
+
+    if (!devs) {
+        add_dev(base, n_layer);
+    } else {
+        uint32_t n_total = 0;
+        for (size_t i = 0; i < devs->arr.size(); ++i) {
+            const rkv_jv & o = devs->arr[i];
+            if (o.kind != rkv_jv::OBJ) {
+                return rkv_invalid("devices must be a list of objects");
+            }
+            rkv_jreader dr { o, "", {} };
+            llama_rkv_dev_budget d = base;
+            d.name        = dr.str("name", "GPU" + std::to_string(i));
+            d.host_memory = dr.flag("host_memory", base.host_memory);
+            d.free        = dr.mib("free_mib", base.free);
+            d.weights     = dr.mib("weights_mib", base.weights);
+            d.compute     = dr.mib("compute_mib", base.compute);
+            d.other_kv    = dr.mib("other_kv_mib", base.other_kv);
+            d.ring        = dr.mib("ring_mib", d.host_memory ? 0 : base.ring);
+            d.runtime     = dr.mib("runtime_mib", base.runtime);
+            const uint32_t n = (uint32_t) dr.count("n_layer", 0, true);
+            if (!dr.err.empty()) {
+                return rkv_invalid("devices[" + std::to_string(i) + "]: " + dr.err);
+            }
+            if (!dr.unknown_key().empty()) {
+                return rkv_invalid("devices[" + std::to_string(i) + "]: unknown key " + dr.unknown_key());
+            }
+            if (n == 0) {
+                return rkv_invalid("devices[" + std::to_string(i) + "]: n_layer must be > 0");
+            }
+            add_dev(d, n);
+            n_total += n;
+        }
+        if (n_total != n_layer) {
+            return rkv_invalid("the devices' n_layer must add up to n_layer");
+        }
+    }
+
+    st.resolved = true;
+
+    llama_rkv_decide_in di;
+    di.refuse      = refuse.empty() ? nullptr : refuse.c_str();
+    di.host_memory = !st.devs.empty() && st.devs[0].host_memory;
+    di.quiet       = true;
+    di.reserve     = reserve;
+    di.measure     = [mem_bw](std::string * how) {
+        *how = mem_bw > 0.0 ? "given" : "not given";
+        return mem_bw > 0.0 ? mem_bw : -1.0;
+    };
+
+    const uint32_t wc = llama_rkv_decide(st, di);
+
+    // the layers as the cache would allocate them: the window (+1 trash row) on the device, the tail
+    // (+1 trash row) in host memory, per stream
+    if (st.error.empty()) {
+        for (uint32_t il = 0; il < n_layer; ++il) {
+            llama_rkv_layer_plan lp;
+            lp.il           = (int32_t) il;
+            lp.split        = wc > 0;
+            lp.window_cells = wc ? wc : st.kv_size;
+            lp.tail_cells   = wc ? st.kv_size - wc : 0;
+            lp.device_bytes = (size_t) (wc ? wc + 1 : st.kv_size)*row_w*st.n_stream;
+            lp.host_bytes   = wc ? (size_t) (st.kv_size - wc + 1)*row_t*st.n_stream : 0;
+            st.layers.push_back(lp);
+        }
+    }
+
+    std::string res = llama_rkv_plan_to_json(&st);
+    res.pop_back();
+    res += ",\"simulated\":true}";
+    return res;
+}
+
+RKV_SIM_API int32_t rollingkv_plan_simulate(const char * json_in, char * buf, size_t buf_size) {
+    if (!json_in) {
+        return -1;
+    }
+    const std::string s = rkv_plan_simulate(json_in);
+    if (buf && buf_size > 0) {
+        const size_t n = std::min(s.size(), buf_size - 1);
+        memcpy(buf, s.data(), n);
+        buf[n] = '\0';
+    }
+    return (int32_t) s.size();
+}
