@@ -3,6 +3,7 @@ flash-attention op against ggml_flash_attn_ext over the concatenated K/V, on eve
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -25,6 +26,28 @@ def test_streaming_flash_attn_matches_flash_attn_ext_on_cpu(cpu_build):
     passed, failed = map(int, re.findall(r"\d+", summary[-1]))
     assert proc.returncode == 0 and failed == 0, proc.stdout[-5000:]
     assert passed >= 800  # the full matrix: dims x GQA x n_q x splits x masks x softcap/sinks/ALiBi x types
+
+
+def test_perturbed_tail_makes_exactly_the_live_tail_cases_fail(cpu_build):
+    """The self-check of the op test: with the test hook ROLLINGKV_DEBUG_PERTURB_TAIL every case whose tail holds a
+    key some query row reads must fail, every other case must still pass (--expect-perturbed counts both as passed)."""
+    binary = cpu_build.artifact("test-rolling-kv-ops")
+    proc = subprocess.run([str(binary), "-b", "CPU", "-t", "2", "--quick", "--expect-perturbed"], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "ROLLINGKV_DEBUG_PERTURB_TAIL": "1"})
+    summary = [line for line in proc.stdout.splitlines() if re.fullmatch(r"\d+ passed, \d+ failed", line.strip())]
+    assert summary, proc.stdout[-3000:] + proc.stderr[-3000:]
+    passed, failed = map(int, re.findall(r"\d+", summary[-1]))
+    assert proc.returncode == 0 and failed == 0, proc.stdout[-5000:]
+    caught = proc.stdout.count("OK (fails: perturbed tail)")
+    clean = proc.stdout.count("OK (no live tail)")
+    assert caught >= 100 and clean >= 20 and caught + clean == passed, (caught, clean, passed)
+
+
+def test_expect_perturbed_needs_the_hook(cpu_build):
+    env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
+    proc = subprocess.run([str(cpu_build.artifact("test-rolling-kv-ops")), "--quick", "--expect-perturbed"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "ROLLINGKV_DEBUG_PERTURB_TAIL" in proc.stderr
 
 
 def test_unknown_backend_skips_cleanly(cpu_build):

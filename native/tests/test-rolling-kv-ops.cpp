@@ -23,8 +23,11 @@
 //    parts are F16, which the op then accumulates in f16 like ggml's CPU one-chunk path;
 //    test-backend-ops uses 5e-4 for flash attention across backends).
 //
-// Failure self-check: ROLLINGKV_DEBUG_PERTURB_TAIL=1e-6 (see rolling-kv-fa.cpp) must make
-// every same-type case whose tail holds an unmasked key fail on CPU.
+// Failure self-check (--expect-perturbed): with the test hook ROLLINGKV_DEBUG_PERTURB_TAIL=x set (every tail key's
+// score times 1 + x, in the CPU and the CUDA forward alike: ggml/src/ggml-rolling-kv-impl.h), every case whose tail
+// holds a key some query row does not mask must FAIL and every other case must pass; a case that does as expected
+// counts as passed. x = 1e-6 already breaks the CPU's bit-identity; the NMSE checks of mixed types and of other
+// backends need a real perturbation, e.g. x = 1.
 //  - fully masked q rows (no sinks): the op writes 0, as ggml's CPU flash attention does;
 //    ggml's CUDA flash attention writes NaN (0/0) there, and such reference values are taken
 //    as 0 (counted on the case line as ref-masked-nan-as-0).
@@ -32,7 +35,7 @@
 // --exact: compute the double-precision reference for every case and fail a case where ggml_flash_attn_ext
 // itself is farther than 1e-4 NMSE from it (a self-check of that reference: scale, softcap, ALiBi, sinks, masks).
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact]
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact] [--expect-perturbed]
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
 
 #include "ggml.h"
@@ -272,6 +275,8 @@ static std::string g_extra; // extra per-case info printed on the case line
 // same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
 static bool           g_tail_host   = false;
 static bool           g_exact_check = false;
+static bool           g_expect_perturbed = false; // --expect-perturbed (ROLLINGKV_DEBUG_PERTURB_TAIL set)
+static bool           g_tail_live = false;        // the case's tail holds a key some query row does not mask
 static ggml_backend_t g_cpu_backend = nullptr;
 
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
@@ -328,6 +333,13 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
     // attention) writes 0 there, but ggml's CUDA flash attention writes 0/0 = NaN when there are no
     // sinks. Such reference values are taken as 0; any other non-finite reference value still fails.
+    g_tail_live = false;
+    for (int64_t i = 0; i < n_q && !g_tail_live; ++i) {
+        for (int64_t j = s; j < n_kv && !g_tail_live; ++j) {
+            g_tail_live = hm.empty() || ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY;
+        }
+    }
+
     std::vector<bool> row_masked(n_q, false);
     if (c.mask != MASK_NONE && !c.sinks) {
         for (int64_t i = 0; i < n_q; ++i) {
@@ -837,8 +849,10 @@ int main(int argc, char ** argv) {
             g_tail_host = true;
         } else if (a == "--exact") {
             g_exact_check = true;
+        } else if (a == "--expect-perturbed") {
+            g_expect_perturbed = true;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact] [--expect-perturbed]\n", argv[0]);
             return 2;
         }
     }
@@ -871,8 +885,15 @@ int main(int argc, char ** argv) {
         set_n_threads(backend, n_threads);
     }
 
-    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
-        is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "");
+    const char * perturb = getenv("ROLLINGKV_DEBUG_PERTURB_TAIL");
+    if (g_expect_perturbed && !(perturb && *perturb && strtof(perturb, nullptr) != 0.0f)) {
+        fprintf(stderr, "--expect-perturbed needs ROLLINGKV_DEBUG_PERTURB_TAIL=x (x != 0, e.g. 1)\n");
+        return 2;
+    }
+
+    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
+        is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "",
+        g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
 
     std::mt19937 rng(1234);
     const auto cases = make_cases(quick);
@@ -895,8 +916,16 @@ int main(int argc, char ** argv) {
             printf("[%4zu] %s: not supported, skipped\n", i, case_str(c).c_str());
             continue;
         }
-        (r == RES_PASS ? n_pass : n_fail)++;
-        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, case_str(c).c_str(), err, thr, g_extra.c_str(), ms, r == RES_PASS ? "OK" : "FAIL");
+        const char * verdict = r == RES_PASS ? "OK" : "FAIL";
+        bool as_expected = r == RES_PASS;
+        if (g_expect_perturbed) {
+            // the self-check: a live tail must make the case fail, and nothing else may
+            as_expected = (r == RES_FAIL) == g_tail_live;
+            verdict = as_expected ? (g_tail_live ? "OK (fails: perturbed tail)" : "OK (no live tail)")
+                                  : (g_tail_live ? "FAIL (perturbed tail not detected)" : "FAIL (no live tail, yet failed)");
+        }
+        (as_expected ? n_pass : n_fail)++;
+        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, case_str(c).c_str(), err, thr, g_extra.c_str(), ms, verdict);
         fflush(stdout);
     }
 

@@ -19,10 +19,10 @@
 //
 // Test hooks (exact outputs unless stated; the tests set them, users have no reason to):
 //   ROLLINGKV_DEBUG_PERTURB_TAIL=x      every tail key's attention score (after scale, softcap and mask) is multiplied
-//                                       by (1 + x) before the softmax, in the CPU forward (x > -1). Makes the outputs
-//                                       WRONG on purpose: the equivalence gates prove with it that they fail on a wrong
-//                                       window/tail merge. Off (0) by default; off, it costs one predictable branch per
-//                                       key or KV tile.
+//                                       by (1 + x) before the softmax, on the CPU and the CUDA forward alike (x > -1).
+//                                       Makes the outputs WRONG on purpose: the equivalence gates and the op test prove
+//                                       with it that they fail on a wrong window/tail merge. Off (0) by default; off,
+//                                       it costs one predictable branch per key or KV tile on the CPU, nothing on CUDA.
 //   ROLLINGKV_DEBUG_CHUNK_CELLS=N       the CUDA op copies a host tail in chunks of N cells (rounded up to 256) instead
 //                                       of as few as the slots hold: many chunks, slot reuse and copies running ahead
 //                                       across ops on the op test's small tails. 0 (default): off.

@@ -32,8 +32,9 @@
 //
 // Test hook (equivalence-gate self-test): ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h) multiplies every
 // tail key's attention score (after scale, softcap and mask) by (1 + x) before the softmax. It exists only so that
-// `rollingkv gate equiv` can prove it fails on a wrong window/tail merge; x must be > -1. Read once; off by default,
-// and when off it costs one predictable branch per key (one_chunk) or per KV tile (tiled).
+// `rollingkv gate equiv` and the op test can prove they fail on a wrong window/tail merge; x must be > -1. The CUDA
+// forward perturbs its tail parts the same way. Read once; off by default, and when off it costs one predictable
+// branch per key (one_chunk) or per KV tile (tiled).
 
 #include "rolling-kv-fa.h"
 

@@ -31,6 +31,12 @@
 // A tail in pinned host memory is streamed through the device in chunks (rolling-kv-stream.cu); each chunk
 // is one more part.
 //
+// Test hook ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h), as in the CPU forward: every tail key's score
+// (after scale, softcap and mask) is multiplied by (1 + x). The tail parts' shadows get scale*(1 + x) (and
+// softcap*(1 + x), which keeps the kernel's scale/softcap inside tanh), and their mask columns are compacted with
+// every value times (1 + x) (0 and -inf stay; finite ALiBi/bias values are rounded to f16 once more). Off (the
+// default), nothing of this runs.
+//
 // The forward: rkv_collect (the parts), rkv_plan (per part: padding, mask, shadow, output buffer), rkv_run_part
 // (per part: wait for its chunk, mask and padding copies, the stock kernel), rkv_merge_part (into dst).
 
@@ -74,6 +80,12 @@ static int rkv_get_parts(const ggml_tensor * dst, rkv_part parts[2]) {
         parts[np++] = { kt, vt, kt->ne[1], n_win, true };
     }
     return np;
+}
+
+// the test hook's factor (1 + ROLLINGKV_DEBUG_PERTURB_TAIL), read once; 1: off
+static float rkv_perturb_mul() {
+    static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
+    return mul;
 }
 
 // padded copy of a part's K or V: [D, n_pad, nh, ne3], contiguous, same type
@@ -133,11 +145,25 @@ static void rkv_shadow(ggml_tensor & s, const ggml_tensor * dst, const rkv_part 
     ggml_format_name(&s, "rkv_part");
 }
 
+// test hook: a tail part's scores times mul (scale and softcap of its shadow; the mask columns are scaled when compacted)
+static void rkv_shadow_perturb(ggml_tensor & s, float mul) {
+    float scale, softcap;
+    memcpy(&scale,   (const float *) s.op_params + 0, sizeof(float));
+    memcpy(&softcap, (const float *) s.op_params + 2, sizeof(float));
+    scale *= mul;
+    if (softcap != 0.0f) {
+        softcap *= mul; // the kernels compute softcap*tanh(qk*scale/softcap)
+    }
+    memcpy((float *) s.op_params + 0, &scale,   sizeof(float));
+    memcpy((float *) s.op_params + 2, &softcap, sizeof(float));
+}
+
 // how one part is computed (headers only; nothing is launched while planning)
 struct rkv_part_plan {
     bool        pad       = false; // K/V copied into a zero-padded buffer of a multiple of 256 cells
     bool        has_mask  = false;
     bool        mask_view = true;  // the mask part is a view of the op's mask (else a compact copy)
+    float       mask_mul  = 1.0f;  // the compact copy's values times this (test hook; 1: a plain copy)
     bool        direct    = false; // the kernel writes into dst (first part only)
     size_t      O_size    = 0;     // else: the pool buffer its output needs
     ggml_tensor k_pad, v_pad, mask_part, shadow;
@@ -177,10 +203,14 @@ struct rkv_bufs {
 } // namespace
 
 static __global__ void rkv_mask_slice(const half * __restrict__ src, half * __restrict__ dst,
-        const int64_t src_stride, const int64_t col0, const int n, const int n_pad, const int64_t nrows) {
+        const int64_t src_stride, const int64_t col0, const int n, const int n_pad, const int64_t nrows, const float mul) {
     for (int64_t r = blockIdx.y; r < nrows; r += gridDim.y) {
         for (int c = blockIdx.x*blockDim.x + threadIdx.x; c < n_pad; c += gridDim.x*blockDim.x) {
-            dst[r*n_pad + c] = c < n ? (src ? src[r*src_stride + col0 + c] : __float2half(0.0f)) : __float2half(-INFINITY);
+            half v = c < n ? (src ? src[r*src_stride + col0 + c] : __float2half(0.0f)) : __float2half(-INFINITY);
+            if (mul != 1.0f) {
+                v = __float2half(__half2float(v)*mul); // test hook (ROLLINGKV_DEBUG_PERTURB_TAIL): 0 and -inf stay
+            }
+            dst[r*n_pad + c] = v;
         }
     }
 }
@@ -350,11 +380,14 @@ static void rkv_plan(int device, rkv_fwd & f) {
         f.mask_synth.nb[3] = f.mask_synth.nb[2];
     }
 
+    const float perturb = rkv_perturb_mul(); // test hook; 1: off
+
     f.pl.resize(np);
     f.O_max = 0;
     for (int i = 0; i < np; ++i) {
         rkv_part_plan & pp = f.pl[i];
         rkv_part p = f.parts[i];
+        const bool perturbed = p.tail && perturb != 1.0f;
         pp.has_mask = mask != nullptr;
         // vector-kernel cases of the concatenated op whose part is not 256-aligned: pad (see top of file)
         if (p.n % FATTN_KQ_STRIDE != 0 && n_total % FATTN_KQ_STRIDE == 0 && q->ne[1] <= 2 &&
@@ -377,11 +410,17 @@ static void rkv_plan(int device, rkv_fwd & f) {
             p.k = &pp.k_pad;
             p.v = &pp.v_pad;
         } else if (mask) {
-            pp.mask_view = rkv_mask_view_ok(q, mask, p);
+            pp.mask_view = !perturbed && rkv_mask_view_ok(q, mask, p);
             rkv_mask_header(pp.mask_part, mask, p, pp.mask_view, p.n);
+        }
+        if (perturbed) {
+            pp.mask_mul = perturb;
         }
         // output straight into dst if the kernel needs no f16 K/V scratch behind it (first part only)
         rkv_shadow(pp.shadow, f.dst, p, pp.has_mask ? &pp.mask_part : nullptr, f.fused_sinks ? f.sinks : nullptr, f.dst->data, nullptr);
+        if (perturbed) {
+            rkv_shadow_perturb(pp.shadow, perturb);
+        }
         pp.direct = i == 0 && ggml_cuda_flash_attn_ext_get_alloc_size(device, &pp.shadow) <= f.nbytes;
         if (!pp.direct) {
             pp.shadow.data = nullptr;
@@ -415,7 +454,7 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
         const int     mth   = 256;
         const dim3    grid((unsigned) std::min<int64_t>((n_pad + mth - 1)/mth, 1024), (unsigned) std::min<int64_t>(mrows, 65535), 1);
         rkv_mask_slice<<<grid, mth, 0, stream>>>(mask ? (const half *) mask->data : nullptr, (half *) pp.mask_part.data,
-            mask ? mask->nb[1]/sizeof(half) : 0, p.col0, (int) p.n, (int) n_pad, mrows);
+            mask ? mask->nb[1]/sizeof(half) : 0, p.col0, (int) p.n, (int) n_pad, mrows, pp.mask_mul);
         CUDA_CHECK(cudaGetLastError());
     }
     if (pp.pad) {
