@@ -28,6 +28,10 @@
 // holds a key some query row does not mask must FAIL and every other case must pass; a case that does as expected
 // counts as passed. x = 1e-6 already breaks the CPU's bit-identity; the NMSE checks of mixed types and of other
 // backends need a real perturbation, e.g. x = 1.
+//
+// Head size 72 runs on the stock TILE FlashAttention kernel on every CUDA/HIP device, which writes no per-row LSE:
+// a backend other than the CPU must report the op unsupported for those cases (the scheduler then runs it on the
+// CPU), and the CPU must run them exactly.
 //  - fully masked q rows (no sinks): the op writes 0, as ggml's CPU flash attention does;
 //    ggml's CUDA flash attention writes NaN (0/0) there, and such reference values are taken
 //    as 0 (counted on the case line as ref-masked-nan-as-0).
@@ -88,6 +92,7 @@ struct test_case {
     bool      cache_layout; // K/V as permuted views of a [D, n_head_kv, n_kv] cache (like llama-kv-cache)
     int64_t   ne3;          // batch of streams (q, k, v ne[3]); mask broadcast over it
     bool      q_perm = false; // Q as a permuted view of a [D, n_head, n_q] tensor (like llama's attention input)
+    bool      tile_only = false; // a head size only the stock TILE kernel runs (no LSE): refused by backends other than the CPU
 
     bool mixed() const { return tkw != tkt || tvw != tvt; }
 };
@@ -495,6 +500,16 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
     }
 
+    if (c.tile_only && !is_cpu) {
+        // the stock dispatch picks TILE for this head size, which writes no LSE: the op must be refused
+        const bool refused = !ggml_backend_supports_op(backend, out);
+        g_extra += refused ? " refused (TILE kernel: no LSE)" : " SUPPORTED although the TILE kernel writes no LSE";
+        g_tail_live = false; // nothing runs: the verdict does not depend on the tail
+        if (buf_host) ggml_backend_buffer_free(buf_host);
+        if (ctx_host) ggml_free(ctx_host);
+        ggml_free(ctx);
+        return refused ? RES_PASS : RES_FAIL;
+    }
     if (!ggml_backend_supports_op(backend, out) || !ggml_backend_supports_op(backend, ref)) {
         if (buf_host) ggml_backend_buffer_free(buf_host);
         if (ctx_host) ggml_free(ctx_host);
@@ -821,6 +836,17 @@ static std::vector<test_case> make_cases(bool quick) {
         cases.push_back(mk(256, 1, 8, 1024,   1, 1,   F16, F16, MASK_CAUSAL, false, 0.0f, 0.0f, true));
         cases.push_back(mk(256, 2, 4, 1024,   7, 255, Q8,  Q8,  MASK_HOLES, true, 0.0f, 0.0f, true));
         cases.push_back(mk(128, 2, 4, 1024, 512, 256, F16, F16, MASK_ROWS, true, 0.0f, 0.0f, false, Q8, Q8));
+    }
+
+    // head size 72: only the stock TILE kernel runs it (on every CUDA/HIP device), which writes no LSE. The CPU runs
+    // the op exactly; other backends must refuse it (appended last: the random data of the cases above is unchanged)
+    for (int64_t n_q : { 1, 7 }) {
+        for (int64_t s : { (int64_t) 0, (int64_t) 256, n_kv }) {
+            if (quick && s != 256) continue;
+            test_case c = mk(72, 2, 2, n_kv, n_q, s, F16, F16, MASK_CAUSAL, n_q == 7, 0.0f, 0.0f, true);
+            c.tile_only = true;
+            cases.push_back(c);
+        }
     }
 
     return cases;

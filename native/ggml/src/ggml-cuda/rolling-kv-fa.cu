@@ -11,7 +11,9 @@
 //
 // applies the sinks once (O *= e^lse / (e^lse + e^sink)), and writes 0 for rows where every part is
 // fully masked (lse = -inf; the stock kernels write 0/0 there), matching the CPU op
-// (ggml-cpu/rolling-kv-fa.cpp). A part's O is never read when its lse is -inf.
+// (ggml-cpu/rolling-kv-fa.cpp). A part's O is never read when its lse is -inf. Only the VEC and MMA
+// kernels write the LSE: supports_op refuses the op where the dispatch would pick TILE for a part (head
+// sizes 40 and 72 everywhere, small batches before Turing and on AMD), and the scheduler runs it on the CPU.
 //
 // A single part with sinks needs no LSE: the shadow takes the sinks itself (identical to stock FA).
 //
@@ -319,14 +321,27 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
                 return false;
             }
         }
-        ggml_tensor m;
-        if (mask) {
-            rkv_mask_header(m, mask, parts[i], false, parts[i].n);
-        }
-        ggml_tensor s;
-        rkv_shadow(s, op, parts[i], mask ? &m : nullptr, nullptr, nullptr, nullptr);
-        if (!ggml_cuda_flash_attn_ext_supported(device, &s)) {
-            return false;
+        // The part as the dispatch sees it: whole, or, streamed from host memory, as 256-aligned chunks plus a last one
+        // of the part's residue mod 256 (the kernel choice depends on the cell count only through that residue and
+        // size thresholds). The stock dispatch must run each on a kernel that writes the LSE the merge reads: TILE
+        // writes none (head sizes 40 and 72 on every GPU; small batches before Turing and on AMD). A padded part
+        // (see the top of the file) is padded only for VEC. The scheduler then runs the op on the CPU.
+        const bool streamed = host_k;
+        for (const int64_t n : { parts[i].n, streamed ? (int64_t) FATTN_KQ_STRIDE : parts[i].n }) {
+            ggml_tensor k = *parts[i].k;
+            ggml_tensor v = *parts[i].v;
+            k.ne[1] = n;
+            v.ne[1] = n;
+            const rkv_part p = { &k, &v, n, parts[i].col0, parts[i].tail };
+            ggml_tensor m;
+            if (mask) {
+                rkv_mask_header(m, mask, p, false, n);
+            }
+            ggml_tensor s;
+            rkv_shadow(s, op, p, mask ? &m : nullptr, nullptr, nullptr, nullptr);
+            if (!ggml_cuda_flash_attn_ext_supported(device, &s) || !ggml_cuda_flash_attn_ext_writes_lse(device, &s)) {
+                return false;
+            }
         }
     }
     return true;

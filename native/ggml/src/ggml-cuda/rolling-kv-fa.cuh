@@ -9,5 +9,6 @@
 // host memory is streamed through the device in chunks (rolling-kv-stream.cuh).
 void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
-// true if every non-empty part can run on the stock FlashAttention kernels of this device
+// true if every non-empty part can run on a stock FlashAttention kernel of this device that writes the LSE
+// (VEC, MMA; not TILE), as a whole or in the chunks a host tail streams in
 bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op);
