@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -119,3 +121,42 @@ def test_info_shows_the_cpu_backend_features(cpu_build, monkeypatch):
     assert "CPU :" in host["ggml_system_info"]
     r = CliRunner().invoke(rollingkv, ["info"], catch_exceptions=False)
     assert r.exit_code == 0 and "CPU backend uses" in r.output and hostinfo.cpu_model()[:20] in r.output
+
+
+def test_the_tile_config_is_loaded_from_static_storage(cpu_build, tmp_path):
+    """Host-independent half of the fix: compile the prepared tree's AMX kernels for Sapphire Rapids with this
+    machine's compiler, as a Release build does (-O3), and check every `ldtilecfg` reads the constant config in
+    .rodata with the rows and column widths the kernels use.
+
+    Without the fix (the pristine mmq.cpp) gcc 12.2 -O3 emits `vpxor; vmovdqa64 %zmm0,0xc0(%rsp); movb $0x1,0xc0(%rsp);
+    ldtilecfg 0xc0(%rsp)`: a stack config with the palette set and every row and width store dropped, which is the
+    SIGILL at the first tile instruction; this test then fails on the stack operand (checked once against the pristine
+    tree). gcc 13.3 on the H200 host kept the stores, which is why the crash depends on the compiler, not the CPU."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    objdump = shutil.which("objdump")
+    assert cxx and objdump, "a C++ compiler and objdump (binutils) are needed to build llama.cpp at all"
+    tree = cpu_build.dir / "src"
+    src = tree / "ggml/src/ggml-cpu/amx/mmq.cpp"
+    obj = tmp_path / "mmq.o"
+    inc = [f"-I{tree / d}" for d in ("ggml/include", "ggml/src", "ggml/src/ggml-cpu", "ggml/src/ggml-cpu/amx")]
+    cc = subprocess.run([cxx, "-std=c++17", "-O3", "-march=sapphirerapids", "-DNDEBUG", *inc, "-c", str(src), "-o", str(obj)],
+                        capture_output=True, text=True, timeout=600)
+    assert cc.returncode == 0, cc.stderr[-2000:]
+    dis = subprocess.run([objdump, "-d", "-r", "--no-show-raw-insn", str(obj)], capture_output=True, text=True, check=True).stdout
+    lines = dis.splitlines()
+    loads = [i for i, line in enumerate(lines) if "ldtilecfg" in line]
+    assert loads, "no ldtilecfg in the AMX kernels: the test would prove nothing"
+    targets = set()
+    for i in loads:
+        assert "(%rip)" in lines[i], f"the tile config is not static data: {lines[i].strip()}"
+        reloc = re.search(r"R_X86_64_PC32\s+(\S+)\+0x([0-9a-f]+)", lines[i + 1])
+        assert reloc, lines[i + 1]
+        targets.add((reloc.group(1), int(reloc.group(2), 16) + 4))  # PC32: the operand is 4 bytes before the next insn
+    for section, offset in targets:
+        dump = subprocess.run([objdump, "-s", "-j", section, f"--start-address={offset}", f"--stop-address={offset + 64}", str(obj)],
+                              capture_output=True, text=True, check=True).stdout
+        data = bytes.fromhex("".join("".join(line.split()[1:5]) for line in dump.splitlines() if re.match(r"^ [0-9a-f]+ ", line)))
+        assert len(data) == 64, dump
+        palette, colsb, rows = data[0], [int.from_bytes(data[16 + 2 * t:18 + 2 * t], "little") for t in range(16)], list(data[48:64])
+        assert palette == 1
+        assert colsb[:8] == [64, 64, 32, 32, 64, 64, 64, 64] and rows[:8] == [8, 8, 16, 16, 16, 16, 16, 16], (colsb, rows)
