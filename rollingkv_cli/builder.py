@@ -22,6 +22,7 @@ from rollingkv_cli.console import abort, console, log_panel, note
 MANIFEST = "manifest.json"
 BASE_TARGETS = ("llama", "llama-server", "llama-bench")
 OP_TEST_TARGET = "test-rolling-kv-ops"
+CPU_DECODE_TEST_TARGET = "test-rolling-kv-cpu-decode"  # the hybrid tail's CPU attention: check and bench
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)$")
 
 
@@ -186,8 +187,7 @@ def targets_for(opts: BuildOptions, cmake_dir: Path) -> list[str]:
         targets += sorted(t for t in known if re.fullmatch(r"ggml-cpu(-\w+)?", t))
         if opts.cuda:
             targets.append("ggml-cuda")
-    if OP_TEST_TARGET in known:
-        targets.append(OP_TEST_TARGET)
+    targets += [t for t in (OP_TEST_TARGET, CPU_DECODE_TEST_TARGET) if t in known]
     return targets
 
 

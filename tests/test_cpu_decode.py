@@ -1,0 +1,73 @@
+"""The hybrid tail's CPU decode attention (native/ggml/src/rolling-kv-cpu-decode.*), through its test binary.
+
+Every instruction-set path this CPU has must run and match attention in double precision; a path is reported
+"not available" only when /proc/cpuinfo lacks its features, so nothing passes because a feature is absent."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from rollingkv_cli import hostinfo
+
+pytestmark = pytest.mark.build
+
+CASES_PER_ISA = 252
+
+
+def _binary(cpu_build):
+    b = cpu_build.artifact("test-rolling-kv-cpu-decode")
+    assert b.is_file(), f"{b} was not built"
+    return b
+
+
+def _expected_isas() -> dict[str, bool]:
+    flags = hostinfo.cpu_flags()
+    return {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags,
+            "avx2": {"avx2", "fma", "f16c"} <= flags,
+            "scalar": True}
+
+
+def test_every_path_this_cpu_has_matches_double_precision(cpu_build):
+    proc = subprocess.run([str(_binary(cpu_build))], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    ran = 0
+    for isa, available in _expected_isas().items():
+        if available:
+            m = re.search(rf"^isa {isa}: (\d+) cases, (\d+) failed, worst relative error (\S+)$", proc.stdout, re.M)
+            assert m, f"the {isa} path did not run on a CPU that has it:\n{proc.stdout}"
+            assert int(m.group(1)) == CASES_PER_ISA and int(m.group(2)) == 0
+            assert float(m.group(3)) < 2e-6
+            ran += 1
+        else:
+            assert f"isa {isa}: not available on this CPU" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"{ran * CASES_PER_ISA} passed, 0 failed"
+
+
+def test_the_comparison_bites_on_the_scalar_path(cpu_build):
+    """Scores of the reference times 1 + 1e-4: every case with a visible cell fails; the 36 whose cells are all
+    masked (output 0, LSE -inf either way) pass."""
+    proc = subprocess.run([str(_binary(cpu_build)), "--isa", "scalar", "--perturb-ref", "1e-4"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines()[-1] == "36 passed, 216 failed"
+    assert all("mask 2" not in line for line in proc.stdout.splitlines() if line.startswith("FAIL"))
+
+
+def test_the_bench_reports_attention_next_to_a_read_scan_and_ggml(cpu_build):
+    """The microbenchmark runs and reports its figures (speed is measured on the GPU host, not asserted here)."""
+    proc = subprocess.run([str(_binary(cpu_build)), "--bench", "-t", "2", "--layers", "2", "--cells", "1024", "--reps", "1", "--type", "q8_0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert r["type"] == "q8_0" and r["layers"] == 2 and r["cells"] == 1024
+    assert r["gb"] == pytest.approx(2 * 2 * 1024 * 8 * 136 / 1e9, abs=1e-6)  # K and V, 8 heads of 128 q8_0 values (printed to 1 kB)
+    assert min(r["attention_ms"], r["scan_ms"], r["copy_ms"], r["ggml_fa_ms"]) > 0
+
+
+@pytest.mark.parametrize("args", [["--bench", "-t", "0"], ["--type", "q5_0"], ["--cells"], ["--isa", "sse9"]])
+def test_bad_arguments_are_refused(cpu_build, args):
+    proc = subprocess.run([str(_binary(cpu_build)), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip()
