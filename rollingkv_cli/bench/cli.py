@@ -106,7 +106,7 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
 @click.option("-t", "--threads", type=int, callback=_positive, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
 @click.option("--slot-ring-mib", type=click.IntRange(min=0), default=None,
-              help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $GGML_RKV_SLOTS x $GGML_RKV_SLOT_MIB, else 3 x 32]")
+              help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $ROLLINGKV_SLOTS x $ROLLINGKV_SLOT_MIB, else 3 x 32]")
 @click.option("--pcie-bw-gbps", type=float, default=None, help="Use this host-to-device GB/s for the floors instead of measuring.")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) whose link is measured.")
 @click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")

@@ -31,17 +31,22 @@ SCHEMA = "rollingkv.bench.tail/1"
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
 DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
-DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # docs/design/cuda-streaming-fa.md §2.1 (GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB)
+DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25
 
 
 def default_ring_bytes() -> int:
-    """The CUDA op's slot ring: GGML_RKV_SLOTS x GGML_RKV_SLOT_MIB when set, else 3 x 32 MiB."""
+    """The CUDA op's slot ring: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB when set, else 3 x 32 MiB."""
     from rollingkv_cli.userinput import env_int
 
     # the CUDA op reads the same variables: a value it would not take is refused here, not guessed around
-    slots = env_int("GGML_RKV_SLOTS", DEFAULT_RING_SLOTS, minimum=1, example="a number of slots such as 3")
-    slot_mib = env_int("GGML_RKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB, minimum=1, example="a size in MiB such as 32")
+    slots = env_int("ROLLINGKV_SLOTS", DEFAULT_RING_SLOTS, minimum=2, example="a number of slots from 2 to 8, such as 3")
+    slot_mib = env_int("ROLLINGKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB, minimum=1, example="a size in MiB such as 32")
+    if slots > 8 or slot_mib > 4096:  # the op would clamp these: say so instead of planning with another ring
+        from rollingkv_cli.console import abort
+
+        name, value, top = ("ROLLINGKV_SLOTS", slots, 8) if slots > 8 else ("ROLLINGKV_SLOT_MIB", slot_mib, 4096)
+        abort(f"${name}={value} is more than the CUDA op takes ({top})", f"set it to at most {top}, or unset it")
     return slots * slot_mib << 20
 
 

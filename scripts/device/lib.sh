@@ -158,7 +158,7 @@ gpu_tests() {
 
 # decode_cell LABEL [ENV=VALUE...] -- [llama-bench args...]: decode speed of one cell on the synthetic model,
 # llama-bench -fa 1 -p 0 -n $N -d $D -r $R -ngl 99 (N 32, D 16384, R 3 unless set); one JSON line, also in
-# $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, no pre-launch" GGML_RKV_PRELAUNCH=0 -- --kv-residency-mode window \
+# $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, no pre-launch" ROLLINGKV_DEBUG_NO_PRELAUNCH=1 -- --kv-residency-mode window \
 #   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
 decode_cell() {
   local label=$1 envs=(); shift
