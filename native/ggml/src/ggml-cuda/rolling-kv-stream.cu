@@ -15,6 +15,21 @@ static const ggml_rkv_knobs & rkv_knobs() {
     return *knobs;
 }
 
+// The capture queries (cudaStreamIsCapturing, cudaEventWaitExternal) exist only with CUDA graphs, and vendors/hip.h and
+// vendors/musa.h do not (all) map them. A captured graph waits for the copies issued before its launch as external
+// events, so where graphs exist without the queries (HIP, MUSA) nothing is copied before the launch: every copy is
+// forked inside the graph (exact either way).
+#if defined(USE_CUDA_GRAPH) && !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
+#define RKV_CAPTURE_QUERY 1
+#else
+#define RKV_CAPTURE_QUERY 0
+#endif
+#if defined(USE_CUDA_GRAPH) && !RKV_CAPTURE_QUERY
+#define RKV_PRELAUNCH 0
+#else
+#define RKV_PRELAUNCH 1
+#endif
+
 // lab switches: compiled only with -DROLLINGKV_DEBUG=ON
 #ifdef ROLLINGKV_DEBUG
 #define RKV_LAB(field) (rkv_knobs().field)
@@ -93,11 +108,11 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
     ggml_cuda_rkv_ring & r = *ctx.rkv_ring;
     const size_t want = std::max(need, rkv_knobs().ring_slot_bytes);
     if (r.slot_bytes < need) {
-#ifdef USE_CUDA_GRAPH
+#if RKV_CAPTURE_QUERY
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
         GGML_ASSERT(cs == cudaStreamCaptureStatusNone && "rolling-KV: the tail slot ring must grow while a CUDA graph is captured");
-#endif // USE_CUDA_GRAPH
+#endif // RKV_CAPTURE_QUERY
         if (r.base) {
             CUDA_CHECK(cudaStreamSynchronize(rkv_copy_stream(ctx)));
             CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
@@ -337,7 +352,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     // Copy the first chunks now, before the graph is launched, after everything already on the compute stream (a
     // previous graph may still read the slots). Exact for the run-ahead's reason: rows this graph writes before an
     // op are copied again into its slots from the host tail before the attention (writes_k/writes_v, rkv_refresh).
-    if (!RKV_LAB(no_prelaunch)) {
+    if (RKV_PRELAUNCH && !RKV_LAB(no_prelaunch)) {
         r->n_pre = std::min<int>(r->n_slots, (int) r->fifo.size());
         cudaStream_t cs = rkv_copy_stream(ctx);
         CUDA_CHECK(cudaEventRecord(r->ev_pre, ctx.stream()));
@@ -405,13 +420,13 @@ void ggml_cuda_rkv_tail_begin(ggml_backend_cuda_context & ctx, const ggml_tensor
 void ggml_cuda_rkv_tail_start(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts) {
     // chunks [0, n_pre) of the graph's plan were copied before the launch (ggml_cuda_rkv_graph_begin): their events
     // were recorded outside any capture, so a capture takes the waits as external event nodes
-#ifdef USE_CUDA_GRAPH
+#if RKV_CAPTURE_QUERY
     if (ts.n_pre > 0) {
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &capture));
         ts.capturing = capture == cudaStreamCaptureStatusActive;
     }
-#endif // USE_CUDA_GRAPH
+#endif // RKV_CAPTURE_QUERY
     // the first streaming op of the plan forks the copy stream (everything before it on the compute stream, this
     // layer's new rows included, is ordered before the copies) and fills the ring
     if (ts.op_idx == 0) {
@@ -430,11 +445,11 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     const int g = o.first + ic;
     GGML_ASSERT(g < *ts.next_copy && "rolling-KV: a chunk is attended before its copy was issued");
     if (g < ts.n_pre) {
-#ifdef USE_CUDA_GRAPH
+#if RKV_CAPTURE_QUERY
         CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g], ts.capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
 #else
-        CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g], 0));
-#endif // USE_CUDA_GRAPH
+        CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g], 0)); // no graphs: nothing is captured
+#endif // RKV_CAPTURE_QUERY
     } else {
         CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->copy_done[g % ts.ring->n_slots], 0));
     }
