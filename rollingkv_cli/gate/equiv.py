@@ -143,6 +143,39 @@ class EquivSession:
         return me.run_child(role, self.commands[role], self.logs / f"{role}.log", out, progress, label or role, self.n_tokens)
 
 
+# ------------------------------------------------------------------ tail positions, the control
+
+def split_summary(result: dict, rows: dict, n_seq: int, n_batch: int, real_margin_nats: float) -> tuple[dict, "object"]:
+    """A compared run's summary with where its positions read: window_cells (None: not split), tail_positions (rows
+    whose query attended a tail cell, from the plan's window and the cells the tokens went to: metrics.tail_rows),
+    tail and window (the summaries over those rows and the others). Returns (summary, the per-row tail mask)."""
+    from rollingkv_cli.gate import metrics
+
+    plan = result.get("plan") or {}
+    wc = plan.get("window_cells") if plan.get("split") else None
+    mask = metrics.tail_rows(len(rows["pos"]), n_seq, n_batch, wc)
+    out = dict(result["summary"])
+    out["window_cells"] = wc
+    out["tail_positions"] = int(mask.sum())
+    out["tail"] = metrics.subset_summary(rows, mask, real_margin_nats)
+    w = metrics.subset_summary(rows, ~mask, real_margin_nats)
+    out["window"] = {k: w.get(k) for k in ("n", "mean_tv", "max_tv", "bitwise_equal_rows")}
+    return out, mask
+
+
+def control_thresholds(thresholds_file: Path | None, exact_bits: bool, tolerance: float | None) -> dict:
+    """The --tail-baseline control (window and tail both of the tail's type against the resident cache of that type):
+    the same-type bounds, bit-identity on the CPU (or --tolerance), and a used tail."""
+    from rollingkv_cli.gate import metrics
+
+    th = metrics.load_thresholds(thresholds_file, "same_type")
+    th["require_bitwise"] = exact_bits
+    th["require_tail"] = True
+    if tolerance is not None:
+        th["max_mean_tv"] = tolerance
+    return th
+
+
 # ------------------------------------------------------------------ display
 
 def fmt(v) -> str:
@@ -179,9 +212,11 @@ def print_table(console, s: dict, th: dict, v, profile: str, title: str | None =
     from rich.table import Table
 
     by_metric = {c.metric: c for c in v.checks}
+    tail_only = th.get("positions") == "tail"
+    src = (s.get("tail") or {}) if tail_only else s
     t = Table(title=title or f"equivalence gate ({profile.replace('_', '-')} bounds)", title_justify="left")
     t.add_column("metric")
-    t.add_column("value", justify="right")
+    t.add_column("value" if not tail_only else "value (tail positions)", justify="right")
     t.add_column("bound", justify="right")
     t.add_column("", justify="center")
     rows = [
@@ -203,8 +238,15 @@ def print_table(console, s: dict, th: dict, v, profile: str, title: str | None =
             b = int(c.bound) if c.metric in ("n", "nonfinite") else c.bound
             bound = ("≤ " if c.kind == "max" else "≥ ") + fmt(b)
             mark = "[green]✓[/]" if c.ok else "[bold red]✗[/]"
-        t.add_row(label, fmt(s.get(key)), bound, mark)
-    t.add_row("[dim]bitwise-identical rows[/]", f"[dim]{s.get('bitwise_equal_rows')}/{s.get('n')}[/]", "", "")
+        t.add_row(label, fmt((s if key in ("n", "nonfinite") else src).get(key)), bound, mark)
+    for label, key in (("positions that read the tail", "tail_positions"), ("bitwise-identical rows", "bitwise_equal_rows")):
+        c = by_metric.get(key)
+        if c is not None:
+            t.add_row(label, fmt(s.get(key)), "≥ " + fmt(int(c.bound)), "[green]✓[/]" if c.ok else "[bold red]✗[/]")
+    if "bitwise_equal_rows" not in by_metric:
+        t.add_row("[dim]bitwise-identical rows[/]", f"[dim]{s.get('bitwise_equal_rows')}/{s.get('n')}[/]", "", "")
+    if "tail_positions" not in by_metric and s.get("tail_positions") is not None:
+        t.add_row("[dim]positions that read the tail[/]", f"[dim]{s['tail_positions']}[/]", "", "")
     t.add_row("[dim]max |Δ logit|[/]", f"[dim]{fmt(s.get('max_abs_logit_diff'))}[/]", "", "")
     console.print(t)
     worst = s.get("worst", [])[:3]

@@ -60,19 +60,49 @@ PROFILES: dict[str, dict[str, float | None]] = {
         "max_mean_kl": None,
         "min_frac_full_agree": None,
         "real_margin_nats": DEFAULT_REAL_MARGIN_NATS,
-        "baseline_factor": None,  # set by relative_thresholds (--tail-baseline) to DEFAULT_BASELINE_FACTOR
+        "baseline_factor": None,  # set by relative_thresholds (--tail-baseline): default_baseline_factor(K tail type)
     },
 }
 
-# --tail-baseline: a quantized tail may lose up to this many times what the tail's type loses when it holds
-# the WHOLE cache (the same model, residency off, every K/V of that type). More than 1 because a split does
-# not quantize uniformly: window keys stay exact while tail keys carry the type's rounding bias, and a
-# bias shared by all keys cancels in the softmax of a fully quantized cache but not across the
-# window/tail boundary. Measured on the demo model (1024 tokens, window 256, q4_0 K+V tail): mean TV 1.36x
-# and real flips 2.5x the resident q4_0 cache's; over the positions that read the tail (>= 256) a K-only
-# q4_0 tail loses 1.8x a K-only q4_0 cache, a V-only one 0.99x: it is the keys' bias, as argued.
-DEFAULT_BASELINE_FACTOR = 3.0
-BASELINE_CHECKS = ("max_mean_tv", "max_mean_kl", "max_real_frac", "max_max_tv")
+# --tail-baseline: the split's loss tied to what the tail's type costs when it holds the WHOLE cache (the same
+# model, residency off, every K/V of that type: the baseline), position by position. Only the positions that read
+# the tail are compared (tail_rows): the others never touch a quantized cell, so averaging them in (as a mean over
+# every position did) dilutes the split's loss by the window's share. Over those positions the split's mean TV must
+# stay within baseline_factor x the baseline's mean TV at the same positions, with no absolute floor (a floor wider
+# than the type's own cost would hide a merge error behind it).
+#
+# Why a factor and not TV_split[p] <= TV_baseline[p] + eps at every p: (1) one position's TV is dominated by how the
+# model amplifies any rounding change (the demo model: a 2e-7 change of the tail scores already gives mean TV 0.01),
+# so the two runs' per-position TVs are nearly independent draws: with a correct merge, 51 % (q8_0) and 76 % (q4_0)
+# of the tail positions exceed their baseline, 25 % and 69 % by more than 0.005 (demo model, 512 tokens, window
+# 256); their means over a few hundred positions are stable (within ~5 % between runs). (2) The split quantizes only
+# the tail, but its keys carry a rounding error shared across keys (an outlier channel rounds the same way in every
+# key) that a fully quantized cache cancels in the softmax and a split does not across the window/tail boundary: a
+# bias of the K type, not of the merge. With a correct merge the mean-TV ratio over the tail positions is 0.98-0.99
+# for q8_0 and 1.59 (512 tokens) to 1.76 (1024 tokens) for q4_0; V-only q4_0 tails do not show it, K-only ones do.
+#
+# So the factor's slack above 1 follows the K tail type's rounding step (a fraction of a block's largest value,
+# K_ROUNDING_STEP), scaled so that q4_0 (step 1/8) gets 1.5, and is never below 0.5 (the runs' noise, with room for
+# ~100 compared positions): baseline_factor = 1 + max(0.5, 12 x step), i.e. 1.5 for q8_0, bf16 and V-only tails,
+# 1.75 for q5_*, 2.5-2.6 for q4_*. Real top-1 flips are not bounded in this mode: the same bias makes a correct q4_0
+# split flip 4.4 % of its tail positions against the baseline's 1.0 % (1024 tokens).
+#
+# The merge itself is checked exactly by the control that --tail-baseline adds: a window and a tail both of the
+# tail's type against the baseline, where no type boundary exists: bit-identical on the CPU (same_type bounds on
+# the GPU), so any error in how the op combines the parts fails it (at 1.2e-7, the smallest f32 change of a score).
+K_ROUNDING_STEP = {"q8_0": 1 / 127, "q5_0": 1 / 16, "q5_1": 2 / 31, "q4_0": 1 / 8, "q4_1": 2 / 15, "bf16": 1 / 128}
+BASELINE_SLACK_PER_STEP = 12.0
+MIN_BASELINE_SLACK = 0.5
+BASELINE_CHECKS = ("max_mean_tv", "max_mean_kl", "max_max_tv")  # relative; max_real_frac is dropped (above)
+
+
+def default_baseline_factor(k_tail_type: str | None) -> float:
+    """1 + max(0.5, 12 x the K tail type's rounding step): 1.5 for q8_0, bf16 and unquantized K, 2.5 for q4_0."""
+    return 1.0 + max(MIN_BASELINE_SLACK, BASELINE_SLACK_PER_STEP * K_ROUNDING_STEP.get(k_tail_type or "", 0.0))
+
+
+TAIL_NEVER_USED = "the tail was never used: lower --kv-window-cells or use more tokens"
+BITWISE_WHY = "the split of a same-type cache on the CPU is bit-identical to the resident run (--tolerance TV: a mean-TV bound instead)"
 
 # check key -> (metric, kind)
 CHECKS: dict[str, tuple[str, str]] = {
@@ -108,6 +138,12 @@ def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str
         if t != win and t not in EXACT_FLOAT_TYPES:
             return "quantized"
     return "same_type"
+
+
+def bitwise_types(window_types: tuple[str, str], tail_types: tuple[str | None, str | None]) -> bool:
+    """Every tail type IS the window's: the split stores the same bits as the resident cache, and on the CPU its
+    logits are bit-identical (an f32 tail under an f16 window is same_type but holds other bits)."""
+    return all((tail or win) == win for win, tail in zip(window_types, tail_types))
 
 
 def default_thresholds(profile: str) -> dict[str, float | None]:
@@ -191,11 +227,31 @@ def _relaxed(th: dict[str, float | None], run: dict[str, Any], factor_key: str, 
     return out, how
 
 
-def relative_thresholds(th: dict[str, float | None], baseline: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """Bounds relative to a baseline run's metrics (the resident cache of the tail's type against the same
-    reference): each enabled upper bound in BASELINE_CHECKS becomes max(bound, factor x baseline metric).
-    Returns (thresholds, how: {check: {"absolute", "baseline", "factor", "bound"}})."""
-    return _relaxed(th, baseline, "baseline_factor", DEFAULT_BASELINE_FACTOR, "baseline", BASELINE_CHECKS)
+def relative_thresholds(th: dict[str, float | None], baseline_tail: dict[str, Any],
+                        k_tail_type: str | None = None) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Bounds relative to the baseline (the resident cache of the tail's type against the same reference), evaluated
+    over the positions that read the tail (``positions: tail``): each enabled upper bound in BASELINE_CHECKS becomes
+    baseline_factor (a thresholds file's, else default_baseline_factor(k_tail_type)) x the baseline's value over the
+    same positions; max_real_frac is dropped (see above). ``baseline_tail`` is the baseline's summary over those
+    positions (subset_summary). Returns (thresholds, how: {check: {"absolute", "baseline", "factor", "bound"}})."""
+    out = dict(th)
+    factor = th.get("baseline_factor")
+    factor = default_baseline_factor(k_tail_type) if factor is None else float(factor)
+    out["baseline_factor"] = factor
+    out["positions"] = "tail"
+    how: dict[str, Any] = {}
+    for key in BASELINE_CHECKS:
+        bound = th.get(key)
+        m = baseline_tail.get(CHECKS[key][0])
+        if bound is None or m is None or not math.isfinite(float(m)):
+            continue
+        out[key] = factor * float(m)
+        how[key] = {"absolute": float(bound), "baseline": float(m), "factor": factor, "bound": out[key]}
+    if th.get("max_real_frac") is not None:
+        how["max_real_frac"] = {"absolute": float(th["max_real_frac"]), "baseline": baseline_tail.get("real_frac"), "bound": None,
+                                "dropped": "real flips of a quantized K tail measure the window/tail rounding bias, not the merge"}
+        out["max_real_frac"] = None
+    return out, how
 
 
 # --order-floor: GPU attention kernels tile and split the KV range by problem shape (Q tiles, stream-k work
@@ -369,6 +425,50 @@ def _f(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+# ------------------------------------------------------------------ which positions read the tail
+
+def tail_rows(n_rows: int, n_seq: int, n_batch: int, window_cells: int | None) -> np.ndarray:
+    """For each logit row (row k*L + p: sequence k at position p, the runner's order), whether its query attended a
+    tail cell, from the window's size and where each token went.
+
+    The runner decodes into a fresh cache, b = max(1, n_batch // n_seq) positions of every sequence per batch,
+    sequence after sequence; one KV stream places each batch in the next consecutive cells (split_simple), so the
+    token of sequence k at position s + i (the batch starting at s holds w positions of each) lies in cell
+    s*n_seq + k*w + i. A causal query attends keys of its own sequence at positions <= its own, all in cells <= its
+    own: it reads the tail [wc, n_kv) iff its own cell is >= wc. No window (a resident plan): no row.
+    """
+    L = n_rows // max(1, n_seq)
+    out = np.zeros(L * n_seq, dtype=bool)
+    if not window_cells:
+        return out
+    b = max(1, n_batch // n_seq)
+    for s in range(0, L, b):
+        w = min(L, s + b) - s
+        i = np.arange(w)
+        for k in range(n_seq):
+            out[k * L + s + i] = s * n_seq + k * w + i >= window_cells
+    return out
+
+
+def load_positions(path: Path | str) -> dict[str, np.ndarray]:
+    """A runner's --positions-out file as arrays indexed by row (sorted by position)."""
+    with np.load(path) as z:
+        order = np.argsort(z["pos"], kind="stable")
+        return {k: z[k][order] for k in z.files}
+
+
+def subset_summary(rows: dict[str, np.ndarray], select: np.ndarray, real_margin_nats: float = DEFAULT_REAL_MARGIN_NATS,
+                   topk: int = DEFAULT_TOPK) -> dict[str, Any]:
+    """The summary (as GateAccumulator.summary) of the rows whose select[pos] is true, plus their bitwise-identical count."""
+    sel = np.asarray(select, dtype=bool)[rows["pos"]]
+    m = RowMetrics(*(rows[f][sel] for f in ("tv", "kl", "top1_ref", "top1_cand", "margin", "topk_agree", "nonfinite")))
+    acc = GateAccumulator(topk=topk, _parts=[m], _positions=[rows["pos"][sel]])
+    out = acc.summary(real_margin_nats=real_margin_nats, n_worst=5)
+    if "bitwise" in rows:
+        out["bitwise_equal_rows"] = int(rows["bitwise"][sel].sum())
+    return out
+
+
 # ------------------------------------------------------------------ verdict
 
 @dataclass
@@ -379,11 +479,15 @@ class Check:
     bound: float
     value: float | None
     ok: bool
+    over: str = "all"  # "all" positions, or "tail": the positions that read the tail
+    why: str | None = None  # what a failure means, said instead of the bare comparison
 
     def describe(self) -> str:
         op = "<=" if self.kind == "max" else ">="
         v = "n/a" if self.value is None else f"{self.value:.6g}"
-        return f"{self.metric} = {v} (must be {op} {self.bound:g})"
+        where = " over the positions that read the tail" if self.over == "tail" else ""
+        text = f"{self.metric}{where} = {v} (must be {op} {self.bound:g})"
+        return f"{self.why}: {text}" if self.why and not self.ok else text
 
 
 @dataclass
@@ -404,23 +508,34 @@ class Verdict:
 def verdict(summary: dict[str, Any], thresholds: dict[str, float | None]) -> Verdict:
     """Pass when every enabled bound holds, nothing was non-finite and at least one position was compared.
 
-    A missing or non-finite metric value fails its check (NaN never passes a comparison).
+    A missing or non-finite metric value fails its check (NaN never passes a comparison). With ``positions: tail``
+    (relative_thresholds) the bounds of CHECKS apply to summary["tail"]. Flags set by the gates, not by files:
+    ``require_tail`` (the candidate is split: some position must read the tail, summary["tail_positions"]),
+    ``require_bitwise`` (every row bit-identical).
     """
     checks: list[Check] = []
     n = int(summary.get("n") or 0)
     checks.append(Check("min_positions", "n", "min", 1, float(n), n >= 1))
     nf = summary.get("nonfinite") or 0
     checks.append(Check("max_nonfinite", "nonfinite", "max", 0, float(nf), nf == 0))
+    if thresholds.get("require_tail"):
+        t = summary.get("tail_positions")
+        checks.append(Check("min_tail_positions", "tail_positions", "min", 1, None if t is None else float(t), bool(t), why=TAIL_NEVER_USED))
+    if thresholds.get("require_bitwise"):
+        b = summary.get("bitwise_equal_rows")
+        checks.append(Check("bitwise", "bitwise_equal_rows", "min", float(n), None if b is None else float(b), n >= 1 and b == n, why=BITWISE_WHY))
+    over = "tail" if thresholds.get("positions") == "tail" else "all"
+    src = (summary.get("tail") or {}) if over == "tail" else summary
     for key, (metric, kind) in CHECKS.items():
         bound = thresholds.get(key)
         if bound is None:
             continue
-        value = summary.get(metric)
+        value = src.get(metric)
         if value is None or not math.isfinite(float(value)):
             ok = False
         elif kind == "max":
             ok = float(value) <= bound
         else:
             ok = float(value) >= bound
-        checks.append(Check(key, metric, kind, float(bound), None if value is None else float(value), ok))
+        checks.append(Check(key, metric, kind, float(bound), None if value is None else float(value), ok, over=over))
     return Verdict(all(c.ok for c in checks), checks)

@@ -232,7 +232,21 @@ def placement_dict(p: Placement, window_cells: int | None) -> dict:
     return d
 
 
-def check_in_tail(placements: list[Placement], window_cells: int, where: str) -> None:
+def tail_positions(n_tokens: int, n_answer: int, window_cells: int | None) -> int:
+    """Decoded positions whose key range reaches past the window: the prompt's [wc, n) and the answer's (its last
+    token is sampled, never decoded); one sequence, so position p sits in cell p."""
+    if not window_cells:
+        return 0
+    return max(0, n_tokens + max(0, n_answer - 1) - window_cells)
+
+
+def check_in_tail(placements: list[Placement], window_cells: int, where: str, n_predict: int = 0) -> None:
+    from rollingkv_cli.gate.metrics import TAIL_NEVER_USED
+
+    longest = max((p.n_tokens for p in placements), default=0)
+    if tail_positions(longest, n_predict, window_cells) == 0:
+        abort(TAIL_NEVER_USED, f"the window [0, {window_cells}) {where} holds every prompt ({longest} tokens at most) and its answer: "
+                               "lower --kv-window-cells or raise --filler-tokens")
     inside = [p for p in placements if p.needle_start < window_cells]
     if inside:
         p = inside[0]
@@ -331,14 +345,14 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
                         abort(f"the longest prompt is {longest} tokens: with {cfg.n_predict} answer tokens it does not fit the context ({n_ctx})",
                               "raise --ctx or lower --filler-tokens")
                     if cfg.window_cells:
-                        check_in_tail(placements, cfg.window_cells, "(--kv-window-cells)")
+                        check_in_tail(placements, cfg.window_cells, "(--kv-window-cells)", cfg.n_predict)
                 else:
                     plan = p
                     if not p or not p.get("split"):
                         why = (p or {}).get("reason", "this build reports no residency plan")
                         abort(f"the candidate's cache was not split ({why}): there is no tail to retrieve from",
                               "give --kv-window-cells N smaller than the prompt (or a --vram-target that forces a window)")
-                    check_in_tail(placements, int(p.get("window_cells") or 0), f"(the candidate's plan: {p.get('reason')})")
+                    check_in_tail(placements, int(p.get("window_cells") or 0), f"(the candidate's plan: {p.get('reason')})", cfg.n_predict)
                 for pl in placements:
                     progress.update(task, stage=f"depth {pl.depth:g}: {pl.n_tokens}-token prompt")
                     answers[role].append(side.answer(pl.tokens, cfg.n_predict))
@@ -352,11 +366,15 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     for pl, ra, ca in zip(placements, answers["reference"], answers["candidate"]):
         v = placement_verdict(ra, ca, pl.number, cfg.match)
         results.append({**placement_dict(pl, (plan or {}).get("window_cells")), "verdict": v,
+                        "tail_positions": tail_positions(pl.n_tokens, len(ca.tokens), (plan or {}).get("window_cells")),
                         "reference_retrieved": retrieved(ra.text, pl.number),
                         "candidate_retrieved": retrieved(ca.text, pl.number),
                         "identical": ra.tokens == ca.tokens, "first_difference": first_difference(ra.tokens, ca.tokens),
                         "reference": asdict(ra), "candidate": asdict(ca)})
     verdict = overall_verdict([r["verdict"] for r in results])
+    n_tail = sum(r["tail_positions"] for r in results)
+    if n_tail == 0:
+        verdict = "fail"  # nothing read the tail: identical answers prove nothing (check_in_tail refuses this up front)
     return {
         "gate": "needle",
         "verdict": verdict,
@@ -371,6 +389,7 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
         "cache_types": {"k": cfg.ctk, "v": cfg.ctv, "k_tail": cfg.ctkt or cfg.ctk, "v_tail": cfg.ctvt or cfg.ctv},
         "candidate_residency": cand_res,
         "plan": plan,
+        "tail_positions": n_tail,
         "placements": results,
         "servers": sides,
         "build": cfg.build.describe(),
@@ -400,3 +419,6 @@ def print_report(console, r: dict) -> None:
         t.add_row(f"{p['depth']:g}", str(p["n_tokens"]), f"{p['needle_start']}–{p['needle_end'] - 1}", p["number"],
                   ("" if p["reference_retrieved"] else "[yellow](not retrieved)[/] ") + esc(ref_text), esc(cand), mark)  # model text
     console.print(t)
+    if r.get("tail_positions") is not None:
+        console.print(f"[dim]positions that read the tail: {r['tail_positions']} (over {len(r['placements'])} placements, window "
+                      f"{plan.get('window_cells', '?')} cells)[/]")

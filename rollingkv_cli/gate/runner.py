@@ -300,6 +300,7 @@ def logits(args) -> dict:
         acc = metrics.GateAccumulator(topk=args.topk)
         max_abs = 0.0
         bitwise_rows = 0
+        bitwise_flags: list[np.ndarray] = []  # per compared row, in the accumulator's order
         if args.save_logits:
             out_mm = np.lib.format.open_memmap(args.save_logits, mode="w+", dtype=np.float32, shape=(n, n_vocab))
         if args.reference_logits:
@@ -348,7 +349,9 @@ def logits(args) -> dict:
                     acc.add(r, c, start=g0)
                     d = np.abs(r.astype(np.float64) - c.astype(np.float64))
                     max_abs = max(max_abs, float(np.nanmax(d)) if np.isfinite(d).any() else float("inf"))
-                    bitwise_rows += int((r.view(np.uint32) == c.view(np.uint32)).all(axis=-1).sum())
+                    same = (r.view(np.uint32) == c.view(np.uint32)).all(axis=-1)
+                    bitwise_flags.append(same)
+                    bitwise_rows += int(same.sum())
             t_compare += time.perf_counter() - t2
             emit("PROGRESS", f"{e*n_seq} {n}")
         if out_mm is not None:
@@ -390,7 +393,8 @@ def logits(args) -> dict:
         if args.positions_out:
             pos, m = acc.metrics()
             np.savez_compressed(args.positions_out, pos=pos, tv=m.tv, kl=m.kl, top1_ref=m.top1_ref, top1_cand=m.top1_cand,
-                                margin=m.margin, topk_agree=m.topk_agree, nonfinite=m.nonfinite)
+                                margin=m.margin, topk_agree=m.topk_agree, nonfinite=m.nonfinite,
+                                bitwise=np.concatenate(bitwise_flags) if bitwise_flags else np.zeros(0, dtype=bool))
     if args.save_logits:
         result["logits"] = str(Path(args.save_logits).resolve())
     return result

@@ -92,7 +92,11 @@ GOOD = {"n": 512, "mean_tv": 0.0, "max_tv": 0.0, "mean_kl": 0.0, "max_kl": 0.0, 
 
 @pytest.fixture
 def fake_runs(monkeypatch, isolated_cache, tmp_path):
-    """Active build = a directory with an empty libllama.so; gate_equiv.run_child answers from `state`."""
+    """Active build = a directory with an empty libllama.so; gate_equiv.run_child answers from `state`: the summary, and
+    per-position rows (--positions-out) whose TV is state["tv"][role] = (rows in the window, rows past it), bit-identical
+    where the TV is 0; the candidate's plan has a window of state["window"] cells."""
+    import numpy as np
+
     from rollingkv_cli import builder
     from rollingkv_cli.gate import equiv as gate_equiv
 
@@ -100,7 +104,15 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
     (bdir / "build" / "bin").mkdir(parents=True)
     (bdir / "build" / "bin" / "libllama.so").write_bytes(b"")
     monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y"}))
-    state = {"has_residency": True, "n_tokens": 512, "summary": dict(GOOD), "calls": [], "cmds": {}}
+    state = {"has_residency": True, "n_tokens": 512, "summary": dict(GOOD), "calls": [], "cmds": {}, "window": 256, "tv": {}}
+
+    def rows(role, n, window):
+        tv_win, tv_tail = state["tv"].get(role, (0.0, 0.0))
+        pos = np.arange(n)
+        tv = np.where(pos >= window, tv_tail, tv_win)
+        ids = np.zeros(n, dtype=np.int64)
+        return dict(pos=pos, tv=tv, kl=tv, top1_ref=ids, top1_cand=ids, margin=np.ones(n), topk_agree=np.ones(n, dtype=bool),
+                    nonfinite=np.zeros(n, dtype=bool), bitwise=tv == 0)
 
     def run_child(role, cmd, log_path, result_path, progress=None, label="", total=0):
         state["calls"].append(role)
@@ -111,8 +123,16 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
                     "source": {"kind": "synthetic"}}
         if role == "reference":
             return {"lib": "ref/libllama.so", "timings": timings, "plan": None}
-        return {"lib": "cand/libllama.so", "timings": timings, "summary": state["summary"],
-                "plan": {"mode_requested": "window", "mode": "window", "window_cells": 256}}
+        split = "--residency" in cmd and json.loads(cmd[cmd.index("--residency") + 1])["mode"] != "off"
+        plan = {"mode_requested": "window", "mode": "window", "split": True, "window_cells": state["window"]} if split else None
+        r = rows(role, state["n_tokens"], state["window"] if split else 10**9)
+        if "--positions-out" in cmd:
+            np.savez(cmd[cmd.index("--positions-out") + 1], **r)
+        summary = state["summary"]
+        if role in state["tv"]:  # the summary of these rows
+            summary = dict(GOOD, mean_tv=float(r["tv"].mean()), max_tv=float(r["tv"].max()), mean_kl=float(r["tv"].mean()),
+                           bitwise_equal_rows=int(r["bitwise"].sum()), bitwise_identical=bool(r["bitwise"].all()))
+        return {"lib": "cand/libllama.so", "timings": timings, "summary": summary, "plan": plan}
 
     monkeypatch.setattr(gate_equiv, "run_child", run_child)
     return state
@@ -155,6 +175,67 @@ def test_quantized_tail_gets_the_quantized_bounds(capsys, fake_runs, fake_gguf, 
     th.write_text("quantized:\n  max_mean_tv: 0.001\n")
     code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "-ctvt", "q8_0", "--thresholds", str(th)], capsys)
     assert code == 1
+
+
+def test_cpu_same_type_split_must_be_bit_identical(capsys, fake_runs, fake_gguf, tmp_path):
+    """One row off by a bit (mean TV 1e-6, far inside the old 1e-4 bound) fails on the CPU; --tolerance gives a mean-TV
+    bound instead. Fails when the same-type profile accepts a bound by default again."""
+    fake_runs["summary"] = dict(GOOD, mean_tv=1e-6, max_tv=5e-4, bitwise_equal_rows=511, bitwise_identical=False)
+    out = tmp_path / "r.json"
+    code, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert code == 1 and r["failed_checks"] == ["bitwise"] and "bit-identical" in stdout
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--tolerance", "1e-5",
+                           "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert code == 0 and not r["thresholds"]["require_bitwise"] and r["thresholds"]["max_mean_tv"] == 1e-5
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--tolerance", "1e-7"], capsys)
+    assert code == 1
+    # an f32 tail under an f16 window holds other bits: same-type bounds, no bit-identity
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "-ctkt", "f32", "-ctvt", "f32",
+                           "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert code == 0 and r["profile"] == "same_type" and not r["thresholds"]["require_bitwise"]
+
+
+def test_a_tail_no_position_read_fails(capsys, fake_runs, fake_gguf, tmp_path):
+    """A window holding every token proves nothing: exit 1, said so, and the report counts the positions that read the
+    tail (0 here, 512 - 256 with a window of 256). Fails when the gate passes a split that never reached its tail."""
+    fake_runs["window"] = 1024
+    out = tmp_path / "r.json"
+    code, stdout, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "1024", "--ctx", "2048",
+                                  "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert code == 1 and "the tail was never used: lower --kv-window-cells or use more tokens" in stdout
+    assert r["tail_positions"] == 0 and r["failed_checks"] == ["min_tail_positions"]
+    fake_runs["window"] = 256
+    code, _, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
+    assert code == 0 and json.loads(out.read_text())["tail_positions"] == 256
+
+
+@pytest.mark.parametrize("tail_tv,control_tv,code,failed", [
+    (0.014, 0.0, 0, []),                                  # 1.4 x the baseline at the same positions: within q8_0's 1.5 x
+    (0.016, 0.0, 1, ["max_mean_tv"]),                     # over it
+    (0.01, 1e-6, 1, ["control.bitwise"]),                 # the merge of quantized parts is not exact
+])
+def test_tail_baseline_compares_the_positions_that_read_the_tail(capsys, fake_runs, fake_gguf, tmp_path, tail_tv, control_tv, code, failed):
+    """--tail-baseline: the candidate's mean TV over the positions past the window against baseline_factor x the
+    baseline's over the same positions (not diluted by the 256 exact window positions: over all 512 a TV of 0.016 would
+    be 0.008, inside 1.5 x 0.01), and the control (q8_0 window + q8_0 tail vs the baseline) must be bit-identical.
+    Fails when the bound is taken over every position (the second case passes) or the control is left out (the third)."""
+    fake_runs["tv"] = {"baseline": (0.01, 0.01), "candidate": (0.0, tail_tv), "control": (0.0, control_tv)}
+    out = tmp_path / "r.json"
+    rc, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "-ctkt", "q8_0", "-ctvt", "q8_0",
+                              "--tail-baseline", "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert fake_runs["calls"] == ["tokenize", "reference", "baseline", "candidate", "control"]
+    assert rc == code and r["failed_checks"] == failed, stdout
+    assert r["thresholds"]["max_mean_tv"] == pytest.approx(0.015) and r["thresholds"]["positions"] == "tail"
+    assert r["baseline"]["tail_metrics"]["n"] == 256 and r["tail_metrics"]["mean_tv"] == pytest.approx(tail_tv)
+    ctl = fake_runs["cmds"]["control"]
+    res = json.loads(ctl[ctl.index("--residency") + 1])
+    assert ctl[ctl.index("-ctk") + 1] == "q8_0" and res["window_cells"] == 256 and res["type_k_tail"] is None
+    assert ctl[ctl.index("--reference-logits") + 1].endswith("baseline.npy")
 
 
 def test_no_residency_api_is_refused_before_decoding(capsys, fake_runs, fake_gguf):
@@ -203,7 +284,10 @@ SMALL = ["--synthetic-tokens", "512", "--ctx", "1024", "--threads", "2"]
 
 
 @pytest.mark.build
-def test_e2e_resident_vs_off_is_exact(cpu_build, demo_model, tmp_path):
+def test_e2e_mode_off_twice_is_deterministic(cpu_build, demo_model, tmp_path):
+    """Mode off against the resident reference is the same library decoding the same cache twice: this shows the
+    decode is deterministic (and the plumbing exact), not that it equals upstream, which
+    test_e2e_unpatched_reference_is_bitwise_identical shows against `rollingkv build --unpatched`."""
     out = tmp_path / "r.json"
     proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-residency-mode", "off", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -226,7 +310,9 @@ def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())
-    assert r["profile"] == "same_type" and r["metrics"]["mean_tv"] <= 1e-4 and r["candidate"]["plan"]
+    assert r["profile"] == "same_type" and r["candidate"]["plan"] and r["thresholds"]["require_bitwise"]
+    assert r["metrics"]["bitwise_identical"] and r["metrics"]["max_abs_logit_diff"] == 0.0
+    assert r["tail_positions"] == 512 - 256 and r["window_cells"] == 256
 
 
 @pytest.mark.build
@@ -260,18 +346,67 @@ def test_runner_refuses_residency_on_an_unpatched_library(unpatched_build, demo_
 
 @pytest.mark.build
 def test_gate_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
-    """The gate can fail: the op's debug switch scales every tail score by (1+x) in the candidate only."""
+    """The gate can fail: the op's debug switch scales every tail score by (1+x) in the candidate only; x = 1.2e-7, the
+    smallest f32 change (1 + 5e-8 rounds to 1), breaks the bit-identity of every position that reads the tail."""
     out = tmp_path / "r.json"
     env_proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "--json", str(out)],
-                     env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
+                     env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "1.2e-7"})
     assert env_proc.returncode == 1, env_proc.stdout + env_proc.stderr
     r = json.loads(out.read_text())
-    assert r["verdict"] == "fail" and r["metrics"]["mean_tv"] > 1e-4
+    assert r["verdict"] == "fail" and "bitwise" in r["failed_checks"] and r["metrics"]["bitwise_equal_rows"] < 512
+
+
+@pytest.mark.build
+def test_e2e_a_window_holding_every_token_refuses_to_pass(cpu_build, demo_model, tmp_path):
+    """256 tokens in a 1024-cell window: no position reads the tail, so not even a tail-score perturbation of x = 0.5
+    can show (every row stays bit-identical, and the gate used to PASS this run); it exits 1 and says why."""
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), "--synthetic-tokens", "256", "--ctx", "2048", "--threads", "2",
+                             "--kv-window-cells", "1024", "--json", str(out)], env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.5"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the tail was never used: lower --kv-window-cells or use more tokens" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["tail_positions"] == 0 and r["failed_checks"] == ["min_tail_positions"] and r["metrics"]["bitwise_identical"]
+
+
+QUANT = ["--synthetic-tokens", "512", "--ctx", "1024", "--threads", "2", "--kv-window-cells", "256", "--tail-baseline"]
+
+
+@pytest.mark.build
+@pytest.mark.slow
+@pytest.mark.parametrize("tail,x_old_pass", [("q8_0", "0.1"), ("q4_0", "0.3")])
+def test_quantized_tail_fails_on_perturbations_the_old_bound_passed(cpu_build, demo_model, tmp_path, tail, x_old_pass):
+    """--tail-baseline on the demo model (512 tokens, window 256; the old bound, max(0.02, 3 x the baseline's mean over
+    every position), passed q8_0 at x = 0.1 and q4_0 at x = 0.3):
+
+    - x = 0 passes: the loss over the 256 positions that read the tail is 0.99x (q8_0) / 1.59x (q4_0) the baseline's
+      there, inside 1.5x / 2.5x, and the control (window and tail of the tail's type vs the baseline) is bit-identical;
+    - x = 1.2e-7, the smallest f32 change of a score (1 + 5e-8 rounds to 1: no change, passes), fails the control
+      (bisected: 5e-8 passes, 1.2e-7 fails, for both types). The quantization itself moves a key's score by ~1/254
+      (q8_0) to ~1/16 (q4_0) of a block's largest value: the control sees merge errors 4-5 orders below it;
+    - the loss bound alone fails from x ~ 0.05 (q8_0: ratio 1.54 > 1.5; 0.03 gives 1.22) and x ~ 0.25 (q4_0: 2.77 >
+      2.5; 0.2 gives 2.12), so at the old passing x (ratios 2.37 and 3.17) both fail.
+    """
+    args = ["--model", str(demo_model), *QUANT, "-ctkt", tail, "-ctvt", tail]
+    runs = {}
+    for x in ("0", "1.2e-7", x_old_pass):
+        out = tmp_path / f"r{x}.json"
+        proc = _gate(cpu_build, [*args, "--json", str(out)], env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": x})
+        assert proc.returncode == (0 if x == "0" else 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[x] = json.loads(out.read_text())
+    ok = runs["0"]
+    assert ok["tail_positions"] == 256 and ok["control"]["metrics"]["bitwise_identical"]
+    assert ok["tail_metrics"]["mean_tv"] <= ok["thresholds"]["max_mean_tv"] == pytest.approx(
+        ok["thresholds"]["baseline_factor"] * ok["baseline"]["tail_metrics"]["mean_tv"])
+    assert ok["thresholds"]["baseline_factor"] == (1.5 if tail == "q8_0" else 2.5)
+    assert "control.bitwise" in runs["1.2e-7"]["failed_checks"] and "max_mean_tv" not in runs["1.2e-7"]["failed_checks"]
+    assert {"max_mean_tv", "control.bitwise"} <= set(runs[x_old_pass]["failed_checks"])
 
 
 @pytest.mark.build
 def test_equiv_tail_baseline_on_a_quantized_tail(cpu_build, demo_model, tmp_path):
-    """--tail-baseline: a third child decodes the resident q8_0 cache, and the bounds follow its loss."""
+    """--tail-baseline: a third child decodes the resident q8_0 cache, the bounds follow its loss at the positions that
+    read the tail, and a fourth (the control) decodes a q8_0 window + q8_0 tail against it."""
     out = tmp_path / "r.json"
     proc = _gate(cpu_build, ["--model", str(demo_model), "--synthetic-tokens", "256", "--ctx", "512", "--threads", "2",
                              "--kv-window-cells", "128", "-ctkt", "q8_0", "-ctvt", "q8_0", "--tail-baseline", "--json", str(out)])
@@ -281,8 +416,8 @@ def test_equiv_tail_baseline_on_a_quantized_tail(cpu_build, demo_model, tmp_path
     assert r["profile"] == "quantized" and b["cache_types"] == {"k": "q8_0", "v": "q8_0"}
     assert b["metrics"]["mean_tv"] > 0  # a q8_0 cache is not the f16 one
     tv = b["bounds"]["max_mean_tv"]
-    assert tv["bound"] == max(0.02, 3.0 * b["metrics"]["mean_tv"]) == r["thresholds"]["max_mean_tv"]
-    assert set(r["commands"]) == {"tokenize", "reference", "baseline", "candidate"}
+    assert tv["bound"] == 1.5 * b["tail_metrics"]["mean_tv"] == r["thresholds"]["max_mean_tv"] and b["tail_metrics"]["n"] == 128
+    assert set(r["commands"]) == {"tokenize", "reference", "baseline", "candidate", "control"}
 
 
 @pytest.mark.build

@@ -217,29 +217,79 @@ def test_thresholds_file_missing(tmp_path):
         gm.load_thresholds(tmp_path / "nope.yaml", "same_type")
 
 
-def test_relative_thresholds_follow_the_baseline():
+def test_relative_thresholds_follow_the_baseline_over_the_tail_positions():
+    """--tail-baseline: factor x the baseline's TV at the same positions, no absolute floor (0.0025 is far below the
+    quantized profile's 0.02), evaluated on summary["tail"]; real flips dropped. Fails when a floor or the
+    all-positions summary comes back."""
     q = gm.default_thresholds("quantized")
-    th, how = gm.relative_thresholds(q, {"mean_tv": 0.08, "real_frac": 0.001, "mean_kl": 0.5, "max_tv": 0.9})
-    assert th["baseline_factor"] == gm.DEFAULT_BASELINE_FACTOR == 3.0
-    assert th["max_mean_tv"] == pytest.approx(0.24) and how["max_mean_tv"]["bound"] == pytest.approx(0.24)
-    assert th["max_real_frac"] == 0.01  # 3 x 0.001 is below the absolute bound: the absolute one stays
-    assert how["max_real_frac"] == {"absolute": 0.01, "baseline": 0.001, "factor": 3.0, "bound": 0.01}
+    th, how = gm.relative_thresholds(q, {"mean_tv": 0.001, "real_frac": 0.001, "mean_kl": 0.5, "max_tv": 0.9}, "q4_0")
+    assert th["baseline_factor"] == gm.default_baseline_factor("q4_0") == 2.5 and th["positions"] == "tail"
+    assert th["max_mean_tv"] == pytest.approx(0.0025) and how["max_mean_tv"]["bound"] == pytest.approx(0.0025)
+    assert th["max_real_frac"] is None and how["max_real_frac"]["bound"] is None and how["max_real_frac"]["dropped"]
     assert th["max_mean_kl"] is None and th["max_max_tv"] is None and "max_mean_kl" not in how  # disabled stays disabled
     assert q["max_mean_tv"] == 0.02  # the input is not modified
-    # a bad cell passes only through its own type's loss: 0.2 TV fails the absolute bound, passes 3 x 0.08
-    s = {"n": 100, "nonfinite": 0, "mean_tv": 0.2, "real_frac": 0.005}
-    assert not gm.verdict(s, q).passed and gm.verdict(s, th).passed
-    assert not gm.verdict(dict(s, mean_tv=0.25), th).passed
+    s = {"n": 512, "nonfinite": 0, "mean_tv": 0.001, "real_frac": 0.0, "tail": {"n": 256, "mean_tv": 0.002, "real_frac": 0.05}}
+    assert gm.verdict(s, th).passed
+    v = gm.verdict(dict(s, tail=dict(s["tail"], mean_tv=0.003)), th)  # the all-positions mean would still pass
+    assert [c.name for c in v.failed] == ["max_mean_tv"] and "over the positions that read the tail" in v.failed[0].describe()
+    assert not gm.verdict({k: x for k, x in s.items() if k != "tail"}, th).passed  # no tail summary: fails
 
 
 def test_relative_thresholds_factor_from_the_file(tmp_path):
     f = tmp_path / "t.yaml"
     f.write_text("quantized:\n  baseline_factor: 1.5\n")
     th, _ = gm.relative_thresholds(gm.load_thresholds(f, "quantized"), {"mean_tv": 0.1, "real_frac": float("nan")})
-    assert th["max_mean_tv"] == pytest.approx(0.15) and th["max_real_frac"] == 0.01  # NaN baseline: absolute bound
+    assert th["max_mean_tv"] == pytest.approx(0.15)
+    th, _ = gm.relative_thresholds(gm.load_thresholds(f, "quantized"), {"mean_tv": float("nan")})
+    assert th["max_mean_tv"] == 0.02  # a NaN baseline: the absolute bound stays
     f.write_text("baseline_factor: -1\n")
     with pytest.raises(gm.ThresholdsError, match=">= 0"):
         gm.load_thresholds(f, "quantized")
+
+
+@pytest.mark.parametrize("n_rows,n_seq,n_batch,window,expect", [
+    (8, 1, 4, 3, [0, 0, 0, 1, 1, 1, 1, 1]),               # one sequence: position p is cell p
+    (8, 1, 4, None, [0] * 8),                             # not split: nothing reads a tail
+    (8, 1, 4, 8, [0] * 8),                                # the window holds every token
+    # two sequences of 4, 2 positions of each per batch: cells (seq 0: 0 1 4 5), (seq 1: 2 3 6 7)
+    (8, 2, 4, 4, [0, 0, 1, 1, 0, 0, 1, 1]),
+    (8, 2, 4, 3, [0, 0, 1, 1, 0, 1, 1, 1]),
+    (6, 2, 4, 4, [0, 0, 1, 0, 0, 1]),                     # a last batch of one position per sequence: cells 4, 5
+])
+def test_tail_rows_follow_the_cells_the_tokens_went_to(n_rows, n_seq, n_batch, window, expect):
+    assert gm.tail_rows(n_rows, n_seq, n_batch, window).astype(int).tolist() == expect
+
+
+def test_subset_summary_and_the_gates_own_checks():
+    rows = {"pos": np.arange(4), "tv": np.array([0.0, 0.0, 0.1, 0.3]), "kl": np.array([0.0, 0.0, 0.2, 0.4]),
+            "top1_ref": np.array([1, 1, 1, 1]), "top1_cand": np.array([1, 1, 1, 2]), "margin": np.array([1.0, 1.0, 1.0, 1.0]),
+            "topk_agree": np.array([True, True, True, False]), "nonfinite": np.zeros(4, dtype=bool),
+            "bitwise": np.array([True, True, False, False])}
+    mask = np.array([False, False, True, True])
+    t = gm.subset_summary(rows, mask)
+    assert t["n"] == 2 and t["mean_tv"] == pytest.approx(0.2) and t["real_frac"] == 0.5 and t["bitwise_equal_rows"] == 0
+    w = gm.subset_summary(rows, ~mask)
+    assert w["n"] == 2 and w["mean_tv"] == 0 and w["bitwise_equal_rows"] == 2
+    s = _summary(n=4, bitwise_equal_rows=3, tail_positions=0)
+    th = dict(gm.default_thresholds("same_type"), max_mean_tv=None, min_top1_agreement=None, max_real_frac=None)
+    assert gm.verdict(s, th).passed  # the flags are off unless a gate sets them
+    v = gm.verdict(s, dict(th, require_tail=True, require_bitwise=True))
+    assert [c.name for c in v.failed] == ["min_tail_positions", "bitwise"]
+    assert v.failed[0].describe().startswith(gm.TAIL_NEVER_USED)
+    assert gm.verdict(dict(s, bitwise_equal_rows=4, tail_positions=2), dict(th, require_tail=True, require_bitwise=True)).passed
+
+
+def test_default_baseline_factor_follows_the_k_types_rounding_step():
+    f = gm.default_baseline_factor
+    assert f("q8_0") == f("bf16") == f("f16") == f(None) == 1.5  # the noise floor of the slack
+    assert f("q4_0") == 2.5 and f("q4_1") == pytest.approx(2.6) and f("q5_0") == pytest.approx(1.75)
+    assert gm.relative_thresholds(gm.default_thresholds("quantized"), {"mean_tv": 0.01}, "q8_0")[0]["max_mean_tv"] == pytest.approx(0.015)
+
+
+def test_bitwise_types():
+    assert gm.bitwise_types(("f16", "f16"), (None, None)) and gm.bitwise_types(("q8_0", "q8_0"), ("q8_0", None))
+    assert not gm.bitwise_types(("f16", "f16"), ("f32", "f32"))  # same_type bounds, other bits
+    assert not gm.bitwise_types(("f16", "f16"), (None, "q4_0"))
 
 
 def test_order_floor_thresholds_relax_upper_and_agreement_bounds():

@@ -35,8 +35,13 @@ MODES = ["window", "auto", "off"]
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (flat keys, or per profile: same_type/quantized).")
 @click.option("--tail-baseline", is_flag=True,
-              help="Quantized tail: also decode the resident cache with every K/V in the tail's type, and let the split lose up to "
-                   "baseline_factor (3) times what that loses (each upper bound becomes max(bound, factor x baseline)).")
+              help="Quantized tail: also decode the resident cache with every K/V in the tail's type (the baseline): over the "
+                   "positions that read the tail the split's mean TV may be at most baseline_factor x the baseline's at the "
+                   "same positions (1.5 for q8_0, 2.5 for q4_0: the K type's rounding bias); and a control, window and tail "
+                   "both of the tail's type against the baseline, must be exact (bit-identical on the CPU).")
+@click.option("--tolerance", type=float, default=None, metavar="TV",
+              help="Same-type split on the CPU: accept a mean TV up to TV instead of requiring bit-identical logits.  "
+                   "[default: bit-identity]")
 @click.option("--order-floor/--no-order-floor", default=None,
               help="Also decode the resident cache with half the batch (the same math in another floating-point order, as GPU "
                    "attention kernels tile by shape), and let the split differ up to order_factor (2) times what that run "
@@ -53,12 +58,21 @@ MODES = ["window", "auto", "off"]
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
-          reference, thresholds_file, tail_baseline, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
+          reference, thresholds_file, tail_baseline, tolerance, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
           lib_dir, work_dir) -> None:
     """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
 
-    The text runs as one sequence, or as --n-seq sequences side by side. On the CUDA backend the bounds also
-    follow the resident run's own floating-point order floor (--order-floor).
+    The text runs as one sequence, or as --n-seq sequences side by side. A tail of the window's own type on the
+    CPU must give bit-identical logits (--tolerance: a mean-TV bound instead); on the CUDA backend the bounds
+    follow the resident run's own floating-point order floor (--order-floor). A split candidate must have put
+    a position in the tail: the report says how many read it, and none fails the gate.
+
+    A quantized tail with --tail-baseline: over the positions that read the tail, the split's mean TV may be at
+    most baseline_factor x the mean TV of the resident cache of the tail's type at the same positions (the cost
+    of the quantization itself); the factor, 1 + max(0.5, 12 x the K type's rounding step) (1.5 for q8_0, 2.5
+    for q4_0), admits the rounding bias that tail keys carry and a fully quantized cache cancels. Single
+    positions are too noisy to compare one by one. A control, window and tail both of the tail's type against
+    that baseline, checks the merge exactly (bit-identical on the CPU).
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
@@ -82,6 +96,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
               "the window holds cells [0, window); a window as large as the context leaves no tail to check")
     if n_ctx is not None and synthetic_tokens is not None and synthetic_tokens > n_ctx:
         usage_error(f"{synthetic_tokens} tokens do not fit --ctx {n_ctx}", "raise --ctx or lower --synthetic-tokens")
+    if tolerance is not None and not 0 <= tolerance <= 1:
+        raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
     if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt):
         warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target and the tail types")
     profile = metrics.profile_for((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
@@ -105,6 +121,13 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     cand_lib = build.lib_dir
     if order_floor is None:
         order_floor = build.on_gpu(n_gpu_layers)
+    on_cpu = not build.on_gpu(n_gpu_layers)
+    exact_bits = on_cpu and tolerance is None  # the CPU split stores and sums the same bits as the resident run
+    if profile == "same_type":
+        thresholds["require_bitwise"] = exact_bits and metrics.bitwise_types((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
+        if tolerance is not None:
+            thresholds["max_mean_tv"] = tolerance
+    thresholds["require_tail"] = mode != "off"
     if ref_kind == "resident":
         ref_lib = cand_lib
 
@@ -126,6 +149,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     results: dict[str, dict] = {}
     baseline_how = None
     floor_how = None
+    control = control_th = None
+    above = None
     with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
@@ -166,19 +191,38 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                progress=progress, label=ref_label)
             if tail_baseline:
                 bk, bv = ctkt or ctk, ctvt or ctv
-                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, {"mode": "off"}, reference=wd / "ref.npy",
+                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, {"mode": "off"}, save=wd / "baseline.npy",
+                                                  reference=wd / "ref.npy", positions_out=wd / "baseline.npz",
                                                   real_margin_nats=thresholds["real_margin_nats"], progress=progress,
                                                   label=f"baseline (resident {bk}/{bv})")
-                thresholds, baseline_how = metrics.relative_thresholds(thresholds, results["baseline"]["summary"])
             if order_floor:
                 fb = equiv_runs.order_floor_batch(n_batch)
                 results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
                                                      real_margin_nats=thresholds["real_margin_nats"], progress=progress,
                                                      label=f"order floor (resident, batch {fb})", n_batch=fb)
-                thresholds, floor_how = metrics.order_floor_thresholds(thresholds, results["order_floor"]["summary"])
             results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",
                                                real_margin_nats=thresholds["real_margin_nats"], positions_out=positions_tmp,
                                                progress=progress, label=cand_label)
+            cand_rows = metrics.load_positions(positions_tmp)
+            summary, tail_mask = equiv_runs.split_summary(results["candidate"], cand_rows, n_seq, n_batch, thresholds["real_margin_nats"])
+            if tail_baseline:
+                base_rows = metrics.load_positions(wd / "baseline.npz")
+                base_tail = metrics.subset_summary(base_rows, tail_mask, thresholds["real_margin_nats"])
+                thresholds, baseline_how = metrics.relative_thresholds(thresholds, base_tail, bk)
+                above = int((cand_rows["tv"][tail_mask[cand_rows["pos"]]] > base_rows["tv"][tail_mask[base_rows["pos"]]]).sum())
+                if summary["window_cells"]:
+                    control_th = equiv_runs.control_thresholds(thresholds_file, exact_bits, tolerance)
+                    control_res = dict(cand_residency, mode="window", window_cells=summary["window_cells"], vram_target_mib=0,
+                                       type_k_tail=None, type_v_tail=None)
+                    results["control"] = sess.decode("control", cand_lib, bk, bv, control_res, reference=wd / "baseline.npy",
+                                                     positions_out=wd / "control.npz", real_margin_nats=control_th["real_margin_nats"],
+                                                     progress=progress, label=f"control ({bk}/{bv} window + tail vs baseline)")
+                    control, _ = equiv_runs.split_summary(results["control"], metrics.load_positions(wd / "control.npz"), n_seq, n_batch,
+                                                          control_th["real_margin_nats"])
+            if order_floor:
+                thresholds, floor_how = metrics.order_floor_thresholds(thresholds, results["order_floor"]["summary"])
+                if control is not None:
+                    control_th, _ = metrics.order_floor_thresholds(control_th, results["order_floor"]["summary"])
         positions_file = None
         if json_out is not None:
             positions_file = json_out.with_suffix(".positions.npz")
@@ -188,19 +232,28 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
             except OSError:
                 positions_file = None
 
-    summary = results["candidate"]["summary"]
     v = metrics.verdict(summary, thresholds)
+    vc = metrics.verdict(control, control_th) if control is not None else None
+    passed = v.passed and (vc is None or vc.passed)
     title = None
     if baseline_how:
-        title = f"equivalence gate (quantized bounds, relative to the resident {ctkt or ctk}/{ctvt or ctv} cache)"
+        title = (f"equivalence gate (quantized bounds over the {summary['tail_positions']} positions that read the tail, relative "
+                 f"to the resident {ctkt or ctk}/{ctvt or ctv} cache at the same positions")
     if floor_how:
-        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + (", " if title else "") + "relaxed to the order floor where looser)"
+        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + (", " if title else "") + "relaxed to the order floor where looser"
+    title = title + ")" if title else None
     equiv_runs.print_table(console, summary, thresholds, v, profile, title=title)
     ref_r, cand_r = results["reference"], results["candidate"]
     if baseline_how:
-        bs = results["baseline"]["summary"]
-        console.print(f"[dim]baseline (the whole cache {ctkt or ctk}/{ctvt or ctv}, resident): mean TV {equiv_runs.fmt(bs['mean_tv'])}, "
-                      f"real {equiv_runs.fmt(bs['real_frac'])}; bounds = max(absolute, {thresholds['baseline_factor']:g} x baseline)[/]")
+        bt = base_tail
+        console.print(f"[dim]baseline (the whole cache {ctkt or ctk}/{ctvt or ctv}, resident) over the same positions: mean TV "
+                      f"{equiv_runs.fmt(bt['mean_tv'])}, real {equiv_runs.fmt(bt['real_frac'])}; bound = {thresholds['baseline_factor']:g} x "
+                      f"baseline; {above} of {summary['tail_positions']} positions lost more than their baseline[/]")
+    if vc is not None:
+        mark = "[green]✓[/]" if vc.passed else "[bold red]✗[/]"
+        console.print(f"{mark} control ({ctkt or ctk}/{ctvt or ctv} window + tail vs the baseline): mean TV {equiv_runs.fmt(control['mean_tv'])}, "
+                      f"{control.get('bitwise_equal_rows')}/{control['n']} rows bitwise identical"
+                      + ("" if vc.passed else ": " + esc("; ".join(c.describe() for c in vc.failed))), soft_wrap=True)
     if floor_how:
         fs = results["order_floor"]["summary"]
         console.print(f"[dim]order floor (the resident cache, batch {equiv_runs.order_floor_batch(n_batch)}): mean TV {equiv_runs.fmt(fs['mean_tv'])}, "
@@ -213,13 +266,17 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
 
     report = {
         "rollingkv": __version__,
-        "verdict": "pass" if v.passed else "fail",
-        "passed": v.passed,
-        "failed_checks": [c.name for c in v.failed],
+        "verdict": "pass" if passed else "fail",
+        "passed": passed,
+        "failed_checks": [c.name for c in v.failed] + ([f"control.{c.name}" for c in vc.failed] if vc is not None else []),
         "profile": profile,
         "thresholds": thresholds,
         "thresholds_file": str(thresholds_file.resolve()) if thresholds_file else None,
-        "metrics": summary,
+        "metrics": {k: x for k, x in summary.items() if k not in ("tail", "window")},
+        "tail_positions": summary["tail_positions"],
+        "window_cells": summary["window_cells"],
+        "tail_metrics": summary["tail"],
+        "window_metrics": summary["window"],
         "checks": v.to_dict()["checks"],
         "model": str(model_path),
         "tokens": {"n": n_tokens, "n_vocab": n_vocab, **tok.get("source", {})},
@@ -236,7 +293,12 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                       "context_via": cand_r.get("context_via"), "plan": cand_r.get("plan"), "n_ctx": cand_r.get("n_ctx"),
                       "timings": cand_r.get("timings")},
         "baseline": None if not baseline_how else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "metrics": results["baseline"]["summary"],
-                                                   "bounds": baseline_how, "timings": results["baseline"].get("timings")},
+                                                   "tail_metrics": base_tail, "bounds": baseline_how, "tail_positions_above": above,
+                                                   "timings": results["baseline"].get("timings")},
+        "control": None if control is None else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "passed": vc.passed,
+                                                 "thresholds": control_th, "metrics": {k: x for k, x in control.items() if k not in ("tail", "window")},
+                                                 "checks": vc.to_dict()["checks"], "plan": results["control"].get("plan"),
+                                                 "timings": results["control"].get("timings")},
         "order_floor": None if not floor_how else {"n_batch": equiv_runs.order_floor_batch(n_batch), "metrics": results["order_floor"]["summary"],
                                                    "bounds": floor_how, "timings": results["order_floor"].get("timings")},
         "build": build.describe(),
@@ -249,10 +311,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     if json_out is not None:
         common.write_json(json_out, report)
         note(f"report: {json_out}")
-    if v.passed:
+    if passed:
         console.print("[bold green]PASS[/] the candidate reproduces the reference within every bound")
         return
-    console.print("[bold red]FAIL[/] " + esc("; ".join(c.describe() for c in v.failed)), soft_wrap=True)
+    fails = [c.describe() for c in v.failed] + (["control: " + c.describe() for c in vc.failed] if vc is not None else [])
+    console.print("[bold red]FAIL[/] " + esc("; ".join(fails)), soft_wrap=True)
     # SystemExit, not click's Exit: with standalone_mode=False click turns Exit into a return value
     sys.exit(EXIT_FAIL)
 

@@ -27,6 +27,8 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--needle-depths", callback=fraction_list, default="0.5,0.85", show_default=True, help="The needle's placements.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (as for gate equiv).")
+@click.option("--tolerance", type=float, default=None, metavar="TV",
+              help="Same-type cells on the CPU: accept a mean TV up to TV instead of requiring bit-identical logits (as gate equiv).")
 @click.option("--order-floor/--no-order-floor", default=None,
               help="Bounds relaxed to the resident run's own floating-point order floor (as gate equiv --order-floor).  "
                    "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
@@ -40,7 +42,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits are kept during the run.  [default: the temp dir]")
 def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle_filler_tokens, needle_depths, thresholds_file,
-           order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
+           tolerance, order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
     """The gates over tail types x split points: one JSON report and a markdown table.
 
     Per tail type T and split S: the f16-window + T-tail cache with a window of S x the sequence against
@@ -63,6 +65,8 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
         raise click.BadParameter("must be a fraction strictly between 0 and 1", param_hint="'--exact-split'")
     if name is not None and (not name or "/" in name or name.startswith(".")):
         raise click.BadParameter("a plain file name (no '/')", param_hint="'--name'")
+    if tolerance is not None and not 0 <= tolerance <= 1:
+        raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
     if n_tokens < 16:
         usage_error(f"--tokens {n_tokens} is too short for windows at {', '.join(f'{s:g}' for s in splits)} of it", "use at least 16")
     model_path = models.resolve_model(model_spec, log=note)
@@ -82,7 +86,7 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
                                    tail_types=tuple(tail_types), exact_split=exact_split, needle=needle,
                                    needle_filler_tokens=needle_filler_tokens, needle_depths=tuple(needle_depths),
                                    thresholds_file=thresholds_file,
-                                   order_floor=build.on_gpu(n_gpu_layers) if order_floor is None else order_floor,
+                                   order_floor=build.on_gpu(n_gpu_layers) if order_floor is None else order_floor, tolerance=tolerance,
                                    threads=threads or os.cpu_count() or 1, n_batch=n_batch,
                                    n_gpu_layers=n_gpu_layers, argv=_argv_after("matrix"))
     r = matrix_runs.run(cfg, console, common.logs_dir(), tmp_root)
