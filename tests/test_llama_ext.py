@@ -28,20 +28,33 @@ def test_import_llama_cpp_loads_our_library(cpu_build):
     assert r["abi"] == [], "llama_context_params / llama_model_params layouts must match llama-cpp-python 0.3.36"
 
 
-def test_unpatched_library_is_refused(tmp_path, cpu_build):
-    """A libllama without our symbols (e.g. one a plain pip install compiled) is never accepted."""
-    import shutil
+def _load(lib_dir) -> "subprocess.CompletedProcess":
     import subprocess
     import sys
 
+    code = f"from rollingkv_cli import llama_ext; llama_ext.load(__import__('pathlib').Path({str(lib_dir)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_unpatched_library_is_refused(unpatched_build):
+    """The pin's own libllama (`rollingkv build --unpatched`): llama_cpp binds it (same API), but it lacks our
+    build-info symbol, so llama_ext refuses it by its own check. Fails when that check is dropped (the load succeeds)."""
+    proc = _load(unpatched_build.lib_dir)
+    assert proc.returncode != 0
+    assert "is not a rollingkv build (no llama_rolling_kv_build_info)" in proc.stderr, proc.stderr[-2000:]
+    assert "could not load" not in proc.stderr
+
+
+def test_a_library_llama_cpp_cannot_bind_is_refused(tmp_path, cpu_build):
+    """A real shared library that is not a libllama at all (libggml-base renamed): llama_cpp fails to bind its
+    functions, which llama_ext says in one line."""
+    import shutil
+
     fake = tmp_path / "lib"
     fake.mkdir()
-    # a real shared library that is not ours: libggml-base from the same build, renamed
     shutil.copy(cpu_build.lib_dir / "libggml-base.so", fake / "libllama.so")
-    code = f"from rollingkv_cli import llama_ext; llama_ext.load(__import__('pathlib').Path({str(fake)!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert "RollingKVError" in proc.stderr or "not a rollingkv build" in proc.stderr or "could not load" in proc.stderr
+    proc = _load(fake)
+    assert proc.returncode != 0 and "llama_cpp could not load" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_demo_model_gives_finite_logits(cpu_build, demo_model):

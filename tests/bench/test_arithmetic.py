@@ -9,7 +9,8 @@ from rollingkv_cli.bench import arithmetic as bm
 
 
 def test_row_bytes_match_ggml_block_sizes():
-    gguf = pytest.importorskip("gguf")
+    import gguf  # a dependency of rollingkv (pyproject.toml)
+
     for name, (blk, size) in bm.TYPE_BLOCK.items():
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         assert gguf.GGML_QUANT_SIZES[qt] == (blk, size), name

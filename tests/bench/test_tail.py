@@ -178,7 +178,6 @@ def fake_build(tmp_path, monkeypatch, isolated_cache):
 
 @pytest.fixture
 def tiny_model(tmp_path) -> Path:
-    pytest.importorskip("gguf")
     from rollingkv_cli import models
 
     return models.write_synthetic(tmp_path / "tiny.gguf", models.SynthSpec(layers=2, embd=128, heads=2, kv_heads=1, ff=256, vocab=300, ctx=4096))
