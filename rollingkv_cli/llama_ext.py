@@ -74,6 +74,15 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
     return Path(name) if name else None
 
 
+# LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
+# a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
+# fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
+API_VERSION = 4
+API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
+MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
+# the tail types the CPU part attends (and the calibration measures)
+CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
+
 RESIDENCY_MODES = {"off": 0, "auto": 1, "head": 2, "window": 3}
 GGML_TYPE_COUNT_SENTINEL = -1  # resolved against the library's GGML_TYPE_COUNT at call time
 # ggml_type values (ggml.h of the pin) for the cache types users name
@@ -90,7 +99,48 @@ class RollingKVParams(ctypes.Structure):
         ("type_k_tail", ctypes.c_int),
         ("type_v_tail", ctypes.c_int),
         ("pcie_bw_gbps", ctypes.c_float),
+        # API 4: the hybrid tail. tail_cpu_frac < 0: auto (the default); 0: off; 0 < F <= 1: that share of each split
+        # layer's host tail cells (in 256-cell chunks) attended on the CPU. cpu_attn_gbps <= 0: libllama calibrates.
+        ("tail_cpu_frac", ctypes.c_float),
+        ("cpu_attn_gbps", ctypes.c_float),
     ]
+
+
+def tail_cpu_frac_value(frac: float | str | None) -> float:
+    """The struct's tail_cpu_frac for a user's value: None or "auto" -> -1 (auto); else 0 <= F <= 1 (ValueError otherwise)."""
+    if frac is None or (isinstance(frac, str) and frac.strip().lower() == "auto"):
+        return -1.0
+    import math
+
+    if isinstance(frac, bool):
+        raise ValueError(f"tail_cpu_frac {frac!r} is not auto or a fraction from 0 to 1")
+    f = float(frac)
+    if not math.isfinite(f) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"tail_cpu_frac {frac!r} is not auto or a fraction from 0 to 1")
+    return f
+
+
+def bind_measure_cpu_attn(lib: ctypes.CDLL) -> bool:
+    """Declare llama_rolling_kv_measure_cpu_attn_gbps on lib; False when lib has none (built before API 4)."""
+    fn = getattr(lib, MEASURE_CPU_ATTN_SYMBOL, None)
+    if fn is None:
+        return False
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int32, ctypes.c_int]
+    return True
+
+
+def measure_cpu_attn_gbps(lib: ctypes.CDLL, n_threads: int, type_name: str) -> float:
+    """The library's CPU decode attention calibration: GB/s of K+V bytes read over a ~256 MiB tail of type_name on
+    n_threads threads (< 0 when the library does not support that type). ValueError on a type outside CPU_ATTN_TYPES;
+    AttributeError when the library has no such function."""
+    if type_name not in CPU_ATTN_TYPES:
+        raise ValueError(f"the CPU part attends {', '.join(CPU_ATTN_TYPES)} tails, not {type_name!r}")
+    if n_threads < 1:
+        raise ValueError(f"n_threads must be at least 1, not {n_threads}")
+    if not bind_measure_cpu_attn(lib):
+        raise AttributeError(f"{getattr(lib, '_name', 'libllama')} has no {MEASURE_CPU_ATTN_SYMBOL}")
+    return float(getattr(lib, MEASURE_CPU_ATTN_SYMBOL)(int(n_threads), GGML_TYPES[type_name]))
 
 
 class Extension:
@@ -121,6 +171,9 @@ class Extension:
         for fn in ("llama_rolling_kv_sizeof_context_params", "llama_rolling_kv_sizeof_model_params"):
             getattr(lib, fn).restype = ctypes.c_size_t
             getattr(lib, fn).argtypes = []
+        self.api = self.api_version()
+        # API 4: the hybrid tail (the params' tail_cpu_frac/cpu_attn_gbps, the CPU attention calibration)
+        self.has_tail_cpu = self.api >= API_TAIL_CPU and bind_measure_cpu_attn(lib)
 
     def build_info(self) -> str:
         return self._lib.llama_rolling_kv_build_info().decode()
@@ -144,13 +197,39 @@ class Extension:
     def _require_residency(self) -> None:
         if not self.has_residency:
             abort("this build has no KV residency API (llama_init_from_model_rolling_kv)", "rebuild with `rollingkv build`")
+        if self.api > API_VERSION:
+            abort(f"this build's rolling-KV API is version {self.api}, newer than the {API_VERSION} this rollingkv knows "
+                  "(its struct llama_rolling_kv_params may have grown)", "update rollingkv to the build's checkout, or rebuild from this one")
+
+    def _require_tail_cpu(self, what: str) -> None:
+        if not self.has_tail_cpu:
+            abort(f"{what} needs the hybrid tail (rolling-KV API {API_TAIL_CPU}, {MEASURE_CPU_ATTN_SYMBOL}); "
+                  f"this build has API {self.api}" + ("" if self.api < API_TAIL_CPU else f" without {MEASURE_CPU_ATTN_SYMBOL}"),
+                  "rebuild with `rollingkv build`")
 
     def default_params(self) -> RollingKVParams:
         self._require_residency()
         return self._lib.llama_rolling_kv_default_params()
 
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
-                    type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0) -> RollingKVParams:
+                    type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
+                    tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0) -> RollingKVParams:
+        """tail_cpu_frac: None or "auto" = the planner decides (-1 in the struct), 0 = no CPU part, 0 < F <= 1 = that
+        share of each split layer's tail on the CPU; cpu_attn_gbps <= 0: libllama calibrates at plan time. A library
+        before API 4 ignores both fields: asking for anything but their defaults there is refused."""
+        try:
+            frac = tail_cpu_frac_value(tail_cpu_frac)
+        except (TypeError, ValueError):
+            abort(f"tail_cpu_frac {tail_cpu_frac!r} is not auto or a fraction from 0 to 1",
+                  "give auto, 0 (no CPU part), or a share of the tail such as 0.5")
+        import math
+
+        if not isinstance(cpu_attn_gbps, (int, float)) or isinstance(cpu_attn_gbps, bool) or not math.isfinite(cpu_attn_gbps):
+            abort(f"cpu_attn_gbps {cpu_attn_gbps!r} is not a number", "give the CPU attention GB/s, or 0 to let libllama measure it")
+        if tail_cpu_frac is not None and not (isinstance(tail_cpu_frac, str) and tail_cpu_frac.strip().lower() == "auto"):
+            self._require_tail_cpu(f"tail_cpu_frac {tail_cpu_frac!r}")
+        if cpu_attn_gbps > 0:
+            self._require_tail_cpu(f"cpu_attn_gbps {cpu_attn_gbps!r}")
         p = self.default_params()
         if mode not in RESIDENCY_MODES:
             abort(f"unknown KV residency mode {mode!r}", f"use one of {', '.join(RESIDENCY_MODES)}")
@@ -163,7 +242,20 @@ class Extension:
                     abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
                 setattr(p, field, GGML_TYPES[name])
         p.pcie_bw_gbps = float(pcie_bw_gbps)
+        # set on every library: one before API 4 never reads them, and its default_params left them unwritten
+        p.tail_cpu_frac = frac
+        p.cpu_attn_gbps = float(cpu_attn_gbps) if cpu_attn_gbps > 0 else 0.0
         return p
+
+    def measure_cpu_attn_gbps(self, n_threads: int, type_name: str = "f16") -> float:
+        """llama_rolling_kv_measure_cpu_attn_gbps: the CPU decode attention's GB/s over a ~256 MiB tail of type_name
+        (f16, q8_0, q4_0) on n_threads threads; < 0 when the library does not support it. A build before the hybrid
+        tail: a clear error."""
+        self._require_tail_cpu("measuring the CPU attention")
+        try:
+            return measure_cpu_attn_gbps(self._lib, n_threads, type_name)
+        except ValueError as e:
+            abort(str(e), f"use one of {', '.join(CPU_ATTN_TYPES)} and at least 1 thread")
 
     def init_context(self, model_ptr, cparams, rkv: RollingKVParams | None):
         """llama_init_from_model_rolling_kv: a llama_context pointer (None on failure)."""

@@ -1,0 +1,142 @@
+"""llama_ext's mirror of struct llama_rolling_kv_params and the hybrid tail's part of the Extension, on a stand-in
+library (no build needed): the struct's layout, the params builder (auto = -1, 0, F, the CPU attention figure), the
+API version rules (an older library takes the defaults only, a newer one is refused), and the calibration's binding.
+The real library: tests/test_hybrid_tail.py."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from rollingkv_cli import llama_ext
+from rollingkv_cli.console import RollingKVError
+
+
+class FakeLib:
+    """The functions Extension binds, as plain Python callables (ctypes' restype/argtypes become attributes)."""
+
+    def __init__(self, api: int, measure: bool = True):
+        self._name = "/fake/libllama.so"
+        self.api = api
+        self.calls: list[tuple] = []
+        self.llama_rolling_kv_build_info = lambda: f"rollingkv api={api} pin=x series=y".encode()
+        self.llama_rolling_kv_api_version = lambda: api
+        self.llama_rolling_kv_sizeof_context_params = lambda: 0
+        self.llama_rolling_kv_sizeof_model_params = lambda: 0
+        self.llama_rolling_kv_default_params = lambda: self._defaults()  # functions: bound methods take no attributes
+        self.llama_init_from_model_rolling_kv = lambda m, cp, p: None
+        self.llama_rolling_kv_plan_json = lambda ctx, buf, n: -1
+        self.llama_kv_residency_mode_from_str = lambda s: 1
+        self.llama_rolling_kv_last_error = lambda: b""
+        if measure:
+            self.llama_rolling_kv_measure_cpu_attn_gbps = lambda n, t: self._measure(n, t)
+
+    def _defaults(self):
+        p = llama_ext.RollingKVParams()
+        p.mode, p.type_k_tail, p.type_v_tail = 1, 39, 39
+        # an API 3 library writes only the fields it knows: the trailing ones hold whatever the buffer held
+        p.tail_cpu_frac, p.cpu_attn_gbps = (-1.0, 0.0) if self.api >= 4 else (123.0, 456.0)
+        return p
+
+    def _measure(self, n_threads, type_):
+        self.calls.append((n_threads, type_))
+        return {1: 64.9, 8: 36.8, 2: 16.4}.get(type_, -1.0)
+
+
+@pytest.fixture
+def ext(monkeypatch):
+    monkeypatch.setattr(llama_ext, "_context_params_type", lambda: ctypes.c_int)
+
+    def make(api: int = 4, measure: bool = True) -> llama_ext.Extension:
+        return llama_ext.Extension(FakeLib(api, measure))
+
+    return make
+
+
+def test_struct_layout_appends_the_two_fields():
+    """The C struct (x86-64 / aarch64 ABI): mode 0, vram_target_mib 8, window_cells 16, type_k_tail 24, type_v_tail 28,
+    pcie_bw_gbps 32, then API 4's tail_cpu_frac 36 and cpu_attn_gbps 40; 48 bytes. The fields before them do not move,
+    so an API 3 library reads its prefix unchanged."""
+    P = llama_ext.RollingKVParams
+    assert [f[0] for f in P._fields_] == ["mode", "vram_target_mib", "window_cells", "type_k_tail", "type_v_tail", "pcie_bw_gbps",
+                                          "tail_cpu_frac", "cpu_attn_gbps"]
+    offsets = {name: getattr(P, name).offset for name, _ in P._fields_}
+    assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
+                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40}
+    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == 4 and ctypes.sizeof(P) == 48
+    assert llama_ext.API_VERSION == 4
+
+
+@pytest.mark.parametrize("given,want", [(None, -1.0), ("auto", -1.0), ("AUTO", -1.0), (0, 0.0), (0.0, 0.0), (0.25, 0.25), (1, 1.0)])
+def test_tail_cpu_frac_values(given, want):
+    assert llama_ext.tail_cpu_frac_value(given) == want
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.01, float("nan"), float("inf"), "half", True])
+def test_tail_cpu_frac_refused(bad):
+    with pytest.raises(ValueError):
+        llama_ext.tail_cpu_frac_value(bad)
+
+
+def test_make_params_api4(ext):
+    e = ext(4)
+    assert e.api == 4 and e.has_tail_cpu
+    p = e.make_params(mode="window", window_cells=256)
+    assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 0.0 and p.mode == 3 and p.window_cells == 256
+    p = e.make_params(mode="window", window_cells=256, tail_cpu_frac=0.5, cpu_attn_gbps=40.0)
+    assert p.tail_cpu_frac == 0.5 and p.cpu_attn_gbps == 40.0
+    p = e.make_params(tail_cpu_frac=0)
+    assert p.tail_cpu_frac == 0.0
+    p = e.make_params(cpu_attn_gbps=-3)  # <= 0: libllama calibrates
+    assert p.cpu_attn_gbps == 0.0
+    with pytest.raises(RollingKVError, match="not auto or a fraction from 0 to 1"):
+        e.make_params(tail_cpu_frac=2)
+    with pytest.raises(RollingKVError, match="not a number"):
+        e.make_params(cpu_attn_gbps=float("nan"))
+
+
+def test_an_api3_library_takes_the_defaults_only(ext):
+    """The fields an API 3 library would ignore are always written (its default_params left garbage there) and asking
+    for a CPU part or a CPU bandwidth on it is refused with what to do."""
+    e = ext(3, measure=False)
+    assert e.api == 3 and not e.has_tail_cpu
+    p = e.make_params(mode="window", window_cells=512)
+    assert (p.tail_cpu_frac, p.cpu_attn_gbps) == (-1.0, 0.0)
+    p = e.make_params(mode="window", tail_cpu_frac="auto")
+    assert p.tail_cpu_frac == -1.0
+    for kw in ({"tail_cpu_frac": 0.5}, {"tail_cpu_frac": 0}, {"cpu_attn_gbps": 30.0}):
+        with pytest.raises(RollingKVError) as exc:
+            e.make_params(mode="window", **kw)
+        assert "hybrid tail" in exc.value.message and "API 3" in exc.value.message and "rollingkv build" in exc.value.hint
+    with pytest.raises(RollingKVError, match="API 3"):
+        e.measure_cpu_attn_gbps(4, "f16")
+
+
+def test_api4_without_the_measure_function_is_not_hybrid(ext):
+    e = ext(4, measure=False)
+    assert not e.has_tail_cpu
+    with pytest.raises(RollingKVError, match="without llama_rolling_kv_measure_cpu_attn_gbps"):
+        e.make_params(tail_cpu_frac=0.5)
+
+
+def test_a_newer_library_is_refused(ext):
+    e = ext(5)
+    with pytest.raises(RollingKVError, match="version 5, newer than the 4"):
+        e.make_params(mode="window")
+
+
+def test_measure_binding(ext):
+    e = ext(4)
+    lib = e._lib
+    fn = lib.llama_rolling_kv_measure_cpu_attn_gbps
+    assert fn.restype is ctypes.c_double and fn.argtypes == [ctypes.c_int32, ctypes.c_int]
+    assert e.measure_cpu_attn_gbps(15, "f16") == 64.9
+    assert e.measure_cpu_attn_gbps(3, "q8_0") == 36.8 and e.measure_cpu_attn_gbps(3, "q4_0") == 16.4
+    assert lib.calls == [(15, 1), (3, 8), (3, 2)]  # ggml_type: f16 1, q8_0 8, q4_0 2
+    with pytest.raises(RollingKVError, match="not 'q5_0'"):
+        e.measure_cpu_attn_gbps(4, "q5_0")
+    with pytest.raises(RollingKVError, match="at least 1"):
+        e.measure_cpu_attn_gbps(0, "f16")
+    with pytest.raises(AttributeError, match="no llama_rolling_kv_measure_cpu_attn_gbps"):
+        llama_ext.measure_cpu_attn_gbps(FakeLib(3, measure=False), 1, "f16")
