@@ -29,7 +29,9 @@ def _triple(figures: dict | None) -> str:
 @click.option("--no-measure", is_flag=True, help="Never measure: NVML/sysfs link data and cached measurements only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=None, metavar="N", help="Only GPU N (NVML index).")
-def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) -> None:
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, metavar="N",
+              help="CPU threads of the CPU attention calibration (llama-server's -t).  [default: llama-server's, the physical cores]")
+def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, threads: int | None) -> None:
     """Show each NVIDIA GPU's PCIe link and the host<->GPU bandwidth the server will plan with.
 
     Per GPU: the link generation and width now and at most (flagged "downtrained" when it runs below
@@ -37,6 +39,11 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
     copies of 1, 16 and 256 MiB measured through the CUDA runtime (cached in <cache>/pcie/profile.json
     per GPU UUID and driver; --refresh measures again), and the resolved bandwidth with its tier:
     explicit ($ROLLINGKV_PCIE_BW_GBPS) > measured > theoretical x 0.85 > default 6.5 GB/s.
+
+    Also the CPU decode attention's GB/s for f16, q8_0 and q4_0 tails at -t threads, measured by the active
+    build's libllama (in a child process) and cached in the same profile per CPU, thread count and build: what
+    the hybrid tail splits the host tail with (`serve` passes it as --cpu-attn-gbps). Without a build it is not
+    measured (the kernel is the build's code); without an NVIDIA GPU neither is (there is no host tail to split).
 
     \b
     Exit codes:
@@ -92,6 +99,8 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
             link.save_measurement(g, m)
             entries = link.load_profile()
 
+    cpu = _cpu_attn(refresh, no_measure, as_json, threads)
+
     rows = []
     for g in shown:
         entry = link.cached_measurement(g, entries)
@@ -126,6 +135,7 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
                 }
                 for g, entry, loaded, down, res, gen, width in rows
             ],
+            "cpu_attn": cpu,
             "profile": str(link.profile_path()),
             "efficiency": link.EFFICIENCY,
         }
@@ -164,7 +174,58 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None) 
             warn(f"GPU {g.index}: link runs at Gen{gen} x{width} of Gen{g.max_gen} x{g.max_width} ({why}); "
                  "check the slot, riser and BIOS PCIe settings")
         note(f"GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})")
+    _print_cpu_attn(cpu)
     note(f"cache: {link.profile_path()}")
+
+
+def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None) -> dict:
+    """The CPU attention part of the profile at `threads` for the active build: cached, or measured now (a failure
+    only warns, as a failed link measurement does). The JSON's cpu_attn object."""
+    from rollingkv_cli import builder, cpu_attn
+    from rollingkv_cli import pcie as link
+    from rollingkv_cli.console import err_console, warn
+
+    n = threads or cpu_attn.default_threads()
+    out = {"n_threads": n, "threads_source": "-t" if threads else "default (physical cores, as llama-server)",
+           "build": None, "gbps": None, "errors": {}, "measured_at": None, "source": None, "error": None}
+    b = builder.active_build(required=False)
+    if b is None:
+        out["error"] = "no rollingkv build: the CPU attention is measured by its libllama (`rollingkv build`)"
+        return out
+    out["build"] = b.dir.name
+    entry = link.cached_cpu_attn(n, b.dir.name)
+    source = "cached" if entry is not None else None
+    if (entry is None or refresh) and not no_measure:
+        try:
+            if quiet:
+                result = cpu_attn.measure(b.lib_dir, n)
+            else:
+                with err_console.status(f"measuring the CPU decode attention on {n} threads (f16, q8_0, q4_0 tails of 256 MiB)"):
+                    result = cpu_attn.measure(b.lib_dir, n)
+            entry, source = link.save_cpu_attn(n, b.dir.name, result), "measured now"
+        except cpu_attn.Unavailable as e:
+            out["error"] = e.message
+            warn(f"CPU attention: {e.message}" + (": rebuild with `rollingkv build`" if e.kind == "no_function" else ""))
+        except ValueError as e:  # nothing usable came back
+            out["error"] = str(e)
+            warn(f"CPU attention: {e}")
+    if entry is not None:
+        out.update(gbps=entry["gbps"], errors=entry.get("errors") or {}, measured_at=entry["measured_at"], source=source,
+                   build_info=entry.get("build_info"))
+    elif out["error"] is None:
+        out["error"] = "not measured (--no-measure) and nothing cached"
+    return out
+
+
+def _print_cpu_attn(cpu: dict) -> None:
+    from rollingkv_cli.console import console, esc, note
+
+    if not cpu.get("gbps"):
+        note(f"CPU attention at {cpu['n_threads']} threads: {cpu.get('error')}")
+        return
+    figures = ", ".join(f"{t} {_fmt(v)}" for t, v in cpu["gbps"].items())
+    console.print(f"CPU decode attention, GB/s of K+V read on {cpu['n_threads']} threads: {esc(figures)}", soft_wrap=True)
+    note(f"CPU attention: {cpu['source']}, measured {cpu['measured_at']} with build {cpu['build']}")
 
 
 def _maybe_idle(g, loaded: bool, width: int | None) -> bool:

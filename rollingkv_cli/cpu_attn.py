@@ -1,0 +1,192 @@
+"""The CPU decode attention's speed on this machine: what the hybrid tail's planner splits the host tail with.
+
+libllama measures it (`llama_rolling_kv_measure_cpu_attn_gbps(n_threads, type)`: GB/s of K+V bytes the CPU decode
+attention reads over a ~256 MiB tail of that type); this module runs that calibration in a child process, so that
+the CLI never loads libllama itself (a library that crashes or aborts ends only the child, which is reported):
+
+    python -m rollingkv_cli.cpu_attn --lib-dir DIR --threads N [--types f16,q8_0,q4_0]
+
+prints one JSON line (`{"gbps": {type: GB/s or null}, "errors": {type: why}, ...}` or `{"error": ..., "kind": ...}`).
+The cache of these figures is the per-machine profile (pcie.py); `rollingkv probe pcie` measures and shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollingkv_cli.llama_ext import CPU_ATTN_TYPES, MEASURE_CPU_ATTN_SYMBOL
+
+SYSFS_CPU = Path("/sys/devices/system/cpu")  # module level: tests point it at a fake tree
+MEASURE_TIMEOUT_S = 300.0  # three ~256 MiB calibrations take seconds; a stuck child is stopped after this
+
+
+class Unavailable(Exception):
+    """The calibration cannot run with this build (no library, a library before the hybrid tail, a child that died)."""
+
+    def __init__(self, message: str, kind: str = "failed"):
+        super().__init__(message)
+        self.message = message
+        self.kind = kind  # "no_function" (a build before API 4) | "load" | "failed"
+
+
+def default_threads() -> int:
+    """The thread count llama-server and llama-bench default to (common_cpu_get_num_math of the pin): on Linux the
+    physical cores, counted as distinct thread-sibling sets in /sys/devices/system/cpu/cpu*/topology (stopping at
+    the first CPU without one, as llama.cpp does); else the logical CPUs. On hybrid Intel CPUs llama.cpp counts
+    only the performance cores: give -t there to be sure the figures match."""
+    root = SYSFS_CPU
+    siblings: set[str] = set()
+    cpu = 0
+    while True:
+        try:
+            siblings.add((root / f"cpu{cpu}" / "topology" / "thread_siblings").read_text().strip())
+        except OSError:
+            break
+        cpu += 1
+    return len(siblings) or os.cpu_count() or 1
+
+
+def threads_from_args(args: list[str]) -> int | None:
+    """The -t/--threads value in a llama-server argument list (the last one wins, as in llama.cpp), else None."""
+    found = None
+    for i, a in enumerate(args):
+        value = None
+        if a in ("-t", "--threads") and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith("--threads="):
+            value = a.split("=", 1)[1]
+        if value is not None:
+            try:
+                n = int(value)
+            except ValueError:
+                continue
+            if n > 0:
+                found = n
+    return found
+
+
+# ------------------------------------------------------------------------------------------ the parent side
+
+
+def measure(lib_dir: Path, n_threads: int, types: tuple[str, ...] = CPU_ATTN_TYPES, timeout: float = MEASURE_TIMEOUT_S) -> dict:
+    """Run the calibration of every type in a child: {"gbps": {type: float | None}, "errors": {type: str}, "n_threads",
+    "lib", "build_info", "api_version", "seconds"}. Unavailable when the child cannot measure at all."""
+    from rollingkv_cli.procs import describe_exit, popen_tied, stop_group
+
+    bad = [t for t in types if t not in CPU_ATTN_TYPES]
+    if bad or not types:
+        raise ValueError(f"CPU attention types must be among {', '.join(CPU_ATTN_TYPES)}, not {', '.join(bad) or 'none'}")
+    cmd = [sys.executable, "-m", "rollingkv_cli.cpu_attn", "--lib-dir", str(lib_dir), "--threads", str(int(n_threads)),
+           "--types", ",".join(types)]
+    env = dict(os.environ)
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+                      stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        raise Unavailable(f"the CPU attention calibration took over {timeout:.0f} s and was stopped") from None
+    except BaseException:
+        stop_group(proc)
+        raise
+    return parse_child_output(proc.returncode, out, err, describe_exit)
+
+
+def parse_child_output(rc: int | None, out: str, err: str, describe_exit=None) -> dict:
+    """The child's JSON line as the result, or Unavailable saying why there is none."""
+    lines = [line for line in (out or "").splitlines() if line.startswith("{")]
+    doc = None
+    if lines:
+        try:
+            doc = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            doc = None
+    if isinstance(doc, dict) and doc.get("error"):
+        raise Unavailable(str(doc["error"]), str(doc.get("kind") or "failed"))
+    if rc != 0 or not isinstance(doc, dict) or not isinstance(doc.get("gbps"), dict):
+        how = describe_exit(rc) if describe_exit else f"exit status {rc}"
+        last = ((err or "").strip().splitlines() or [""])[-1]
+        raise Unavailable(f"the CPU attention calibration failed ({how})" + (f": {last}" if last else ""))
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ the child side
+
+
+def _load(lib_dir: Path) -> ctypes.CDLL:
+    from rollingkv_cli.llama_ext import preload_cxx_runtime
+
+    preload_cxx_runtime()
+    try:
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
+        if hasattr(ggml, "ggml_backend_dev_count") and hasattr(ggml, "ggml_backend_load_all_from_path"):
+            ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+            if ggml.ggml_backend_dev_count() == 0:  # backends built as modules register only once loaded
+                ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+                ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+    except OSError:
+        pass  # a build without a separate libggml: libllama brings what it needs
+    return ctypes.CDLL(str(lib_dir / "libllama.so"))
+
+
+def child(lib_dir: Path, n_threads: int, types: list[str]) -> dict:
+    from rollingkv_cli.llama_ext import API_TAIL_CPU, measure_cpu_attn_gbps
+
+    if not (lib_dir / "libllama.so").is_file():
+        return {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
+    try:
+        lib = _load(lib_dir)
+    except OSError as e:
+        return {"error": f"cannot load {lib_dir / 'libllama.so'}: {e}", "kind": "load"}
+    if not hasattr(lib, "llama_rolling_kv_build_info"):
+        return {"error": f"{lib_dir / 'libllama.so'} is not a rollingkv build", "kind": "load"}
+    lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
+    lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
+    info = lib.llama_rolling_kv_build_info().decode(errors="replace")
+    api = int(lib.llama_rolling_kv_api_version())
+    if not hasattr(lib, MEASURE_CPU_ATTN_SYMBOL):
+        return {"error": f"this build predates the hybrid tail (rolling-KV API {api}, no {MEASURE_CPU_ATTN_SYMBOL}; "
+                         f"the calibration needs API {API_TAIL_CPU})", "kind": "no_function", "build_info": info, "api_version": api}
+    if hasattr(lib, "llama_backend_init"):
+        lib.llama_backend_init()
+    gbps: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for t in types:
+        t0 = time.perf_counter()
+        v = measure_cpu_attn_gbps(lib, n_threads, t)
+        seconds[t] = round(time.perf_counter() - t0, 3)
+        if v > 0 and v == v and v != float("inf"):
+            gbps[t] = round(v, 3)
+        else:
+            gbps[t] = None
+            errors[t] = f"the library does not support a {t} tail on the CPU (it returned {v:g})"
+    return {"gbps": gbps, "errors": errors, "seconds": seconds, "n_threads": n_threads, "lib": str(lib_dir / "libllama.so"),
+            "build_info": info, "api_version": api}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.cpu_attn", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib-dir", required=True, type=Path)
+    ap.add_argument("--threads", required=True, type=int)
+    ap.add_argument("--types", default=",".join(CPU_ATTN_TYPES))
+    a = ap.parse_args(argv)
+    types = [t for t in (x.strip() for x in a.types.split(",")) if t]
+    bad = [t for t in types if t not in CPU_ATTN_TYPES]
+    if bad or not types or a.threads < 1:
+        print(json.dumps({"error": f"bad arguments: types {a.types!r}, threads {a.threads}", "kind": "failed"}), flush=True)
+        return 2
+    print(json.dumps(child(a.lib_dir.resolve(), a.threads, types)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
