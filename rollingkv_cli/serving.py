@@ -22,7 +22,7 @@ RESIDENCY_MODES = ("auto", "window", "head", "off")
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "host", "port")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -39,6 +39,7 @@ class ServeSettings:
     cache_type_k_tail: str | None = None
     cache_type_v_tail: str | None = None
     pcie_bw_gbps: float | None = None
+    kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     extra_args: list[str] = field(default_factory=list)
@@ -53,7 +54,7 @@ class Setting:
     """One serve setting, checked the same way from a flag (text) and from the config file (YAML values)."""
 
     key: str
-    kind: str  # "int" | "float" | "choice" | "str"
+    kind: str  # "int" | "float" | "choice" | "str" | "fraction_or_auto"
     lo: float | None = None
     hi: float | None = None
     choices: tuple[str, ...] = ()
@@ -71,6 +72,8 @@ class Setting:
             if self.key == "kv_residency_mode" and v == "head":
                 raise SettingError("head mode is not implemented yet; use window or auto")
             return v
+        if self.kind == "fraction_or_auto":
+            return _fraction_or_auto(value, from_text)
         if self.kind == "str":
             if from_text:
                 value = str(value)
@@ -93,6 +96,22 @@ class Setting:
         if self.hi is not None:
             return f"{noun} from {self.lo:g} to {self.hi:g}"
         return f"{noun} of at least {self.lo:g}" if self.lo is not None else noun
+
+
+def _fraction_or_auto(value, from_text: bool) -> float | str:
+    """"auto", or a share of the tail from 0 to 1 (a float)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if not from_text and isinstance(value, str):
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value!r}")
+    try:
+        v = _as_float(value, from_text)
+    except SettingError:
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value if from_text else repr(value)}") from None
+    if not 0.0 <= v <= 1.0:
+        raise SettingError(f"must be auto or a fraction from 0 to 1 (0: no CPU part, 1: the whole tail on the CPU), "
+                           f"not {value if from_text else repr(value)}")
+    return v
 
 
 def _as_int(value, from_text: bool) -> int:
@@ -133,6 +152,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("cache_type_k_tail", "choice", choices=CACHE_TYPES),
     Setting("cache_type_v_tail", "choice", choices=CACHE_TYPES),
     Setting("pcie_bw_gbps", "float", lo=0),
+    Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
 )}
@@ -225,6 +245,16 @@ def build_has_rolling_kv(lib: Path) -> bool:
         return False
 
 
+def build_has_tail_cpu(lib: Path) -> bool:
+    """The build has the hybrid tail (rolling-KV API 4: its llama-server takes --kv-tail-cpu-frac and --cpu-attn-gbps)."""
+    from rollingkv_cli.llama_ext import MEASURE_CPU_ATTN_SYMBOL
+
+    try:
+        return hasattr(ctypes.CDLL(str(lib)), MEASURE_CPU_ATTN_SYMBOL)
+    except OSError:
+        return False
+
+
 def model_weight_bytes(model: Path) -> int:
     import gguf
 
@@ -269,7 +299,8 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
                              "not --fit, makes room for the context")
 
 
-def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None) -> list[str]:
+def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
+                        cpu_attn_gbps: float | None = None) -> list[str]:
     args = ["-m", str(s.model), "-fa", "on", "--metrics", "--slots", "--slot-save-path", str(slot_dir)]
     args += gpu_layer_args or []
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
@@ -278,9 +309,46 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
         value = getattr(s, key)
         if value is not None:
             args += [flag, str(value)]
+    if s.kv_tail_cpu_frac is not None:
+        args += ["--kv-tail-cpu-frac", "auto" if s.kv_tail_cpu_frac == "auto" else f"{s.kv_tail_cpu_frac:g}"]
     if bandwidth is not None:
         args += ["--pcie-bw-gbps", f"{bandwidth:g}"]
+    if cpu_attn_gbps is not None:
+        args += ["--cpu-attn-gbps", f"{cpu_attn_gbps:g}"]
     return args + list(s.extra_args)
+
+
+ENV_CPU_ATTN = "LLAMA_ARG_CPU_ATTN_GBPS"  # llama-server's own variable for --cpu-attn-gbps
+
+
+def _given(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: bool, doc: dict | None = None) -> tuple[float | None, str | None]:
+    """(the --cpu-attn-gbps to pass, a note): the cached CPU attention figure for the tail's K type at the thread count
+    llama-server will use (-t after `--`, else its default), when the hybrid tail can use it: a CUDA build that has
+    it, residency not off, a CPU part not turned off, and no --cpu-attn-gbps / $LLAMA_ARG_CPU_ATTN_GBPS of the user's.
+    Nothing cached: None, and llama-server calibrates when it plans."""
+    import os
+
+    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.llama_ext import CPU_ATTN_TYPES
+
+    if not cuda or not tail_cpu or s.kv_residency_mode == "off" or s.kv_tail_cpu_frac == 0:
+        return None, None
+    if _given(s.extra_args, "--cpu-attn-gbps") or os.environ.get(ENV_CPU_ATTN, "").strip():
+        return None, None
+    type_k = s.cache_type_k_tail or s.cache_type_k or "f16"
+    if type_k not in CPU_ATTN_TYPES:
+        return None, f"CPU attention: the hybrid tail attends {', '.join(CPU_ATTN_TYPES)} tails on the CPU, not {type_k}"
+    threads = cpu_attn.threads_from_args(s.extra_args) or cpu_attn.default_threads()
+    from rollingkv_cli import pcie
+
+    gbps, detail = pcie.cpu_attn_gbps_for(type_k, threads, build_key, doc)
+    if gbps is None:
+        return None, f"CPU attention: {detail}; llama-server measures it when it plans"
+    return gbps, f"CPU attention for planning: {gbps:g} GB/s — {detail}"
 
 
 def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]:
@@ -374,7 +442,33 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     elif plan.get("split") and link:
         lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
                      f" ({link.get('link_bw_source', '?')})")
+    line = describe_tail_cpu(plan)
+    if line:
+        lines.append(line)
     return lines
+
+
+def describe_tail_cpu(plan: dict | None) -> str | None:
+    """The hybrid tail's split from the plan's tail_cpu (None for builds that do not report one)."""
+    tc = (plan or {}).get("tail_cpu")
+    if not isinstance(tc, dict):
+        return None
+    frac = tc.get("frac") or 0
+    req = tc.get("requested")
+    head = (f"CPU part of the tail: {frac * 100:.0f}% of each split layer's host tail attended on the CPU" if frac
+            else "CPU part of the tail: none")
+    parts = [f"requested {req}" if req is not None else None]
+    if tc.get("cpu_attn_gbps") is not None:
+        parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s ({tc.get('cpu_attn_source', '?')})")
+    if tc.get("n_threads"):
+        parts.append(f"{tc['n_threads']} threads")
+    hybrid = ((plan or {}).get("link") or {}).get("t_token_hybrid_ms")
+    if hybrid is None:
+        hybrid = ((plan or {}).get("estimate") or {}).get("t_token_hybrid_ms")
+    if isinstance(hybrid, (int, float)):
+        parts.append(f"expected {hybrid:.2f} ms/token with it")
+    text = head + " (" + ", ".join(p for p in parts if p) + ")"
+    return text + (f": {tc['reason']}" if tc.get("reason") else "")
 
 
 def _status_table(srv, started: float, plan: dict | None):
@@ -406,11 +500,18 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     binary = b.artifact("llama-server")
     if not binary.exists():
         abort(f"the active build has no llama-server ({binary})", "run `rollingkv build`")
-    rolling = s.kv_residency_mode is not None or s.vram_target is not None or s.kv_window_cells is not None or s.cache_type_k_tail or s.cache_type_v_tail
+    rolling = (s.kv_residency_mode is not None or s.vram_target is not None or s.kv_window_cells is not None or s.cache_type_k_tail
+               or s.cache_type_v_tail or s.kv_tail_cpu_frac is not None)
     if not build_has_rolling_kv(b.lib_dir / "libllama.so"):
         if rolling:
             abort(f"the active build {b.dir} lacks the rolling-KV patches (no llama_init_from_model_rolling_kv)", "rebuild with `rollingkv build`")
         warn("this build has no rolling-KV support: serving the plain llama.cpp cache")
+        tail_cpu = False
+    else:
+        tail_cpu = build_has_tail_cpu(b.lib_dir / "libllama.so")
+    if s.kv_tail_cpu_frac is not None and not tail_cpu:
+        abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
+              "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")
     if s.vram_target is not None:
         weights_mib = model_weight_bytes(s.model) / 2**20
         if s.vram_target < weights_mib:
@@ -427,7 +528,9 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     log_dir = paths.cache_dir() / "logs"
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
-    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args), host=s.host, port=port, log_path=log_path)
+    cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
+    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps), host=s.host, port=port,
+                        log_path=log_path)
     if print_args:
         print(shlex.join(srv.command))
         return
@@ -440,6 +543,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:
         note(ngl_note)
+    if cpu_note:
+        note(cpu_note)
     note(f"log: {log_path}")
 
     def on_term(signum, frame):

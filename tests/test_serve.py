@@ -193,3 +193,145 @@ def test_print_args_cpu_build_has_no_gpu_layers(capsys, demo_model, cpu_build, m
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
     code, out, _ = run_main(["serve", str(demo_model), "--print-args"], capsys)
     assert code == 0 and "-ngl" not in out.split()
+
+
+# ---------------------------------------------------------------- the hybrid tail: --kv-tail-cpu-frac, --cpu-attn-gbps
+
+@pytest.mark.parametrize("text,want", [("auto", "auto"), (" AUTO ", "auto"), ("0", 0.0), ("0.25", 0.25), ("1", 1.0)])
+def test_tail_cpu_frac_setting(text, want):
+    from rollingkv_cli.serving import check_setting
+
+    assert check_setting("kv_tail_cpu_frac", text, from_text=True) == want
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True, "0.5", [0.5], float("nan")])
+def test_tail_cpu_frac_setting_from_the_config_refused(value):
+    from rollingkv_cli.serving import SettingError, check_setting
+
+    with pytest.raises(SettingError, match="must be auto or a fraction from 0 to 1"):
+        check_setting("kv_tail_cpu_frac", value)
+    assert check_setting("kv_tail_cpu_frac", 0.5) == 0.5 and check_setting("kv_tail_cpu_frac", 1) == 1.0
+    assert check_setting("kv_tail_cpu_frac", "auto") == "auto"
+
+
+@pytest.mark.parametrize("args,yaml_text,message", [
+    (["--kv-tail-cpu-frac", "1.5"], None, "must be auto or a fraction from 0 to 1 (0: no CPU part, 1: the whole tail on the CPU), not 1.5"),
+    (["--kv-tail-cpu-frac", "most"], None, "must be auto or a fraction from 0 to 1, not most"),
+    ([], "model: demo\nkv_tail_cpu_frac: 2\n", "kv_tail_cpu_frac must be auto or a fraction from 0 to 1"),
+    ([], "model: demo\nkv-tail-cpu-frac: lots\n", "kv_tail_cpu_frac must be auto or a fraction from 0 to 1, not 'lots'"),
+])
+def test_bad_tail_cpu_frac_exits_2(tmp_path, capsys, isolated_cache, args, yaml_text, message):
+    argv = ["serve", "demo", *args, "--print-args"]
+    if yaml_text is not None:
+        (tmp_path / "c.yaml").write_text(yaml_text)
+        argv = ["serve", "--config", str(tmp_path / "c.yaml"), "--print-args"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.fixture
+def hybrid_build(tmp_path, monkeypatch, isolated_cache):
+    """A stand-in active build (llama-server and libllama.so files) whose library has the rolling KV and the hybrid
+    tail; .cuda / .tail_cpu switch what it is. A tiny model to serve."""
+    from rollingkv_cli import builder, models, serving
+
+    bdir = tmp_path / "hb0123"
+    (bdir / "build" / "bin").mkdir(parents=True)
+    for name in ("llama-server", "libllama.so"):
+        (bdir / "build" / "bin" / name).write_text("")
+    (bdir / "build" / "bin" / "llama-server").chmod(0o755)
+    state = type("State", (), {"cuda": True, "tail_cpu": True, "dir": bdir})()
+    monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"options": {"cuda": state.cuda}}))
+    monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
+    monkeypatch.setattr(serving, "build_has_tail_cpu", lambda lib: state.tail_cpu)
+    monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS", raising=False)
+    state.model = models.write_synthetic(tmp_path / "tiny.gguf", models.SynthSpec(layers=2, embd=128, heads=2, kv_heads=1, ff=256,
+                                                                                  vocab=300, ctx=4096))
+    return state
+
+
+def _argv(capsys, *args):
+    args = list(args)
+    at = args.index("--") if "--" in args else len(args)
+    code, out, err = run_main(["serve", *args[:at], "--print-args", *args[at:]], capsys)
+    assert code == 0, err
+    return shlex.split(out.strip().splitlines()[-1]), out + err
+
+
+def test_cpu_attn_from_the_profile(capsys, hybrid_build):
+    from rollingkv_cli import pcie
+
+    m = str(hybrid_build.model)
+    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
+    argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "auto" and argv[argv.index("--cpu-attn-gbps") + 1] == "40.5"
+    assert argv[argv.index("--pcie-bw-gbps") + 1] == "25" and argv[-8:-4] == ["-ngl", "99", "-t", "6"]
+    # the tail's K type picks the figure; the window's type when the tail has none of its own
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0.5", "-ctkt", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0.5" and argv[argv.index("--cpu-attn-gbps") + 1] == "30"
+    argv, _ = _argv(capsys, m, "-ctk", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    assert argv[argv.index("--cpu-attn-gbps") + 1] == "30" and "--kv-tail-cpu-frac" not in argv  # llama-server's default: auto
+    # no figure for this type, or for this thread count: nothing passed, and llama-server measures
+    argv, _ = _argv(capsys, m, "-ctkt", "q4_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    assert "--cpu-attn-gbps" not in argv
+    argv, _ = _argv(capsys, m, "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "3")
+    assert "--cpu-attn-gbps" not in argv
+    # the notes serve prints (not with --print-args, which prints the command line only)
+    from rollingkv_cli.serving import ServeSettings, resolve_cpu_attn
+
+    def note(**kw):
+        s = ServeSettings(model=hybrid_build.model, extra_args=kw.pop("extra", ["-t", "6"]), **kw)
+        return resolve_cpu_attn(s, True, "hb0123", True)
+
+    assert note() == (40.5, note()[1]) and note()[1].startswith("CPU attention for planning: 40.5 GB/s — f16 tail, 6 threads, measured ")
+    gbps, text = note(cache_type_k_tail="q4_0")
+    assert gbps is None and "not supported" in text and "llama-server measures it" in text
+    gbps, text = note(extra=["-t", "3"])
+    assert gbps is None and "3 threads" in text and "probe pcie" in text
+    gbps, text = note(cache_type_k_tail="q5_0")
+    assert gbps is None and "not q5_0" in text
+
+
+def test_cpu_attn_left_out(capsys, hybrid_build, monkeypatch):
+    from rollingkv_cli import pcie
+
+    m = str(hybrid_build.model)
+    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5}, "errors": {}})
+    base = ["--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6"]
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0", *base)  # no CPU part: nothing to plan it with
+    assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0" and "--cpu-attn-gbps" not in argv
+    argv, _ = _argv(capsys, m, "--kv-residency-mode", "off", *base)
+    assert "--cpu-attn-gbps" not in argv
+    argv, _ = _argv(capsys, m, *base, "--cpu-attn-gbps", "12")  # the user's own wins
+    assert argv.count("--cpu-attn-gbps") == 1 and argv[argv.index("--cpu-attn-gbps") + 1] == "12"
+    monkeypatch.setenv("LLAMA_ARG_CPU_ATTN_GBPS", "11")
+    argv, _ = _argv(capsys, m, *base)
+    assert "--cpu-attn-gbps" not in argv
+    monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS")
+    hybrid_build.cuda = False  # a CPU build attends the whole cache on the CPU: no split to plan
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0.5", *base)
+    assert "--cpu-attn-gbps" not in argv and argv[argv.index("--kv-tail-cpu-frac") + 1] == "0.5"
+
+
+def test_a_build_before_the_hybrid_tail_refuses_the_flag(capsys, hybrid_build):
+    hybrid_build.tail_cpu = False
+    code, _, err = run_main(["serve", str(hybrid_build.model), "--kv-tail-cpu-frac", "0.5", "--print-args"], capsys)
+    assert code == 1 and "predates the hybrid tail" in err and "--kv-tail-cpu-frac" in err and "rollingkv build" in err
+    argv, _ = _argv(capsys, str(hybrid_build.model), "--pcie-bw-gbps", "25", "--", "-ngl", "99")  # without it: served as before
+    assert "--kv-tail-cpu-frac" not in argv and "--cpu-attn-gbps" not in argv
+
+
+def test_the_plan_shows_the_chosen_split():
+    from rollingkv_cli.serving import describe_plan_details, describe_tail_cpu
+
+    assert describe_tail_cpu({"mode_chosen": "window"}) is None
+    plan = {"split": True, "link": {"link_bw_gbps": 6.5, "mem_bw_gbps": 3000, "t_token_hybrid_ms": 12.345},
+            "tail_cpu": {"requested": "auto", "frac": 0.86, "cpu_attn_gbps": 40.0, "cpu_attn_source": "measured", "n_threads": 15,
+                         "reason": "cpu_bw / (cpu_bw + link_bw)"}}
+    line = describe_tail_cpu(plan)
+    assert line.startswith("CPU part of the tail: 86% of each split layer's host tail attended on the CPU")
+    assert "requested auto" in line and "40 GB/s (measured)" in line and "15 threads" in line and "12.35 ms/token" in line
+    assert line.endswith(": cpu_bw / (cpu_bw + link_bw)") and line in describe_plan_details(plan)
+    off = describe_tail_cpu({"tail_cpu": {"requested": 0, "frac": 0, "cpu_attn_gbps": None, "cpu_attn_source": "none",
+                                          "reason": "disabled"}})
+    assert off == "CPU part of the tail: none (requested 0): disabled"
