@@ -124,6 +124,23 @@ def floors(t_resident_s: float, tail_bytes: float, bandwidth_bytes_per_s: float)
     return t_resident_s + t_link, max(t_resident_s, t_link)
 
 
+def hybrid_floors(t_resident_s: float, tail_bytes: float, link_bytes_per_s: float, cpu_bytes_per_s: float) -> tuple[float, float]:
+    """(serialized, overlapped) floor when the CPU attends part of the tail while the rest streams (the hybrid tail):
+    the tail leaves host memory at link + CPU attention bandwidth together, t_res + bytes/(link + cpu) and
+    max(t_res, bytes/(link + cpu)); the best split puts cpu/(link + cpu) of the bytes on the CPU (cpu_share)."""
+    if cpu_bytes_per_s <= 0 or link_bytes_per_s <= 0:
+        raise ValueError("hybrid floors need a positive link and CPU attention bandwidth")
+    return floors(t_resident_s, tail_bytes, link_bytes_per_s + cpu_bytes_per_s)
+
+
+def cpu_share(link_gbps: float, cpu_gbps: float) -> float:
+    """The share of the tail bytes on the CPU that makes both parts end together: cpu / (cpu + link) (the planner's
+    starting point, before its per-layer latency and 256-cell rounding; docs/design/hybrid-tail.md)."""
+    if link_gbps <= 0 or cpu_gbps <= 0:
+        raise ValueError("the split needs a positive link and CPU attention bandwidth")
+    return cpu_gbps / (cpu_gbps + link_gbps)
+
+
 # ---------------------------------------------------------------------------------- VRAM and -ngl
 
 
@@ -189,6 +206,15 @@ TARGETS = {
     "auto_vs_vanilla": dict(op=">=", threshold=0.98, what="tokens/s of auto with 0% tail / vanilla fully resident (at most 2% slower)"),
     "q4_0_bytes": dict(op="<=", threshold=0.30, what="tail bytes per token of a q4_0 tail / the window-type tail, at 50%"),
     "q4_0_faster": dict(op=">", threshold=1.0, what="tokens/s of a q4_0 tail / the window-type tail, at 50%"),
+    # issue 16 (the hybrid tail), from the hybrid cells with the CPU part at auto
+    "hybrid_full_vs_floor": dict(op="<=", threshold=0.55, depths=(16384, 65536),
+                                 what="time per token of the hybrid auto cell at the 100% tail / the link-only serial floor t_res + tail_bytes / link"),
+    "hybrid_vs_ngl": dict(op=">=", threshold=3.0, depth=16384,
+                          what="tokens/s of the hybrid auto cell at the 50% tail / vanilla at the largest -ngl that fits the same VRAM"),
+    "hybrid_vs_ngl_65536": dict(op=">=", threshold=5.0, depth=65536,
+                                what="tokens/s of the hybrid auto cell at the 50% tail / vanilla at the largest -ngl that fits the same VRAM"),
+    "hybrid_q8_0_gains": dict(op=">", threshold=1.0, what="tokens/s of the hybrid auto cell with a q8_0 tail / the same tail GPU-only, at 50%"),
+    "hybrid_q4_0_gains": dict(op=">", threshold=1.0, what="tokens/s of the hybrid auto cell with a q4_0 tail / the same tail GPU-only, at 50%"),
 }
 
 
@@ -217,9 +243,10 @@ def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, ban
             why_na = "a cell it needs is missing or failed"
         entry = {"target": key, "depth": depth, "what": t["what"], "op": t["op"], "threshold": t["threshold"],
                  "value": None if value is None else round(value, 4), "status": status, "detail": detail}
-        if t.get("depth") is not None and t["depth"] != depth and status != "n/a":
+        at_depths = t.get("depths") or ((t["depth"],) if t.get("depth") is not None else None)
+        if at_depths is not None and depth not in at_depths and status != "n/a":
             entry["status"] = "info"
-            why_na = f"the issue states this target at depth {t['depth']}; reported, not judged"
+            why_na = f"the issue states this target at depth {' and '.join(map(str, at_depths))}; reported, not judged"
         if why_na:
             entry["note"] = why_na
         out.append(entry)
@@ -227,9 +254,11 @@ def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, ban
     for d in depths:
         at = [c for c in cells if c.get("depth") == d]
 
-        def find(kind: str, tail_type: str | None = None, fraction: float | None = None) -> dict | None:
+        def find(kind: str, tail_type: str | None = None, fraction: float | None = None, cpu_frac=None) -> dict | None:
             for c in at:
                 if c.get("kind") != kind:
+                    continue
+                if cpu_frac is not None and c.get("cpu_frac") != cpu_frac:
                     continue
                 if tail_type is not None and c.get("tail_type") != tail_type:
                     continue
@@ -280,4 +309,28 @@ def evaluate_targets(cells: list[dict], depths: list[int], window_type: str, ban
             else:
                 add("q4_0_bytes", d, None, "")
             speed_ratio("q4_0_faster", q4, half)
+
+        # issue 16: the hybrid cells, CPU part at auto
+        hyb = [c for c in at if c.get("kind") == "hybrid"]
+        none = "no hybrid cell (CUDA build, --cpu-fracs with auto)" if not hyb else None
+        h_full = find("hybrid", window_type, 1.0, "auto")
+        h_half = find("hybrid", window_type, 0.5, "auto")
+        if bandwidth_gbps is None:
+            add("hybrid_full_vs_floor", d, None, "", none or "no host-to-device bandwidth: floors skipped")
+        elif _ok(h_full) and h_full.get("ratio_floor") is not None:
+            add("hybrid_full_vs_floor", d, h_full["ratio_floor"], f"{h_full['label']}: {h_full['ms_per_token']:.3g} ms vs floor "
+                f"{h_full['floor_ms']:.3g} ms" if h_full.get("ms_per_token") and h_full.get("floor_ms") else h_full["label"])
+        else:
+            add("hybrid_full_vs_floor", d, None, "", none)
+        for key in ("hybrid_vs_ngl", "hybrid_vs_ngl_65536"):
+            if none:
+                add(key, d, None, "", none)
+            else:
+                speed_ratio(key, h_half, ngl, lambda c: f" (-ngl {c.get('n_gpu_layers')})")
+        for t_name in ("q8_0", "q4_0"):
+            key = f"hybrid_{t_name}_gains"
+            if none:
+                add(key, d, None, "", none)
+            else:
+                speed_ratio(key, find("hybrid", t_name, 0.5, "auto"), find("window", t_name, 0.5))
     return out

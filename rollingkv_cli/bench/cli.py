@@ -60,6 +60,27 @@ def _fractions(ctx, param, value: str):
     return out
 
 
+def _cpu_fracs(ctx, param, value: str):
+    """'0.25,0.5,auto' -> [0.25, 0.5, 'auto']; '' or 'none' -> [] (no hybrid cells). 0 is the window cells themselves."""
+    out: list = []
+    for s in (x.strip() for x in (value or "").split(",")):
+        if not s or s.lower() == "none":
+            continue
+        if s.lower() == "auto":
+            f = "auto"
+        else:
+            try:
+                f = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+            except ValueError:
+                raise click.BadParameter(f"{s!r} is neither auto nor a fraction (use 0.5, 50% or auto)") from None
+            if not 0.0 < f <= 1.0:
+                raise click.BadParameter(f"CPU fraction {s} is outside (0, 1] (0 is the window cells themselves: the GPU-only split; "
+                                         "1 = the whole tail on the CPU)")
+        if f not in out:
+            out.append(f)
+    return out
+
+
 def _default_out(model: Path) -> Path:
     from rollingkv_cli import paths
 
@@ -99,6 +120,9 @@ def _vanilla_bench(d: Path) -> Path:
               help="Tail fractions of the KV cells for the tail type equal to the window type (0.5 or 50%).")
 @click.option("--mixed-fractions", default="0.5", show_default=True, callback=_fractions,
               help="Tail fractions for the other tail types.")
+@click.option("--cpu-fracs", default="auto", show_default=True, callback=_cpu_fracs, metavar="LIST",
+              help="Hybrid cells: each window cell with a tail again with this share of its tail attended on the CPU while the rest "
+                   "streams (--kv-tail-cpu-frac: auto or a fraction, comma-separated; none: no hybrid cells). CUDA builds only.")
 @click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
 @click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
@@ -107,7 +131,9 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("-t", "--threads", type=int, callback=_positive, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
 @click.option("--slot-ring-mib", type=click.IntRange(min=0), default=None,
               help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $ROLLINGKV_SLOTS x $ROLLINGKV_SLOT_MIB, else 3 x 32]")
-@click.option("--pcie-bw-gbps", type=float, default=None, help="Use this host-to-device GB/s for the floors instead of measuring.")
+@click.option("--pcie-bw-gbps", type=float, default=None,
+              help="Use this host-to-device GB/s for the floors instead of measuring, and give it to the hybrid auto cells' plan "
+                   "(a simulated link: the CPU share auto picks for it, on this machine).")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) whose link is measured.")
 @click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")
 @click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
@@ -117,8 +143,9 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
-def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, window_type, vanilla_build, skip,
-         threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
+@click.pass_context
+def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, cpu_fracs, window_type, vanilla_build,
+         skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
     """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
 
     \b
@@ -127,13 +154,16 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
       window         --kv-residency-mode window --kv-window-cells W -ctkt/-ctvt T, for each tail type T
                      and tail fraction: W = (1 - fraction) x (depth + n_gen) to a multiple of 256, at
                      least 256 (the 100% tail); 0% = the whole cache
+      hybrid         a window cell again with --kv-tail-cpu-frac F for each F of --cpu-fracs (CUDA
+                     builds): part of the tail attended on the CPU while the rest streams
       auto           --kv-residency-mode auto (0% tail when the cache fits)
       vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the VRAM of the 50%-tail
                      window run (all weights + window KV + slot ring), sizes read from the GGUF
       vanilla -nkvo  -nkvo 1 (KV in host memory, attention on the CPU), run last: the slowest cell
     The host-to-device bandwidth is measured in the same run (none on a CPU-only machine: floors skipped).
-    Each cell's tail bytes per token, floors (t_res + bytes/bw, max(t_res, bytes/bw)) and ratios, and the
-    issue 4 targets, go to the table and the JSON report (rewritten after every cell, with every command
+    Each cell's tail bytes per token, floors (t_res + bytes/bw, max(t_res, bytes/bw)) and ratios, the hybrid
+    cells' third floor (max(t_res, bytes/(bw + cpu_attn)) and its serial form, with the CPU attention GB/s
+    measured in the same run), and the issue 4 and 16 targets, go to the table and the JSON report (rewritten after every cell, with every command
     line); a PNG next to it when matplotlib is installed (else `rollingkv bench plot REPORT.json`).
 
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
@@ -169,11 +199,12 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     vanilla_desc = (f"unpatched build: {vanilla_bin}" if vanilla_bin else
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
+    cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
     out = json_out or _default_out(model)
     cfg = tail_runs.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
-        window_type=window_type, threads=threads,
+        cpu_fracs=cpu_fracs, window_type=window_type, threads=threads,
         ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_runs.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
         pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
@@ -201,7 +232,7 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
             t.add_column(col, overflow="fold")
         for i, c in enumerate(doc["cells"], 1):
             t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
-                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] == "window" else "-", esc(c["command"]))
+                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid") else "-", esc(c["command"]))
         tail_runs.report_console().print(t)
         return
     if json_out and json_out.exists() and not resume:
@@ -226,6 +257,29 @@ def tail(model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, m
     bad = [c for c in doc["cells"] if c["status"] != "ok"]
     if bad:
         raise click.exceptions.Exit(1)
+
+
+def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
+    """The CPU fractions the hybrid cells run at: none on a CPU build (it attends the whole cache on the CPU already)
+    or a build before the hybrid tail; --cpu-fracs given explicitly there is refused."""
+    from rollingkv_cli.console import abort, warn
+    from rollingkv_cli.serving import build_has_tail_cpu
+
+    if not cpu_fracs:
+        return []
+    explicit = ctx.get_parameter_source("cpu_fracs") == click.core.ParameterSource.COMMANDLINE
+    if backend != "CUDA":
+        if explicit:
+            raise click.BadParameter("hybrid cells need a CUDA build: a CPU build attends the whole tail on the CPU already "
+                                     "(give --cpu-fracs none, or run a CUDA build)", param_hint="--cpu-fracs")
+        return []
+    if not build_has_tail_cpu(build.lib_dir / "libllama.so"):
+        if explicit:
+            abort(f"the build {build.dir} predates the hybrid tail: its llama-bench has no --kv-tail-cpu-frac",
+                  "rebuild with `rollingkv build`, or give --cpu-fracs none")
+        warn(f"no hybrid cells: the build {build.dir} predates the hybrid tail (rebuild with `rollingkv build`)")
+        return []
+    return cpu_fracs
 
 
 def _load_report(path: Path) -> dict:

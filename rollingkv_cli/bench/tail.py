@@ -31,6 +31,8 @@ SCHEMA = "rollingkv.bench.tail/1"
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
 DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_CPU_FRACS = ("auto",)  # the hybrid cells' CPU part (--kv-tail-cpu-frac); the window cells are the GPU-only ones (0)
+LINK_PLACEHOLDER = "MEASURED"  # in a hybrid auto cell's args until the run knows the link bandwidth the plan is given
 DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25
 
@@ -63,6 +65,7 @@ class TailConfig:
     tail_types: list[str] = field(default_factory=lambda: list(DEFAULT_TAIL_TYPES))
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
     mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
+    cpu_fracs: list = field(default_factory=lambda: list(DEFAULT_CPU_FRACS))  # "auto" or 0 < F <= 1; [] = no hybrid cells
     window_type: str = "f16"
     threads: int | None = None
     ring_bytes: int = DEFAULT_RING_SLOTS * DEFAULT_RING_SLOT_MIB << 20
@@ -79,6 +82,7 @@ class TailConfig:
         return {
             "depths": self.depths, "n_gen": self.n_gen, "reps": self.reps, "vanilla_reps": self.vanilla_reps,
             "tail_types": self.tail_types, "fractions": self.fractions, "mixed_fractions": self.mixed_fractions,
+            "cpu_fracs": self.cpu_fracs,
             "window_type": self.window_type, "threads": self.threads, "slot_ring_bytes": self.ring_bytes,
             "skip": list(self.skip), "cell_timeout_s": self.cell_timeout, "time_budget_s": self.time_budget,
             "pcie_bw_gbps_explicit": self.pcie_bw_gbps, "gpu": self.gpu,
@@ -90,6 +94,14 @@ class TailConfig:
 
 def _pct(f: float) -> str:
     return f"{f * 100:.0f}%"
+
+
+def _cpu_arg(frac) -> str:
+    return "auto" if frac == "auto" else f"{frac:g}"
+
+
+def _cpu_label(frac) -> str:
+    return "auto" if frac == "auto" else _pct(frac)
 
 
 def depth_plan(cfg: TailConfig, model, depth: int) -> dict:
@@ -137,7 +149,9 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                  "n_gpu_layers": 99, "binary": "vanilla" if binary == cfg.vanilla_bench else "rollingkv",
                  "args": args, "command": shlex.join(args), "status": "pending"}
             c.update(kw)
-            c["id"] = f"d{depth}/{kind}" + (f"/{c['tail_type']}/w{c['window_cells']}" if kind == "window" else "")
+            c["id"] = f"d{depth}/{kind}" + (f"/{c['tail_type']}/w{c['window_cells']}" if kind in ("window", "hybrid") else "")
+            if kind == "hybrid":
+                c["id"] += f"/cpu{_cpu_arg(c['cpu_frac'])}"
             if kind == "vanilla_ngl":
                 c["id"] += f"/ngl{c['n_gpu_layers']}"
             return c
@@ -182,6 +196,29 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
         head = [c for c in ordered if priority(c)[0] <= 3]
         rest = [c for c in ordered if priority(c)[0] > 3]
         d_cells += head
+        # the hybrid cells: each window cell with a tail again, part of its tail attended on the CPU; those the issue 16
+        # targets read first (CPU part auto, at 50% / 100%), in the window cells' order
+        hybrid = []
+        for w_cell in ordered:
+            if w_cell["window_cells"] >= kv:
+                continue  # no tail to split
+            for frac in cfg.cpu_fracs:
+                extra = ["--kv-tail-cpu-frac", _cpu_arg(frac)]
+                link = None
+                if frac == "auto":  # the plan's split depends on the link figure it is given: the one the floors use
+                    link = f"{cfg.pcie_bw_gbps:g}" if cfg.pcie_bw_gbps is not None else LINK_PLACEHOLDER
+                    extra += ["--pcie-bw-gbps", link]
+                t, w = w_cell["tail_type"], w_cell["window_cells"]
+                split = ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t]
+                h = cell("hybrid", "", cfg.bench, split + extra, cfg.reps,
+                         **{k: w_cell[k] for k in ("tail_type", "window_cells", "tail_fraction", "tail_cells_per_token", "tail_bytes_per_token")},
+                         fractions=list(w_cell["fractions"]), cpu_frac=frac, cpu_frac_chosen=None,
+                         plan_link=None if link is None else {"gbps": cfg.pcie_bw_gbps, "source": "explicit" if cfg.pcie_bw_gbps is not None else "measured"})
+                h["label"] = w_cell["label"].replace("window ", "hybrid ", 1) + f", CPU {_cpu_label(frac)}"
+                h["command_key"] = h["command"]  # what --resume matches: the link placeholder, not the figure filled in
+                hybrid.append(h)
+        hybrid.sort(key=lambda c: (c["cpu_frac"] != "auto", priority(c)[0] > 1))
+        d_cells += hybrid
         if "auto" not in cfg.skip:
             d_cells.append(cell("auto", "auto (0% tail when it fits)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "auto"], cfg.reps))
         d_cells += rest
@@ -286,13 +323,23 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
                                              "type_k", "type_v", "model_size", "test_time", "build_commit")}
     if "kv_mode_chosen" in row:
         cell["plan"] = {k: row.get(k) for k in ("kv_mode", "kv_mode_chosen", "window_cells", "tail_cells", "type_k_tail", "type_v_tail")}
-    if cell["kind"] in ("window", "auto"):
+        for k in ("kv_tail_cpu_frac", "kv_tail_cpu_frac_chosen"):  # the hybrid tail's (requested; chosen where reported)
+            if k in row:
+                cell["plan"][k] = row[k]
+    if cell["kind"] == "hybrid":
+        chosen = (cell.get("plan") or {}).get("kv_tail_cpu_frac_chosen")
+        try:
+            cell["cpu_frac_chosen"] = None if chosen is None else float(chosen)
+        except (TypeError, ValueError):
+            cell["cpu_frac_chosen"] = None
+    if cell["kind"] in ("window", "auto", "hybrid"):
         plan = cell.get("plan") or {}
         w = plan.get("window_cells") or 0
         split = plan.get("kv_mode_chosen") == "window" and w > 0
-        if cell["kind"] == "window" and cell["window_cells"] < cell["kv_size"] and not split:
+        fixed = cell["kind"] in ("window", "hybrid")
+        if fixed and cell["window_cells"] < cell["kv_size"] and not split:
             cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan chose {plan.get('kv_mode_chosen')}: no tail"
-        if cell["kind"] == "window" and split and w != cell["window_cells"]:
+        if fixed and split and w != cell["window_cells"]:
             cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan made {w}"
         t = plan.get("type_k_tail") if split else None
         tv = plan.get("type_v_tail") if split else None
@@ -303,13 +350,19 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
             cell["window_cells"] = w
 
 
-def apply_floors(cells: list[dict], gbps: float | None) -> None:
-    """Floors and ratios of every measured window/auto cell, against the resident cell of its depth."""
+_FLOOR_KEYS = ("t_resident_ms", "floor_ms", "stretch_floor_ms", "ratio_floor", "ratio_stretch",
+               "cpu_attn_gbps", "hybrid_serial_floor_ms", "hybrid_floor_ms", "ratio_hybrid_serial", "ratio_hybrid")
+
+
+def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = None) -> None:
+    """Floors and ratios of every measured window/auto/hybrid cell, against the resident cell of its depth: the link
+    floors for all of them; the hybrid cells also against the third floor, the tail leaving host memory over the link
+    and through the CPU attention together (cpu_gbps: the calibration's GB/s per tail K type, measured in the run)."""
     resident = {c["depth"]: c for c in cells if c["kind"] == "resident" and c.get("status") == "ok" and (c.get("tokens_per_s") or 0) > 0}
     for c in cells:
-        for k in ("t_resident_ms", "floor_ms", "stretch_floor_ms", "ratio_floor", "ratio_stretch"):
+        for k in _FLOOR_KEYS:
             c.pop(k, None)
-        if c["kind"] not in ("window", "auto") or c.get("status") != "ok" or not c.get("tokens_per_s"):
+        if c["kind"] not in ("window", "auto", "hybrid") or c.get("status") != "ok" or not c.get("tokens_per_s"):
             continue
         r = resident.get(c["depth"])
         if r is None or gbps is None:
@@ -322,6 +375,14 @@ def apply_floors(cells: list[dict], gbps: float | None) -> None:
         c["stretch_floor_ms"] = stretch * 1e3
         c["ratio_floor"] = t / serial
         c["ratio_stretch"] = t / stretch
+        cpu = (cpu_gbps or {}).get(c.get("tail_type")) if c["kind"] == "hybrid" else None
+        if isinstance(cpu, (int, float)) and cpu > 0:
+            h_serial, h_over = bm.hybrid_floors(t_res, c.get("tail_bytes_per_token") or 0.0, gbps * 1e9, cpu * 1e9)
+            c["cpu_attn_gbps"] = cpu
+            c["hybrid_serial_floor_ms"] = h_serial * 1e3
+            c["hybrid_floor_ms"] = h_over * 1e3
+            c["ratio_hybrid_serial"] = t / h_serial
+            c["ratio_hybrid"] = t / h_over
 
 
 # ------------------------------------------------------------------------------------------ bandwidth
@@ -352,6 +413,46 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
             "note": f"pinned host-to-device, {pcie.RESOLVE_SIZE_MIB} MiB copies, median, measured in this run"}
 
 
+def measure_cpu_attn(cfg: TailConfig) -> dict:
+    """The CPU decode attention's GB/s per tail type of the hybrid cells, measured now at the bench's thread count
+    by the build's libllama (its calibration, in a child: cpu_attn.py); null with the reason when it cannot be."""
+    from rollingkv_cli import cpu_attn
+
+    n = cfg.threads or cpu_attn.default_threads()
+    types = tuple(t for t in dict.fromkeys(cfg.tail_types) if t in cpu_attn.CPU_ATTN_TYPES)
+    out = {"gbps": None, "n_threads": n, "threads_source": "-t" if cfg.threads else "llama-bench's default (the physical cores)",
+           "types": list(types), "source": None,
+           "note": "libllama's calibration (llama_rolling_kv_measure_cpu_attn_gbps: GB/s of K+V read by the CPU decode attention "
+                   "over a ~256 MiB tail of each type), in this run; the cells' own plans calibrate again (--cpu-attn-gbps not given)"}
+    if not types:
+        out["error"] = f"no tail type the CPU part attends ({', '.join(cpu_attn.CPU_ATTN_TYPES)})"
+        return out
+    try:
+        with console.status(f"measuring the CPU decode attention on {n} threads ({', '.join(types)})"):
+            r = cpu_attn.measure(cfg.bench.parent, n, types)
+    except cpu_attn.Unavailable as e:
+        out["error"] = e.message
+        return out
+    out.update(gbps=r["gbps"], errors=r.get("errors") or {}, seconds=r.get("seconds"), build_info=r.get("build_info"), source="measured")
+    return out
+
+
+def bind_link(doc: dict, gbps: float | None) -> None:
+    """Fill the link figure into the pending hybrid auto cells' --pcie-bw-gbps (their plan's split depends on it): the
+    bandwidth the floors use, measured in this run unless given; without one the option is left out."""
+    for c in doc["cells"]:
+        if c.get("status") == "ok" or LINK_PLACEHOLDER not in c.get("args", []):
+            continue
+        i = c["args"].index(LINK_PLACEHOLDER)
+        if gbps is None:
+            del c["args"][i - 1:i + 1]
+            c["plan_link"] = None
+        else:
+            c["args"][i] = f"{gbps:.4g}"
+            c["plan_link"] = {"gbps": float(f"{gbps:.4g}"), "source": "measured"}
+        c["command"] = shlex.join(c["args"])
+
+
 # ------------------------------------------------------------------------------------------ the report
 
 
@@ -371,9 +472,22 @@ def write_json(path: Path, doc: dict) -> None:
 
 def refresh(doc: dict) -> None:
     gbps = doc["bandwidth"].get("gbps")
-    apply_floors(doc["cells"], gbps)
+    cpu = doc.get("cpu_attn") or {}
+    apply_floors(doc["cells"], gbps, cpu.get("gbps"))
+    if gbps and isinstance(cpu.get("gbps"), dict):  # the design's split, cpu / (cpu + link), per type: what auto starts from
+        cpu["expected_auto_frac"] = {t: round(bm.cpu_share(gbps, v), 4) for t, v in cpu["gbps"].items() if isinstance(v, (int, float)) and v > 0}
     doc["targets"] = bm.evaluate_targets(doc["cells"], doc["config"]["depths"], doc["config"]["window_type"], gbps)
     doc["updated_at"] = _now()
+
+
+def _cpu_cell(c: dict) -> str:
+    """The CPU part of a cell: '-' (none), the fraction asked for, 'auto' with the chosen one where the bench reports it."""
+    if c["kind"] != "hybrid":
+        return "-"
+    chosen = c.get("cpu_frac_chosen")
+    if c.get("cpu_frac") == "auto":
+        return "auto" + (f" {_pct(chosen)}" if isinstance(chosen, (int, float)) else "")
+    return _pct(c["cpu_frac"]) if isinstance(c.get("cpu_frac"), (int, float)) else str(c.get("cpu_frac"))
 
 
 def _mb(b: float | None) -> str:
@@ -393,6 +507,8 @@ def cell_line(c: dict) -> str:
         s += f", tail {_mb(c['tail_bytes_per_token'])} MB/token"
     if c.get("ratio_floor") is not None:
         s += f", {c['ratio_floor']:.2f}x floor"
+    if c.get("ratio_hybrid") is not None:
+        s += f", {c['ratio_hybrid']:.2f}x hybrid floor"
     return s + f" [dim]({c.get('wall_s', 0):.1f} s)[/]"
 
 
@@ -416,21 +532,23 @@ def print_report(doc: dict) -> None:
         dp = doc["depths"].get(str(depth), {})
         tb = Table(title=esc(f"decode at depth {depth} (kv_size {dp.get('kv_size')}, n_gen {doc['config']['n_gen']}), {doc['build']['backend']}"),
                    title_justify="left")
-        for col, just in (("cell", "left"), ("window", "right"), ("tail", "right"), ("tail MB/tok", "right"), ("tok/s", "right"),
-                          ("ms/tok", "right"), ("floor ms", "right"), ("x floor", "right"), ("stretch ms", "right"),
-                          ("x stretch", "right"), ("wall s", "right"), ("status", "left")):
+        for col, just in (("cell", "left"), ("window", "right"), ("tail", "right"), ("CPU", "right"), ("tail MB/tok", "right"),
+                          ("tok/s", "right"), ("ms/tok", "right"), ("floor ms", "right"), ("x floor", "right"), ("stretch ms", "right"),
+                          ("x stretch", "right"), ("hybrid ms", "right"), ("x hybrid", "right"), ("wall s", "right"), ("status", "left")):
             tb.add_column(col, justify=just)
         for c in cells:
             ok = c["status"] == "ok"
             tb.add_row(
                 esc(str(c["label"])),
                 "-" if c.get("window_cells") is None else str(c["window_cells"]),
-                _pct(c["tail_fraction"]) if c["kind"] == "window" else "-",
-                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto") else "-",
+                _pct(c["tail_fraction"]) if c["kind"] in ("window", "hybrid") else "-",
+                _cpu_cell(c),
+                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto", "hybrid") else "-",
                 f"{c['tokens_per_s']:.4g}" if ok else "-",
                 _num(c.get("ms_per_token")) if ok else "-",
                 _num(c.get("floor_ms")), _num(c.get("ratio_floor"), ".2f"),
                 _num(c.get("stretch_floor_ms")), _num(c.get("ratio_stretch"), ".2f"),
+                _num(c.get("hybrid_floor_ms")), _num(c.get("ratio_hybrid"), ".2f"),
                 _num(c.get("wall_s"), ".1f"),
                 {"ok": "[green]ok[/]", "pending": "[dim]pending[/]"}.get(c["status"], f"[red]{esc(str(c['status']))}[/]"),
             )
@@ -438,7 +556,16 @@ def print_report(doc: dict) -> None:
     bw = doc["bandwidth"]
     out.print(f"bandwidth: {bw['gbps']:.4g} GB/s ({bw['source']}; {bw['note']})" if bw.get("gbps") is not None
               else f"bandwidth: null ({bw['note']})", soft_wrap=True, markup=False)
-    tt = Table(title="issue 4 targets (computed from the cells above)", title_justify="left")
+    ca = doc.get("cpu_attn") or {}
+    if isinstance(ca.get("gbps"), dict):
+        figures = ", ".join(f"{t} {_num(v, '.4g')}" for t, v in ca["gbps"].items())
+        split = ca.get("expected_auto_frac") or {}
+        out.print(f"CPU attention: {figures} GB/s on {ca.get('n_threads')} threads ({ca.get('source')})"
+                  + (f"; cpu / (cpu + link) = " + ", ".join(f"{t} {_pct(v)}" for t, v in split.items()) if split else ""),
+                  soft_wrap=True, markup=False)
+    elif any(c["kind"] == "hybrid" for c in doc["cells"]):
+        out.print(f"CPU attention: null ({ca.get('error') or ca.get('note')})", soft_wrap=True, markup=False)
+    tt = Table(title="issue 4 targets, and issue 16's for the hybrid cells (computed from the cells above)", title_justify="left")
     for col in ("target", "depth", "value", "need", "status", "detail"):
         tt.add_column(col)
     for t in doc["targets"]:
@@ -482,11 +609,12 @@ def resume_cells(out: Path, doc: dict) -> int:
     diffs = _compatible(old, doc)
     if diffs:
         abort(f"--resume: {out} was made with another configuration ({'; '.join(diffs)})", "give another --json, or drop --resume to start over")
-    done = {c["command"]: c for c in old.get("cells", []) if c.get("status") == "ok"}
+    done = {c.get("command_key", c["command"]): c for c in old.get("cells", []) if c.get("status") == "ok"}
     n = 0
     for i, c in enumerate(doc["cells"]):
-        if c["command"] in done:
-            doc["cells"][i] = dict(done[c["command"]], resumed=True)
+        key = c.get("command_key", c["command"])
+        if key in done:
+            doc["cells"][i] = dict(done[key], resumed=True)
             n += 1
     return n
 
@@ -496,7 +624,7 @@ def _is_num(v) -> bool:
 
 
 _CELL_OPTIONAL_NUMBERS = ("window_cells", "tail_fraction", "tail_bytes_per_token", "host_kv_bytes_per_token", "wall_s", "stddev_ts",
-                          "ms_per_token", "n_gpu_layers")
+                          "ms_per_token", "n_gpu_layers", "cpu_frac_chosen")
 
 
 def report_problem(doc) -> str | None:
@@ -519,6 +647,12 @@ def report_problem(doc) -> str | None:
     gbps = doc["bandwidth"].get("gbps")
     if gbps is not None and not (_is_num(gbps) and gbps > 0):
         return f"'bandwidth.gbps' is {gbps!r}, not a positive number or null"
+    ca = doc.get("cpu_attn", {})
+    if not isinstance(ca, dict):
+        return "'cpu_attn' is not an object"
+    cg = ca.get("gbps")
+    if cg is not None and not (isinstance(cg, dict) and all(v is None or (_is_num(v) and v > 0) for v in cg.values())):
+        return f"'cpu_attn.gbps' is {cg!r}, not null or an object of positive numbers (or nulls) per tail type"
     if not isinstance(doc.get("notes", []), list):
         return "'notes' is not a list"
     if not isinstance(doc["model"].get("path", ""), str):
@@ -535,8 +669,10 @@ def report_problem(doc) -> str | None:
         for key in _CELL_OPTIONAL_NUMBERS:
             if c.get(key) is not None and not _is_num(c[key]):
                 return f"{where}.{key} is {c[key]!r}, not a number"
-        if c["kind"] == "window" and not _is_num(c.get("tail_fraction")):
-            return f"{where} is a window cell without a numeric tail_fraction"
+        if c["kind"] in ("window", "hybrid") and not _is_num(c.get("tail_fraction")):
+            return f"{where} is a {c['kind']} cell without a numeric tail_fraction"
+        if c["kind"] == "hybrid" and not (c.get("cpu_frac") == "auto" or _is_num(c.get("cpu_frac"))):
+            return f"{where}.cpu_frac is {c.get('cpu_frac')!r}, not auto or a number"
         if c["status"] == "ok" and not (_is_num(c.get("tokens_per_s")) and c["tokens_per_s"] > 0 and _is_num(c.get("ms_per_token"))):
             return f"{where} is 'ok' without positive tokens_per_s and ms_per_token"
         if not isinstance(c.get("fractions", []), list) or not all(_is_num(f) for f in c.get("fractions", [])):
@@ -552,6 +688,11 @@ def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_
                  "summed over layers; n_kv = min(kv_size, max(256, pad256(pos + 1)))")
     notes.append(f"windows are multiples of 256 cells; the 100% tail is the smallest explicit window, {bm.MIN_WINDOW} cells "
                  "(--kv-window-cells 0 means 'the planner decides' in the patched llama-bench)")
+    if cfg.cpu_fracs:
+        notes.append("hybrid cells: a window cell's split with part of each layer's tail attended on the CPU while the rest streams "
+                     "(--kv-tail-cpu-frac; auto cells get the link bandwidth of the floors as --pcie-bw-gbps); their third floor is "
+                     "max(t_res, tail_bytes / (link + cpu_attn)), serial t_res + tail_bytes / (link + cpu_attn), with the CPU "
+                     "attention GB/s of the tail's K type measured in this run")
     return {
         "schema": SCHEMA, "rollingkv_version": __version__, "created_at": _now(), "updated_at": _now(), "finished_at": None,
         "complete": False, "argv": sys.argv, "cwd": os.getcwd(),
@@ -562,6 +703,7 @@ def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_
         "vanilla": {"source": vanilla_desc, "llama_bench": str(cfg.vanilla_bench or cfg.bench)},
         "model": model.to_json(), "config": cfg.to_json(),
         "bandwidth": {"gbps": None, "source": None, "note": "not measured yet"},
+        "cpu_attn": {"gbps": None, "note": "not measured yet" if cfg.cpu_fracs else "no hybrid cells in this run"},
         "depths": {str(d): p for d, p in plans.items()},
         "cells": build_cells(cfg, model, plans), "targets": [], "notes": notes, "png": None,
     }
@@ -577,6 +719,11 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps)
     if doc["bandwidth"]["gbps"] is None:
         doc["notes"].append(doc["bandwidth"]["note"])
+    if any(c["kind"] == "hybrid" for c in doc["cells"]):
+        bind_link(doc, doc["bandwidth"]["gbps"])
+        doc["cpu_attn"] = measure_cpu_attn(cfg)
+        if doc["cpu_attn"]["gbps"] is None:
+            doc["notes"].append(f"CPU attention not measured ({doc['cpu_attn']['error']}): the hybrid floors are skipped")
     refresh(doc)
     write_json(cfg.out, doc)
 

@@ -111,6 +111,10 @@ def test_targets_met_and_not_met():
         _cell("vanilla_nkvo", 4.33),
     ]
     t = _targets(cells)
+    hybrid = {k for k in t if k.startswith("hybrid_")}
+    assert hybrid == {"hybrid_full_vs_floor", "hybrid_vs_ngl", "hybrid_vs_ngl_65536", "hybrid_q8_0_gains", "hybrid_q4_0_gains"}
+    assert {t[k]["status"] for k in hybrid} == {"n/a"} and all("no hybrid cell" in t[k]["note"] for k in hybrid)
+    t = {k: v for k, v in t.items() if k not in hybrid}
     assert {k: v["status"] for k, v in t.items()} == {
         "floor": "met", "stretch": "met", "vs_ngl": "met", "vs_nkvo": "met", "auto_vs_vanilla": "met", "q4_0_bytes": "met", "q4_0_faster": "met"}
     assert t["vs_ngl"]["value"] == pytest.approx(55 / 17.7, abs=1e-4) and t["floor"]["value"] == 1.08
@@ -122,7 +126,7 @@ def test_targets_met_and_not_met():
     cells[4]["tokens_per_s"] = 270.0
     cells[3]["tail_bytes_per_token"] = 0.5e9
     cells[3]["tokens_per_s"] = 50.0
-    t = _targets(cells)
+    t = {k: v for k, v in _targets(cells).items() if not k.startswith("hybrid_")}
     assert all(v["status"] == "not met" for v in t.values()), t
     assert "worst" in t["floor"]["detail"] and t["floor"]["value"] == 1.3
 
@@ -140,3 +144,44 @@ def test_targets_without_bandwidth_or_cells_are_na():
     cells[0]["status"] = "failed"
     cells.append(_cell("auto", 100.0, depth=512))
     assert _targets(cells, bw=None, depths=(512,))["auto_vs_vanilla"]["status"] == "n/a"
+
+
+def test_hybrid_targets_met_and_not_met():
+    """Issue 16's: the hybrid auto cell at the 100% tail <= 0.55x the link-only serial floor (judged at 16384 and 65536),
+    at 50% >= 3x vanilla's -ngl at 16384 (>= 5x at 65536), and q8_0/q4_0 hybrid cells faster than the same tail GPU-only."""
+    def cells(depth, full_ratio, half_tps, q8_tps, q4_tps):
+        h = dict(cpu_frac="auto")
+        return [
+            _cell("resident", 288.0, depth=depth),
+            _cell("window", 55.0, depth=depth, tail_type="f16", fractions=[0.5], tail_bytes=0.97e9, ratio_floor=1.0),
+            _cell("window", 20.0, depth=depth, tail_type="q8_0", fractions=[0.5], tail_bytes=0.5e9, ratio_floor=1.0),
+            _cell("window", 30.0, depth=depth, tail_type="q4_0", fractions=[0.5], tail_bytes=0.27e9, ratio_floor=1.0),
+            _cell("hybrid", 100.0, depth=depth, tail_type="f16", fractions=[1.0], tail_bytes=1.9e9, ratio_floor=full_ratio,
+                  ms_per_token=10.0, floor_ms=25.0, **h),
+            _cell("hybrid", half_tps, depth=depth, tail_type="f16", fractions=[0.5], tail_bytes=0.97e9, **h),
+            _cell("hybrid", 40.0, depth=depth, tail_type="f16", fractions=[0.5], tail_bytes=0.97e9, cpu_frac=0.25),
+            _cell("hybrid", q8_tps, depth=depth, tail_type="q8_0", fractions=[0.5], tail_bytes=0.5e9, **h),
+            _cell("hybrid", q4_tps, depth=depth, tail_type="q4_0", fractions=[0.5], tail_bytes=0.27e9, **h),
+            _cell("vanilla_ngl", 10.0, depth=depth, n_gpu_layers=20),
+        ]
+
+    both = cells(16384, 0.4, 35.0, 25.0, 35.0) + cells(65536, 0.5, 55.0, 25.0, 35.0)
+    out = bm.evaluate_targets(both, [16384, 65536], "f16", 55.0)
+    t = {(x["target"], x["depth"]): x for x in out}
+    assert t[("hybrid_full_vs_floor", 16384)]["status"] == "met" and t[("hybrid_full_vs_floor", 16384)]["value"] == 0.4
+    assert t[("hybrid_full_vs_floor", 65536)]["status"] == "met"
+    assert t[("hybrid_vs_ngl", 16384)]["value"] == 3.5 and t[("hybrid_vs_ngl", 16384)]["status"] == "met"  # the auto cell, not 25%
+    assert t[("hybrid_vs_ngl", 65536)]["status"] == "info"  # 3x is the 16384 target
+    assert t[("hybrid_vs_ngl_65536", 65536)]["value"] == 5.5 and t[("hybrid_vs_ngl_65536", 65536)]["status"] == "met"
+    assert t[("hybrid_vs_ngl_65536", 16384)]["status"] == "info"
+    assert t[("hybrid_q8_0_gains", 16384)]["value"] == 1.25 and t[("hybrid_q4_0_gains", 16384)]["status"] == "met"
+    both = cells(16384, 0.6, 25.0, 15.0, 30.0) + cells(65536, 0.7, 45.0, 20.0, 29.0)
+    t = {(x["target"], x["depth"]): x for x in bm.evaluate_targets(both, [16384, 65536], "f16", 55.0)}
+    for key in (("hybrid_full_vs_floor", 16384), ("hybrid_full_vs_floor", 65536), ("hybrid_vs_ngl", 16384),
+                ("hybrid_vs_ngl_65536", 65536), ("hybrid_q8_0_gains", 16384), ("hybrid_q4_0_gains", 65536)):
+        assert t[key]["status"] == "not met", key
+    # the 100% target elsewhere: reported, not judged; without a link: n/a
+    t = {x["target"]: x for x in bm.evaluate_targets(cells(1024, 0.4, 35.0, 25.0, 35.0), [1024], "f16", 55.0)}
+    assert t["hybrid_full_vs_floor"]["status"] == "info" and "16384 and 65536" in t["hybrid_full_vs_floor"]["note"]
+    t = {x["target"]: x for x in bm.evaluate_targets(cells(16384, 0.4, 35.0, 25.0, 35.0), [16384], "f16", None)}
+    assert t["hybrid_full_vs_floor"]["status"] == "n/a" and "floors skipped" in t["hybrid_full_vs_floor"]["note"]

@@ -62,3 +62,47 @@ def test_without_a_bandwidth_no_floor_is_drawn(drawn):
     (ax,) = fig.axes
     assert not [ln for ln in ax.get_lines() if "floor" in ln.get_label()]
     assert any("floors not drawn" in t.get_text() for t in ax.texts)
+
+
+def _hybrid_doc():
+    doc = _doc()
+
+    def cell(tps, tail_type, tail, frac):
+        return {"kind": "hybrid", "depth": 1024, "status": "ok", "tokens_per_s": tps, "tail_type": tail_type, "tail_bytes_per_token": tail,
+                "cpu_frac": frac}
+
+    doc["cells"] += [cell(95.0, "f16", 2e6, "auto"), cell(85.0, "f16", 4e6, "auto"), cell(70.0, "f16", 4e6, 0.25),
+                     cell(92.0, "q4_0", 1.1e6, "auto"), {"kind": "hybrid", "depth": 1024, "status": "timeout", "tail_type": "f16",
+                                                          "cpu_frac": 0.25}]
+    doc["cpu_attn"] = {"gbps": {"f16": 3.0, "q4_0": None}}
+    return doc
+
+
+def test_the_hybrid_cells_and_their_floor(drawn):
+    """One series per tail type and CPU fraction (a failed cell left out), and the third floor from t_res = 1/100 s,
+    2 GB/s of link and the f16 CPU attention's 3 GB/s: max(t_res, bytes/5 GB/s) and t_res + bytes/5 GB/s; none for
+    q4_0, whose CPU figure is null. Fails when a hybrid point is misplaced or the floor uses another bandwidth."""
+    _, fig = drawn(_hybrid_doc())
+    (ax,) = fig.axes
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    auto, fixed = lines["hybrid f16, CPU auto"], lines["hybrid f16, CPU 25%"]
+    assert auto.get_xdata().tolist() == [2.0, 4.0] and auto.get_ydata().tolist() == [95.0, 85.0]
+    assert fixed.get_xdata().tolist() == [4.0] and fixed.get_ydata().tolist() == [70.0]
+    assert lines["hybrid q4_0, CPU auto"].get_ydata().tolist() == [92.0]
+    assert lines["tail f16"].get_ydata().tolist() == [80.0, 60.0]  # the GPU-only series is unchanged
+    over = lines["hybrid floor f16: max(t_res, bytes/(bw + 3 GB/s CPU))"]
+    serial = lines["hybrid serial f16: t_res + bytes/(bw + cpu)"]
+    assert over.get_xdata()[-1] == pytest.approx(6.0)
+    assert over.get_ydata()[-1] == pytest.approx(1 / max(0.01, 6e6 / 5e9)) == pytest.approx(1 / bm.hybrid_floors(0.01, 6e6, 2e9, 3e9)[1])
+    assert serial.get_ydata()[-1] == pytest.approx(1 / (0.01 + 6e6 / 5e9))
+    assert serial.get_ydata()[-1] > lines["floor t_res + bytes/2 GB/s"].get_ydata()[-1]  # above the link-only one
+    assert not [k for k in lines if k.startswith("hybrid floor q4_0") or k.startswith("hybrid serial q4_0")]
+
+
+def test_no_hybrid_floor_without_a_cpu_figure(drawn):
+    doc = _hybrid_doc()
+    doc["cpu_attn"] = {"gbps": None, "error": "not measured"}
+    _, fig = drawn(doc)
+    (ax,) = fig.axes
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert "hybrid f16, CPU auto" in labels and not [x for x in labels if x.startswith("hybrid floor") or x.startswith("hybrid serial")]
