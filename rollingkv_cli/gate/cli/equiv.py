@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive
+from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
 
 MODES = ["window", "auto", "off"]
@@ -30,6 +30,10 @@ MODES = ["window", "auto", "off"]
 @cache_type_options
 @click.option("--kv-residency-mode", "mode", type=click.Choice(MODES), default="window", show_default=True,
               help="The candidate's residency mode (off: the plain resident cache, a sanity run).")
+@click.option("--kv-tail-cpu-frac", "cpu_frac", callback=tail_cpu_frac, default=None, metavar="F|auto",
+              help="The candidate's CPU part: the share of each split layer's host tail attended on the CPU while the rest streams "
+                   "(0: none, 1: all). The op uses it on decode-sized batches (use --n-batch 1, or --n-seq N --n-batch N); the "
+                   "report shows the plan's split.  [default: the library's, auto]")
 @click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
               help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -57,7 +61,7 @@ MODES = ["window", "auto", "off"]
 @build_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
-def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode,
+def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode, cpu_frac,
           reference, thresholds_file, tail_baseline, tolerance, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
           lib_dir, work_dir) -> None:
     """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
@@ -98,8 +102,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         usage_error(f"{synthetic_tokens} tokens do not fit --ctx {n_ctx}", "raise --ctx or lower --synthetic-tokens")
     if tolerance is not None and not 0 <= tolerance <= 1:
         raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
-    if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt):
-        warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target and the tail types")
+    if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt or cpu_frac is not None):
+        warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target, the tail types and --kv-tail-cpu-frac")
     profile = metrics.profile_for((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
     try:
         thresholds = metrics.load_thresholds(thresholds_file, profile)
@@ -137,6 +141,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                      "type_k_tail": ctkt, "type_v_tail": ctvt}
         if pcie_bw is not None:
             residency["pcie_bw_gbps"] = pcie_bw
+        if cpu_frac is not None:
+            residency["tail_cpu_frac"] = cpu_frac
+            if cpu_frac != 0 and n_batch // n_seq > 1 and build.on_gpu(n_gpu_layers):
+                warn(f"--n-batch {n_batch} decodes {n_batch // n_seq} positions of each sequence per batch: the op attends the CPU part "
+                     f"only on decode-sized batches, so these run GPU-only; --n-batch {n_seq} decodes one position per sequence at a time")
     cand_residency = residency or {"mode": "off"}
     ref_residency = {"mode": "off"} if ref_kind == "resident" else None
 
@@ -260,6 +269,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                       f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
                       f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser[/]")
     equiv_runs.print_plan(console, cand_r.get("plan"))
+    from rollingkv_cli.serving import describe_tail_cpu
+
+    split_line = describe_tail_cpu(cand_r.get("plan"))
+    if split_line:
+        console.print(split_line, style="dim", markup=False, soft_wrap=True)
     console.print(f"[dim]decode: reference {ref_r['timings']['decode_s']:.1f} s ({ref_r['timings']['tokens_per_s']} tok/s), "
                   f"candidate {cand_r['timings']['decode_s']:.1f} s ({cand_r['timings']['tokens_per_s']} tok/s); "
                   f"compare {cand_r['timings']['compare_s']:.1f} s[/]")
@@ -275,6 +289,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "metrics": {k: x for k, x in summary.items() if k not in ("tail", "window")},
         "tail_positions": summary["tail_positions"],
         "window_cells": summary["window_cells"],
+        "tail_cpu": {"requested": cpu_frac if cpu_frac is not None else "auto (the library's default)",
+                     "plan": (cand_r.get("plan") or {}).get("tail_cpu")},
         "tail_metrics": summary["tail"],
         "window_metrics": summary["window"],
         "checks": v.to_dict()["checks"],

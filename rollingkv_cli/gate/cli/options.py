@@ -56,6 +56,18 @@ def type_list(ctx, param, value):
     return tuple(dict.fromkeys(out))
 
 
+def tail_cpu_frac(ctx, param, value):
+    """--kv-tail-cpu-frac: auto or a share of the tail from 0 to 1, checked by serve's validator (one rule for every command)."""
+    if value is None:
+        return None
+    from rollingkv_cli.serving import SettingError, check_setting
+
+    try:
+        return check_setting("kv_tail_cpu_frac", value, from_text=True)
+    except SettingError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def build_options(f):
     f = click.option("--lib-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
                      help="Run the libllama.so and llama-server in DIR (llama.cpp's build/bin of this series) instead of the active build.")(f)
