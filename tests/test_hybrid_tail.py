@@ -1,0 +1,169 @@
+"""The hybrid tail's Python side against the real native side (rolling-KV API 4): the header the ctypes mirror
+follows, the library's calibration and parameters, the plan's tail_cpu, llama-server's and llama-bench's flags, and
+the commands over them (gate equiv, probe pcie on a GPU machine). These need a build of the series with the hybrid
+tail; on an older build they fail (they are not skipped: CI builds the current series). The Python side alone, on
+stand-ins: test_llama_ext_params.py, test_cpu_attn.py, test_serve.py, gate/test_equiv_hybrid.py, bench/test_hybrid.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_python
+from rollingkv_cli import llama_ext
+
+REPO = Path(__file__).resolve().parent.parent
+HEADER = REPO / "native" / "include" / "llama-rolling-kv.h"
+TAIL_CPU_KEYS = {"requested", "frac", "cpu_attn_gbps", "cpu_attn_source", "n_threads", "reason"}
+
+
+def test_the_ctypes_mirror_follows_the_header():
+    """RollingKVParams lists the header's fields in its order, the API version is the one llama_ext expects, and the
+    calibration is declared: a field added or moved on one side only fails here before any library is built."""
+    text = HEADER.read_text()
+    body = re.search(r"struct llama_rolling_kv_params\s*\{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = [m.group(1) for m in re.finditer(r"(\w+)\s*;", body)]
+    assert fields == [f[0] for f in llama_ext.RollingKVParams._fields_]
+    assert re.search(r"#define\s+LLAMA_ROLLING_KV_API_VERSION\s+(\d+)", text).group(1) == str(llama_ext.API_VERSION)
+    decl = re.search(r"double\s+llama_rolling_kv_measure_cpu_attn_gbps\s*\(([^)]*)\)", text)
+    assert decl and re.fullmatch(r"\s*int32_t\s+\w+\s*,\s*enum\s+ggml_type\s+\w+\s*", decl.group(1))
+
+
+_PRELUDE = """
+import ctypes, json, os
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
+llama_cpp.llama_log_set(_cb, None)
+llama_cpp.llama_backend_init()
+"""
+
+
+@pytest.mark.build
+def test_the_library_is_api4_with_auto_by_default(cpu_build):
+    r = run_python(_PRELUDE + """
+p = ext.default_params()
+print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps}))
+""", cpu_build.lib_dir)
+    assert r["api"] == llama_ext.API_VERSION == 4 and r["has"]
+    assert r["frac"] < 0 and r["gbps"] <= 0  # auto, and measured at plan time
+
+
+@pytest.mark.build
+def test_the_calibration_measures_every_tail_type(cpu_build):
+    """Through the Extension in-process, and through the child that `probe pcie` and `bench tail` use."""
+    from rollingkv_cli import cpu_attn
+
+    r = run_python(_PRELUDE + """
+print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q4_0")}))
+""", cpu_build.lib_dir)
+    assert all(r[t] > 0.1 for t in ("f16", "q8_0", "q4_0")), r  # GB/s on 2 threads: any CPU reads a tail faster than this
+    child = cpu_attn.measure(cpu_build.lib_dir, 2)
+    assert all(v is not None and v > 0.1 for v in child["gbps"].values()) and child["errors"] == {} and child["api_version"] == 4
+
+
+@pytest.mark.build
+def test_the_plan_reports_the_split(cpu_build, demo_model):
+    """A split CPU context's plan has tail_cpu (the value asked for, echoed; a CPU-only build puts nothing on a CPU
+    part: it attends everything on the CPU already) and the link model's hybrid estimate."""
+    r = run_python(_PRELUDE + """
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx = 1024; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1; cp.n_threads = 2; cp.n_threads_batch = 2
+out = {}
+for name, kw in {"auto": {}, "half": {"tail_cpu_frac": 0.5, "cpu_attn_gbps": 33.0}, "off": {"tail_cpu_frac": 0}}.items():
+    ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256, **kw))
+    out[name] = ext.plan(ctx)
+    llama_cpp.llama_free(ctx)
+print(json.dumps(out))
+""", cpu_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(demo_model)})
+    for name, plan in r.items():
+        assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]), (name, plan.get("tail_cpu"))
+        assert plan["tail_cpu"]["frac"] == 0 and isinstance(plan["tail_cpu"]["reason"], str) and plan["tail_cpu"]["reason"]
+        assert "t_token_hybrid_ms" in (plan.get("link") or {}) or "t_token_hybrid_ms" in (plan.get("estimate") or {})
+    assert r["auto"]["tail_cpu"]["requested"] == "auto"
+    assert r["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and r["off"]["tail_cpu"]["requested"] == 0
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("args, message", [
+    (["--kv-tail-cpu-frac", "2"], "kv-tail-cpu-frac"),
+    (["--kv-tail-cpu-frac", "most"], "kv-tail-cpu-frac"),
+    (["--cpu-attn-gbps", "fast"], "cpu-attn-gbps"),
+])
+def test_server_refuses_bad_hybrid_flags_at_parse_time(cpu_build, demo_model, args, message):
+    proc = subprocess.run([str(cpu_build.artifact("llama-server")), "-m", str(demo_model), *args, "--port", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in (proc.stdout + proc.stderr)
+
+
+@pytest.mark.build
+def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
+    from rollingkv_cli.server import ServerProcess
+
+    srv = ServerProcess(cpu_build.artifact("llama-server"),
+                        ["-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "1024", "--kv-residency-mode", "window",
+                         "--kv-window-cells", "256", "--kv-tail-cpu-frac", "0.5", "--cpu-attn-gbps", "20"],
+                        log_path=tmp_path / "server.log")
+    with srv:
+        plan = srv.request("/props")["rolling_kv"]
+    assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]) and plan["tail_cpu"]["requested"] == pytest.approx(0.5)
+    assert "tail_cpu" in (tmp_path / "server.log").read_text()  # the plan in the server log
+
+
+@pytest.mark.build
+def test_bench_sweeps_the_cpu_fraction(cpu_build, demo_model):
+    proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "-p", "0", "-n", "2", "-r", "1", "-fa", "1",
+                           "-t", "2", "-d", "512", "-o", "json", "--kv-residency-mode", "window", "--kv-window-cells", "256",
+                           "--kv-tail-cpu-frac", "0,0.5,auto", "--cpu-attn-gbps", "20"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert len(rows) == 3 and all(r["avg_ts"] > 0 and r["window_cells"] == 256 for r in rows)
+    requested = [r["kv_tail_cpu_frac"] for r in rows]
+    assert requested[2] == "auto" and [float(x) for x in requested[:2]] == [0.0, 0.5]
+    proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "--kv-tail-cpu-frac", "1.5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "kv-tail-cpu-frac" in proc.stdout + proc.stderr
+
+
+@pytest.mark.build
+def test_gate_equiv_with_a_cpu_part_stays_bit_identical_on_the_cpu(cpu_build, demo_model, tmp_path):
+    """A CPU-only build ignores the CPU part: the split stays bit-identical to resident, and the report carries the
+    plan's tail_cpu."""
+    out = tmp_path / "g.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", "--model", str(demo_model), "--synthetic-tokens", "512",
+                           "--kv-window-cells", "256", "--kv-tail-cpu-frac", "0.5", "--n-batch", "8", "--threads", "2", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["metrics"]["bitwise_identical"] and r["tail_cpu"]["requested"] == 0.5
+    assert TAIL_CPU_KEYS <= set(r["tail_cpu"]["plan"]) and r["candidate"]["residency"]["tail_cpu_frac"] == 0.5
+
+
+@pytest.mark.gpu
+def test_probe_pcie_measures_the_cpu_attention(tmp_path):
+    """On the GPU machine, with the active (CUDA) build: the CPU attention in the profile, > 0 for every tail type, cached."""
+    from rollingkv_cli import builder, pcie
+
+    try:
+        pcie.discover()
+    except pcie.NoGpuError as e:
+        pytest.skip(f"no NVIDIA GPU: {e.reason}")
+    b = builder.active_build(required=True)  # found in the real cache, before the profile moves to a fresh one
+    env = {**os.environ, "ROLLINGKV_CACHE_DIR": str(tmp_path), "ROLLINGKV_BUILD": str(b.dir)}
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "probe", "pcie", "--json", "--refresh"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    c = json.loads(proc.stdout)["cpu_attn"]
+    assert c["error"] is None and c["source"] == "measured now" and all(c["gbps"][t] > 1.0 for t in ("f16", "q8_0", "q4_0"))
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "probe", "pcie", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert json.loads(proc.stdout)["cpu_attn"]["source"] == "cached"
