@@ -243,6 +243,16 @@ def print_table(console, s: dict, th: dict, v, profile: str, title: str | None =
         c = by_metric.get(key)
         if c is not None:
             t.add_row(label, fmt(s.get(key)), "≥ " + fmt(int(c.bound)), "[green]✓[/]" if c.ok else "[bold red]✗[/]")
+    of = s.get("over_floor")
+    if of is not None:
+        c = by_metric.get("frac_over_floor")
+        label = (f"tail TV > {of['factor']:g}× floor p{100 * of['quantile']:g}"
+                 + ("" if of["bound_tv"] is None else f" = {fmt(of['bound_tv'])}"))
+        value = f"{of['n_over']}/{of['n']}" + ("" if of["frac_over"] is None else f" ({fmt(of['frac_over'])})")
+        if c is None:
+            t.add_row(f"[dim]{label}[/]", f"[dim]{value}[/]", "", "")
+        else:
+            t.add_row(label, value, "≤ " + fmt(c.bound), "[green]✓[/]" if c.ok else "[bold red]✗[/]")
     if "bitwise_equal_rows" not in by_metric:
         t.add_row("[dim]bitwise-identical rows[/]", f"[dim]{s.get('bitwise_equal_rows')}/{s.get('n')}[/]", "", "")
     if "tail_positions" not in by_metric and s.get("tail_positions") is not None:

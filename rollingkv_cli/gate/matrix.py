@@ -105,6 +105,8 @@ def _metrics(summary: dict) -> dict:
     out = {k: summary.get(k) for k in _SUMMARY_KEYS if k in summary}
     if summary.get("tail"):
         out["tail"] = {k: summary["tail"].get(k) for k in _TAIL_KEYS}
+    if summary.get("over_floor") is not None:
+        out["over_floor"] = summary["over_floor"]
     return out
 
 
@@ -149,6 +151,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     baselines: dict[str, dict] = {}
     base_rows: dict[str, dict] = {}
     floors: dict[str, dict] = {}
+    floor_rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollingkv-matrix-", dir=work_dir) as td:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
@@ -182,14 +185,19 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                 fb = equiv_runs.order_floor_batch(cfg.n_batch)
                 for t in [WINDOW_TYPE, *quantized]:
                     r = sess.decode(f"order-floor-{t}", lib, t, t, {"mode": "off"}, reference=ref[t], n_batch=fb,
-                                    real_margin_nats=thresholds("same_type")["real_margin_nats"], progress=prog,
-                                    label=f"order floor (resident {t}, batch {fb})")
+                                    real_margin_nats=thresholds("same_type")["real_margin_nats"], positions_out=wd / f"order-floor-{t}.npz",
+                                    progress=prog, label=f"order floor (resident {t}, batch {fb})")
                     floors[t] = {"n_batch": fb, "metrics": _metrics(r["summary"]), "timings": r.get("timings")}
+                    floor_rows[t] = metrics.load_positions(wd / f"order-floor-{t}.npz")
 
-            def floor_relaxed(th: dict, ref_type: str) -> tuple[dict, dict | None]:
+            def floor_relaxed(th: dict, ref_type: str, summary: dict, rows: dict, mask) -> tuple[dict, dict | None]:
+                """The bounds relaxed to the floor of ref_type; with same-type bounds, summary["over_floor"] too."""
                 if ref_type not in floors:
                     return th, None
-                return metrics.order_floor_thresholds(th, floors[ref_type]["metrics"])
+                th, how = metrics.order_floor_thresholds(th, floors[ref_type]["metrics"])
+                if th.get("max_frac_over_floor") is not None:
+                    summary["over_floor"] = metrics.over_floor(rows, floor_rows[ref_type], mask, th["order_factor"])
+                return th, how
             for t in cfg.tail_types:
                 for s in cfg.splits:
                     w = window_for(s, n)
@@ -201,13 +209,14 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                     role = f"cell-{t}-{round(s * 100)}"
                     r = sess.decode(role, lib, WINDOW_TYPE, WINDOW_TYPE, res, reference=ref[WINDOW_TYPE], real_margin_nats=th["real_margin_nats"],
                                     positions_out=wd / f"{role}.npz", progress=prog, label=f"{t} tail, window {w} ({s:g})")
-                    summary, mask = equiv_runs.split_summary(r, metrics.load_positions(wd / f"{role}.npz"), 1, cfg.n_batch, th["real_margin_nats"])
+                    rows = metrics.load_positions(wd / f"{role}.npz")
+                    summary, mask = equiv_runs.split_summary(r, rows, 1, cfg.n_batch, th["real_margin_nats"])
                     how = None
                     if profile == "quantized":
                         base_tail = metrics.subset_summary(base_rows[t], mask, th["real_margin_nats"])
                         th, how = metrics.relative_thresholds(th, base_tail, t)
                         how["baseline_tail"] = {k: base_tail.get(k) for k in _TAIL_KEYS}
-                    th, floor_how = floor_relaxed(th, WINDOW_TYPE)
+                    th, floor_how = floor_relaxed(th, WINDOW_TYPE, summary, rows, mask)
                     v = metrics.verdict(summary, th)
                     cells.append({"kind": "split", "tail": t, "split": s, "window_cells": w, "profile": profile, "thresholds": th,
                                   "relative_to_baseline": how, "relative_to_order_floor": floor_how, "metrics": _metrics(summary), "worst": r["summary"].get("worst", [])[:5],
@@ -216,11 +225,13 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                                   "command": equiv_command(cfg, n_ctx, w, t, baseline=profile == "quantized")})
             for t in quantized:
                 w = window_for(cfg.exact_split, n)
-                th, floor_how = floor_relaxed(split_thresholds("same_type"), t)
+                th = split_thresholds("same_type")
                 r = sess.decode(f"exact-{t}", lib, t, t, {"mode": "window", "window_cells": w}, reference=ref[t],
                                 positions_out=wd / f"exact-{t}.npz", real_margin_nats=th["real_margin_nats"], progress=prog,
                                 label=f"{t} window + {t} tail vs resident {t}")
-                summary, _ = equiv_runs.split_summary(r, metrics.load_positions(wd / f"exact-{t}.npz"), 1, cfg.n_batch, th["real_margin_nats"])
+                rows = metrics.load_positions(wd / f"exact-{t}.npz")
+                summary, mask = equiv_runs.split_summary(r, rows, 1, cfg.n_batch, th["real_margin_nats"])
+                th, floor_how = floor_relaxed(th, t, summary, rows, mask)
                 v = metrics.verdict(summary, th)
                 exact.append({"kind": "exact", "type": t, "split": cfg.exact_split, "window_cells": w, "profile": "same_type",
                               "thresholds": th, "relative_to_order_floor": floor_how, "metrics": _metrics(summary), "checks": v.to_dict()["checks"], "passed": v.passed,
@@ -284,6 +295,14 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
         "wall_s": round(time.time() - t_start, 2),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _over_floor_text(m: dict) -> str:
+    """', over floor N/M (TV > bound)' for a cell with the order floor's per-position count, else ''."""
+    of = m.get("over_floor")
+    if not of or of.get("bound_tv") is None:
+        return ""
+    return f", over floor {of['n_over']}/{of['n']} (TV > {_g(of['bound_tv'])})"
 
 
 def _plan_brief(plan: dict | None) -> dict | None:
@@ -353,7 +372,7 @@ def markdown(r: dict) -> str:
             m = c["metrics"]
             tail_tv = f" (tail {_g(m['tail']['mean_tv'])})" if c["profile"] == "quantized" and m.get("tail") else ""
             cell = (f"{mark[c['passed']]} TV {_g(m['mean_tv'])}{tail_tv}, top-1 {_g(m['top1_agreement'], 4)}, real {_g(m['real_frac'])}, "
-                    f"bitwise {m.get('bitwise_equal_rows')}/{m['n']}, tail read by {m.get('tail_positions')}")
+                    f"bitwise {m.get('bitwise_equal_rows')}/{m['n']}, tail read by {m.get('tail_positions')}{_over_floor_text(m)}")
             row.append(cell)
             th = c["thresholds"]
             how = c.get("relative_to_baseline") or {}
@@ -377,6 +396,10 @@ def markdown(r: dict) -> str:
                 bounds += f", top-1 ≥ {_g(th['min_top1_agreement'], 4)}{src('min_top1_agreement')}"
             if th.get("require_bitwise"):
                 bounds += ", bit-identical"
+            of = m.get("over_floor")
+            if th.get("order_floor") and th.get("max_frac_over_floor") is not None and of:
+                bounds += (f", ≤ {_g(th['max_frac_over_floor'])} of the tail positions over {_g(of['factor'])}× the floor's "
+                           f"p{_g(100 * of['quantile'])}")
         row.append(bounds)
         lines.append("| " + " | ".join(row) + " |")
     if r["baselines"]:
@@ -389,7 +412,9 @@ def markdown(r: dict) -> str:
         lines += ["", "## Order floors: the resident cache with half the batch against the resident cache (same type)", "",
                   "GPU attention kernels tile and split the KV range by shape, so the resident run is reproducible only up to the",
                   "floating-point order of its sums; every bound is the looser of the absolute one and "
-                  f"{_g(metrics.DEFAULT_ORDER_FACTOR)}× this floor (`--order-floor`).", "",
+                  f"{_g(metrics.DEFAULT_ORDER_FACTOR)}× this floor (`--order-floor`), and in same-type cells at most a",
+                  "fraction of the positions that read the tail may have a TV above that factor × the floor's 99th-percentile TV",
+                  "over the same positions (`over floor` in a cell: those positions, of all that read the tail).", "",
                   "| type | batch | mean TV | max TV | top-1 | real | bitwise rows |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for t, fl in r["order_floors"].items():
             m = fl["metrics"]
@@ -401,7 +426,7 @@ def markdown(r: dict) -> str:
         for c in r["exact"]:
             m = c["metrics"]
             lines.append(f"| `{c['type']}` | {c['window_cells']} | {_g(m['mean_tv'])} | {_g(m['max_tv'])} | {_g(m['top1_agreement'], 4)} | "
-                         f"{m.get('bitwise_equal_rows')}/{m['n']} | {mark[c['passed']]} |")
+                         f"{m.get('bitwise_equal_rows')}/{m['n']}{_over_floor_text(m)} | {mark[c['passed']]} |")
     nd = r.get("needle")
     if nd:
         plan = nd.get("plan") or {}

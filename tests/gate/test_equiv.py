@@ -92,9 +92,9 @@ GOOD = {"n": 512, "mean_tv": 0.0, "max_tv": 0.0, "mean_kl": 0.0, "max_kl": 0.0, 
 
 @pytest.fixture
 def fake_runs(monkeypatch, isolated_cache, tmp_path):
-    """Active build = a directory with an empty libllama.so; gate_equiv.run_child answers from `state`: the summary, and
-    per-position rows (--positions-out) whose TV is state["tv"][role] = (rows in the window, rows past it), bit-identical
-    where the TV is 0; the candidate's plan has a window of state["window"] cells."""
+    """Active build = a directory with an empty libllama.so (a CUDA build when state["options"]["cuda"]); gate_equiv.run_child
+    answers from `state`: the summary, and per-position rows (--positions-out) whose TV is state["tv"][role] = (rows in
+    the window, rows past it), bit-identical where the TV is 0; the candidate's plan has a window of state["window"] cells."""
     import numpy as np
 
     from rollingkv_cli import builder
@@ -103,8 +103,10 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
     bdir = tmp_path / "build"
     (bdir / "build" / "bin").mkdir(parents=True)
     (bdir / "build" / "bin" / "libllama.so").write_bytes(b"")
-    monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y"}))
-    state = {"has_residency": True, "n_tokens": 512, "summary": dict(GOOD), "calls": [], "cmds": {}, "window": 256, "tv": {}}
+    state = {"has_residency": True, "n_tokens": 512, "summary": dict(GOOD), "calls": [], "cmds": {}, "window": 256, "tv": {},
+             "options": {"cuda": False}}
+    monkeypatch.setattr(builder, "active_build",
+                        lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y", "options": state["options"]}))
 
     def rows(role, n, window):
         tv_win, tv_tail = state["tv"].get(role, (0.0, 0.0))
@@ -236,6 +238,55 @@ def test_tail_baseline_compares_the_positions_that_read_the_tail(capsys, fake_ru
     res = json.loads(ctl[ctl.index("--residency") + 1])
     assert ctl[ctl.index("-ctk") + 1] == "q8_0" and res["window_cells"] == 256 and res["type_k_tail"] is None
     assert ctl[ctl.index("--reference-logits") + 1].endswith("baseline.npy")
+
+
+@pytest.mark.parametrize("cand_tv,code,n_over", [
+    ((0.002, 0.003), 0, 0),           # a correct split: within 2 x the floor at every tail position
+    ((0.001, 0.005), 1, 256),         # every tail position over 2 x the floor's p99 (0.004); the mean (0.003) is not
+])
+def test_gpu_order_floor_counts_the_tail_positions_over_the_per_position_bound(capsys, fake_runs, fake_gguf, tmp_path, cand_tv, code, n_over):
+    """A CUDA build: the order floor is on by default, its run writes per-position rows, and the report (table, JSON)
+    counts the positions that read the tail whose TV exceeds 2 x the floor run's 99th-percentile TV over them. The
+    second case passes every mean bound (2 x the floor's mean TV 0.002) and fails only the per-position check. Fails
+    when the floor's rows are not read, the window positions are counted, or the check is not applied."""
+    fake_runs["options"]["cuda"] = True
+    fake_runs["tv"] = {"order_floor": (0.002, 0.002), "candidate": cand_tv}
+    out = tmp_path / "r.json"
+    rc, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert fake_runs["calls"] == ["tokenize", "reference", "order_floor", "candidate"]
+    assert "--positions-out" in fake_runs["cmds"]["order_floor"]
+    assert rc == code and r["failed_checks"] == ([] if code == 0 else ["max_frac_over_floor"]), stdout
+    of = r["over_floor"]
+    assert of["n"] == 256 == r["tail_positions"] and of["floor_tv"] == pytest.approx(0.002) and of["bound_tv"] == pytest.approx(0.004)
+    assert of["n_over"] == n_over and of["frac_over"] == n_over / 256 and "over_floor" not in r["metrics"]
+    assert r["thresholds"]["max_frac_over_floor"] == 0.05 and r["thresholds"]["order_floor"]
+    assert r["metrics"]["mean_tv"] <= r["thresholds"]["max_mean_tv"] == pytest.approx(0.004)
+    check = next(c for c in r["checks"] if c["name"] == "max_frac_over_floor")
+    assert check["value"] == n_over / 256 and check["bound"] == 0.05 and check["over"] == "tail"
+    assert "tail TV > 2× floor p99 = 0.004000" in stdout and f"{n_over}/256" in stdout
+    if code:
+        assert "256 of 256 positions that read the tail exceed 2 x the order floor's 99th-percentile TV (0.004)" in stdout
+    # a thresholds file sets the fraction (1: any count passes) or disables the check (null)
+    for text in ("max_frac_over_floor: 1\n", "max_frac_over_floor: null\n"):
+        th = tmp_path / "t.yaml"
+        th.write_text(text)
+        assert run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--thresholds", str(th)], capsys)[0] == 0
+
+
+def test_gpu_order_floor_per_position_bound_skips_a_quantized_tail_and_checks_the_control(capsys, fake_runs, fake_gguf, tmp_path):
+    """--tail-baseline on a CUDA build: the quantized candidate's loss exceeds the f16 floor at every tail position and
+    is bounded by its baseline (no per-position floor check); the control (same type, against the baseline) gets
+    the per-position bound. Fails when the quantized candidate is held to the f16 floor, or the control is not."""
+    fake_runs["options"]["cuda"] = True
+    fake_runs["tv"] = {"order_floor": (0.002, 0.002), "baseline": (0.01, 0.01), "candidate": (0.0, 0.014), "control": (0.001, 0.006)}
+    out = tmp_path / "r.json"
+    rc, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "-ctkt", "q8_0", "-ctvt", "q8_0",
+                              "--tail-baseline", "--json", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert r["over_floor"] is None and r["thresholds"]["max_frac_over_floor"] is None
+    assert r["control"]["over_floor"]["n_over"] == 256 and r["control"]["over_floor"]["bound_tv"] == pytest.approx(0.004)
+    assert rc == 1 and r["failed_checks"] == ["control.max_frac_over_floor"], stdout
 
 
 def test_no_residency_api_is_refused_before_decoding(capsys, fake_runs, fake_gguf):
@@ -436,6 +487,20 @@ def test_equiv_order_floor_decodes_a_half_batch_resident_run(cpu_build, demo_mod
     assert cmd[cmd.index("--n-batch") + 1] == "64" and r["commands"]["candidate"][cmd.index("--n-batch") + 1] == "128"
     assert set(r["commands"]) == {"tokenize", "reference", "order_floor", "candidate"}
     assert r["metrics"]["bitwise_equal_rows"] == 256
+    # the per-position bound, from the floor run's own rows over the 128 positions that read the tail
+    of = r["over_floor"]
+    assert "--positions-out" in cmd and of["n"] == 128 == r["tail_positions"] and of["n_over"] == 0
+    assert of["bound_tv"] == 2.0 * of["floor_tv"] and "max_frac_over_floor" in [c["name"] for c in r["checks"]]
+    # perturbed (the mean bounds turned off: --tolerance 1, no top-1 or real-flip bound): the per-position check fails it
+    th = tmp_path / "t.yaml"
+    th.write_text("min_top1_agreement: null\nmax_real_frac: null\n")
+    bad = _gate(cpu_build, ["--model", str(demo_model), "--synthetic-tokens", "256", "--ctx", "512", "--threads", "2", "--n-batch", "128",
+                            "--kv-window-cells", "128", "--order-floor", "--tolerance", "1", "--thresholds", str(th), "--json", str(out)],
+                env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    r = json.loads(out.read_text())
+    assert r["failed_checks"] == ["max_frac_over_floor"] and r["over_floor"]["n_over"] > 0.9 * 128
+    assert "positions that read the tail exceed 2 x the order floor's 99th-percentile TV" in bad.stdout
 
 
 @pytest.mark.build

@@ -97,11 +97,72 @@ def test_markdown_order_floor():
                                       "max_real_frac": {"absolute": 0.0, "floor": 0.0, "factor": 2.0, "bound": 0.0}}
     r["order_floors"] = {"f16": {"n_batch": 256, "metrics": {"n": 384, "mean_tv": 0.01, "max_tv": 0.2, "top1_agreement": 0.98,
                                                               "real_frac": 0.0, "bitwise_equal_rows": 0}}}
+    f16["thresholds"].update(order_floor=True, max_frac_over_floor=0.05)
+    f16["metrics"]["over_floor"] = {"n": 192, "quantile": 0.99, "floor_tv": 0.02, "factor": 2.0, "bound_tv": 0.04, "n_over": 3,
+                                    "frac_over": 3 / 192}
     md = markdown(r)
     f16_row = next(line for line in md.splitlines() if line.startswith("| `f16`"))
     assert "TV ≤ 0.02 (2× order floor)" in f16_row and "top-1 ≥ 0.96 (2× order floor)" in f16_row and "real ≤ 0 (absolute)" in f16_row
+    assert "tail read by 192, over floor 3/192 (TV > 0.04)" in f16_row
+    assert "≤ 0.05 of the tail positions over 2× the floor's p99" in f16_row
     assert "## Order floors" in md and "| `f16` | 256 | 0.01 | 0.2 | 0.98 | 0 | 0/384 |" in md
-    assert "## Order floors" not in markdown(_report())
+    assert "## Order floors" not in markdown(_report()) and "over floor" not in markdown(_report())
+
+
+def test_matrix_order_floor_per_position_bound(monkeypatch, tmp_path):
+    """gate matrix with the order floor (a GPU matrix), its runs faked: each floor run writes its rows; the f16 cells and
+    the exactness cells count their tail positions over 2 x the p99 of their own type's floor (f16's 0.002, q8_0's
+    0.003) and fail on it; the quantized cells are bounded by their baseline and carry no count. Fails when a cell
+    reads another type's floor, a quantized cell is held to the f16 floor, or the count is not in the report."""
+    import numpy as np
+
+    from rollingkv_cli.gate import common
+    from rollingkv_cli.gate import equiv as gate_equiv
+    from rollingkv_cli.gate import matrix as gm
+    from rollingkv_cli.gate import metrics
+    from rich.console import Console
+
+    n = 256
+    tv_of = {"order-floor-f16": (0.002, 0.002), "order-floor-q8_0": (0.003, 0.003), "baseline-q8_0": (0.01, 0.01),
+             "cell-f16-50": (0.001, 0.005), "cell-q8_0-50": (0.0, 0.012), "exact-q8_0": (0.001, 0.005)}
+    cmds = {}
+
+    def run_child(role, cmd, log_path, result_path, progress=None, label="", total=0):
+        cmds[role] = cmd
+        if role == "tokenize":
+            return {"n_tokens": n, "n_vocab": 100, "has_residency": True, "source": {"kind": "synthetic"}}
+        split = json.loads(cmd[cmd.index("--residency") + 1])["mode"] != "off"
+        w = json.loads(cmd[cmd.index("--residency") + 1]).get("window_cells", 0) if split else n
+        tw, tt = tv_of.get(role, (0.0, 0.0))
+        pos = np.arange(n)
+        tv = np.where(pos >= w, tt, tw)
+        ids = np.zeros(n, dtype=np.int64)
+        rows = dict(pos=pos, tv=tv, kl=tv, top1_ref=ids, top1_cand=ids, margin=np.ones(n), topk_agree=np.ones(n, dtype=bool),
+                    nonfinite=np.zeros(n, dtype=bool), bitwise=tv == 0)
+        if "--positions-out" in cmd:
+            np.savez(cmd[cmd.index("--positions-out") + 1], **rows)
+        acc = metrics.GateAccumulator(_parts=[metrics.RowMetrics(*(rows[f] for f in ("tv", "kl", "top1_ref", "top1_cand", "margin",
+                                                                                      "topk_agree", "nonfinite")))], _positions=[pos])
+        summary = dict(acc.summary(), bitwise_equal_rows=int(rows["bitwise"].sum()), max_abs_logit_diff=0.0)
+        plan = {"split": True, "window_cells": w, "mode_chosen": "window"} if split else None
+        return {"lib": "x", "timings": {"decode_s": 1.0, "tokens_per_s": 256.0, "compare_s": 0.1}, "summary": summary, "plan": plan}
+
+    monkeypatch.setattr(gate_equiv, "run_child", run_child)
+    (tmp_path / "lib").mkdir()
+    build = common.GateBuild(tmp_path / "lib", None, True)
+    cfg = gm.MatrixConfig(model=tmp_path / "m.gguf", model_spec="m", build=build, tokens=n, splits=(0.5,), tail_types=("f16", "q8_0"),
+                          needle=False, order_floor=True, threads=1, n_gpu_layers=99)
+    r = gm.run(cfg, Console(file=open(os.devnull, "w")), tmp_path, tmp_path)
+    assert all("--positions-out" in cmds[f"order-floor-{t}"] for t in ("f16", "q8_0"))
+    f16, q8 = r["cells"]
+    ex = r["exact"][0]
+    assert f16["metrics"]["over_floor"]["bound_tv"] == pytest.approx(0.004) and f16["metrics"]["over_floor"]["n_over"] == 128
+    assert ex["metrics"]["over_floor"]["bound_tv"] == pytest.approx(0.006) and ex["metrics"]["over_floor"]["n_over"] == 0
+    assert f16["failed_checks"] == ["max_frac_over_floor"] and ex["passed"]
+    assert "over_floor" not in q8["metrics"] and q8["thresholds"]["max_frac_over_floor"] is None and q8["passed"]
+    assert r["failed_cells"] == ["f16@0.5"]
+    md = gm.markdown(r)
+    assert "over floor 128/128 (TV > 0.004)" in md and "over floor 0/128 (TV > 0.006)" in md
 
 
 # ---------------------------------------------------------------- the real matrix (CI sizes)

@@ -307,7 +307,8 @@ def test_order_floor_thresholds_relax_upper_and_agreement_bounds():
     assert {k: th2[k] for k in ("max_mean_tv", "min_top1_agreement", "max_real_frac")} == \
         {k: s[k] for k in ("max_mean_tv", "min_top1_agreement", "max_real_frac")}
     # the split passes within 2 x floor and fails beyond it
-    ok = {"n": 100, "nonfinite": 0, "mean_tv": 0.019, "top1_agreement": 0.97, "real_frac": 0.0}
+    ok = {"n": 100, "nonfinite": 0, "mean_tv": 0.019, "top1_agreement": 0.97, "real_frac": 0.0,
+          "over_floor": {"n": 50, "quantile": 0.99, "floor_tv": 0.03, "factor": 2.0, "bound_tv": 0.06, "n_over": 0, "frac_over": 0.0}}
     assert not gm.verdict(ok, s).passed and gm.verdict(ok, th).passed
     assert not gm.verdict(dict(ok, mean_tv=0.021), th).passed
     assert not gm.verdict(dict(ok, top1_agreement=0.95), th).passed
@@ -318,3 +319,103 @@ def test_order_factor_from_the_file(tmp_path):
     f.write_text("order_factor: 1.5\n")
     th, _ = gm.order_floor_thresholds(gm.load_thresholds(f, "same_type"), {"mean_tv": 0.01})
     assert th["max_mean_tv"] == pytest.approx(0.015)
+
+
+# ---------------------------------------------------------------- the order floor's per-position bound
+
+def _rows(tv) -> dict:
+    """load_positions()-shaped rows with only what over_floor reads (positions out of order, as a runner may write)."""
+    tv = np.asarray(tv, dtype=np.float64)
+    pos = np.arange(tv.shape[0])[::-1].copy()
+    return {"pos": pos, "tv": tv[pos]}
+
+
+def test_over_floor_counts_the_tail_positions_above_factor_x_the_floors_p99():
+    """101 tail positions whose floor TVs are evenly spaced in [0.001, 0.002]: the floor's 99th percentile (linear) is
+    the 100th value, 0.00199, and the bound 2 x that, 0.00398. The candidate has 3 tail positions above it, one AT it
+    (not over), and window positions far above both (not selected: they do not count, and the floor's own window
+    positions do not move its quantile)."""
+    n_win, n_tail = 50, 101
+    sel = np.r_[np.zeros(n_win, bool), np.ones(n_tail, bool)]
+    floor = np.r_[np.full(n_win, 0.9), np.linspace(0.001, 0.002, n_tail)]
+    cand_tail = np.full(n_tail, 0.003)
+    cand_tail[[0, 40, 100]] = [0.005, 0.0041, 1.0]  # 1.0: a non-finite row's TV (compare_rows)
+    cand_tail[7] = 2 * 0.00199  # exactly the bound: not over
+    cand = np.r_[np.full(n_win, 0.5), cand_tail]
+    of = gm.over_floor(_rows(cand), _rows(floor), sel)
+    assert of["n"] == 101 and of["quantile"] == 0.99 and of["factor"] == 2.0
+    assert of["floor_tv"] == pytest.approx(0.00199, rel=1e-12) and of["bound_tv"] == pytest.approx(0.00398, rel=1e-12)
+    assert of["n_over"] == 3 and of["frac_over"] == pytest.approx(3 / 101)
+    of = gm.over_floor(_rows(cand), _rows(floor), sel, factor=1.0)  # every tail position of the candidate is above 0.00199
+    assert of["bound_tv"] == pytest.approx(0.00199) and of["n_over"] == 101
+    # nothing selected: no bound, no fraction (the check then fails, as does min_tail_positions)
+    of = gm.over_floor(_rows(cand), _rows(floor), np.zeros(n_win + n_tail, bool))
+    assert of["n"] == 0 and of["bound_tv"] is None and of["frac_over"] is None
+
+
+def test_over_floor_a_bit_identical_floor_gives_a_bound_of_zero():
+    """A floor run bit-identical at the tail positions (the CPU): bound 0, so any changed tail row is over."""
+    sel = np.array([False, True, True, True, True])
+    of = gm.over_floor(_rows([0.3, 0.0, 0.0, 1e-9, 0.0]), _rows([0.2, 0.0, 0.0, 0.0, 0.0]), sel)
+    assert of["bound_tv"] == 0.0 and of["n_over"] == 1 and of["frac_over"] == 0.25
+
+
+def test_over_floor_separates_order_noise_from_a_perturbed_tail():
+    """The two cases the check is for, with the shape of the H200's synthetic-model runs (per-position TV narrow around
+    its mean: floor 0.002 +- 0.0003). A correct split's TVs are draws like the floor's: ~1 % of the tail positions
+    exceed the floor's p99, none exceed 2 x it, the check passes. A wrong merge adds to every tail position (here
+    +0.005, with a window of 768 of 1024 positions): the mean over all positions, 0.00325, stays within 2 x the floor's
+    mean (0.004), the window's share dilutes it; every tail position exceeds 2 x p99 (~0.0054), the check fails."""
+    rng = np.random.default_rng(0)
+    n, wc = 1024, 768
+    sel = np.arange(n) >= wc
+    floor = np.clip(rng.normal(0.002, 0.0003, n), 0, None)
+    split = np.clip(rng.normal(0.002, 0.0003, n), 0, None)
+    th, _ = gm.order_floor_thresholds(gm.default_thresholds("same_type"), {"mean_tv": 0.002, "top1_agreement": 0.98})
+    assert th["max_frac_over_floor"] == 0.05 and th["order_floor"]
+    of = gm.over_floor(_rows(split), _rows(floor), sel, th["order_factor"])
+    above_p99 = int((split[sel] > np.quantile(floor[sel], 0.99)).sum())
+    assert 0 < above_p99 < 0.03 * sel.sum() and of["n_over"] == 0
+    bad = np.where(sel, split + 0.005, split)
+    assert bad.mean() <= th["max_mean_tv"]  # the mean alone passes it
+    of_bad = gm.over_floor(_rows(bad), _rows(floor), sel, th["order_factor"])
+    assert of_bad["n_over"] > 0.95 * sel.sum()
+    s = {"n": n, "nonfinite": 0, "mean_tv": float(bad.mean()), "top1_agreement": 0.98, "real_frac": 0.0}
+    assert gm.verdict(dict(s, mean_tv=float(split.mean()), over_floor=of), th).passed
+    v = gm.verdict(dict(s, over_floor=of_bad), th)
+    assert [c.name for c in v.failed] == ["max_frac_over_floor"]
+    assert v.failed[0].describe().startswith(f"{of_bad['n_over']} of 256 positions that read the tail exceed 2 x the order floor's 99th-percentile TV")
+
+
+def test_max_frac_over_floor_check():
+    """In force only with the order floor (the gates' flag), inclusive, fails without the counts, off with null, set by
+    a thresholds file (a fraction), and not a default of the quantized profile."""
+    th, _ = gm.order_floor_thresholds(gm.default_thresholds("same_type"), {"mean_tv": 0.01})
+    s = {"n": 100, "nonfinite": 0, "mean_tv": 0.0, "top1_agreement": 1.0, "real_frac": 0.0}
+
+    def of(n_over, n=80):
+        return {"n": n, "quantile": 0.99, "floor_tv": 0.001, "factor": 2.0, "bound_tv": 0.002, "n_over": n_over, "frac_over": n_over / n if n else None}
+    assert gm.verdict(dict(s, over_floor=of(4)), th).passed  # 4/80 = 0.05: inclusive
+    v = gm.verdict(dict(s, over_floor=of(5)), th)
+    assert [c.name for c in v.failed] == ["max_frac_over_floor"] and v.failed[0].over == "tail" and v.failed[0].value == 5 / 80
+    assert [c.name for c in gm.verdict(s, th).failed] == ["max_frac_over_floor"]  # no counts: fails
+    assert [c.name for c in gm.verdict(dict(s, over_floor=of(0, n=0)), th).failed] == ["max_frac_over_floor"]
+    assert "max_frac_over_floor" not in [c.name for c in gm.verdict(s, gm.default_thresholds("same_type")).checks]  # no floor
+    assert gm.default_thresholds("quantized")["max_frac_over_floor"] is None
+    q, _ = gm.order_floor_thresholds(gm.default_thresholds("quantized"), {"mean_tv": 0.01})
+    assert "max_frac_over_floor" not in [c.name for c in gm.verdict(s, q).checks]
+
+
+def test_max_frac_over_floor_from_the_file(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("max_frac_over_floor: 0.2\n")
+    th, _ = gm.order_floor_thresholds(gm.load_thresholds(f, "same_type"), {"mean_tv": 0.01})
+    s = {"n": 100, "nonfinite": 0, "mean_tv": 0.0, "top1_agreement": 1.0, "real_frac": 0.0,
+         "over_floor": {"n": 10, "quantile": 0.99, "floor_tv": 0.0, "factor": 2.0, "bound_tv": 0.0, "n_over": 2, "frac_over": 0.2}}
+    assert th["max_frac_over_floor"] == 0.2 and gm.verdict(s, th).passed
+    f.write_text("max_frac_over_floor: null\n")
+    th, _ = gm.order_floor_thresholds(gm.load_thresholds(f, "same_type"), {"mean_tv": 0.01})
+    assert gm.verdict(dict(s, over_floor=None), th).passed  # disabled: not checked
+    f.write_text("max_frac_over_floor: 1.5\n")
+    with pytest.raises(gm.ThresholdsError, match="fraction"):
+        gm.load_thresholds(f, "same_type")

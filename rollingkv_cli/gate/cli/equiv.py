@@ -49,7 +49,9 @@ MODES = ["window", "auto", "off"]
 @click.option("--order-floor/--no-order-floor", default=None,
               help="Also decode the resident cache with half the batch (the same math in another floating-point order, as GPU "
                    "attention kernels tile by shape), and let the split differ up to order_factor (2) times what that run "
-                   "differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))).  "
+                   "differs (upper bounds max(bound, 2 x floor); agreement bounds min(bound, 1 - 2 x (1 - floor))); per "
+                   "position, at most max_frac_over_floor (5%) of the positions that read the tail may exceed 2 x the floor "
+                   "run's 99th-percentile TV over them (same-type bounds).  "
                    "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per run.  [default: all cores]")
@@ -207,8 +209,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
             if order_floor:
                 fb = equiv_runs.order_floor_batch(n_batch)
                 results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
-                                                     real_margin_nats=thresholds["real_margin_nats"], progress=progress,
-                                                     label=f"order floor (resident, batch {fb})", n_batch=fb)
+                                                     real_margin_nats=thresholds["real_margin_nats"], positions_out=wd / "order_floor.npz",
+                                                     progress=progress, label=f"order floor (resident, batch {fb})", n_batch=fb)
             results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",
                                                real_margin_nats=thresholds["real_margin_nats"], positions_out=positions_tmp,
                                                progress=progress, label=cand_label)
@@ -230,8 +232,14 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                           control_th["real_margin_nats"])
             if order_floor:
                 thresholds, floor_how = metrics.order_floor_thresholds(thresholds, results["order_floor"]["summary"])
+                floor_rows = metrics.load_positions(wd / "order_floor.npz")
+                if thresholds.get("max_frac_over_floor") is not None:  # same-type bounds: the per-position bound
+                    summary["over_floor"] = metrics.over_floor(cand_rows, floor_rows, tail_mask, thresholds["order_factor"])
                 if control is not None:
                     control_th, _ = metrics.order_floor_thresholds(control_th, results["order_floor"]["summary"])
+                    if control_th.get("max_frac_over_floor") is not None:
+                        control["over_floor"] = metrics.over_floor(metrics.load_positions(wd / "control.npz"), floor_rows, tail_mask,
+                                                                   control_th["order_factor"])
         positions_file = None
         if json_out is not None:
             positions_file = json_out.with_suffix(".positions.npz")
@@ -249,7 +257,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         title = (f"equivalence gate (quantized bounds over the {summary['tail_positions']} positions that read the tail, relative "
                  f"to the resident {ctkt or ctk}/{ctvt or ctv} cache at the same positions")
     if floor_how:
-        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + (", " if title else "") + "relaxed to the order floor where looser"
+        title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + ", relaxed to the order floor where looser"
     title = title + ")" if title else None
     equiv_runs.print_table(console, summary, thresholds, v, profile, title=title)
     ref_r, cand_r = results["reference"], results["candidate"]
@@ -265,9 +273,14 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                       + ("" if vc.passed else ": " + esc("; ".join(c.describe() for c in vc.failed))), soft_wrap=True)
     if floor_how:
         fs = results["order_floor"]["summary"]
+        of = summary.get("over_floor")
+        per_pos = ("" if not of or of["floor_tv"] is None else
+                   f"; per position: its {100 * of['quantile']:g}th-percentile TV over the {of['n']} positions that read the tail "
+                   f"{equiv_runs.fmt(of['floor_tv'])}, {of['n_over']} of the split's above {of['factor']:g} x that "
+                   f"({equiv_runs.fmt(of['bound_tv'])})")
         console.print(f"[dim]order floor (the resident cache, batch {equiv_runs.order_floor_batch(n_batch)}): mean TV {equiv_runs.fmt(fs['mean_tv'])}, "
                       f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
-                      f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser[/]")
+                      f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser{per_pos}[/]")
     equiv_runs.print_plan(console, cand_r.get("plan"))
     from rollingkv_cli.serving import describe_tail_cpu
 
@@ -286,8 +299,9 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "profile": profile,
         "thresholds": thresholds,
         "thresholds_file": str(thresholds_file.resolve()) if thresholds_file else None,
-        "metrics": {k: x for k, x in summary.items() if k not in ("tail", "window")},
+        "metrics": {k: x for k, x in summary.items() if k not in ("tail", "window", "over_floor")},
         "tail_positions": summary["tail_positions"],
+        "over_floor": summary.get("over_floor"),
         "window_cells": summary["window_cells"],
         "tail_cpu": {"requested": cpu_frac if cpu_frac is not None else "auto (the library's default)",
                      "plan": (cand_r.get("plan") or {}).get("tail_cpu")},
@@ -312,7 +326,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                    "tail_metrics": base_tail, "bounds": baseline_how, "tail_positions_above": above,
                                                    "timings": results["baseline"].get("timings")},
         "control": None if control is None else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "passed": vc.passed,
-                                                 "thresholds": control_th, "metrics": {k: x for k, x in control.items() if k not in ("tail", "window")},
+                                                 "thresholds": control_th, "metrics": {k: x for k, x in control.items() if k not in ("tail", "window", "over_floor")},
+                                                 "over_floor": control.get("over_floor"),
                                                  "checks": vc.to_dict()["checks"], "plan": results["control"].get("plan"),
                                                  "timings": results["control"].get("timings")},
         "order_floor": None if not floor_how else {"n_batch": equiv_runs.order_floor_batch(n_batch), "metrics": results["order_floor"]["summary"],

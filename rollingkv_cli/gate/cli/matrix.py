@@ -115,7 +115,8 @@ def _print_matrix(console, r: dict) -> None:
 
     from rollingkv_cli.gate.matrix import _g
 
-    t = Table(title=f"gate matrix: mean TV / real flips vs resident f16 ({r['tokens']['n']} tokens)", title_justify="left")
+    floor = " (tail positions over the order floor's per-position bound)" if r.get("order_floors") else ""
+    t = Table(title=f"gate matrix: mean TV / real flips{floor} vs resident f16 ({r['tokens']['n']} tokens)", title_justify="left")
     t.add_column("tail")
     by = {(c["tail"], c["split"]): c for c in r["cells"]}
     for s in r["splits"]:
@@ -130,7 +131,9 @@ def _print_matrix(console, r: dict) -> None:
                 row.append("")
                 continue
             m = c["metrics"]
-            row.append(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {_g(m['mean_tv'])} / {_g(m['real_frac'])}")
+            of = m.get("over_floor")
+            over = f" ({of['n_over']}/{of['n']} over floor)" if of and of.get("bound_tv") is not None else ""
+            row.append(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {_g(m['mean_tv'])} / {_g(m['real_frac'])}{over}")
         bl = r["baselines"].get(ty)
         row.append(f"{_g(bl['metrics']['mean_tv'])} / {_g(bl['metrics']['real_frac'])}" if bl else "[dim]–[/]")
         t.add_row(*row)
@@ -138,7 +141,9 @@ def _print_matrix(console, r: dict) -> None:
     for c in r["exact"]:
         m = c["metrics"]
         console.print(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {c['type']} window + {c['type']} tail vs resident {c['type']}: "
-                      f"mean TV {_g(m['mean_tv'])}, {m.get('bitwise_equal_rows')}/{m['n']} rows bitwise identical")
+                      f"mean TV {_g(m['mean_tv'])}, {m.get('bitwise_equal_rows')}/{m['n']} rows bitwise identical"
+                      + (f", {m['over_floor']['n_over']}/{m['over_floor']['n']} tail positions over the order floor"
+                         if (m.get("over_floor") or {}).get("bound_tv") is not None else ""))
     nd = r.get("needle")
     if nd:
         mark = {"pass": "[green]✓[/]", "fail": "[bold red]✗[/]", "inconclusive": "[yellow]?[/]"}[nd["verdict"]]
