@@ -82,18 +82,21 @@ def _cpu_fracs(ctx, param, value: str):
 
 
 def _default_out(model: Path) -> Path:
+    """docs/perf/<date>-bench-tail-<model>/bench-tail.json: a new folder per run (-2, -3, ... when one exists), as
+    docs/perf keeps one folder per record (its README.md discusses the raw files beside it). Created when the
+    report is first written (a dry run creates nothing)."""
     from rollingkv_cli import paths
 
     base = paths.REPO_ROOT / "docs" / "perf"
     if not base.is_dir():
         base = Path.cwd() / "docs" / "perf"
     stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in model.stem)
-    p = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}.json"
+    d = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}"
     n = 2
-    while p.exists():
-        p = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}-{n}.json"
+    while d.exists():
+        d = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}-{n}"
         n += 1
-    return p
+    return d / "bench-tail.json"
 
 
 def _vanilla_bench(d: Path) -> Path:
@@ -139,7 +142,7 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
               help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The report, rewritten after every cell.  [default: docs/perf/<date>-bench-tail-<model>.json]")
+              help="The report, rewritten after every cell.  [default: docs/perf/<date>-bench-tail-<model>/bench-tail.json, a new folder per run]")
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")

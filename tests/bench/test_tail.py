@@ -104,6 +104,24 @@ def test_dry_run_grid_on_the_demo_model(capsys, cpu_build, demo_model, monkeypat
     assert info.n_layer == 30 and info.n_head_kv == [3] * 30 and info.head_dim_k == 64 and info.tied_output
 
 
+def test_default_report_is_a_new_folder_per_run_in_docs_perf(monkeypatch, tmp_path):
+    """docs/perf keeps one folder per record: the default report goes into a new one (-2 when it exists), not flat
+    into docs/perf; nothing is created before the report is written."""
+    import time
+
+    from rollingkv_cli import paths
+    from rollingkv_cli.bench import cli as bench_cli
+
+    (tmp_path / "docs" / "perf").mkdir(parents=True)
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
+    day = time.strftime("%Y-%m-%d")
+    p = bench_cli._default_out(Path("/m/synth 28L.gguf"))
+    assert p == tmp_path / "docs" / "perf" / f"{day}-bench-tail-synth-28L" / "bench-tail.json" and not p.parent.exists()
+    p.parent.mkdir()
+    assert bench_cli._default_out(Path("/m/synth 28L.gguf")).parent.name == f"{day}-bench-tail-synth-28L-2"
+    assert list((tmp_path / "docs" / "perf").iterdir()) == [p.parent]
+
+
 def test_vanilla_build_without_llama_bench(capsys, isolated_cache, fake_gguf, tmp_path, monkeypatch):
     from rollingkv_cli import builder
     from rollingkv_cli.bench import arithmetic as bench_math
