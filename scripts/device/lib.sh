@@ -149,8 +149,9 @@ run_pytest() {
   timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest -q -rs -p no:cacheprovider "$@"
 }
 
-# gpu_tests: the GPU test suite (pytest -m gpu: the op on CUDA0, the pinned-host tail, probe pcie, gate equiv within
-# the order floor, four parallel sequences)
+# gpu_tests: the GPU test suite (pytest -m gpu: the op on CUDA0, the pinned-host tail, both perturbed (exactly the
+# live-tail cases fail), probe pcie, gate equiv within the order floor and failing on a perturbed tail, four
+# parallel sequences)
 gpu_tests() {
   timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -15
   return "${PIPESTATUS[0]}"
@@ -158,8 +159,9 @@ gpu_tests() {
 
 # decode_cell LABEL [ENV=VALUE...] -- [llama-bench args...]: decode speed of one cell on the synthetic model,
 # llama-bench -fa 1 -p 0 -n $N -d $D -r $R -ngl 99 (N 32, D 16384, R 3 unless set); one JSON line, also in
-# $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, no pre-launch" ROLLINGKV_DEBUG_NO_PRELAUNCH=1 -- --kv-residency-mode window \
+# $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, 4 slots" ROLLINGKV_SLOTS=4 -- --kv-residency-mode window \
 #   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
+# (the ROLLINGKV_DEBUG_* lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH, exist only in -DROLLINGKV_DEBUG=ON builds)
 decode_cell() {
   local label=$1 envs=(); shift
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
