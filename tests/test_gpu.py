@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import optest
+
 pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
@@ -43,34 +45,97 @@ def cuda_build():
     return b
 
 
-def _cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("LLAMA_CPP_LIB_PATH", None)
+def _cli(args: list[str], timeout: float = 600, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", "ROLLINGKV_DEBUG_PERTURB_TAIL")}
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "rollingkv_cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _op_test(cuda_build, *args: str) -> str:
+def _op_test(cuda_build, *args: str, perturb: str | None = None) -> optest.Run:
+    """The op test on CUDA0: exit 0, every case from 0 on printed, 0 failed, the summary's counts the case lines'."""
     exe = cuda_build.lib_dir / "test-rolling-kv-ops"
-    proc = subprocess.run([str(exe), "-b", "CUDA0", *args], capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
+    if perturb is not None:
+        env["ROLLINGKV_DEBUG_PERTURB_TAIL"] = perturb
+    proc = subprocess.run([str(exe), "-b", "CUDA0", *args], capture_output=True, text=True, timeout=900, env=env)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
-    last = [line for line in proc.stdout.splitlines() if "passed" in line][-1]
-    assert last.endswith(" 0 failed"), tail
-    assert int(last.split()[0]) > 100, tail  # the cases ran on CUDA0 (a skipped op would not count as passed)
-    return proc.stdout
+    assert "test-rolling-kv-ops: backend CUDA0," in proc.stdout, tail  # not "backend CUDA0 not found, skipping"
+    run = optest.parse(proc.stdout)
+    optest.check_complete(run)
+    assert run.failed == 0, "\n".join(c.line for c in run.cases.values() if c.ok is False)[-3000:]
+    return run
+
+
+def _check_skips(run: optest.Run, tail_host: bool) -> dict[str, list[str]]:
+    """The cases CUDA0 refused ('not supported, skipped'), listed by reason: exactly those optest.cuda_skip_reason names
+    (F32 K/V; with --tail-host also a non-cache-layout tail), no other; every other case ran and passed; head size 72
+    was refused (the TILE kernel writes no LSE) and counts as passed. Returns {reason: [case lines]} (printed: -rP)."""
+    by_reason: dict[str, list[str]] = {}
+    for i, c in run.cases.items():
+        if c.skipped:
+            by_reason.setdefault(optest.cuda_skip_reason(c.desc, tail_host) or "UNEXPECTED (no known reason)", []).append(f"[{i}] {c.desc}")
+    expected = {i for i, c in run.cases.items() if optest.cuda_skip_reason(c.desc, tail_host)}
+    skipped = {i for i, c in run.cases.items() if c.skipped}
+    for reason, lines in by_reason.items():
+        print(f"skipped, {reason}: {len(lines)}", *lines[:5], "..." if len(lines) > 5 else "", sep="\n  ")
+    assert skipped == expected, {"skipped without a known reason": by_reason.get("UNEXPECTED (no known reason)", [])[:20],
+                                 "expected skipped, yet ran": [run.cases[i].line for i in sorted(expected - skipped)][:20]}
+    assert run.passed == len(run.cases) - len(skipped) and run.n_skipped == len(skipped)
+    tile = [c for c in run.cases.values() if optest.tile_only(c.desc)]
+    assert tile and all(c.ok and " refused (TILE kernel: no LSE)" in c.line for c in tile), [c.line for c in tile]
+    return by_reason
+
+
+def _ran(run: optest.Run) -> dict[int, optest.Case]:
+    return {i: c for i, c in run.cases.items() if not c.skipped}
 
 
 def test_op_on_cuda_matches_flash_attention(cuda_build):
-    """GGML_OP_STREAMING_FLASH_ATTN on CUDA0 against ggml_flash_attn_ext over the concatenation (quick matrix)."""
-    out = _op_test(cuda_build, "--quick")
-    assert "D=256" in out and "q4_0" in out and "sinks" in out and "softcap" in out and "alibi" in out
+    """GGML_OP_STREAMING_FLASH_ATTN on CUDA0 against ggml_flash_attn_ext over the concatenation (quick matrix): every
+    case passes except those CUDA refuses for a known reason (F32 K/V), listed by reason; the passes are exactly the
+    cases that ran. Features are counted among the cases that ran (a 'not supported' line names them too)."""
+    run = _op_test(cuda_build, "--quick")
+    by_reason = _check_skips(run, tail_host=False)
+    assert set(by_reason) <= {"F32 K/V: no CUDA FlashAttention kernel for them"}
+    ran = " ".join(c.desc for c in _ran(run).values() if not optest.tile_only(c.desc))
+    for feature in ("D=256", "q4_0", "q8_0", "bf16", "sinks", "softcap", "alibi", "mask=rows", "q-perm"):
+        assert feature in ran, feature
 
 
 def test_op_streams_a_pinned_host_tail(cuda_build):
     """The tail in pinned host memory, through ggml_backend_sched: one split, no device compute buffer, CUDA graph
-    replays identical, rows written by the same graph taken again (the op test asserts all of it per case)."""
-    out = _op_test(cuda_build, "--quick", "--tail-host")
-    assert "SCHED" not in out and "REPLAY-DIFF" not in out
+    replays identical, rows written by the same graph taken again (the op test asserts all of it per case). Skipped:
+    F32 K/V and tails in the non-cache layout (rows not contiguous: not streamed), listed by reason; nothing else."""
+    run = _op_test(cuda_build, "--quick", "--tail-host")
+    _check_skips(run, tail_host=True)
+    assert "SCHED" not in run.stdout and "REPLAY-DIFF" not in run.stdout
+    assert sum(optest.live_tail_keys(c.desc) > 0 for c in _ran(run).values()) > 50  # streamed tails that were read
+
+
+@pytest.mark.parametrize("tail_host", [False, True], ids=["device-tail", "pinned-host-tail"])
+def test_op_on_cuda_perturbed_fails_exactly_the_live_tail_cases(cuda_build, tail_host):
+    """The must-fail of the CUDA merge: with ROLLINGKV_DEBUG_PERTURB_TAIL=1 (every tail score x 2, in the CUDA forward's
+    tail parts: shadow scale and softcap, compacted mask) and --expect-perturbed, every case that ran and whose tail
+    holds a key some query row reads must fail ("OK (fails: perturbed tail)"), every other one pass ("OK (no live
+    tail)"); which cases hold a live tail is computed here from each case line (optest.live_tail_keys, the op test's
+    mask rules), not taken from the binary. Head size 72 is refused, not run: no live tail.
+
+    Why x = 1 and not the CPU's 1e-4: on CUDA the check is NMSE <= 5e-7 (mixed types 5e-5), not bit-identity, and a
+    relative change x of the tail scores gives NMSE ~ 0.07 x^2 on these shapes (numpy, D 64-256, 512 keys, half in the
+    tail: 7e-10 at 1e-4, 7e-6 at 1e-2, 0.11 at 1): 1e-4 stays far inside every CUDA bound, so the op test could not
+    fail on it. The quick matrix's live tails hold at least 121 keys, so at x = 1 each is far over its bound."""
+    args = ["--quick", "--expect-perturbed", *(["--tail-host"] if tail_host else [])]
+    run = _op_test(cuda_build, *args, perturb="1")
+    _check_skips(run, tail_host)
+    ran = _ran(run)
+    must = {i for i, c in ran.items() if optest.live_tail_keys(c.desc) and not optest.tile_only(c.desc)}
+    caught = {i for i, c in ran.items() if c.verdict == optest.CAUGHT}
+    clean = {i for i, c in ran.items() if c.verdict == optest.CLEAN}
+    assert caught == must, {"live tail, not caught": [ran[i].line for i in sorted(must - caught)][:10],
+                            "caught without a live tail": [ran[i].line for i in sorted(caught - must)][:10]}
+    assert clean == set(ran) - must and run.passed == len(caught) + len(clean) == len(ran)
+    assert len(must) > len(ran) // 3 and len(ran) - len(must) > 20  # both sides are populated (quick: 178 + 86, 98 + 86)
 
 
 def test_probe_pcie_measures_the_link(tmp_path, monkeypatch):
@@ -94,7 +159,6 @@ def test_probe_pcie_measures_the_link(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def synth_model(tmp_path_factory) -> Path:
     """A small Llama-shaped GGUF with random f16 weights (4 layers, GQA 4, head 128), made with gguf-py."""
-    pytest.importorskip("gguf", reason="gguf-py is needed to write the synthetic model")
     path = tmp_path_factory.mktemp("synth") / "synth-4L.gguf"
     proc = _cli(["model", "synth", str(path), "--layers", "4", "--embd", "1024", "--heads", "8", "--kv-heads", "2",
                  "--ff", "2816", "--vocab", "32000", "--ctx", "4096", "--force"])
@@ -114,6 +178,34 @@ def test_gate_equiv_split_within_the_order_floor(cuda_build, synth_model, tmp_pa
     assert r["metrics"]["nonfinite"] == 0
     assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
     assert r["verdict"] == "pass" and r["order_floor"]["n_batch"] == 256 and r["order_floor"]["metrics"]["n"] == 1024
+    # per position: the 768 positions that read the tail, within 2 x the floor's p99 at all but 5 % of them (the H200's
+    # synthetic runs: the split's largest TV below the floor's mean, so none is expected over)
+    of = r["over_floor"]
+    assert of["n"] == r["tail_positions"] == 768 and of["bound_tv"] == pytest.approx(2 * of["floor_tv"]) and of["floor_tv"] > 0
+    assert of["n_over"] <= 0.05 * 768 and "max_frac_over_floor" in [c["name"] for c in r["checks"]]
+
+
+def test_gate_equiv_fails_on_a_perturbed_tail_on_the_gpu(cuda_build, synth_model, tmp_path):
+    """The GPU gate's must-fail: the same run with ROLLINGKV_DEBUG_PERTURB_TAIL=0.1 in the gate's environment (its runner
+    children inherit it and ggml reads it once per process; the reference and the floor run are resident, hold no
+    tail, and stay unperturbed) must exit 1, and most of the 768 tail positions exceed the per-position bound.
+
+    Why 0.1 and not 1e-3: measured on the CPU build, where the split's TV is the perturbation's alone (this model, 1024
+    tokens, window 256, tail positions): x = 1e-3 gives TV 4.1e-4 (max 5.5e-4), x = 1e-2 0.0023 (p99 0.0036), both
+    inside the GPU's own order noise on this model (floor mean TV 0.002, per-position max ~0.0028 on the H200: docs/perf
+    2026-11-30-gpu-exactness), so no bound relative to the floor can tell them from a correct split. x = 0.1 gives
+    0.024 (5th percentile 0.011, top-1 0.887 over the tail), several times 2 x the floor's p99 (~0.005): a 10 % error of
+    every tail score, the size of bug the gate must catch (a wrong scale or merge weight)."""
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "1024", "--kv-window-cells", "256",
+                 "-ngl", "99", "--order-floor", "--json", str(out)], env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.1"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "fail" and r["candidate"]["plan"]["split"] and r["metrics"]["nonfinite"] == 0
+    of = r["over_floor"]
+    assert of["n"] == r["tail_positions"] == 768 and of["n_over"] > 0.5 * 768, of
+    assert "max_frac_over_floor" in r["failed_checks"], r["failed_checks"]
+    assert r["order_floor"]["metrics"]["mean_tv"] < 0.01  # the floor run is not perturbed (resident: no tail)
 
 
 def test_gate_equiv_four_parallel_sequences_within_the_order_floor(cuda_build, synth_model, tmp_path):

@@ -1,7 +1,9 @@
 """The op test both ways (test-rolling-kv-ops on the CPU): unperturbed, every case passes bit-identically or within its
 bound; with the op's debug switch ROLLINGKV_DEBUG_PERTURB_TAIL (every tail score x (1 + x)), exactly the cases whose
 tail holds a key some query row reads fail. Which cases those are is computed here from each case line (n_kv, n_q,
-split, mask) with the op test's own mask rules, not taken from the binary.
+split, mask) with the op test's own mask rules (tests/optest.py), not taken from the binary. The number of cases is
+the op test's own (its case lines, numbered from 0 without a gap, all run, none skipped), so a changed matrix needs
+no edit here.
 
 Measured on the CPU build (876 cases): x = 1e-4 fails exactly the 553 same-type cases with a live tail; mixed-type
 cases (f16 window + quantized tail) are held to NMSE <= 5e-5 against a dequantized reference, which a small x stays
@@ -13,63 +15,26 @@ holds a single live key still comes out bit-identical (D=64, n_kv=512, split=511
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.build
+import optest
+from optest import live_tail_keys, mixed as _mixed
 
-N_CASES = 876  # the full CPU matrix; a change to the case list must change this number on purpose
-CASE = re.compile(r"^\[\s*(\d+)\] (D=.*?): .*\s(OK|FAIL)$")
-SUMMARY = re.compile(r"(\d+) passed, (\d+) failed")
+pytestmark = pytest.mark.build
 
 
 def _run(binary, x: str | None) -> tuple[dict[int, tuple[str, bool]], str]:
+    """The full CPU matrix, unperturbed or perturbed by x: {case index: (case_str, passed)} and the output. Every case
+    from 0 to the last printed (none missing), the summary's counts the case lines' (optest.check_complete)."""
     env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
     if x is not None:
         env["ROLLINGKV_DEBUG_PERTURB_TAIL"] = x
     proc = subprocess.run([str(binary), "-b", "CPU", "-t", "2"], capture_output=True, text=True, timeout=900, env=env)
-    cases = {}
-    for line in proc.stdout.splitlines():
-        m = CASE.match(line.rstrip())
-        if m:
-            cases[int(m.group(1))] = (m.group(2), m.group(3) == "OK")
-    assert cases, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return cases, proc.stdout
-
-
-def _field(desc: str, name: str) -> int:
-    return int(re.search(name + r"=\s*(\d+)", desc).group(1))
-
-
-def live_tail_keys(desc: str) -> int:
-    """Tail cells [split, n_kv) that some query row attends, by the op test's mask (run_case): padded columns
-    (the last min(5, n_kv/4)), causal, holes (40 cells from n_kv/3, and split +- 3), rows (i % 4 == 1 fully masked,
-    == 2 window masked, == 3 tail masked)."""
-    n_kv, n_q, s = _field(desc, "n_kv"), _field(desc, "n_q"), _field(desc, "split")
-    mask = re.search(r"mask=(\w+)", desc).group(1)
-    if s >= n_kv:
-        return 0
-    if mask == "none":
-        return n_kv - s
-    n_valid = n_kv - min(5, n_kv // 4)
-    keys = set()
-    for i in range(n_q):
-        if mask == "rows" and i % 4 in (1, 3):
-            continue
-        for j in range(s, n_valid):
-            if j > n_valid - n_q + i:
-                break
-            if mask in ("holes", "rows") and (n_kv // 3 <= j < n_kv // 3 + 40 or s - 3 <= j < s + 3):
-                continue
-            keys.add(j)
-    return len(keys)
-
-
-def _mixed(desc: str) -> bool:
-    k, v = re.search(r"K=(\w+)/(\w+)", desc), re.search(r"V=(\w+)/(\w+)", desc)
-    return k.group(1) != k.group(2) or v.group(1) != v.group(2)
+    run = optest.parse(proc.stdout)
+    optest.check_complete(run)
+    return {i: (c.desc, bool(c.ok)) for i, c in run.cases.items() if not c.skipped}, proc.stdout
 
 
 def test_live_tail_keys_follow_the_mask_rules():
@@ -81,6 +46,35 @@ def test_live_tail_keys_follow_the_mask_rules():
     assert live_tail_keys("D= 64 hkv=2 gqa=1 n_kv= 512 n_q=  1 split= 256 K=f16/f16 V=f16/f16 mask=rows") == 507 - 259
 
 
+OUT = """test-rolling-kv-ops: backend CPU, 2 threads, full, same-type cases must be bit-identical
+[   0] D= 64 hkv=2 gqa=1 n_kv= 512 n_q=  1 split=   0 K=f16/f16 V=f16/f16 mask=causal: NMSE=0.000e+00 (thr 5e-07) bitexact     1.0 ms OK
+[   1] D= 64 hkv=2 gqa=1 n_kv= 512 n_q=  1 split= 255 K=f16/f16 V=f16/f16 mask=causal cache: NMSE=1.0e-03 (thr 5e-07) DIFF 3/3     1.0 ms FAIL
+[   2] D=128 hkv=2 gqa=2 n_kv= 512 n_q=  7 split= 256 K=f32/f32 V=f32/f32 mask=holes sinks cache: not supported, skipped
+[   3] D= 72 hkv=2 gqa=2 n_kv= 512 n_q=  1 split= 256 K=f16/f16 V=f16/f16 mask=causal cache: NMSE=0.000e+00 (thr 5e-07) refused (TILE kernel: no LSE)     0.1 ms OK (no live tail)
+1 skipped, 0.1 s
+2 passed, 1 failed
+"""
+
+
+def test_reading_the_op_tests_output():
+    """optest: case lines, verdicts, skips and the summary; an output with a case missing (a gap), a count that is not
+    the case lines' or no summary (a crash) is refused."""
+    run = optest.parse(OUT)
+    optest.check_complete(run)
+    assert [c.ok for c in run.cases.values()] == [True, False, None, True] and run.cases[2].skipped
+    assert run.cases[3].verdict == optest.CLEAN and optest.tile_only(run.cases[3].desc) and run.cases[1].desc.endswith("mask=causal cache")
+    assert (run.passed, run.failed, run.n_skipped) == (2, 1, 1)
+    assert optest.flags(run.cases[2].desc) == {"sinks", "cache"}
+    assert optest.cuda_skip_reason(run.cases[2].desc, False).startswith("F32 K/V")
+    assert optest.cuda_skip_reason(run.cases[0].desc, True).startswith("non-cache layout") and not optest.cuda_skip_reason(run.cases[0].desc, False)
+    assert optest.cuda_skip_reason(run.cases[1].desc, True) is None  # the cache layout streams
+    bad = [OUT.replace("[   1]", "[   5]"), OUT.replace("2 passed, 1 failed", "3 passed, 1 failed"), OUT.rsplit("1 skipped", 1)[0],
+           OUT.replace("1 skipped", "0 skipped")]
+    for text in bad:
+        with pytest.raises(AssertionError):
+            optest.check_complete(optest.parse(text))
+
+
 @pytest.fixture(scope="module")
 def runs(cpu_build):
     binary = cpu_build.artifact("test-rolling-kv-ops")
@@ -89,9 +83,14 @@ def runs(cpu_build):
 
 
 def test_unperturbed_every_case_passes_none_skipped(runs):
+    """The case count is the op test's own (its case lines, numbered from 0 without a gap): every one passes, the
+    summary says so, none is skipped (a 'not supported, skipped' line, or a skipped count other than 0, fails), and
+    it is the full matrix, not the quick one (the quick has 267)."""
     cases, out = runs[None]
-    assert len(cases) == N_CASES and all(ok for _, ok in cases.values()), out[-3000:]
-    assert f"{N_CASES} passed, 0 failed" in out and re.search(r"^0 skipped", out, re.M), out[-500:]
+    run = optest.parse(out)
+    assert all(ok for _, ok in cases.values()), out[-3000:]
+    assert len(cases) == len(run.cases) and run.n_skipped == 0 and optest.NOT_SUPPORTED not in out, out[-500:]
+    assert f"{len(cases)} passed, 0 failed" in out and len(cases) > 800, out[-500:]
 
 
 @pytest.mark.parametrize("x", ["1e-4", "1"])
@@ -105,9 +104,10 @@ def test_perturbed_exactly_the_live_tail_cases_fail(runs, x):
     must_fail = {i for i, (desc, _) in base.items() if live_tail_keys(desc) and (x == "1" or not _mixed(desc))}
     failed = {i for i, (_, ok) in cases.items() if not ok}
     assert failed == must_fail, (sorted(failed - must_fail)[:10], sorted(must_fail - failed)[:10])
-    passed, n_failed = map(int, SUMMARY.findall(out)[-1])
-    assert n_failed == len(must_fail) and passed == N_CASES - len(must_fail)
-    assert len(must_fail) > N_CASES // 2 and N_CASES - len(must_fail) > 200  # both sides are well populated
+    run = optest.parse(out)
+    n = len(base)
+    assert run.failed == len(must_fail) and run.passed == n - len(must_fail)
+    assert len(must_fail) > n // 2 and n - len(must_fail) > 200  # both sides are well populated
 
 
 def test_perturbed_by_one_ulp_scale_every_multi_key_tail_fails(runs):
