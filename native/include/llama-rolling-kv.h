@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 3
+#define LLAMA_ROLLING_KV_API_VERSION 4
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -42,7 +42,12 @@ struct llama_rolling_kv_params {
     int64_t        window_cells;    // > 0: explicit window size in cells per stream; 0: the planner decides
     enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K
     enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V
-    float          pcie_bw_gbps;    // host->device bandwidth for the planner; <= 0: unknown
+    float          pcie_bw_gbps;    // host->device bandwidth for the planner; <= 0: unknown (auto measures it)
+    // the hybrid tail: the share of each split layer's tail cells (its far end, in 256-cell steps) that a GPU
+    // attends on the CPU while it streams the rest. < 0: auto (the planner picks it from the link and CPU attention
+    // bandwidths; the default); 0: off; 1: the whole tail on the CPU. Decode batches only; exact either way.
+    float          tail_cpu_frac;
+    float          cpu_attn_gbps;   // the CPU part's attention bandwidth (GB/s) for auto; <= 0: measured at plan time
 };
 
 LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
@@ -81,9 +86,15 @@ struct llama_rolling_kv_plan_info {
     enum ggml_type type_v_tail;
     size_t         device_bytes;   // K/V bytes of all layers in their device (window) buffers
     size_t         host_bytes;     // K/V bytes of all layers' tails in host memory
+    float          tail_cpu_frac;  // the chosen share of each tail attended on the CPU (0: none)
 };
 
 LLAMA_API bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_rolling_kv_plan_info * info);
+
+// The CPU part's attention bandwidth on this machine, as the planner's auto split measures it: GB/s of K+V rows
+// read over a 256 MiB synthetic tail of `type` (f16, q8_0 or q4_0) on n_threads threads (<= 0: the hardware's
+// concurrency, at most 16). < 0 when the CPU part does not read that type.
+LLAMA_API double llama_rolling_kv_measure_cpu_attn_gbps(int32_t n_threads, enum ggml_type type);
 
 LLAMA_API const char * llama_kv_residency_mode_name(enum llama_kv_residency_mode mode);
 // -1 when s names no mode ("off", "auto", "head", "window")

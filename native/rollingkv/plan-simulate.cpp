@@ -13,7 +13,9 @@
 // type_v_tail, kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
 // device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib (default: the CUDA
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
-// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), refuse (a reason the
+// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (-1: auto),
+// cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
+// hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
 // other_kv_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order). (*: required.)
 // Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
@@ -42,26 +44,6 @@
 #endif
 
 namespace {
-
-std::string llama_rkv_json_str(const std::string & s) {
-    std::string res = "\"";
-    for (const char c : s) {
-        switch (c) {
-            case '"':  res += "\\\""; break;
-            case '\\': res += "\\\\"; break;
-            case '\n': res += "\\n";  break;
-            default:
-                if ((unsigned char) c < 0x20) {
-                    char buf[8];
-                    snprintf(buf, sizeof(buf), "\\u%04x", c);
-                    res += buf;
-                } else {
-                    res += c;
-                }
-        }
-    }
-    return res + "\"";
-}
 
 // the JSON subset the simulate input needs: objects, arrays, strings, numbers, true/false/null
 struct rkv_jv {
@@ -373,6 +355,13 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.req.vram_target_mib = (int64_t) r.count("vram_target_mib", 0);
     st.req.window_cells    = (int64_t) r.count("window_cells", 0);
     st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
+    st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", -1.0); // < 0: auto
+    st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);  // the CPU part's attention bandwidth; <= 0: none given
+    st.head_k    = (int64_t) r.count("head_k", 128);
+    st.head_v    = (int64_t) r.count("head_v", 128);
+    st.n_threads = (int32_t) r.count("n_threads", 0);
+    const double cpu_attn_measured = r.num("cpu_attn_measured_gbps", -1.0); // what a calibration would give
+    const double link_measured     = r.num("link_measured_gbps", -1.0);     // what a pinned-copy measurement would give
 
     st.kv_size  = (uint32_t) r.count("kv_size", 0, true);
     st.n_stream = (uint32_t) r.count("n_stream", 1);
@@ -517,6 +506,12 @@ static std::string rkv_plan_simulate(const char * json_in) {
         *how = mem_bw > 0.0 ? "given" : "not given";
         return mem_bw > 0.0 ? mem_bw : -1.0;
     };
+    if (cpu_attn_measured > 0.0) {
+        di.measure_cpu_attn = [cpu_attn_measured](std::string * how) { *how = "given (measured)"; return cpu_attn_measured; };
+    }
+    if (link_measured > 0.0) {
+        di.measure_link = [link_measured](std::string * how) { *how = "given (measured)"; return link_measured; };
+    }
 
     const uint32_t wc = llama_rkv_decide(st, di);
 

@@ -688,6 +688,10 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
     return kv->rkv_get_v_tail(ctx, il, n_kv, sinfos[i_cur]);
 }
 
+float llama_kv_cache_context::rkv_get_tail_cpu_frac() const {
+    return kv->rkv_tail_cpu_frac();
+}
+
 void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
     if (ggml_tensor * t = kv->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il)) {
         ggml_build_forward_expand(gf, t);

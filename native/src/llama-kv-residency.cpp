@@ -153,7 +153,7 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
         ggml_tensor * out = llama_rkv_build_attn_mha(ctx, q,
                 part(type_k, g.n_embd_head_k), part(type_v, g.n_embd_head_v),
                 part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
-                mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f);
+                mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f);
 
         // out is a reshape of the op
         ggml_tensor * op = out->src[0];
@@ -229,6 +229,74 @@ double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
         snprintf(tmp, sizeof(tmp), "%zu MiB copy in %s, best of %d", mib, name, LLAMA_RKV_BW_REPS);
         desc = tmp;
         break;
+    }
+
+    measured[dev] = { res, desc };
+    if (how) {
+        *how = desc;
+    }
+    return res;
+}
+
+// the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
+// process for each
+static double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, int>, double> measured;
+    std::lock_guard<std::mutex> lock(mutex);
+    const int nt = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
+    auto it = measured.find({ nt, (int) type });
+    const bool fresh = it == measured.end();
+    const double res = fresh ? ggml_rkv_cpu_attn_measure_gbps(nt, type, 0) : it->second;
+    measured[{ nt, (int) type }] = res;
+    if (how) {
+        *how = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads" +
+               (fresh ? "" : " (earlier in this process)");
+    }
+    return res;
+}
+
+double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
+    static std::mutex mutex;
+    static std::map<ggml_backend_dev_t, std::pair<double, std::string>> measured;
+
+    std::lock_guard<std::mutex> lock(mutex);
+
+    auto it = measured.find(dev);
+    if (it != measured.end()) {
+        if (how) {
+            *how = it->second.second + " (measured earlier in this process)";
+        }
+        return it->second.first;
+    }
+
+    double      res  = -1.0;
+    std::string desc = "not measured: the device has no pinned host buffer type";
+    ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (host_buft && llama_rkv_dev_is_gpu(dev)) {
+        const size_t size = 256*LLAMA_RKV_MIB;
+        ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL, /*.no_alloc =*/ true };
+        ggml_context_ptr ctx_h { ggml_init(params) };
+        ggml_context_ptr ctx_d { ggml_init(params) };
+        ggml_tensor * a = ggml_new_tensor_1d(ctx_h.get(), GGML_TYPE_I8, size);
+        ggml_tensor * b = ggml_new_tensor_1d(ctx_d.get(), GGML_TYPE_I8, size);
+        ggml_backend_buffer_ptr buf_h { ggml_backend_alloc_ctx_tensors_from_buft(ctx_h.get(), host_buft) };
+        ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(), ggml_backend_dev_buffer_type(dev)) };
+        if (buf_h && buf_d) {
+            ggml_backend_buffer_clear(buf_h.get(), 0);
+            ggml_backend_tensor_copy(a, b); // untimed: the first copy maps what it needs
+            int64_t best_us = INT64_MAX;
+            for (int i = 0; i < LLAMA_RKV_BW_REPS; ++i) {
+                const int64_t t0 = ggml_time_us();
+                ggml_backend_tensor_copy(a, b); // host source: a synchronous tensor_set from pinned memory
+                best_us = std::min(best_us, ggml_time_us() - t0);
+            }
+            res  = size/(std::max<int64_t>(best_us, 1)*1e-6)/1e9;
+            desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
+                   std::to_string(LLAMA_RKV_BW_REPS);
+        } else {
+            desc = "not measured: no memory for a 256 MiB pinned copy";
+        }
     }
 
     measured[dev] = { res, desc };
@@ -370,6 +438,95 @@ void llama_rkv_plan_estimate(llama_rkv_state & st) {
     }
     if (st.t_resident_ms >= 0.0 && st.t_tail_ms >= 0.0) {
         st.t_token_ms = st.t_resident_ms + st.t_tail_ms;
+    }
+}
+
+void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    st.tail_cpu_frac     = 0.0f;
+    st.t_token_hybrid_ms = -1.0;
+    const float req = st.req.tail_cpu_frac;
+
+    bool host_memory = st.devs.empty();
+    uint32_t n_layer = 0;
+    for (const auto & d : st.devs) {
+        host_memory = host_memory || d.host_memory;
+        n_layer += d.n_layer;
+    }
+    if (st.window_cells == 0 || st.tail_cells == 0) {
+        st.tail_cpu_reason = "no split: no tail";
+        return;
+    }
+    if (host_memory) {
+        st.tail_cpu_reason = "no GPU: the CPU attends the whole tail already";
+        return;
+    }
+    if (req == 0.0f) {
+        st.tail_cpu_reason = "off (tail_cpu_frac 0)";
+        return;
+    }
+    if (!ggml_rkv_cpu_part_supported(st.type_k_tail, st.type_v_tail, st.head_k, st.head_v)) {
+        char buf[200];
+        snprintf(buf, sizeof(buf), "the CPU part reads f16, q8_0 and q4_0 tails with head sizes that are multiples of 32, not K %s / V %s",
+                ggml_type_name(st.type_k_tail), ggml_type_name(st.type_v_tail));
+        st.tail_cpu_reason = buf;
+        return;
+    }
+
+    // the model's inputs (a request's share needs none, but the plan reports what it is expected to give)
+    if (st.req.cpu_attn_gbps > 0.0f) {
+        st.cpu_attn_gbps   = st.req.cpu_attn_gbps;
+        st.cpu_attn_source = "request";
+    } else if (req < 0.0f && in.measure_cpu_attn) {
+        st.cpu_attn_gbps = in.measure_cpu_attn(&st.cpu_attn_source);
+    }
+    if (st.link_bw_gbps <= 0.0 && req < 0.0f && in.measure_link) {
+        st.link_bw_gbps = in.measure_link(&st.link_bw_source);
+        if (st.link_bw_gbps > 0.0) {
+            st.t_tail_ms = st.est_tail_bytes/(st.link_bw_gbps*1e9)*1e3;
+            if (st.t_resident_ms >= 0.0) {
+                st.t_token_ms = st.t_resident_ms + st.t_tail_ms;
+            }
+        }
+    }
+
+    const bool known = st.cpu_attn_gbps > 0.0 && st.link_bw_gbps > 0.0;
+    const double t_res  = std::max(0.0, st.t_resident_ms);
+    const double t_link = known ? st.est_tail_bytes/(st.link_bw_gbps*1e9)*1e3 : 0.0;
+    const double t_cpu  = known ? st.est_tail_bytes/(st.cpu_attn_gbps*1e9)*1e3 : 0.0;
+    auto model = [&](double f) {
+        return std::max(t_res + f*t_cpu + (f > 0.0 ? n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS : 0.0), (1.0 - f)*t_link);
+    };
+
+    if (req > 0.0f) {
+        st.tail_cpu_frac   = std::min(1.0f, req);
+        st.tail_cpu_reason = "requested";
+    } else if (!known) {
+        st.tail_cpu_reason = std::string("auto: off, ") + (st.cpu_attn_gbps <= 0.0 ? "the CPU attention bandwidth" : "the link bandwidth") +
+            " is unknown";
+        return;
+    } else {
+        double best_f = 0.0, best_t = model(0.0);
+        for (int i = 1; i <= 64; ++i) {
+            const double f = i/64.0;
+            if (model(f) < best_t) {
+                best_t = model(f);
+                best_f = f;
+            }
+        }
+        char buf[256];
+        if (best_t > 0.97*model(0.0)) {
+            snprintf(buf, sizeof(buf), "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
+                    st.link_bw_gbps, st.cpu_attn_gbps);
+            st.tail_cpu_reason = buf;
+            return;
+        }
+        st.tail_cpu_frac = (float) best_f;
+        snprintf(buf, sizeof(buf), "auto: %.0f %% of each tail on the CPU (link %.1f GB/s, CPU attention %.1f GB/s, %d threads)",
+                100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps, st.n_threads);
+        st.tail_cpu_reason = buf;
+    }
+    if (known) {
+        st.t_token_hybrid_ms = model(st.tail_cpu_frac);
     }
 }
 
@@ -531,6 +688,7 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
         st.mem_bw_gbps = in.measure(&st.mem_bw_source);
     }
     llama_rkv_plan_estimate(st);
+    llama_rkv_plan_tail_cpu(st, in);
 
     if (!in.quiet && !st.devs.empty()) {
         LLAMA_LOG_INFO("%s: rolling KV: device memory bandwidth %.1f GB/s (%s); link %.2f GB/s (%s)\n", __func__,
@@ -544,6 +702,8 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
             LLAMA_LOG_INFO("%s: rolling KV: no ms/token estimate (%s)\n", __func__,
                     st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : st.link_bw_source.c_str());
         }
+        LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac, st.tail_cpu_reason.c_str(),
+                st.t_token_hybrid_ms >= 0.0 ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
     }
 
     return wc;
@@ -672,6 +832,19 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
         in.measure = [bw_dev](std::string * how) {
             return llama_rkv_measure_mem_bw(bw_dev, how);
         };
+        if (!groups.empty()) {
+            st.head_k = groups[0]->n_embd_head_k;
+            st.head_v = groups[0]->n_embd_head_v;
+        }
+        if (!in.host_memory && bw_dev) {
+            const int n_threads = st.n_threads;
+            in.measure_cpu_attn = [n_threads, type_k_tail](std::string * how) {
+                return llama_rkv_measure_cpu_attn_bw(n_threads, type_k_tail, how);
+            };
+            in.measure_link = [bw_dev](std::string * how) {
+                return llama_rkv_measure_link_bw(bw_dev, how);
+            };
+        }
     }
 
     const uint32_t wc = llama_rkv_decide(st, in);

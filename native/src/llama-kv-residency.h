@@ -25,6 +25,14 @@
 //   t_token ~ (weights + window KV + other KV) / mem_bw + tail KV / link_bw
 // with mem_bw measured at plan time (a 256 MiB copy inside the device through ggml-backend) and link_bw the
 // request's pcie_bw_gbps (from `rollingkv probe pcie`).
+//
+// The hybrid tail (llama_rkv_plan_tail_cpu): a GPU may attend a share f of every split layer's tail (its far end)
+// on the CPU while it streams the rest. The streamed part's copies run ahead across layers, overlapping everything;
+// the CPU part of a layer can only start once the layer's Q exists and the layer's merge waits for it, so it adds
+// to the device's own time:
+//   t_token(f) ~ max(t_resident + f*tail/cpu_bw + n_layer*t_cpu_part_latency, (1 - f)*tail/link_bw)
+// with cpu_bw the CPU part's attention bandwidth (the request's cpu_attn_gbps, or a short calibration at plan
+// time). auto takes the f (in steps of 1/64) that minimizes it, none when that gains less than 3 %.
 #pragma once
 
 #include "llama-rolling-kv.h"
@@ -49,6 +57,9 @@ static const size_t   LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
 // n_kv grows in steps of 256 cells (llama_kv_cache::get_n_kv) and the GPU kernels split the parts at
 // 256-cell boundaries: a window of a multiple of 256 cells keeps whole n_kv steps on one side
 static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
+// per split layer and token, what the CPU part costs beyond its attention: Q and the mask to the host, the
+// stream-ordered host function, the result back (measured on the H200: docs/perf)
+static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.03;
 
 // "off", "auto", "head", "window" (llama_kv_residency_mode_name)
 const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode);
@@ -138,6 +149,16 @@ struct llama_rkv_state {
     double      t_tail_ms     = -1.0;
     double      t_token_ms    = -1.0;
 
+    // the hybrid tail (llama_rkv_plan_tail_cpu)
+    int32_t     n_threads        = 0;     // the context's decode threads (the CPU part's)
+    int64_t     head_k           = 0;     // K and V head sizes of the split layers (the first group's)
+    int64_t     head_v           = 0;
+    float       tail_cpu_frac    = 0.0f;  // the chosen share of each split layer's tail cells attended on the CPU
+    std::string tail_cpu_reason;
+    double      cpu_attn_gbps    = -1.0;  // the CPU part's attention bandwidth for the tail types
+    std::string cpu_attn_source  = "none";
+    double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
+
     std::vector<llama_rkv_layer_plan> layers;
 };
 
@@ -191,6 +212,17 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
 // pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
 void llama_rkv_plan_estimate(llama_rkv_state & st);
 
+struct llama_rkv_decide_in;
+
+// the hybrid tail's share (st.tail_cpu_frac, its reason and t_token_hybrid_ms) for a split plan whose link model is
+// made (llama_rkv_plan_estimate): the request's tail_cpu_frac, or for auto (< 0) the share that minimizes the model
+// above; none without a split, on host memory, or for tail types the CPU part does not read
+void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in);
+
+// pinned host-to-device bandwidth of dev in GB/s from timed copies through ggml-backend (once per device and
+// process); < 0 when it could not be measured
+double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how);
+
 // what dev spends on the streaming op beyond its tensors, as its backend reports it (GGML_RKV_DEV_BUDGET_PROC,
 // ggml-rolling-kv.h): the ring it streams a tail through, for tails whose widest layer has these K/V rows (bytes per
 // stream, n_stream streams), and its runtime's memory; zeros for host memory and for backends that report nothing
@@ -222,6 +254,10 @@ struct llama_rkv_decide_in {
     bool         quiet       = false; // no logs
     size_t       reserve     = LLAMA_RKV_VRAM_RESERVE; // kept free when there is no vram_target
     std::function<double(std::string *)> measure; // device memory bandwidth; called only for a split
+    // the hybrid tail's inputs when the request leaves them out: the CPU part's attention bandwidth and the link's,
+    // called only for an auto split on a GPU (unset: unknown)
+    std::function<double(std::string *)> measure_cpu_attn;
+    std::function<double(std::string *)> measure_link;
 };
 
 // st.req, st.kv_size, st.n_stream, st.type_k/v and the inputs of st.devs in: the window cells per stream (0:

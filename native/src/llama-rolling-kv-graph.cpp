@@ -14,7 +14,8 @@ ggml_tensor * llama_rkv_build_attn_mha(
          ggml_tensor * sinks,
                float   kq_scale,
                float   max_alibi_bias,
-               float   logit_softcap) {
+               float   logit_softcap,
+               float   tail_cpu_frac) {
     // same stream split and permutations as build_attn_mha
     const auto n_stream = k->ne[3];
 
@@ -30,6 +31,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
 
     ggml_streaming_flash_attn_add_sinks(cur, sinks);
     ggml_streaming_flash_attn_set_prec(cur, GGML_PREC_F32);
+    ggml_streaming_flash_attn_set_tail_cpu_frac(cur, tail_cpu_frac);
 
     return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
 }

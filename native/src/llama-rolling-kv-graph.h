@@ -18,4 +18,5 @@ ggml_tensor * llama_rkv_build_attn_mha(
          ggml_tensor * sinks,
                float   kq_scale,
                float   max_alibi_bias,
-               float   logit_softcap);
+               float   logit_softcap,
+               float   tail_cpu_frac); // the share of the tail attended on the CPU (the hybrid tail), 0: none

@@ -4,6 +4,7 @@
 
 #include "llama-kv-residency.h"
 
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -14,3 +15,25 @@ std::shared_ptr<llama_rkv_state> llama_rkv_take_pending();
 
 // the plan as llama_rolling_kv_plan_json writes it (st nullptr: a context created without residency parameters)
 std::string llama_rkv_plan_to_json(const llama_rkv_state * st);
+
+// s as a JSON string literal (quotes, backslash, newline and the other control characters escaped): the plan's JSON
+// (llama-rolling-kv.cpp) and the planner simulation (rollingkv/plan-simulate.cpp)
+inline std::string llama_rkv_json_str(const std::string & s) {
+    std::string res = "\"";
+    for (const char c : s) {
+        switch (c) {
+            case '"':  res += "\\\""; break;
+            case '\\': res += "\\\\"; break;
+            case '\n': res += "\\n";  break;
+            default:
+                if ((unsigned char) c < 0x20) {
+                    char buf[8];
+                    snprintf(buf, sizeof(buf), "\\u%04x", c);
+                    res += buf;
+                } else {
+                    res += c;
+                }
+        }
+    }
+    return res + "\"";
+}

@@ -63,26 +63,6 @@ std::shared_ptr<llama_rkv_state> llama_rkv_take_pending() {
 // JSON
 //
 
-static std::string llama_rkv_json_str(const std::string & s) {
-    std::string res = "\"";
-    for (const char c : s) {
-        switch (c) {
-            case '"':  res += "\\\""; break;
-            case '\\': res += "\\\\"; break;
-            case '\n': res += "\\n";  break;
-            default:
-                if ((unsigned char) c < 0x20) {
-                    char buf[8];
-                    snprintf(buf, sizeof(buf), "\\u%04x", c);
-                    res += buf;
-                } else {
-                    res += c;
-                }
-        }
-    }
-    return res + "\"";
-}
-
 // a number, or null when unknown (< 0)
 static std::string llama_rkv_json_num(double v) {
     if (v < 0.0 || !std::isfinite(v)) {
@@ -132,6 +112,13 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
             st->kv_size, st->n_stream, st->window_cells, st->tail_cells,
             st->req.vram_target_mib, (double) st->req.pcie_bw_gbps);
     res += buf;
+
+    res += ",\"tail_cpu\":{\"requested\":" + (st->req.tail_cpu_frac < 0.0f ? std::string("\"auto\"") : llama_rkv_json_num(st->req.tail_cpu_frac));
+    res += ",\"frac\":" + llama_rkv_json_num(st->tail_cpu_frac);
+    res += ",\"cpu_attn_gbps\":" + (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
+    res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
+    res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
+    res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
 
     res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
     res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
@@ -184,7 +171,8 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"tail_bytes_per_token\":" + llama_rkv_json_num(st->window_cells ? st->est_tail_bytes : -1.0);
     res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->t_resident_ms);
     res += ",\"t_tail_ms\":" + llama_rkv_json_num(st->t_tail_ms);
-    res += ",\"ms_per_token\":" + llama_rkv_json_num(st->t_token_ms) + "}";
+    res += ",\"ms_per_token\":" + llama_rkv_json_num(st->t_token_ms);
+    res += ",\"t_token_hybrid_ms\":" + llama_rkv_json_num(st->t_token_hybrid_ms) + "}";
 
     size_t dev_total = 0;
     size_t host_total = 0;
@@ -219,6 +207,8 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     res.type_k_tail     = GGML_TYPE_COUNT;
     res.type_v_tail     = GGML_TYPE_COUNT;
     res.pcie_bw_gbps    = 0.0f;
+    res.tail_cpu_frac   = -1.0f; // auto
+    res.cpu_attn_gbps   = 0.0f;
     return res;
 }
 
@@ -279,6 +269,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
     if (req.window_cells < 0) {
         return llama_rkv_fail(__func__, "window_cells must be >= 0 (got %" PRId64 ")", req.window_cells);
     }
+    if (!(req.tail_cpu_frac <= 1.0f) || std::isnan(req.tail_cpu_frac)) {
+        return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)", (double) req.tail_cpu_frac);
+    }
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
@@ -303,6 +296,11 @@ struct llama_context * llama_init_from_model_rolling_kv(
         st->n_seq_max  = std::max<uint32_t>(1, params.n_seq_max);
         st->kv_unified = params.kv_unified;
         st->swa_full   = params.swa_full;
+    }
+    // the CPU part of a hybrid tail decodes on the context's threads
+    st->n_threads = params.n_threads > 0 ? params.n_threads : 0;
+    if (st->n_threads > 0) {
+        ggml_rkv_set_cpu_threads(st->n_threads);
     }
 
     llama_rkv_set_pending(st);
@@ -369,6 +367,7 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
     info->tail_cells     = st ? st->tail_cells   : 0;
     info->type_k_tail    = st ? st->type_k_tail  : GGML_TYPE_COUNT;
     info->type_v_tail    = st ? st->type_v_tail  : GGML_TYPE_COUNT;
+    info->tail_cpu_frac  = st ? st->tail_cpu_frac : 0.0f;
     if (st) {
         for (const auto & l : st->layers) {
             info->device_bytes += l.device_bytes;
@@ -376,4 +375,8 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
         }
     }
     return true;
+}
+
+double llama_rolling_kv_measure_cpu_attn_gbps(int32_t n_threads, enum ggml_type type) {
+    return ggml_rkv_cpu_attn_measure_gbps(n_threads, type, 0);
 }

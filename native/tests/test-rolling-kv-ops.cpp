@@ -39,7 +39,10 @@
 // --exact: compute the double-precision reference for every case and fail a case where ggml_flash_attn_ext
 // itself is farther than 1e-4 NMSE from it (a self-check of that reference: scale, softcap, ALiBi, sinks, masks).
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact] [--expect-perturbed]
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact]
+//                            [--expect-perturbed]
+// --tail-cpu-frac F: every op leaves that share of its tail to the CPU (the hybrid tail; a GPU backend with --tail-host
+// attends it on the host for decode-sized cases, everything else ignores it): same reference, same bounds.
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
 
 #include "ggml.h"
@@ -279,6 +282,7 @@ static std::string g_extra; // extra per-case info printed on the case line
 // move the op to the CPU nor copy the tail: one split, no device compute buffer), and three evaluations of the
 // same graph (eager, then CUDA-graph capture and replay where available) must give identical outputs.
 static bool           g_tail_host   = false;
+static float          g_tail_cpu_frac = 0.0f;     // --tail-cpu-frac
 static bool           g_exact_check = false;
 static bool           g_expect_perturbed = false; // --expect-perturbed (ROLLINGKV_DEBUG_PERTURB_TAIL set)
 static bool           g_tail_live = false;        // the case's tail holds a key some query row does not mask
@@ -438,6 +442,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
     ggml_streaming_flash_attn_add_sinks(out, sk);
     ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
+    ggml_streaming_flash_attn_set_tail_cpu_frac(out, g_tail_cpu_frac);
 
     ggml_tensor * ref = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
     ggml_flash_attn_ext_add_sinks(ref, sk);
@@ -478,6 +483,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         out_b = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
         ggml_streaming_flash_attn_add_sinks(out_b, sk);
         ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
+        ggml_streaming_flash_attn_set_tail_cpu_frac(out_b, g_tail_cpu_frac);
         ref_b = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
         ggml_flash_attn_ext_add_sinks(ref_b, sk);
         ggml_prec_set_acc(ref_b, GGML_PREC_F32);
@@ -873,12 +879,18 @@ int main(int argc, char ** argv) {
             only = atol(argv[++i]);
         } else if (a == "--tail-host") {
             g_tail_host = true;
+        } else if (a == "--tail-cpu-frac" && i + 1 < argc) {
+            g_tail_cpu_frac = strtof(argv[++i], nullptr);
+            if (!(g_tail_cpu_frac >= 0.0f && g_tail_cpu_frac <= 1.0f)) {
+                fprintf(stderr, "--tail-cpu-frac must be in [0, 1]\n");
+                return 2;
+            }
         } else if (a == "--exact") {
             g_exact_check = true;
         } else if (a == "--expect-perturbed") {
             g_expect_perturbed = true;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--exact] [--expect-perturbed]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed]\n", argv[0]);
             return 2;
         }
     }
@@ -917,9 +929,13 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
-    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
+    char cpu_frac[64] = "";
+    if (g_tail_cpu_frac > 0.0f) {
+        snprintf(cpu_frac, sizeof(cpu_frac), ", tail CPU share %g", (double) g_tail_cpu_frac);
+    }
+    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
         is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "",
-        g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
+        cpu_frac, g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
 
     std::mt19937 rng(1234);
     const auto cases = make_cases(quick);

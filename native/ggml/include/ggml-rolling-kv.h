@@ -22,7 +22,7 @@
 //   result   : [DV, n_head, n_q, ne3] f32 (same as ggml_flash_attn_ext)
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
-// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win
+// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, f32 tail_cpu_frac
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
 // documented in one place: ggml/src/ggml-rolling-kv-impl.h.
@@ -67,6 +67,32 @@ extern "C" {
 
     // number of window cells (k_window->ne[1], or 0 when the window is empty)
     GGML_API int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a);
+
+    // The hybrid tail: the share of a streamed host tail that a GPU backend attends on the CPU, directly from the
+    // pinned host rows, while it streams the rest (see ggml_rkv_tail_cpu_cells). 0 (the default): none; 1: the whole
+    // tail. A hint, never a change of the result: a backend that cannot use it for a batch (more than
+    // GGML_RKV_CPU_PART_MAX_Q query rows per stream, a tail type the CPU part does not read, a device tail, the CPU
+    // backend itself) streams or attends the whole tail as before, and the parts merge exactly either way.
+    GGML_API void  ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float frac);
+    GGML_API float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a);
+
+#define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
+
+    // cells at the far end of an n_tail-cell tail that the CPU attends for frac: the streamed part [0, n_tail - n)
+    // keeps a multiple of 256 cells (the streamed chunks' alignment), rounded to the nearest
+    GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
+
+    // threads of the CPU part (process-wide: llama sets it from the context's n_threads; default: the hardware's
+    // concurrency, at most 16). The thread that runs a part is one of them.
+    GGML_API void ggml_rkv_set_cpu_threads(int n_threads);
+    GGML_API int  ggml_rkv_get_cpu_threads(void);
+
+    // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a
+    // synthetic tail of `bytes` bytes (0: 256 MiB) of type `type` (f16, q8_0, q4_0 for K and V) on n_threads
+    // threads (<= 0: ggml_rkv_get_cpu_threads()); best of a few runs. < 0: the type is not one the CPU part reads.
+    GGML_API double ggml_rkv_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes);
+    // whether the CPU part reads these K/V types and head sizes
+    GGML_API bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV);
 
     // The K/V types of the op's parts, and so the types a rolling-KV tail may use: f32, f16, bf16, q8_0, q4_0,
     // q4_1, q5_0, q5_1. Every backend that runs the op falls back to the CPU forward (which reads all of them)

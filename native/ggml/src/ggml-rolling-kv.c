@@ -74,6 +74,7 @@ struct ggml_tensor * ggml_streaming_flash_attn(
     ggml_set_op_params_f32(result, 2, logit_softcap);
     ggml_set_op_params_i32(result, 3, (int32_t) GGML_PREC_DEFAULT);
     ggml_set_op_params_i32(result, 4, (int32_t) n_win);
+    ggml_set_op_params_f32(result, 5, 0.0f); // tail_cpu_frac
 
     result->op = GGML_OP_STREAMING_FLASH_ATTN;
     result->src[GGML_STREAMING_FA_SRC_Q]      = q;
@@ -117,6 +118,32 @@ enum ggml_prec ggml_streaming_flash_attn_get_prec(const struct ggml_tensor * a) 
 int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     return ggml_get_op_params_i32(a, 4);
+}
+
+void ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float frac) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    GGML_ASSERT(frac >= 0.0f && frac <= 1.0f && "streaming_flash_attn: tail_cpu_frac must be in [0, 1]");
+    ggml_set_op_params_f32(a, 5, frac);
+}
+
+float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    return ggml_get_op_params_f32(a, 5);
+}
+
+int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac) {
+    if (n_tail <= 0 || !(frac > 0.0f)) {
+        return 0;
+    }
+    if (frac >= 1.0f) {
+        return n_tail;
+    }
+    // the streamed part: (1 - frac)*n_tail rounded to the nearest multiple of 256, at most the tail
+    int64_t n_stream = (int64_t) ((1.0 - (double) frac)*(double) n_tail/256.0 + 0.5)*256;
+    if (n_stream > n_tail) {
+        n_stream = n_tail;
+    }
+    return n_tail - n_stream;
 }
 
 void ggml_set_streamed(struct ggml_tensor * t) {

@@ -31,7 +31,8 @@
 // 256-aligned, so this exactness fallback is not on the hot path.
 //
 // A tail in pinned host memory is streamed through the device in chunks (rolling-kv-stream.cu); each chunk
-// is one more part.
+// is one more part. Its far end may be attended on the CPU meanwhile (the hybrid tail, rolling-kv-hybrid.cu): one
+// more part, the last, whose output and LSE the host computes and copies back.
 //
 // Test hook ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h), as in the CPU forward: every tail key's score
 // (after scale, softcap and mask) is multiplied by (1 + x). The tail parts' shadows get scale*(1 + x) (and
@@ -44,6 +45,7 @@
 
 #include "rolling-kv-fa.cuh"
 #include "rolling-kv-stream.cuh"
+#include "rolling-kv-hybrid.cuh"
 #include "rolling-kv-profile.cuh"
 
 #include "fattn-common.cuh"
@@ -63,7 +65,8 @@ struct rkv_part {
     const ggml_tensor * v;
     int64_t             n;    // KV cells
     int64_t             col0; // first mask column
-    bool                tail; // a part of the tail (the whole device tail or a streamed chunk)
+    bool                tail; // a part of the tail (the whole device tail, a streamed chunk or the CPU part)
+    bool                cpu = false; // the CPU part of a host tail (its far end): attended on the host
 };
 
 static int rkv_get_parts(const ggml_tensor * dst, rkv_part parts[2]) {
@@ -184,8 +187,9 @@ struct rkv_fwd {
     int     n_head = 0;
 
     std::vector<rkv_part> parts;
-    int  p_chunk     = 0;     // parts [p_chunk, size) are the chunks of the streamed host tail
-    bool host_tail   = false;
+    int  p_chunk     = 0;     // parts [p_chunk, p_chunk + ts.n_chunks()) are the chunks of the streamed host tail
+    bool host_tail   = false; // the tail streams (some of its cells go through the ring)
+    int64_t n_cpu    = 0;     // cells of the tail's CPU part (the last part), 0: none
     bool fused_sinks = false; // a single part with sinks: the stock kernels apply them, no LSE or merge
     ggml_cuda_rkv_tail_stream ts;
 
@@ -199,7 +203,8 @@ struct rkv_bufs {
     ggml_cuda_pool_alloc<float> lse_acc;
     ggml_cuda_pool_alloc<float> lse_tmp;
     ggml_cuda_pool_alloc<float> O_tmp;
-    explicit rkv_bufs(ggml_cuda_pool & pool) : lse_acc(pool), lse_tmp(pool), O_tmp(pool) {}
+    ggml_cuda_pool_alloc<float> cpu_out; // the CPU part's output rows, then its LSEs
+    explicit rkv_bufs(ggml_cuda_pool & pool) : lse_acc(pool), lse_tmp(pool), O_tmp(pool), cpu_out(pool) {}
 };
 
 } // namespace
@@ -357,8 +362,11 @@ static void rkv_collect(ggml_backend_cuda_context & ctx, rkv_fwd & f) {
     rkv_part seg[2];
     const int nseg = rkv_get_parts(f.dst, seg);
 
-    f.host_tail = nseg > 0 && ggml_cuda_rkv_streams_tail(f.dst);
-    for (int i = 0; i < nseg - (f.host_tail ? 1 : 0); ++i) {
+    // a tail in host memory: its streamed cells [0, n_tail - n_cpu), then its CPU part
+    const bool host = nseg > 0 && seg[nseg - 1].tail && ggml_cuda_rkv_is_host(seg[nseg - 1].k);
+    f.n_cpu     = host ? ggml_cuda_rkv_tail_cpu_cells(f.dst) : 0;
+    f.host_tail = host && ggml_cuda_rkv_streams_tail(f.dst);
+    for (int i = 0; i < nseg - (host ? 1 : 0); ++i) {
         f.parts.push_back(seg[i]);
     }
     f.p_chunk = (int) f.parts.size();
@@ -368,7 +376,13 @@ static void rkv_collect(ggml_backend_cuda_context & ctx, rkv_fwd & f) {
             f.parts.push_back({ &f.ts.slot_k[c], &f.ts.slot_v[c], f.ts.slot_k[c].ne[1], f.ts.chunk_col0[c], true });
         }
     }
-    f.fused_sinks = f.parts.size() == 1 && f.sinks != nullptr;
+    if (f.n_cpu > 0) {
+        const rkv_part & t = seg[nseg - 1];
+        rkv_part p = { t.k, t.v, f.n_cpu, t.col0 + t.n - f.n_cpu, true };
+        p.cpu = true;
+        f.parts.push_back(p);
+    }
+    f.fused_sinks = f.parts.size() == 1 && f.sinks != nullptr && !f.parts[0].cpu;
 }
 
 // per part: padding, mask, shadow and output buffer (headers only; nothing is launched yet)
@@ -402,6 +416,9 @@ static void rkv_plan(int device, rkv_fwd & f) {
     for (int i = 0; i < np; ++i) {
         rkv_part_plan & pp = f.pl[i];
         rkv_part p = f.parts[i];
+        if (p.cpu) {
+            continue; // computed on the host (rolling-kv-hybrid.cu): no shadow, its output has a buffer of its own
+        }
         const bool perturbed = p.tail && perturb != 1.0f;
         pp.has_mask = mask != nullptr;
         // vector-kernel cases of the concatenated op whose part is not 256-aligned: pad (see top of file)
@@ -452,8 +469,12 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
     rkv_part_plan  & pp     = f.pl[i];
     const rkv_part & p      = f.parts[i]; // the unpadded part (source of a padded copy)
     const ggml_tensor * mask = f.mask;
-    const int ic = i - f.p_chunk;          // chunk index, or < 0
+    const int ic = f.host_tail && i >= f.p_chunk && i < f.p_chunk + f.ts.n_chunks() ? i - f.p_chunk : -1; // chunk index, or < 0
 
+    if (p.cpu) {
+        ggml_cuda_rkv_cpu_part_wait(ctx); // the host's result is on the device
+        return;
+    }
     if (ic >= 0) {
         ggml_cuda_rkv_tail_wait(ctx, f.ts, ic);
     }
@@ -530,6 +551,9 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
     const dim3    grid((unsigned) f.nrows);
     float       * O_acc   = (float *) f.dst->data;
     const bool    last    = i == (int) f.parts.size() - 1;
+    // the part's output and LSE: the CPU part's buffer, else the kernel's
+    const float * O_p     = f.parts[i].cpu ? b.cpu_out.ptr : b.O_tmp.ptr;
+    const float * lse_p   = f.parts[i].cpu ? b.cpu_out.ptr + f.nrows*f.DV : i == 0 ? b.lse_acc.ptr : b.lse_tmp.ptr;
 
     if (i == 0) {
         if (pp.direct && !last) {
@@ -539,15 +563,15 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
             if (pp.direct) {
                 rkv_merge<false, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, nullptr, nullptr, sinks_d, DV, f.n_head);
             } else {
-                rkv_merge<true, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, b.O_tmp.ptr, b.lse_acc.ptr, sinks_d, DV, f.n_head);
+                rkv_merge<true, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
             }
         } else {
-            rkv_merge<true, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, b.O_tmp.ptr, b.lse_acc.ptr, sinks_d, DV, f.n_head);
+            rkv_merge<true, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
         }
     } else if (last) {
-        rkv_merge<false, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, b.O_tmp.ptr, b.lse_tmp.ptr, sinks_d, DV, f.n_head);
+        rkv_merge<false, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
     } else {
-        rkv_merge<false, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, b.O_tmp.ptr, b.lse_tmp.ptr, sinks_d, DV, f.n_head);
+        rkv_merge<false, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
     }
     CUDA_CHECK(cudaGetLastError());
     ggml_cuda_rkv_prof_mark(ctx, "rkv merge");
@@ -593,6 +617,12 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
         b.O_tmp.alloc((f.O_max + sizeof(float) - 1)/sizeof(float));
     }
 
+    // the CPU part first: it runs on the host while the device attends the window and the streamed chunks
+    if (f.n_cpu > 0) {
+        const rkv_part & p = f.parts.back();
+        b.cpu_out.alloc(f.nrows*(f.DV + 1));
+        ggml_cuda_rkv_cpu_part_launch(ctx, f.dst, p.n, p.col0, b.cpu_out.ptr);
+    }
     if (f.host_tail) {
         ggml_cuda_rkv_tail_start(ctx, f.ts);
     }

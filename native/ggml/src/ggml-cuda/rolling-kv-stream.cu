@@ -1,6 +1,7 @@
 // rolling-KV: streaming a pinned-host tail through the device (see rolling-kv-stream.cuh)
 
 #include "rolling-kv-stream.cuh"
+#include "rolling-kv-hybrid.cuh"
 #include "rolling-kv-profile.cuh"
 
 #include "ggml-rolling-kv.h"
@@ -59,6 +60,8 @@ struct ggml_cuda_rkv_ring {
     int         n_pre = 0;
     cudaEvent_t pre_done[GGML_RKV_MAX_SLOTS] = {};
     cudaEvent_t ev_pre = nullptr;
+
+    ggml_cuda_rkv_hybrid * hybrid = nullptr; // the CPU parts (rolling-kv-hybrid.cu)
 };
 
 static cudaStream_t rkv_copy_stream(ggml_backend_cuda_context & ctx) {
@@ -72,9 +75,12 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
         return;
     }
     ggml_cuda_set_device(ctx.device);
-    if (ctx.streams[ctx.device][GGML_CUDA_RKV_COPY_STREAM]) {
-        CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][GGML_CUDA_RKV_COPY_STREAM]));
+    for (const int s : { GGML_CUDA_RKV_COPY_STREAM, GGML_CUDA_RKV_CPU_STREAM }) {
+        if (ctx.streams[ctx.device][s]) {
+            CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][s]));
+        }
     }
+    ggml_cuda_rkv_hybrid_free(r->hybrid);
     for (int i = 0; i < GGML_RKV_MAX_SLOTS; ++i) {
         if (r->copy_done[i]) CUDA_CHECK(cudaEventDestroy(r->copy_done[i]));
         if (r->slot_free[i]) CUDA_CHECK(cudaEventDestroy(r->slot_free[i]));
@@ -126,6 +132,10 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
     return r;
 }
 
+ggml_cuda_rkv_hybrid *& ggml_cuda_rkv_hybrid_of(ggml_backend_cuda_context & ctx) {
+    return rkv_ring(ctx, 0).hybrid; // need 0: no slots are allocated for it
+}
+
 void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out) {
     GGML_UNUSED(dev);
     ggml_cuda_rkv_dev_budget_of(row_k_tail, row_v_tail, n_stream, out);
@@ -143,7 +153,7 @@ bool ggml_cuda_rkv_rows_contiguous(const ggml_tensor * t) {
 bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op) {
     const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
-    return kt && vt && kt->ne[1] > 0 && ggml_cuda_rkv_is_host(kt) && ggml_cuda_rkv_is_host(vt);
+    return kt && vt && kt->ne[1] > 0 && ggml_cuda_rkv_is_host(kt) && ggml_cuda_rkv_is_host(vt) && ggml_cuda_rkv_tail_stream_cells(op) > 0;
 }
 
 void ggml_cuda_rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
@@ -161,7 +171,7 @@ void ggml_cuda_rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
 //
 
 // the cells per chunk: as many as fit a slot, a multiple of 256 (the vector kernel's KV stride)
-static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, size_t slot_bytes) {
+static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_stream, size_t slot_bytes) {
     const size_t  cell  = (kt->nb[1] + vt->nb[1])*kt->ne[3];
     const int64_t fit   = (int64_t) ((slot_bytes - 512)/cell);
     int64_t n = std::max<int64_t>(GGML_CUDA_RKV_CHUNK_ALIGN, fit/GGML_CUDA_RKV_CHUNK_ALIGN*GGML_CUDA_RKV_CHUNK_ALIGN);
@@ -170,13 +180,13 @@ static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, s
     if (forced > 0) {
         n = GGML_PAD(forced, GGML_CUDA_RKV_CHUNK_ALIGN);
     }
-    return std::min<int64_t>(n, kt->ne[1]);
+    return std::min<int64_t>(n, n_stream);
 }
 
-// the chunks of a tail: as few as the slot allows, of balanced sizes (a multiple of 256 except the last)
-static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
-    const int64_t n_tail = kt->ne[1];
-    const int64_t n_max  = rkv_chunk_cells(kt, vt, slot_bytes);
+// the chunks of a tail's streamed cells [0, n_tail): as few as the slot allows, of balanced sizes (a multiple of 256
+// except the last)
+static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_tail, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
+    const int64_t n_max  = rkv_chunk_cells(kt, vt, n_tail, slot_bytes);
     const int64_t n_ch   = (n_tail + n_max - 1)/n_max;
     const int64_t n_c    = std::min<int64_t>(n_max, GGML_PAD((n_tail + n_ch - 1)/n_ch, GGML_CUDA_RKV_CHUNK_ALIGN));
     for (int64_t c0 = 0; c0 < n_tail; c0 += n_c) {
@@ -192,7 +202,7 @@ static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::ve
     rkv_fifo_op o;
     o.node  = node;
     o.first = (int) fifo.size();
-    rkv_make_chunks(kt, vt, slot_bytes, (int) ops.size(), fifo);
+    rkv_make_chunks(kt, vt, ggml_cuda_rkv_tail_stream_cells(node), slot_bytes, (int) ops.size(), fifo);
     o.count = (int) fifo.size() - o.first;
     ops.push_back(std::move(o));
     return ggml_cuda_rkv_slot_need(kt->nb[1], vt->nb[1], kt->ne[3], fifo[ops.back().first].n);
@@ -306,6 +316,7 @@ static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t,
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (r) {
+        ggml_cuda_rkv_hybrid_graph_begin(r->hybrid);
         r->fifo.clear();
         r->ops.clear();
         r->next_copy = 0;

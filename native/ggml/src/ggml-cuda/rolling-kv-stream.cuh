@@ -46,9 +46,14 @@ struct rkv_fifo_op {
     std::vector<const ggml_tensor *> writes_v;
 };
 
-// the pinned-host tail streaming ring of a backend context (slots, events, the graph's copy plan): freed with the context
+// the pinned-host tail streaming ring of a backend context (slots, events, the graph's copy plan, the CPU-part state of
+// rolling-kv-hybrid.cu): freed with the context
 struct ggml_cuda_rkv_ring;
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx);
+
+// the context's CPU-part state (nullptr until its first CPU part; the ring is made without slots if there is none)
+struct ggml_cuda_rkv_hybrid;
+ggml_cuda_rkv_hybrid *& ggml_cuda_rkv_hybrid_of(ggml_backend_cuda_context & ctx);
 
 // before a graph is evaluated (eagerly or captured): plan the copies of all its host tails as one FIFO, so that the
 // copy stream runs ahead across layers, and copy its first chunks (ROLLINGKV_DEBUG builds:
@@ -61,7 +66,8 @@ void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t 
 
 bool ggml_cuda_rkv_is_host(const ggml_tensor * t);          // t (or what it views) lives in a host buffer
 bool ggml_cuda_rkv_rows_contiguous(const ggml_tensor * t);  // cells of one stream are one contiguous byte range
-bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op);    // op's tail is non-empty and in host memory
+bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op);    // op's tail is in host memory and has cells to stream (the
+                                                            // tail minus its CPU part, rolling-kv-hybrid.cuh)
 
 // One op's host tail as the forward streams it: its entry in the graph's copy plan (or a plan of its own, for an op
 // outside a planned graph) and a slot header per chunk, in order. The forward calls

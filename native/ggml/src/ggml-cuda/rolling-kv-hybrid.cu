@@ -1,0 +1,231 @@
+// rolling-KV: the CPU part of a hybrid tail on a CUDA device (see rolling-kv-hybrid.cuh)
+
+#include "rolling-kv-hybrid.cuh"
+#include "rolling-kv-stream.cuh"
+
+#include "ggml-rolling-kv.h"
+#include "../ggml-rolling-kv-impl.h"
+#include "../rolling-kv-cpu-part.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+// cudaLaunchHostFunc and the capture of host nodes: CUDA only (vendors/hip.h and musa.h do not map them all)
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
+#define RKV_HYBRID 1
+#else
+#define RKV_HYBRID 0
+#endif
+
+namespace {
+
+// pinned host staging of one CPU part: Q | mask columns | output rows | LSEs
+struct rkv_staging {
+    char      * host = nullptr;
+    size_t      cap  = 0;
+    cudaEvent_t done = nullptr;
+};
+
+// a job and what it points to, never changed once made (a replayed graph's host node reads it)
+struct rkv_job_store {
+    rkv_cpu_part_job   job;
+    std::vector<float> slope;
+};
+
+} // namespace
+
+struct ggml_cuda_rkv_hybrid {
+    std::vector<rkv_staging> staging;  // the k-th CPU part of a graph uses staging[k]
+    std::vector<char *>      retired;  // staging that grew: a captured graph may still copy through it
+    int next = 0;                      // CPU parts issued in the graph being evaluated
+    cudaEvent_t ev_fork = nullptr;
+    cudaEvent_t ev_done = nullptr;     // the CPU part issued last (what the compute stream waits for)
+    std::unordered_map<std::string, std::unique_ptr<rkv_job_store>> jobs;
+};
+
+void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h) {
+    if (!h) {
+        return;
+    }
+    for (auto & s : h->staging) {
+        if (s.host) CUDA_CHECK(cudaFreeHost(s.host));
+        if (s.done) CUDA_CHECK(cudaEventDestroy(s.done));
+    }
+    for (char * p : h->retired) {
+        CUDA_CHECK(cudaFreeHost(p));
+    }
+    if (h->ev_fork) CUDA_CHECK(cudaEventDestroy(h->ev_fork));
+    delete h;
+}
+
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid * h) {
+    if (h) {
+        h->next = 0;
+    }
+}
+
+int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
+#if RKV_HYBRID
+    const ggml_tensor * q    = op->src[GGML_STREAMING_FA_SRC_Q];
+    const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const ggml_tensor * vt   = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
+    const ggml_tensor * mask = op->src[GGML_STREAMING_FA_SRC_MASK];
+    const float frac = ggml_streaming_flash_attn_get_tail_cpu_frac(op);
+    if (!(frac > 0.0f) || !kt || !vt || kt->ne[1] == 0 || !ggml_cuda_rkv_is_host(kt) || !ggml_cuda_rkv_is_host(vt)) {
+        return 0;
+    }
+    if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q || q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
+            !ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
+            q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
+        return 0;
+    }
+    return ggml_rkv_tail_cpu_cells(kt->ne[1], frac);
+#else
+    GGML_UNUSED(op);
+    return 0;
+#endif // RKV_HYBRID
+}
+
+int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
+    const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    return kt ? kt->ne[1] - ggml_cuda_rkv_tail_cpu_cells(op) : 0;
+}
+
+#if RKV_HYBRID
+static void CUDART_CB rkv_cpu_part_host(void * data) {
+    rkv_cpu_part_run(((const rkv_job_store *) data)->job);
+}
+
+// byte span of a tensor's elements from its data pointer
+static size_t rkv_span(const ggml_tensor * t) {
+    size_t s = ggml_element_size(t);
+    for (int i = 0; i < GGML_MAX_DIMS; ++i) {
+        s += (t->ne[i] - 1)*t->nb[i];
+    }
+    return s;
+}
+
+// the ALiBi slope of each head, as ggml_flash_attn_ext computes it (1 without ALiBi), times the test hook's factor
+static std::vector<float> rkv_slopes(int n_head, float max_bias, float mul) {
+    std::vector<float> slope(n_head, mul);
+    if (max_bias > 0.0f) {
+        const uint32_t n_head_log2 = 1u << (uint32_t) floorf(log2f((float) n_head));
+        const float m0 = powf(2.0f, -(max_bias       )/n_head_log2);
+        const float m1 = powf(2.0f, -(max_bias/2.0f)/n_head_log2);
+        for (int h = 0; h < n_head; ++h) {
+            slope[h] = mul*(h < (int) n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1));
+        }
+    }
+    return slope;
+}
+#endif // RKV_HYBRID
+
+void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0, float * out_dev) {
+#if RKV_HYBRID
+    const ggml_tensor * q    = op->src[GGML_STREAMING_FA_SRC_Q];
+    const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const ggml_tensor * vt   = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
+    const ggml_tensor * mask = op->src[GGML_STREAMING_FA_SRC_MASK];
+    const int64_t n_tail = kt->ne[1];
+    const int64_t c_tail = n_tail - n_cpu; // the part's first cell within the tail
+    const int64_t n_q = q->ne[1], n_head = q->ne[2], ne3 = q->ne[3], DV = op->ne[0];
+    const int64_t rows = n_q*n_head*ne3;
+    const int64_t n_planes = mask ? mask->ne[3] : 1;
+
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) op->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) op->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) op->op_params + 2, sizeof(float));
+    // test hook ROLLINGKV_DEBUG_PERTURB_TAIL: the part's scores times (1 + x), as the streamed parts'
+    static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
+
+    // staging: Q | mask columns | output | LSE, each 256-byte aligned
+    const size_t q_bytes    = rkv_span(q);
+    const size_t mask_bytes = mask ? (size_t) (n_planes*n_q*n_cpu)*sizeof(uint16_t) : 0;
+    const size_t o_bytes    = (size_t) rows*DV*sizeof(float);
+    const size_t off_mask   = GGML_PAD(q_bytes, 256);
+    const size_t off_out    = off_mask + GGML_PAD(mask_bytes, 256);
+    const size_t need       = off_out + o_bytes + (size_t) rows*sizeof(float);
+
+    ggml_cuda_rkv_hybrid *& hp = ggml_cuda_rkv_hybrid_of(ctx);
+    if (!hp) {
+        hp = new ggml_cuda_rkv_hybrid;
+        CUDA_CHECK(cudaEventCreateWithFlags(&hp->ev_fork, cudaEventDisableTiming));
+    }
+    ggml_cuda_rkv_hybrid & h = *hp;
+    const int k = h.next++;
+    if ((int) h.staging.size() <= k) {
+        h.staging.resize(k + 1);
+    }
+    rkv_staging & st = h.staging[k];
+    if (!st.done) {
+        CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    }
+    if (st.cap < need) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
+        GGML_ASSERT(cs == cudaStreamCaptureStatusNone && "rolling-KV: the CPU part's staging must grow while a CUDA graph is captured");
+        if (st.host) {
+            h.retired.push_back(st.host);
+        }
+        const size_t cap = GGML_PAD(need + need/2, 4096);
+        CUDA_CHECK(cudaMallocHost((void **) &st.host, cap));
+        st.cap = cap;
+    }
+    char * host = st.host;
+
+    // the job: made once per distinct content, kept for the context's life (a captured graph's host node points to it)
+    rkv_job_store store;
+    memset(&store.job, 0, sizeof(store.job)); // the key is its bytes, padding included
+    rkv_cpu_part_job & j = store.job;
+    j.n_head = (int32_t) n_head; j.n_head_kv = (int32_t) kt->ne[2]; j.D = (int32_t) kt->ne[0]; j.DV = (int32_t) DV;
+    j.k_type = kt->type; j.v_type = vt->type;
+    j.n_q = n_q; j.n_stream = ne3; j.n_cells = n_cpu;
+    j.q = (const uint8_t *) host; j.q_nb1 = q->nb[1]; j.q_nb3 = q->nb[3];
+    j.k = (const uint8_t *) kt->data + c_tail*kt->nb[1]; j.k_nb1 = kt->nb[1]; j.k_nb2 = kt->nb[2]; j.k_nb3 = kt->nb[3];
+    j.v = (const uint8_t *) vt->data + c_tail*vt->nb[1]; j.v_nb1 = vt->nb[1]; j.v_nb2 = vt->nb[2]; j.v_nb3 = vt->nb[3];
+    j.mask = mask ? (const uint16_t *) (host + off_mask) : nullptr; j.n_mask_planes = n_planes;
+    j.scale = scale*mul;
+    j.softcap = softcap != 0.0f ? softcap*mul : 0.0f; // softcap*tanh(qk*scale/softcap): the whole score times mul
+    j.o = (float *) (host + off_out); j.lse = (float *) (host + off_out + o_bytes);
+    j.n_threads = 0;
+    std::string key((const char *) &j, sizeof(j));
+    key.append((const char *) &max_bias, sizeof(max_bias));
+    auto it = h.jobs.find(key);
+    if (it == h.jobs.end()) {
+        auto s = std::make_unique<rkv_job_store>(store);
+        if (max_bias > 0.0f || mul != 1.0f) {
+            s->slope = rkv_slopes((int) n_head, max_bias, mul);
+        }
+        s->job.slope = s->slope.empty() ? nullptr : s->slope.data();
+        it = h.jobs.emplace(std::move(key), std::move(s)).first;
+    }
+
+    cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_RKV_CPU_STREAM);
+    CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
+    CUDA_CHECK(cudaStreamWaitEvent(cs, h.ev_fork, 0));
+    CUDA_CHECK(cudaMemcpyAsync(host, q->data, q_bytes, cudaMemcpyDeviceToHost, cs));
+    for (int64_t p = 0; p < (mask ? n_planes : 0); ++p) {
+        CUDA_CHECK(cudaMemcpy2DAsync(host + off_mask + (size_t) (p*n_q*n_cpu)*sizeof(uint16_t), n_cpu*sizeof(uint16_t),
+            (const char *) mask->data + p*mask->nb[3] + (col0)*mask->nb[0], mask->nb[1],
+            n_cpu*sizeof(uint16_t), n_q, cudaMemcpyDeviceToHost, cs));
+    }
+    CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, it->second.get()));
+    CUDA_CHECK(cudaMemcpyAsync(out_dev, host + off_out, o_bytes + (size_t) rows*sizeof(float), cudaMemcpyHostToDevice, cs));
+    CUDA_CHECK(cudaEventRecord(st.done, cs));
+    h.ev_done = st.done;
+#else
+    GGML_UNUSED(ctx); GGML_UNUSED(op); GGML_UNUSED(n_cpu); GGML_UNUSED(col0); GGML_UNUSED(out_dev);
+    GGML_ABORT("rolling-KV: no CPU part on this backend");
+#endif // RKV_HYBRID
+}
+
+void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx) {
+    ggml_cuda_rkv_hybrid * h = ggml_cuda_rkv_hybrid_of(ctx);
+    GGML_ASSERT(h && h->ev_done);
+    CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0));
+}

@@ -1,0 +1,46 @@
+// rolling-KV: the CPU part of a hybrid tail on a CUDA device (rolling-kv-hybrid.cu)
+//
+// A streamed host tail may leave its far end (ggml_rkv_tail_cpu_cells, ggml-rolling-kv.h) to the CPU. Per op, on a
+// stream of its own that forks from the compute stream where the op starts (its Q and this step's tail rows are
+// written by then):
+//   1. Q and the part's mask columns are copied to pinned host staging (a few KiB);
+//   2. a stream-ordered host function (cudaLaunchHostFunc: a host node in a captured CUDA graph) attends the part's
+//      cells on the host's thread pool straight from the pinned tail rows (rolling-kv-cpu-part.h);
+//   3. its output and per-row LSE are copied back to the device and an event is recorded.
+// Meanwhile the compute stream attends the window and the streamed chunks; it waits for that event only before the
+// last merge, where the CPU part is merged like any other part (exact online-softmax combine, sinks once).
+//
+// The host function reads a job (shapes, host addresses) that is never changed once made: a replayed graph finds
+// the job of its capture. The pinned staging of the k-th CPU part of a graph is shared by all graphs (they run one
+// after another on the compute stream) and only grows; a buffer that grew is kept until the context is freed, since
+// a captured graph may still copy through it.
+#pragma once
+
+#include "common.cuh"
+
+#include <cstdint>
+
+// The stream of the CPU parts: not the compute stream (0), not one of ggml's concurrent-event branches (1..3), not
+// the tail copy stream (the last one).
+#define GGML_CUDA_RKV_CPU_STREAM (GGML_CUDA_MAX_STREAMS - 2)
+static_assert(GGML_CUDA_RKV_CPU_STREAM > 3, "the rolling-KV CPU-part stream must not be a concurrent-event branch stream");
+
+struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, jobs, events)
+void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
+
+// before a graph is evaluated: its CPU parts take staging buffers from the first again
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid * h);
+
+// cells of op's host tail that the CPU attends (its far end), 0 when op has no CPU part: a pinned-host tail, a
+// tail_cpu_frac > 0, at most GGML_RKV_CPU_PART_MAX_Q query rows per stream, K/V types and head sizes the CPU part
+// reads, Q heads contiguous, a mask that does not vary per head
+int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op);
+
+// the cells of op's host tail that stream through the device: the tail minus its CPU part
+int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op);
+
+// issue op's CPU part over its last n_cpu tail cells (first mask column col0) on the CPU-part stream; the result
+// lands in out_dev: [rows][DV] floats, then [rows] LSEs (rows = DV-rows of dst)
+void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0, float * out_dev);
+// the compute stream waits for the CPU part issued last
+void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx);

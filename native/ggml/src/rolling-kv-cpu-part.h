@@ -1,0 +1,50 @@
+// rolling-KV: the CPU part of a hybrid tail, run on a pool of host threads (rolling-kv-cpu-part.cpp).
+//
+// A GPU backend that streams a pinned-host tail may leave the tail's far end to the CPU (ggml_rkv_tail_cpu_cells,
+// ggml-rolling-kv.h): its Q and mask columns come to the host with small copies, this attends the part's cells for
+// every query row of every stream, split over the pool's threads by cells (rkv_cpu_decode_range, the partials merged
+// in range order: the result does not depend on timing), and leaves the normalised output and the per-row LSE that
+// the backend merges with its other parts. Sinks are not applied here (the final merge counts them once).
+
+#pragma once
+
+#include "rolling-kv-cpu-decode.h"
+
+#include <cstddef>
+#include <cstdint>
+
+struct rkv_cpu_part_job {
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t D;
+    int32_t DV;
+    int32_t k_type;    // ggml_type (rkv_cpu_decode_supported)
+    int32_t v_type;
+    int64_t n_q;       // query rows per stream
+    int64_t n_stream;  // streams (ne[3])
+    int64_t n_cells;   // cells of the part
+
+    // Q of row t of stream s at q + t*q_nb1 + s*q_nb3: n_head rows of D floats, contiguous
+    const uint8_t * q;
+    size_t q_nb1, q_nb3;
+    // cell c, KV head g, stream s at k + c*k_nb1 + g*k_nb2 + s*k_nb3 (the part's first cell at k)
+    const uint8_t * k;
+    size_t k_nb1, k_nb2, k_nb3;
+    const uint8_t * v;
+    size_t v_nb1, v_nb2, v_nb3;
+    // [n_mask_planes][n_q][n_cells] f16; stream s reads plane s % n_mask_planes. nullptr: no mask
+    const uint16_t * mask;
+    int64_t n_mask_planes;
+    const float * slope;  // [n_head]: a mask value is added times its head's slope (ALiBi); nullptr: 1
+    float scale;
+    float softcap;
+
+    // out: o [n_stream][n_q][n_head][DV], lse [n_stream][n_q][n_head] (the rows in the op's dst order)
+    float * o;
+    float * lse;
+
+    int n_threads;  // <= 0: ggml_rkv_get_cpu_threads()
+};
+
+// run the job on the process's pool (one job at a time; the calling thread is one of the workers)
+void rkv_cpu_part_run(const rkv_cpu_part_job & job);
