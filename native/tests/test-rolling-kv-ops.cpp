@@ -49,6 +49,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-rolling-kv.h"
+#include "rolling-kv-cpu-part.h" // rkv_cpu_part_runs: which cases a backend attended partly on the CPU
 
 #include <algorithm>
 #include <chrono>
@@ -951,7 +952,11 @@ int main(int argc, char ** argv) {
         double err = 0.0, thr = 0.0;
         const auto t0 = std::chrono::steady_clock::now();
         g_extra.clear();
+        const uint64_t cpu_runs = rkv_cpu_part_runs();
         const result r = run_case(backend, is_cpu, c, rng, verbose, &err, &thr);
+        if (rkv_cpu_part_runs() != cpu_runs) {
+            g_extra += " cpu-part=" + std::to_string(rkv_cpu_part_runs() - cpu_runs); // op evaluations with a CPU part
+        }
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (r == RES_SKIP) {
             n_skip++;

@@ -29,6 +29,7 @@ static inline void rkv_pause() { std::this_thread::yield(); }
 namespace {
 
 std::atomic<int> g_cpu_threads{0}; // 0: unset
+std::atomic<uint64_t> g_runs{0};
 
 int default_threads() {
     const unsigned hw = std::thread::hardware_concurrency();
@@ -117,7 +118,12 @@ rkv_pool & pool() {
 
 } // namespace
 
+uint64_t rkv_cpu_part_runs(void) {
+    return g_runs.load();
+}
+
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
+    g_runs.fetch_add(1, std::memory_order_relaxed);
     const int64_t n_rows = job.n_stream*job.n_q;
     rkv_cpu_decode_params base = {};
     base.n_head    = job.n_head;

@@ -48,3 +48,6 @@ struct rkv_cpu_part_job {
 
 // run the job on the process's pool (one job at a time; the calling thread is one of the workers)
 void rkv_cpu_part_run(const rkv_cpu_part_job & job);
+
+// jobs run so far in this process (the op test shows which cases a backend attended partly on the CPU)
+uint64_t rkv_cpu_part_runs(void);
