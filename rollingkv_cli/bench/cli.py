@@ -203,11 +203,13 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
+    from rollingkv_cli.serving import build_has_tail_cpu
+    hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
     cfg = tail_runs.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
-        cpu_fracs=cpu_fracs, window_type=window_type, threads=threads,
+        cpu_fracs=cpu_fracs, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
         ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_runs.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
         pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)

@@ -66,6 +66,8 @@ class TailConfig:
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
     mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
     cpu_fracs: list = field(default_factory=lambda: list(DEFAULT_CPU_FRACS))  # "auto" or 0 < F <= 1; [] = no hybrid cells
+    # the build has the hybrid tail, whose default is auto: the window cells then pass --kv-tail-cpu-frac 0 (GPU only)
+    hybrid_build: bool = False
     window_type: str = "f16"
     threads: int | None = None
     ring_bytes: int = DEFAULT_RING_SLOTS * DEFAULT_RING_SLOT_MIB << 20
@@ -170,8 +172,9 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                     window_cells[key]["fractions"].append(f)
                     continue
                 tcells = bm.tail_cells_per_token(depth, cfg.n_gen, w)
+                gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
                 c = cell("window", "", cfg.bench,
-                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t], cfg.reps,
+                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t, *gpu_only], cfg.reps,
                          tail_type=t, fractions=[f], window_cells=w, tail_fraction=bm.tail_fraction(w, depth, cfg.n_gen),
                          tail_cells_per_token=tcells, tail_bytes_per_token=tcells * model.kv.row_bytes(t, t))
                 window_cells[key] = c
