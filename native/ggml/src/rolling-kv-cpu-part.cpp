@@ -57,8 +57,10 @@ public:
         std::lock_guard<std::mutex> one(run_mutex_); // one job at a time (several GPUs may call at once)
         nth = std::max(1, nth);
         while ((int) workers_.size() < nth - 1) {
+            // the generation before this task's: a worker that starts after the bump below still sees the task
             const int id = (int) workers_.size() + 1;
-            workers_.emplace_back([this, id] { work(id); });
+            const uint64_t seen = gen_.load();
+            workers_.emplace_back([this, id, seen] { work(id, seen); });
         }
         task_ = &fn;
         nth_  = nth;
@@ -76,8 +78,7 @@ public:
     }
 
 private:
-    void work(int id) {
-        uint64_t seen = gen_.load();
+    void work(int id, uint64_t seen) {
         for (;;) {
             // spin up to ~2 ms for the next task, then sleep
             const auto t0 = std::chrono::steady_clock::now();
