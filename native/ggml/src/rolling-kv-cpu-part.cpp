@@ -154,6 +154,12 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
 
     // split the cells into ranges of whole 16-cell blocks, at least 64 cells per thread
     int nth = job.n_threads > 0 ? job.n_threads : ggml_rkv_get_cpu_threads();
+    // leave a core to the thread that launches and waits for the GPU's work: a pool thread that shares a core with it
+    // (or with anything else) holds up the whole part
+    const unsigned hw = std::thread::hardware_concurrency();
+    if (hw > 1) {
+        nth = std::min(nth, (int) hw - 1);
+    }
     nth = (int) std::max<int64_t>(1, std::min<int64_t>(nth, (job.n_cells + 63)/64));
     const size_t part_floats = rkv_cpu_decode_part_floats(base);
     std::vector<float> parts((size_t) n_rows*nth*part_floats);
