@@ -19,6 +19,11 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 static inline void rkv_pause() { _mm_pause(); }
@@ -53,15 +58,16 @@ public:
         }
     }
 
+    // make the workers of an nth-thread task now (from a thread of the application, not a runtime's callback thread)
+    void prepare(int nth) {
+        std::lock_guard<std::mutex> one(run_mutex_);
+        spawn(nth);
+    }
+
     void run(int nth, const std::function<void(int)> & fn) {
         std::lock_guard<std::mutex> one(run_mutex_); // one job at a time (several GPUs may call at once)
         nth = std::max(1, nth);
-        while ((int) workers_.size() < nth - 1) {
-            // the generation before this task's: a worker that starts after the bump below still sees the task
-            const int id = (int) workers_.size() + 1;
-            const uint64_t seen = gen_.load();
-            workers_.emplace_back([this, id, seen] { work(id, seen); });
-        }
+        spawn(nth);
         task_ = &fn;
         nth_  = nth;
         pending_.store(nth - 1);
@@ -78,7 +84,26 @@ public:
     }
 
 private:
+    void spawn(int nth) {
+        while ((int) workers_.size() < nth - 1) {
+            // the generation before this task's: a worker that starts after the bump below still sees the task
+            const int id = (int) workers_.size() + 1;
+            const uint64_t seen = gen_.load();
+            workers_.emplace_back([this, id, seen] { work(id, seen); });
+        }
+    }
+
     void work(int id, uint64_t seen) {
+#if defined(__linux__)
+        // every CPU: a worker inherits the affinity of the thread that made it (a GPU runtime's callback thread may be
+        // confined to one core, which serializes the whole pool)
+        cpu_set_t all;
+        CPU_ZERO(&all);
+        for (unsigned c = 0; c < std::thread::hardware_concurrency() && c < CPU_SETSIZE; ++c) {
+            CPU_SET(c, &all);
+        }
+        pthread_setaffinity_np(pthread_self(), sizeof(all), &all);
+#endif
         for (;;) {
             // spin up to ~2 ms for the next task, then sleep
             const auto t0 = std::chrono::steady_clock::now();
@@ -123,6 +148,21 @@ uint64_t rkv_cpu_part_runs(void) {
     return g_runs.load();
 }
 
+static int rkv_pool_threads(int n_threads) {
+    int nth = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
+    // leave a core to the thread that launches and waits for the GPU's work: a pool thread that shares a core with it
+    // (or with anything else) holds up the whole part
+    const unsigned hw = std::thread::hardware_concurrency();
+    if (hw > 1) {
+        nth = std::min(nth, (int) hw - 1);
+    }
+    return std::max(1, nth);
+}
+
+void rkv_cpu_part_prepare(int n_threads) {
+    pool().prepare(rkv_pool_threads(n_threads));
+}
+
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     g_runs.fetch_add(1, std::memory_order_relaxed);
     const int64_t n_rows = job.n_stream*job.n_q;
@@ -153,13 +193,7 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     };
 
     // split the cells into ranges of whole 16-cell blocks, at least 64 cells per thread
-    int nth = job.n_threads > 0 ? job.n_threads : ggml_rkv_get_cpu_threads();
-    // leave a core to the thread that launches and waits for the GPU's work: a pool thread that shares a core with it
-    // (or with anything else) holds up the whole part
-    const unsigned hw = std::thread::hardware_concurrency();
-    if (hw > 1) {
-        nth = std::min(nth, (int) hw - 1);
-    }
+    int nth = rkv_pool_threads(job.n_threads);
     nth = (int) std::max<int64_t>(1, std::min<int64_t>(nth, (job.n_cells + 63)/64));
     const size_t part_floats = rkv_cpu_decode_part_floats(base);
     std::vector<float> parts((size_t) n_rows*nth*part_floats);

@@ -49,5 +49,9 @@ struct rkv_cpu_part_job {
 // run the job on the process's pool (one job at a time; the calling thread is one of the workers)
 void rkv_cpu_part_run(const rkv_cpu_part_job & job);
 
+// make the pool's threads for a job of n_threads (<= 0: ggml_rkv_get_cpu_threads()) now, on the calling thread: a
+// backend calls it where it issues a CPU part, so that the workers do not start from its runtime's callback thread
+void rkv_cpu_part_prepare(int n_threads);
+
 // jobs run so far in this process (the op test shows which cases a backend attended partly on the CPU)
 uint64_t rkv_cpu_part_runs(void);

@@ -205,6 +205,8 @@ void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_t
         it = h.jobs.emplace(std::move(key), std::move(s)).first;
     }
 
+    rkv_cpu_part_prepare(0); // the pool's workers start here, not on CUDA's callback thread
+
     cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_RKV_CPU_STREAM);
     CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
     CUDA_CHECK(cudaStreamWaitEvent(cs, h.ev_fork, 0));
