@@ -5,6 +5,9 @@
 # (a 16-core Intel Xeon with AMX); --cuda: a CUDA build from the carried tree; --prebuilt: the cross-built CUDA build.
 # Carry .device/src (plus .device/prebuilt, .device/series, or the demo model halves as the checks need). CHECK is:
 #   op-tests            the op test on the build's backend (CPU: -b CPU; CUDA: the whole matrix, device + pinned-host tail)
+#   hybrid-op-tests     the op test on CUDA0, pinned-host tail, its far end on the CPU (0.5, 1), and perturbed (CUDA builds)
+#   cpu-decode-bench    the CPU part's attention bench on 15 threads (f16, q8_0, q4_0) against a read scan and ggml's
+#   hybrid-cells        llama-bench decode at 16384, 50% and ~100% f16 tail, CPU part 0 / auto / HYBRID_FRACS (synthetic model)
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
 #   serve-without-ngl   rollingkv serve on a KV that does not fit --vram-target 9000, without -ngl
@@ -36,6 +39,9 @@ while [ $# -gt 0 ]; do
   # shellcheck disable=SC2119
   case "$name" in
     op-tests) if [ "$BUILD_KIND" = cpu ]; then op_tests_cpu; else op_tests_cuda; fi ;;
+    hybrid-op-tests) hybrid_op_tests ;;
+    cpu-decode-bench) cpu_decode_bench ;;
+    hybrid-cells) hybrid_cells ;;
     gpu-tests) gpu_tests ;;
     decode-cells) decode_cells ;;
     serve-without-ngl) synth_model; serve_without_ngl "$SYNTH" ;;

@@ -11,8 +11,8 @@
 # - with .device/model1, then .device/model2 carried in two back-to-back calls (pack.sh --model): the demo model's
 #   halves, kept in /tmp and joined into the cache when the second arrives.
 # Builds: build_cpu, build_cuda, use_prebuilt, or pick_build MODE; each sets and exports B and ROLLINGKV_BUILD.
-# Checks (each returns its status): op_tests_cpu, op_tests_cuda, gpu_tests, run_pytest, decode_cell, decode_cells,
-# serve_without_ngl, gate_matrix_run, gate_vram_targets, probe_pcie, smoke.
+# Checks (each returns its status): op_tests_cpu, op_tests_cuda, hybrid_op_tests, cpu_decode_bench, gpu_tests, run_pytest,
+# decode_cell, decode_cells, serve_without_ngl, gate_matrix_run, gate_vram_targets, probe_pcie, smoke.
 set -u
 RKV_CHECKOUT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEV="$RKV_CHECKOUT/.device"
@@ -182,6 +182,51 @@ decode_cells() {
   decode_cell resident -- --kv-residency-mode off || rc=1
   decode_cell "f16 50% tail" -- --kv-residency-mode window --kv-window-cells 8192 || rc=1
   decode_cell "q4_0 50% tail" -- --kv-residency-mode window --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0 || rc=1
+  return $rc
+}
+
+# hybrid_op_tests: the op test on CUDA0 with a pinned-host tail whose far end the CPU attends (--tail-cpu-frac 0.5 and 1:
+# the decode-sized cases say cpu-part=N), and the perturbation reaching the CPU part (x = 1, the whole tail on the CPU:
+# every case with a live tail must fail); logs $OUT/optest-cuda0-hybrid-*.txt
+hybrid_op_tests() {
+  local f r rc=0 log
+  for f in 0.5 1; do
+    log="$OUT/optest-cuda0-hybrid-$f.txt"
+    timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --tail-host --tail-cpu-frac "$f" > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
+    echo "op test -b CUDA0 --tail-host --tail-cpu-frac $f: exit $r, $(grep -c 'cpu-part=' "$log") cases with a CPU part"
+    grep -E "FAIL|passed|skipped" "$log" | cut -c1-260 | tail -6
+  done
+  log="$OUT/optest-cuda0-hybrid-perturbed.txt"
+  ROLLINGKV_DEBUG_PERTURB_TAIL=1 timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --tail-host --tail-cpu-frac 1 --expect-perturbed \
+    > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
+  echo "perturbed x = 1, the whole tail on the CPU: exit $r; caught $(grep -c 'OK (fails: perturbed tail)' "$log")," \
+    "of them with a CPU part $(grep 'OK (fails: perturbed tail)' "$log" | grep -c 'cpu-part=')"
+  grep -E "FAIL|passed" "$log" | cut -c1-260 | tail -6
+  return $rc
+}
+
+# cpu_decode_bench: the CPU part's attention alone (test-rolling-kv-cpu-decode --bench: 28 layers x 16384 cells, 15
+# threads, f16/q8_0/q4_0) against a read scan, a copy and ggml_flash_attn_ext on the same bytes; $OUT/cpu-decode-bench.txt
+cpu_decode_bench() {
+  local t rc=0
+  for t in f16 q8_0 q4_0; do
+    timeout 120 "$B/build/bin/test-rolling-kv-cpu-decode" --bench -t 15 --layers 28 --cells 16384 --type "$t" --reps 3 \
+      2>&1 | tee -a "$OUT/cpu-decode-bench.txt" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  return $rc
+}
+
+# hybrid_cells: decode at depth $D (16384) with the 50% and ~100% f16 tail, the CPU part off, auto and at fixed shares
+# (HYBRID_FRACS, default 0.25 0.4 0.5), on the synthetic model; $OUT/decode.jsonl
+hybrid_cells() {
+  local w f rc=0 kv=$(( ${D:-16384} + ${N:-32} ))
+  for w in $(( kv / 2 / 256 * 256 )) 256; do
+    decode_cell "w$w cpu 0" -- --kv-residency-mode window --kv-window-cells "$w" --kv-tail-cpu-frac 0 || rc=1
+    decode_cell "w$w cpu auto" -- --kv-residency-mode window --kv-window-cells "$w" --kv-tail-cpu-frac auto || rc=1
+    for f in ${HYBRID_FRACS:-0.25 0.4 0.5}; do
+      decode_cell "w$w cpu $f" -- --kv-residency-mode window --kv-window-cells "$w" --kv-tail-cpu-frac "$f" || rc=1
+    done
+  done
   return $rc
 }
 
