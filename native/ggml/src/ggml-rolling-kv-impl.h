@@ -17,6 +17,11 @@
 //                             CUDA versions hold more or less: the one figure a user must correct for a vram_target
 //                             to hold as NVML measures it.
 //
+// Diagnostics (outputs unchanged):
+//   ROLLINGKV_CPU_PART_STATS=1          at exit, print to stderr how many CPU parts of a hybrid tail ran, their mean wall
+//                                       time and the K+V bandwidth while they ran (rolling-kv-cpu-part.cpp): where a
+//                                       hybrid decode's time goes, next to the token time llama-bench reports.
+//
 // Test hooks (exact outputs unless stated; the tests set them, users have no reason to):
 //   ROLLINGKV_DEBUG_PERTURB_TAIL=x      every tail key's attention score (after scale, softcap and mask) is multiplied
 //                                       by (1 + x) before the softmax, on the CPU and the CUDA forward alike (x > -1).
@@ -52,6 +57,9 @@ struct ggml_rkv_knobs {
     int     ring_slots;       // ROLLINGKV_SLOTS
     size_t  ring_slot_bytes;  // ROLLINGKV_SLOT_MIB, in bytes
     int64_t runtime_mib;      // ROLLINGKV_RUNTIME_MIB; -1: unset (the backend's estimate)
+
+    // diagnostics
+    bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS
 
     // test hooks
     float   perturb_tail;     // ROLLINGKV_DEBUG_PERTURB_TAIL; 0: off

@@ -226,6 +226,8 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
         }
     }
 
+    k.cpu_part_stats = ggml_rkv_env_int("ROLLINGKV_CPU_PART_STATS", 0, 0, 1) == 1;
+
     {
         const char * v = ggml_rkv_env("ROLLINGKV_DEBUG_PERTURB_TAIL");
         k.perturb_tail = v ? strtof(v, NULL) : 0.0f;

@@ -5,6 +5,7 @@
 
 #include "ggml.h"
 #include "ggml-rolling-kv.h"
+#include "ggml-rolling-kv-impl.h"
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -35,6 +37,28 @@ namespace {
 
 std::atomic<int> g_cpu_threads{0}; // 0: unset
 std::atomic<uint64_t> g_runs{0};
+
+// ROLLINGKV_CPU_PART_STATS: the parts' wall time and the K+V bytes they read, printed at exit
+std::atomic<uint64_t> g_stat_runs{0};
+std::atomic<uint64_t> g_stat_ns{0};
+std::atomic<uint64_t> g_stat_bytes{0};
+
+void print_stats() {
+    const uint64_t n = g_stat_runs.load(), ns = g_stat_ns.load(), b = g_stat_bytes.load();
+    fprintf(stderr, "rolling KV: CPU part: %llu runs, %.1f us each, %.1f GB/s of K+V while running (%.3f GB in %.3f s)\n",
+            (unsigned long long) n, n ? ns/1e3/n : 0.0, ns ? b/(double) ns : 0.0, b/1e9, ns/1e9);
+}
+
+bool stats_on() {
+    static const bool on = [] {
+        const bool v = ggml_rkv_get_knobs()->cpu_part_stats;
+        if (v) {
+            atexit(print_stats);
+        }
+        return v;
+    }();
+    return on;
+}
 
 int default_threads() {
     const unsigned hw = std::thread::hardware_concurrency();
@@ -165,6 +189,8 @@ void rkv_cpu_part_prepare(int n_threads) {
 
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     g_runs.fetch_add(1, std::memory_order_relaxed);
+    const bool stats = stats_on();
+    const auto t_start = stats ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     const int64_t n_rows = job.n_stream*job.n_q;
     rkv_cpu_decode_params base = {};
     base.n_head    = job.n_head;
@@ -211,6 +237,12 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     for (int64_t r = 0; r < n_rows; ++r) {
         rkv_cpu_decode_merge(row_params(r), parts.data() + (size_t) r*nth*part_floats, nth,
             job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
+    }
+    if (stats) {
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
+        g_stat_runs.fetch_add(1);
+        g_stat_ns.fetch_add((uint64_t) ns);
+        g_stat_bytes.fetch_add((uint64_t) (job.n_stream*job.n_cells)*(job.k_nb1 + job.v_nb1));
     }
 }
 
