@@ -141,6 +141,18 @@ def _cases() -> dict:
         "missing": {k: v for k, v in GPU.items() if k != "kv_size"},
         "bad_devices": fig(devices=[{"name": "CUDA0", "n_layer": 5}]),
     }
+    # the hybrid tail's share (llama_rkv_plan_tail_cpu): a 50 GiB tail of the 8B-like model, 40 GB/s of CPU attention
+    hyb = dict(kv_size=262144, vram_target_mib=12000, cpu_attn_gbps=40.0)
+    for link in (6.5, 25.0, 53.5):
+        c[f"hyb_auto_{link:g}"] = fig(**hyb, pcie_bw_gbps=link, tail_cpu_frac=-1)
+    c["hyb_default"] = fig(**hyb)                                     # the request's default: off
+    c["hyb_fixed"] = fig(**hyb, tail_cpu_frac=0.5)
+    c["hyb_unknown_cpu"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1)
+    c["hyb_measured"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1, pcie_bw_gbps=0, cpu_attn_measured_gbps=40.0,
+                            link_measured_gbps=6.5)
+    c["hyb_fast_cpu_no_gain"] = fig(**{**hyb, "cpu_attn_gbps": 0.5}, tail_cpu_frac=-1, pcie_bw_gbps=53.5)
+    c["hyb_q4_1"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, type_k_tail="q4_1", type_v_tail="q4_1")
+    c["hyb_host"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, host_memory=True)
     for t in SWEEP:
         c[f"sweep{t}"] = fig(vram_target_mib=t)
     for t in TAIL_TYPES:
@@ -533,3 +545,83 @@ def test_live_iswa_counts_the_swa_cache(cpu_build, tmp_path):
     assert full["split"]
     # 3.25 MiB less SWA cache leave a larger window, or room for the whole KV (4 MiB)
     assert (small["window_cells"] > full["window_cells"]) or small["mode_chosen"] == "resident"
+
+
+# ------------------------------------------------------------------------------ the hybrid tail's share
+
+
+CPU_PART_LATENCY_MS = 0.03  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer
+
+
+def _best_share(p: dict, cpu_gbps: float, link_gbps: float) -> float:
+    """The documented model (llama-kv-residency.h): f in steps of 1/64 minimizing
+    max(t_res + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %."""
+    est = p["estimate"]
+    t_res, tail = est["t_resident_ms"], est["tail_bytes_per_token"]
+    n_layer = sum(1 for layer in p["layers"] if layer["split"])
+
+    def t(f):
+        return max(t_res + f * tail / (cpu_gbps * 1e9) * 1e3 + (n_layer * CPU_PART_LATENCY_MS if f > 0 else 0.0),
+                   (1 - f) * tail / (link_gbps * 1e9) * 1e3)
+    best = min((i / 64 for i in range(65)), key=lambda f: (t(f), f))
+    return 0.0 if t(best) > 0.97 * t(0.0) else best
+
+
+@pytest.mark.parametrize("link", [6.5, 25.0, 53.5])
+def test_auto_share_follows_the_link(sim, link):
+    """A slower link leaves more of the tail to the CPU: most of it on PCIe 3.0 x8 (6.5 GB/s) against 40 GB/s of CPU
+    attention, about half on PCIe 4.0 x16, less on Gen5; exactly the share the documented model gives."""
+    p = sim[f"hyb_auto_{link:g}"]
+    tc = p["tail_cpu"]
+    assert p["split"] and tc["requested"] == "auto" and tc["cpu_attn_source"] == "request"
+    assert tc["cpu_attn_gbps"] == pytest.approx(40.0)
+    assert tc["frac"] == pytest.approx(_best_share(p, 40.0, link), abs=1e-6)
+    assert tc["reason"].startswith("auto: ") and f"link {link:.1f} GB/s" in tc["reason"]
+    assert p["estimate"]["t_token_hybrid_ms"] < p["estimate"]["ms_per_token"]
+    if link == 6.5:
+        assert tc["frac"] > 0.8
+    elif link == 25.0:
+        assert 0.5 < tc["frac"] < 0.7
+
+
+def test_auto_share_is_monotone_in_the_link(sim):
+    shares = [sim[f"hyb_auto_{link:g}"]["tail_cpu"]["frac"] for link in (6.5, 25.0, 53.5)]
+    assert shares[0] > shares[1] > shares[2] > 0
+
+
+def test_the_default_request_has_no_cpu_part(sim):
+    """Off unless asked (the H200 measurement: docs/perf/2026-12-02-h200-hybrid-tail)."""
+    tc = sim["hyb_default"]["tail_cpu"]
+    assert tc["requested"] == 0 and tc["frac"] == 0 and "off" in tc["reason"]
+    assert sim["hyb_default"]["estimate"]["t_token_hybrid_ms"] is None
+
+
+def test_a_requested_share_is_used_as_given(sim):
+    p = sim["hyb_fixed"]
+    assert p["tail_cpu"]["frac"] == pytest.approx(0.5) and p["tail_cpu"]["reason"] == "requested"
+    assert p["estimate"]["t_token_hybrid_ms"] == pytest.approx(
+        max(p["estimate"]["t_resident_ms"] + 0.5 * p["estimate"]["tail_bytes_per_token"] / 40e9 * 1e3 + 32 * CPU_PART_LATENCY_MS,
+            0.5 * p["estimate"]["tail_bytes_per_token"] / 53.5e9 * 1e3), rel=1e-4)
+
+
+def test_auto_without_a_cpu_bandwidth_stays_off(sim):
+    tc = sim["hyb_unknown_cpu"]["tail_cpu"]
+    assert tc["frac"] == 0 and "CPU attention bandwidth is unknown" in tc["reason"] and tc["cpu_attn_gbps"] is None
+
+
+def test_auto_measures_what_the_request_leaves_out(sim):
+    p = sim["hyb_measured"]
+    tc = p["tail_cpu"]
+    assert tc["cpu_attn_source"] == "given (measured)" and tc["cpu_attn_gbps"] == pytest.approx(40.0)
+    assert p["link"]["link_bw_gbps"] == pytest.approx(6.5) and p["link"]["link_bw_source"] == "given (measured)"
+    assert tc["frac"] == pytest.approx(sim["hyb_auto_6.5"]["tail_cpu"]["frac"])
+
+
+def test_auto_takes_none_when_the_cpu_is_too_slow_to_gain(sim):
+    tc = sim["hyb_fast_cpu_no_gain"]["tail_cpu"]
+    assert tc["frac"] == 0 and "gain < 3 %" in tc["reason"]
+
+
+def test_no_cpu_part_for_a_tail_type_it_cannot_read_or_without_gpu(sim):
+    assert sim["hyb_q4_1"]["tail_cpu"]["frac"] == 0 and "q4_1" in sim["hyb_q4_1"]["tail_cpu"]["reason"]
+    assert sim["hyb_host"]["tail_cpu"]["frac"] == 0 and "no GPU" in sim["hyb_host"]["tail_cpu"]["reason"]
