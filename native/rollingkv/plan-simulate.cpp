@@ -13,7 +13,7 @@
 // type_v_tail, kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
 // device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib (default: the CUDA
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
-// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (-1: auto),
+// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, 0 = off; -1: auto),
 // cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
 // hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
@@ -355,7 +355,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.req.vram_target_mib = (int64_t) r.count("vram_target_mib", 0);
     st.req.window_cells    = (int64_t) r.count("window_cells", 0);
     st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
-    st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", -1.0); // < 0: auto
+    st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", st.req.tail_cpu_frac); // the request default (off); < 0: auto
     st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);  // the CPU part's attention bandwidth; <= 0: none given
     st.head_k    = (int64_t) r.count("head_k", 128);
     st.head_v    = (int64_t) r.count("head_v", 128);
