@@ -420,7 +420,8 @@ def describe_plan(plan: dict | None) -> str:
 
 
 def describe_plan_details(plan: dict | None) -> list[str]:
-    """The planner's budget terms and its link model, one line each (nothing for builds that do not report them)."""
+    """The planner's budget terms, its link model and (split plans only) its CPU part of the tail, one line each (nothing
+    for builds that do not report them)."""
     if not plan:
         return []
     lines = []
@@ -442,7 +443,7 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     elif plan.get("split") and link:
         lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
                      f" ({link.get('link_bw_source', '?')})")
-    line = describe_tail_cpu(plan)
+    line = describe_tail_cpu(plan) if plan.get("split") else None  # the CPU part only where the tail is split
     if line:
         lines.append(line)
     return lines
