@@ -99,17 +99,31 @@ class RollingKVParams(ctypes.Structure):
         ("type_k_tail", ctypes.c_int),
         ("type_v_tail", ctypes.c_int),
         ("pcie_bw_gbps", ctypes.c_float),
-        # API 4: the hybrid tail. tail_cpu_frac < 0: auto (the default); 0: off; 0 < F <= 1: that share of each split
-        # layer's host tail cells (in 256-cell chunks) attended on the CPU. cpu_attn_gbps <= 0: libllama calibrates.
+        # API 4: the hybrid tail. tail_cpu_frac 0: off (the library's default); < 0: auto (the planner picks the share);
+        # 0 < F <= 1: that share of each split layer's host tail cells (in 256-cell chunks) attended on the CPU.
+        # cpu_attn_gbps <= 0: libllama calibrates (for auto; for F it only feeds the plan's estimate).
         ("tail_cpu_frac", ctypes.c_float),
         ("cpu_attn_gbps", ctypes.c_float),
     ]
 
 
+# llama_rolling_kv_default_params().tail_cpu_frac: off. On the H200 the CPU part made decode slower at every share but a
+# small one at a ~100% tail (docs/perf/2026-12-02-h200-hybrid-tail), so auto and fixed shares are opt-in.
+DEFAULT_TAIL_CPU_FRAC = 0.0
+TAIL_CPU_AUTO = -1.0
+
+
+def is_auto(frac) -> bool:
+    return isinstance(frac, str) and frac.strip().lower() == "auto"
+
+
 def tail_cpu_frac_value(frac: float | str | None) -> float:
-    """The struct's tail_cpu_frac for a user's value: None or "auto" -> -1 (auto); else 0 <= F <= 1 (ValueError otherwise)."""
-    if frac is None or (isinstance(frac, str) and frac.strip().lower() == "auto"):
-        return -1.0
+    """The struct's tail_cpu_frac for a user's value: None -> 0 (off, the library's default); "auto" -> -1 (the planner
+    picks the share); else 0 <= F <= 1 (ValueError otherwise)."""
+    if frac is None:
+        return DEFAULT_TAIL_CPU_FRAC
+    if is_auto(frac):
+        return TAIL_CPU_AUTO
     import math
 
     if isinstance(frac, bool):
@@ -214,9 +228,10 @@ class Extension:
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
                     type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
                     tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0) -> RollingKVParams:
-        """tail_cpu_frac: None or "auto" = the planner decides (-1 in the struct), 0 = no CPU part, 0 < F <= 1 = that
-        share of each split layer's tail on the CPU; cpu_attn_gbps <= 0: libllama calibrates at plan time. A library
-        before API 4 ignores both fields: asking for anything but their defaults there is refused."""
+        """tail_cpu_frac: None = the library's default, 0 (no CPU part); "auto" = the planner decides (-1 in the
+        struct); 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
+        at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
+        does; auto, a share or a CPU bandwidth there is refused."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -226,7 +241,7 @@ class Extension:
 
         if not isinstance(cpu_attn_gbps, (int, float)) or isinstance(cpu_attn_gbps, bool) or not math.isfinite(cpu_attn_gbps):
             abort(f"cpu_attn_gbps {cpu_attn_gbps!r} is not a number", "give the CPU attention GB/s, or 0 to let libllama measure it")
-        if tail_cpu_frac is not None and not (isinstance(tail_cpu_frac, str) and tail_cpu_frac.strip().lower() == "auto"):
+        if frac != 0.0:
             self._require_tail_cpu(f"tail_cpu_frac {tail_cpu_frac!r}")
         if cpu_attn_gbps > 0:
             self._require_tail_cpu(f"cpu_attn_gbps {cpu_attn_gbps!r}")
@@ -242,7 +257,8 @@ class Extension:
                     abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
                 setattr(p, field, GGML_TYPES[name])
         p.pcie_bw_gbps = float(pcie_bw_gbps)
-        # set on every library: one before API 4 never reads them, and its default_params left them unwritten
+        # set on every library (None: the default, off): one before API 4 never reads them, and its default_params
+        # left them unwritten
         p.tail_cpu_frac = frac
         p.cpu_attn_gbps = float(cpu_attn_gbps) if cpu_attn_gbps > 0 else 0.0
         return p

@@ -48,13 +48,17 @@ llama_cpp.llama_backend_init()
 
 
 @pytest.mark.build
-def test_the_library_is_api4_with_auto_by_default(cpu_build):
+def test_the_library_is_api4_with_the_cpu_part_off_by_default(cpu_build):
+    """The library's default is no CPU part (0: on the H200 it did not pay), and make_params' default is the same."""
     r = run_python(_PRELUDE + """
 p = ext.default_params()
-print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps}))
+q = ext.make_params(mode="window")
+print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps,
+                  "made": q.tail_cpu_frac, "auto": ext.make_params(tail_cpu_frac="auto").tail_cpu_frac}))
 """, cpu_build.lib_dir)
     assert r["api"] == llama_ext.API_VERSION == 4 and r["has"]
-    assert r["frac"] < 0 and r["gbps"] <= 0  # auto, and measured at plan time
+    assert r["frac"] == 0 == llama_ext.DEFAULT_TAIL_CPU_FRAC and r["gbps"] <= 0  # off; the CPU figure measured at plan time
+    assert r["made"] == r["frac"] and r["auto"] < 0
 
 
 @pytest.mark.build
@@ -72,14 +76,16 @@ print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q
 
 @pytest.mark.build
 def test_the_plan_reports_the_split(cpu_build, demo_model):
-    """A split CPU context's plan has tail_cpu (the value asked for, echoed; a CPU-only build puts nothing on a CPU
-    part: it attends everything on the CPU already) and the link model's hybrid estimate."""
+    """A split CPU context's plan has tail_cpu (the value asked for, echoed: 0 by default; a CPU-only build puts
+    nothing on a CPU part: it attends everything on the CPU already) and the link model's hybrid estimate."""
     r = run_python(_PRELUDE + """
 model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 cp = llama_cpp.llama_context_default_params()
 cp.n_ctx = 1024; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1; cp.n_threads = 2; cp.n_threads_batch = 2
 out = {}
-for name, kw in {"auto": {}, "half": {"tail_cpu_frac": 0.5, "cpu_attn_gbps": 33.0}, "off": {"tail_cpu_frac": 0}}.items():
+cases = {"default": {}, "auto": {"tail_cpu_frac": "auto"}, "half": {"tail_cpu_frac": 0.5, "cpu_attn_gbps": 33.0},
+         "off": {"tail_cpu_frac": 0}}
+for name, kw in cases.items():
     ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256, **kw))
     out[name] = ext.plan(ctx)
     llama_cpp.llama_free(ctx)
@@ -88,9 +94,13 @@ print(json.dumps(out))
     for name, plan in r.items():
         assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]), (name, plan.get("tail_cpu"))
         assert plan["tail_cpu"]["frac"] == 0 and isinstance(plan["tail_cpu"]["reason"], str) and plan["tail_cpu"]["reason"]
-        assert "t_token_hybrid_ms" in (plan.get("link") or {}) or "t_token_hybrid_ms" in (plan.get("estimate") or {})
-    assert r["auto"]["tail_cpu"]["requested"] == "auto"
+        assert "t_token_hybrid_ms" in plan["estimate"] and plan["estimate"]["t_token_hybrid_ms"] is None  # no CPU part: null
+        assert plan["tail_cpu"]["reason"] == "no GPU: the CPU attends the whole tail already"
+        assert plan["tail_cpu"]["n_threads"] > 0
+    assert r["default"]["tail_cpu"]["requested"] == 0 and r["auto"]["tail_cpu"]["requested"] == "auto"
     assert r["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and r["off"]["tail_cpu"]["requested"] == 0
+    # a CPU figure asked for is kept (the planner stops before it on a CPU build); none asked for: null, not measured
+    assert r["default"]["tail_cpu"]["cpu_attn_gbps"] is None and r["auto"]["tail_cpu"]["cpu_attn_gbps"] is None
 
 
 @pytest.mark.build
@@ -107,16 +117,23 @@ def test_server_refuses_bad_hybrid_flags_at_parse_time(cpu_build, demo_model, ar
 
 @pytest.mark.build
 def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
+    """/props has the plan's tail_cpu (0 requested by default). The log: llama-server's own line (patch 0011) gives the
+    mode, cells, bytes and reason, not the CPU part; the planner's line on it ("rolling KV: CPU part of the tail: ...")
+    is a libllama INFO line, which llama-server prints with -v only."""
     from rollingkv_cli.server import ServerProcess
 
-    srv = ServerProcess(cpu_build.artifact("llama-server"),
-                        ["-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "1024", "--kv-residency-mode", "window",
-                         "--kv-window-cells", "256", "--kv-tail-cpu-frac", "0.5", "--cpu-attn-gbps", "20"],
-                        log_path=tmp_path / "server.log")
-    with srv:
-        plan = srv.request("/props")["rolling_kv"]
-    assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]) and plan["tail_cpu"]["requested"] == pytest.approx(0.5)
-    assert "tail_cpu" in (tmp_path / "server.log").read_text()  # the plan in the server log
+    base = ["-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "1024", "--kv-residency-mode", "window", "--kv-window-cells", "256"]
+    plans, logs = {}, {}
+    for name, extra in {"half": ["--kv-tail-cpu-frac", "0.5", "--cpu-attn-gbps", "20", "-v"], "default": []}.items():
+        srv = ServerProcess(cpu_build.artifact("llama-server"), base + extra, log_path=tmp_path / f"{name}.log")
+        with srv:
+            plans[name] = srv.request("/props")["rolling_kv"]
+        logs[name] = (tmp_path / f"{name}.log").read_text()
+    for name, plan in plans.items():
+        assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]) and plan["tail_cpu"]["frac"] == 0, name
+        assert "KV residency: requested window, chosen window, window 256 + tail 768 cells per stream" in logs[name]
+    assert plans["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and plans["default"]["tail_cpu"]["requested"] == 0
+    assert "rolling KV: CPU part of the tail: 0.000 (no GPU: the CPU attends the whole tail already)" in logs["half"]
 
 
 @pytest.mark.build
@@ -129,6 +146,14 @@ def test_bench_sweeps_the_cpu_fraction(cpu_build, demo_model):
     assert len(rows) == 3 and all(r["avg_ts"] > 0 and r["window_cells"] == 256 for r in rows)
     requested = [r["kv_tail_cpu_frac"] for r in rows]
     assert requested[2] == "auto" and [float(x) for x in requested[:2]] == [0.0, 0.5]
+    assert all(r["kv_tail_cpu_frac_chosen"] == 0 for r in rows)  # a CPU build: no CPU part (it attends all on the CPU)
+    # not given: llama-bench's default, 0
+    proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "-p", "0", "-n", "2", "-r", "1", "-fa", "1",
+                           "-t", "2", "-d", "512", "-o", "json", "--kv-residency-mode", "window", "--kv-window-cells", "256"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)
+    assert float(row["kv_tail_cpu_frac"]) == 0 and row["kv_tail_cpu_frac_chosen"] == 0
     proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "--kv-tail-cpu-frac", "1.5"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "kv-tail-cpu-frac" in proc.stdout + proc.stderr

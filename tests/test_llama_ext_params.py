@@ -1,6 +1,7 @@
 """llama_ext's mirror of struct llama_rolling_kv_params and the hybrid tail's part of the Extension, on a stand-in
-library (no build needed): the struct's layout, the params builder (auto = -1, 0, F, the CPU attention figure), the
-API version rules (an older library takes the defaults only, a newer one is refused), and the calibration's binding.
+library (no build needed): the struct's layout, the params builder (None = the library's default, off = 0; auto = -1;
+F; the CPU attention figure), the API version rules (an older library takes the defaults only, a newer one is refused),
+and the calibration's binding.
 The real library: tests/test_hybrid_tail.py."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class FakeLib:
         p = llama_ext.RollingKVParams()
         p.mode, p.type_k_tail, p.type_v_tail = 1, 39, 39
         # an API 3 library writes only the fields it knows: the trailing ones hold whatever the buffer held
-        p.tail_cpu_frac, p.cpu_attn_gbps = (-1.0, 0.0) if self.api >= 4 else (123.0, 456.0)
+        p.tail_cpu_frac, p.cpu_attn_gbps = (0.0, 0.0) if self.api >= 4 else (123.0, 456.0)  # API 4's default: off
         return p
 
     def _measure(self, n_threads, type_):
@@ -68,9 +69,12 @@ def test_struct_layout_appends_the_two_fields():
     assert llama_ext.API_VERSION == 4
 
 
-@pytest.mark.parametrize("given,want", [(None, -1.0), ("auto", -1.0), ("AUTO", -1.0), (0, 0.0), (0.0, 0.0), (0.25, 0.25), (1, 1.0)])
+@pytest.mark.parametrize("given,want", [(None, 0.0), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
+                                        (0.25, 0.25), (1, 1.0)])
 def test_tail_cpu_frac_values(given, want):
+    """None is the library's default: off (0), since the H200 measurement; auto is asked for by name."""
     assert llama_ext.tail_cpu_frac_value(given) == want
+    assert llama_ext.DEFAULT_TAIL_CPU_FRAC == 0.0 and llama_ext.TAIL_CPU_AUTO == -1.0
 
 
 @pytest.mark.parametrize("bad", [-0.5, 1.01, float("nan"), float("inf"), "half", True])
@@ -82,8 +86,12 @@ def test_tail_cpu_frac_refused(bad):
 def test_make_params_api4(ext):
     e = ext(4)
     assert e.api == 4 and e.has_tail_cpu
-    p = e.make_params(mode="window", window_cells=256)
-    assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 0.0 and p.mode == 3 and p.window_cells == 256
+    p = e.make_params(mode="window", window_cells=256)  # the default: no CPU part
+    assert p.tail_cpu_frac == 0.0 and p.cpu_attn_gbps == 0.0 and p.mode == 3 and p.window_cells == 256
+    p = e.make_params(mode="window", window_cells=256, tail_cpu_frac="auto")
+    assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 0.0
+    p = e.make_params(tail_cpu_frac="AUTO", cpu_attn_gbps=55.5)
+    assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 55.5
     p = e.make_params(mode="window", window_cells=256, tail_cpu_frac=0.5, cpu_attn_gbps=40.0)
     assert p.tail_cpu_frac == 0.5 and p.cpu_attn_gbps == 40.0
     p = e.make_params(tail_cpu_frac=0)
@@ -97,15 +105,16 @@ def test_make_params_api4(ext):
 
 
 def test_an_api3_library_takes_the_defaults_only(ext):
-    """The fields an API 3 library would ignore are always written (its default_params left garbage there) and asking
-    for a CPU part or a CPU bandwidth on it is refused with what to do."""
+    """The fields an API 3 library would ignore are always written (its default_params left garbage there); it has no
+    CPU part, so the default (None) and an explicit 0 are what it does, while asking for auto, a share or a CPU bandwidth
+    on it is refused with what to do."""
     e = ext(3, measure=False)
     assert e.api == 3 and not e.has_tail_cpu
     p = e.make_params(mode="window", window_cells=512)
-    assert (p.tail_cpu_frac, p.cpu_attn_gbps) == (-1.0, 0.0)
-    p = e.make_params(mode="window", tail_cpu_frac="auto")
-    assert p.tail_cpu_frac == -1.0
-    for kw in ({"tail_cpu_frac": 0.5}, {"tail_cpu_frac": 0}, {"cpu_attn_gbps": 30.0}):
+    assert (p.tail_cpu_frac, p.cpu_attn_gbps) == (0.0, 0.0)
+    p = e.make_params(mode="window", tail_cpu_frac=0)
+    assert (p.tail_cpu_frac, p.cpu_attn_gbps) == (0.0, 0.0)
+    for kw in ({"tail_cpu_frac": 0.5}, {"tail_cpu_frac": "auto"}, {"cpu_attn_gbps": 30.0}):
         with pytest.raises(RollingKVError) as exc:
             e.make_params(mode="window", **kw)
         assert "hybrid tail" in exc.value.message and "API 3" in exc.value.message and "rollingkv build" in exc.value.hint

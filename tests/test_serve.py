@@ -245,6 +245,7 @@ def hybrid_build(tmp_path, monkeypatch, isolated_cache):
     monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
     monkeypatch.setattr(serving, "build_has_tail_cpu", lambda lib: state.tail_cpu)
     monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_KV_TAIL_CPU_FRAC", raising=False)
     state.model = models.write_synthetic(tmp_path / "tiny.gguf", models.SynthSpec(layers=2, embd=128, heads=2, kv_heads=1, ff=256,
                                                                                   vocab=300, ctx=4096))
     return state
@@ -269,27 +270,43 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build):
     # the tail's K type picks the figure; the window's type when the tail has none of its own
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0.5", "-ctkt", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0.5" and argv[argv.index("--cpu-attn-gbps") + 1] == "30"
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "-ctk", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    assert argv[argv.index("--cpu-attn-gbps") + 1] == "30"
+    # asked for after `--` (llama-server's own flag) or through its variable: the same
+    argv, _ = _argv(capsys, m, "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6", "--kv-tail-cpu-frac", "auto")
+    assert argv[argv.index("--cpu-attn-gbps") + 1] == "40.5" and argv.count("--kv-tail-cpu-frac") == 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLAMA_ARG_KV_TAIL_CPU_FRAC", "auto")
+        argv, _ = _argv(capsys, m, "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+        assert argv[argv.index("--cpu-attn-gbps") + 1] == "40.5" and "--kv-tail-cpu-frac" not in argv
+    # llama-server's default is no CPU part (0): nothing to plan one with, nothing passed
     argv, _ = _argv(capsys, m, "-ctk", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
-    assert argv[argv.index("--cpu-attn-gbps") + 1] == "30" and "--kv-tail-cpu-frac" not in argv  # llama-server's default: auto
+    assert "--cpu-attn-gbps" not in argv and "--kv-tail-cpu-frac" not in argv
     # no figure for this type, or for this thread count: nothing passed, and llama-server measures
-    argv, _ = _argv(capsys, m, "-ctkt", "q4_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "-ctkt", "q4_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert "--cpu-attn-gbps" not in argv
-    argv, _ = _argv(capsys, m, "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "3")
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "3")
     assert "--cpu-attn-gbps" not in argv
     # the notes serve prints (not with --print-args, which prints the command line only)
     from rollingkv_cli.serving import ServeSettings, resolve_cpu_attn
 
     def note(**kw):
+        kw.setdefault("kv_tail_cpu_frac", "auto")
         s = ServeSettings(model=hybrid_build.model, extra_args=kw.pop("extra", ["-t", "6"]), **kw)
         return resolve_cpu_attn(s, True, "hb0123", True)
 
     assert note() == (40.5, note()[1]) and note()[1].startswith("CPU attention for planning: 40.5 GB/s — f16 tail, 6 threads, measured ")
     gbps, text = note(cache_type_k_tail="q4_0")
     assert gbps is None and "not supported" in text and "llama-server measures it" in text
+    gbps, text = note(cache_type_k_tail="q4_0", kv_tail_cpu_frac=0.5)  # a fixed share: nothing measured (auto only)
+    assert gbps is None and "not supported" in text and "goes without it" in text and "measures" not in text
     gbps, text = note(extra=["-t", "3"])
     assert gbps is None and "3 threads" in text and "probe pcie" in text
     gbps, text = note(cache_type_k_tail="q5_0")
     assert gbps is None and "not q5_0" in text
+    assert note(kv_tail_cpu_frac=None) == (None, None) and note(kv_tail_cpu_frac=0.0) == (None, None)  # off: nothing to say
+    assert note(kv_tail_cpu_frac=None, extra=["-t", "6", "--kv-tail-cpu-frac=0.25"])[0] == 40.5
+    assert note(extra=["-t", "6", "--kv-tail-cpu-frac", "0"]) == (None, None)  # after `--` it comes last: it wins
 
 
 def test_cpu_attn_left_out(capsys, hybrid_build, monkeypatch):
@@ -300,12 +317,15 @@ def test_cpu_attn_left_out(capsys, hybrid_build, monkeypatch):
     base = ["--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6"]
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0", *base)  # no CPU part: nothing to plan it with
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0" and "--cpu-attn-gbps" not in argv
-    argv, _ = _argv(capsys, m, "--kv-residency-mode", "off", *base)
+    argv, _ = _argv(capsys, m, *base)  # nor by default (llama-server's default: 0)
+    assert "--cpu-attn-gbps" not in argv and "--kv-tail-cpu-frac" not in argv
+    auto = ["--kv-tail-cpu-frac", "auto"]
+    argv, _ = _argv(capsys, m, "--kv-residency-mode", "off", *auto, *base)
     assert "--cpu-attn-gbps" not in argv
-    argv, _ = _argv(capsys, m, *base, "--cpu-attn-gbps", "12")  # the user's own wins
+    argv, _ = _argv(capsys, m, *auto, *base, "--cpu-attn-gbps", "12")  # the user's own wins
     assert argv.count("--cpu-attn-gbps") == 1 and argv[argv.index("--cpu-attn-gbps") + 1] == "12"
     monkeypatch.setenv("LLAMA_ARG_CPU_ATTN_GBPS", "11")
-    argv, _ = _argv(capsys, m, *base)
+    argv, _ = _argv(capsys, m, *auto, *base)
     assert "--cpu-attn-gbps" not in argv
     monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS")
     hybrid_build.cuda = False  # a CPU build attends the whole cache on the CPU: no split to plan

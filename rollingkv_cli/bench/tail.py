@@ -31,7 +31,9 @@ SCHEMA = "rollingkv.bench.tail/1"
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
 DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
-DEFAULT_CPU_FRACS = ("auto",)  # the hybrid cells' CPU part (--kv-tail-cpu-frac); the window cells are the GPU-only ones (0)
+# the hybrid cells' CPU part (--kv-tail-cpu-frac): none by default, as the CPU part is off by default (it did not pay on
+# the H200); the window cells are the GPU-only ones (0)
+DEFAULT_CPU_FRACS: tuple = ()
 LINK_PLACEHOLDER = "MEASURED"  # in a hybrid auto cell's args until the run knows the link bandwidth the plan is given
 DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25
@@ -66,7 +68,8 @@ class TailConfig:
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
     mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
     cpu_fracs: list = field(default_factory=lambda: list(DEFAULT_CPU_FRACS))  # "auto" or 0 < F <= 1; [] = no hybrid cells
-    # the build has the hybrid tail, whose default is auto: the window cells then pass --kv-tail-cpu-frac 0 (GPU only)
+    # the build has the hybrid tail: the window cells then pass --kv-tail-cpu-frac 0 (GPU only). Its default is 0 now,
+    # but builds of the series before that default changed took auto: the explicit 0 keeps them GPU-only too
     hybrid_build: bool = False
     window_type: str = "f16"
     threads: int | None = None

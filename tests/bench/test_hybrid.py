@@ -26,13 +26,14 @@ mode = get("--kv-residency-mode", "auto")
 kv = -(-(d + n) // 256) * 256
 split = mode == "window" and 0 < w < kv
 cpu = get("--kv-tail-cpu-frac")
-ts = (80.0 if cpu else 50.0) if split else 100.0
+on = cpu is not None and (cpu == "auto" or float(cpu) > 0)  # the window cells ask for 0: GPU-only
+ts = (80.0 if on else 50.0) if split else 100.0
 row = {{"n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": ts, "stddev_ts": 0.5, "samples_ts": [ts], "kv_mode": mode,
        "kv_mode_chosen": "window" if split else "resident", "window_cells": w if split else 0,
        "tail_cells": kv - w if split else 0, "type_k_tail": get("-ctkt", "f16"), "type_v_tail": get("-ctvt", "f16"),
        "backends": "FAKE", "n_gpu_layers": int(get("-ngl", "99")), "n_threads": int(get("-t", "4"))}}
-if cpu is not None:
-    row["kv_tail_cpu_frac"] = cpu
+if cpu is not None:  # as llama-bench writes them: "auto", or the request as %f
+    row["kv_tail_cpu_frac"] = cpu if cpu == "auto" else "%f" % float(cpu)
     link = float(get("--pcie-bw-gbps", "0") or 0)
     row["kv_tail_cpu_frac_chosen"] = (40.0 / (40.0 + link) if link > 0 else 0.5) if cpu == "auto" else float(cpu)
 print(json.dumps([row]))
@@ -42,26 +43,28 @@ print(json.dumps([row]))
 @pytest.fixture
 def cuda_build(tmp_path, monkeypatch, isolated_cache):
     """The active build: a CUDA one whose llama-bench is FAKE_BENCH and whose libllama is the API 4 stand-in
-    (f16 10 GB/s per thread, q8_0 5, q4_0 unsupported). .api(3) swaps in a library before the hybrid tail."""
+    (f16 10 GB/s per thread, q8_0 5, q4_0 unsupported). .api(3) makes a build whose library predates the hybrid tail
+    the active one: another directory, as the command loads the library in-process to look for the calibration (a
+    library overwritten in place under that mapping crashes the interpreter at exit)."""
     from rollingkv_cli import builder
     from rollingkv_cli.bench import tail as bench_tail
 
-    bdir = tmp_path / "cudabuild"
-    bin_dir = bdir / "build" / "bin"
-    bin_dir.mkdir(parents=True)
-    exe = bin_dir / "llama-bench"
-    exe.write_text(FAKE_BENCH.format(python=sys.executable))
-    exe.chmod(0o755)
-    state = {"cuda": True}
+    state = {"cuda": True, "dir": None}
 
     def api(n: int) -> None:
+        bdir = tmp_path / f"cudabuild-api{n}"
+        bin_dir = bdir / "build" / "bin"
+        bin_dir.mkdir(parents=True)
+        exe = bin_dir / "llama-bench"
+        exe.write_text(FAKE_BENCH.format(python=sys.executable))
+        exe.chmod(0o755)
+        (tmp_path / f"api{n}").mkdir()
         (bin_dir / "libllama.so").write_bytes((_standin_lib(tmp_path / f"api{n}", n) / "libllama.so").read_bytes())
+        state["dir"] = bdir
 
-    (tmp_path / "api4").mkdir()
-    (tmp_path / "api3").mkdir()
     api(4)
     monkeypatch.setattr(builder, "active_build",
-                        lambda required=True: builder.Build(bdir, {"options": {"cuda": state["cuda"]}, "series_hash": "fake"}))
+                        lambda required=True: builder.Build(state["dir"], {"options": {"cuda": state["cuda"]}, "series_hash": "fake"}))
     link = {"gbps": 20.0}
 
     def measured(gpu, explicit):
@@ -73,7 +76,7 @@ def cuda_build(tmp_path, monkeypatch, isolated_cache):
     monkeypatch.setenv("COLUMNS", "300")
 
     class B:
-        dir = bdir
+        pass
 
     b = B()
     b.api, b.state, b.link = api, state, link
@@ -108,8 +111,10 @@ def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path):
     auto = by["d1020/hybrid/f16/w512/cpuauto"]
     fixed = by["d1020/hybrid/f16/w512/cpu0.25"]
     window = by["d1020/window/f16/w512"]
-    # the split of its window cell, plus the CPU part; the auto cell's plan gets the link the floors use (measured here)
-    assert window["command"] in auto["command"] and auto["command"].endswith("--kv-tail-cpu-frac auto --pcie-bw-gbps 20")
+    # the split of its window cell (which asks for no CPU part: GPU-only), with the CPU part instead; the auto cell's plan
+    # gets the link the floors use (measured here)
+    assert window["command"].endswith(" --kv-tail-cpu-frac 0")
+    assert window["command"].removesuffix(" --kv-tail-cpu-frac 0") + " --kv-tail-cpu-frac auto --pcie-bw-gbps 20" == auto["command"]
     assert auto["command_key"].endswith("--kv-tail-cpu-frac auto --pcie-bw-gbps MEASURED") and auto["plan_link"]["source"] == "measured"
     assert fixed["command"].endswith("--kv-residency-mode window --kv-window-cells 512 -ctkt f16 -ctvt f16 --kv-tail-cpu-frac 0.25")
     assert auto["label"] == "hybrid f16 50% tail, CPU auto" and fixed["label"] == "hybrid f16 50% tail, CPU 25%"
@@ -160,9 +165,28 @@ def test_resume_matches_the_auto_cells_by_their_link_source(capsys, cuda_build, 
 
 
 def test_dry_run_shows_the_link_placeholder(capsys, cuda_build, tiny, tmp_path):
-    code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
+    code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--cpu-fracs", "auto", "--dry-run")
     assert code == 0 and "hybrid f16 50% tail, CPU auto" in stdout and "--pcie-bw-gbps MEASURED" in stdout
     assert not (tmp_path / "d.json").exists()
+
+
+def test_no_hybrid_cells_by_default(capsys, cuda_build, tiny, tmp_path):
+    """The CPU part is off by default (it did not pay on the H200): the default run measures what users get, the window
+    cells (GPU-only, --kv-tail-cpu-frac 0 given explicitly for builds whose default was auto), and no CPU calibration."""
+    from rollingkv_cli.bench import tail as bench_tail
+
+    assert bench_tail.DEFAULT_CPU_FRACS == () and bench_tail.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
+                                                                          depths=[1020]).cpu_fracs == []
+    code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
+    assert code == 0 and ", CPU " not in stdout and "--kv-tail-cpu-frac auto" not in stdout and "MEASURED" not in stdout
+    out = tmp_path / "n.json"
+    code, _, err = _run(capsys, tiny, out)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["config"]["cpu_fracs"] == [] and not [c for c in doc["cells"] if c["kind"] == "hybrid"]
+    windows = [c for c in doc["cells"] if c["kind"] == "window"]
+    assert windows and all(c["command"].endswith("--kv-tail-cpu-frac 0") for c in windows)
+    assert doc["cpu_attn"]["gbps"] is None and doc["cpu_attn"]["note"] == "no hybrid cells in this run"
 
 
 def test_no_hybrid_cells_where_there_is_no_cpu_part(capsys, cuda_build, tiny, tmp_path):
@@ -176,14 +200,17 @@ def test_no_hybrid_cells_where_there_is_no_cpu_part(capsys, cuda_build, tiny, tm
     cuda_build.state["cuda"] = False
     code, _, err = _run(capsys, tiny, out)
     assert code == 0, err
-    assert not [c for c in json.loads(out.read_text())["cells"] if c["kind"] == "hybrid"]
+    cells = json.loads(out.read_text())["cells"]
+    assert not [c for c in cells if c["kind"] == "hybrid"]
+    assert not [c for c in cells if "--kv-tail-cpu-frac" in c["command"]]  # no hybrid tail on a CPU build: no flag at all
     code, _, err = _run(capsys, tiny, out, "--cpu-fracs", "0.5")
     assert code == 2 and "need a CUDA build" in err
-    # a build before the hybrid tail: a warning by default, an error when asked for
+    # a build before the hybrid tail: none and no word by default, an error when asked for
     cuda_build.state["cuda"] = True
     cuda_build.api(3)
     code, _, err = _run(capsys, tiny, out)
-    assert code == 0 and "no hybrid cells: the build" in err and "predates the hybrid tail" in err
+    assert code == 0 and "predates the hybrid tail" not in err, err
+    assert not [c for c in json.loads(out.read_text())["cells"] if "--kv-tail-cpu-frac" in c["command"]]
     code, _, err = _run(capsys, tiny, out, "--cpu-fracs", "auto")
     assert code == 1 and "predates the hybrid tail" in err and "--cpu-fracs none" in err
 
