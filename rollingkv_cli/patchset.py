@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from rollingkv_cli import paths
@@ -53,8 +54,10 @@ class Series:
     native_dir: Path
     fixes: tuple[Path, ...] = ()  # upstream fixes (patches/upstream-fixes/), applied first
 
-    @property
+    @cached_property
     def hash(self) -> str:
+        """The series' content hash, computed once per Series: a build keys its directory and writes its manifest with
+        the same value even when patches/ or native/ change while it runs."""
         h = hashlib.sha256()
         for p in self.fixes:
             h.update(b"F" + p.name.encode() + b"\0" + p.read_bytes())

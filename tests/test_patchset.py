@@ -216,3 +216,21 @@ def test_corrupt_cached_sdist_is_replaced_or_refused(isolated_cache):
     with pytest.raises(RollingKVError, match="not cached"):
         upstream.fetch_sdist(log=lambda m: None)
     assert not sd.exists()
+
+
+def test_a_series_hash_is_fixed_when_it_is_first_read(tmp_path):
+    """A build keys its directory and writes its manifest with one hash: a native file committed while it runs must not
+    make the manifest claim a series the build was not made from (a later load sees the change)."""
+    import shutil
+
+    from rollingkv_cli import paths
+
+    patches, native = tmp_path / "patches", tmp_path / "native"
+    shutil.copytree(paths.data_dir("patches"), patches)
+    shutil.copytree(paths.data_dir("native"), native)
+    series = patchset.load_series(patches, native)
+    before = series.hash
+    victim = native / series.native_files[0]
+    victim.write_bytes(victim.read_bytes() + b"\n// changed while a build runs\n")
+    assert series.hash == before
+    assert patchset.load_series(patches, native).hash != before
