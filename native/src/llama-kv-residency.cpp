@@ -168,112 +168,104 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
     return true;
 }
 
-double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
-    static std::mutex mutex;
-    static std::map<ggml_backend_dev_t, std::pair<double, std::string>> measured;
+// A measurement made once per process and key: later calls return the same figure, their description saying so.
+// Each measuring function owns one (a device has a memory and a link figure).
+template <typename K>
+struct llama_rkv_measured_once {
+    std::mutex mutex;
+    std::map<K, std::pair<double, std::string>> values;
 
-    std::lock_guard<std::mutex> lock(mutex);
-
-    auto it = measured.find(dev);
-    if (it != measured.end()) {
+    double get(const K & key, std::string * how, const std::function<double(std::string *)> & measure) {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = values.find(key);
+        const bool fresh = it == values.end();
+        if (fresh) {
+            std::string desc;
+            const double res = measure(&desc);
+            it = values.emplace(key, std::make_pair(res, desc)).first;
+        }
         if (how) {
-            *how = it->second.second + " (measured earlier in this process)";
+            *how = it->second.second + (fresh ? "" : " (measured earlier in this process)");
         }
         return it->second.first;
     }
+};
 
-    const bool host = !llama_rkv_dev_is_gpu(dev);
-    ggml_backend_buffer_type_t buft = host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
-    const char * name = host ? "host memory" : ggml_backend_dev_name(dev);
-
-    double      res  = -1.0;
-    std::string desc = std::string("not measured: no memory for the copy on ") + name;
-
-    for (const size_t mib : LLAMA_RKV_BW_COPY_MIB) {
-        const size_t size = mib*LLAMA_RKV_MIB;
-
-        ggml_init_params params = {
-            /*.mem_size   =*/ 2*ggml_tensor_overhead(),
-            /*.mem_buffer =*/ NULL,
-            /*.no_alloc   =*/ true,
-        };
-        ggml_context_ptr ctx { ggml_init(params) };
-        if (!ctx) {
-            break;
-        }
-        ggml_tensor * a = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
-        ggml_tensor * b = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
-
-        ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
-        if (!buf) {
-            continue;
-        }
-
-        // touch every page first (host memory faults pages in on first write), then one untimed copy
-        ggml_backend_buffer_clear(buf.get(), 0);
-        ggml_backend_tensor_copy(a, b);
-
-        // ggml_backend_tensor_copy returns when the copy is done (host: memcpy; CUDA: the copy is synchronized)
-        int64_t best_us = INT64_MAX;
-        for (int i = 0; i < LLAMA_RKV_BW_REPS; ++i) {
-            const int64_t t0 = ggml_time_us();
-            ggml_backend_tensor_copy(i % 2 ? b : a, i % 2 ? a : b);
-            best_us = std::min(best_us, ggml_time_us() - t0);
-        }
-        best_us = std::max<int64_t>(best_us, 1);
-
-        // a copy reads and writes every byte
-        res = 2.0*size/(best_us*1e-6)/1e9;
-
-        char tmp[160];
-        snprintf(tmp, sizeof(tmp), "%zu MiB copy in %s, best of %d", mib, name, LLAMA_RKV_BW_REPS);
-        desc = tmp;
-        break;
+// the shortest of LLAMA_RKV_BW_REPS runs of copy(i), in microseconds (at least 1)
+static int64_t llama_rkv_best_us(const std::function<void(int)> & copy) {
+    int64_t best_us = INT64_MAX;
+    for (int i = 0; i < LLAMA_RKV_BW_REPS; ++i) {
+        const int64_t t0 = ggml_time_us();
+        copy(i);
+        best_us = std::min(best_us, ggml_time_us() - t0);
     }
+    return std::max<int64_t>(best_us, 1);
+}
 
-    measured[dev] = { res, desc };
-    if (how) {
-        *how = desc;
-    }
-    return res;
+double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
+    static llama_rkv_measured_once<ggml_backend_dev_t> once;
+    return once.get(dev, how, [dev](std::string * desc) {
+        const bool host = !llama_rkv_dev_is_gpu(dev);
+        ggml_backend_buffer_type_t buft = host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
+        const char * name = host ? "host memory" : ggml_backend_dev_name(dev);
+
+        *desc = std::string("not measured: no memory for the copy on ") + name;
+
+        for (const size_t mib : LLAMA_RKV_BW_COPY_MIB) {
+            const size_t size = mib*LLAMA_RKV_MIB;
+
+            ggml_init_params params = {
+                /*.mem_size   =*/ 2*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ NULL,
+                /*.no_alloc   =*/ true,
+            };
+            ggml_context_ptr ctx { ggml_init(params) };
+            if (!ctx) {
+                break;
+            }
+            ggml_tensor * a = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
+            ggml_tensor * b = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
+
+            ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
+            if (!buf) {
+                continue;
+            }
+
+            // touch every page first (host memory faults pages in on first write), then one untimed copy
+            ggml_backend_buffer_clear(buf.get(), 0);
+            ggml_backend_tensor_copy(a, b);
+
+            // ggml_backend_tensor_copy returns when the copy is done (host: memcpy; CUDA: the copy is synchronized)
+            const int64_t best_us = llama_rkv_best_us([&](int i) { ggml_backend_tensor_copy(i % 2 ? b : a, i % 2 ? a : b); });
+
+            char tmp[160];
+            snprintf(tmp, sizeof(tmp), "%zu MiB copy in %s, best of %d", mib, name, LLAMA_RKV_BW_REPS);
+            *desc = tmp;
+            return 2.0*size/(best_us*1e-6)/1e9; // a copy reads and writes every byte
+        }
+        return -1.0;
+    });
 }
 
 // the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
 // process for each
 static double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how) {
-    static std::mutex mutex;
-    static std::map<std::pair<int, int>, double> measured;
-    std::lock_guard<std::mutex> lock(mutex);
+    static llama_rkv_measured_once<std::pair<int, int>> once;
     const int nt = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
-    auto it = measured.find({ nt, (int) type });
-    const bool fresh = it == measured.end();
-    const double res = fresh ? ggml_rkv_cpu_attn_measure_gbps(nt, type, 0) : it->second;
-    measured[{ nt, (int) type }] = res;
-    if (how) {
-        *how = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads" +
-               (fresh ? "" : " (earlier in this process)");
-    }
-    return res;
+    return once.get({ nt, (int) type }, how, [nt, type](std::string * desc) {
+        *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads";
+        return ggml_rkv_cpu_attn_measure_gbps(nt, type, 0);
+    });
 }
 
 double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
-    static std::mutex mutex;
-    static std::map<ggml_backend_dev_t, std::pair<double, std::string>> measured;
-
-    std::lock_guard<std::mutex> lock(mutex);
-
-    auto it = measured.find(dev);
-    if (it != measured.end()) {
-        if (how) {
-            *how = it->second.second + " (measured earlier in this process)";
+    static llama_rkv_measured_once<ggml_backend_dev_t> once;
+    return once.get(dev, how, [dev](std::string * desc) {
+        ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+        if (!host_buft || !llama_rkv_dev_is_gpu(dev)) {
+            *desc = "not measured: the device has no pinned host buffer type";
+            return -1.0;
         }
-        return it->second.first;
-    }
-
-    double      res  = -1.0;
-    std::string desc = "not measured: the device has no pinned host buffer type";
-    ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    if (host_buft && llama_rkv_dev_is_gpu(dev)) {
         const size_t size = 256*LLAMA_RKV_MIB;
         ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL, /*.no_alloc =*/ true };
         ggml_context_ptr ctx_h { ggml_init(params) };
@@ -282,28 +274,18 @@ double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
         ggml_tensor * b = ggml_new_tensor_1d(ctx_d.get(), GGML_TYPE_I8, size);
         ggml_backend_buffer_ptr buf_h { ggml_backend_alloc_ctx_tensors_from_buft(ctx_h.get(), host_buft) };
         ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(), ggml_backend_dev_buffer_type(dev)) };
-        if (buf_h && buf_d) {
-            ggml_backend_buffer_clear(buf_h.get(), 0);
-            ggml_backend_tensor_copy(a, b); // untimed: the first copy maps what it needs
-            int64_t best_us = INT64_MAX;
-            for (int i = 0; i < LLAMA_RKV_BW_REPS; ++i) {
-                const int64_t t0 = ggml_time_us();
-                ggml_backend_tensor_copy(a, b); // host source: a synchronous tensor_set from pinned memory
-                best_us = std::min(best_us, ggml_time_us() - t0);
-            }
-            res  = size/(std::max<int64_t>(best_us, 1)*1e-6)/1e9;
-            desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
-                   std::to_string(LLAMA_RKV_BW_REPS);
-        } else {
-            desc = "not measured: no memory for a 256 MiB pinned copy";
+        if (!buf_h || !buf_d) {
+            *desc = "not measured: no memory for a 256 MiB pinned copy";
+            return -1.0;
         }
-    }
-
-    measured[dev] = { res, desc };
-    if (how) {
-        *how = desc;
-    }
-    return res;
+        ggml_backend_buffer_clear(buf_h.get(), 0);
+        ggml_backend_tensor_copy(a, b); // untimed: the first copy maps what it needs
+        // a host source: a synchronous tensor_set from pinned memory
+        const int64_t best_us = llama_rkv_best_us([&](int) { ggml_backend_tensor_copy(a, b); });
+        *desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
+                std::to_string(LLAMA_RKV_BW_REPS);
+        return size/(best_us*1e-6)/1e9;
+    });
 }
 
 //
