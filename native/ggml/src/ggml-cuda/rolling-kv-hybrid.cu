@@ -100,15 +100,6 @@ static void CUDART_CB rkv_cpu_part_host(void * data) {
     rkv_cpu_part_run(((const rkv_job_store *) data)->job);
 }
 
-// byte span of a tensor's elements from its data pointer
-static size_t rkv_span(const ggml_tensor * t) {
-    size_t s = ggml_element_size(t);
-    for (int i = 0; i < GGML_MAX_DIMS; ++i) {
-        s += (t->ne[i] - 1)*t->nb[i];
-    }
-    return s;
-}
-
 // the ALiBi slope of each head, as ggml_flash_attn_ext computes it (1 without ALiBi), times the test hook's factor
 static std::vector<float> rkv_slopes(int n_head, float max_bias, float mul) {
     std::vector<float> slope(n_head, mul);
@@ -144,7 +135,7 @@ void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_t
     static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
 
     // staging: Q | mask columns | output | LSE, each 256-byte aligned
-    const size_t q_bytes    = rkv_span(q);
+    const size_t q_bytes    = ggml_nbytes(q); // the byte span of a view from its data pointer
     const size_t mask_bytes = mask ? (size_t) (n_planes*n_q*n_cpu)*sizeof(uint16_t) : 0;
     const size_t o_bytes    = (size_t) rows*DV*sizeof(float);
     const size_t off_mask   = GGML_PAD(q_bytes, 256);
