@@ -17,17 +17,15 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "rolling-kv-cpu-decode.h"
+#include "rolling-kv-cpu-part.h" // rkv_cpu_pool_run: the CPU part's own threads, for every timed run
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -193,51 +191,6 @@ int check(const std::vector<std::string> & isas) {
     return failed != 0;
 }
 
-// a fixed set of worker threads: run(fn) calls fn(ith) on each and waits (the cost of a real caller, not of spawning)
-class pool {
-  public:
-    explicit pool(int n) : n_(n) {
-        for (int i = 1; i < n; ++i) threads_.emplace_back([this, i] { loop(i); });
-    }
-    ~pool() {
-        { std::lock_guard<std::mutex> l(m_); stop_ = true; gen_++; }
-        cv_.notify_all();
-        for (auto & t : threads_) t.join();
-    }
-    void run(const std::function<void(int)> & fn) {
-        { std::lock_guard<std::mutex> l(m_); fn_ = &fn; left_ = n_ - 1; gen_++; }
-        cv_.notify_all();
-        fn(0);
-        std::unique_lock<std::mutex> l(m_);
-        done_.wait(l, [this] { return left_ == 0; });
-    }
-  private:
-    void loop(int i) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int)> * fn;
-            {
-                std::unique_lock<std::mutex> l(m_);
-                cv_.wait(l, [&] { return gen_ != seen; });
-                seen = gen_;
-                if (stop_) return;
-                fn = fn_;
-            }
-            (*fn)(i);
-            std::lock_guard<std::mutex> l(m_);
-            if (--left_ == 0) done_.notify_one();
-        }
-    }
-    int n_;
-    std::vector<std::thread> threads_;
-    std::mutex m_;
-    std::condition_variable cv_, done_;
-    const std::function<void(int)> * fn_ = nullptr;
-    int left_ = 0;
-    uint64_t gen_ = 0;
-    bool stop_ = false;
-};
-
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
@@ -304,14 +257,13 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
     const size_t pf = rkv_cpu_decode_part_floats(p);
     std::vector<float> parts(pf * T), o((size_t) n_head * D), lse(n_head);
     std::vector<uint8_t> sink(64 * T);
-    pool workers(T);
 
     auto attention = [&] {
         for (int l = 0; l < layers; ++l) {
             rkv_cpu_decode_params pl = p;
             pl.k = (const uint8_t *) K[l]->data;
             pl.v = (const uint8_t *) V[l]->data;
-            workers.run([&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+            rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
             rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
         }
     };
@@ -321,11 +273,11 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
         bufs.push_back((const uint8_t *) V[l]->data);
     }
     auto read_scan = [&] {
-        workers.run([&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
+        rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
     };
     std::vector<uint8_t> dst(layer_bytes / 2 / T * T + 4096);
     auto copy = [&] {
-        workers.run([&](int t) {
+        rkv_cpu_pool_run(T, [&](int t) {
             const size_t chunk = nb1 * n / T, off = chunk * t;
             for (int l = 0; l < layers; ++l) {
                 memcpy(dst.data() + chunk * t, (const uint8_t *) K[l]->data + off, chunk);

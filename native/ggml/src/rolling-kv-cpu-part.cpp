@@ -183,6 +183,10 @@ static int rkv_pool_threads(int n_threads) {
     return std::max(1, nth);
 }
 
+void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn) {
+    pool().run(nth, fn);
+}
+
 void rkv_cpu_part_prepare(int n_threads) {
     pool().prepare(rkv_pool_threads(n_threads));
 }

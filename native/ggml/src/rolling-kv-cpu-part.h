@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 struct rkv_cpu_part_job {
     int32_t n_head;
@@ -48,6 +49,10 @@ struct rkv_cpu_part_job {
 
 // run the job on the process's pool (one job at a time; the calling thread is one of the workers)
 void rkv_cpu_part_run(const rkv_cpu_part_job & job);
+
+// fn(ith) for ith in [0, nth) on the pool the CPU part runs on (the caller is 0), one task at a time; returns when all are
+// done. The bench times the attention and the memory-bound runs it is compared with on these same threads.
+void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn);
 
 // make the pool's threads for a job of n_threads (<= 0: ggml_rkv_get_cpu_threads()) now, on the calling thread: a
 // backend calls it where it issues a CPU part, so that the workers do not start from its runtime's callback thread
