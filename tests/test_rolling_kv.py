@@ -256,6 +256,9 @@ def test_server_greedy_256_after_3000_token_prompt_window_equals_resident(cpu_bu
     (["--kv-window-cells", "-5"], "kv-window-cells"),
     (["--vram-target", "abc"], "vram-target"),
     (["--pcie-bw-gbps", "-1"], "pcie-bw-gbps"),
+    (["--kv-tail-cpu-frac", "2"], "kv-tail-cpu-frac"),  # the hybrid tail's
+    (["--kv-tail-cpu-frac", "most"], "kv-tail-cpu-frac"),
+    (["--cpu-attn-gbps", "fast"], "cpu-attn-gbps"),
 ])
 def test_server_refuses_bad_flags_at_parse_time(cpu_build, demo_model, args, message):
     proc = subprocess.run([str(cpu_build.artifact("llama-server")), "-m", str(demo_model), *args, "--port", "1"],
