@@ -14,6 +14,7 @@
 #include "llama-context.h"
 #include "llama-kv-residency.h"
 #include "ggml-rolling-kv.h"
+#include "ggml-alloc.h"
 
 #include <algorithm>
 #include <cstring>
@@ -174,6 +175,31 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
             ggml_set_streamed(layer.v_tail);
         }
     }
+}
+
+ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backend_buffer_type_t buft) {
+    bool streamed = false;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t && !streamed; t = ggml_get_next_tensor(ctx, t)) {
+        streamed = ggml_is_streamed(t);
+    }
+    ggml_backend_dev_t dev = streamed ? ggml_backend_buft_get_device(buft) : nullptr;
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto host_alloc = reg ? (ggml_backend_rkv_host_buffer_alloc_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_HOST_ALLOC_PROC) : nullptr;
+    if (host_alloc && ggml_backend_dev_host_buffer_type(dev) == buft) {
+        if (ggml_backend_buffer_t buf = host_alloc(dev, ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft))) {
+            ggml_tallocr talloc = ggml_tallocr_new(buf);
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+                if (t->data == nullptr && t->view_src == nullptr && ggml_tallocr_alloc(&talloc, t) != GGML_STATUS_SUCCESS) {
+                    ggml_backend_buffer_free(buf);
+                    return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+                }
+            }
+            LLAMA_LOG_DEBUG("%s: rolling KV: host tails in %.2f MiB of 2 MiB-page memory registered with %s\n", __func__,
+                ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ggml_backend_dev_name(dev));
+            return buf;
+        }
+    }
+    return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
 void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {

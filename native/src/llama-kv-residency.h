@@ -150,7 +150,7 @@ struct llama_rkv_state {
     double      t_token_ms    = -1.0;
 
     // the hybrid tail (llama_rkv_plan_tail_cpu)
-    int32_t     n_threads        = 0;     // the context's decode threads (the CPU part's)
+    int32_t     n_threads        = 0;     // the CPU part's threads (ggml_rkv_get_cpu_threads)
     int64_t     head_k           = 0;     // K and V head sizes of the split layers (the first group's)
     int64_t     head_v           = 0;
     float       tail_cpu_frac    = 0.0f;  // the chosen share of each split layer's tail cells attended on the CPU
@@ -227,6 +227,11 @@ double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how);
 // ggml-rolling-kv.h): the ring it streams a tail through, for tails whose widest layer has these K/V rows (bytes per
 // stream, n_stream streams), and its runtime's memory; zeros for host memory and for backends that report nothing
 ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
+
+// the buffer of a KV cache context: for one that holds streamed tails (a GPU's pinned host tails), the memory its
+// backend offers for them (GGML_RKV_HOST_ALLOC_PROC, ggml-rolling-kv.h: 2 MiB pages the CPU part of a hybrid tail reads
+// at the memory's speed), else ggml_backend_alloc_ctx_tensors_from_buft's; nullptr when neither could allocate
+ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backend_buffer_type_t buft);
 
 // model weights in the buffers of dev (host memory when dev is a CPU device)
 size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);

@@ -82,8 +82,8 @@ extern "C" {
     // keeps a multiple of 256 cells (the streamed chunks' alignment), rounded to the nearest
     GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
 
-    // threads of the CPU part (process-wide: llama sets it from the context's n_threads; default: the hardware's
-    // concurrency, at most 16). The thread that runs a part is one of them.
+    // threads of the CPU part (process-wide; default: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use
+    // but one; n_threads <= 0 restores the default). The thread that runs a part is one of them.
     GGML_API void ggml_rkv_set_cpu_threads(int n_threads);
     GGML_API int  ggml_rkv_get_cpu_threads(void);
 
@@ -124,6 +124,15 @@ extern "C" {
     typedef void (*ggml_backend_rkv_dev_budget_t)(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail,
             int64_t n_stream, struct ggml_rkv_dev_budget * out);
 #define GGML_RKV_DEV_BUDGET_PROC "ggml_backend_rkv_dev_budget"
+
+    // The memory of a streamed tail. A GPU backend that can pin host memory which the CPU also reads at full speed
+    // (anonymous memory advised for 2 MiB pages, registered with the device: the CPU part of a hybrid tail reads it,
+    // the copy engine streams it, kernels write new rows into it through unified addressing) exports
+    // ggml_backend_rkv_host_buffer_alloc_t under GGML_RKV_HOST_ALLOC_PROC. The buffer's type is the device's pinned host
+    // buffer type (ggml_backend_dev_host_buffer_type), so the scheduler's streamed-tensor rules apply to it as to any
+    // pinned tail. NULL: not possible here (the caller allocates from that buffer type as before).
+    typedef ggml_backend_buffer_t (*ggml_backend_rkv_host_buffer_alloc_t)(ggml_backend_dev_t dev, size_t size);
+#define GGML_RKV_HOST_ALLOC_PROC "ggml_backend_rkv_host_buffer_alloc"
 
 #ifdef __cplusplus
 }

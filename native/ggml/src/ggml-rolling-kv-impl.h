@@ -16,6 +16,14 @@
 //                             estimate, 640 MiB for CUDA, measured with CUDA 13 on an H200). Other GPUs, drivers or
 //                             CUDA versions hold more or less: the one figure a user must correct for a vram_target
 //                             to hold as NVML measures it.
+//   ROLLINGKV_CPU_PART_THREADS=N  threads of the CPU part of a hybrid tail (atoi, clamped to [0, 1024]; 0 or unset:
+//                             every CPU the process may use but one, the one left to the thread that launches the
+//                             GPU's work). Not the context's -t: the part is bound by memory bandwidth, which takes
+//                             more threads than -t's default (a heuristic for matrix work) gives.
+//   ROLLINGKV_TAIL_HOST_MEMORY=hugepages|cuda   where a GPU's host tail lives: anonymous memory advised for 2 MiB
+//                             pages and registered with the device (hugepages, the default), or the runtime's own
+//                             pinned allocation (cuda: cudaMallocHost). Both stream at the link's speed; the CPU part
+//                             of a hybrid tail reads the first at the memory's speed (docs/design/hybrid-tail.md).
 //
 // Diagnostics (outputs unchanged):
 //   ROLLINGKV_CPU_PART_STATS=1          at exit, print to stderr how many CPU parts of a hybrid tail ran, their mean wall
@@ -57,6 +65,8 @@ struct ggml_rkv_knobs {
     int     ring_slots;       // ROLLINGKV_SLOTS
     size_t  ring_slot_bytes;  // ROLLINGKV_SLOT_MIB, in bytes
     int64_t runtime_mib;      // ROLLINGKV_RUNTIME_MIB; -1: unset (the backend's estimate)
+    bool    tail_cuda_alloc;  // ROLLINGKV_TAIL_HOST_MEMORY=cuda (else hugepages)
+    int     cpu_part_threads; // ROLLINGKV_CPU_PART_THREADS; 0: unset
 
     // diagnostics
     bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS

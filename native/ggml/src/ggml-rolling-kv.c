@@ -226,6 +226,16 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
         }
     }
 
+    {
+        const char * v = ggml_rkv_env("ROLLINGKV_TAIL_HOST_MEMORY");
+        k.tail_cuda_alloc = v && strcmp(v, "cuda") == 0;
+        if (v && !k.tail_cuda_alloc && strcmp(v, "hugepages") != 0) {
+            GGML_LOG_WARN("ROLLINGKV_TAIL_HOST_MEMORY=%s is neither hugepages nor cuda: using hugepages\n", v);
+        }
+    }
+
+    k.cpu_part_threads = ggml_rkv_env_int("ROLLINGKV_CPU_PART_THREADS", 0, 0, 1024);
+
     k.cpu_part_stats = ggml_rkv_env_int("ROLLINGKV_CPU_PART_STATS", 0, 0, 1) == 1;
 
     {

@@ -64,6 +64,10 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
 // the registry's GGML_RKV_DEV_BUDGET_PROC (ggml-rolling-kv.h): the ring this backend allocates and its runtime's memory
 void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out);
 
+// the registry's GGML_RKV_HOST_ALLOC_PROC (ggml-rolling-kv.h): a host tail's pinned memory in 2 MiB pages
+// (rolling-kv-host.cu); nullptr where that is not possible
+ggml_backend_buffer_t ggml_cuda_rkv_host_buffer_alloc(ggml_backend_dev_t dev, size_t size);
+
 bool ggml_cuda_rkv_is_host(const ggml_tensor * t);          // t (or what it views) lives in a host buffer
 bool ggml_cuda_rkv_rows_contiguous(const ggml_tensor * t);  // cells of one stream are one contiguous byte range
 bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op);    // op's tail is in host memory and has cells to stream (the
