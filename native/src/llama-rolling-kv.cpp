@@ -297,11 +297,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
         st->kv_unified = params.kv_unified;
         st->swa_full   = params.swa_full;
     }
-    // the CPU part of a hybrid tail decodes on the context's threads
-    st->n_threads = params.n_threads > 0 ? params.n_threads : 0;
-    if (st->n_threads > 0) {
-        ggml_rkv_set_cpu_threads(st->n_threads);
-    }
+    // the CPU part of a hybrid tail decodes on threads of its own (ggml_rkv_get_cpu_threads: not the context's -t,
+    // whose default suits matrix work, not a memory-bound scan)
+    st->n_threads = ggml_rkv_get_cpu_threads();
 
     llama_rkv_set_pending(st);
 

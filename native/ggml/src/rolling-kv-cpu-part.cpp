@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,6 +25,7 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -38,15 +40,40 @@ namespace {
 std::atomic<int> g_cpu_threads{0}; // 0: unset
 std::atomic<uint64_t> g_runs{0};
 
-// ROLLINGKV_CPU_PART_STATS: the parts' wall time and the K+V bytes they read, printed at exit
-std::atomic<uint64_t> g_stat_runs{0};
-std::atomic<uint64_t> g_stat_ns{0};
-std::atomic<uint64_t> g_stat_bytes{0};
+// ROLLINGKV_CPU_PART_STATS: per part, its wall time (from the call to the merged result), how late its threads
+// started after the task was posted, the busiest and the idlest thread's work, the gap since the previous part
+// ended, the K+V bytes; printed at exit: where a hybrid decode's time goes, next to the token time llama-bench reports
+struct part_stats {
+    std::mutex m;
+    uint64_t runs = 0, bytes = 0;
+    double wall = 0, late_max = 0, busy_max = 0, busy_min = 0, gap = 0, busy_sum = 0, oncpu_sum = 0;
+    uint64_t gaps = 0;
+    std::vector<double> walls, gaps_v;  // for the quantiles
+    int threads = 0, caller_cpus = 0;
+    std::chrono::steady_clock::time_point last_end;
+    bool have_last = false;
+};
+part_stats g_stats;
 
 void print_stats() {
-    const uint64_t n = g_stat_runs.load(), ns = g_stat_ns.load(), b = g_stat_bytes.load();
-    fprintf(stderr, "rolling KV: CPU part: %llu runs, %.1f us each, %.1f GB/s of K+V while running (%.3f GB in %.3f s)\n",
-            (unsigned long long) n, n ? ns/1e3/n : 0.0, ns ? b/(double) ns : 0.0, b/1e9, ns/1e9);
+    part_stats & s = g_stats;
+    std::lock_guard<std::mutex> lk(s.m);
+    const double n = s.runs ? (double) s.runs : 1.0;
+    std::vector<double> w = s.walls;
+    std::sort(w.begin(), w.end());
+    std::vector<double> g = s.gaps_v;
+    std::sort(g.begin(), g.end());
+    auto q = [&](double f) { return w.empty() ? 0.0 : w[std::min(w.size() - 1, (size_t) (f*(double) w.size()))]; };
+    const double gap_p50 = g.empty() ? 0.0 : g[g.size()/2];
+    fprintf(stderr, "rolling KV: CPU part: %llu runs, %.1f us each (p50 %.1f, p90 %.1f, max %.1f), %.1f GB/s of K+V while running "
+            "(%.3f GB in %.3f s); %d threads, the caller may run on %d CPUs\n",
+            (unsigned long long) s.runs, s.wall/n*1e6, q(0.5)*1e6, q(0.9)*1e6, q(1.0)*1e6, s.wall > 0 ? s.bytes/s.wall/1e9 : 0.0,
+            s.bytes/1e9, s.wall, s.threads, s.caller_cpus);
+    fprintf(stderr, "rolling KV: CPU part: per part, the last thread started %.1f us after the post, the busiest thread worked "
+            "%.1f us (its chunks and merges), the idlest %.1f us; from one part's end to the next one's start %.1f us (p50 %.1f); "
+            "the threads were on a CPU %.0f%% of their working time\n",
+            s.late_max/n*1e6, s.busy_max/n*1e6, s.busy_min/n*1e6, s.gaps ? s.gap/(double) s.gaps*1e6 : 0.0, gap_p50*1e6,
+            s.busy_sum > 0 ? 100.0*s.oncpu_sum/s.busy_sum : 0.0);
 }
 
 bool stats_on() {
@@ -60,9 +87,47 @@ bool stats_on() {
     return on;
 }
 
-int default_threads() {
+// CPU time of the calling thread (s): next to its wall time, how long it was descheduled
+double thread_cpu_s() {
+#if defined(__linux__)
+    timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+        return ts.tv_sec + ts.tv_nsec*1e-9;
+    }
+#endif
+    return 0.0;
+}
+
+int caller_cpus() {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+        return CPU_COUNT(&set);
+    }
+#endif
+    return 0;
+}
+
+// CPUs this process may run on (its affinity), else the hardware's count
+int usable_cpus() {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+        return CPU_COUNT(&set);
+    }
+#endif
     const unsigned hw = std::thread::hardware_concurrency();
-    return (int) std::max(1u, std::min(hw ? hw : 4u, 16u));
+    return hw ? (int) hw : 4;
+}
+
+// The CPU part reads memory: its speed grows with the threads up to the memory's bandwidth (H200 host: 4 threads 22
+// GB/s, 15 threads 65 GB/s), so it takes every CPU but one (left to the thread that launches the GPU's work), not
+// the context's -t (a heuristic for matrix work on the CPU: 4 on that host). ROLLINGKV_CPU_PART_THREADS sets it.
+int default_threads() {
+    const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
+    return knob > 0 ? knob : std::max(1, usable_cpus() - 1);
 }
 
 // A pool of worker threads that runs one task at a time over ids [0, nth): the caller is id 0. Between tasks the
@@ -173,14 +238,8 @@ uint64_t rkv_cpu_part_runs(void) {
 }
 
 static int rkv_pool_threads(int n_threads) {
-    int nth = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
-    // leave a core to the thread that launches and waits for the GPU's work: a pool thread that shares a core with it
-    // (or with anything else) holds up the whole part
-    const unsigned hw = std::thread::hardware_concurrency();
-    if (hw > 1) {
-        nth = std::min(nth, (int) hw - 1);
-    }
-    return std::max(1, nth);
+    const int nth = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
+    return std::max(1, std::min(nth, usable_cpus())); // more threads than CPUs only wait for each other
 }
 
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn) {
@@ -191,10 +250,64 @@ void rkv_cpu_part_prepare(int n_threads) {
     pool().prepare(rkv_pool_threads(n_threads));
 }
 
+// the partial states [rows][chunks] of a part: grown, never shrunk, per calling thread (a GPU's callback thread), so
+// that no part pays for allocating and faulting in its ~1 MiB
+static float * part_buffer(size_t n_floats) {
+    static thread_local std::unique_ptr<float[]> buf;
+    static thread_local size_t cap = 0;
+    if (cap < n_floats) {
+        buf.reset(new float[n_floats]);
+        cap = n_floats;
+    }
+    return buf.get();
+}
+
+// merge n_chunks partial states (rkv_cpu_decode_part_floats each, in chunk order) of heads [h0, h1) into o and lse:
+// the exact online-softmax combine of rkv_cpu_decode_merge, head by head
+static void merge_heads(const rkv_cpu_decode_params & p, const float * parts, size_t part_floats, int n_chunks, int h0, int h1,
+        float * o, float * lse) {
+    const size_t stride = 2 + (size_t) p.DV;
+    for (int h = h0; h < h1; ++h) {
+        float m = -INFINITY;
+        for (int i = 0; i < n_chunks; ++i) {
+            m = std::max(m, parts[i*part_floats + h*stride]);
+        }
+        float * out = o + (size_t) h*p.DV;
+        memset(out, 0, sizeof(float)*p.DV);
+        if (m == -INFINITY) {
+            lse[h] = -INFINITY; // every cell masked for this row
+            continue;
+        }
+        float sum = 0.0f;
+        for (int i = 0; i < n_chunks; ++i) {
+            const float * st = parts + i*part_floats + h*stride;
+            if (st[0] == -INFINITY) {
+                continue;
+            }
+            const float w = expf(st[0] - m);
+            sum += w*st[1];
+            for (int d = 0; d < p.DV; ++d) {
+                out[d] += w*st[2 + d];
+            }
+        }
+        const float inv = 1.0f/sum;
+        for (int d = 0; d < p.DV; ++d) {
+            out[d] *= inv;
+        }
+        lse[h] = m + logf(sum);
+    }
+}
+
+// Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4 per
+// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (row, chunk)
+// items as they come free, so a slow or late thread (memory contention, a core shared for a while) holds up one chunk,
+// not a 1/nth share of the part; then they claim (row, group of heads) items and merge the chunks in chunk order. Which
+// thread computed what never changes the result.
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
+    using clock = std::chrono::steady_clock;
     g_runs.fetch_add(1, std::memory_order_relaxed);
     const bool stats = stats_on();
-    const auto t_start = stats ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    const clock::time_point t_start = stats ? clock::now() : clock::time_point();
     const int64_t n_rows = job.n_stream*job.n_q;
     rkv_cpu_decode_params base = {};
     base.n_head    = job.n_head;
@@ -222,31 +335,72 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         return p;
     };
 
-    // split the cells into ranges of whole 16-cell blocks, at least 64 cells per thread
-    int nth = rkv_pool_threads(job.n_threads);
-    nth = (int) std::max<int64_t>(1, std::min<int64_t>(nth, (job.n_cells + 63)/64));
-    const size_t part_floats = rkv_cpu_decode_part_floats(base);
-    std::vector<float> parts((size_t) n_rows*nth*part_floats);
+    const int nth = rkv_pool_threads(job.n_threads);
+    const int64_t n_blk    = (job.n_cells + 15)/16;
+    const int     n_chunks = (int) std::max<int64_t>(1, std::min<int64_t>(4*(int64_t) nth, (job.n_cells + 63)/64));
+    const size_t  part_floats = rkv_cpu_decode_part_floats(base);
+    float * parts = part_buffer((size_t) n_rows*n_chunks*part_floats);
 
+    const int     head_group = 4;
+    const int64_t n_items = n_rows*n_chunks;
+    const int64_t n_merge = n_rows*((job.n_head + head_group - 1)/head_group);
+    std::atomic<int64_t> next_item{0}, items_done{0}, next_merge{0};
+
+    std::vector<double> late(stats ? nth : 0), busy(stats ? nth : 0), oncpu(stats ? nth : 0);
+    const clock::time_point t_post = stats ? clock::now() : clock::time_point();
     const std::function<void(int)> fn = [&](int ith) {
-        const int64_t n_blk = (job.n_cells + 15)/16;
-        const int64_t c0 = std::min(job.n_cells, n_blk*ith/nth*16);
-        const int64_t c1 = std::min(job.n_cells, n_blk*(ith + 1)/nth*16);
-        for (int64_t r = 0; r < n_rows; ++r) {
-            rkv_cpu_decode_range(row_params(r), c0, c1, parts.data() + ((size_t) r*nth + ith)*part_floats);
+        const clock::time_point t0 = stats ? clock::now() : clock::time_point();
+        const double c0_cpu = stats ? thread_cpu_s() : 0.0;
+        for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items; ) {
+            const int64_t k = i / n_rows, r = i % n_rows; // chunk-major: consecutive claims read neighbouring cells
+            const int64_t c0 = std::min(job.n_cells, n_blk*k/n_chunks*16);
+            const int64_t c1 = std::min(job.n_cells, n_blk*(k + 1)/n_chunks*16);
+            rkv_cpu_decode_range(row_params(r), c0, c1, parts + ((size_t) r*n_chunks + k)*part_floats);
+            items_done.fetch_add(1, std::memory_order_release);
+        }
+        while (items_done.load(std::memory_order_acquire) < n_items) {
+            rkv_pause(); // the last chunks are being attended by other threads
+        }
+        for (int64_t i; (i = next_merge.fetch_add(1, std::memory_order_relaxed)) < n_merge; ) {
+            const int64_t groups = (job.n_head + head_group - 1)/head_group;
+            const int64_t r = i / groups;
+            const int h0 = (int) (i % groups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
+            merge_heads(row_params(r), parts + (size_t) r*n_chunks*part_floats, part_floats, n_chunks, h0, h1,
+                job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
+        }
+        if (stats) {
+            late[ith] = std::chrono::duration<double>(t0 - t_post).count();
+            busy[ith] = std::chrono::duration<double>(clock::now() - t0).count();
+            oncpu[ith] = thread_cpu_s() - c0_cpu;
         }
     };
     pool().run(nth, fn);
 
-    for (int64_t r = 0; r < n_rows; ++r) {
-        rkv_cpu_decode_merge(row_params(r), parts.data() + (size_t) r*nth*part_floats, nth,
-            job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
-    }
     if (stats) {
-        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_start).count();
-        g_stat_runs.fetch_add(1);
-        g_stat_ns.fetch_add((uint64_t) ns);
-        g_stat_bytes.fetch_add((uint64_t) (job.n_stream*job.n_cells)*(job.k_nb1 + job.v_nb1));
+        const clock::time_point t_end = clock::now();
+        part_stats & s = g_stats;
+        std::lock_guard<std::mutex> lk(s.m);
+        const double wall = std::chrono::duration<double>(t_end - t_start).count();
+        s.runs++;
+        s.bytes += (uint64_t) (job.n_stream*job.n_cells)*(job.k_nb1 + job.v_nb1);
+        s.wall += wall;
+        s.walls.push_back(wall);
+        s.late_max += *std::max_element(late.begin(), late.end());
+        s.busy_max += *std::max_element(busy.begin(), busy.end());
+        s.busy_min += *std::min_element(busy.begin(), busy.end());
+        for (int i = 0; i < nth; ++i) {
+            s.busy_sum += busy[i];
+            s.oncpu_sum += oncpu[i];
+        }
+        if (s.have_last) {
+            s.gap += std::chrono::duration<double>(t_start - s.last_end).count();
+            s.gaps++;
+            s.gaps_v.push_back(std::chrono::duration<double>(t_start - s.last_end).count());
+        }
+        s.last_end = t_end;
+        s.have_last = true;
+        s.threads = nth;
+        s.caller_cpus = caller_cpus();
     }
 }
 
