@@ -203,8 +203,8 @@ struct rkv_bufs {
     ggml_cuda_pool_alloc<float> lse_acc;
     ggml_cuda_pool_alloc<float> lse_tmp;
     ggml_cuda_pool_alloc<float> O_tmp;
-    ggml_cuda_pool_alloc<float> cpu_out; // the CPU part's output rows, then its LSEs
-    explicit rkv_bufs(ggml_cuda_pool & pool) : lse_acc(pool), lse_tmp(pool), O_tmp(pool), cpu_out(pool) {}
+    const float * cpu_out = nullptr;     // the CPU part's output rows, then its LSEs (pinned host memory, read in place)
+    explicit rkv_bufs(ggml_cuda_pool & pool) : lse_acc(pool), lse_tmp(pool), O_tmp(pool) {}
 };
 
 } // namespace
@@ -552,8 +552,8 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
     float       * O_acc   = (float *) f.dst->data;
     const bool    last    = i == (int) f.parts.size() - 1;
     // the part's output and LSE: the CPU part's buffer, else the kernel's
-    const float * O_p     = f.parts[i].cpu ? b.cpu_out.ptr : b.O_tmp.ptr;
-    const float * lse_p   = f.parts[i].cpu ? b.cpu_out.ptr + f.nrows*f.DV : i == 0 ? b.lse_acc.ptr : b.lse_tmp.ptr;
+    const float * O_p     = f.parts[i].cpu ? b.cpu_out : b.O_tmp.ptr;
+    const float * lse_p   = f.parts[i].cpu ? b.cpu_out + f.nrows*f.DV : i == 0 ? b.lse_acc.ptr : b.lse_tmp.ptr;
 
     if (i == 0) {
         if (pp.direct && !last) {
@@ -620,8 +620,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     // the CPU part first: it runs on the host while the device attends the window and the streamed chunks
     if (f.n_cpu > 0) {
         const rkv_part & p = f.parts.back();
-        b.cpu_out.alloc(f.nrows*(f.DV + 1));
-        ggml_cuda_rkv_cpu_part_launch(ctx, f.dst, p.n, p.col0, b.cpu_out.ptr);
+        b.cpu_out = ggml_cuda_rkv_cpu_part_launch(ctx, f.dst, p.n, p.col0);
     }
     if (f.host_tail) {
         ggml_cuda_rkv_tail_start(ctx, f.ts);

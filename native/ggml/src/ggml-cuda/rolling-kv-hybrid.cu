@@ -96,6 +96,25 @@ int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
 }
 
 #if RKV_HYBRID
+// the part's inputs straight into its pinned staging (mapped: the device writes it through unified addressing), in one
+// launch instead of a copy of Q and one of the mask columns per plane: Q's bytes as they are, then the mask columns
+// [col0, col0 + n_cpu) of every row and plane, packed [plane][row][cell]
+static __global__ void rkv_stage_inputs(const float * __restrict__ q, const int64_t q_floats,
+        const char * __restrict__ mask, const int64_t mask_nb1, const int64_t mask_nb3, const int64_t col0,
+        const int64_t n_cpu, const int64_t n_q, const int64_t n_planes,
+        float * __restrict__ q_host, uint16_t * __restrict__ mask_host) {
+    const int64_t i0 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    const int64_t n  = (int64_t) gridDim.x*blockDim.x;
+    for (int64_t i = i0; i < q_floats; i += n) {
+        q_host[i] = q[i];
+    }
+    const int64_t n_mask = mask ? n_planes*n_q*n_cpu : 0;
+    for (int64_t i = i0; i < n_mask; i += n) {
+        const int64_t c = i % n_cpu, r = (i / n_cpu) % n_q, p = i / (n_cpu*n_q);
+        mask_host[i] = *(const uint16_t *) (mask + p*mask_nb3 + r*mask_nb1 + (col0 + c)*sizeof(uint16_t));
+    }
+}
+
 static void CUDART_CB rkv_cpu_part_host(void * data) {
     rkv_cpu_part_run(((const rkv_job_store *) data)->job);
 }
@@ -115,7 +134,7 @@ static std::vector<float> rkv_slopes(int n_head, float max_bias, float mul) {
 }
 #endif // RKV_HYBRID
 
-void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0, float * out_dev) {
+const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
 #if RKV_HYBRID
     const ggml_tensor * q    = op->src[GGML_STREAMING_FA_SRC_Q];
     const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
@@ -201,18 +220,21 @@ void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_t
     cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_RKV_CPU_STREAM);
     CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
     CUDA_CHECK(cudaStreamWaitEvent(cs, h.ev_fork, 0));
-    CUDA_CHECK(cudaMemcpyAsync(host, q->data, q_bytes, cudaMemcpyDeviceToHost, cs));
-    for (int64_t p = 0; p < (mask ? n_planes : 0); ++p) {
-        CUDA_CHECK(cudaMemcpy2DAsync(host + off_mask + (size_t) (p*n_q*n_cpu)*sizeof(uint16_t), n_cpu*sizeof(uint16_t),
-            (const char *) mask->data + p*mask->nb[3] + (col0)*mask->nb[0], mask->nb[1],
-            n_cpu*sizeof(uint16_t), n_q, cudaMemcpyDeviceToHost, cs));
+    {
+        const int64_t work = std::max<int64_t>((int64_t) (q_bytes/sizeof(float)), (int64_t) (mask_bytes/sizeof(uint16_t)));
+        const int nth = 256;
+        const int nblk = (int) std::max<int64_t>(1, std::min<int64_t>((work + nth - 1)/nth, 1024));
+        rkv_stage_inputs<<<nblk, nth, 0, cs>>>((const float *) q->data, (int64_t) (q_bytes/sizeof(float)),
+            mask ? (const char *) mask->data : nullptr, mask ? (int64_t) mask->nb[1] : 0, mask ? (int64_t) mask->nb[3] : 0, col0,
+            n_cpu, n_q, n_planes, (float *) host, (uint16_t *) (host + off_mask));
+        CUDA_CHECK(cudaGetLastError());
     }
     CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, it->second.get()));
-    CUDA_CHECK(cudaMemcpyAsync(out_dev, host + off_out, o_bytes + (size_t) rows*sizeof(float), cudaMemcpyHostToDevice, cs));
     CUDA_CHECK(cudaEventRecord(st.done, cs));
     h.ev_done = st.done;
+    return (const float *) (host + off_out); // the merge reads the result where the host wrote it (mapped memory)
 #else
-    GGML_UNUSED(ctx); GGML_UNUSED(op); GGML_UNUSED(n_cpu); GGML_UNUSED(col0); GGML_UNUSED(out_dev);
+    GGML_UNUSED(ctx); GGML_UNUSED(op); GGML_UNUSED(n_cpu); GGML_UNUSED(col0);
     GGML_ABORT("rolling-KV: no CPU part on this backend");
 #endif // RKV_HYBRID
 }

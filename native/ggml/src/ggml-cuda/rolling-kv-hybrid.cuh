@@ -3,10 +3,10 @@
 // A streamed host tail may leave its far end (ggml_rkv_tail_cpu_cells, ggml-rolling-kv.h) to the CPU. Per op, on a
 // stream of its own that forks from the compute stream where the op starts (its Q and this step's tail rows are
 // written by then):
-//   1. Q and the part's mask columns are copied to pinned host staging (a few KiB);
+//   1. a kernel writes Q and the part's mask columns into pinned host staging (a few KiB, through unified addressing);
 //   2. a stream-ordered host function (cudaLaunchHostFunc: a host node in a captured CUDA graph) attends the part's
 //      cells on the host's thread pool straight from the pinned tail rows (rolling-kv-cpu-part.h);
-//   3. its output and per-row LSE are copied back to the device and an event is recorded.
+//   3. an event is recorded; the merge reads the output and per-row LSE from the staging in place (no copy back).
 // Meanwhile the compute stream attends the window and the streamed chunks; it waits for that event only before the
 // last merge, where the CPU part is merged like any other part (exact online-softmax combine, sinks once).
 //
@@ -39,8 +39,9 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op);
 // the cells of op's host tail that stream through the device: the tail minus its CPU part
 int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op);
 
-// issue op's CPU part over its last n_cpu tail cells (first mask column col0) on the CPU-part stream; the result
-// lands in out_dev: [rows][DV] floats, then [rows] LSEs (rows = DV-rows of dst)
-void ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0, float * out_dev);
+// issue op's CPU part over its last n_cpu tail cells (first mask column col0) on the CPU-part stream; returns where its
+// result will be, in pinned host memory the device reads in place once ggml_cuda_rkv_cpu_part_wait has ordered it:
+// [rows][DV] floats, then [rows] LSEs (rows = DV-rows of dst)
+const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0);
 // the compute stream waits for the CPU part issued last
 void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx);
