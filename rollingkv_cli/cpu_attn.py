@@ -23,7 +23,6 @@ from pathlib import Path
 
 from rollingkv_cli.llama_ext import CPU_ATTN_TYPES, MEASURE_CPU_ATTN_SYMBOL
 
-SYSFS_CPU = Path("/sys/devices/system/cpu")  # module level: tests point it at a fake tree
 MEASURE_TIMEOUT_S = 300.0  # three ~256 MiB calibrations take seconds; a stuck child is stopped after this
 
 
@@ -36,40 +35,22 @@ class Unavailable(Exception):
         self.kind = kind  # "no_function" (a build before API 4) | "load" | "failed"
 
 
-def default_threads() -> int:
-    """The thread count llama-server and llama-bench default to (common_cpu_get_num_math of the pin): on Linux the
-    physical cores, counted as distinct thread-sibling sets in /sys/devices/system/cpu/cpu*/topology (stopping at
-    the first CPU without one, as llama.cpp does); else the logical CPUs. On hybrid Intel CPUs llama.cpp counts
-    only the performance cores: give -t there to be sure the figures match."""
-    root = SYSFS_CPU
-    siblings: set[str] = set()
-    cpu = 0
-    while True:
-        try:
-            siblings.add((root / f"cpu{cpu}" / "topology" / "thread_siblings").read_text().strip())
-        except OSError:
-            break
-        cpu += 1
-    return len(siblings) or os.cpu_count() or 1
+def part_threads() -> int:
+    """The threads libllama gives the hybrid tail's CPU part (ggml_rkv_get_cpu_threads): $ROLLINGKV_CPU_PART_THREADS
+    when set, else every CPU this process may run on but one (left to the thread that launches the GPU's work). Not
+    llama-server's -t: its default is a heuristic for matrix work on the CPU (4 on the H200 host's 16 cores), and the
+    part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value: one line, exit 2."""
+    from rollingkv_cli.paths import ENV_CPU_PART_THREADS
+    from rollingkv_cli.userinput import env_int
 
-
-def threads_from_args(args: list[str]) -> int | None:
-    """The -t/--threads value in a llama-server argument list (the last one wins, as in llama.cpp), else None."""
-    found = None
-    for i, a in enumerate(args):
-        value = None
-        if a in ("-t", "--threads") and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith("--threads="):
-            value = a.split("=", 1)[1]
-        if value is not None:
-            try:
-                n = int(value)
-            except ValueError:
-                continue
-            if n > 0:
-                found = n
-    return found
+    n = env_int(ENV_CPU_PART_THREADS, minimum=0, example="a number of threads such as 15, or 0 for the default")
+    if n:
+        return min(n, 1024)  # libllama's clamp
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 4
+    return max(1, usable - 1)
 
 
 # ------------------------------------------------------------------------------------------ the parent side

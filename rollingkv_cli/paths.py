@@ -13,6 +13,7 @@ ENV_OFFLINE = "ROLLINGKV_OFFLINE"  # never touch the network
 ENV_PCIE_BW = "ROLLINGKV_PCIE_BW_GBPS"  # explicit link bandwidth
 ENV_SERVE_START_TIMEOUT = "ROLLINGKV_SERVE_START_TIMEOUT"  # seconds llama-server may take to become healthy
 ENV_TRACEBACK = "ROLLINGKV_TRACEBACK"  # show the full traceback of an internal error
+ENV_CPU_PART_THREADS = "ROLLINGKV_CPU_PART_THREADS"  # threads of the hybrid tail's CPU part (libllama reads it too)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -357,8 +357,8 @@ def requested_tail_cpu_frac(s: ServeSettings) -> float | str | None:
 
 
 def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: bool, doc: dict | None = None) -> tuple[float | None, str | None]:
-    """(the --cpu-attn-gbps to pass, a note): the cached CPU attention figure for the tail's K type at the thread count
-    llama-server will use (-t after `--`, else its default), when the hybrid tail will use it: a CUDA build that has
+    """(the --cpu-attn-gbps to pass, a note): the cached CPU attention figure for the tail's K type at the CPU part's
+    thread count (cpu_attn.part_threads: not -t), when the hybrid tail will use it: a CUDA build that has
     it, residency not off, a CPU part asked for (auto picks the share with it; a fixed share only reports its estimate
     with it; llama-server's default, 0, has none), and no --cpu-attn-gbps / $LLAMA_ARG_CPU_ATTN_GBPS of the user's.
     Nothing cached: None, and llama-server calibrates when it plans (auto only)."""
@@ -375,7 +375,7 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
     type_k = s.cache_type_k_tail or s.cache_type_k or "f16"
     if type_k not in CPU_ATTN_TYPES:
         return None, f"CPU attention: the hybrid tail attends {', '.join(CPU_ATTN_TYPES)} tails on the CPU, not {type_k}"
-    threads = cpu_attn.threads_from_args(s.extra_args) or cpu_attn.default_threads()
+    threads = cpu_attn.part_threads()
     from rollingkv_cli import pcie
 
     gbps, detail = pcie.cpu_attn_gbps_for(type_k, threads, build_key, doc)

@@ -77,24 +77,27 @@ def test_a_child_that_dies_is_one_line():
     assert cpu_attn.parse_child_output(0, "noise\n" + json.dumps({"gbps": {"f16": 1.0}}) + "\n", "", desc)["gbps"] == {"f16": 1.0}
 
 
-def test_default_threads_are_the_physical_cores(tmp_path, monkeypatch):
-    root = tmp_path / "cpu"
-    for cpu, sib in enumerate(["0-1", "0-1", "2-3", "2-3", "4"]):  # 2 SMT cores and a single one
-        (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
-        (root / f"cpu{cpu}" / "topology" / "thread_siblings").write_text(sib + "\n")
-    (root / "cpu6" / "topology").mkdir(parents=True)  # after a gap: not counted (llama.cpp stops at the first missing)
-    (root / "cpu6" / "topology" / "thread_siblings").write_text("6\n")
-    monkeypatch.setattr(cpu_attn, "SYSFS_CPU", root)
-    assert cpu_attn.default_threads() == 3
-    monkeypatch.setattr(cpu_attn, "SYSFS_CPU", tmp_path / "none")
-    monkeypatch.setattr(cpu_attn.os, "cpu_count", lambda: 7)
-    assert cpu_attn.default_threads() == 7
+def test_the_part_threads_are_every_usable_cpu_but_one_not_dash_t(monkeypatch):
+    """libllama's default (ggml_rkv_get_cpu_threads): the process's CPUs but one, whatever -t says; the variable sets it."""
+    monkeypatch.delenv("ROLLINGKV_CPU_PART_THREADS", raising=False)
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_attn.part_threads() == 15
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: {3})
+    assert cpu_attn.part_threads() == 1
+    for raw, want in (("6", 6), ("0", 1), ("5000", 1024)):  # 0: the default (here 1 CPU); above 1024: libllama's clamp
+        monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
+        assert cpu_attn.part_threads() == want
 
 
-@pytest.mark.parametrize("args,want", [([], None), (["-t", "4"], 4), (["--threads", "6", "-c", "10"], 6), (["--threads=9"], 9),
-                                       (["-t", "2", "-t", "5"], 5), (["-t", "x"], None), (["-t"], None), (["-tb", "3"], None)])
-def test_threads_from_llama_server_args(args, want):
-    assert cpu_attn.threads_from_args(args) == want
+@pytest.mark.parametrize("raw", ["x", "-2", "1.5"])
+def test_a_bad_part_threads_variable_is_one_line(monkeypatch, raw):
+    """A bad value stops the CLI with one line naming the variable (libllama would read it as 0, the default)."""
+    from rollingkv_cli.console import RollingKVError
+
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
+    with pytest.raises(RollingKVError) as e:
+        cpu_attn.part_threads()
+    assert "ROLLINGKV_CPU_PART_THREADS" in e.value.args[0] and "\n" not in e.value.args[0]
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -177,13 +180,13 @@ def _measuring(monkeypatch, result=RESULT):
 
 def test_probe_measures_caches_and_refreshes(env, capsys, monkeypatch, fake_build):  # noqa: F811
     env([link(5, 16)])
-    monkeypatch.setattr(cpu_attn, "default_threads", lambda: 15)
+    monkeypatch.setattr(cpu_attn, "part_threads", lambda: 15)
     calls = _measuring(monkeypatch)
     code, out, err = run_main(["probe", "pcie", "--json"], capsys)
     assert code == 0, err
     c = json.loads(out)["cpu_attn"]
     assert calls == [15] and c["gbps"] == RESULT["gbps"] and c["source"] == "measured now" and c["n_threads"] == 15
-    assert c["build"] == "b1234" and c["error"] is None and "physical cores" in c["threads_source"]
+    assert c["build"] == "b1234" and c["error"] is None and "CPU part" in c["threads_source"]
     code, out, _ = run_main(["probe", "pcie", "--json"], capsys)
     assert calls == [15] and json.loads(out)["cpu_attn"]["source"] == "cached"
     run_main(["probe", "pcie", "--json", "--refresh"], capsys)

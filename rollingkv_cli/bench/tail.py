@@ -247,6 +247,9 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------ one llama-bench
 
 
+CPU_PART_STATS_PREFIX = "rolling KV: CPU part:"  # libllama's ROLLINGKV_CPU_PART_STATS lines (at exit, on stderr)
+
+
 class CellRunner:
     """Runs one llama-bench process; stderr lines feed a callback (progress).
 
@@ -268,8 +271,11 @@ class CellRunner:
         t0 = time.monotonic()
         from rollingkv_cli.procs import popen_tied
 
+        # a hybrid cell's CPU parts report their time and bandwidth at exit (a few clock reads per part): where its
+        # decode time goes, kept in the report next to the figure
+        env = dict(os.environ, ROLLINGKV_CPU_PART_STATS="1")
         proc = popen_tied(args, new_session=False, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=env)
         tail: deque[str] = deque(maxlen=STDERR_TAIL)
         out_chunks: list[str] = []
 
@@ -420,13 +426,13 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
 
 
 def measure_cpu_attn(cfg: TailConfig) -> dict:
-    """The CPU decode attention's GB/s per tail type of the hybrid cells, measured now at the bench's thread count
-    by the build's libllama (its calibration, in a child: cpu_attn.py); null with the reason when it cannot be."""
+    """The CPU decode attention's GB/s per tail type of the hybrid cells, measured now at the CPU part's thread count
+    (what the cells' llama-bench gives it, whatever -t) by the build's libllama (its calibration, in a child: cpu_attn.py); null with the reason when it cannot be."""
     from rollingkv_cli import cpu_attn
 
-    n = cfg.threads or cpu_attn.default_threads()
+    n = cpu_attn.part_threads()
     types = tuple(t for t in dict.fromkeys(cfg.tail_types) if t in cpu_attn.CPU_ATTN_TYPES)
-    out = {"gbps": None, "n_threads": n, "threads_source": "-t" if cfg.threads else "llama-bench's default (the physical cores)",
+    out = {"gbps": None, "n_threads": n, "threads_source": "the CPU part's (every CPU but one, or $ROLLINGKV_CPU_PART_THREADS; not -t)",
            "types": list(types), "source": None,
            "note": "libllama's calibration (llama_rolling_kv_measure_cpu_attn_gbps: GB/s of K+V read by the CPU decode attention "
                    "over a ~256 MiB tail of each type), in this run; the cells' own plans calibrate again (--cpu-attn-gbps not given)"}
@@ -815,6 +821,9 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                 try:
                     fill_measurement(c, parse_bench_json(out, cfg.n_gen), model)
                     c["status"] = "ok"
+                    stats = [line for line in err_tail if line.startswith(CPU_PART_STATS_PREFIX)]
+                    if stats:
+                        c["cpu_part_stats"] = stats
                 except ValueError as e:
                     c["status"], c["error"] = "failed", str(e)
                     c["stderr_tail"] = err_tail

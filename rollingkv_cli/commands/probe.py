@@ -30,7 +30,7 @@ def _triple(figures: dict | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=None, metavar="N", help="Only GPU N (NVML index).")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, metavar="N",
-              help="CPU threads of the CPU attention calibration (llama-server's -t).  [default: llama-server's, the physical cores]")
+              help="CPU threads of the CPU attention calibration.  [default: the CPU part's, every CPU but one or $ROLLINGKV_CPU_PART_THREADS]")
 def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, threads: int | None) -> None:
     """Show each NVIDIA GPU's PCIe link and the host<->GPU bandwidth the server will plan with.
 
@@ -185,8 +185,8 @@ def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None)
     from rollingkv_cli import pcie as link
     from rollingkv_cli.console import err_console, warn
 
-    n = threads or cpu_attn.default_threads()
-    out = {"n_threads": n, "threads_source": "-t" if threads else "default (physical cores, as llama-server)",
+    n = threads or cpu_attn.part_threads()
+    out = {"n_threads": n, "threads_source": "-t" if threads else "the CPU part's (every CPU but one, or $ROLLINGKV_CPU_PART_THREADS)",
            "build": None, "gbps": None, "errors": {}, "measured_at": None, "source": None, "error": None}
     b = builder.active_build(required=False)
     if b is None:

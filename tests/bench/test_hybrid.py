@@ -36,6 +36,11 @@ if cpu is not None:  # as llama-bench writes them: "auto", or the request as %f
     row["kv_tail_cpu_frac"] = cpu if cpu == "auto" else "%f" % float(cpu)
     link = float(get("--pcie-bw-gbps", "0") or 0)
     row["kv_tail_cpu_frac_chosen"] = (40.0 / (40.0 + link) if link > 0 else 0.5) if cpu == "auto" else float(cpu)
+if on and split:  # libllama's CPU part statistics at exit (ROLLINGKV_CPU_PART_STATS, which the bench sets)
+    import os
+    assert os.environ.get("ROLLINGKV_CPU_PART_STATS") == "1"
+    print("rolling KV: CPU part: 56 runs, 500.0 us each (p50 490.0, p90 520.0, max 900.0), 60.0 GB/s of K+V", file=sys.stderr)
+    print("rolling KV: CPU part: per part, the last thread started 3.0 us after the post", file=sys.stderr)
 print(json.dumps([row]))
 """
 
@@ -98,7 +103,8 @@ def _run(capsys, tiny, out, *extra):
                      "--tail-types", "f16,q8_0,q4_0", "--skip", "nkvo", "--json", str(out), "--no-plot", *extra], capsys)
 
 
-def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path):
+def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")  # the CPU part's threads, whatever -t (here 3) says
     out = tmp_path / "h.json"
     code, stdout, err = _run(capsys, tiny, out, "--cpu-fracs", "auto,0.25")
     assert code == 0, err
@@ -120,9 +126,14 @@ def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path):
     assert auto["label"] == "hybrid f16 50% tail, CPU auto" and fixed["label"] == "hybrid f16 50% tail, CPU 25%"
     assert auto["cpu_frac_chosen"] == pytest.approx(40 / 60) and fixed["cpu_frac_chosen"] == 0.25
     assert auto["plan"]["kv_tail_cpu_frac"] == "auto"
-    # the CPU attention, measured in the run at -t 3 through the library (the stand-in: 10 GB/s per thread for f16)
+    # the CPU attention, measured in the run at the CPU part's 3 threads through the library (the stand-in: 10 GB/s per
+    # thread for f16)
     ca = doc["cpu_attn"]
     assert ca["gbps"] == {"f16": 30.0, "q8_0": 15.0, "q4_0": None} and ca["n_threads"] == 3 and ca["source"] == "measured"
+    assert "CPU part" in ca["threads_source"] and "not -t" in ca["threads_source"]
+    # each hybrid cell keeps the CPU part's statistics (where its time went); a GPU-only cell has none
+    assert auto["cpu_part_stats"][0].startswith("rolling KV: CPU part: 56 runs") and len(auto["cpu_part_stats"]) == 2
+    assert "cpu_part_stats" not in window
     assert ca["expected_auto_frac"] == {"f16": pytest.approx(30 / 50, abs=1e-4), "q8_0": pytest.approx(15 / 35, abs=1e-4)}
     # the third floor: the tail over link + CPU together, and its serial form
     t_res, t = 0.01, 1 / 80
