@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from rollingkv_cli import paths
-from rollingkv_cli.console import abort
+from rollingkv_cli.console import abort, usage_error
 from rollingkv_cli.upstream import sha256_file
 
 
@@ -240,7 +240,7 @@ def _check_hparams(fields: dict, name: str) -> None:
               "the file is corrupt or was written with an odd head dimension")
 
 
-# ---------------------------------------------------------------- synthetic Llama-shaped GGUF
+# ---------------------------------------------------------------- synthetic GGUFs (Llama-shaped, iSWA, hybrid)
 
 @dataclass(frozen=True)
 class SynthSpec:
@@ -253,43 +253,117 @@ class SynthSpec:
     ctx: int
     type: str = "f16"  # f16 | q8_0
     seed: int = 0
-    arch: str = "llama"  # llama | gemma2 (interleaved sliding-window attention: every other layer local)
+    arch: str = "llama"  # see SYNTH_ARCHES
     sliding_window: int = 128  # gemma2 only
+    # hybrid models (qwen35, lfm2): layer i attends iff (i + 1) % attn_interval == 0, the others are recurrent
+    attn_interval: int = 4
+    # qwen35's gated delta net: state size (the head size of its keys and values), key groups, value heads (the time
+    # step rank); None: the attention's head_dim, kv_heads and heads
+    ssm_state: int | None = None
+    ssm_groups: int | None = None
+    ssm_heads: int | None = None
+    # qwen35: the gated delta net's convolution kernel (default 4); lfm2: the short convolution's length (default 3)
+    conv_kernel: int | None = None
 
     def validate(self) -> None:
         """Refuse shapes the pin's llama.cpp cannot run, before anything is written (several would load and then
-        abort in a GGML_ASSERT)."""
+        abort in a GGML_ASSERT): one line, exit status 2 (a usage error)."""
         for flag, v in (("--layers", self.layers), ("--embd", self.embd), ("--heads", self.heads), ("--kv-heads", self.kv_heads),
-                        ("--ff", self.ff), ("--vocab", self.vocab), ("--ctx", self.ctx), ("--sliding-window", self.sliding_window)):
-            if not 0 < v < 2**31:
-                abort(f"{flag} {v} is out of range: every size must be positive (and below 2^31)")
+                        ("--ff", self.ff), ("--vocab", self.vocab), ("--ctx", self.ctx), ("--sliding-window", self.sliding_window),
+                        ("--attn-interval", self.attn_interval), ("--ssm-state", self.ssm_state), ("--ssm-groups", self.ssm_groups),
+                        ("--ssm-heads", self.ssm_heads), ("--conv-kernel", self.conv_kernel)):
+            if v is not None and not 0 < v < 2**31:
+                usage_error(f"{flag} {v} is out of range: every size must be positive (and below 2^31)")
         if self.seed < 0:
-            abort(f"--seed {self.seed} must not be negative")
+            usage_error(f"--seed {self.seed} must not be negative")
         if self.type not in SYNTH_TYPES:
-            abort(f"unknown weight type {self.type!r}", f"use one of {', '.join(SYNTH_TYPES)}")
+            usage_error(f"unknown weight type {self.type!r}", f"use one of {', '.join(SYNTH_TYPES)}")
         if self.arch not in SYNTH_ARCHES:
-            abort(f"unknown architecture {self.arch!r}", f"use one of {', '.join(SYNTH_ARCHES)}")
+            usage_error(f"unknown architecture {self.arch!r}", f"use one of {', '.join(SYNTH_ARCHES)}")
         if self.layers > LLAMA_MAX_LAYERS:
-            abort(f"--layers {self.layers}: llama.cpp loads at most {LLAMA_MAX_LAYERS} layers")
+            usage_error(f"--layers {self.layers}: llama.cpp loads at most {LLAMA_MAX_LAYERS} layers")
         if self.embd % self.heads:
-            abort(f"--embd {self.embd} is not a multiple of --heads {self.heads}")
+            usage_error(f"--embd {self.embd} is not a multiple of --heads {self.heads}")
         if (self.embd // self.heads) % 2:
-            abort(f"head_dim {self.embd // self.heads} (--embd {self.embd} / --heads {self.heads}) is odd: RoPE rotates pairs of "
+            usage_error(f"head_dim {self.embd // self.heads} (--embd {self.embd} / --heads {self.heads}) is odd: RoPE rotates pairs of "
                   "dimensions and llama.cpp aborts on an odd head_dim", "pick --embd and --heads with an even quotient, e.g. 64 or 128")
         if self.heads % self.kv_heads:
-            abort(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
+            usage_error(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
         if self.vocab < 260:
-            abort("--vocab must be at least 260 (3 control tokens + 256 byte tokens + 1)")
-        if self.type == "q8_0" and (self.embd % 32 or self.ff % 32):
-            abort("q8_0 needs --embd and --ff to be multiples of 32")
+            usage_error("--vocab must be at least 260 (3 control tokens + 256 byte tokens + 1)")
+        if self.arch not in HYBRID_ARCHES:
+            for flag, v in (("--ssm-state", self.ssm_state), ("--ssm-groups", self.ssm_groups), ("--ssm-heads", self.ssm_heads),
+                            ("--conv-kernel", self.conv_kernel)):
+                if v is not None:
+                    usage_error(f"{flag} applies to the hybrid architectures ({', '.join(HYBRID_ARCHES)}), not --arch {self.arch}")
+        else:
+            if self.attn_interval < 2:
+                usage_error(f"--attn-interval {self.attn_interval} makes every layer an attention layer: a hybrid model needs recurrent "
+                      "layers too", "use --attn-interval 2 or more (or --arch llama for attention only)")
+            if self.attn_interval > self.layers:
+                usage_error(f"--attn-interval {self.attn_interval} is more than --layers {self.layers}: the model would have no attention "
+                      "layer (layer i attends when (i + 1) is a multiple of the interval)", f"use --attn-interval {self.layers} or less")
+            if self.arch == "lfm2":
+                for flag, v in (("--ssm-state", self.ssm_state), ("--ssm-groups", self.ssm_groups), ("--ssm-heads", self.ssm_heads)):
+                    if v is not None:
+                        usage_error(f"{flag} applies to --arch qwen35 (lfm2's recurrent layers are short convolutions: --conv-kernel)")
+                if self.conv_kernel is not None and self.conv_kernel < 2:
+                    usage_error(f"--conv-kernel {self.conv_kernel}: lfm2's short convolution keeps the last (length - 1) inputs as its "
+                          "state, so it needs a length of 2 or more")
+            if self.arch == "qwen35":
+                if self.head_dim % 8:
+                    usage_error(f"head_dim {self.head_dim} (--embd {self.embd} / --heads {self.heads}) is not a multiple of 8: qwen35 rotates "
+                          "a quarter of each head, in pairs of dimensions", "pick --embd and --heads with a quotient of 64, 128, ...")
+                if self.ssm_value_heads % self.ssm_key_groups:
+                    usage_error(f"--ssm-heads {self.ssm_value_heads} is not a multiple of --ssm-groups {self.ssm_key_groups}: each key group "
+                          "serves the same number of value heads")
+        if self.type == "q8_0":
+            bad = sorted({shape[-1] for _, shape, kind in _synth_tensors(self) if kind == "w" and shape[-1] % 32})
+            if bad:
+                usage_error("q8_0 needs --embd and --ff" + (" (and --ssm-state x --ssm-heads)" if self.arch == "qwen35" else "")
+                      + f" to be multiples of 32, the input sizes of the weight matrices: {', '.join(map(str, bad))} "
+                      + ("is not" if len(bad) == 1 else "are not"))
 
     @property
     def head_dim(self) -> int:
         return self.embd // self.heads
 
+    @property
+    def hybrid(self) -> bool:
+        return self.arch in HYBRID_ARCHES
+
+    def is_attention(self, il: int) -> bool:
+        return not self.hybrid or (il + 1) % self.attn_interval == 0
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [il for il in range(self.layers) if self.is_attention(il)]
+
+    # qwen35's gated delta net
+    @property
+    def ssm_d_state(self) -> int:
+        return self.ssm_state or self.head_dim
+
+    @property
+    def ssm_key_groups(self) -> int:
+        return self.ssm_groups or self.kv_heads
+
+    @property
+    def ssm_value_heads(self) -> int:
+        return self.ssm_heads or self.heads
+
+    @property
+    def conv(self) -> int:
+        return self.conv_kernel or (3 if self.arch == "lfm2" else 4)
+
+    @property
+    def n_rot(self) -> int:
+        return self.head_dim // 4 if self.arch == "qwen35" else self.head_dim
+
 
 SYNTH_TYPES = ("f16", "q8_0")
-SYNTH_ARCHES = ("llama", "gemma2")
+SYNTH_ARCHES = ("llama", "gemma2", "qwen35", "lfm2")
+HYBRID_ARCHES = ("qwen35", "lfm2")  # recurrent + attention layers (llama_memory_hybrid)
 
 
 def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -304,35 +378,77 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def _synth_tensors(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, shape, is a weight matrix) of every tensor, in file order."""
-    head_dim = spec.head_dim
-    shapes: list[tuple[str, tuple[int, ...], bool]] = [("token_embd.weight", (spec.vocab, spec.embd), True)]
+# the kinds of tensor: "w" a weight matrix (of the spec's type), and f32 ones: "ones" (norms), "rand" (convolution kernels),
+# "neg" (qwen35's ssm_a: the decay must be negative), "zeros" (biases)
+def _synth_tensors(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, numpy shape, kind) of every tensor, in file order (a numpy shape is ggml's ne reversed)."""
+    E, hd, F = spec.embd, spec.head_dim, spec.ff
+    shapes: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (spec.vocab, E), "w")]
+    if spec.arch == "lfm2":
+        shapes.append(("token_embd_norm.weight", (E,), "ones"))  # lfm2's output norm
     for i in range(spec.layers):
         p = f"blk.{i}."
+        shapes.append((p + "attn_norm.weight", (E,), "ones"))
+        if spec.arch in ("llama", "gemma2"):
+            shapes += [
+                (p + "attn_q.weight", (spec.heads * hd, E), "w"),
+                (p + "attn_k.weight", (spec.kv_heads * hd, E), "w"),
+                (p + "attn_v.weight", (spec.kv_heads * hd, E), "w"),
+                (p + "attn_output.weight", (E, spec.heads * hd), "w"),
+            ]
+        elif spec.is_attention(i):
+            q_rows = 2 * spec.heads * hd if spec.arch == "qwen35" else spec.heads * hd  # qwen35: query and gate per head
+            shapes += [
+                (p + "attn_q.weight", (q_rows, E), "w"),
+                (p + "attn_k.weight", (spec.kv_heads * hd, E), "w"),
+                (p + "attn_v.weight", (spec.kv_heads * hd, E), "w"),
+                (p + "attn_output.weight", (E, spec.heads * hd), "w"),
+                (p + "attn_q_norm.weight", (hd,), "ones"),
+                (p + "attn_k_norm.weight", (hd,), "ones"),
+            ]
+        elif spec.arch == "qwen35":  # a gated delta net layer
+            d_state, groups, vheads = spec.ssm_d_state, spec.ssm_key_groups, spec.ssm_value_heads
+            key_dim, value_dim = d_state * groups, d_state * vheads
+            conv_dim = 2 * key_dim + value_dim
+            shapes += [
+                (p + "attn_qkv.weight", (conv_dim, E), "w"),
+                (p + "attn_gate.weight", (value_dim, E), "w"),
+                (p + "ssm_conv1d.weight", (conv_dim, spec.conv), "rand"),
+                (p + "ssm_dt.bias", (vheads,), "zeros"),
+                (p + "ssm_a", (vheads,), "neg"),
+                (p + "ssm_beta.weight", (vheads, E), "w"),
+                (p + "ssm_alpha.weight", (vheads, E), "w"),
+                (p + "ssm_norm.weight", (d_state,), "ones"),
+                (p + "ssm_out.weight", (E, value_dim), "w"),
+            ]
+        else:  # lfm2: a short convolution layer
+            shapes += [
+                (p + "shortconv.conv.weight", (E, spec.conv), "rand"),
+                (p + "shortconv.in_proj.weight", (3 * E, E), "w"),
+                (p + "shortconv.out_proj.weight", (E, E), "w"),
+            ]
+        if spec.arch == "qwen35":
+            shapes.append((p + "post_attention_norm.weight", (E,), "ones"))
+        else:
+            shapes.append((p + "ffn_norm.weight", (E,), "ones"))
         shapes += [
-            (p + "attn_norm.weight", (spec.embd,), False),
-            (p + "attn_q.weight", (spec.heads * head_dim, spec.embd), True),
-            (p + "attn_k.weight", (spec.kv_heads * head_dim, spec.embd), True),
-            (p + "attn_v.weight", (spec.kv_heads * head_dim, spec.embd), True),
-            (p + "attn_output.weight", (spec.embd, spec.heads * head_dim), True),
-            (p + "ffn_norm.weight", (spec.embd,), False),
-            (p + "ffn_gate.weight", (spec.ff, spec.embd), True),
-            (p + "ffn_up.weight", (spec.ff, spec.embd), True),
-            (p + "ffn_down.weight", (spec.embd, spec.ff), True),
+            (p + "ffn_gate.weight", (F, E), "w"),
+            (p + "ffn_up.weight", (F, E), "w"),
+            (p + "ffn_down.weight", (E, F), "w"),
         ]
         if spec.arch == "gemma2":
-            shapes += [(p + "post_attention_norm.weight", (spec.embd,), False), (p + "post_ffw_norm.weight", (spec.embd,), False)]
-    shapes += [("output_norm.weight", (spec.embd,), False)]
-    if spec.arch == "llama":  # gemma2 ties the output to the token embedding
-        shapes.append(("output.weight", (spec.vocab, spec.embd), True))
+            shapes += [(p + "post_attention_norm.weight", (E,), "ones"), (p + "post_ffw_norm.weight", (E,), "ones")]
+    if spec.arch != "lfm2":
+        shapes += [("output_norm.weight", (E,), "ones")]
+    if spec.arch == "llama":  # the others tie the output to the token embedding
+        shapes.append(("output.weight", (spec.vocab, E), "w"))
     return shapes
 
 
-def _tensor_nbytes(spec: SynthSpec, shape: tuple[int, ...], mat: bool) -> int:
+def _tensor_nbytes(spec: SynthSpec, shape: tuple[int, ...], kind: str) -> int:
     n = int(np.prod(shape))
-    if not mat:
-        return 4 * n  # f32 norms
+    if kind != "w":
+        return 4 * n  # f32
     return n // 32 * 34 if spec.type == "q8_0" else 2 * n
 
 
@@ -340,11 +456,11 @@ def synth_nbytes(spec: SynthSpec) -> int:
     """The size of the file write_synthetic makes (an upper bound: the metadata is estimated generously)."""
     align = 32  # GGUF_DEFAULT_ALIGNMENT
     tensors = _synth_tensors(spec)
-    data = sum(-(-_tensor_nbytes(spec, s, m) // align) * align for _, s, m in tensors)
+    data = sum(-(-_tensor_nbytes(spec, s, k) // align) * align for _, s, k in tensors)
     infos = sum(8 + len(name) + 4 + 8 * len(s) + 4 + 8 for name, s, _ in tensors)
     tokens, _, _ = _tokenizer(spec.vocab)
     vocab = sum(8 + len(t.encode()) for t in tokens) + 8 * len(tokens)  # strings, scores and types
-    return 24 + 4096 + vocab + infos + align + data
+    return 24 + 4096 + 8 * spec.layers + vocab + infos + align + data
 
 
 def human_bytes(n: int) -> str:
@@ -370,7 +486,7 @@ def check_room(out: Path, nbytes: int) -> None:
 
 
 def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path:
-    """Random weights in the Llama layout; one random pool reused by every tensor keeps it fast.
+    """Random weights in the spec's architecture; one random pool reused by every matrix keeps it fast.
 
     Writes OUT.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
     failure or interrupt the .part and the directories made for it are removed."""
@@ -382,8 +498,7 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
     if log is not None:
         log(f"writing {out}: {human_bytes(nbytes)}")
     shapes = _synth_tensors(spec)
-    head_dim = spec.head_dim
-    largest = max(int(np.prod(s)) for _, s, mat in shapes if mat)
+    largest = max(int(np.prod(s)) for _, s, kind in shapes if kind == "w")
     rng = np.random.default_rng(spec.seed)
     std = 1.0 / np.sqrt(spec.embd)
     quant = spec.type == "q8_0"
@@ -396,7 +511,15 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
         pool = pool.reshape(-1)
     else:
         pool = (rng.standard_normal(largest + 65536, dtype=np.float32) * std).astype(np.float16)
-    ones = np.ones(spec.embd, dtype=np.float32)
+
+    def f32(shape: tuple[int, ...], kind: str) -> np.ndarray:
+        if kind == "ones":
+            return np.ones(shape, dtype=np.float32)
+        if kind == "zeros":
+            return np.zeros(shape, dtype=np.float32)
+        if kind == "neg":  # a decay rate in [-1.5, -0.5)
+            return -(0.5 + rng.random(shape, dtype=np.float32))
+        return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))  # "rand": a kernel over shape[-1] taps
 
     made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
     tmp = out.with_name(out.name + ".part")
@@ -410,14 +533,28 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
         w.add_block_count(spec.layers)
         w.add_feed_forward_length(spec.ff)
         w.add_head_count(spec.heads)
-        w.add_head_count_kv(spec.kv_heads)
-        w.add_rope_dimension_count(head_dim)
+        if spec.arch == "lfm2":  # per layer: 0 marks a short convolution layer
+            w.add_head_count_kv([spec.kv_heads if spec.is_attention(il) else 0 for il in range(spec.layers)])
+        else:
+            w.add_head_count_kv(spec.kv_heads)
+        w.add_rope_dimension_count(spec.n_rot)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         if spec.arch == "gemma2":
             w.add_sliding_window(spec.sliding_window)
             w.add_attn_logit_softcapping(50.0)
             w.add_final_logit_softcapping(30.0)
+        if spec.arch == "qwen35":
+            half = spec.n_rot // 2  # interleaved M-RoPE: the rotated pairs over (time, height, width), as Qwen3.5's 11/11/10 of 32
+            w.add_rope_dimension_sections([(half + 2) // 3, (half + 1) // 3, half // 3, 0])
+            w.add_full_attention_interval(spec.attn_interval)
+            w.add_ssm_conv_kernel(spec.conv)
+            w.add_ssm_state_size(spec.ssm_d_state)
+            w.add_ssm_group_count(spec.ssm_key_groups)
+            w.add_ssm_time_step_rank(spec.ssm_value_heads)
+            w.add_ssm_inner_size(spec.ssm_d_state * spec.ssm_value_heads)
+        if spec.arch == "lfm2":
+            w.add_shortconv_l_cache(spec.conv)
         w.add_file_type(7 if quant else 1)
         w.add_vocab_size(spec.vocab)
         tokens, scores, types = _tokenizer(spec.vocab)
@@ -429,9 +566,9 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
-        for k, (name, shape, mat) in enumerate(shapes):
-            if not mat:
-                w.add_tensor(name, ones)
+        for k, (name, shape, kind) in enumerate(shapes):
+            if kind != "w":
+                w.add_tensor(name, f32(shape, kind))
                 continue
             n = int(np.prod(shape))
             if quant:

@@ -454,8 +454,8 @@ def describe_plan(plan: dict | None) -> str:
 
 
 def describe_plan_details(plan: dict | None) -> list[str]:
-    """The planner's budget terms, its link model and (split plans only) its CPU part of the tail, one line each (nothing
-    for builds that do not report them)."""
+    """The planner's budget terms, a hybrid model's layers (which split, the recurrent state whole), its link model and
+    (split plans only) its CPU part of the tail, one line each (nothing for builds that do not report them)."""
     if not plan:
         return []
     lines = []
@@ -465,9 +465,16 @@ def describe_plan_details(plan: dict | None) -> list[str]:
         for d in budget["devices"]:
             head = (f"target {budget['vram_target_mib']} MiB" if budget.get("vram_target_mib")
                     else f"free {mib(d.get('free_bytes'))} MiB - reserve {mib(budget.get('reserve_bytes'))} MiB")
+            recr = f" (recurrent state {mib(d['recurrent_bytes'])})" if d.get("recurrent_bytes") else ""
             lines.append(f"budget on {d.get('name', '?')}: {head}; weights {mib(d.get('weights_bytes'))} + compute ~{mib(d.get('compute_bytes'))}"
-                         f" + other KV {mib(d.get('other_kv_bytes'))} + streaming ring {mib(d.get('ring_bytes'))} MiB;"
+                         f" + other KV {mib(d.get('other_kv_bytes'))}{recr} + streaming ring {mib(d.get('ring_bytes'))} MiB;"
                          f" whole KV {mib(d.get('kv_resident_bytes'))} MiB; minimum target {d.get('min_target_mib', '?')} MiB")
+    recurrent = plan.get("recurrent")
+    if isinstance(recurrent, dict):  # a hybrid model: only its attention layers' cache may split
+        layers = recurrent.get("layers") or []
+        attn = [layer.get("il") for layer in plan.get("layers") or []]
+        lines.append(f"hybrid model: the attention layers' cache ({len(attn)} layers) {'splits' if plan.get('split') else 'stays whole'}; "
+                     f"the recurrent state ({len(layers)} layers, {(recurrent.get('bytes') or 0) / 2**20:.1f} MiB) stays whole")
     link = plan.get("link") or {}
     est = plan.get("estimate") or {}
     if est.get("ms_per_token") is not None:

@@ -133,7 +133,7 @@ def test_synth_refuses_overwrite_and_bad_shapes(capsys, tmp_path):
     code, _, err = run_main(["model", "synth", str(out)], capsys)
     assert code == 1 and "--force" in err and out.read_bytes() == b"keep me"
     code, _, err = run_main(["model", "synth", str(tmp_path / "x.gguf"), "--embd", "100", "--heads", "3"], capsys)
-    assert code == 1 and "multiple" in err
+    assert code == 2 and "multiple" in err  # a shape llama.cpp cannot run: a usage error
     assert not (tmp_path / "x.gguf").exists()
 
 

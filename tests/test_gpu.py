@@ -219,3 +219,82 @@ def test_gate_equiv_four_parallel_sequences_within_the_order_floor(cuda_build, s
     r = json.loads(out.read_text())
     assert r["n_seq"] == 4 and r["candidate"]["plan"]["split"] and r["metrics"]["nonfinite"] == 0
     assert r["verdict"] == "pass" and r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
+
+
+# ------------------------------------------------------------------------------ hybrid models (recurrent + attention)
+
+HYBRID_SHAPE = dict(layers=8, embd=1024, heads=8, kv_heads=8, ff=2816, vocab=32000, ctx=65536, attn_interval=4)  # attention: 3, 7
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory) -> dict:
+    """Synthetic qwen35 (gated delta net) and lfm2 (short convolutions) models, layers 3 and 7 attention, head 128."""
+    from rollingkv_cli import models
+
+    d = tmp_path_factory.mktemp("hybrid")
+    return {arch: models.write_synthetic(d / f"{arch}.gguf", models.SynthSpec(**HYBRID_SHAPE, arch=arch)) for arch in ("qwen35", "lfm2")}
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_hybrid_gate_equiv_within_the_order_floor(cuda_build, hybrid_models, tmp_path, arch):
+    """A hybrid model fully offloaded, its attention cache split (window 256 of 1024 tokens, batches of 96 straddling it),
+    its recurrent state whole on the GPU: within the resident run's own order floor, the plan splitting the attention
+    layers only."""
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(hybrid_models[arch]), "--synthetic-tokens", "1024", "--ctx", "1280",
+                 "--n-batch", "96", "--kv-window-cells", "256", "-ngl", "99", "--order-floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    plan = r["candidate"]["plan"]
+    assert plan["split"] and [layer["il"] for layer in plan["layers"]] == [3, 7] and plan["recurrent"]["layers"] == [0, 1, 2, 4, 5, 6]
+    assert r["verdict"] == "pass" and r["metrics"]["nonfinite"] == 0 and r["tail_positions"] == 768
+    assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
+
+
+_HYBRID_AUTO = """
+import json, os
+import numpy as np
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+llama_cpp.llama_backend_init()
+mp = llama_cpp.llama_model_default_params(); mp.n_gpu_layers = 99
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), mp)
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+def cp(n_seq):
+    c = llama_cpp.llama_context_default_params()
+    c.n_ctx = 65536; c.n_batch = 512; c.n_ubatch = 512; c.flash_attn_type = 1; c.n_seq_max = n_seq; c.kv_unified = True
+    return c
+ctx = ext.init_context(model, cp(1), ext.make_params(mode="auto", vram_target_mib=1000000))
+big = ext.plan(ctx); llama_cpp.llama_free(ctx)
+d = big["budget"]["devices"][0]
+need = d["weights_bytes"] + d["compute_bytes"] + d["other_kv_bytes"] + d["runtime_bytes"] + d["kv_resident_bytes"]
+target = (need - d["kv_resident_bytes"] // 2) // 2**20   # room for about half the KV
+ctx = ext.init_context(model, cp(4), ext.make_params(mode="auto", vram_target_mib=int(target)))
+plan = ext.plan(ctx)
+b = llama_cpp.llama_batch_init(600, 0, 1)
+for i in range(600):
+    b.token[i] = (i * 37 + 11) % 20000 + 300; b.pos[i] = i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == 599
+b.n_tokens = 600
+rc = llama_cpp.llama_decode(ctx, b)
+row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+print(json.dumps({"big": big, "plan": plan, "target": int(target), "rc": rc, "finite": bool(np.isfinite(row).all())}))
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_hybrid_auto_splits_the_attention_cache_under_a_vram_target(cuda_build, hybrid_models, arch):
+    """Auto residency on the GPU with a vram_target that holds about half of the attention layers' KV (65536 cells): the
+    attention cache splits, the recurrent state (four sequences) is counted on the GPU next to the window, and a batch
+    decodes to finite logits."""
+    from conftest import run_python
+
+    r = run_python(_HYBRID_AUTO, cuda_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(hybrid_models[arch])})
+    assert r["big"]["mode_chosen"] == "resident", r["big"]["reason"]
+    p = r["plan"]
+    assert p["split"] and p["mode_chosen"] == "window" and p["budget"]["budgeted"], p["reason"]
+    assert [layer["il"] for layer in p["layers"]] == [3, 7] and p["recurrent"]["layers"] == [0, 1, 2, 4, 5, 6]
+    d = p["budget"]["devices"][0]
+    assert d["recurrent_bytes"] == p["recurrent"]["bytes"] > 0 and not d["host_memory"]
+    assert 4 * r["big"]["budget"]["recurrent_bytes"] == d["recurrent_bytes"]
+    assert r["rc"] == 0 and r["finite"]

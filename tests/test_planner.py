@@ -112,6 +112,10 @@ def _cases() -> dict:
         "q8_window": fig(vram_target_mib=12000, type_k="q8_0", type_v="q8_0"),
         "streams": fig(kv_size=32768, n_stream=4, vram_target_mib=12000),
         "other_kv": fig(vram_target_mib=12000, other_kv_mib=2048),
+        "recurrent": fig(vram_target_mib=12000, recurrent_mib=2048),  # a hybrid model's recurrent state
+        "recurrent_fits": fig(vram_target_mib=FIT_MIB, recurrent_mib=1),
+        "recurrent_two_gpus": fig(vram_target_mib=10000, devices=[{"name": "CUDA0", "n_layer": 16, "weights_mib": 2000, "recurrent_mib": 1500},
+                                                                 {"name": "CUDA1", "n_layer": 16, "weights_mib": 2000}]),
         "refuse": fig(vram_target_mib=6000, refuse="flash attention is off"),
         "off": fig(mode="off", vram_target_mib=6000),
         "explicit": fig(mode="window", window_cells=1000),
@@ -295,6 +299,24 @@ def test_other_caches_come_off_the_budget(sim):
     assert with_other["budget"]["other_kv_bytes"] == 2048 * MiB
 
 
+def test_a_hybrid_models_recurrent_state_comes_off_the_budget(sim):
+    """A hybrid model's recurrent state (what llama_rkv_note_recurrent records before the attention cache plans) never
+    splits: it takes the budget an SWA cache of its size would, and the plan reports it apart. One MiB of it turns the
+    target at which the whole KV just fits into a split; on two GPUs only the device holding it loses the window."""
+    recr, other = sim["recurrent"], sim["other_kv"]
+    assert recr["window_cells"] == other["window_cells"] == Expect(CASES["other_kv"]).window > 0
+    assert recr["budget"]["other_kv_bytes"] == recr["budget"]["recurrent_bytes"] == 2048 * MiB
+    assert recr["budget"]["devices"][0]["recurrent_bytes"] == 2048 * MiB
+    assert recr["recurrent"] == {"split": False, "layers": [], "bytes": 2048 * MiB}
+    assert other["recurrent"] is None and other["budget"]["recurrent_bytes"] == 0
+    assert sim["fits"]["mode_chosen"] == "resident"
+    tipped = sim["recurrent_fits"]
+    assert tipped["split"] and tipped["window_cells"] == Expect({**CASES["fits"], "other_kv_mib": 1}).window
+    two = sim["recurrent_two_gpus"]["budget"]["devices"]
+    assert [d["recurrent_bytes"] for d in two] == [1500 * MiB, 0]
+    assert two[0]["kv_budget_bytes"] == two[1]["kv_budget_bytes"] - 1500 * MiB
+
+
 def test_gpu_runtime_counts_against_a_target_only(sim):
     """NVML counts the CUDA context, cuBLAS and the pools per process: a vram_target must leave room for them."""
     default, given, env = sim["tail_f16"], sim["runtime_given"], sim["runtime_env"]
@@ -398,6 +420,9 @@ def test_serve_prints_the_budget_and_the_estimate(sim):
     assert lines[1].startswith(f"expected {far['estimate']['ms_per_token']:.2f} ms/token") and "25.0 GB/s" in lines[1]
     assert "residency: resident" in serving.describe_plan(sim["fits"]) and len(serving.describe_plan_details(sim["fits"])) == 1
     assert serving.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
+    recr = serving.describe_plan_details(sim["recurrent"])
+    assert "+ other KV 2048 (recurrent state 2048) + streaming ring 96 MiB" in recr[0]
+    assert recr[1].startswith("hybrid model: the attention layers' cache (32 layers) splits; the recurrent state (0 layers, 2048.0 MiB)")
 
 
 # ------------------------------------------------------------------------ the live planner on the CPU build

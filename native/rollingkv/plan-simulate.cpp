@@ -11,13 +11,14 @@
 //
 // Input: a JSON object with mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail,
 // type_v_tail, kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
-// device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, ring_mib (default: the CUDA
+// device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
+// recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
 // reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, 0 = off; -1: auto),
 // cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
 // hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
-// other_kv_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order). (*: required.)
+// other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order). (*: required.)
 // Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
 // mode_chosen "refused" and the message in "error"; invalid input gives {"error": ..., "invalid_input": true}.
 // Returns the full length (excluding NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
@@ -388,6 +389,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
     base.weights     = r.mib("weights_mib", 0);
     base.compute     = r.mib("compute_mib", 0);
     base.other_kv    = r.mib("other_kv_mib", 0);
+    base.recurrent   = r.mib("recurrent_mib", 0);  // a hybrid model's recurrent state: counted with the other caches
     base.ring        = r.mib("ring_mib", ring_unset);
     const size_t runtime_unset = (size_t) -1; // default: the library's GPU runtime reserve on a GPU, 0 in host memory
     base.runtime     = r.mib("runtime_mib", runtime_unset);
@@ -455,6 +457,11 @@ static std::string rkv_plan_simulate(const char * json_in) {
         d.row_bytes_window = n*row_w;
         d.row_bytes_tail   = n*row_t;
         d.conv_cell_bytes  = d.host_memory ? 0 : conv;
+        d.other_kv        += d.recurrent; // as the cache constructor counts it (llama_kv_cache::rkv_plan)
+        if (d.recurrent) {
+            st.hybrid = true;
+            st.recurrent_bytes.emplace_back(nullptr, d.recurrent);
+        }
         st.devs.push_back(std::move(d));
     };
 
@@ -475,6 +482,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
             d.weights     = dr.mib("weights_mib", base.weights);
             d.compute     = dr.mib("compute_mib", base.compute);
             d.other_kv    = dr.mib("other_kv_mib", base.other_kv);
+            d.recurrent   = dr.mib("recurrent_mib", base.recurrent);
             d.ring        = dr.mib("ring_mib", d.host_memory ? 0 : base.ring);
             d.runtime     = dr.mib("runtime_mib", base.runtime);
             const uint32_t n = (uint32_t) dr.count("n_layer", 0, true);

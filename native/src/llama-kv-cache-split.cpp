@@ -112,6 +112,15 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         }
     }
 
+    // the attention cache of a hybrid model: its recurrent state (recorded by llama_rkv_note_recurrent before this cache
+    // was constructed) stays whole on its device, next to the window
+    for (const auto & [dev, bytes] : st.recurrent_bytes) {
+        if (llama_rkv_layer_group * g = group_of(dev)) {
+            g->other_kv  += bytes;
+            g->recurrent += bytes;
+        }
+    }
+
     // eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the
     // split-aware build_attn paths only
     if (hparams.is_mla()) {

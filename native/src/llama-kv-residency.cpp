@@ -535,10 +535,14 @@ static void llama_rkv_log_budget(const llama_rkv_state & st) {
         } else {
             snprintf(target, sizeof(target), "free %.0f MiB - reserve %.0f MiB", llama_rkv_mib(d.free), llama_rkv_mib(st.reserve));
         }
-        LLAMA_LOG_INFO("%s: rolling KV: budget on %s: %s, weights %.0f MiB, compute ~%.0f MiB (estimate), other KV %.0f MiB, "
+        char recr[64] = "";
+        if (d.recurrent) {
+            snprintf(recr, sizeof(recr), " (recurrent state %.1f MiB)", llama_rkv_mib(d.recurrent));
+        }
+        LLAMA_LOG_INFO("%s: rolling KV: budget on %s: %s, weights %.0f MiB, compute ~%.0f MiB (estimate), other KV %.0f MiB%s, "
                 "streaming ring %.0f MiB (%d x %.0f MiB), free %.0f MiB -> %.0f MiB for the KV window (%.3f MiB/cell); "
                 "whole KV %.0f MiB; minimum vram_target %" PRId64 " MiB\n", __func__,
-                d.name.c_str(), target, llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv),
+                d.name.c_str(), target, llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv), recr,
                 llama_rkv_mib(d.ring), d.ring ? st.ring_slots : 0, d.ring ? llama_rkv_mib(st.ring_slot_size) : 0.0,
                 llama_rkv_mib(d.free), llama_rkv_mib(d.kv_budget), llama_rkv_mib(d.cell_bytes), llama_rkv_mib(d.kv_resident),
                 d.min_target_mib);
@@ -700,6 +704,46 @@ uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in) 
     return wc;
 }
 
+llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r, ggml_type type_s,
+        bool offload, uint32_t mem_size, uint32_t n_rs_seq, const std::function<bool(int32_t)> & filter) {
+    if (!st || st->resolved) {
+        return st;
+    }
+
+    const auto & hp = model.hparams;
+
+    st->hybrid = true;
+    st->recurrent_layers.clear();
+    st->recurrent_bytes.clear();
+
+    // as llama_memory_recurrent allocates them: per layer, mem_size x (1 + n_rs_seq) rows of r and s (and of the PLE
+    // conv history where the model has one), on the layer's device when offloaded, else in host memory
+    const size_t n_rows = (size_t) mem_size*(1 + n_rs_seq);
+
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (filter ? !filter((int32_t) il) : !hp.is_recr(il)) {
+            continue;
+        }
+        size_t bytes = n_rows*(ggml_row_size(type_r, hp.n_embd_r()) + ggml_row_size(type_s, hp.n_embd_s()));
+        if (hp.ple_conv_state() > 0 && hp.is_ple(il)) {
+            bytes += n_rows*ggml_row_size(type_r, hp.ple_conv_state());
+        }
+
+        ggml_backend_dev_t dev = offload ? model.dev_layer(il) : nullptr;
+
+        auto it = std::find_if(st->recurrent_bytes.begin(), st->recurrent_bytes.end(),
+                [dev](const std::pair<ggml_backend_dev_t, size_t> & e) { return e.first == dev; });
+        if (it == st->recurrent_bytes.end()) {
+            st->recurrent_bytes.emplace_back(dev, bytes);
+        } else {
+            it->second += bytes;
+        }
+        st->recurrent_layers.push_back((int32_t) il);
+    }
+
+    return st;
+}
+
 uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc & desc, const llama_model & model) {
     if (st.resolved) {
         // only one cache of a context splits (the non-SWA one); another one asking stays resident
@@ -791,6 +835,7 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
             d.n_layer          = g->n_layer;
             d.weights          = llama_rkv_weights_bytes(model, dev);
             d.other_kv         = g->other_kv;
+            d.recurrent        = g->recurrent;
             d.ring             = (size_t) db.ring_slots*st.ring_slot_size;
             d.runtime          = db.runtime_bytes;
             d.row_bytes_window = g->row_bytes_window;

@@ -15,8 +15,8 @@
 // model weights were loaded, so free already excludes them: they are subtracted from the target only,
 // never from free. Out of avail come the compute buffers (not allocated yet: an estimate, see
 // llama_rkv_compute_estimate), the caches that never split (the SWA cache of an iSWA model, allocated after
-// the planning cache), with a target the device runtime's own memory, and, when the cache splits, the ring
-// through which the device streams the tail. The last two are the backend's figures (ggml_rkv_dev_budget,
+// the planning cache; the recurrent state of a hybrid model, see llama_rkv_note_recurrent), with a target the
+// device runtime's own memory, and, when the cache splits, the ring through which the device streams the tail. The last two are the backend's figures (ggml_rkv_dev_budget,
 // ggml-rolling-kv.h): the planner knows no backend. The whole KV fits: resident (the upstream cache, no
 // ring); otherwise the largest window of a multiple of 256 cells that fits every device. A target that cannot
 // hold even a 256-cell window is refused with the minimum, in MiB.
@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct llama_model;
@@ -81,7 +82,9 @@ struct llama_rkv_dev_budget {
     size_t   free             = 0;     // free memory at plan time (weights already excluded)
     size_t   weights          = 0;     // model weights on this device
     size_t   compute          = 0;     // compute buffer estimate
-    size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model)
+    size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model, the
+                                       // recurrent state of a hybrid model)
+    size_t   recurrent        = 0;     // of other_kv: the recurrent state of a hybrid model (llama_rkv_note_recurrent)
     size_t   ring             = 0;     // the device's tail ring (the backend's figure), counted only when the cache splits
     size_t   runtime          = 0;     // the device runtime's own memory (the backend's figure: context, library
                                        // handles, pool growth): counted against a vram_target only (NVML counts it
@@ -113,6 +116,13 @@ struct llama_rkv_state {
 
     // set by the first cache that planned with this state
     bool resolved = false;
+
+    // a hybrid model (llama_memory_hybrid): its recurrent layers and the bytes of their state per device (nullptr: host
+    // memory), recorded before the attention cache plans (llama_rkv_note_recurrent). The state stays whole where
+    // llama_memory_recurrent puts it; only the attention cache may split, and the state counts against its budget.
+    bool hybrid = false;
+    std::vector<int32_t> recurrent_layers;
+    std::vector<std::pair<ggml_backend_dev_t, size_t>> recurrent_bytes;
 
     enum llama_kv_residency_mode chosen = LLAMA_KV_RESIDENCY_OFF;
     std::string reason;
@@ -171,7 +181,8 @@ struct llama_rkv_layer_group {
     size_t   conv_cell_bytes  = 0; // see llama_rkv_dev_budget::conv_cell_bytes (GPU devices only)
     size_t   max_row_k_tail   = 0; // the widest layer's K and V rows at the tail types (the ring's minimum slot)
     size_t   max_row_v_tail   = 0;
-    size_t   other_kv         = 0; // bytes of the caches that never split on this device
+    size_t   other_kv         = 0; // bytes of the caches that never split on this device (SWA cache, recurrent state)
+    size_t   recurrent        = 0; // of other_kv: a hybrid model's recurrent state
     uint32_t n_kv_other       = 0; // cells per stream of those caches (their KQ mask columns)
     // shape of the group's first layer, for the flash-attention probe
     int64_t  n_embd_head_k    = 0;
@@ -197,6 +208,14 @@ struct llama_rkv_cache_desc {
     // the same layers grouped by device, in order of first appearance
     std::vector<llama_rkv_layer_group> groups;
 };
+
+// A hybrid model's memory (llama_memory_hybrid) builds its attention cache, which may split, before its recurrent
+// memory, which never does: this records in st the recurrent layers and the bytes of their state per device, as
+// llama_memory_recurrent will allocate them (r and s rows, and a PLE row where the model has one, for mem_size x
+// (1 + n_rs_seq) cells; filter: the recurrent layers, nullptr: hparams.is_recr), for the attention cache's plan to
+// count against its budget. Returns st (nullptr stays nullptr: no request, the upstream cache).
+llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r, ggml_type type_s,
+        bool offload, uint32_t mem_size, uint32_t n_rs_seq, const std::function<bool(int32_t)> & filter);
 
 // window cells per stream for this cache (0: stay resident); fills the plan in st. Throws std::runtime_error
 // (st.error) when the request is refused, e.g. a vram_target below the minimum.

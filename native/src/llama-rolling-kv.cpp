@@ -128,8 +128,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     if (st->devs.empty()) {
         res += ",\"budget\":null";
     } else {
-        size_t free = 0, weights = 0, compute = 0, other_kv = 0, ring = 0, kv_resident = 0, runtime = 0;
+        size_t free = 0, weights = 0, compute = 0, other_kv = 0, recurrent = 0, ring = 0, kv_resident = 0, runtime = 0;
         for (const auto & d : st->devs) {
+            recurrent   += d.recurrent;
             runtime     += d.runtime;
             free        += d.free;
             weights     += d.weights;
@@ -141,9 +142,10 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         snprintf(buf, sizeof(buf),
                 ",\"budget\":{\"budgeted\":%s,\"vram_target_mib\":%" PRId64 ",\"min_target_mib\":%" PRId64
                 ",\"reserve_bytes\":%zu,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu,\"other_kv_bytes\":%zu"
-                ",\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu,\"runtime_bytes\":%zu",
+                ",\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu"
+                ",\"runtime_bytes\":%zu",
                 st->budgeted ? "true" : "false", st->req.vram_target_mib, st->min_target_mib,
-                st->reserve, free, weights, compute, other_kv, ring, st->ring_slots, st->ring_slot_size, kv_resident, runtime);
+                st->reserve, free, weights, compute, other_kv, recurrent, ring, st->ring_slots, st->ring_slot_size, kv_resident, runtime);
         res += buf;
         res += ",\"compute_note\":" + llama_rkv_json_str(st->compute_note);
         res += ",\"devices\":[";
@@ -153,9 +155,10 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
             res += "\"name\":" + llama_rkv_json_str(d.name);
             snprintf(buf, sizeof(buf),
                     ",\"host_memory\":%s,\"n_layer\":%u,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
-                    ",\"other_kv_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu,\"kv_resident_bytes\":%zu"
-                    ",\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64 ",\"runtime_bytes\":%zu}",
-                    d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.ring, d.avail,
+                    ",\"other_kv_bytes\":%zu,\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu"
+                    ",\"kv_resident_bytes\":%zu,\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64
+                    ",\"runtime_bytes\":%zu}",
+                    d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.recurrent, d.ring, d.avail,
                     d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime);
             res += buf;
         }
@@ -188,6 +191,21 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         host_total += l.host_bytes;
     }
     res += "]";
+
+    // a hybrid model: the recurrent layers, whose state stays whole (not in "layers", which are the attention cache's)
+    if (!st->hybrid) {
+        res += ",\"recurrent\":null";
+    } else {
+        size_t recr_total = 0;
+        for (const auto & e : st->recurrent_bytes) {
+            recr_total += e.second;
+        }
+        res += ",\"recurrent\":{\"split\":false,\"layers\":[";
+        for (size_t i = 0; i < st->recurrent_layers.size(); ++i) {
+            res += (i > 0 ? "," : "") + std::to_string(st->recurrent_layers[i]);
+        }
+        res += "],\"bytes\":" + std::to_string(recr_total) + "}";
+    }
 
     snprintf(buf, sizeof(buf), ",\"device_bytes\":%zu,\"host_bytes\":%zu}", dev_total, host_total);
     res += buf;
@@ -325,7 +343,8 @@ struct llama_context * llama_init_from_model_rolling_kv(
             st->eligible = req.mode == LLAMA_KV_RESIDENCY_OFF;
             st->reason   = req.mode == LLAMA_KV_RESIDENCY_OFF
                 ? "mode off: the upstream resident cache"
-                : "this model's memory (recurrent, hybrid, sparse-attention or no KV cache) does not support the split: resident";
+                : "this model's memory (recurrent only, hybrid with sliding-window or indexer layers, sparse-attention or no KV "
+                  "cache) does not support the split: resident";
             LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", __func__, st->reason.c_str());
         }
     }

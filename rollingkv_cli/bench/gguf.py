@@ -107,6 +107,23 @@ def _field(reader, key: str):
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
+# hybrid architectures whose attention layers are every full_attention_interval-th (the pin's default interval) unless
+# attention.recurrent_layers lists the recurrent ones; the others mark theirs with 0 KV heads (head_count_kv per layer)
+_INTERVAL_HYBRIDS = {"qwen35": 4, "qwen35moe": 4, "qwen3next": 4, "minimax-01": 8}
+
+
+def _recurrent_layers(reader, arch: str, n_layer: int) -> set[int]:
+    """The recurrent layers of a hybrid model that counts them by interval, as the pin's loader does (the trailing
+    nextn_predict_layers MTP layers attend); empty for other models."""
+    if arch not in _INTERVAL_HYBRIDS:
+        return set()
+    flags = _field(reader, f"{arch}.attention.recurrent_layers")
+    if isinstance(flags, list) and len(flags) == n_layer:
+        return {il for il, f in enumerate(flags) if f}
+    interval = int(_field(reader, f"{arch}.full_attention_interval") or _INTERVAL_HYBRIDS[arch])
+    trunk = n_layer - int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
+    return {il for il in range(trunk) if (il + 1) % max(1, interval) != 0}
+
 
 def read_model(path: Path) -> ModelInfo:
     gguf = import_gguf()
@@ -151,8 +168,12 @@ def read_model(path: Path) -> ModelInfo:
     notes = []
     if len(n_head_kv) != n_layer:
         abort(f"{path}: {len(n_head_kv)} KV head counts for {n_layer} layers")
+    recurrent = _recurrent_layers(reader, arch, n_layer)
+    if recurrent:  # a hybrid model whose metadata gives the KV heads of its attention layers to every layer
+        n_head_kv = [0 if il in recurrent else h for il, h in enumerate(n_head_kv)]
     if any(h <= 0 for h in n_head_kv):
-        notes.append(f"{sum(1 for h in n_head_kv if h <= 0)} layers have no KV cache (0 KV heads)")
+        notes.append(f"{sum(1 for h in n_head_kv if h <= 0)} layers have no KV cache (0 KV heads"
+                     + (": recurrent layers of a hybrid model, their state stays whole on the device)" if recurrent else ")"))
         n_head_kv = [max(0, h) for h in n_head_kv]
     if sliding:
         notes.append(f"the model has sliding-window layers (window {sliding}); they stay whole on the device, but the "

@@ -1,4 +1,4 @@
-"""`rollingkv model`: the bundled demo model and synthetic Llama-shaped models for speed work."""
+"""`rollingkv model`: the bundled demo model and synthetic models (Llama-shaped, iSWA, hybrid) for tests and speed work."""
 
 from __future__ import annotations
 
@@ -39,25 +39,42 @@ def demo(print_path: bool) -> None:
 @click.option("--ctx", type=int, default=131072, show_default=True, help="Trained context length written to the GGUF.")
 @click.option("--type", "wtype", type=click.Choice(["f16", "q8_0"]), default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--arch", type=click.Choice(["llama", "gemma2"]), default="llama", show_default=True, help="gemma2: interleaved sliding-window attention (iSWA), every other layer local.")
+@click.option("--arch", type=click.Choice(["llama", "gemma2", "qwen35", "lfm2"]), default="llama", show_default=True,
+              help="gemma2: interleaved sliding-window attention (iSWA), every other layer local. qwen35 (gated delta net) and "
+                   "lfm2 (short convolutions): hybrid models, recurrent layers with an attention layer every --attn-interval.")
 @click.option("--sliding-window", type=click.IntRange(min=1), default=128, show_default=True, help="Window of the local layers (gemma2).")
+@click.option("--attn-interval", type=int, default=4, show_default=True,
+              help="Hybrid models: layer i is an attention layer when i + 1 is a multiple of this, the others are recurrent.")
+@click.option("--ssm-state", type=int, default=None, help="qwen35: the gated delta net's state size (its key and value head size).  [default: the attention's head_dim]")
+@click.option("--ssm-groups", type=int, default=None, help="qwen35: the gated delta net's key groups.  [default: --kv-heads]")
+@click.option("--ssm-heads", type=int, default=None, help="qwen35: the gated delta net's value heads, a multiple of --ssm-groups.  [default: --heads]")
+@click.option("--conv-kernel", type=int, default=None,
+              help="Hybrid models: the recurrent layers' convolution length (qwen35: the gated delta net's kernel; lfm2: the short "
+                   "convolution, at least 2).  [default: 4 for qwen35, 3 for lfm2]")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (atomically: the old file stays until the new one is complete).")
-def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window, force) -> None:
-    """Write a Llama-shaped GGUF with random weights to OUT (defaults: the anchors' 28-layer, 8-KV-head model, ~6 GiB in f16).
+def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window, attn_interval, ssm_state, ssm_groups,
+          ssm_heads, conv_kernel, force) -> None:
+    """Write a GGUF with random weights to OUT: Llama-shaped (defaults: the anchors' 28-layer, 8-KV-head model, ~6 GiB in
+    f16), iSWA (gemma2) or hybrid (qwen35, lfm2).
 
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
-    or failed write leaves nothing behind (no OUT.part)."""
+    or failed write leaves nothing behind (no OUT.part). A shape llama.cpp cannot run is refused before anything
+    is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
 
-    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window)
+    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window,
+                            attn_interval=attn_interval, ssm_state=ssm_state, ssm_groups=ssm_groups, ssm_heads=ssm_heads,
+                            conv_kernel=conv_kernel)
     spec.validate()
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
     with _sigterm_raises(), console.status(f"writing {esc(str(out))}"):
         models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True))
-    kv_per_token = 2 * layers * kv_heads * spec.head_dim * 2
-    success(f"{out}: {models.human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}, f16 KV {kv_per_token // 1024} KiB/token")
+    n_attn = len(spec.attention_layers)
+    kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
+    layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""
+    success(f"{out}: {models.human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}{layout}, f16 KV {kv_per_token // 1024} KiB/token")
 
 
 @contextlib.contextmanager

@@ -369,3 +369,19 @@ def test_time_budget_leaves_a_partial_report(cpu_build, demo_model, tmp_path):
     assert [c["status"] for c in doc["cells"]] == ["timeout", "skipped"] and not doc["complete"]
     assert doc["cells"][0]["wall_s"] < 30 and "time-budget" in doc["cells"][0]["error"] and "time-budget" in doc["cells"][1]["error"]
     assert {t["status"] for t in doc["targets"]} == {"n/a"}
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_read_model_counts_only_a_hybrid_models_attention_layers(tmp_path, arch):
+    """The tail bytes of a hybrid model are its attention layers' only: lfm2 marks its convolution layers with 0 KV heads,
+    qwen35 gives every layer the attention's KV heads and says which attend by full_attention_interval."""
+    from rollingkv_cli import models
+
+    path = models.write_synthetic(tmp_path / f"{arch}.gguf", models.SynthSpec(layers=8, embd=256, heads=4, kv_heads=2, ff=512,
+                                                                              vocab=300, ctx=1024, arch=arch, attn_interval=4))
+    from rollingkv_cli.bench import gguf as bench_gguf
+
+    info = bench_gguf.read_model(path)
+    assert info.n_head_kv == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert info.kv.row_bytes("f16", "f16") == 2 * 2 * (2 * 64 * 2)  # two layers, K and V
+    assert any("6 layers have no KV cache" in n for n in info.notes)
