@@ -99,7 +99,7 @@ class RollingKVParams(ctypes.Structure):
         ("type_k_tail", ctypes.c_int),
         ("type_v_tail", ctypes.c_int),
         ("pcie_bw_gbps", ctypes.c_float),
-        # API 4: the hybrid tail. tail_cpu_frac 0: off (the library's default); < 0: auto (the planner picks the share);
+        # API 4: the hybrid tail. tail_cpu_frac < 0: auto (the planner picks the share; the default since 2026-12-03); 0: off;
         # 0 < F <= 1: that share of each split layer's host tail cells (in 256-cell chunks) attended on the CPU.
         # cpu_attn_gbps <= 0: libllama calibrates (for auto; for F it only feeds the plan's estimate).
         ("tail_cpu_frac", ctypes.c_float),
@@ -107,9 +107,9 @@ class RollingKVParams(ctypes.Structure):
     ]
 
 
-# llama_rolling_kv_default_params().tail_cpu_frac: off. On the H200 the CPU part made decode slower at every share but a
-# small one at a ~100% tail (docs/perf/2026-12-02-h200-hybrid-tail), so auto and fixed shares are opt-in.
-DEFAULT_TAIL_CPU_FRAC = 0.0
+# llama_rolling_kv_default_params().tail_cpu_frac is auto (-1) in builds of this series: on the H200 the CPU part pays for f16
+# and q8_0 tails and auto declines where its model says it would not (docs/perf/2026-12-03-h200-hybrid-tail). Builds of
+# API 4 from before that default to 0 (off): None always means the library's own default.
 TAIL_CPU_AUTO = -1.0
 
 
@@ -117,11 +117,11 @@ def is_auto(frac) -> bool:
     return isinstance(frac, str) and frac.strip().lower() == "auto"
 
 
-def tail_cpu_frac_value(frac: float | str | None) -> float:
-    """The struct's tail_cpu_frac for a user's value: None -> 0 (off, the library's default); "auto" -> -1 (the planner
+def tail_cpu_frac_value(frac: float | str | None) -> float | None:
+    """The struct's tail_cpu_frac for a user's value: None -> None (the library's default); "auto" -> -1 (the planner
     picks the share); else 0 <= F <= 1 (ValueError otherwise)."""
     if frac is None:
-        return DEFAULT_TAIL_CPU_FRAC
+        return None
     if is_auto(frac):
         return TAIL_CPU_AUTO
     import math
@@ -228,8 +228,8 @@ class Extension:
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
                     type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
                     tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0) -> RollingKVParams:
-        """tail_cpu_frac: None = the library's default, 0 (no CPU part); "auto" = the planner decides (-1 in the
-        struct); 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
+        """tail_cpu_frac: None = the library's default (auto in this series); "auto" = the planner decides (-1 in the
+        struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
         does; auto, a share or a CPU bandwidth there is refused."""
         try:
@@ -241,7 +241,7 @@ class Extension:
 
         if not isinstance(cpu_attn_gbps, (int, float)) or isinstance(cpu_attn_gbps, bool) or not math.isfinite(cpu_attn_gbps):
             abort(f"cpu_attn_gbps {cpu_attn_gbps!r} is not a number", "give the CPU attention GB/s, or 0 to let libllama measure it")
-        if frac != 0.0:
+        if frac is not None and frac != 0.0:
             self._require_tail_cpu(f"tail_cpu_frac {tail_cpu_frac!r}")
         if cpu_attn_gbps > 0:
             self._require_tail_cpu(f"cpu_attn_gbps {cpu_attn_gbps!r}")
@@ -257,9 +257,10 @@ class Extension:
                     abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
                 setattr(p, field, GGML_TYPES[name])
         p.pcie_bw_gbps = float(pcie_bw_gbps)
-        # set on every library (None: the default, off): one before API 4 never reads them, and its default_params
-        # left them unwritten
-        p.tail_cpu_frac = frac
+        # written on every library: one before API 4 never reads them (its default_params left them unwritten); None keeps
+        # an API 4 library's own default
+        if frac is not None or self.api < API_TAIL_CPU:
+            p.tail_cpu_frac = 0.0 if frac is None else frac
         p.cpu_attn_gbps = float(cpu_attn_gbps) if cpu_attn_gbps > 0 else 0.0
         return p
 

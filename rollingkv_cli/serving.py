@@ -39,7 +39,7 @@ class ServeSettings:
     cache_type_k_tail: str | None = None
     cache_type_v_tail: str | None = None
     pcie_bw_gbps: float | None = None
-    kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (0, off)
+    kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     extra_args: list[str] = field(default_factory=list)
@@ -340,7 +340,7 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 def requested_tail_cpu_frac(s: ServeSettings) -> float | str | None:
     """The CPU part llama-server will be asked for: --kv-tail-cpu-frac after `--` (it comes last, so it wins), else
     serve's own setting, else $LLAMA_ARG_KV_TAIL_CPU_FRAC; "auto", a share from 0 to 1, or None (llama-server's
-    default: 0, off). A value llama-server would refuse counts as None (it says why when it starts)."""
+    default: auto). A value llama-server would refuse counts as None (it says why when it starts)."""
     import os
 
     text = _flag_value(s.extra_args, "--kv-tail-cpu-frac")
@@ -359,8 +359,8 @@ def requested_tail_cpu_frac(s: ServeSettings) -> float | str | None:
 def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: bool, doc: dict | None = None) -> tuple[float | None, str | None]:
     """(the --cpu-attn-gbps to pass, a note): the cached CPU attention figure for the tail's K type at the CPU part's
     thread count (cpu_attn.part_threads: not -t), when the hybrid tail will use it: a CUDA build that has
-    it, residency not off, a CPU part asked for (auto picks the share with it; a fixed share only reports its estimate
-    with it; llama-server's default, 0, has none), and no --cpu-attn-gbps / $LLAMA_ARG_CPU_ATTN_GBPS of the user's.
+    it, residency not off, a CPU part not turned off (auto, llama-server's default, picks the share with it; a fixed share
+    only reports its estimate with it; 0 has none), and no --cpu-attn-gbps / $LLAMA_ARG_CPU_ATTN_GBPS of the user's.
     Nothing cached: None, and llama-server calibrates when it plans (auto only)."""
     import os
 
@@ -368,7 +368,7 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
     from rollingkv_cli.llama_ext import CPU_ATTN_TYPES
 
     requested = requested_tail_cpu_frac(s)
-    if not cuda or not tail_cpu or s.kv_residency_mode == "off" or requested in (None, 0):
+    if not cuda or not tail_cpu or s.kv_residency_mode == "off" or requested == 0:
         return None, None
     if _given(s.extra_args, "--cpu-attn-gbps") or os.environ.get(ENV_CPU_ATTN, "").strip():
         return None, None
@@ -380,7 +380,7 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
 
     gbps, detail = pcie.cpu_attn_gbps_for(type_k, threads, build_key, doc)
     if gbps is None:
-        return None, f"CPU attention: {detail}; " + ("llama-server measures it when it plans" if requested == "auto" else
+        return None, f"CPU attention: {detail}; " + ("llama-server measures it when it plans" if requested in (None, "auto") else
                                                       "the plan's estimate for the requested share goes without it")
     return gbps, f"CPU attention for planning: {gbps:g} GB/s — {detail}"
 

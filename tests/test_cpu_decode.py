@@ -26,7 +26,8 @@ def _binary(cpu_build):
 
 def _expected_isas() -> dict[str, bool]:
     flags = hostinfo.cpu_flags()
-    return {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags,
+    return {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags,
+            "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags,
             "avx2": {"avx2", "fma", "f16c"} <= flags,
             "scalar": True}
 
@@ -67,7 +68,21 @@ def test_the_bench_reports_attention_next_to_a_read_scan_and_ggml(cpu_build):
     assert min(r["attention_ms"], r["scan_ms"], r["copy_ms"], r["ggml_fa_ms"]) > 0
 
 
-@pytest.mark.parametrize("args", [["--bench", "-t", "0"], ["--type", "q5_0"], ["--cells"], ["--isa", "sse9"]])
+def test_the_bench_times_each_kind_of_host_memory(cpu_build):
+    """--alloc: the K/V bytes in the CPU backend's buffer and in anonymous memory advised for 2 MiB pages, each timed; the
+    GPU's kinds (cudahost, tail) are refused by a CPU build, in one line, before anything is timed."""
+    b = _binary(cpu_build)
+    proc = subprocess.run([str(b), "--bench", "-t", "2", "--layers", "1", "--cells", "512", "--reps", "1", "--alloc", "cpu,thp"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["alloc"] for r in rows] == ["cpu", "thp"] and all(r["attention_ms"] > 0 and r["scan_ms"] > 0 for r in rows)
+    assert rows[0]["ggml_fa_ms"] > 0 and rows[1]["ggml_fa_ms"] == 0  # the vanilla comparison runs on the first kind only
+    proc = subprocess.run([str(b), "--bench", "--layers", "1", "--cells", "256", "--alloc", "tail"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "offers no tail memory" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--bench", "-t", "0"], ["--type", "q5_0"], ["--cells"], ["--isa", "sse9"], ["--bench", "--alloc", "foo"]])
 def test_bad_arguments_are_refused(cpu_build, args):
     proc = subprocess.run([str(_binary(cpu_build)), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip()

@@ -263,7 +263,7 @@ model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode
 n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 def cp(n_seq):
     c = llama_cpp.llama_context_default_params()
-    c.n_ctx = 65536; c.n_batch = 512; c.n_ubatch = 512; c.flash_attn_type = 1; c.n_seq_max = n_seq; c.kv_unified = True
+    c.n_ctx = 65536; c.n_batch = 1024; c.n_ubatch = 512; c.flash_attn_type = 1; c.n_seq_max = n_seq; c.kv_unified = True
     return c
 ctx = ext.init_context(model, cp(1), ext.make_params(mode="auto", vram_target_mib=1000000))
 big = ext.plan(ctx); llama_cpp.llama_free(ctx)
@@ -298,3 +298,54 @@ def test_hybrid_auto_splits_the_attention_cache_under_a_vram_target(cuda_build, 
     assert d["recurrent_bytes"] == p["recurrent"]["bytes"] > 0 and not d["host_memory"]
     assert 4 * r["big"]["budget"]["recurrent_bytes"] == d["recurrent_bytes"]
     assert r["rc"] == 0 and r["finite"]
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_gate_equiv_with_a_cpu_part_within_the_order_floor(cuda_build, synth_model, tmp_path, n_seq):
+    """The hybrid tail on the GPU: half of each tail attended on the CPU from the pinned rows while the rest streams,
+    decode-sized batches (the CPU part runs for batches of at most 8 rows per stream), one sequence and four side by side
+    in one unified cache; within the resident run's own order floor, per position too. It can fail: the perturbation hook
+    reaches the CPU part (test_op_on_cuda_perturbed_fails_exactly_the_live_tail_cases, --tail-cpu-frac in the device
+    checks)."""
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "512", "--n-seq", str(n_seq),
+                 "--n-batch", str(n_seq), "--kv-window-cells", "256", "--kv-tail-cpu-frac", "0.5", "-ngl", "99",
+                 "--order-floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    plan = r["candidate"]["plan"]
+    assert r["n_seq"] == n_seq and plan["split"] and plan["tail_cpu"]["frac"] == 0.5 and r["metrics"]["nonfinite"] == 0
+    assert r["verdict"] == "pass" and r["tail_positions"] > 0
+    assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
+
+
+def test_hybrid_model_server_two_slots_spilled(cuda_build, hybrid_models, tmp_path):
+    """llama-server with a hybrid model (LFM2) on the GPU, its attention cache spilled (window 256 of 4096), two slots
+    decoding at once: both answers complete with finite text, /props names the attention layers as split, and each
+    answer alone (sequential requests) equals the resident server's alone where the GPU's order floor keeps the greedy
+    argmax (the random-weight model's first tokens): the first 8 tokens must agree."""
+    import concurrent.futures
+
+    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.server import ServerProcess
+
+    prompts = [synthetic_text(400 + 37 * i) for i in range(2)]
+    answers, props = {}, {}
+    for name, extra in (("resident", ["--kv-residency-mode", "off"]), ("window", ["--kv-residency-mode", "window", "--kv-window-cells", "256"])):
+        with ServerProcess(cuda_build.server, ["-m", str(hybrid_models["lfm2"]), "-fa", "on", "-ngl", "99", "-c", "4096",
+                           "-np", "2", "--kv-unified", *extra], log_path=tmp_path / f"{name}.log") as srv:
+            def ask(p):
+                return srv.request("/completion", {"prompt": p, "n_predict": 64, "temperature": 0, "seed": 0, "ignore_eos": True,
+                                                   "cache_prompt": False, "n_probs": 0}, timeout=300)
+            alone = [ask(p) for p in prompts]
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                together = list(ex.map(ask, prompts))
+            answers[name] = (alone, together)
+            props[name] = srv.request("/props")["rolling_kv"]
+    w = props["window"]
+    assert w["split"] and [layer["il"] for layer in w["layers"]] == [3, 7] and not props["resident"]["split"]
+    for alone, together in answers.values():
+        assert all(r["tokens_predicted"] == 64 and r["content"] for r in alone + together)
+    for a_w, a_r in zip(answers["window"][0], answers["resident"][0]):
+        assert a_w["tokens_evaluated"] > 256  # the prompt reaches the tail
+        assert a_w["content"][:8] == a_r["content"][:8]

@@ -48,8 +48,9 @@ llama_cpp.llama_backend_init()
 
 
 @pytest.mark.build
-def test_the_library_is_api4_with_the_cpu_part_off_by_default(cpu_build):
-    """The library's default is no CPU part (0: on the H200 it did not pay), and make_params' default is the same."""
+def test_the_library_is_api4_with_the_cpu_part_auto_by_default(cpu_build):
+    """The library's default is auto (< 0: the planner's choice, none where it would not pay; on the H200 it pays for f16
+    and q8_0 tails), and make_params' default is the same."""
     r = run_python(_PRELUDE + """
 p = ext.default_params()
 q = ext.make_params(mode="window")
@@ -57,7 +58,7 @@ print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.t
                   "made": q.tail_cpu_frac, "auto": ext.make_params(tail_cpu_frac="auto").tail_cpu_frac}))
 """, cpu_build.lib_dir)
     assert r["api"] == llama_ext.API_VERSION == 4 and r["has"]
-    assert r["frac"] == 0 == llama_ext.DEFAULT_TAIL_CPU_FRAC and r["gbps"] <= 0  # off; the CPU figure measured at plan time
+    assert r["frac"] < 0 and r["gbps"] <= 0  # auto; the CPU figure measured at plan time
     assert r["made"] == r["frac"] and r["auto"] < 0
 
 
@@ -76,7 +77,7 @@ print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q
 
 @pytest.mark.build
 def test_the_plan_reports_the_split(cpu_build, demo_model):
-    """A split CPU context's plan has tail_cpu (the value asked for, echoed: 0 by default; a CPU-only build puts
+    """A split CPU context's plan has tail_cpu (the value asked for, echoed: auto by default; a CPU-only build puts
     nothing on a CPU part: it attends everything on the CPU already) and the link model's hybrid estimate."""
     r = run_python(_PRELUDE + """
 model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
@@ -97,7 +98,7 @@ print(json.dumps(out))
         assert "t_token_hybrid_ms" in plan["estimate"] and plan["estimate"]["t_token_hybrid_ms"] is None  # no CPU part: null
         assert plan["tail_cpu"]["reason"] == "no GPU: the CPU attends the whole tail already"
         assert plan["tail_cpu"]["n_threads"] > 0
-    assert r["default"]["tail_cpu"]["requested"] == 0 and r["auto"]["tail_cpu"]["requested"] == "auto"
+    assert r["default"]["tail_cpu"]["requested"] == "auto" and r["auto"]["tail_cpu"]["requested"] == "auto"
     assert r["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and r["off"]["tail_cpu"]["requested"] == 0
     # a CPU figure asked for is kept (the planner stops before it on a CPU build); none asked for: null, not measured
     assert r["default"]["tail_cpu"]["cpu_attn_gbps"] is None and r["auto"]["tail_cpu"]["cpu_attn_gbps"] is None
@@ -105,7 +106,7 @@ print(json.dumps(out))
 
 @pytest.mark.build
 def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
-    """/props has the plan's tail_cpu (0 requested by default). The log: llama-server's own line (patch 0011) gives the
+    """/props has the plan's tail_cpu (auto requested by default). The log: llama-server's own line (patch 0011) gives the
     mode, cells, bytes and reason, not the CPU part; the planner's line on it ("rolling KV: CPU part of the tail: ...")
     is a libllama INFO line, which llama-server prints with -v only."""
     from rollingkv_cli.server import ServerProcess
@@ -120,7 +121,7 @@ def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
     for name, plan in plans.items():
         assert plan["split"] and TAIL_CPU_KEYS <= set(plan["tail_cpu"]) and plan["tail_cpu"]["frac"] == 0, name
         assert "KV residency: requested window, chosen window, window 256 + tail 768 cells per stream" in logs[name]
-    assert plans["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and plans["default"]["tail_cpu"]["requested"] == 0
+    assert plans["half"]["tail_cpu"]["requested"] == pytest.approx(0.5) and plans["default"]["tail_cpu"]["requested"] == "auto"
     assert "rolling KV: CPU part of the tail: 0.000 (no GPU: the CPU attends the whole tail already)" in logs["half"]
 
 
@@ -135,13 +136,13 @@ def test_bench_sweeps_the_cpu_fraction(cpu_build, demo_model):
     requested = [r["kv_tail_cpu_frac"] for r in rows]
     assert requested[2] == "auto" and [float(x) for x in requested[:2]] == [0.0, 0.5]
     assert all(r["kv_tail_cpu_frac_chosen"] == 0 for r in rows)  # a CPU build: no CPU part (it attends all on the CPU)
-    # not given: llama-bench's default, 0
+    # not given: llama-bench's default, auto
     proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "-p", "0", "-n", "2", "-r", "1", "-fa", "1",
                            "-t", "2", "-d", "512", "-o", "json", "--kv-residency-mode", "window", "--kv-window-cells", "256"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(proc.stdout)
-    assert float(row["kv_tail_cpu_frac"]) == 0 and row["kv_tail_cpu_frac_chosen"] == 0
+    assert row["kv_tail_cpu_frac"] == "auto" and row["kv_tail_cpu_frac_chosen"] == 0
     proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), "--kv-tail-cpu-frac", "1.5"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "kv-tail-cpu-frac" in proc.stdout + proc.stderr

@@ -17,9 +17,10 @@ from rollingkv_cli.console import RollingKVError
 class FakeLib:
     """The functions Extension binds, as plain Python callables (ctypes' restype/argtypes become attributes)."""
 
-    def __init__(self, api: int, measure: bool = True):
+    def __init__(self, api: int, measure: bool = True, default_frac: float = -1.0):
         self._name = "/fake/libllama.so"
         self.api = api
+        self.default_frac = default_frac
         self.calls: list[tuple] = []
         self.llama_rolling_kv_build_info = lambda: f"rollingkv api={api} pin=x series=y".encode()
         self.llama_rolling_kv_api_version = lambda: api
@@ -37,7 +38,8 @@ class FakeLib:
         p = llama_ext.RollingKVParams()
         p.mode, p.type_k_tail, p.type_v_tail = 1, 39, 39
         # an API 3 library writes only the fields it knows: the trailing ones hold whatever the buffer held
-        p.tail_cpu_frac, p.cpu_attn_gbps = (0.0, 0.0) if self.api >= 4 else (123.0, 456.0)  # API 4's default: off
+        # API 4's default: auto in this series (-1), off (0) in its builds from before 2026-12-03
+        p.tail_cpu_frac, p.cpu_attn_gbps = (self.default_frac, 0.0) if self.api >= 4 else (123.0, 456.0)
         return p
 
     def _measure(self, n_threads, type_):
@@ -49,8 +51,8 @@ class FakeLib:
 def ext(monkeypatch):
     monkeypatch.setattr(llama_ext, "_context_params_type", lambda: ctypes.c_int)
 
-    def make(api: int = 4, measure: bool = True) -> llama_ext.Extension:
-        return llama_ext.Extension(FakeLib(api, measure))
+    def make(api: int = 4, measure: bool = True, default_frac: float = -1.0) -> llama_ext.Extension:
+        return llama_ext.Extension(FakeLib(api, measure, default_frac))
 
     return make
 
@@ -69,12 +71,12 @@ def test_struct_layout_appends_the_two_fields():
     assert llama_ext.API_VERSION == 4
 
 
-@pytest.mark.parametrize("given,want", [(None, 0.0), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
+@pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
                                         (0.25, 0.25), (1, 1.0)])
 def test_tail_cpu_frac_values(given, want):
-    """None is the library's default: off (0), since the H200 measurement; auto is asked for by name."""
+    """None leaves the library's default (make_params does not write it); auto is asked for by name."""
     assert llama_ext.tail_cpu_frac_value(given) == want
-    assert llama_ext.DEFAULT_TAIL_CPU_FRAC == 0.0 and llama_ext.TAIL_CPU_AUTO == -1.0
+    assert llama_ext.TAIL_CPU_AUTO == -1.0
 
 
 @pytest.mark.parametrize("bad", [-0.5, 1.01, float("nan"), float("inf"), "half", True])
@@ -86,8 +88,9 @@ def test_tail_cpu_frac_refused(bad):
 def test_make_params_api4(ext):
     e = ext(4)
     assert e.api == 4 and e.has_tail_cpu
-    p = e.make_params(mode="window", window_cells=256)  # the default: no CPU part
-    assert p.tail_cpu_frac == 0.0 and p.cpu_attn_gbps == 0.0 and p.mode == 3 and p.window_cells == 256
+    p = e.make_params(mode="window", window_cells=256)  # the library's default: auto in this series
+    assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 0.0 and p.mode == 3 and p.window_cells == 256
+    assert ext(4, default_frac=0.0).make_params().tail_cpu_frac == 0.0  # an API 4 build from before: its default, off
     p = e.make_params(mode="window", window_cells=256, tail_cpu_frac="auto")
     assert p.tail_cpu_frac == -1.0 and p.cpu_attn_gbps == 0.0
     p = e.make_params(tail_cpu_frac="AUTO", cpu_attn_gbps=55.5)

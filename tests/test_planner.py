@@ -149,7 +149,8 @@ def _cases() -> dict:
     hyb = dict(kv_size=262144, vram_target_mib=12000, cpu_attn_gbps=40.0)
     for link in (6.5, 25.0, 53.5):
         c[f"hyb_auto_{link:g}"] = fig(**hyb, pcie_bw_gbps=link, tail_cpu_frac=-1)
-    c["hyb_default"] = fig(**hyb)                                     # the request's default: off
+    c["hyb_default"] = fig(**hyb, pcie_bw_gbps=25.0)                  # the request's default: auto
+    c["hyb_off"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=0)
     c["hyb_fixed"] = fig(**hyb, tail_cpu_frac=0.5)
     c["hyb_unknown_cpu"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1)
     c["hyb_measured"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1, pcie_bw_gbps=0, cpu_attn_measured_gbps=40.0,
@@ -575,7 +576,7 @@ def test_live_iswa_counts_the_swa_cache(cpu_build, tmp_path):
 # ------------------------------------------------------------------------------ the hybrid tail's share
 
 
-CPU_PART_LATENCY_MS = 0.03  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer
+CPU_PART_LATENCY_MS = 0.09  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer (the H200 latency probe)
 
 
 def _best_share(p: dict, cpu_gbps: float, link_gbps: float) -> float:
@@ -614,11 +615,15 @@ def test_auto_share_is_monotone_in_the_link(sim):
     assert shares[0] > shares[1] > shares[2] > 0
 
 
-def test_the_default_request_has_no_cpu_part(sim):
-    """Off unless asked (the H200 measurement: docs/perf/2026-12-02-h200-hybrid-tail)."""
+def test_the_default_request_is_auto(sim):
+    """Auto unless asked otherwise (on the H200 the CPU part pays for f16 and q8_0 tails, and auto declines where its model
+    says it would not: docs/perf/2026-12-03-h200-hybrid-tail): the same share as an explicit auto."""
     tc = sim["hyb_default"]["tail_cpu"]
-    assert tc["requested"] == 0 and tc["frac"] == 0 and "off" in tc["reason"]
-    assert sim["hyb_default"]["estimate"]["t_token_hybrid_ms"] is None
+    assert tc["requested"] == "auto" and tc["frac"] == sim["hyb_auto_25"]["tail_cpu"]["frac"] > 0
+    assert sim["hyb_default"]["estimate"]["t_token_hybrid_ms"] is not None
+    off = sim["hyb_off"]["tail_cpu"]
+    assert off["requested"] == 0 and off["frac"] == 0 and "off" in off["reason"]
+    assert sim["hyb_off"]["estimate"]["t_token_hybrid_ms"] is None
 
 
 def test_a_requested_share_is_used_as_given(sim):

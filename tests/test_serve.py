@@ -259,9 +259,11 @@ def _argv(capsys, *args):
     return shlex.split(out.strip().splitlines()[-1]), out + err
 
 
-def test_cpu_attn_from_the_profile(capsys, hybrid_build):
+def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
+    """The figure of the CPU part's thread count ($ROLLINGKV_CPU_PART_THREADS here: 6), whatever llama-server's -t says."""
     from rollingkv_cli import pcie
 
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     m = str(hybrid_build.model)
     pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
     argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
@@ -279,14 +281,19 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build):
         mp.setenv("LLAMA_ARG_KV_TAIL_CPU_FRAC", "auto")
         argv, _ = _argv(capsys, m, "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
         assert argv[argv.index("--cpu-attn-gbps") + 1] == "40.5" and "--kv-tail-cpu-frac" not in argv
-    # llama-server's default is no CPU part (0): nothing to plan one with, nothing passed
-    argv, _ = _argv(capsys, m, "-ctk", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
-    assert "--cpu-attn-gbps" not in argv and "--kv-tail-cpu-frac" not in argv
+    # llama-server's default is auto: the figure is passed, the flag is not
+    argv, _ = _argv(capsys, m, "-ctk", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "2")
+    assert argv[argv.index("--cpu-attn-gbps") + 1] == "30" and "--kv-tail-cpu-frac" not in argv
+    # turned off: nothing to plan with, nothing passed
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0", "--pcie-bw-gbps", "25", "--", "-ngl", "99")
+    assert "--cpu-attn-gbps" not in argv
     # no figure for this type, or for this thread count: nothing passed, and llama-server measures
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "-ctkt", "q4_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert "--cpu-attn-gbps" not in argv
-    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "3")
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")
+    argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert "--cpu-attn-gbps" not in argv
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     # the notes serve prints (not with --print-args, which prints the command line only)
     from rollingkv_cli.serving import ServeSettings, resolve_cpu_attn
 
@@ -300,11 +307,13 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build):
     assert gbps is None and "not supported" in text and "llama-server measures it" in text
     gbps, text = note(cache_type_k_tail="q4_0", kv_tail_cpu_frac=0.5)  # a fixed share: nothing measured (auto only)
     assert gbps is None and "not supported" in text and "goes without it" in text and "measures" not in text
-    gbps, text = note(extra=["-t", "3"])
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")
+    gbps, text = note()
     assert gbps is None and "3 threads" in text and "probe pcie" in text
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     gbps, text = note(cache_type_k_tail="q5_0")
     assert gbps is None and "not q5_0" in text
-    assert note(kv_tail_cpu_frac=None) == (None, None) and note(kv_tail_cpu_frac=0.0) == (None, None)  # off: nothing to say
+    assert note(kv_tail_cpu_frac=None)[0] == 40.5 and note(kv_tail_cpu_frac=0.0) == (None, None)  # the default is auto; off: nothing
     assert note(kv_tail_cpu_frac=None, extra=["-t", "6", "--kv-tail-cpu-frac=0.25"])[0] == 40.5
     assert note(extra=["-t", "6", "--kv-tail-cpu-frac", "0"]) == (None, None)  # after `--` it comes last: it wins
 

@@ -45,8 +45,8 @@ struct llama_rolling_kv_params {
     float          pcie_bw_gbps;    // host->device bandwidth for the planner; <= 0: unknown (auto measures it)
     // the hybrid tail: the share of each split layer's tail cells (its far end, in 256-cell steps) that a GPU
     // attends on the CPU while it streams the rest. < 0: auto (the planner picks it from the link and CPU attention
-    // bandwidths); 0: off (the default: on the H200 the CPU part does not pay yet, docs/perf); 1: the whole tail on the
-    // CPU. Decode batches only; exact either way.
+    // bandwidths and the per-layer cost of a CPU part; the default: none where it would gain < 3 %); 0: off; 1: the
+    // whole tail on the CPU. Decode batches only; exact either way.
     float          tail_cpu_frac;
     float          cpu_attn_gbps;   // the CPU part's attention bandwidth (GB/s) for auto; <= 0: measured at plan time
 };

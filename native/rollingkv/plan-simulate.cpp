@@ -14,7 +14,7 @@
 // device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
 // recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
-// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, 0 = off; -1: auto),
+// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, -1 = auto; 0: off),
 // cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
 // hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
@@ -356,7 +356,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.req.vram_target_mib = (int64_t) r.count("vram_target_mib", 0);
     st.req.window_cells    = (int64_t) r.count("window_cells", 0);
     st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
-    st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", st.req.tail_cpu_frac); // the request default (off); < 0: auto
+    st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", st.req.tail_cpu_frac); // the request default (auto); 0: off
     st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);  // the CPU part's attention bandwidth; <= 0: none given
     st.head_k    = (int64_t) r.count("head_k", 128);
     st.head_v    = (int64_t) r.count("head_v", 128);

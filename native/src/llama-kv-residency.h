@@ -59,8 +59,9 @@ static const size_t   LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
 // 256-cell boundaries: a window of a multiple of 256 cells keeps whole n_kv steps on one side
 static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
 // per split layer and token, what the CPU part costs beyond its attention: Q and the mask to the host, the
-// stream-ordered host function, the result back (measured on the H200: docs/perf)
-static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.03;
+// stream-ordered host function, the pool's start and merge, the result back. Measured on the H200 (docs/perf/
+// 2026-12-03-h200-hybrid-tail, the latency probe: a 256-cell CPU part per layer costs 96 us of decode time per layer)
+static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.09;
 
 // "off", "auto", "head", "window" (llama_kv_residency_mode_name)
 const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode);

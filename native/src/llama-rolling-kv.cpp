@@ -225,7 +225,7 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     res.type_k_tail     = GGML_TYPE_COUNT;
     res.type_v_tail     = GGML_TYPE_COUNT;
     res.pcie_bw_gbps    = 0.0f;
-    res.tail_cpu_frac   = 0.0f;  // off until the CPU part pays on measured hardware (docs/perf); < 0: auto
+    res.tail_cpu_frac   = -1.0f; // auto: the planner puts a share on the CPU where its model says it pays (docs/perf)
     res.cpu_attn_gbps   = 0.0f;
     return res;
 }

@@ -1,9 +1,11 @@
 // rolling-KV: the CPU decode attention of a hybrid tail (ggml/src/rolling-kv-cpu-decode.h), checked and timed
 //
-//   test-rolling-kv-cpu-decode [--isa avx512|avx2|scalar]
+//   test-rolling-kv-cpu-decode [--isa avx512vnni|avx512|avx2|scalar]
 //       every case (K/V types f16, q8_0, q4_0 in all pairs; head sizes 64, 128, 256; GQA ratios 1, 3, 4, 8;
-//       masks with holes and a fully masked row; ALiBi; softcap; uneven and empty cell ranges merged) against
-//       attention in double precision over the same (dequantised) rows; each ISA this CPU has, or the one named.
+//       masks with holes and a fully masked row, the masked cells' rows all NaN; ALiBi; softcap; uneven and empty cell
+//       ranges merged) against attention in double precision over the same (dequantised) rows; each ISA this CPU has,
+//       or the one named. With a quantized K the kernel takes integer dot products with the query quantized per block
+//       of 32 (int8 and an f32 scale); the reference quantizes the query the same way and scores the dequantised query.
 //       Prints one line per failing case and "N passed, M failed"; exit 1 on failure.
 //       --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison bites
 //       (X = 1e-4 must fail every case with a visible cell).
@@ -12,10 +14,17 @@
 //       N cells: this attention on T threads (split over cells, merged), against, in the same run and on the same
 //       bytes, a memory-bound read (vector loads), a copy, and ggml_flash_attn_ext on the CPU backend with T threads
 //       (what vanilla llama.cpp runs for -nkvo). Prints GB/s of K+V for each and the ratios.
+//       --alloc A[,B...]: where the K/V bytes live, each timed in turn (the copy and ggml_flash_attn_ext on the first):
+//       cpu (the CPU backend's buffer, the default), cudahost (cudaMallocHost through the GPU's pinned host buffer type),
+//       thp (anonymous memory advised for 2 MiB pages), tail (the memory a rolling-KV tail lives in: the GPU backend's
+//       GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device).
+//       --beside-copy: also time the attention while a thread copies pinned host memory to the GPU (the link's
+//       traffic of a hybrid decode), and report both rates.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
+#include "ggml-rolling-kv.h"
 #include "rolling-kv-cpu-decode.h"
 #include "rolling-kv-cpu-part.h" // rkv_cpu_pool_run: the CPU part's own threads, for every timed run
 
@@ -30,6 +39,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
+#include <atomic>
 
 namespace {
 
@@ -52,6 +64,17 @@ void dequant_ref(ggml_type t, const uint8_t * src, int n, double * dst) {
     }
     for (int i = 0; i < n; ++i) {
         dst[i] = f[i];
+    }
+}
+
+// the query's quantization for a quantized K (the kernel's quant32): per block of 32, d = max|x| / 127 in f32,
+// q = x * (1/d) in f32 rounded to nearest even (0 when d is 0); out: q * d, the values the integer dot multiplies
+void quantize_query_ref(const float * x, int n, double * out) {
+    for (int b = 0; b < n; b += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, fabsf(x[b + i]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < 32; ++i) out[b + i] = (double) nearbyintf(x[b + i] * id) * (double) d;
     }
 }
 
@@ -93,6 +116,13 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
         if (c.alibi && mv == 0) mv = -(float) (c.n - 1 - i);
         mask[i] = ggml_fp32_to_fp16(mv);
     }
+    // a masked cell's rows are never read for the result: fill them with 0xff (NaN scales and values), which must not leak
+    for (int64_t i = 0; i < c.n; ++i) {
+        if (ggml_fp16_to_fp32(mask[i]) == -INFINITY) {
+            memset(K.data() + i * knb1, 0xff, kh * c.n_head_kv);
+            memset(V.data() + i * vnb1, 0xff, vh * c.n_head_kv);
+        }
+    }
     std::vector<float> slope(c.n_head);
     for (int h = 0; h < c.n_head; ++h) slope[h] = powf(2.f, -8.f * (h + 1) / c.n_head);
 
@@ -111,49 +141,91 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     for (int i = 0; i < c.parts; ++i) rkv_cpu_decode_range(p, b[i], b[i + 1], parts.data() + i * pf);
     rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
 
-    int bad = 0;
-    const int G = c.n_head / c.n_head_kv;
-    std::vector<double> kd(D), vd(DV), s(c.n), od(DV);
-    for (int h = 0; h < c.n_head; ++h) {
-        const int g = h / G;
-        double m = -INFINITY;
-        for (int64_t i = 0; i < c.n; ++i) {
-            const double mv = p.mask ? ggml_fp16_to_fp32(mask[i]) : 0;
-            if (mv == -INFINITY) { s[i] = -INFINITY; continue; }
-            dequant_ref(c.kt, K.data() + i * knb1 + g * kh, D, kd.data());
-            double dot = 0;
-            for (int d = 0; d < D; ++d) dot += (double) q[(size_t) h * D + d] * kd[d];
-            dot *= p.scale * (1.0 + g_perturb_ref);
-            if (c.softcap) dot = c.softcap * tanh(dot / c.softcap);
-            s[i] = dot + (c.alibi ? slope[h] : 1.0) * mv;
-            m = std::max(m, s[i]);
-        }
-        if (m == -INFINITY) {  // every cell masked: LSE -inf, output 0
-            bad += lse[h] != -INFINITY;
-            for (int d = 0; d < DV; ++d) if (o[(size_t) h * DV + d] != 0.0f) { bad++; break; }
-            continue;
-        }
-        std::fill(od.begin(), od.end(), 0.0);
-        double sum = 0;
-        for (int64_t i = 0; i < c.n; ++i) {
-            if (s[i] == -INFINITY) continue;
-            const double w = exp(s[i] - m);
-            sum += w;
-            dequant_ref(c.vt, V.data() + i * vnb1 + g * vh, DV, vd.data());
-            for (int d = 0; d < DV; ++d) od[d] += w * vd[d];
-        }
-        const double lref = m + log(sum);
-        double err = fabs(lse[h] - lref) / std::max(1.0, fabs(lref));
-        double num = 0, den = 0;
-        for (int d = 0; d < DV; ++d) {
-            const double r = od[d] / sum, e = o[(size_t) h * DV + d] - r;
-            num += e * e;
-            den += r * r;
-        }
-        err = std::max(err, sqrt(num / std::max(den, 1e-30)));
-        worst = std::max(worst, err);
-        bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
+    // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in order),
+    // two query rows: row 0 as above, row 1 with another query and a mask of its own (row 0's, with every fifth cell
+    // masked as well: a mixed-up row of the mask shows); twice, which must give the same bits (the result may not depend
+    // on which thread took which chunk). The reference scores a quantized K against the query quantized as the kernel does.
+    std::vector<float> q1((size_t) c.n_head * D);
+    for (float & x : q1) x = N(rng) * 2.0f;
+    std::vector<float> qj((size_t) 2 * c.n_head * D);
+    std::copy(q.begin(), q.end(), qj.begin());
+    std::copy(q1.begin(), q1.end(), qj.begin() + (ptrdiff_t) q.size());
+    std::vector<ggml_fp16_t> mask2((size_t) 2 * c.n);
+    std::copy(mask.begin(), mask.end(), mask2.begin());
+    for (int64_t i = 0; i < c.n; ++i) {
+        mask2[c.n + i] = i % 5 == 1 ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
     }
+    rkv_cpu_part_job j{};
+    j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
+    j.n_q = 2; j.n_stream = 1; j.n_cells = c.n;
+    j.q = (const uint8_t *) qj.data(); j.q_nb1 = q.size() * sizeof(float); j.q_nb3 = qj.size() * sizeof(float);
+    j.k = K.data(); j.k_nb1 = knb1; j.k_nb2 = kh; j.k_nb3 = K.size();
+    j.v = V.data(); j.v_nb1 = vnb1; j.v_nb2 = vh; j.v_nb3 = V.size();
+    j.mask = p.mask ? (const uint16_t *) mask2.data() : nullptr; j.n_mask_planes = 1;
+    j.slope = p.slope; j.scale = p.scale; j.softcap = p.softcap;
+    j.n_threads = 1 + (int) (c.n % 7);  // 1..7 threads: several chunkings
+    std::vector<float> oj((size_t) 2 * c.n_head * DV), lsej((size_t) 2 * c.n_head), oj2(oj.size()), lsej2(lsej.size());
+    j.o = oj.data(); j.lse = lsej.data();
+    rkv_cpu_part_run(j);
+    j.o = oj2.data(); j.lse = lsej2.data();
+    rkv_cpu_part_run(j);
+    int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
+
+    // attention in double precision over the same (dequantised) rows for one query row; err of (o, lse) against it
+    const int G = c.n_head / c.n_head_kv;
+    std::vector<double> kd(D), vd(DV), s(c.n), od(DV), qr(D);
+    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_) {
+        int n_bad = 0;
+        for (int h = 0; h < c.n_head; ++h) {
+            const int g = h / G;
+            if (c.kt != GGML_TYPE_F16) {
+                quantize_query_ref(qrow + (size_t) h * D, D, qr.data());
+            } else {
+                for (int d = 0; d < D; ++d) qr[d] = qrow[(size_t) h * D + d];
+            }
+            double m = -INFINITY;
+            for (int64_t i = 0; i < c.n; ++i) {
+                const double mv = p.mask ? ggml_fp16_to_fp32(mrow[i]) : 0;
+                if (mv == -INFINITY) { s[i] = -INFINITY; continue; }
+                dequant_ref(c.kt, K.data() + i * knb1 + g * kh, D, kd.data());
+                double dot = 0;
+                for (int d = 0; d < D; ++d) dot += qr[d] * kd[d];
+                dot *= p.scale * (1.0 + g_perturb_ref);
+                if (c.softcap) dot = c.softcap * tanh(dot / c.softcap);
+                s[i] = dot + (c.alibi ? slope[h] : 1.0) * mv;
+                m = std::max(m, s[i]);
+            }
+            if (m == -INFINITY) {  // every cell masked: LSE -inf, output 0
+                n_bad += lse_[h] != -INFINITY;
+                for (int d = 0; d < DV; ++d) if (o_[(size_t) h * DV + d] != 0.0f) { n_bad++; break; }
+                continue;
+            }
+            std::fill(od.begin(), od.end(), 0.0);
+            double sum = 0;
+            for (int64_t i = 0; i < c.n; ++i) {
+                if (s[i] == -INFINITY) continue;
+                const double w = exp(s[i] - m);
+                sum += w;
+                dequant_ref(c.vt, V.data() + i * vnb1 + g * vh, DV, vd.data());
+                for (int d = 0; d < DV; ++d) od[d] += w * vd[d];
+            }
+            const double lref = m + log(sum);
+            double err = fabs(lse_[h] - lref) / std::max(1.0, fabs(lref));
+            double num = 0, den = 0;
+            for (int d = 0; d < DV; ++d) {
+                const double r = od[d] / sum, e = o_[(size_t) h * DV + d] - r;
+                num += e * e;
+                den += r * r;
+            }
+            err = std::max(err, sqrt(num / std::max(den, 1e-30)));
+            worst = std::max(worst, err);
+            n_bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
+        }
+        return n_bad;
+    };
+    bad += compare(q.data(), mask.data(), o.data(), lse.data());
+    bad += compare(q.data(), mask2.data(), oj.data(), lsej.data());
+    bad += compare(q1.data(), mask2.data() + c.n, oj.data() + (size_t) c.n_head * DV, lsej.data() + c.n_head);
     return bad;
 }
 
@@ -193,17 +265,163 @@ int check(const std::vector<std::string> & isas) {
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
-    const int n_kv = 8, G = 3, D = 128, n_head = n_kv * G;
-    // one CPU-backend buffer holds every layer's K and V (cell-major rows of all KV heads, as llama.cpp's cache)
-    ggml_init_params ip = { ggml_tensor_overhead() * (8 * layers + 16) + ggml_graph_overhead_custom(4 * layers + 16, false), nullptr, true };
-    ggml_context * ctx = ggml_init(ip);
-    std::vector<ggml_tensor *> K(layers), V(layers);
-    for (int l = 0; l < layers; ++l) {
-        K[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
-        V[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
+// the first GPU device, if any (the pinned and registered allocations, the copies beside the attention)
+ggml_backend_dev_t gpu_device() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            return d;
+        }
     }
-    ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, 1, n_head);
+    return nullptr;
+}
+
+// host memory for the bench's K/V, allocated as named:
+//   cpu       the CPU backend's buffer (what ggml gives the CPU: plain aligned memory)
+//   cudahost  the GPU's pinned host buffer type as the runtime allocates it (cudaMallocHost)
+//   thp       anonymous memory advised for transparent huge pages, not pinned
+//   tail      what a rolling-KV tail lives in: the GPU backend's GGML_RKV_HOST_ALLOC_PROC (2 MiB pages, registered)
+struct host_region {
+    uint8_t * p = nullptr;
+    size_t    n = 0;
+    ggml_backend_buffer_t buf = nullptr;  // cpu, cudahost, tail
+    bool mapped = false;                  // thp
+};
+
+bool region_alloc(const std::string & how, size_t n, host_region & r) {
+    r = host_region();
+    r.n = n;
+    ggml_backend_dev_t gpu = gpu_device();
+    if (how == "cpu" || how == "cudahost") {
+        ggml_backend_buffer_type_t bt = how == "cpu" ? ggml_backend_cpu_buffer_type() : gpu ? ggml_backend_dev_host_buffer_type(gpu) : nullptr;
+        if (!bt) {
+            fprintf(stderr, "--alloc cudahost: no GPU with a pinned host buffer type\n");
+            return false;
+        }
+        r.buf = ggml_backend_buft_alloc_buffer(bt, n);
+    } else if (how == "tail") {
+        auto fn = gpu ? (ggml_backend_rkv_host_buffer_alloc_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(gpu), GGML_RKV_HOST_ALLOC_PROC) : nullptr;
+        r.buf = fn ? fn(gpu, n) : nullptr;
+        if (!r.buf) {
+            fprintf(stderr, "--alloc tail: the GPU backend offers no tail memory (or ROLLINGKV_TAIL_HOST_MEMORY=cuda)\n");
+            return false;
+        }
+    } else if (how == "thp") {
+        const size_t huge = 2u << 20;
+        r.n = (n + huge - 1) / huge * huge;
+        void * p = mmap(nullptr, r.n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            return false;
+        }
+        madvise(p, r.n, MADV_HUGEPAGE);
+        memset(p, 0, r.n);
+        r.p = (uint8_t *) p;
+        r.mapped = true;
+        return true;
+    } else {
+        fprintf(stderr, "--alloc: cpu, cudahost, thp or tail, not %s\n", how.c_str());
+        return false;
+    }
+    if (!r.buf) {
+        return false;
+    }
+    r.p = (uint8_t *) ggml_backend_buffer_get_base(r.buf);
+    r.n = ggml_backend_buffer_get_size(r.buf);
+    return true;
+}
+
+void region_free(host_region & r) {
+    if (r.mapped) {
+        munmap(r.p, r.n);
+    }
+    if (r.buf) {
+        ggml_backend_buffer_free(r.buf);
+    }
+    r = host_region();
+}
+
+// the share of 2 MiB pages behind [p, p + n) (AnonHugePages of the mapping in /proc/self/smaps), -1 if unknown
+double huge_share(const void * p, size_t n) {
+    FILE * f = fopen("/proc/self/smaps", "r");
+    if (!f) {
+        return -1;
+    }
+    char line[512];
+    bool in = false;
+    double kb_huge = -1, kb_size = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long a, b;
+        if (sscanf(line, "%llx-%llx ", &a, &b) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+            in = (uintptr_t) p >= a && (uintptr_t) p < b;
+            if (in) kb_size = (double) (b - a) / 1024;
+            continue;
+        }
+        double v;
+        if (in && sscanf(line, "AnonHugePages: %lf kB", &v) == 1) {
+            kb_huge = v;
+        }
+    }
+    fclose(f);
+    (void) n;
+    return kb_huge < 0 || kb_size <= 0 ? -1 : kb_huge / kb_size;
+}
+
+// pinned host-to-device copies on a thread of their own while the caller's work runs (the link's traffic beside the
+// CPU part): 32 MiB pieces from a pinned buffer into a device buffer until stopped; bytes counted
+struct copy_beside {
+    ggml_backend_buffer_t src = nullptr, dst = nullptr;
+    ggml_context * ctx = nullptr;
+    ggml_tensor * t = nullptr;
+    std::thread th;
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> bytes{0};
+    size_t n = 256u << 20;
+
+    bool init() {
+        ggml_backend_dev_t gpu = gpu_device();
+        if (!gpu) {
+            return false;
+        }
+        ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, true };
+        ctx = ggml_init(ip);
+        t = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) n);
+        dst = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(gpu));
+        src = ggml_backend_buft_alloc_buffer(ggml_backend_dev_host_buffer_type(gpu), n);
+        if (!dst || !src) {
+            return false;
+        }
+        memset(ggml_backend_buffer_get_base(src), 1, n);
+        return true;
+    }
+    void start() {
+        stop = false;
+        bytes = 0;
+        th = std::thread([this] {
+            const size_t piece = 32u << 20;
+            const uint8_t * s = (const uint8_t *) ggml_backend_buffer_get_base(src);
+            for (size_t off = 0; !stop.load(std::memory_order_relaxed); off = (off + piece) % n) {
+                ggml_backend_tensor_set(t, s + off, off, piece);
+                bytes.fetch_add(piece, std::memory_order_relaxed);
+            }
+        });
+    }
+    void finish() {
+        stop = true;
+        th.join();
+    }
+    ~copy_beside() {
+        if (src) ggml_backend_buffer_free(src);
+        if (dst) ggml_backend_buffer_free(dst);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside) {
+    const int n_kv = 8, G = 3, D = 128, n_head = n_kv * G;
+    const size_t kh = row_bytes(type, D), nb1 = kh * n_kv, layer_bytes = 2 * nb1 * n;
+    const double gb = (double) layer_bytes * layers / 1e9;
+
     // the CPU backend through the registry, so that builds with backends as modules run this too
     ggml_backend_t be = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     if (!be) {
@@ -215,77 +433,11 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
     if (set_threads) {
         set_threads(be, T);
     }
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
-    if (!buf) {
-        fprintf(stderr, "cannot allocate %d layers of %lld cells\n", layers, (long long) n);
+    copy_beside cb;
+    if (beside && !cb.init()) {
+        fprintf(stderr, "--beside-copy: no GPU to copy to\n");
         return 1;
     }
-    const size_t kh = row_bytes(type, D), nb1 = kh * n_kv, layer_bytes = 2 * nb1 * n;
-    {
-        std::mt19937 rng(1);
-        std::normal_distribution<float> N(0, 1);
-        std::vector<float> row(D * n_kv);
-        for (int l = 0; l < layers; ++l) {
-            for (ggml_tensor * t : {K[l], V[l]}) {
-                for (int64_t i = 0; i < std::min<int64_t>(n, 4096); ++i) {
-                    for (float & x : row) x = N(rng);
-                    fill_row(type, row.data(), D * n_kv, (uint8_t *) t->data + i * nb1);
-                }
-                for (int64_t i = 4096; i < n; i += 4096) {  // the rest repeats the first rows (the timing is data-independent)
-                    memcpy((uint8_t *) t->data + i * nb1, t->data, std::min<int64_t>(4096, n - i) * nb1);
-                }
-            }
-        }
-        for (int i = 0; i < D * n_head; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
-    }
-    // vanilla: ggml_flash_attn_ext per layer in one graph (decode: one query row, no mask), f32 precision
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, 4 * layers + 16, false);
-    for (int l = 0; l < layers; ++l) {
-        ggml_tensor * k = ggml_view_3d(ctx, K[l], D, n, n_kv, nb1, kh, 0);
-        ggml_tensor * v = ggml_view_3d(ctx, V[l], D, n, n_kv, nb1, kh, 0);
-        ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, nullptr, 1.0f / sqrtf((float) D), 0.0f, 0.0f);
-        ggml_prec_set_acc(fa, GGML_PREC_F32);
-        ggml_build_forward_expand(gf, fa);
-    }
-    ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
-    ggml_gallocr_alloc_graph(ga, gf);
-
-    rkv_cpu_decode_params p{};
-    p.q = (const float *) q->data; p.n_head = n_head; p.n_head_kv = n_kv; p.D = D; p.DV = D;
-    p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
-    p.scale = 1.0f / sqrtf((float) D);
-    const size_t pf = rkv_cpu_decode_part_floats(p);
-    std::vector<float> parts(pf * T), o((size_t) n_head * D), lse(n_head);
-    std::vector<uint8_t> sink(64 * T);
-
-    auto attention = [&] {
-        for (int l = 0; l < layers; ++l) {
-            rkv_cpu_decode_params pl = p;
-            pl.k = (const uint8_t *) K[l]->data;
-            pl.v = (const uint8_t *) V[l]->data;
-            rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
-            rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
-        }
-    };
-    std::vector<const uint8_t *> bufs;
-    for (int l = 0; l < layers; ++l) {
-        bufs.push_back((const uint8_t *) K[l]->data);
-        bufs.push_back((const uint8_t *) V[l]->data);
-    }
-    auto read_scan = [&] {
-        rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
-    };
-    std::vector<uint8_t> dst(layer_bytes / 2 / T * T + 4096);
-    auto copy = [&] {
-        rkv_cpu_pool_run(T, [&](int t) {
-            const size_t chunk = nb1 * n / T, off = chunk * t;
-            for (int l = 0; l < layers; ++l) {
-                memcpy(dst.data() + chunk * t, (const uint8_t *) K[l]->data + off, chunk);
-                memcpy(dst.data() + chunk * t, (const uint8_t *) V[l]->data + off, chunk);
-            }
-        });
-    };
-    auto vanilla = [&] { ggml_backend_graph_compute(be, gf); };
     auto best = [&](const std::function<void()> & f) {
         f();
         double b = 1e30;
@@ -296,21 +448,138 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps) {
         }
         return b;
     };
-    const double ta = best(attention), ts = best(read_scan), tc = best(copy), tv = best(vanilla);
-    const double gb = (double) layer_bytes * layers / 1e9;
     printf("cpu-decode bench: isa %s, %d threads, %d layers x %lld cells, %s K+V: %.3f GB per token\n", rkv_cpu_decode_isa(), T,
            layers, (long long) n, ggml_type_name(type), gb);
-    printf("  attention            %8.2f ms  %6.1f GB/s\n", ta * 1e3, gb / ta);
-    printf("  read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", ts * 1e3, gb / ts, ts / ta);
-    printf("  copy                 %8.2f ms  %6.1f GB/s read\n", tc * 1e3, gb / tc);
-    printf("  ggml_flash_attn_ext  %8.2f ms  %6.1f GB/s  (attention %.2fx faster)\n", tv * 1e3, gb / tv, tv / ta);
-    printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"gb\": %.6f, "
-           "\"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f}\n", rkv_cpu_decode_isa(), T, layers,
-           (long long) n, ggml_type_name(type), gb, ta * 1e3, ts * 1e3, tc * 1e3, tv * 1e3);
-    ggml_gallocr_free(ga);
-    ggml_backend_buffer_free(buf);
+    if (beside) {
+        cb.start();
+        const double t0 = now_s();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        cb.finish();
+        printf("  copies alone (pinned host -> device, 32 MiB pieces): %.1f GB/s\n", cb.bytes.load() / (now_s() - t0) / 1e9);
+    }
+
+    for (size_t ia = 0; ia < allocs.size(); ++ia) {
+        const std::string & how = allocs[ia];
+        host_region reg;
+        const size_t total = layer_bytes * layers + 4096 * (2 * layers + 1);
+        if (!region_alloc(how, total, reg)) {
+            fprintf(stderr, "cannot allocate %.3f GB as %s\n", total / 1e9, how.c_str());
+            return 1;
+        }
+        // K and V of every layer in the region (cell-major rows of all KV heads, as llama.cpp's cache), Q beside
+        ggml_init_params ip = { ggml_tensor_overhead() * (8 * layers + 16) + ggml_graph_overhead_custom(4 * layers + 16, false), nullptr, true };
+        ggml_context * ctx = ggml_init(ip);
+        std::vector<ggml_tensor *> K(layers), V(layers);
+        for (int l = 0; l < layers; ++l) {
+            K[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
+            V[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
+        }
+        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, 1, n_head);
+        ggml_backend_buffer_t wrap = ggml_backend_cpu_buffer_from_ptr(reg.p, reg.n);
+        ggml_tallocr ta = ggml_tallocr_new(wrap);
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+            ggml_tallocr_alloc(&ta, t);
+        }
+        {
+            std::mt19937 rng(1);
+            std::normal_distribution<float> N(0, 1);
+            std::vector<float> row(D * n_kv);
+            for (int l = 0; l < layers; ++l) {
+                for (ggml_tensor * t : {K[l], V[l]}) {
+                    for (int64_t i = 0; i < std::min<int64_t>(n, 4096); ++i) {
+                        for (float & x : row) x = N(rng);
+                        fill_row(type, row.data(), D * n_kv, (uint8_t *) t->data + i * nb1);
+                    }
+                    for (int64_t i = 4096; i < n; i += 4096) {  // the rest repeats the first rows (the timing is data-independent)
+                        memcpy((uint8_t *) t->data + i * nb1, t->data, std::min<int64_t>(4096, n - i) * nb1);
+                    }
+                }
+            }
+            for (int i = 0; i < D * n_head; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
+        }
+
+        rkv_cpu_decode_params p{};
+        p.q = (const float *) q->data; p.n_head = n_head; p.n_head_kv = n_kv; p.D = D; p.DV = D;
+        p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
+        p.scale = 1.0f / sqrtf((float) D);
+        const size_t pf = rkv_cpu_decode_part_floats(p);
+        std::vector<float> parts(pf * T), o((size_t) n_head * D), lse(n_head);
+        std::vector<uint8_t> sink(64 * T);
+
+        auto attention = [&] {
+            for (int l = 0; l < layers; ++l) {
+                rkv_cpu_decode_params pl = p;
+                pl.k = (const uint8_t *) K[l]->data;
+                pl.v = (const uint8_t *) V[l]->data;
+                rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
+            }
+        };
+        std::vector<const uint8_t *> bufs;
+        for (int l = 0; l < layers; ++l) {
+            bufs.push_back((const uint8_t *) K[l]->data);
+            bufs.push_back((const uint8_t *) V[l]->data);
+        }
+        auto read_scan = [&] {
+            rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
+        };
+        const double hs = huge_share(reg.p, reg.n);
+        const double t_att = best(attention), t_scan = best(read_scan);
+        printf("  [%s] huge pages %s\n", how.c_str(), hs < 0 ? "unknown" : (std::to_string((int) std::lround(hs * 100)) + "%").c_str());
+        printf("  [%s] attention            %8.2f ms  %6.1f GB/s\n", how.c_str(), t_att * 1e3, gb / t_att);
+        printf("  [%s] read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", how.c_str(), t_scan * 1e3, gb / t_scan, t_scan / t_att);
+        double t_beside = 0, link_beside = 0;
+        if (beside) {
+            cb.start();
+            const double t0 = now_s();
+            t_beside = best(attention);
+            const double dt = now_s() - t0;
+            cb.finish();
+            link_beside = cb.bytes.load() / dt / 1e9;
+            printf("  [%s] attention beside copies %5.2f ms  %6.1f GB/s  (copies %.1f GB/s meanwhile: %.1f GB/s together)\n", how.c_str(),
+                   t_beside * 1e3, gb / t_beside, link_beside, gb / t_beside + link_beside);
+        }
+        double t_copy = 0, t_vanilla = 0;
+        if (ia == 0) {
+            std::vector<uint8_t> dst(layer_bytes / 2 / T * T + 4096);
+            auto copy = [&] {
+                rkv_cpu_pool_run(T, [&](int t) {
+                    const size_t chunk = nb1 * n / T, off = chunk * t;
+                    for (int l = 0; l < layers; ++l) {
+                        memcpy(dst.data() + chunk * t, (const uint8_t *) K[l]->data + off, chunk);
+                        memcpy(dst.data() + chunk * t, (const uint8_t *) V[l]->data + off, chunk);
+                    }
+                });
+            };
+            // vanilla: ggml_flash_attn_ext per layer in one graph (decode: one query row, no mask), f32 precision
+            ggml_cgraph * gf = ggml_new_graph_custom(ctx, 4 * layers + 16, false);
+            for (int l = 0; l < layers; ++l) {
+                ggml_tensor * k = ggml_view_3d(ctx, K[l], D, n, n_kv, nb1, kh, 0);
+                ggml_tensor * v = ggml_view_3d(ctx, V[l], D, n, n_kv, nb1, kh, 0);
+                ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, nullptr, 1.0f / sqrtf((float) D), 0.0f, 0.0f);
+                ggml_prec_set_acc(fa, GGML_PREC_F32);
+                ggml_build_forward_expand(gf, fa);
+            }
+            ggml_gallocr_t ga = ggml_gallocr_new(ggml_backend_get_default_buffer_type(be));
+            ggml_gallocr_alloc_graph(ga, gf);
+            t_copy = best(copy);
+            t_vanilla = best([&] { ggml_backend_graph_compute(be, gf); });
+            printf("  [%s] copy                 %8.2f ms  %6.1f GB/s read\n", how.c_str(), t_copy * 1e3, gb / t_copy);
+            printf("  [%s] ggml_flash_attn_ext  %8.2f ms  %6.1f GB/s  (attention %.2fx faster)\n", how.c_str(), t_vanilla * 1e3, gb / t_vanilla,
+                   t_vanilla / t_att);
+            ggml_gallocr_free(ga);
+        }
+        printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": \"%s\", \"huge_share\": %.3f, "
+               "\"gb\": %.6f, \"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f, "
+               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f}\n", rkv_cpu_decode_isa(), T, layers,
+               (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3, t_copy * 1e3, t_vanilla * 1e3,
+               t_beside * 1e3, link_beside);
+        fflush(stdout);
+        ggml_backend_buffer_free(wrap);
+        ggml_free(ctx);
+        region_free(reg);
+    }
     ggml_backend_free(be);
-    ggml_free(ctx);
     return 0;
 }
 
@@ -321,7 +590,8 @@ int main(int argc, char ** argv) {
     int T = (int) std::max(1u, std::thread::hardware_concurrency()), layers = 28, reps = 5;
     int64_t cells = 16384;
     ggml_type type = GGML_TYPE_F16;
-    std::vector<std::string> isas;
+    std::vector<std::string> isas, allocs;
+    bool beside = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -333,6 +603,15 @@ int main(int argc, char ** argv) {
         else if (a == "--layers") layers = atoi(next());
         else if (a == "--cells") cells = atoll(next());
         else if (a == "--reps") reps = atoi(next());
+        else if (a == "--alloc") {
+            std::string v = next();
+            for (size_t pos = 0; pos <= v.size();) {
+                const size_t e = std::min(v.find(',', pos), v.size());
+                allocs.push_back(v.substr(pos, e - pos));
+                pos = e + 1;
+            }
+        }
+        else if (a == "--beside-copy") beside = true;
         else if (a == "--isa") isas.push_back(next());
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
@@ -340,7 +619,7 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--alloc A,...] [--beside-copy]\n", argv[0]);
             return 2;
         }
     }
@@ -349,8 +628,8 @@ int main(int argc, char ** argv) {
         return 2;
     }
     for (const std::string & isa : isas) {
-        if (isa != "avx512" && isa != "avx2" && isa != "scalar") {
-            fprintf(stderr, "--isa: avx512, avx2 or scalar, not %s\n", isa.c_str());
+        if (isa != "avx512vnni" && isa != "avx512" && isa != "avx2" && isa != "scalar") {
+            fprintf(stderr, "--isa: avx512vnni, avx512, avx2 or scalar, not %s\n", isa.c_str());
             return 2;
         }
         if (!rkv_cpu_decode_force_isa(isa.c_str())) {
@@ -361,8 +640,15 @@ int main(int argc, char ** argv) {
     ggml_backend_load_all();  // a no-op unless the backends are modules
     if (do_bench) {
         if (!isas.empty()) rkv_cpu_decode_force_isa(isas[0].c_str());
-        return bench(T, layers, cells, type, reps);
+        if (allocs.empty()) allocs = {"cpu"};
+        for (const std::string & a : allocs) {
+            if (a != "cpu" && a != "cudahost" && a != "thp" && a != "tail") {
+                fprintf(stderr, "--alloc: cpu, cudahost, thp or tail, not '%s'\n", a.c_str());
+                return 2;
+            }
+        }
+        return bench(T, layers, cells, type, reps, allocs, beside);
     }
-    if (isas.empty()) isas = {"avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
+    if (isas.empty()) isas = {"avx512vnni", "avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
     return check(isas);
 }

@@ -123,11 +123,11 @@ def _vanilla_bench(d: Path) -> Path:
               help="Tail fractions of the KV cells for the tail type equal to the window type (0.5 or 50%).")
 @click.option("--mixed-fractions", default="0.5", show_default=True, callback=_fractions,
               help="Tail fractions for the other tail types.")
-@click.option("--cpu-fracs", default="none", show_default=True, callback=_cpu_fracs, metavar="LIST",
+@click.option("--cpu-fracs", default="auto", show_default=True, callback=_cpu_fracs, metavar="LIST",
               help="Hybrid cells: each window cell with a tail again with this share of its tail attended on the CPU while the rest "
-                   "streams (--kv-tail-cpu-frac: auto or a fraction, comma-separated; none: no hybrid cells). CUDA builds only. "
-                   "None by default: the CPU part is off by default (on the H200 it made decode slower), so the default run "
-                   "measures what users get, and does not double its window cells' time; give auto,0.5 to measure it.")
+                   "streams (--kv-tail-cpu-frac: auto or a fraction, comma-separated; none: no hybrid cells). CUDA builds with the "
+                   "hybrid tail only (elsewhere the default makes none). auto by default: what users get (the library's default), "
+                   "next to the window cells, which stay GPU-only (--kv-tail-cpu-frac 0); give auto,0.4,0.5 to see fixed shares.")
 @click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
 @click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
@@ -285,8 +285,7 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
         if explicit:
             abort(f"the build {build.dir} predates the hybrid tail: its llama-bench has no --kv-tail-cpu-frac",
                   "rebuild with `rollingkv build`, or give --cpu-fracs none")
-        warn(f"no hybrid cells: the build {build.dir} predates the hybrid tail (rebuild with `rollingkv build`)")
-        return []
+        return []  # the default on a build without the CPU part: the window cells are what it does
     return cpu_fracs
 
 

@@ -31,9 +31,9 @@ SCHEMA = "rollingkv.bench.tail/1"
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
 DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
-# the hybrid cells' CPU part (--kv-tail-cpu-frac): none by default, as the CPU part is off by default (it did not pay on
-# the H200); the window cells are the GPU-only ones (0)
-DEFAULT_CPU_FRACS: tuple = ()
+# the hybrid cells' CPU part (--kv-tail-cpu-frac): auto by default, the library's default (what users get); the window cells
+# are the GPU-only ones (0)
+DEFAULT_CPU_FRACS: tuple = ("auto",)
 LINK_PLACEHOLDER = "MEASURED"  # in a hybrid auto cell's args until the run knows the link bandwidth the plan is given
 DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25

@@ -197,9 +197,10 @@ def short_path(p: Path | None) -> str:
     return s if len(s) <= 40 else "…" + s[-39:]
 
 
-def order_floor_batch(n_batch: int) -> int:
-    """The order-floor run's batch: half the gate's (another tiling of the same math), 2 for a batch of 1."""
-    return n_batch // 2 if n_batch >= 2 else 2
+def order_floor_batch(n_batch: int, n_seq: int = 1) -> int:
+    """The order-floor run's batch: half the gate's (another tiling of the same math); twice it where half would not hold
+    a token of each of the n_seq sequences side by side (a batch of 1, or of n_seq: decode-sized batches)."""
+    return n_batch // 2 if n_batch // 2 >= max(1, n_seq) else 2 * n_batch
 
 
 def tail_desc(mode: str, ctkt: str | None, ctvt: str | None) -> str:

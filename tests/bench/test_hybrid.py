@@ -181,23 +181,25 @@ def test_dry_run_shows_the_link_placeholder(capsys, cuda_build, tiny, tmp_path):
     assert not (tmp_path / "d.json").exists()
 
 
-def test_no_hybrid_cells_by_default(capsys, cuda_build, tiny, tmp_path):
-    """The CPU part is off by default (it did not pay on the H200): the default run measures what users get, the window
-    cells (GPU-only, --kv-tail-cpu-frac 0 given explicitly for builds whose default was auto), and no CPU calibration."""
+def test_hybrid_auto_cells_by_default(capsys, cuda_build, tiny, tmp_path):
+    """The CPU part's default is auto (the library's): the default run measures what users get, an auto hybrid cell next to
+    each GPU-only window cell with a tail (--kv-tail-cpu-frac 0), and the CPU attention calibrated in the run."""
     from rollingkv_cli.bench import tail as bench_tail
 
-    assert bench_tail.DEFAULT_CPU_FRACS == () and bench_tail.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
-                                                                          depths=[1020]).cpu_fracs == []
+    assert bench_tail.DEFAULT_CPU_FRACS == ("auto",) and bench_tail.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
+                                                                               depths=[1020]).cpu_fracs == ["auto"]
     code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
-    assert code == 0 and ", CPU " not in stdout and "--kv-tail-cpu-frac auto" not in stdout and "MEASURED" not in stdout
+    assert code == 0 and "--kv-tail-cpu-frac auto" in stdout and "MEASURED" in stdout
     out = tmp_path / "n.json"
     code, _, err = _run(capsys, tiny, out)
     assert code == 0, err
     doc = json.loads(out.read_text())
-    assert doc["config"]["cpu_fracs"] == [] and not [c for c in doc["cells"] if c["kind"] == "hybrid"]
+    hyb = [c for c in doc["cells"] if c["kind"] == "hybrid"]
     windows = [c for c in doc["cells"] if c["kind"] == "window"]
+    assert doc["config"]["cpu_fracs"] == ["auto"] and hyb and all(c["cpu_frac"] == "auto" for c in hyb)
+    assert {(c["tail_type"], c["window_cells"]) for c in hyb} == {("f16", 512), ("f16", 256), ("q8_0", 512), ("q4_0", 512)}
     assert windows and all(c["command"].endswith("--kv-tail-cpu-frac 0") for c in windows)
-    assert doc["cpu_attn"]["gbps"] is None and doc["cpu_attn"]["note"] == "no hybrid cells in this run"
+    assert doc["cpu_attn"]["source"] == "measured"
 
 
 def test_no_hybrid_cells_where_there_is_no_cpu_part(capsys, cuda_build, tiny, tmp_path):

@@ -73,20 +73,20 @@ def test_the_cpu_part_reaches_the_runner_and_the_report(capsys, runs, fake_gguf,
 
 
 def test_without_the_option_the_library_decides(capsys, runs, fake_gguf, tmp_path):
-    """Not given: the runner's make_params takes the library's default, no CPU part (0), and the report says so."""
+    """Not given: the runner's make_params leaves the library's default (auto in this series), and the report says so."""
     from rollingkv_cli import llama_ext
 
     runs["tail_cpu"] = None  # a build that reports no split
     code, stdout, err, r = _gate(capsys, fake_gguf, tmp_path)
     assert code == 0, err
-    assert "tail_cpu_frac" not in runs["residency"]["candidate"] and llama_ext.tail_cpu_frac_value(None) == 0.0
-    assert r["tail_cpu"] == {"requested": "off (the library's default)", "plan": None} and "CPU part of the tail" not in stdout
-    # a build that reports its split: the plan's off, as the native planner words it
+    assert "tail_cpu_frac" not in runs["residency"]["candidate"] and llama_ext.tail_cpu_frac_value(None) is None
+    assert r["tail_cpu"] == {"requested": "the library's default (auto)", "plan": None} and "CPU part of the tail" not in stdout
+    # a build that reports its split (here one of API 4 from before, whose default was off): the plan, as the native planner words it
     runs["tail_cpu"] = {"requested": 0, "frac": 0, "cpu_attn_gbps": None, "cpu_attn_source": "none", "n_threads": 8,
                         "reason": "off (tail_cpu_frac 0)"}
     code, stdout, err, r = _gate(capsys, fake_gguf, tmp_path)
     assert code == 0, err
-    assert r["tail_cpu"] == {"requested": "off (the library's default)", "plan": runs["tail_cpu"]}
+    assert r["tail_cpu"] == {"requested": "the library's default (auto)", "plan": runs["tail_cpu"]}
     assert "CPU part of the tail: none (requested 0, 8 threads): off (tail_cpu_frac 0)" in stdout
 
 

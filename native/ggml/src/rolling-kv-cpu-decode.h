@@ -4,8 +4,13 @@
 // (GQA), blocks of 16 cells with one online-softmax update per block and a vectorised exp, split over
 // cells (split-K): each worker attends a contiguous cell range and leaves a partial state (max, sum,
 // unnormalised output) per query head; the partials are merged in range order, so the result does not
-// depend on timing. K/V types: F16, Q8_0, Q4_0 (dequantised to f32, dot products in f32). The AVX-512
-// and AVX2 paths are compiled into every build and chosen at run time; a scalar path runs anywhere.
+// depend on timing. K/V types: F16, Q8_0, Q4_0. An F16 K is dotted in f32. A quantized K is dotted in integers
+// with the query quantized once per call (per block of 32: int8 values and an f32 scale, as ggml quantizes the
+// activations for its q8_0/q4_0 dot products), then scaled by the two blocks' scales; the AVX-512 path takes 16
+// cells at once (their K bytes transposed so that each 32-bit lane is a cell, VNNI vpdpbusd where the CPU has it).
+// A quantized V is widened to f32 with its block scale folded into the softmax weights (Q4_0's -8 in the
+// widening); the weighted sums are accumulated in f32. The AVX-512 (with and without VNNI) and AVX2 paths are
+// compiled into every build and chosen at run time; a scalar path runs anywhere.
 //
 // The result is what the other parts of the op merge with: the normalised output and the per-row LSE
 // (-inf for a row whose cells are all masked; its output is then 0). Sinks are not applied here: the
@@ -45,13 +50,15 @@ void rkv_cpu_decode_range(const rkv_cpu_decode_params & p, int64_t c0, int64_t c
 
 // merge n_parts partial states (in order) into o [n_head][DV] (normalised) and lse [n_head]
 void rkv_cpu_decode_merge(const rkv_cpu_decode_params & p, const float * parts, int n_parts, float * o, float * lse);
+// the same for heads [h0, h1) only (o and lse of those heads): a pool merges a part's heads in parallel
+void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse);
 
-// which path rkv_cpu_decode_range takes on this CPU: "avx512", "avx2" or "scalar"
+// which path rkv_cpu_decode_range takes on this CPU: "avx512vnni", "avx512", "avx2" or "scalar"
 const char * rkv_cpu_decode_isa(void);
 
-// test hooks: take the named path ("avx512", "avx2", "scalar") from now on (false: this CPU lacks it); a
-// memory-bound read of the bytes [ith/nth, (ith+1)/nth) of each buffer with the same instruction set, the speed
-// the attention is measured against
+// test hooks: take the named path ("avx512vnni", "avx512", "avx2", "scalar") from now on (false: this CPU lacks
+// it); a memory-bound read of the bytes [ith/nth, (ith+1)/nth) of each buffer with the same instruction set, the
+// speed the attention is measured against
 bool rkv_cpu_decode_force_isa(const char * name);
 uint64_t rkv_cpu_decode_read_scan(const uint8_t * const * bufs, int n_bufs, size_t bytes_each, int ith, int nth);
 

@@ -262,42 +262,6 @@ static float * part_buffer(size_t n_floats) {
     return buf.get();
 }
 
-// merge n_chunks partial states (rkv_cpu_decode_part_floats each, in chunk order) of heads [h0, h1) into o and lse:
-// the exact online-softmax combine of rkv_cpu_decode_merge, head by head
-static void merge_heads(const rkv_cpu_decode_params & p, const float * parts, size_t part_floats, int n_chunks, int h0, int h1,
-        float * o, float * lse) {
-    const size_t stride = 2 + (size_t) p.DV;
-    for (int h = h0; h < h1; ++h) {
-        float m = -INFINITY;
-        for (int i = 0; i < n_chunks; ++i) {
-            m = std::max(m, parts[i*part_floats + h*stride]);
-        }
-        float * out = o + (size_t) h*p.DV;
-        memset(out, 0, sizeof(float)*p.DV);
-        if (m == -INFINITY) {
-            lse[h] = -INFINITY; // every cell masked for this row
-            continue;
-        }
-        float sum = 0.0f;
-        for (int i = 0; i < n_chunks; ++i) {
-            const float * st = parts + i*part_floats + h*stride;
-            if (st[0] == -INFINITY) {
-                continue;
-            }
-            const float w = expf(st[0] - m);
-            sum += w*st[1];
-            for (int d = 0; d < p.DV; ++d) {
-                out[d] += w*st[2 + d];
-            }
-        }
-        const float inv = 1.0f/sum;
-        for (int d = 0; d < p.DV; ++d) {
-            out[d] *= inv;
-        }
-        lse[h] = m + logf(sum);
-    }
-}
-
 // Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4 per
 // thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (row, chunk)
 // items as they come free, so a slow or late thread (memory contention, a core shared for a while) holds up one chunk,
@@ -365,7 +329,7 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
             const int64_t groups = (job.n_head + head_group - 1)/head_group;
             const int64_t r = i / groups;
             const int h0 = (int) (i % groups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
-            merge_heads(row_params(r), parts + (size_t) r*n_chunks*part_floats, part_floats, n_chunks, h0, h1,
+            rkv_cpu_decode_merge_heads(row_params(r), parts + (size_t) r*n_chunks*part_floats, n_chunks, h0, h1,
                 job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
         }
         if (stats) {

@@ -207,7 +207,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                   real_margin_nats=thresholds["real_margin_nats"], progress=progress,
                                                   label=f"baseline (resident {bk}/{bv})")
             if order_floor:
-                fb = equiv_runs.order_floor_batch(n_batch)
+                fb = equiv_runs.order_floor_batch(n_batch, n_seq)
                 results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
                                                      real_margin_nats=thresholds["real_margin_nats"], positions_out=wd / "order_floor.npz",
                                                      progress=progress, label=f"order floor (resident, batch {fb})", n_batch=fb)
@@ -278,7 +278,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                    f"; per position: its {100 * of['quantile']:g}th-percentile TV over the {of['n']} positions that read the tail "
                    f"{equiv_runs.fmt(of['floor_tv'])}, {of['n_over']} of the split's above {of['factor']:g} x that "
                    f"({equiv_runs.fmt(of['bound_tv'])})")
-        console.print(f"[dim]order floor (the resident cache, batch {equiv_runs.order_floor_batch(n_batch)}): mean TV {equiv_runs.fmt(fs['mean_tv'])}, "
+        console.print(f"[dim]order floor (the resident cache, batch {equiv_runs.order_floor_batch(n_batch, n_seq)}): mean TV {equiv_runs.fmt(fs['mean_tv'])}, "
                       f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
                       f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser{per_pos}[/]")
     equiv_runs.print_plan(console, cand_r.get("plan"))
@@ -303,7 +303,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "tail_positions": summary["tail_positions"],
         "over_floor": summary.get("over_floor"),
         "window_cells": summary["window_cells"],
-        "tail_cpu": {"requested": cpu_frac if cpu_frac is not None else "off (the library's default)",
+        "tail_cpu": {"requested": cpu_frac if cpu_frac is not None else "the library's default (auto)",
                      "plan": (cand_r.get("plan") or {}).get("tail_cpu")},
         "tail_metrics": summary["tail"],
         "window_metrics": summary["window"],
@@ -330,7 +330,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                                                  "over_floor": control.get("over_floor"),
                                                  "checks": vc.to_dict()["checks"], "plan": results["control"].get("plan"),
                                                  "timings": results["control"].get("timings")},
-        "order_floor": None if not floor_how else {"n_batch": equiv_runs.order_floor_batch(n_batch), "metrics": results["order_floor"]["summary"],
+        "order_floor": None if not floor_how else {"n_batch": equiv_runs.order_floor_batch(n_batch, n_seq), "metrics": results["order_floor"]["summary"],
                                                    "bounds": floor_how, "timings": results["order_floor"].get("timings")},
         "build": build.describe(),
         "positions_file": str(positions_file) if positions_file else None,
