@@ -11,6 +11,20 @@ cd "$(dirname "$0")/.."
 B="${1:-/tmp/rkv-cross-cuda}"
 mkdir -p "$B" /tmp/cudastub
 [ -f /tmp/cudastub/libcuda.so ] || echo "" | gcc -shared -x c - -o /tmp/cudastub/libcuda.so -Wl,-soname,libcuda.so.1
+# ggml-cuda links cuBLAS, which a bare toolkit (nvcc from pip wheels) lacks: fetch the wheel of the toolkit's major version
+# and copy its headers and libraries into the toolkit (a fresh dev VM has none; the GPU machine has its own)
+cuda_root="$(readlink -f "$(cd /tmp && echo 'int main(){}' > rkv-nvcc-probe.cu && nvcc --dryrun rkv-nvcc-probe.cu 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)")"
+if [ ! -e "$cuda_root/lib64/libcublas.so" ] && [ ! -e "$cuda_root/targets/x86_64-linux/lib/libcublas.so" ]; then
+  major="$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
+  echo "==> cuBLAS is missing from $cuda_root: installing nvidia-cublas==$major.* into it (~420 MB download)"
+  rm -rf /tmp/rkv-cublas && mkdir -p /tmp/rkv-cublas
+  python -m pip download -q --no-deps -d /tmp/rkv-cublas "nvidia-cublas==$major.*" ||
+    { echo "error: cannot download nvidia-cublas==$major.*: install cuBLAS into $cuda_root by hand" >&2; exit 1; }
+  (cd /tmp/rkv-cublas && python -m zipfile -e nvidia_cublas-*.whl x)
+  d="$(dirname "$(find /tmp/rkv-cublas/x -name cublas_v2.h | head -1)")/.."
+  cp "$d"/include/*.h "$cuda_root/include/" && cp -P "$d"/lib/lib*.so* "$cuda_root/lib64/"
+  for l in "$cuda_root"/lib64/libcublas*.so.*; do ln -sf "$(basename "$l")" "${l%%.so.*}.so"; done
+fi
 [ -d "$B/src" ] || rollingkv patches checkout "$B/src"   # the pinned tree with the committed series applied
 PIN=$(python -c "from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)")
 SER=$(python -c "from rollingkv_cli import patchset; print(patchset.load_series().hash)")
