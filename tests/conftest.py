@@ -70,6 +70,20 @@ def demo_model() -> Path:
     return models.fetch_demo(log=lambda m: None)
 
 
+# The start of a child that asks libllama something through llama_ext (run_python): the library bound, its log lines
+# collected in `logs` (not printed: the child's last stdout line is its JSON), the backend up.
+LIB_PRELUDE = """
+import ctypes, json, os, re
+from pathlib import Path
+from rollingkv_cli import llama_ext
+llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
+logs = []
+_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))
+llama_cpp.llama_log_set(_cb, None)
+llama_cpp.llama_backend_init()
+"""
+
+
 def run_python(code: str, lib_dir: Path | None = None, timeout: float = 600, env_extra: dict | None = None) -> dict:
     """Run code in a fresh interpreter (llama_cpp binds its library once per process); it prints one JSON line last."""
     env = dict(os.environ)

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import run_python
+from conftest import LIB_PRELUDE, run_python
 
 pytestmark = pytest.mark.build
 
@@ -51,16 +51,7 @@ def hybrid_models(tmp_path_factory) -> dict:
     return {arch: models.write_synthetic(d / f"{arch}.gguf", models.SynthSpec(**SHAPE, arch=arch)) for arch in ARCHES}
 
 
-_PRELUDE = """
-import ctypes, json, os, re
-import numpy as np
-from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-logs = []
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
+_PRELUDE = LIB_PRELUDE + """import numpy as np
 model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 assert model
 n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))

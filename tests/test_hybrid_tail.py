@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_python
+from conftest import LIB_PRELUDE, run_python
 from rollingkv_cli import llama_ext
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,15 +36,7 @@ def test_the_ctypes_mirror_follows_the_header():
     assert decl and re.fullmatch(r"\s*int32_t\s+\w+\s*,\s*enum\s+ggml_type\s+\w+\s*", decl.group(1))
 
 
-_PRELUDE = """
-import ctypes, json, os
-from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
-"""
+_PRELUDE = LIB_PRELUDE
 
 
 @pytest.mark.build

@@ -22,7 +22,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_python
+from conftest import LIB_PRELUDE, run_python
 
 pytestmark = pytest.mark.build
 
@@ -428,15 +428,7 @@ def test_serve_prints_the_budget_and_the_estimate(sim):
 
 # ------------------------------------------------------------------------ the live planner on the CPU build
 
-_LIVE = """
-import ctypes, json, os
-from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
-model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+_LIVE = LIB_PRELUDE + """model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 def cparams(n_ctx=8192):
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = n_ctx; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1; cp.n_threads = 2; cp.n_threads_batch = 2
@@ -526,16 +518,7 @@ def test_server_reports_the_budget_in_props(cpu_build, demo_model, tmp_path):
     assert f"chosen window, window {plan['window_cells']} + tail" in (tmp_path / "srv.log").read_text()
 
 
-_ISWA = """
-import ctypes, json, os, re
-from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-logs = []
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
-model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+_ISWA = LIB_PRELUDE + """model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 out = {}
 for swa_full in (True, False):
     logs.clear()

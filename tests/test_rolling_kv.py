@@ -9,20 +9,12 @@ import sys
 
 import pytest
 
-from conftest import run_python
+from conftest import LIB_PRELUDE, run_python
 
 pytestmark = pytest.mark.build
 
 # One child process per question: llama_cpp binds one library per process.
-_PRELUDE = """
-import ctypes, json, os
-from pathlib import Path
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
-model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
+_PRELUDE = LIB_PRELUDE + """model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 def cparams(n_ctx=2048, n_seq=1, unified=False):
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = n_ctx; cp.n_batch = 512; cp.n_ubatch = 512; cp.flash_attn_type = 1
