@@ -48,12 +48,21 @@ struct part_stats {
     uint64_t runs = 0, bytes = 0;
     double wall = 0, late_max = 0, busy_max = 0, busy_min = 0, gap = 0, busy_sum = 0, oncpu_sum = 0;
     uint64_t gaps = 0;
-    std::vector<double> walls, gaps_v;  // for the quantiles
+    std::vector<double> walls, gaps_v;  // for the quantiles: the last STATS_SAMPLES of each (a server runs for days)
     int threads = 0, caller_cpus = 0;
     std::chrono::steady_clock::time_point last_end;
     bool have_last = false;
 };
 part_stats g_stats;
+constexpr size_t STATS_SAMPLES = 1u << 16;
+
+void keep_sample(std::vector<double> & v, uint64_t i, double x) {
+    if (v.size() < STATS_SAMPLES) {
+        v.push_back(x);
+    } else {
+        v[i % STATS_SAMPLES] = x;
+    }
+}
 
 void print_stats() {
     part_stats & s = g_stats;
@@ -348,7 +357,7 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         s.runs++;
         s.bytes += (uint64_t) (job.n_stream*job.n_cells)*(job.k_nb1 + job.v_nb1);
         s.wall += wall;
-        s.walls.push_back(wall);
+        keep_sample(s.walls, s.runs, wall);
         s.late_max += *std::max_element(late.begin(), late.end());
         s.busy_max += *std::max_element(busy.begin(), busy.end());
         s.busy_min += *std::min_element(busy.begin(), busy.end());
@@ -359,7 +368,7 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         if (s.have_last) {
             s.gap += std::chrono::duration<double>(t_start - s.last_end).count();
             s.gaps++;
-            s.gaps_v.push_back(std::chrono::duration<double>(t_start - s.last_end).count());
+            keep_sample(s.gaps_v, s.gaps, std::chrono::duration<double>(t_start - s.last_end).count());
         }
         s.last_end = t_end;
         s.have_last = true;
