@@ -160,8 +160,8 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
                      and tail fraction: W = (1 - fraction) x (depth + n_gen) to a multiple of 256, at
                      least 256 (the 100% tail); 0% = the whole cache
       hybrid         a window cell again with --kv-tail-cpu-frac F for each F of --cpu-fracs (CUDA
-                     builds; none by default, the CPU part being off by default): part of the
-                     tail attended on the CPU while the rest streams
+                     builds with the hybrid tail; auto by default, the library's default): part of
+                     the tail attended on the CPU while the rest streams
       auto           --kv-residency-mode auto (0% tail when the cache fits)
       vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the VRAM of the 50%-tail
                      window run (all weights + window KV + slot ring), sizes read from the GGUF

@@ -51,9 +51,9 @@ def _setting(*decls: str, key: str, **kw):
 @_setting("-ctvt", "--cache-type-v-tail", key="cache_type_v_tail", help="V cache type of the host tail (default: the window's).")
 @_setting("--pcie-bw-gbps", key="pcie_bw_gbps", metavar="GBPS", help="Host->device bandwidth to plan with (default: the probed profile).")
 @_setting("--kv-tail-cpu-frac", key="kv_tail_cpu_frac",
-          help="Share of each split layer's host tail attended on the CPU while the rest streams: 0 (none: llama-server's "
-               "default, since on the H200 a CPU part made decode slower), auto (from the link and CPU attention "
-               "bandwidths) or up to 1 (the whole tail).")
+          help="Share of each split layer's host tail attended on the CPU while the rest streams: auto (llama-server's "
+               "default: from the link and CPU attention bandwidths, none where it would not pay), 0 (none) or up to 1 "
+               "(the whole tail).")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="YAML file with the same keys as these flags (flags win).")

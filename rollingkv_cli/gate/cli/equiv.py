@@ -33,7 +33,7 @@ MODES = ["window", "auto", "off"]
 @click.option("--kv-tail-cpu-frac", "cpu_frac", callback=tail_cpu_frac, default=None, metavar="F|auto",
               help="The candidate's CPU part: the share of each split layer's host tail attended on the CPU while the rest streams "
                    "(0: none, 1: all). The op uses it on decode-sized batches (use --n-batch 1, or --n-seq N --n-batch N); the "
-                   "report shows the plan's split.  [default: the library's, 0: off]")
+                   "report shows the plan's split.  [default: the library's, auto]")
 @click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
               help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
