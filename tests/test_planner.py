@@ -711,9 +711,10 @@ def test_head_explicit(sim):
         assert layer["split"] and layer["tail_cells"] == kv
     assert p["window_cells"] == 0 and p["tail_cells"] == kv  # every cell is "tail" for the host heads
     est = p["estimate"]
-    assert est["tail_bytes_per_token"] == kv * 32 * 5 * HEAD_BYTES
-    assert est["device_bytes_per_token"] == 4500 * MiB + kv * 32 * 3 * HEAD_BYTES
-    assert est["ms_per_token"] == pytest.approx(est["device_bytes_per_token"] / 4000e9 * 1e3 + est["tail_bytes_per_token"] / 53.5e9 * 1e3)
+    # (the plan's JSON numbers have 6 significant digits)
+    assert est["tail_bytes_per_token"] == pytest.approx(kv * 32 * 5 * HEAD_BYTES, rel=1e-5)
+    assert est["device_bytes_per_token"] == pytest.approx(4500 * MiB + kv * 32 * 3 * HEAD_BYTES, rel=1e-5)
+    assert est["ms_per_token"] == pytest.approx(est["device_bytes_per_token"] / 4000e9 * 1e3 + est["tail_bytes_per_token"] / 53.5e9 * 1e3, rel=1e-5)
     assert not p["budget"]["budgeted"]
 
 
@@ -798,7 +799,7 @@ def test_head_layers_of_different_head_counts(sim):
     ex = sim["head_layers_n"]
     assert _heads(ex) == [3, 2, 3, 3]  # min(N, the layer's heads): a layer of 2 stays whole
     assert [layer["split"] for layer in ex["layers"]] == [True, False, True, True]
-    assert "3 of 2-8 KV heads" not in ex["heads"]["summary"] and ex["heads"]["summary"].startswith("2-3 of 2-8 KV heads")
+    assert ex["heads"]["summary"] == "2-3 of 2-8 KV heads on the device, 3 of 4 layers split"
     p = sim["head_layers"]
     kv = 1048576
     d = p["budget"]["devices"][0]
@@ -832,8 +833,8 @@ def test_auto_ties_go_to_the_window(sim):
     # over a sequence growing to full context the window streams far less (nothing while it fits the window)
     assert h["tail_bytes_per_token_mean"] > 1.5 * w["tail_bytes_per_token_mean"] and h["ms_per_token_mean"] > w["ms_per_token_mean"]
     kv, wc = GPU["kv_size"], p["window_cells"]
-    assert w["tail_bytes_per_token_mean"] == pytest.approx((kv - wc) ** 2 / (2 * kv) * 32 * 4096, rel=1e-9)
-    assert h["tail_bytes_per_token_mean"] == pytest.approx(h["tail_bytes_per_token"] / 2, rel=1e-9)
+    assert w["tail_bytes_per_token_mean"] == pytest.approx((kv - wc) ** 2 / (2 * kv) * 32 * 4096, rel=1e-5)
+    assert h["tail_bytes_per_token_mean"] == pytest.approx(h["tail_bytes_per_token"] / 2, rel=1e-5)
     assert a["reason"].startswith("auto: window: the head split")
     assert w["tail_bytes_per_token"] == p["estimate"]["tail_bytes_per_token"]
     assert _heads(p) == [8] * 32 and p["heads"]["device"] == 0
@@ -847,7 +848,7 @@ def test_auto_takes_the_head_split_where_it_is_cheaper(sim):
     assert p["mode_chosen"] == "head" and a["reason"].startswith("auto: head")
     assert a["head"]["ms_per_token"] < 0.97 * a["window"]["ms_per_token"]
     assert a["head"]["ms_per_token_mean"] < 0.97 * a["window"]["ms_per_token_mean"]
-    assert a["window"]["tail_bytes_per_token"] == 256 * 32 * 4096
+    assert a["window"]["tail_bytes_per_token"] == pytest.approx(256 * 32 * 4096, rel=1e-5)
     assert p["estimate"]["tail_bytes_per_token"] == a["head"]["tail_bytes_per_token"] < a["window"]["tail_bytes_per_token"]
 
 
