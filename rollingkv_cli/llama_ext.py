@@ -77,8 +77,9 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 4
+API_VERSION = 5
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
+API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -104,6 +105,10 @@ class RollingKVParams(ctypes.Structure):
         # cpu_attn_gbps <= 0: libllama calibrates (for auto; for F it only feeds the plan's estimate).
         ("tail_cpu_frac", ctypes.c_float),
         ("cpu_attn_gbps", ctypes.c_float),
+        # API 5: the head split. > 0: KV heads of every layer kept on the device (head mode; with auto it means head);
+        # 0: the planner decides. In the padding of an API 4 struct (same size): written 0 for an older library, which
+        # never reads it.
+        ("device_heads", ctypes.c_int32),
     ]
 
 
@@ -227,11 +232,12 @@ class Extension:
 
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
                     type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
-                    tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0) -> RollingKVParams:
+                    tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0, device_heads: int = 0) -> RollingKVParams:
         """tail_cpu_frac: None = the library's default (auto in this series); "auto" = the planner decides (-1 in the
         struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
-        does; auto, a share or a CPU bandwidth there is refused."""
+        does; auto, a share or a CPU bandwidth there is refused. device_heads > 0: the head split's KV heads per layer on the
+        device (API 5; mode head or auto); head mode or device heads on an older library are refused."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -245,6 +251,11 @@ class Extension:
             self._require_tail_cpu(f"tail_cpu_frac {tail_cpu_frac!r}")
         if cpu_attn_gbps > 0:
             self._require_tail_cpu(f"cpu_attn_gbps {cpu_attn_gbps!r}")
+        if isinstance(device_heads, bool) or not isinstance(device_heads, int) or device_heads < 0 or device_heads > 2**31 - 1:
+            abort(f"device_heads {device_heads!r} is not a number of KV heads", "give 1 or more KV heads per layer, or 0 to let the planner decide")
+        if (mode == "head" or device_heads > 0) and self.api < API_HEAD_SPLIT:
+            abort(f"{'head mode' if mode == 'head' else f'device_heads {device_heads}'} needs the head split (rolling-KV API "
+                  f"{API_HEAD_SPLIT}); this build has API {self.api}", "rebuild with `rollingkv build`, or use window mode")
         p = self.default_params()
         if mode not in RESIDENCY_MODES:
             abort(f"unknown KV residency mode {mode!r}", f"use one of {', '.join(RESIDENCY_MODES)}")
@@ -262,6 +273,7 @@ class Extension:
         if frac is not None or self.api < API_TAIL_CPU:
             p.tail_cpu_frac = 0.0 if frac is None else frac
         p.cpu_attn_gbps = float(cpu_attn_gbps) if cpu_attn_gbps > 0 else 0.0
+        p.device_heads = int(device_heads)  # an older library's padding: written, never read
         return p
 
     def measure_cpu_attn_gbps(self, n_threads: int, type_name: str = "f16") -> float:

@@ -21,7 +21,7 @@ RESIDENCY_MODES = ("auto", "window", "head", "off")
 # types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
-_FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
+_FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
               "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
@@ -32,6 +32,7 @@ class ServeSettings:
     kv_residency_mode: str | None = None
     vram_target: int | None = None
     kv_window_cells: int | None = None
+    kv_device_heads: int | None = None  # the head split: KV heads per layer kept on the device
     ctx_size: int | None = None
     parallel: int | None = None
     cache_type_k: str | None = None
@@ -69,8 +70,6 @@ class Setting:
             v = str(value) if from_text else value
             if v not in self.choices:
                 raise SettingError(f"{value!r} is not one of {', '.join(self.choices)}")
-            if self.key == "kv_residency_mode" and v == "head":
-                raise SettingError("head mode is not implemented yet; use window or auto")
             return v
         if self.kind == "fraction_or_auto":
             return _fraction_or_auto(value, from_text)
@@ -145,6 +144,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("kv_residency_mode", "choice", choices=RESIDENCY_MODES),
     Setting("vram_target", "int", lo=1),
     Setting("kv_window_cells", "int", lo=1),
+    Setting("kv_device_heads", "int", lo=1),
     Setting("ctx_size", "int", lo=64),
     Setting("parallel", "int", lo=1, hi=256),
     Setting("cache_type_k", "choice", choices=CACHE_TYPES),
@@ -227,6 +227,16 @@ def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], co
 def _check_together(m: dict, where: dict[str, str]) -> None:
     """Settings that are fine alone but not together (usage errors, as a bad flag)."""
     window, ctx, parallel = m.get("kv_window_cells"), m.get("ctx_size"), m.get("parallel")
+    heads, mode = m.get("kv_device_heads"), m.get("kv_residency_mode")
+    if heads and window:
+        usage_error(f"{where['kv_device_heads']} and {where['kv_window_cells']} exclude each other (a head split or a window split)",
+                    "give one of them")
+    if heads and mode in ("window", "off"):
+        usage_error(f"{where['kv_device_heads']} {heads} sets a head split, which {where['kv_residency_mode']} {mode} does not make",
+                    "use --kv-residency-mode head (or auto, which it then means)")
+    if window and mode == "head":
+        usage_error(f"{where['kv_window_cells']} {window} sets a window, which {where['kv_residency_mode']} head does not make",
+                    "use --kv-device-heads N for the head split, or --kv-residency-mode window")
     if window and ctx and window > ctx:
         usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
                     "a window of the whole context is the resident cache: use --kv-residency-mode off")
@@ -253,6 +263,19 @@ def build_has_tail_cpu(lib: Path) -> bool:
         return hasattr(ctypes.CDLL(str(lib)), MEASURE_CPU_ATTN_SYMBOL)
     except OSError:
         return False
+
+
+def build_has_head_split(lib: Path) -> bool:
+    """The build has the head split (rolling-KV API 5: its llama-server takes --kv-residency-mode head and --kv-device-heads)."""
+    from rollingkv_cli.llama_ext import API_HEAD_SPLIT
+
+    try:
+        fn = ctypes.CDLL(str(lib)).llama_rolling_kv_api_version
+    except (OSError, AttributeError):
+        return False
+    fn.restype = ctypes.c_int32
+    fn.argtypes = []
+    return int(fn()) >= API_HEAD_SPLIT
 
 
 def model_weight_bytes(model: Path) -> int:
@@ -305,7 +328,8 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
     args += gpu_layer_args or []
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
-                      ("kv_window_cells", "--kv-window-cells"), ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt")):
+                      ("kv_window_cells", "--kv-window-cells"), ("kv_device_heads", "--kv-device-heads"),
+                      ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt")):
         value = getattr(s, key)
         if value is not None:
             args += [flag, str(value)]
@@ -445,7 +469,12 @@ def describe_plan(plan: dict | None) -> str:
     parts = [f"residency: {chosen}"]
     if plan.get("reason"):
         parts.append(f"({plan['reason']})")
-    if plan.get("window_cells") is not None:
+    heads = plan.get("heads") if isinstance(plan.get("heads"), dict) else {}
+    if chosen == "head" and heads.get("summary"):
+        per_layer = heads.get("per_layer") or []
+        shown = ",".join(str(h) for h in per_layer[:12]) + (",..." if len(per_layer) > 12 else "")
+        parts.append(f"{heads['summary']} (per layer {shown})")
+    elif plan.get("window_cells") is not None:
         parts.append(f"window {plan.get('window_cells')} / tail {plan.get('tail_cells', 0)} cells")
     for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
         if plan.get(k) is not None:
@@ -484,6 +513,9 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     elif plan.get("split") and link:
         lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
                      f" ({link.get('link_bw_source', '?')})")
+    auto = plan.get("auto")
+    if isinstance(auto, dict) and auto.get("reason"):  # auto weighed the window against the head split
+        lines.append(auto["reason"])
     line = describe_tail_cpu(plan) if plan.get("split") else None  # the CPU part only where the tail is split
     if line:
         lines.append(line)
@@ -543,7 +575,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if not binary.exists():
         abort(f"the active build has no llama-server ({binary})", "run `rollingkv build`")
     rolling = (s.kv_residency_mode is not None or s.vram_target is not None or s.kv_window_cells is not None or s.cache_type_k_tail
-               or s.cache_type_v_tail or s.kv_tail_cpu_frac is not None)
+               or s.cache_type_v_tail or s.kv_tail_cpu_frac is not None or s.kv_device_heads is not None)
     if not build_has_rolling_kv(b.lib_dir / "libllama.so"):
         if rolling:
             abort(f"the active build {b.dir} lacks the rolling-KV patches (no llama_init_from_model_rolling_kv)", "rebuild with `rollingkv build`")
@@ -554,6 +586,9 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if s.kv_tail_cpu_frac is not None and not tail_cpu:
         abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
               "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")
+    if (s.kv_residency_mode == "head" or s.kv_device_heads is not None) and not build_has_head_split(b.lib_dir / "libllama.so"):
+        abort(f"the active build {b.dir} predates the head split (rolling-KV API 5): its llama-server refuses head mode",
+              "rebuild with `rollingkv build`, or use --kv-residency-mode window")
     if s.vram_target is not None:
         weights_mib = model_weight_bytes(s.model) / 2**20
         if s.vram_target < weights_mib:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CASE = re.compile(r"^\[\s*(\d+)\] (D=[^:]*): (.*)$")
+CASE = re.compile(r"^\[\s*(\d+)\] ((?:heads )?D=[^:]*): (.*)$")  # "heads D=...": the head split's cases (--heads)
 VERDICT = re.compile(r"\s(OK|FAIL)( \([^)]*\))?$")
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.M)
 SKIPPED = re.compile(r"^(\d+) skipped, ", re.M)

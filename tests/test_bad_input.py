@@ -179,10 +179,15 @@ ROWS = {
     # 4: host that does not resolve
     "4-host-does-not-resolve": Row(["serve", "{gguf}", "--host", "no.such.host.invalid", "-q"], 1, ["cannot resolve host 'no.such.host.invalid'"],
                                    build=True),
-    # 5: head mode
-    "5-head-flag": Row(["serve", "demo", "--kv-residency-mode", "head", "--print-args"], 2, ["head mode is not implemented yet; use window or auto"]),
-    "5-head-config": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["kv_residency_mode head mode is not implemented yet; use window or auto"],
-                         files={"c.yaml": "model: demo\nkv_residency_mode: head\n"}),
+    # 5: the head split's flags that contradict each other (head mode itself is accepted: tests/test_head_split.py)
+    "5-head-window-flags": Row(["serve", "demo", "--kv-residency-mode", "window", "--kv-device-heads", "1", "--print-args"], 2,
+                               ["--kv-device-heads 1 sets a head split, which --kv-residency-mode window does not make"]),
+    "5-head-zero": Row(["serve", "demo", "--kv-device-heads", "0", "--print-args"], 2, ["must be an integer of at least 1, not 0"]),
+    "5-head-config-window-cells": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2,
+                                      ["kv_device_heads and", "kv_window_cells exclude each other"],
+                                      files={"c.yaml": "model: demo\nkv_device_heads: 2\nkv_window_cells: 512\n"}),
+    "5-head-mode-window-cells": Row(["serve", "demo", "--kv-residency-mode", "head", "--kv-window-cells", "256", "--print-args"], 2,
+                                    ["--kv-window-cells 256 sets a window, which --kv-residency-mode head does not make"]),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),

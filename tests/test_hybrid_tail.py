@@ -40,7 +40,7 @@ _PRELUDE = LIB_PRELUDE
 
 
 @pytest.mark.build
-def test_the_library_is_api4_with_the_cpu_part_auto_by_default(cpu_build):
+def test_the_library_is_api5_with_the_cpu_part_auto_by_default(cpu_build):
     """The library's default is auto (< 0: the planner's choice, none where it would not pay; on the H200 it pays for f16
     and q8_0 tails), and make_params' default is the same."""
     r = run_python(_PRELUDE + """
@@ -49,7 +49,7 @@ q = ext.make_params(mode="window")
 print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps,
                   "made": q.tail_cpu_frac, "auto": ext.make_params(tail_cpu_frac="auto").tail_cpu_frac}))
 """, cpu_build.lib_dir)
-    assert r["api"] == llama_ext.API_VERSION == 4 and r["has"]
+    assert r["api"] == llama_ext.API_VERSION == 5 and r["has"]
     assert r["frac"] < 0 and r["gbps"] <= 0  # auto; the CPU figure measured at plan time
     assert r["made"] == r["frac"] and r["auto"] < 0
 
@@ -64,7 +64,7 @@ print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q
 """, cpu_build.lib_dir)
     assert all(r[t] > 0.1 for t in ("f16", "q8_0", "q4_0")), r  # GB/s on 2 threads: any CPU reads a tail faster than this
     child = cpu_attn.measure(cpu_build.lib_dir, 2)
-    assert all(v is not None and v > 0.1 for v in child["gbps"].values()) and child["errors"] == {} and child["api_version"] == 4
+    assert all(v is not None and v > 0.1 for v in child["gbps"].values()) and child["errors"] == {} and child["api_version"] == 5
 
 
 @pytest.mark.build

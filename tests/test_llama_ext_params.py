@@ -40,6 +40,8 @@ class FakeLib:
         # an API 3 library writes only the fields it knows: the trailing ones hold whatever the buffer held
         # API 4's default: auto in this series (-1), off (0) in its builds from before 2026-12-03
         p.tail_cpu_frac, p.cpu_attn_gbps = (self.default_frac, 0.0) if self.api >= 4 else (123.0, 456.0)
+        # API 5's device_heads lies in an older struct's padding: whatever the buffer held
+        p.device_heads = 0 if self.api >= 5 else 77
         return p
 
     def _measure(self, n_threads, type_):
@@ -57,18 +59,18 @@ def ext(monkeypatch):
     return make
 
 
-def test_struct_layout_appends_the_two_fields():
+def test_struct_layout_appends_the_fields():
     """The C struct (x86-64 / aarch64 ABI): mode 0, vram_target_mib 8, window_cells 16, type_k_tail 24, type_v_tail 28,
-    pcie_bw_gbps 32, then API 4's tail_cpu_frac 36 and cpu_attn_gbps 40; 48 bytes. The fields before them do not move,
-    so an API 3 library reads its prefix unchanged."""
+    pcie_bw_gbps 32, then API 4's tail_cpu_frac 36 and cpu_attn_gbps 40, then API 5's device_heads 44, in what was the
+    padding: still 48 bytes. The fields before them do not move, so an older library reads its prefix unchanged."""
     P = llama_ext.RollingKVParams
     assert [f[0] for f in P._fields_] == ["mode", "vram_target_mib", "window_cells", "type_k_tail", "type_v_tail", "pcie_bw_gbps",
-                                          "tail_cpu_frac", "cpu_attn_gbps"]
+                                          "tail_cpu_frac", "cpu_attn_gbps", "device_heads"]
     offsets = {name: getattr(P, name).offset for name, _ in P._fields_}
     assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
-                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40}
-    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == 4 and ctypes.sizeof(P) == 48
-    assert llama_ext.API_VERSION == 4
+                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44}
+    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == 4 and ctypes.sizeof(P) == 48
+    assert llama_ext.API_VERSION == 5 and llama_ext.API_HEAD_SPLIT == 5
 
 
 @pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
@@ -133,9 +135,28 @@ def test_api4_without_the_measure_function_is_not_hybrid(ext):
 
 
 def test_a_newer_library_is_refused(ext):
-    e = ext(5)
-    with pytest.raises(RollingKVError, match="version 5, newer than the 4"):
+    e = ext(6)
+    with pytest.raises(RollingKVError, match="version 6, newer than the 5"):
         e.make_params(mode="window")
+
+
+def test_head_split_params(ext):
+    """API 5: head mode and device_heads; an API 4 library (whose struct has padding where device_heads lies) gets 0 written
+    there and refuses head mode and device heads with what to do."""
+    e = ext(5)
+    p = e.make_params(mode="head", device_heads=2)
+    assert p.mode == 2 and p.device_heads == 2
+    assert e.make_params(mode="head").device_heads == 0 and e.make_params(mode="auto", device_heads=1).device_heads == 1
+    for bad in (-1, True, 2.5, "2", 2**31):
+        with pytest.raises(RollingKVError, match="not a number of KV heads"):
+            e.make_params(mode="head", device_heads=bad)
+    old = ext(4)
+    assert old.make_params(mode="window", window_cells=256).device_heads == 0  # the padding's 77 overwritten
+    for kw, what in (({"mode": "head"}, "head mode"), ({"mode": "auto", "device_heads": 2}, "device_heads 2")):
+        with pytest.raises(RollingKVError) as exc:
+            old.make_params(**kw)
+        assert what in exc.value.message and "API 5" in exc.value.message and "API 4" in exc.value.message
+        assert "rollingkv build" in exc.value.hint
 
 
 def test_measure_binding(ext):

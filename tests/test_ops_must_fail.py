@@ -15,6 +15,7 @@ holds a single live key still comes out bit-identical (D=64, n_kv=512, split=511
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -119,3 +120,49 @@ def test_perturbed_by_one_ulp_scale_every_multi_key_tail_fails(runs):
     same = {i: live_tail_keys(d) for i, (d, _) in base.items() if not _mixed(d)}
     assert failed <= {i for i, k in same.items() if k}
     assert {i for i, k in same.items() if k >= 2} <= failed
+
+
+# ------------------------------------------------------------------------ the head split's cases (--heads)
+
+HEAD_CASE = re.compile(r"^heads D=\s*(\d+) hkv=(\d+) gqa=(\d+) h_dev=(\d+) n_kv=\s*(\d+) n_q=\s*(\d+) K=(\S+)/(\S+) V=(\S+)/(\S+) mask=(\w+)")
+
+
+def _run_heads(binary, x: str | None) -> tuple[dict[int, tuple[str, bool]], str]:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
+    if x is not None:
+        env["ROLLINGKV_DEBUG_PERTURB_TAIL"] = x
+    proc = subprocess.run([str(binary), "-b", "CPU", "-t", "2", "--heads"], capture_output=True, text=True, timeout=900, env=env)
+    run = optest.parse(proc.stdout)
+    optest.check_complete(run)
+    return {i: (c.desc, bool(c.ok)) for i, c in run.cases.items() if not c.skipped}, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def head_runs(cpu_build):
+    binary = cpu_build.artifact("test-rolling-kv-ops")
+    return {x: _run_heads(binary, x) for x in (None, "1e-4")}
+
+
+def test_head_split_op_cases_are_bit_identical(head_runs):
+    """ggml_flash_attn_ext on the device heads' query view + the streaming op with an EMPTY window over the host heads,
+    concatenated by head, against ggml_flash_attn_ext over every head: bit-identical on the CPU in every case (each head
+    at its part's types: two types compare each head with the whole-heads reference at that head's types), none skipped;
+    decode (one-chunk and split-KV), small batches and prefill (the tiled path), GQA 1 and 3, every cut of 2..4 KV heads."""
+    cases, out = head_runs[None]
+    run = optest.parse(out)
+    assert all(ok for _, ok in cases.values()) and run.n_skipped == 0 and len(cases) >= 80, out[-3000:]
+    assert all("bitexact" in c.line for c in run.cases.values()), out[-3000:]
+    shapes = [HEAD_CASE.match(d).groups() for d, _ in cases.values()]
+    assert all(0 < int(h) < int(hkv) for _, hkv, _, h, *_ in shapes)  # every case keeps heads in host memory
+    n_q = {int(s[5]) for s in shapes}
+    assert {1, 7, 128, 512} <= n_q and any(int(s[4]) > 512 and int(s[5]) == 1 for s in shapes)  # split-KV decode
+    assert any(s[6] != s[7] for s in shapes)  # two types
+
+
+def test_head_split_op_cases_fail_perturbed(head_runs):
+    """Every case has host heads and unmasked keys (each mask leaves keys of row 0), so with every host head's score
+    x (1 + 1e-4) every case fails: the check sees the streamed part in every path."""
+    base, _ = head_runs[None]
+    cases, out = head_runs["1e-4"]
+    assert cases.keys() == base.keys()
+    assert not any(ok for _, ok in cases.values()), out[-3000:]

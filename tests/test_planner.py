@@ -97,6 +97,12 @@ print(json.dumps(out))
 # the target at which the whole KV of GPU just fits, in MiB (the figures are whole MiB)
 FIT_MIB = GPU["weights_mib"] + GPU["compute_mib"] + RUNTIME_MIB + GPU["kv_size"] * 32 * 4096 // MiB
 SWEEP = [6000, 6001, 9000, 12345, 15000, 18000, 20000, FIT_MIB - 200, FIT_MIB - 2]
+# what a GPU of GPU needs before any KV with a target: weights + compute + runtime + ring
+WEIGHTS_ETC_MIB = GPU["weights_mib"] + GPU["compute_mib"] + RUNTIME_MIB + GPU["ring_mib"]
+NO_RING_MIB = WEIGHTS_ETC_MIB - GPU["ring_mib"]
+HEAD_BYTES = 2 * 128 * 2  # K + V of one KV head of 128, f16, per cell
+# the head split's minimum: one KV head of each of the 32 layers for every cell
+HEAD_MIN_MIB = WEIGHTS_ETC_MIB + GPU["kv_size"] * 32 * HEAD_BYTES // MiB
 TAIL_TYPES = ["f16", "q8_0", "q4_0"]
 
 
@@ -158,6 +164,33 @@ def _cases() -> dict:
     c["hyb_fast_cpu_no_gain"] = fig(**{**hyb, "cpu_attn_gbps": 0.5}, tail_cpu_frac=-1, pcie_bw_gbps=53.5)
     c["hyb_q4_1"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, type_k_tail="q4_1", type_v_tail="q4_1")
     c["hyb_host"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, host_memory=True)
+    # the head split (8 KV heads of 128 per layer: n_embd_k_gqa / head_k)
+    c["head_explicit"] = fig(mode="head", device_heads=3)
+    c["head_explicit_all"] = fig(mode="head", device_heads=8)
+    c["head_explicit_more"] = fig(mode="head", device_heads=100)
+    c["head_auto_n"] = fig(mode="auto", device_heads=2, vram_target_mib=12000)
+    c["head_budget"] = fig(mode="head", vram_target_mib=12000)
+    c["head_budget_q8"] = fig(mode="head", vram_target_mib=12000, type_k="q8_0", type_v="q8_0", type_k_tail="q4_0", type_v_tail="q4_0")
+    c["head_fits"] = fig(mode="head", vram_target_mib=FIT_MIB)
+    c["head_below_min"] = fig(mode="head", vram_target_mib=HEAD_MIN_MIB - 1)
+    c["head_at_min"] = fig(mode="head", vram_target_mib=HEAD_MIN_MIB)
+    c["head_no_target_host"] = fig(mode="head", host_memory=True)
+    c["head_mqa"] = fig(mode="head", device_heads=1, n_embd_k_gqa=128, n_embd_v_gqa=128)
+    c["head_alibi"] = fig(mode="head", device_heads=1, refuse_head="ALiBi: slopes")
+    c["head_layers"] = fig(mode="head", vram_target_mib=9000, n_layer=4, n_head_kv=[8, 2, 4, 8], kv_size=1048576)
+    c["head_layers_n"] = fig(mode="head", device_heads=3, n_layer=4, n_head_kv=[8, 2, 4, 8])
+    c["head_layers_mqa"] = fig(mode="head", device_heads=1, n_layer=4, n_head_kv=[8, 1, 4, 8])
+    c["head_two_gpus"] = fig(mode="head", vram_target_mib=9000, devices=[{"name": "CUDA0", "n_layer": 16, "weights_mib": 2000},
+                                                                        {"name": "CUDA1", "n_layer": 16, "weights_mib": 2500}])
+    c["head_bad_list"] = fig(mode="head", n_head_kv=[8, 8])
+    # auto between the window and the head split
+    c["auto_tie"] = fig(vram_target_mib=12000)
+    # (no ring: a small KV whose whole would otherwise fit in the room the ring takes from a split)
+    c["auto_coarse_window"] = fig(kv_size=1024, ring_mib=0, weights_mib=500,                     # a 256-cell step: 25 % of the KV
+                                  vram_target_mib=NO_RING_MIB - GPU["weights_mib"] + 500 + 125)
+    c["auto_no_window"] = fig(kv_size=512, ring_mib=0, vram_target_mib=NO_RING_MIB + 25)        # < 256 cells fit, heads do
+    c["auto_mqa"] = fig(vram_target_mib=6000, n_embd_k_gqa=128, n_embd_v_gqa=128)
+    c["auto_mqa_no_window"] = fig(kv_size=512, ring_mib=0, vram_target_mib=NO_RING_MIB + 1, n_embd_k_gqa=128, n_embd_v_gqa=128)
     for t in SWEEP:
         c[f"sweep{t}"] = fig(vram_target_mib=t)
     for t in TAIL_TYPES:
@@ -638,3 +671,199 @@ def test_auto_takes_none_when_the_cpu_is_too_slow_to_gain(sim):
 def test_no_cpu_part_for_a_tail_type_it_cannot_read_or_without_gpu(sim):
     assert sim["hyb_q4_1"]["tail_cpu"]["frac"] == 0 and "q4_1" in sim["hyb_q4_1"]["tail_cpu"]["reason"]
     assert sim["hyb_host"]["tail_cpu"]["frac"] == 0 and "no GPU" in sim["hyb_host"]["tail_cpu"]["reason"]
+
+
+# ------------------------------------------------------------------------------ the head split
+
+
+def _heads(p: dict) -> list[int]:
+    return [layer["device_heads"] for layer in p["layers"]]
+
+
+def test_head_explicit(sim):
+    """--kv-device-heads N: N KV heads of every layer on the device for every cell, the other 8 - N in host memory; every
+    token streams the host heads of all n_kv cells (at full context in the estimate)."""
+    p = sim["head_explicit"]
+    assert p["mode_chosen"] == "head" and p["split"] and p["reason"].startswith("head: explicit 3 device KV heads per layer")
+    assert p["heads"] == {"requested": 3, "eligible": True, "refuse": None, "split": True, "device": 96, "host": 160,
+                          "summary": "3 of 8 KV heads on the device, 32 of 32 layers split", "per_layer": [3] * 32}
+    kv = GPU["kv_size"]
+    for layer in p["layers"]:
+        assert (layer["n_head_kv"], layer["device_heads"], layer["host_heads"]) == (8, 3, 5)
+        assert layer["device_bytes"] == kv * 3 * HEAD_BYTES and layer["host_bytes"] == kv * 5 * HEAD_BYTES
+        assert layer["split"] and layer["tail_cells"] == kv
+    assert p["window_cells"] == 0 and p["tail_cells"] == kv  # every cell is "tail" for the host heads
+    est = p["estimate"]
+    # (the plan's JSON numbers have 6 significant digits)
+    assert est["tail_bytes_per_token"] == pytest.approx(kv * 32 * 5 * HEAD_BYTES, rel=1e-5)
+    assert est["device_bytes_per_token"] == pytest.approx(4500 * MiB + kv * 32 * 3 * HEAD_BYTES, rel=1e-5)
+    assert est["ms_per_token"] == pytest.approx(est["device_bytes_per_token"] / 4000e9 * 1e3 + est["tail_bytes_per_token"] / 53.5e9 * 1e3, rel=1e-5)
+    assert not p["budget"]["budgeted"]
+
+
+def test_head_explicit_all_heads_is_resident(sim):
+    for name in ("head_explicit_all", "head_explicit_more"):
+        p = sim[name]
+        assert p["mode_chosen"] == "resident" and not p["split"] and "resident" in p["reason"], name
+        assert _heads(p) == [8] * 32 and p["heads"]["device"] == 0
+
+
+def test_auto_with_device_heads_means_head(sim):
+    p = sim["head_auto_n"]
+    assert p["mode_requested"] == "auto" and p["mode_chosen"] == "head" and _heads(p) == [2] * 32
+    assert p["auto"] is None  # an explicit head split: nothing to compare
+
+
+def _fill(kv_budget: int, n_layers: list[int], head_bytes: int, kv: int, conv_head: int = 0) -> list[int]:
+    """The documented fill, written out: one head per layer, then one at a time to the first layer with the fewest that
+    can take one while the device bytes (+ the f16 copy of one layer's device heads) fit."""
+    h = [1] * len(n_layers)
+    full = [False] * len(n_layers)
+
+    def used():
+        return (sum(h) * head_bytes + max(x * conv_head for x in h)) * kv
+    while True:
+        cand = [i for i in range(len(h)) if not full[i] and h[i] < n_layers[i]]
+        if not cand:
+            return h
+        i = min(cand, key=lambda j: (h[j], j))
+        h[i] += 1
+        if used() > kv_budget:
+            h[i] -= 1
+            full[i] = True
+
+
+def test_head_budget_fills_heads_round_robin(sim):
+    """With a budget: as many KV heads per layer as fit, at most one apart, the first layers first; the bytes left over are
+    less than one head of one layer (the head split's granularity)."""
+    p = sim["head_budget"]
+    kv = GPU["kv_size"]
+    d = p["budget"]["devices"][0]
+    assert p["mode_chosen"] == "head" and p["budget"]["budgeted"] and p["reason"].startswith("head: the most KV heads per layer")
+    h = _heads(p)
+    assert h == _fill(d["kv_budget_bytes"], [8] * 32, HEAD_BYTES, kv)
+    assert max(h) - min(h) <= 1 and h == sorted(h, reverse=True)
+    used = sum(h) * HEAD_BYTES * kv
+    assert used <= d["kv_budget_bytes"] < used + HEAD_BYTES * kv
+    assert p["device_bytes"] == used and p["host_bytes"] == (256 - sum(h)) * HEAD_BYTES * kv
+    # the same budget as the window mode's: kv_budget = target - weights - compute - runtime - ring
+    assert d["kv_budget_bytes"] == (12000 - WEIGHTS_ETC_MIB) * MiB
+
+
+def test_head_budget_counts_the_flash_attention_copy_and_the_tail_types(sim):
+    p = sim["head_budget_q8"]
+    kv = GPU["kv_size"]
+    hb_w = 2 * row("q8_0", 128)
+    d = p["budget"]["devices"][0]
+    assert _heads(p) == _fill(d["kv_budget_bytes"], [8] * 32, hb_w, kv, conv_head=2 * 128 * 2)
+    assert p["host_bytes"] == sum(8 - h for h in _heads(p)) * 2 * row("q4_0", 128) * kv
+    assert p["type_k_tail"] == "q4_0" and p["type_v"] == "q8_0"
+
+
+def test_head_budget_fits_and_minimum(sim):
+    assert sim["head_fits"]["mode_chosen"] == "resident" and "fits" in sim["head_fits"]["reason"]
+    below, at = sim["head_below_min"], sim["head_at_min"]
+    assert below["mode_chosen"] == "refused" and f"below the head split's minimum of {HEAD_MIN_MIB} MiB" in below["error"]
+    assert "one KV head of each of 32 layers" in below["error"] and below["budget"]["min_target_mib"] == HEAD_MIN_MIB
+    assert at["mode_chosen"] == "head" and _heads(at) == [1] * 32
+    assert "no GPU and no vram_target" in sim["head_no_target_host"]["reason"]
+
+
+def test_head_refused_for_mqa_and_alibi(sim):
+    """An explicit head split of a model that cannot split by head is refused (no context), with the reason."""
+    for name, why in (("head_mqa", "one KV head (MQA)"), ("head_alibi", "ALiBi"), ("head_layers_mqa", "one KV head (MQA)")):
+        p = sim[name]
+        assert p["mode_chosen"] == "refused" and why in p["error"] and "head split is not possible" in p["error"], name
+        assert p["heads"]["eligible"] is False and why in p["heads"]["refuse"]
+
+
+def test_head_layers_of_different_head_counts(sim):
+    n = [8, 2, 4, 8]
+    ex = sim["head_layers_n"]
+    assert _heads(ex) == [3, 2, 3, 3]  # min(N, the layer's heads): a layer of 2 stays whole
+    assert [layer["split"] for layer in ex["layers"]] == [True, False, True, True]
+    assert ex["heads"]["summary"] == "2-3 of 2-8 KV heads on the device, 3 of 4 layers split"
+    p = sim["head_layers"]
+    kv = 1048576
+    d = p["budget"]["devices"][0]
+    assert _heads(p) == _fill(d["kv_budget_bytes"], n, HEAD_BYTES, kv)
+    assert all(1 <= h <= hk for h, hk in zip(_heads(p), n))
+
+
+def test_head_two_devices_each_fill_their_own(sim):
+    p = sim["head_two_gpus"]
+    kv = GPU["kv_size"]
+    devs = p["budget"]["devices"]
+    h = _heads(p)
+    assert h[:16] == _fill(devs[0]["kv_budget_bytes"], [8] * 16, HEAD_BYTES, kv)
+    assert h[16:] == _fill(devs[1]["kv_budget_bytes"], [8] * 16, HEAD_BYTES, kv)
+    assert sum(h[:16]) > sum(h[16:])  # CUDA1 holds 500 MiB more weights
+
+
+def test_head_invalid_input(sim):
+    assert sim["head_bad_list"].get("invalid_input") and "one count per layer" in sim["head_bad_list"]["error"]
+
+
+def test_auto_ties_go_to_the_window(sim):
+    """Both splits keep about the same bytes on the device for the same budget; at full context they stream about the
+    same, apart from their granularity; at any shorter context the window streams less. auto takes the window unless the
+    head split is more than 3 % cheaper both at full context and on average over a sequence growing to it."""
+    p = sim["auto_tie"]
+    a = p["auto"]
+    assert p["mode_chosen"] == "window" and a["window"]["candidate"] and a["head"]["candidate"]
+    w, h = a["window"], a["head"]
+    assert h["ms_per_token"] >= 0.97 * w["ms_per_token"]
+    # over a sequence growing to full context the window streams far less (nothing while it fits the window)
+    assert h["tail_bytes_per_token_mean"] > 1.5 * w["tail_bytes_per_token_mean"] and h["ms_per_token_mean"] > w["ms_per_token_mean"]
+    kv, wc = GPU["kv_size"], p["window_cells"]
+    assert w["tail_bytes_per_token_mean"] == pytest.approx((kv - wc) ** 2 / (2 * kv) * 32 * 4096, rel=1e-5)
+    assert h["tail_bytes_per_token_mean"] == pytest.approx(h["tail_bytes_per_token"] / 2, rel=1e-5)
+    assert a["reason"].startswith("auto: window: the head split")
+    assert w["tail_bytes_per_token"] == p["estimate"]["tail_bytes_per_token"]
+    assert _heads(p) == [8] * 32 and p["heads"]["device"] == 0
+
+
+def test_auto_takes_the_head_split_where_it_is_cheaper(sim):
+    """A 1024-cell context whose budget holds ~1000 cells: the window must round down to 768 cells (a 256-cell step is a
+    quarter of the KV) and streams 256 cells of every layer; the head split leaves out a few heads of 1024 cells."""
+    p = sim["auto_coarse_window"]
+    a = p["auto"]
+    assert p["mode_chosen"] == "head" and a["reason"].startswith("auto: head")
+    assert a["head"]["ms_per_token"] < 0.97 * a["window"]["ms_per_token"]
+    assert a["head"]["ms_per_token_mean"] < 0.97 * a["window"]["ms_per_token_mean"]
+    assert a["window"]["tail_bytes_per_token"] == pytest.approx(256 * 32 * 4096, rel=1e-5)
+    assert p["estimate"]["tail_bytes_per_token"] == a["head"]["tail_bytes_per_token"] < a["window"]["tail_bytes_per_token"]
+
+
+def test_auto_takes_the_head_split_where_no_window_fits(sim):
+    p = sim["auto_no_window"]
+    assert p["mode_chosen"] == "head" and "the window does not fit" in p["auto"]["reason"]
+    assert p["auto"]["window"]["candidate"] is False and "256-cell KV window" in p["auto"]["window"]["why_not"]
+    assert p["budget"]["min_target_mib"] == NO_RING_MIB + 8  # one head of each layer: 32 x 512 cells x 512 bytes
+
+
+def test_auto_never_splits_mqa_by_head(sim):
+    p = sim["auto_mqa"]
+    assert p["mode_chosen"] == "window" and p["auto"]["head"]["candidate"] is False
+    assert "MQA" in p["auto"]["head"]["why_not"] and p["auto"]["reason"].startswith("auto: window, no head split")
+    q = sim["auto_mqa_no_window"]
+    assert q["mode_chosen"] == "refused" and "256-cell KV window" in q["error"]
+
+
+def test_serve_describes_a_head_plan(sim):
+    from rollingkv_cli import serving
+
+    d = serving.describe_plan(sim["head_budget"])
+    assert d.startswith("residency: head") and "of 8 KV heads on the device" in d and "per layer" in d
+    lines = serving.describe_plan_details(sim["auto_tie"])
+    assert any(line.startswith("auto: window") for line in lines)
+
+
+def test_auto_two_unequal_devices_keep_the_window(sim):
+    """Two GPUs whose budgets differ: the window is one size for all layers, so the tighter device decides it and the other
+    leaves room unused; a head split fills each device and streams less at full context, but over a sequence growing
+    to it the window streams less: auto keeps the window."""
+    a = sim["two_gpus"]["auto"]
+    assert sim["two_gpus"]["mode_chosen"] == "window" and a["head"]["candidate"]
+    assert a["head"]["ms_per_token"] < 0.97 * a["window"]["ms_per_token"]
+    assert a["head"]["ms_per_token_mean"] > a["window"]["ms_per_token_mean"]

@@ -97,7 +97,9 @@ print(json.dumps(out))
 def test_refusals_return_null(cpu_build, demo_model):
     r = _py(cpu_build, demo_model, """
 res = {}
-res["head"] = bool(ext.init_context(model, cparams(), ext.make_params(mode="head")))
+p = ext.make_params(mode="head"); p.device_heads = 1; p.window_cells = 256  # a head split and a window at once
+res["head_and_window"] = bool(ext.init_context(model, cparams(), p))
+res["head_and_window_error"] = ext.last_error()
 p = ext.make_params(mode="window", window_cells=256); p.type_k_tail = 10  # q2_K: not readable by flash attention
 res["q2k_tail"] = bool(ext.init_context(model, cparams(), p))
 cp = cparams(); cp.flash_attn_type = 0  # FA off: the split cannot serve it, stays resident
@@ -105,7 +107,8 @@ ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=25
 res["fa_off_plan"] = ext.plan(ctx) if ctx else None
 print(json.dumps(res))
 """)
-    assert r["head"] is False and r["q2k_tail"] is False
+    assert r["head_and_window"] is False and r["q2k_tail"] is False
+    assert "needs mode window or auto, not head" in r["head_and_window_error"]
     assert r["fa_off_plan"] is not None and not r["fa_off_plan"]["split"] and "flash" in r["fa_off_plan"]["reason"].lower()
     assert r["fa_off_plan"]["mode_chosen"] == "resident" and r["fa_off_plan"]["eligible"] is False
 
@@ -280,7 +283,7 @@ def test_context_shift_on_a_split_cache_equals_resident(cpu_build, demo_model, t
     (["--kv-residency-mode", "bogus"], "bogus"),
     (["-ctkt", "q3_k"], "q3_k"),
     (["--kv-window-cells", "-5"], "kv-window-cells"),
-    (["--kv-residency-mode", "head"], "not implemented"),
+    (["--kv-device-heads", "two"], "kv-device-heads"),
 ])
 def test_bench_refuses_bad_flags(cpu_build, demo_model, args, message):
     proc = subprocess.run([str(cpu_build.artifact("llama-bench")), "-m", str(demo_model), *args], capture_output=True, text=True, timeout=60)

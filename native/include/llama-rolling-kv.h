@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 4
+#define LLAMA_ROLLING_KV_API_VERSION 5
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -24,13 +24,14 @@ LLAMA_API size_t llama_rolling_kv_sizeof_model_params(void);
 
 //
 // KV residency: each attention layer's cache split by key position into a device-resident window
-// (cells [0, wc)) and a tail in pinned host memory (cells [wc, kv_size)), possibly of another type.
+// (cells [0, wc)) and a tail in pinned host memory (cells [wc, kv_size)), possibly of another type (window mode),
+// or by KV head: heads [0, h) of every cell on the device, the others in pinned host memory (head mode).
 //
 
 enum llama_kv_residency_mode {
     LLAMA_KV_RESIDENCY_OFF    = 0, // the upstream cache, untouched (bit-identical to an unpatched build)
-    LLAMA_KV_RESIDENCY_AUTO   = 1, // resident when the KV fits the budget, window otherwise
-    LLAMA_KV_RESIDENCY_HEAD   = 2, // head-axis split (not implemented yet: refused with a message)
+    LLAMA_KV_RESIDENCY_AUTO   = 1, // resident when the KV fits the budget, else window or head, whichever costs less (API 5)
+    LLAMA_KV_RESIDENCY_HEAD   = 2, // always split by KV head: each layer's first heads on the device, the rest in host memory
     LLAMA_KV_RESIDENCY_WINDOW = 3, // always split: device window + host tail
 };
 
@@ -49,6 +50,10 @@ struct llama_rolling_kv_params {
     // whole tail on the CPU. Decode batches only; exact either way.
     float          tail_cpu_frac;
     float          cpu_attn_gbps;   // the CPU part's attention bandwidth (GB/s) for auto; <= 0: measured at plan time
+    // API 5: the head split. > 0: KV heads of every layer kept on the device (min(device_heads, the layer's KV heads);
+    // the others in pinned host memory, at the tail types); with auto it means head mode. 0: the planner decides (head
+    // mode: from the budget, per layer). Refused with window mode, with window_cells and with off.
+    int32_t        device_heads;
 };
 
 LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
@@ -65,8 +70,9 @@ LLAMA_API struct llama_context * llama_init_from_model_rolling_kv(
 LLAMA_API const char * llama_rolling_kv_last_error(void);
 
 // The residency plan of a context as JSON: mode requested and chosen ("off": the upstream cache,
-// "resident": the whole cache on the device, "window": split), the reason, eligibility, window and tail
-// cells and types, bytes on device and on host per layer, the budget terms (target, free, weights,
+// "resident": the whole cache on the device, "window" or "head": split), the reason, eligibility, window and tail
+// cells and types, the head split (KV heads on the device and in host memory per layer), bytes on device and on
+// host per layer, auto's comparison of the two splits, the budget terms (target, free, weights,
 // compute estimate, other caches, staging ring, reserve, minimum target) per device, the measured device
 // memory bandwidth, the link bandwidth and the expected ms/token of a split. Writes at most buf_size
 // bytes including the terminating NUL; returns the full length (excluding NUL), or -1 if ctx is NULL.
@@ -77,8 +83,8 @@ LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, c
 // mode_requested and mode_chosen "off", nothing split.
 struct llama_rolling_kv_plan_info {
     enum llama_kv_residency_mode mode_requested;
-    const char *   mode_chosen;    // "off" (the upstream cache), "resident", "window" (split) or "refused"; static storage
-    bool           split;
+    const char *   mode_chosen;    // "off" (the upstream cache), "resident", "window" or "head" (split), "refused"; static storage
+    bool           split;          // window or head
     uint32_t       kv_size;        // cells per stream
     uint32_t       n_stream;
     uint32_t       window_cells;   // per stream; 0 when not split
@@ -88,6 +94,9 @@ struct llama_rolling_kv_plan_info {
     size_t         device_bytes;   // K/V bytes of all layers in their device (window) buffers
     size_t         host_bytes;     // K/V bytes of all layers' tails in host memory
     float          tail_cpu_frac;  // the chosen share of each tail attended on the CPU (0: none)
+    // API 5: a head split (0 and 0 otherwise), summed over the cache's layers
+    uint32_t       heads_device;   // KV heads kept on the device
+    uint32_t       heads_host;     // KV heads in host memory (every cell of them is "tail")
 };
 
 LLAMA_API bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_rolling_kv_plan_info * info);

@@ -18,7 +18,10 @@
 // cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
 // hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
-// other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order). (*: required.)
+// other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order), device_heads (the
+// request's, 0), n_head_kv (a number, or a list with one per layer whose K/V rows are then n_head_kv x head_k/head_v
+// elements; default n_embd_k_gqa/head_k), refuse_head (a reason the cache cannot split by head, e.g. ALiBi; a layer with
+// one KV head or a head size no cache type's block divides refuses by itself). (*: required.)
 // Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
 // mode_chosen "refused" and the message in "error"; invalid input gives {"error": ..., "invalid_input": true}.
 // Returns the full length (excluding NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
@@ -358,6 +361,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
     st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", st.req.tail_cpu_frac); // the request default (auto); 0: off
     st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);  // the CPU part's attention bandwidth; <= 0: none given
+    st.req.device_heads    = (int32_t) r.count("device_heads", 0);
     st.head_k    = (int64_t) r.count("head_k", 128);
     st.head_v    = (int64_t) r.count("head_v", 128);
     st.n_threads = (int32_t) r.count("n_threads", 0);
@@ -399,6 +403,28 @@ static std::string rkv_plan_simulate(const char * json_in) {
     const std::string refuse = r.str("refuse", "");
 
     const rkv_jv * devs = r.at("devices", rkv_jv::ARR, "a list of objects");
+    const std::string refuse_head = r.str("refuse_head", "");
+    // n_head_kv: a number or a list (one per layer)
+    std::vector<uint64_t> heads_of;
+    {
+        r.known.push_back("n_head_kv");
+        const rkv_jv * h = in.get("n_head_kv");
+        if (h && h->kind == rkv_jv::NUM) {
+            heads_of.assign(1, (uint64_t) std::max(0.0, h->num));
+            if (h->num < 1 || h->num != std::floor(h->num)) {
+                return rkv_invalid("n_head_kv must be a positive integer or a list of them");
+            }
+        } else if (h && h->kind == rkv_jv::ARR) {
+            for (const auto & e : h->arr) {
+                if (e.kind != rkv_jv::NUM || e.num < 1 || e.num != std::floor(e.num)) {
+                    return rkv_invalid("n_head_kv must be a positive integer or a list of them");
+                }
+                heads_of.push_back((uint64_t) e.num);
+            }
+        } else if (h && h->kind != rkv_jv::NUL) {
+            return rkv_invalid("n_head_kv must be a positive integer or a list of them");
+        }
+    }
 
     if (!r.err.empty()) {
         return rkv_invalid(r.err);
@@ -444,19 +470,80 @@ static std::string rkv_plan_simulate(const char * json_in) {
         base.ring = host_memory ? 0 : (size_t) cuda.ring_slots*cuda.ring_slot_bytes;
     }
 
-    // one layer's K+V bytes per cell and stream, as the cache constructor counts them
-    const size_t row_w = ggml_row_size(st.type_k, n_embd_k_gqa) + ggml_row_size(st.type_v, n_embd_v_gqa);
-    const size_t row_t = ggml_row_size(type_k_tail, n_embd_k_gqa) + ggml_row_size(type_v_tail, n_embd_v_gqa);
-    const size_t conv  = (st.type_k != GGML_TYPE_F16 ? n_embd_k_gqa*2 : 0) + (st.type_v != GGML_TYPE_F16 ? n_embd_v_gqa*2 : 0);
+    // the layers' KV heads: one count for all, a list (K/V rows of n_head_kv x head_k/head_v), or from the row size
+    if (heads_of.size() > 1 && heads_of.size() != n_layer) {
+        return rkv_invalid("n_head_kv must list one count per layer (n_layer)");
+    }
+    if (heads_of.empty()) {
+        if (st.head_k <= 0 || st.head_v <= 0 || n_embd_k_gqa % st.head_k != 0 || n_embd_v_gqa % st.head_v != 0 ||
+                n_embd_k_gqa/st.head_k != n_embd_v_gqa/st.head_v) {
+            return rkv_invalid("n_embd_k_gqa/head_k and n_embd_v_gqa/head_v must be one whole number of KV heads (or give n_head_kv)");
+        }
+        heads_of.assign(1, n_embd_k_gqa/st.head_k);
+    }
+    auto heads = [&](uint32_t il) { return (uint32_t) heads_of[heads_of.size() == 1 ? 0 : il]; };
+    const bool per_layer_heads = heads_of.size() > 1;
+    if (per_layer_heads) {
+        for (ggml_type t : { st.type_k, type_k_tail }) {
+            if (st.head_k % ggml_blck_size(t) != 0) {
+                return rkv_invalid(std::string("head_k is not a multiple of the block size of ") + ggml_type_name(t));
+            }
+        }
+        for (ggml_type t : { st.type_v, type_v_tail }) {
+            if (st.head_v % ggml_blck_size(t) != 0) {
+                return rkv_invalid(std::string("head_v is not a multiple of the block size of ") + ggml_type_name(t));
+            }
+        }
+    }
 
+    // one layer's K+V bytes per cell and stream, as the cache constructor counts them
+    std::vector<size_t> row_w(n_layer), row_t(n_layer), conv(n_layer);
+    for (uint32_t il = 0; il < n_layer; ++il) {
+        const uint64_t nk = per_layer_heads ? heads(il)*st.head_k : n_embd_k_gqa;
+        const uint64_t nv = per_layer_heads ? heads(il)*st.head_v : n_embd_v_gqa;
+        row_w[il] = ggml_row_size(st.type_k, nk) + ggml_row_size(st.type_v, nv);
+        row_t[il] = ggml_row_size(type_k_tail, nk) + ggml_row_size(type_v_tail, nv);
+        conv[il]  = (st.type_k != GGML_TYPE_F16 ? nk*2 : 0) + (st.type_v != GGML_TYPE_F16 ? nv*2 : 0);
+    }
+
+    // the head split's layers, as the cache constructor describes them (llama_kv_cache::rkv_plan)
+    st.head_refuse = refuse_head;
+    for (uint32_t il = 0; il < n_layer; ++il) {
+        if (heads(il) < 2) {
+            st.head_refuse = "a layer with one KV head (MQA) cannot be split by head";
+        } else if (st.head_k % ggml_blck_size(st.type_k) != 0 || st.head_k % ggml_blck_size(type_k_tail) != 0 ||
+                   st.head_v % ggml_blck_size(st.type_v) != 0 || st.head_v % ggml_blck_size(type_v_tail) != 0) {
+            st.head_refuse = "the KV head size is not a multiple of a cache type's block size";
+        }
+        llama_rkv_head_layer hl;
+        hl.il                = (int32_t) il;
+        hl.n_head_kv         = heads(il);
+        hl.head_bytes_window = ggml_row_size(st.type_k, st.head_k) + ggml_row_size(st.type_v, st.head_v);
+        hl.head_bytes_tail   = ggml_row_size(type_k_tail, st.head_k) + ggml_row_size(type_v_tail, st.head_v);
+        hl.conv_head_bytes   = (st.type_k != GGML_TYPE_F16 ? st.head_k*2 : 0) + (st.type_v != GGML_TYPE_F16 ? st.head_v*2 : 0);
+        hl.device_heads      = hl.n_head_kv;
+        st.head_layers.push_back(hl);
+    }
+
+    uint32_t il_next = 0;
     auto add_dev = [&](llama_rkv_dev_budget d, uint32_t n) {
         if (d.runtime == runtime_unset) {
             d.runtime = d.host_memory ? 0 : cuda.runtime_bytes;
         }
         d.n_layer          = n;
-        d.row_bytes_window = n*row_w;
-        d.row_bytes_tail   = n*row_t;
-        d.conv_cell_bytes  = d.host_memory ? 0 : conv;
+        d.row_bytes_window = 0;
+        d.row_bytes_tail   = 0;
+        d.conv_cell_bytes  = 0;
+        for (uint32_t il = il_next; il < il_next + n; ++il) {
+            d.row_bytes_window += row_w[il];
+            d.row_bytes_tail   += row_t[il];
+            d.conv_cell_bytes   = std::max(d.conv_cell_bytes, d.host_memory ? 0 : conv[il]);
+            st.head_layers[il].dev = (int32_t) st.devs.size();
+            if (d.host_memory) {
+                st.head_layers[il].conv_head_bytes = 0;
+            }
+        }
+        il_next += n;
         d.other_kv        += d.recurrent; // as the cache constructor counts it (llama_kv_cache::rkv_plan)
         if (d.recurrent) {
             st.hybrid = true;
@@ -495,6 +582,9 @@ static std::string rkv_plan_simulate(const char * json_in) {
             if (n == 0) {
                 return rkv_invalid("devices[" + std::to_string(i) + "]: n_layer must be > 0");
             }
+            if (n_total + n > n_layer) {
+                return rkv_invalid("the devices' n_layer must add up to n_layer");
+            }
             add_dev(d, n);
             n_total += n;
         }
@@ -524,16 +614,25 @@ static std::string rkv_plan_simulate(const char * json_in) {
     const uint32_t wc = llama_rkv_decide(st, di);
 
     // the layers as the cache would allocate them: the window (+1 trash row) on the device, the tail
-    // (+1 trash row) in host memory, per stream
+    // (+1 trash row) in host memory, per stream; a head split: the device's heads and the host's of every cell
     if (st.error.empty()) {
+        const bool head = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
         for (uint32_t il = 0; il < n_layer; ++il) {
+            const auto & hl = st.head_layers[il];
             llama_rkv_layer_plan lp;
             lp.il           = (int32_t) il;
-            lp.split        = wc > 0;
+            lp.n_head_kv    = hl.n_head_kv;
+            lp.device_heads = hl.device_heads;
+            lp.split        = wc > 0 || (head && hl.device_heads < hl.n_head_kv);
             lp.window_cells = wc ? wc : st.kv_size;
-            lp.tail_cells   = wc ? st.kv_size - wc : 0;
-            lp.device_bytes = (size_t) (wc ? wc + 1 : st.kv_size)*row_w*st.n_stream;
-            lp.host_bytes   = wc ? (size_t) (st.kv_size - wc + 1)*row_t*st.n_stream : 0;
+            lp.tail_cells   = wc ? st.kv_size - wc : lp.split ? st.kv_size : 0;
+            if (head) {
+                lp.device_bytes = (size_t) st.kv_size*hl.device_heads*hl.head_bytes_window*st.n_stream;
+                lp.host_bytes   = (size_t) st.kv_size*(hl.n_head_kv - hl.device_heads)*hl.head_bytes_tail*st.n_stream;
+            } else {
+                lp.device_bytes = (size_t) (wc ? wc + 1 : st.kv_size)*row_w[il]*st.n_stream;
+                lp.host_bytes   = wc ? (size_t) (st.kv_size - wc + 1)*row_t[il]*st.n_stream : 0;
+            }
             st.layers.push_back(lp);
         }
     }

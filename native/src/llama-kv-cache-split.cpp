@@ -1,11 +1,18 @@
-// rollingkv: the position-windowed split of llama_kv_cache.
+// rollingkv: the position-windowed and the head split of llama_kv_cache.
 //
-// A split layer keeps cells [0, wc) of every stream in its window tensors k/v ([n_embd, wc + 1, n_stream], on
+// Window: a split layer keeps cells [0, wc) of every stream in its window tensors k/v ([n_embd, wc + 1, n_stream], on
 // the layer's buffer type, as upstream) and cells [wc, kv_size) in tail tensors k_tail/v_tail
 // ([n_embd, kv_size - wc + 1, n_stream], host memory, possibly another type). The last row of each stream is
 // a trash row: every ubatch writes all its tokens into both regions, the tokens meant for the other region
 // land in the trash row, so the graph topology does not depend on where the cells are (reserve == live).
 // The KQ mask is unchanged: its columns are the cells in order, window first, then tail.
+//
+// Head: layer il keeps its first h KV heads of every cell in k/v ([D*h, kv_size, n_stream], the layer's buffer type)
+// and the other n_head_kv - h in k_tail/v_tail ([D*(n_head_kv - h), kv_size, n_stream], host memory, the tail types):
+// a cell's row is split, not the cells, so both tensors take every token at its cell (upstream's index input) and the
+// graph attends the device heads with upstream's flash attention and the host heads with the streaming op over an
+// empty window (every cell is "tail" for them), their outputs concatenated by head (no merge across heads). A layer
+// with h = n_head_kv has no tail. Separate tensors keep each part's rows contiguous, as the GPU's streamed tail needs.
 #include "llama-kv-cache.h"
 
 #include "llama-impl.h"
@@ -25,7 +32,7 @@
 //
 
 uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
-        const layer_filter_cb & filter, const layer_share_cb & share) const {
+        const layer_filter_cb & filter, const layer_share_cb & share) {
     if (st.resolved) {
         return 0;
     }
@@ -64,6 +71,17 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
             desc.refuse = "the K/V row size is not a multiple of the tail type's block size";
         }
 
+        // the head split cuts a cell's row between KV heads: every part a whole number of blocks of its type
+        const uint32_t n_head_kv_l = hparams.n_head_kv(il);
+        const uint32_t head_k = hparams.n_embd_head_k(il);
+        const uint32_t head_v = hparams.n_embd_head_v(il);
+        if (n_head_kv_l < 2) {
+            desc.refuse_head = "a layer with one KV head (MQA) cannot be split by head";
+        } else if (head_k % ggml_blck_size(type_k) != 0 || head_k % ggml_blck_size(type_k_tail) != 0 ||
+                   head_v % ggml_blck_size(type_v) != 0 || head_v % ggml_blck_size(type_v_tail) != 0) {
+            desc.refuse_head = "the KV head size is not a multiple of a cache type's block size";
+        }
+
         ggml_backend_dev_t dev = offload ? model.dev_layer(il) : nullptr;
 
         const size_t row_w = ggml_row_size(type_k,      n_embd_k_gqa) + ggml_row_size(type_v,      n_embd_v_gqa);
@@ -82,6 +100,17 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
             g->n_embd_head_v = hparams.n_embd_head_v(il);
             g->n_head        = hparams.n_head(il);
             g->n_head_kv     = hparams.n_head_kv(il);
+        }
+        {
+            llama_rkv_head_layer hl;
+            hl.il                = (int32_t) il;
+            hl.dev               = (int32_t) (g - desc.groups.data());
+            hl.n_head_kv         = n_head_kv_l;
+            hl.head_bytes_window = ggml_row_size(type_k, head_k) + ggml_row_size(type_v, head_v);
+            hl.head_bytes_tail   = ggml_row_size(type_k_tail, head_k) + ggml_row_size(type_v_tail, head_v);
+            hl.conv_head_bytes   = (type_k != GGML_TYPE_F16 ? (size_t) head_k*2 : 0) + (type_v != GGML_TYPE_F16 ? (size_t) head_v*2 : 0);
+            hl.device_heads      = n_head_kv_l;
+            desc.head_layers.push_back(hl);
         }
         g->n_layer          += 1;
         g->row_bytes_window += row_w;
@@ -136,19 +165,42 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     } else if (model.arch == LLM_ARCH_T5) {
         desc.refuse = "T5 attends with a relative position bias the streaming op does not take: not supported";
     }
+    if (hparams.f_max_alibi_bias > 0.0f) {
+        desc.refuse_head = "ALiBi: a head's slope depends on its index and the head count, which the attention over a subset of "
+                           "the heads is not told";
+    }
 
     const uint32_t wc = llama_rkv_plan_cache(st, desc, model);
+
+    rkv_head = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+    rkv_dev_heads.assign(hparams.n_layer_all, 0);
+    if (rkv_head) {
+        for (const auto & hl : st.head_layers) {
+            rkv_dev_heads[hl.il] = hl.device_heads;
+        }
+    }
 
     if (wc) {
         LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "
                 "K %s/%s, V %s/%s (window/tail): %s\n", __func__, wc, kv_size - wc, n_stream,
                 ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
                 st.reason.c_str());
+    } else if (rkv_head) {
+        LLAMA_LOG_INFO("%s: rolling KV: split by head, %s (%u streams), K %s/%s, V %s/%s (device/host): %s\n", __func__,
+                llama_rkv_heads_summary(st).c_str(), n_stream, ggml_type_name(type_k), ggml_type_name(st.type_k_tail),
+                ggml_type_name(type_v), ggml_type_name(st.type_v_tail), st.reason.c_str());
     } else {
         LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", __func__, st.reason.c_str());
     }
 
     return wc;
+}
+
+uint32_t llama_kv_cache::rkv_row_dev(uint32_t il, uint32_t n_embd_gqa, bool is_v) const {
+    if (!rkv_head || il >= rkv_dev_heads.size() || rkv_dev_heads[il] == 0) {
+        return n_embd_gqa;
+    }
+    return rkv_dev_heads[il]*(is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il));
 }
 
 void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, const rkv_ctx_for_buft_t & ctx_for_buft,
@@ -166,13 +218,20 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
         throw std::runtime_error("failed to create ggml context for the kv cache tail");
     }
 
-    const uint32_t rows = get_size() - rkv_wc + 1;
+    // window: the cells past the window (+1 trash row) at the full row; head: every cell, the host heads' part of the row
+    const uint32_t rows   = rkv_head ? get_size() : get_size() - rkv_wc + 1;
+    const int64_t  n_k    = rkv_head ? (int64_t) hparams.n_embd_k_gqa(layer.il) - layer.k->ne[0] : layer.k->ne[0];
+    const int64_t  n_v    = !layer.v ? 0 : rkv_head ? (int64_t) hparams.n_embd_v_gqa(layer.il) - layer.v->ne[0] : layer.v->ne[0];
 
-    layer.k_tail = ggml_new_tensor_3d(ctx, type_k_tail, layer.k->ne[0], rows, n_stream);
+    if (n_k == 0) {
+        return; // a head split's layer whose heads are all on the device
+    }
+
+    layer.k_tail = ggml_new_tensor_3d(ctx, type_k_tail, n_k, rows, n_stream);
     ggml_format_name(layer.k_tail, "cache_k_tail_l%d", layer.il);
 
     if (layer.v) {
-        layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, layer.v->ne[0], rows, n_stream);
+        layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, n_v, rows, n_stream);
         ggml_format_name(layer.v_tail, "cache_v_tail_l%d", layer.il);
     }
 
@@ -222,9 +281,11 @@ void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
     for (const auto & layer : layers) {
         llama_rkv_layer_plan lp;
         lp.il           = (int32_t) layer.il;
-        lp.split        = rkv_wc > 0;
+        lp.n_head_kv    = hparams.n_head_kv(layer.il);
+        lp.device_heads = rkv_head ? rkv_dev_heads[layer.il] : lp.n_head_kv;
+        lp.split        = rkv_wc > 0 || layer.k_tail != nullptr;
         lp.window_cells = rkv_wc ? rkv_wc : get_size();
-        lp.tail_cells   = rkv_wc ? get_size() - rkv_wc : 0;
+        lp.tail_cells   = rkv_wc ? get_size() - rkv_wc : layer.k_tail ? get_size() : 0;
         lp.device_bytes = ggml_nbytes(layer.k) + (layer.v ? ggml_nbytes(layer.v) : 0);
         lp.host_bytes   = (layer.k_tail ? ggml_nbytes(layer.k_tail) : 0) + (layer.v_tail ? ggml_nbytes(layer.v_tail) : 0);
 
@@ -236,6 +297,9 @@ void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
 
     if (rkv_wc) {
         LLAMA_LOG_INFO("%s: rolling KV: window %.2f MiB (layer buffers), tail %.2f MiB (host)\n", __func__,
+                dev_total/1024.0/1024.0, host_total/1024.0/1024.0);
+    } else if (rkv_head) {
+        LLAMA_LOG_INFO("%s: rolling KV: device heads %.2f MiB (layer buffers), host heads %.2f MiB (host)\n", __func__,
                 dev_total/1024.0/1024.0, host_total/1024.0/1024.0);
     }
 }
@@ -252,34 +316,42 @@ ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uin
     const int64_t  n_embd_head = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
     const uint32_t ns          = sinfo.s1 - sinfo.s0 + 1;
 
+    // window: the window's cells of every head; head: every cell of the device's heads
     return ggml_view_4d(ctx, t,
-            n_embd_head, hparams.n_head_kv(il), std::min(n_kv, rkv_wc), ns,
+            n_embd_head, t->ne[0]/n_embd_head, rkv_head ? n_kv : std::min(n_kv, rkv_wc), ns,
             ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
 }
 
-static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, int64_t n_embd_head, int64_t n_head_kv,
+static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, int64_t n_embd_head,
         uint32_t n_tail, const llama_kv_cache::slot_info & sinfo) {
     const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
 
     return ggml_view_4d(ctx, t,
-            n_embd_head, n_head_kv, n_tail, ns,
+            n_embd_head, t->ne[0]/n_embd_head, n_tail, ns,
             ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
 }
 
 ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    if (rkv_head) {
+        // every cell of the host heads (none: the layer is whole on the device)
+        return layers[ikv].k_tail ? llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo) : nullptr;
+    }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
     }
-    const int32_t ikv = map_layer_ids.at(il);
-    return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), hparams.n_head_kv(il), n_kv - rkv_wc, sinfo);
+    return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv - rkv_wc, sinfo);
 }
 
 ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    if (rkv_head) {
+        return layers[ikv].v_tail ? llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo) : nullptr;
+    }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
     }
-    const int32_t ikv = map_layer_ids.at(il);
-    return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), hparams.n_head_kv(il), n_kv - rkv_wc, sinfo);
+    return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv - rkv_wc, sinfo);
 }
 
 ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v, bool tail) const {
@@ -287,6 +359,9 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
     const auto & layer = layers[ikv];
 
     ggml_tensor * t = tail ? (is_v ? layer.v_tail : layer.k_tail) : (is_v ? layer.v : layer.k);
+    if (!t) {
+        return nullptr; // a head split's layer whose heads are all on the device has no tail
+    }
 
     const int64_t n_embd_head = cur->ne[0];
     const int64_t n_head      = cur->ne[1];
@@ -294,13 +369,26 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
 
     // we can merge dims 0 and 1
     GGML_ASSERT(ggml_row_size(cur->type, n_embd_head) == cur->nb[1]);
+
+    // all streams in one 2D tensor: the indices are global (strm*rows_per_stream + row)
+    ggml_tensor * dst = ggml_reshape_2d(ctx, t, t->ne[0], t->ne[1]*t->ne[2]);
+
+    if (rkv_head) {
+        // this part's heads of every token (the device's first, the host's after them) at upstream's index input: both
+        // tensors have kv_size rows per stream
+        const ggml_tensor * t_dev  = is_v ? layer.v      : layer.k;
+        const ggml_tensor * t_host = is_v ? layer.v_tail : layer.k_tail;
+        const int64_t n_dev = t_dev->ne[0];
+        GGML_ASSERT(n_embd_head*n_head == n_dev + (t_host ? t_host->ne[0] : 0));
+        GGML_ASSERT(idxs->ne[0] == n_tokens && ggml_nrows(idxs) == 1);
+        cur = ggml_view_2d(ctx, cur, t->ne[0], n_tokens, cur->nb[2], tail ? ggml_row_size(cur->type, n_dev) : 0);
+        return ggml_set_rows(ctx, dst, cur, idxs);
+    }
+
     GGML_ASSERT(n_embd_head*n_head == t->ne[0]);
     GGML_ASSERT(idxs->ne[0] == n_tokens && idxs->ne[1] == 2);
 
     cur = ggml_view_2d(ctx, cur, n_embd_head*n_head, n_tokens, cur->nb[2], 0);
-
-    // all streams in one 2D tensor: the indices are global (strm*rows_per_stream + row)
-    ggml_tensor * dst = ggml_reshape_2d(ctx, t, t->ne[0], t->ne[1]*t->ne[2]);
 
     // row 0 of idxs routes to the window, row 1 to the tail: through the views made with the input (shared by all
     // layers), else a view of its own
@@ -312,11 +400,11 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
 }
 
 ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
-    return rkv_wc ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
+    return rkv_split() ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
 }
 
 ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
-    return rkv_wc ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
+    return rkv_split() ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
 }
 
 ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch, const char * name) const {
@@ -385,8 +473,6 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
         const kv_layer & layer, ggml_tensor * k_shift, ggml_tensor * k_rot) const {
     const uint32_t il = layer.il;
 
-    const int64_t n_head_kv     = hparams.n_head_kv(il);
-    const int64_t n_embd_k_gqa  = hparams.n_embd_k_gqa(il);
     const auto    n_rot         = hparams.n_rot(il);
     const auto    n_embd_head_k = hparams.n_embd_head_k(il);
     const auto    n_embd_nope   = hparams.n_lora_kv > 0 ? n_embd_head_k - n_rot : 0;
@@ -404,14 +490,18 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
 
     for (uint32_t s = 0; s < n_stream; ++s) {
         for (int part = 0; part < 2; ++part) {
+            // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's heads
             ggml_tensor * t       = part == 0 ? layer.k : layer.k_tail;
-            const uint32_t first  = part == 0 ? 0       : rkv_wc;
-            const uint32_t n_cell = part == 0 ? rkv_wc  : kv_size - rkv_wc;
+            const uint32_t first  = part == 0 || rkv_head ? 0 : rkv_wc;
+            const uint32_t n_cell = rkv_head ? kv_size : part == 0 ? rkv_wc : kv_size - rkv_wc;
+            if (!t) {
+                continue;
+            }
 
             ggml_tensor * k = ggml_view_3d(ctx, t,
-                    n_rot, n_head_kv, n_cell,
+                    n_rot, t->ne[0]/n_embd_head_k, n_cell,
                     ggml_row_size(t->type, n_embd_head_k),
-                    ggml_row_size(t->type, n_embd_k_gqa),
+                    t->nb[1],
                     s*t->nb[2] + ggml_row_size(t->type, n_embd_nope));
 
             // the shift input is [kv_size*n_stream], cells in order per stream
@@ -456,6 +546,15 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
 
 static const int32_t LLAMA_RKV_STATE_MIXED = -0x524B56; // "RKV"
 
+// A head split writes, per layer and K/V, the bytes of an unsplit cache when its two parts have one type (each row
+// gathered from the device's heads and the host's). With two types: LLAMA_RKV_STATE_HEADS instead of the type, the
+// device part's and the host part's types, widths (elements) and row sizes, then per chunk of at most
+// LLAMA_RKV_STATE_CHUNK cells of a range their count, the device rows and the host rows. A head split reads those,
+// unsplit states and a window split's mixed states (converting through f32 what differs); a window split refuses a
+// head state with two types.
+static const int32_t  LLAMA_RKV_STATE_HEADS = -0x524B57;
+static const uint32_t LLAMA_RKV_STATE_CHUNK = 4096;
+
 static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
         uint32_t strm, uint32_t from, uint32_t to, bool mixed) {
     const size_t row_w = win->nb[1];
@@ -478,6 +577,64 @@ static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_
     }
 }
 
+// a head split's rows [from, to) of stream strm: the device part's and the host part's (tail may be null: a layer whole
+// on the device), as whole rows (same type: the bytes of an unsplit cache) or part after part (two types)
+static void llama_rkv_write_heads(llama_io_write_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm,
+        const std::vector<std::pair<uint32_t, uint32_t>> & ranges) {
+    const bool   mixed = host && host->type != dev->type;
+    const size_t row_d = dev->nb[1];
+    const size_t row_h = host ? host->nb[1] : 0;
+
+    if (!mixed) {
+        const int32_t  type_i   = (int32_t) dev->type;
+        const uint64_t size_row = row_d + row_h;
+        io.write(&type_i, sizeof(type_i));
+        io.write(&size_row, sizeof(size_row));
+    } else {
+        const int32_t  marker = LLAMA_RKV_STATE_HEADS;
+        const int32_t  type_d = (int32_t) dev->type;
+        const int32_t  type_h = (int32_t) host->type;
+        const uint64_t n_d    = dev->ne[0];
+        const uint64_t n_h    = host->ne[0];
+        const uint64_t rd     = row_d;
+        const uint64_t rh     = row_h;
+        io.write(&marker, sizeof(marker));
+        io.write(&type_d, sizeof(type_d));
+        io.write(&type_h, sizeof(type_h));
+        io.write(&n_d, sizeof(n_d));
+        io.write(&n_h, sizeof(n_h));
+        io.write(&rd, sizeof(rd));
+        io.write(&rh, sizeof(rh));
+    }
+
+    std::vector<uint8_t> buf_d, buf_h, rows;
+    for (const auto & range : ranges) {
+        for (uint32_t c0 = range.first; c0 < range.second; c0 += LLAMA_RKV_STATE_CHUNK) {
+            const uint32_t n = std::min(range.second - c0, LLAMA_RKV_STATE_CHUNK);
+            if (mixed) {
+                io.write(&n, sizeof(n));
+                io.write_tensor(dev,  strm*dev->nb[2]  + c0*row_d, n*row_d);
+                io.write_tensor(host, strm*host->nb[2] + c0*row_h, n*row_h);
+                continue;
+            }
+            if (!host) {
+                io.write_tensor(dev, strm*dev->nb[2] + c0*row_d, n*row_d);
+                continue;
+            }
+            buf_d.resize(n*row_d);
+            buf_h.resize(n*row_h);
+            rows.resize(n*(row_d + row_h));
+            ggml_backend_tensor_get(dev,  buf_d.data(), strm*dev->nb[2]  + c0*row_d, buf_d.size());
+            ggml_backend_tensor_get(host, buf_h.data(), strm*host->nb[2] + c0*row_h, buf_h.size());
+            for (uint32_t i = 0; i < n; ++i) {
+                memcpy(rows.data() + i*(row_d + row_h),         buf_d.data() + i*row_d, row_d);
+                memcpy(rows.data() + i*(row_d + row_h) + row_d, buf_h.data() + i*row_h, row_h);
+            }
+            io.write(rows.data(), rows.size());
+        }
+    }
+}
+
 void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
     const uint32_t v_trans = this->v_trans ? 1 : 0;
     const uint32_t n_layer = layers.size();
@@ -490,6 +647,11 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
             ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
             if (!win) {
+                continue;
+            }
+
+            if (rkv_head) {
+                llama_rkv_write_heads(io, win, tail, cr.strm, cr.data);
                 continue;
             }
 
@@ -553,6 +715,198 @@ static bool llama_rkv_convertible(ggml_type src_type, ggml_type dst_type) {
     return src_ok && dst_ok;
 }
 
+// cell_count rows of one layer's K or V from the state into a head split's device part dev (its first dev->ne[0]
+// elements of a row) and host part host (the rest; null: a layer whole on the device), at destination cells idxs: an
+// unsplit state, a window split's mixed state or a head split's state with two types, converted through f32 where the
+// types or the cut differ
+static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm, uint32_t cell_count,
+        const std::vector<uint32_t> & idxs, int32_t il, const char * what) {
+    const int64_t   n_d    = dev->ne[0];
+    const int64_t   n_h    = host ? host->ne[0] : 0;
+    const int64_t   n_embd = n_d + n_h;
+    const ggml_type td     = dev->type;
+    const ggml_type th     = host ? host->type : dev->type;
+    const size_t    row_d  = dev->nb[1];
+    const size_t    row_h  = host ? host->nb[1] : 0;
+
+    int32_t type_i;
+    io.read(&type_i, sizeof(type_i));
+
+    // the source: rows of part a (type sa, na elements) followed by part b (sb, nb; 0: whole rows)
+    enum { SRC_ROWS, SRC_WINDOW, SRC_HEADS } kind;
+    ggml_type sa, sb;
+    int64_t   na = n_embd, nb = 0;
+    if (type_i >= 0 && type_i < GGML_TYPE_COUNT) {
+        uint64_t size_row;
+        io.read(&size_row, sizeof(size_row));
+        kind = SRC_ROWS;
+        sa = sb = (ggml_type) type_i;
+        if (size_row != ggml_row_size(sa, n_embd)) {
+            LLAMA_LOG_ERROR("%s: mismatched %s row size (%zu != %zu, layer %d)\n", __func__, what,
+                    ggml_row_size(sa, n_embd), (size_t) size_row, il);
+            return false;
+        }
+    } else if (type_i == LLAMA_RKV_STATE_MIXED) {
+        int32_t tw, tt;
+        uint64_t rw, rt;
+        io.read(&tw, sizeof(tw));
+        io.read(&tt, sizeof(tt));
+        io.read(&rw, sizeof(rw));
+        io.read(&rt, sizeof(rt));
+        if (tw < 0 || tw >= GGML_TYPE_COUNT || tt < 0 || tt >= GGML_TYPE_COUNT ||
+                rw != ggml_row_size((ggml_type) tw, n_embd) || rt != ggml_row_size((ggml_type) tt, n_embd)) {
+            LLAMA_LOG_ERROR("%s: invalid rolling-KV %s layout in the state (layer %d)\n", __func__, what, il);
+            return false;
+        }
+        kind = SRC_WINDOW;
+        sa = (ggml_type) tw;
+        sb = (ggml_type) tt;
+    } else if (type_i == LLAMA_RKV_STATE_HEADS) {
+        int32_t ta, tb;
+        uint64_t ua, ub, ra, rb;
+        io.read(&ta, sizeof(ta));
+        io.read(&tb, sizeof(tb));
+        io.read(&ua, sizeof(ua));
+        io.read(&ub, sizeof(ub));
+        io.read(&ra, sizeof(ra));
+        io.read(&rb, sizeof(rb));
+        if (ta < 0 || ta >= GGML_TYPE_COUNT || tb < 0 || tb >= GGML_TYPE_COUNT || ua + ub != (uint64_t) n_embd || ua == 0 || ub == 0 ||
+                ua % ggml_blck_size((ggml_type) ta) != 0 || ub % ggml_blck_size((ggml_type) tb) != 0 ||
+                ra != ggml_row_size((ggml_type) ta, ua) || rb != ggml_row_size((ggml_type) tb, ub)) {
+            LLAMA_LOG_ERROR("%s: invalid rolling-KV head-split %s layout in the state (layer %d)\n", __func__, what, il);
+            return false;
+        }
+        kind = SRC_HEADS;
+        sa = (ggml_type) ta;
+        sb = (ggml_type) tb;
+        na = (int64_t) ua;
+        nb = (int64_t) ub;
+    } else {
+        LLAMA_LOG_ERROR("%s: invalid %s type %d in the state (layer %d)\n", __func__, what, type_i, il);
+        return false;
+    }
+
+    for (ggml_type src : { sa, sb }) {
+        for (ggml_type dst : { td, th }) {
+            if (!llama_rkv_convertible(src, dst)) {
+                LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
+                        __func__, what, ggml_type_name(src), ggml_type_name(dst), il);
+                return false;
+            }
+        }
+    }
+
+    std::vector<uint8_t> pa, pb, bd, bh;
+    std::vector<float>   f, tmp;
+
+    // n source rows (part a in pa, part b in pb) into the cells idxs[i0 ...]
+    auto place = [&](uint32_t i0, uint32_t n, ggml_type ta, int64_t ua, ggml_type tb, int64_t ub) -> bool {
+        const size_t ra = ggml_row_size(ta, ua);
+        const size_t rb = ub ? ggml_row_size(tb, ub) : 0;
+        if (ta == td && ua == n_d && (ub == 0 ? n_h == 0 : (tb == th && ub == n_h))) {
+            bd.assign(pa.begin(), pa.begin() + n*ra); // the same cut and types: as they are
+            bh.assign(pb.begin(), pb.begin() + n*rb);
+        } else if (ub == 0 && ta == td && ta == th) {
+            bd.resize(n*row_d); // whole rows of the cache's one type: cut between the heads
+            bh.resize(n*row_h);
+            for (uint32_t i = 0; i < n; ++i) {
+                memcpy(bd.data() + i*row_d, pa.data() + i*ra,         row_d);
+                memcpy(bh.data() + i*row_h, pa.data() + i*ra + row_d, row_h);
+            }
+        } else {
+            // through f32: whole rows, then each part at its type
+            f.resize((size_t) n*n_embd);
+            tmp.resize((size_t) n*std::max(ua, ub));
+            if (!llama_rkv_convert_rows(ta, GGML_TYPE_F32, pa.data(), tmp.data(), n, ua)) {
+                return false;
+            }
+            for (uint32_t i = 0; i < n; ++i) {
+                memcpy(f.data() + (size_t) i*n_embd, tmp.data() + (size_t) i*ua, ua*sizeof(float));
+            }
+            if (ub) {
+                if (!llama_rkv_convert_rows(tb, GGML_TYPE_F32, pb.data(), tmp.data(), n, ub)) {
+                    return false;
+                }
+                for (uint32_t i = 0; i < n; ++i) {
+                    memcpy(f.data() + (size_t) i*n_embd + ua, tmp.data() + (size_t) i*ub, ub*sizeof(float));
+                }
+            }
+            bd.resize(n*row_d);
+            bh.resize(n*row_h);
+            for (int part = 0; part < (n_h ? 2 : 1); ++part) {
+                const int64_t c0 = part == 0 ? 0 : n_d, w = part == 0 ? n_d : n_h;
+                tmp.resize((size_t) n*w);
+                for (uint32_t i = 0; i < n; ++i) {
+                    memcpy(tmp.data() + (size_t) i*w, f.data() + (size_t) i*n_embd + c0, w*sizeof(float));
+                }
+                if (!llama_rkv_convert_rows(GGML_TYPE_F32, part == 0 ? td : th, tmp.data(), part == 0 ? bd.data() : bh.data(), n, w)) {
+                    return false;
+                }
+            }
+        }
+        // each run of consecutive destination cells at once
+        uint32_t i = 0;
+        while (i < n) {
+            uint32_t j = i + 1;
+            while (j < n && idxs[i0 + j] == idxs[i0 + j - 1] + 1) {
+                ++j;
+            }
+            const uint32_t c = idxs[i0 + i];
+            ggml_backend_tensor_set(dev, bd.data() + i*row_d, strm*dev->nb[2] + c*row_d, (j - i)*row_d);
+            if (host) {
+                ggml_backend_tensor_set(host, bh.data() + i*row_h, strm*host->nb[2] + c*row_h, (j - i)*row_h);
+            }
+            i = j;
+        }
+        return true;
+    };
+
+    // whole rows of type t for the cells [i0, i0 + n), in chunks
+    auto rows = [&](uint32_t i0, uint32_t n, ggml_type t) -> bool {
+        for (uint32_t k = 0; k < n; k += LLAMA_RKV_STATE_CHUNK) {
+            const uint32_t m = std::min(n - k, LLAMA_RKV_STATE_CHUNK);
+            pa.resize(m*ggml_row_size(t, n_embd));
+            io.read(pa.data(), pa.size());
+            if (!place(i0 + k, m, t, n_embd, t, 0)) {
+                return false;
+            }
+        }
+        return true;
+    };
+
+    bool ok = true;
+    if (kind == SRC_ROWS) {
+        ok = rows(0, cell_count, sa);
+    } else {
+        uint32_t done = 0;
+        while (ok && done < cell_count) {
+            uint32_t n_a, n_b = 0;
+            io.read(&n_a, sizeof(n_a));
+            if (kind == SRC_WINDOW) {
+                io.read(&n_b, sizeof(n_b));
+            }
+            if (n_a + n_b == 0 || done + n_a + n_b > cell_count || (kind == SRC_HEADS && n_a > LLAMA_RKV_STATE_CHUNK)) {
+                LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, il);
+                return false;
+            }
+            if (kind == SRC_WINDOW) {
+                ok = rows(done, n_a, sa) && rows(done + n_a, n_b, sb);
+            } else {
+                pa.resize(n_a*ggml_row_size(sa, na));
+                pb.resize(n_a*ggml_row_size(sb, nb));
+                io.read(pa.data(), pa.size());
+                io.read(pb.data(), pb.size());
+                ok = place(done, n_a, sa, na, sb, nb);
+            }
+            done += n_a + n_b;
+        }
+    }
+    if (!ok) {
+        LLAMA_LOG_ERROR("%s: the state's %s rows could not be converted to this cache's types (layer %d)\n", __func__, what, il);
+    }
+    return ok;
+}
+
 bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
     uint32_t v_trans_ref;
     uint32_t n_layer;
@@ -589,8 +943,22 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
             const int64_t n_embd = win->ne[0];
             const char *  what   = kv == 0 ? "key" : "value";
 
+            if (rkv_head) {
+                if (!llama_rkv_read_heads(io, win, tail, strm, cell_count, idxs, layer.il, what)) {
+                    return false;
+                }
+                continue;
+            }
+
             int32_t type_i;
             io.read(&type_i, sizeof(type_i));
+
+            if (type_i == LLAMA_RKV_STATE_HEADS) {
+                LLAMA_LOG_ERROR("%s: the state was saved by a cache split by KV head with two %s types (device and host): a window "
+                        "split cannot read it; load it into a head split, or save it with one type (-ctkt/-ctvt as -ctk/-ctv)\n",
+                        __func__, what);
+                return false;
+            }
 
             const bool mixed = type_i == LLAMA_RKV_STATE_MIXED;
 
@@ -702,6 +1070,17 @@ void llama_kv_cache::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo
                 continue;
             }
             ggml_tensor * tail = win == layer.k ? layer.k_tail : layer.v_tail;
+            if (rkv_head) {
+                // both parts of every cell's row
+                for (const uint32_t c : sinfo.idxs[0]) {
+                    for (ggml_tensor * t : { win, tail }) {
+                        if (t) {
+                            llama_clear_tensor_data(t, strm*t->nb[2] + c*t->nb[1], t->nb[1]);
+                        }
+                    }
+                }
+                continue;
+            }
             for (const uint32_t c : sinfo.idxs[0]) {
                 ggml_tensor * t = c < rkv_wc ? win : tail;
                 const uint32_t r = c < rkv_wc ? c : c - rkv_wc;
@@ -725,6 +1104,10 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
 
 float llama_kv_cache_context::rkv_get_tail_cpu_frac() const {
     return kv->rkv_tail_cpu_frac();
+}
+
+bool llama_kv_cache_context::rkv_is_head_split() const {
+    return kv->rkv_head_split();
 }
 
 void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {

@@ -122,9 +122,12 @@ size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_sta
 }
 
 bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
-        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail) {
+        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool head) {
     if (!dev || g.n_embd_head_k <= 0 || g.n_embd_head_v <= 0 || g.n_head <= 0 || g.n_head_kv <= 0) {
         return true; // nothing to ask: the CPU runs every case
+    }
+    if (head && g.n_head_kv < 2) {
+        return true; // no head split of this shape (refused elsewhere)
     }
 
     ggml_init_params params = {
@@ -138,22 +141,30 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
         return true;
     }
 
-    // the views the split cache hands to the graph (rkv_get_window / the tail views): both parts non-empty
-    const int64_t n_part = LLAMA_RKV_WINDOW_ALIGN;
+    // the views the split cache hands to the graph (rkv_get_window / the tail views): both parts non-empty; a head
+    // split's host part: the last n_head_kv - 1 heads of every cell, in a tensor of their own (no trash row)
+    const int64_t n_part  = LLAMA_RKV_WINDOW_ALIGN;
+    const int64_t n_heads = head ? g.n_head_kv - 1 : g.n_head_kv;
     auto part = [&](ggml_type t, int64_t d) {
-        ggml_tensor * base = ggml_new_tensor_3d(ctx, t, d*g.n_head_kv, n_part + 1, n_stream);
-        return ggml_view_4d(ctx, base, d, g.n_head_kv, n_part, n_stream, ggml_row_size(t, d), base->nb[1], base->nb[2], 0);
+        ggml_tensor * base = ggml_new_tensor_3d(ctx, t, d*n_heads, n_part + (head ? 0 : 1), n_stream);
+        return ggml_view_4d(ctx, base, d, n_heads, n_part, n_stream, ggml_row_size(t, d), base->nb[1], base->nb[2], 0);
     };
+    // the query heads that follow those KV heads
+    const int64_t n_q_head = head ? g.n_head/g.n_head_kv*n_heads : g.n_head;
 
     // a decode step and a full ubatch: the kernels differ
     for (const int64_t n_q : { (int64_t) 1, (int64_t) std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch ? n_ubatch : 512, 512)) }) {
-        ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, g.n_embd_head_k, g.n_head, n_q*n_stream);
+        ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, g.n_embd_head_k, n_q_head, n_q*n_stream);
         ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 2*n_part, n_q, 1, n_stream);
 
-        ggml_tensor * out = llama_rkv_build_attn_mha(ctx, q,
-                part(type_k, g.n_embd_head_k), part(type_v, g.n_embd_head_v),
-                part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
-                mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f);
+        ggml_tensor * out = head
+            ? llama_rkv_build_attn_mha(ctx, q, nullptr, nullptr,
+                    part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f)
+            : llama_rkv_build_attn_mha(ctx, q,
+                    part(type_k, g.n_embd_head_k), part(type_v, g.n_embd_head_v),
+                    part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f);
 
         // out is a reshape of the op
         ggml_tensor * op = out->src[0];
@@ -377,14 +388,45 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
     return 0;
 }
 
-void llama_rkv_plan_estimate(llama_rkv_state & st) {
-    st.link_bw_gbps     = -1.0;
-    st.est_device_bytes = 0;
-    st.est_tail_bytes   = 0;
-    st.t_resident_ms    = -1.0;
-    st.t_tail_ms        = -1.0;
-    st.t_token_ms       = -1.0;
+// bytes read from device memory and streamed over the link per token at n_kv cells of every stream, for a window of wc
+// cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence that
+// grows from 0 to n_kv cells instead (the window: mean min(n, wc) and max(0, n - wc); the head split: n_kv/2)
+static void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device, double & tail,
+        bool mean = false) {
+    const double n_stream = std::max<uint32_t>(1, st.n_stream);
+    const double w = std::min<double>(wc, n_kv);
+    // cells of the window and of the tail read per token: at n_kv, or their means over n in [0, n_kv]
+    const double c_win  = mean ? w - w*w/(2.0*n_kv) : w;
+    const double c_tail = mean ? (n_kv - w)*(n_kv - w)/(2.0*n_kv) : n_kv - w;
+    const double c_all  = mean ? n_kv/2.0 : n_kv;
+    device = 0.0;
+    tail   = 0.0;
+    for (size_t i = 0; i < st.devs.size(); ++i) {
+        const auto & d = st.devs[i];
+        device += (double) d.weights + (double) d.other_kv;
+        if (!head) {
+            device += c_win*d.row_bytes_window*n_stream;
+            tail   += c_tail*d.row_bytes_tail*n_stream;
+            continue;
+        }
+        for (const auto & hl : st.head_layers) {
+            if (hl.dev == (int32_t) i) {
+                device += c_all*hl.device_heads*hl.head_bytes_window*n_stream;
+                tail   += c_all*(hl.n_head_kv - hl.device_heads)*hl.head_bytes_tail*n_stream;
+            }
+        }
+    }
+}
 
+// ms per token for the bytes of llama_rkv_token_bytes (< 0: a bandwidth is unknown)
+static double llama_rkv_token_ms(double device, double tail, double mem_bw, double link_bw) {
+    if (mem_bw <= 0.0 || link_bw <= 0.0) {
+        return -1.0;
+    }
+    return device/(mem_bw*1e9)*1e3 + tail/(link_bw*1e9)*1e3;
+}
+
+static void llama_rkv_link_source(llama_rkv_state & st) {
     bool all_host = !st.devs.empty();
     for (const auto & d : st.devs) {
         all_host = all_host && d.host_memory;
@@ -399,18 +441,25 @@ void llama_rkv_plan_estimate(llama_rkv_state & st) {
     } else {
         st.link_bw_source = "unknown: no pcie_bw_gbps in the request (rollingkv probe pcie measures it)";
     }
+}
 
-    if (st.window_cells == 0 || st.devs.empty()) {
+void llama_rkv_plan_estimate(llama_rkv_state & st) {
+    st.link_bw_gbps     = -1.0;
+    st.est_device_bytes = 0;
+    st.est_tail_bytes   = 0;
+    st.t_resident_ms    = -1.0;
+    st.t_tail_ms        = -1.0;
+    st.t_token_ms       = -1.0;
+
+    llama_rkv_link_source(st);
+
+    if (!llama_rkv_is_split(st) || st.devs.empty()) {
         return;
     }
 
-    // every token of a decode step reads the weights, the window and the other caches from device memory and
+    // every token of a decode step reads the weights, the device's KV and the other caches from device memory and
     // streams the tail over the link, at full context on every stream
-    const double n_stream = std::max<uint32_t>(1, st.n_stream);
-    for (const auto & d : st.devs) {
-        st.est_device_bytes += (double) d.weights + (double) d.other_kv + (double) st.window_cells*d.row_bytes_window*n_stream;
-        st.est_tail_bytes   += (double) st.tail_cells*d.row_bytes_tail*n_stream;
-    }
+    llama_rkv_token_bytes(st, st.chosen == LLAMA_KV_RESIDENCY_HEAD, st.window_cells, st.kv_size, st.est_device_bytes, st.est_tail_bytes);
 
     if (st.mem_bw_gbps > 0.0) {
         st.t_resident_ms = st.est_device_bytes/(st.mem_bw_gbps*1e9)*1e3;
@@ -421,6 +470,138 @@ void llama_rkv_plan_estimate(llama_rkv_state & st) {
     if (st.t_resident_ms >= 0.0 && st.t_tail_ms >= 0.0) {
         st.t_token_ms = st.t_resident_ms + st.t_tail_ms;
     }
+}
+
+//
+// the head split
+//
+
+uint32_t llama_rkv_device_heads(const llama_rkv_state & st, int32_t il) {
+    if (st.chosen != LLAMA_KV_RESIDENCY_HEAD) {
+        return 0;
+    }
+    for (const auto & hl : st.head_layers) {
+        if (hl.il == il) {
+            return hl.device_heads;
+        }
+    }
+    return 0;
+}
+
+std::string llama_rkv_heads_summary(const llama_rkv_state & st) {
+    if (st.chosen != LLAMA_KV_RESIDENCY_HEAD || st.head_layers.empty()) {
+        return "";
+    }
+    uint32_t h_min = UINT32_MAX, h_max = 0, n_min = UINT32_MAX, n_max = 0, n_split = 0;
+    for (const auto & hl : st.head_layers) {
+        h_min = std::min(h_min, hl.device_heads);
+        h_max = std::max(h_max, hl.device_heads);
+        n_min = std::min(n_min, hl.n_head_kv);
+        n_max = std::max(n_max, hl.n_head_kv);
+        n_split += hl.device_heads < hl.n_head_kv;
+    }
+    char buf[256];
+    const std::string h = h_min == h_max ? std::to_string(h_min) : std::to_string(h_min) + "-" + std::to_string(h_max);
+    const std::string n = n_min == n_max ? std::to_string(n_min) : std::to_string(n_min) + "-" + std::to_string(n_max);
+    snprintf(buf, sizeof(buf), "%s of %s KV heads on the device, %u of %zu layers split", h.c_str(), n.c_str(), n_split,
+            st.head_layers.size());
+    return buf;
+}
+
+static void llama_rkv_heads_whole(llama_rkv_state & st) {
+    for (auto & hl : st.head_layers) {
+        hl.device_heads = hl.n_head_kv;
+    }
+}
+
+// device bytes of the head split's KV on device di (+ the f16 copy flash attention makes of one layer's device heads)
+static size_t llama_rkv_head_dev_bytes(const llama_rkv_state & st, int32_t di) {
+    const size_t n = (size_t) st.kv_size*std::max<uint32_t>(1, st.n_stream);
+    size_t kv = 0, conv = 0;
+    for (const auto & hl : st.head_layers) {
+        if (hl.dev == di) {
+            kv  += hl.device_heads*hl.head_bytes_window;
+            conv = std::max(conv, hl.device_heads*hl.conv_head_bytes);
+        }
+    }
+    return (kv + conv)*n;
+}
+
+bool llama_rkv_plan_heads(llama_rkv_state & st) {
+    const int64_t target = st.req.vram_target_mib;
+
+    llama_rkv_heads_whole(st); // layers no budget holds stay whole
+
+    bool ok = true;
+    for (size_t di = 0; di < st.devs.size(); ++di) {
+        auto & d = st.devs[di];
+
+        std::vector<llama_rkv_head_layer *> ls;
+        for (auto & hl : st.head_layers) {
+            if (hl.dev == (int32_t) di) {
+                ls.push_back(&hl);
+            }
+        }
+
+        // one KV head of every layer first
+        for (auto * l : ls) {
+            l->device_heads = 1;
+        }
+        const size_t base = llama_rkv_head_dev_bytes(st, (int32_t) di);
+
+        const size_t fixed_target  = d.compute + d.other_kv + d.runtime;
+        const size_t need_resident = d.weights + fixed_target + d.kv_resident;
+        const size_t need_head     = d.weights + fixed_target + d.ring + base;
+        d.min_target_mib_head = (int64_t) ((std::min(need_resident, need_head) + LLAMA_RKV_MIB - 1)/LLAMA_RKV_MIB);
+
+        if (base > d.kv_budget) {
+            d.head_kv_bytes = base;
+            if (ok) {
+                char buf[768];
+                if (target > 0 && target < d.min_target_mib_head) {
+                    snprintf(buf, sizeof(buf),
+                            "vram_target %" PRId64 " MiB is below the head split's minimum of %" PRId64 " MiB on %s: weights %.0f MiB + compute "
+                            "buffers ~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other KV caches %.0f MiB + streaming ring %.0f MiB + one KV "
+                            "head of each of %zu layers %.0f MiB", target, d.min_target_mib_head, d.name.c_str(), llama_rkv_mib(d.weights),
+                            llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime), llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring), ls.size(),
+                            llama_rkv_mib(base));
+                } else {
+                    snprintf(buf, sizeof(buf),
+                            "not enough free memory on %s for a head split: %.0f MiB left for the KV after compute buffers, other KV "
+                            "caches and the streaming ring, and one KV head of each of %zu layers needs %.0f MiB",
+                            d.name.c_str(), llama_rkv_mib(d.kv_budget), ls.size(), llama_rkv_mib(base));
+                }
+                st.error = buf;
+            }
+            ok = false;
+            continue;
+        }
+
+        // then one head at a time to the layer with the fewest (the first of them), while it fits
+        std::vector<bool> full(ls.size(), false);
+        while (true) {
+            int best = -1;
+            for (size_t i = 0; i < ls.size(); ++i) {
+                if (!full[i] && ls[i]->device_heads < ls[i]->n_head_kv && (best < 0 || ls[i]->device_heads < ls[best]->device_heads)) {
+                    best = (int) i;
+                }
+            }
+            if (best < 0) {
+                break;
+            }
+            ls[best]->device_heads++;
+            if (llama_rkv_head_dev_bytes(st, (int32_t) di) > d.kv_budget) {
+                ls[best]->device_heads--;
+                full[best] = true;
+            }
+        }
+        d.head_kv_bytes = llama_rkv_head_dev_bytes(st, (int32_t) di);
+    }
+
+    if (!ok) {
+        llama_rkv_heads_whole(st);
+    }
+    return ok;
 }
 
 void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in) {
@@ -434,7 +615,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         host_memory = host_memory || d.host_memory;
         n_layer += d.n_layer;
     }
-    if (st.window_cells == 0 || st.tail_cells == 0) {
+    if (!llama_rkv_is_split(st) || st.tail_cells == 0) {
         st.tail_cpu_reason = "no split: no tail";
         return;
     }
@@ -524,6 +705,7 @@ static uint32_t llama_rkv_resident(llama_rkv_state & st, std::string reason, boo
     st.tail_cells   = 0;
     st.type_k_tail  = st.type_k;
     st.type_v_tail  = st.type_v;
+    llama_rkv_heads_whole(st);
     return 0;
 }
 
@@ -552,25 +734,220 @@ static void llama_rkv_log_budget(const llama_rkv_state & st) {
     }
 }
 
+// the vram_target terms of an explicit split (window cells or device heads): refused below what the device needs
+// before any KV (st.error), a warning when the split's device bytes exceed the budget
+static bool llama_rkv_check_explicit(llama_rkv_state & st, const llama_rkv_decide_in & in, const char * what,
+        const std::function<size_t(const llama_rkv_dev_budget &, size_t)> & need_of) {
+    const int64_t target = st.req.vram_target_mib;
+    // the budget terms, for the plan; an explicit split needs no minimum
+    llama_rkv_plan_budget(st);
+    st.error.clear();
+    for (size_t i = 0; i < st.devs.size(); ++i) {
+        const auto & d = st.devs[i];
+        const size_t fixed = d.weights + d.compute + d.other_kv + d.ring;
+        if (target > 0 && (size_t) target*LLAMA_RKV_MIB < fixed) {
+            char buf[512];
+            snprintf(buf, sizeof(buf), "vram_target %" PRId64 " MiB is below the minimum of %.0f MiB on %s before any KV: "
+                    "weights %.0f MiB + compute buffers ~%.0f MiB (estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB",
+                    target, std::ceil(llama_rkv_mib(fixed)), d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute),
+                    llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring));
+            st.error = buf;
+            if (!in.quiet) {
+                llama_rkv_log_budget(st);
+            }
+            return false;
+        }
+        const size_t need = need_of(d, i);
+        if (need > d.kv_budget && !in.quiet) {
+            LLAMA_LOG_WARN("%s: rolling KV: the explicit %s needs %.0f MiB on %s, %.0f MiB more than the budget\n",
+                    __func__, what, llama_rkv_mib(need), d.name.c_str(), llama_rkv_mib(need - d.kv_budget));
+        }
+    }
+    return true;
+}
+
+// a split was chosen (st.chosen, st.reason): the link model, the hybrid tail's share and the logs
+static void llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    st.eligible    = true;
+    st.type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
+    st.type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
+
+    // the link model: only a split needs the device's memory bandwidth (auto may have measured it already)
+    if (!st.devs.empty() && in.measure && st.mem_bw_gbps <= 0.0) {
+        st.mem_bw_gbps = in.measure(&st.mem_bw_source);
+    }
+    llama_rkv_plan_estimate(st);
+    llama_rkv_plan_tail_cpu(st, in);
+
+    if (!in.quiet && !st.devs.empty()) {
+        LLAMA_LOG_INFO("%s: rolling KV: device memory bandwidth %.1f GB/s (%s); link %.2f GB/s (%s)\n", __func__,
+                st.mem_bw_gbps, st.mem_bw_source.c_str(), st.link_bw_gbps, st.link_bw_source.c_str());
+        if (st.t_token_ms >= 0.0) {
+            LLAMA_LOG_INFO("%s: rolling KV: expected %.2f ms/token at full context = %.2f ms resident (%.0f MiB at %.1f GB/s) "
+                    "+ %.2f ms tail (%.0f MiB at %.2f GB/s)\n", __func__, st.t_token_ms,
+                    st.t_resident_ms, st.est_device_bytes/LLAMA_RKV_MIB, st.mem_bw_gbps,
+                    st.t_tail_ms, st.est_tail_bytes/LLAMA_RKV_MIB, st.link_bw_gbps);
+        } else {
+            LLAMA_LOG_INFO("%s: rolling KV: no ms/token estimate (%s)\n", __func__,
+                    st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : st.link_bw_source.c_str());
+        }
+        LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac, st.tail_cpu_reason.c_str(),
+                st.t_token_hybrid_ms >= 0.0 ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
+        if (!st.auto_reason.empty()) {
+            LLAMA_LOG_INFO("%s: rolling KV: %s\n", __func__, st.auto_reason.c_str());
+        }
+    }
+}
+
+static uint32_t llama_rkv_choose_window(llama_rkv_state & st, uint32_t wc, std::string reason) {
+    st.chosen       = LLAMA_KV_RESIDENCY_WINDOW;
+    st.window_cells = wc;
+    st.tail_cells   = st.kv_size - wc;
+    st.reason       = std::move(reason);
+    llama_rkv_heads_whole(st);
+    return wc;
+}
+
+static void llama_rkv_choose_head(llama_rkv_state & st, std::string reason) {
+    // every cell of the host heads is "tail"
+    st.chosen       = LLAMA_KV_RESIDENCY_HEAD;
+    st.window_cells = 0;
+    st.tail_cells   = st.kv_size;
+    st.reason       = std::move(reason) + " (" + llama_rkv_heads_summary(st) + ")";
+}
+
+// auto's margin: head must be this much cheaper than the window at full context (the window streams less at any shorter
+// context, and nothing while a sequence fits it)
+static const double LLAMA_RKV_HEAD_MARGIN = 0.97;
+
+// a tactic's cost at full context (and its tail bytes at half context) from the current plan in st
+static llama_rkv_tactic_cost llama_rkv_tactic(const llama_rkv_state & st, bool head, uint32_t wc) {
+    llama_rkv_tactic_cost c;
+    c.valid = true;
+    llama_rkv_token_bytes(st, head, wc, st.kv_size, c.device_bytes, c.tail_bytes);
+    llama_rkv_token_bytes(st, head, wc, st.kv_size, c.device_bytes_mean, c.tail_bytes_mean, true);
+    c.t_token_ms      = llama_rkv_token_ms(c.device_bytes, c.tail_bytes, st.mem_bw_gbps, st.link_bw_gbps);
+    c.t_token_mean_ms = llama_rkv_token_ms(c.device_bytes_mean, c.tail_bytes_mean, st.mem_bw_gbps, st.link_bw_gbps);
+    return c;
+}
+
+// the head split of a request that asks for it (mode head, or auto with device_heads)
+static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    const auto & req = st.req;
+    const int64_t target = req.vram_target_mib;
+
+    st.reserve = target > 0 ? 0 : in.reserve;
+
+    if (req.device_heads > 0) {
+        const uint32_t n = (uint32_t) req.device_heads;
+        uint32_t n_max = 0;
+        bool any = false;
+        for (auto & hl : st.head_layers) {
+            hl.device_heads = std::min(n, hl.n_head_kv);
+            any   = any || hl.device_heads < hl.n_head_kv;
+            n_max = std::max(n_max, hl.n_head_kv);
+        }
+        if (!any) {
+            st.devs.clear();
+            return llama_rkv_resident(st, "device_heads " + std::to_string(n) + " >= the KV heads of every layer (" +
+                    std::to_string(n_max) + "): the whole cache on the device (resident)");
+        }
+        if (!in.head_op_unsupported.empty() && !in.quiet) {
+            LLAMA_LOG_WARN("%s: rolling KV: %s: the op runs on the CPU, the device heads' results are copied every step\n",
+                    __func__, in.head_op_unsupported.c_str());
+        }
+        st.heads_explicit = true;
+        if (!st.devs.empty()) {
+            const auto heads = st.head_layers; // the budget does not change them
+            if (!llama_rkv_check_explicit(st, in, "head split", [&](const llama_rkv_dev_budget &, size_t i) {
+                        return llama_rkv_head_dev_bytes(st, (int32_t) i); })) {
+                return llama_rkv_resident(st, st.error);
+            }
+            st.head_layers = heads;
+            for (size_t i = 0; i < st.devs.size(); ++i) {
+                st.devs[i].head_kv_bytes = llama_rkv_head_dev_bytes(st, (int32_t) i);
+            }
+        }
+        llama_rkv_choose_head(st, std::string(llama_rkv_mode_name(req.mode)) + ": explicit " + std::to_string(n) +
+                " device KV heads per layer");
+        llama_rkv_finish_split(st, in);
+        return 0;
+    }
+
+    if (st.devs.empty()) {
+        return llama_rkv_resident(st, in.no_device.empty() ? "no device to budget: resident" : in.no_device);
+    }
+    if (in.host_memory && target <= 0) {
+        st.devs.clear();
+        return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a head split in host memory)");
+    }
+    if (!in.head_op_unsupported.empty()) {
+        st.devs.clear();
+        return llama_rkv_resident(st, in.head_op_unsupported + ": resident", false);
+    }
+
+    st.budgeted = true;
+    const uint32_t wc = llama_rkv_plan_budget(st);
+    const bool fits = wc == 0 && st.error.empty();
+    st.error.clear();
+    if (!fits) {
+        llama_rkv_plan_heads(st);
+    }
+    st.min_target_mib = 0;
+    for (const auto & d : st.devs) {
+        st.min_target_mib = std::max(st.min_target_mib, d.min_target_mib_head);
+    }
+    if (!in.quiet) {
+        llama_rkv_log_budget(st);
+    }
+    if (fits) {
+        size_t kv = 0;
+        for (const auto & d : st.devs) {
+            kv += d.kv_resident;
+        }
+        char buf[160];
+        snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
+                target > 0 ? "vram_target" : "free VRAM");
+        return llama_rkv_resident(st, buf);
+    }
+    if (!st.error.empty()) {
+        return llama_rkv_resident(st, st.error);
+    }
+    llama_rkv_choose_head(st, std::string("head: the most KV heads per layer that fit the ") +
+            (target > 0 ? "vram_target" : "free VRAM") + " budget");
+    llama_rkv_finish_split(st, in);
+    return 0;
+}
+
 static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     const auto & req = st.req;
 
     st.error.clear();
-    st.budgeted = false;
+    st.budgeted       = false;
+    st.heads_explicit = false;
+    st.auto_compared  = false;
+    st.auto_reason.clear();
+    st.cost_window = {};
+    st.cost_head   = {};
 
     // the answers that need no budget report none
     if (req.mode == LLAMA_KV_RESIDENCY_OFF) {
         st.devs.clear();
         return llama_rkv_resident(st, "mode off: the upstream resident cache");
     }
-    if (req.mode == LLAMA_KV_RESIDENCY_HEAD) {
-        // refused before the context is created; kept for completeness
-        st.devs.clear();
-        return llama_rkv_resident(st, "head mode is not implemented yet");
-    }
     if (in.refuse) {
         st.devs.clear();
         return llama_rkv_resident(st, in.refuse, false);
+    }
+
+    // head mode, or auto with explicit device heads
+    if (req.mode == LLAMA_KV_RESIDENCY_HEAD || (req.mode == LLAMA_KV_RESIDENCY_AUTO && req.device_heads > 0)) {
+        if (!st.head_refuse.empty()) {
+            st.devs.clear();
+            st.error = "the head split is not possible for this model: " + st.head_refuse;
+            return llama_rkv_resident(st, st.error, false);
+        }
+        return llama_rkv_decide_head(st, in);
     }
 
     const bool explicit_wc = req.window_cells > 0;
@@ -598,106 +975,126 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
 
     if (explicit_wc) {
         wc = (uint32_t) req.window_cells;
-        if (!st.devs.empty()) {
-            // the budget terms, for the plan; an explicit window needs no 256-cell minimum
-            llama_rkv_plan_budget(st);
-            st.error.clear();
-            for (const auto & d : st.devs) {
-                const size_t fixed = d.weights + d.compute + d.other_kv + d.ring;
-                if (target > 0 && (size_t) target*LLAMA_RKV_MIB < fixed) {
-                    char buf[512];
-                    snprintf(buf, sizeof(buf), "vram_target %" PRId64 " MiB is below the minimum of %.0f MiB on %s before any KV: "
-                            "weights %.0f MiB + compute buffers ~%.0f MiB (estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB",
-                            target, std::ceil(llama_rkv_mib(fixed)), d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute),
-                            llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring));
-                    st.error = buf;
-                    if (!in.quiet) {
-                        llama_rkv_log_budget(st);
-                    }
-                    return llama_rkv_resident(st, st.error);
-                }
-                const size_t need = (size_t) (wc + 1)*d.cell_bytes;
-                if (need > d.kv_budget && !in.quiet) {
-                    LLAMA_LOG_WARN("%s: rolling KV: the explicit window of %u cells needs %.0f MiB on %s, %.0f MiB more than the budget\n",
-                            __func__, wc, llama_rkv_mib(need), d.name.c_str(), llama_rkv_mib(need - d.kv_budget));
-                }
-            }
-        }
-    } else {
-        if (st.devs.empty()) {
-            return llama_rkv_resident(st, in.no_device.empty() ? "no device to budget: resident" : in.no_device);
-        }
-        if (in.host_memory && target <= 0) {
-            st.devs.clear();
-            return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a window in host memory)");
-        }
-
-        st.budgeted = true;
-        wc = llama_rkv_plan_budget(st);
-
-        if (!in.quiet) {
-            llama_rkv_log_budget(st);
-        }
-        if (!st.error.empty()) {
+        if (!st.devs.empty() && !llama_rkv_check_explicit(st, in, "window", [wc](const llama_rkv_dev_budget & d, size_t) {
+                    return (size_t) (wc + 1)*d.cell_bytes; })) {
             return llama_rkv_resident(st, st.error);
         }
-        if (wc == 0) {
-            size_t kv = 0;
-            for (const auto & d : st.devs) {
-                kv += d.kv_resident;
+        char buf[256];
+        snprintf(buf, sizeof(buf), "%s: explicit window of %u cells", llama_rkv_mode_name(req.mode), wc);
+        llama_rkv_choose_window(st, wc, buf);
+        llama_rkv_finish_split(st, in);
+        return wc;
+    }
+
+    if (st.devs.empty()) {
+        return llama_rkv_resident(st, in.no_device.empty() ? "no device to budget: resident" : in.no_device);
+    }
+    if (in.host_memory && target <= 0) {
+        st.devs.clear();
+        return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a window in host memory)");
+    }
+
+    st.budgeted = true;
+    wc = llama_rkv_plan_budget(st);
+    const bool fits = wc == 0 && st.error.empty();
+
+    // auto: the head split is the other candidate where this cache can split by head
+    bool head = false;
+    if (!fits && req.mode == LLAMA_KV_RESIDENCY_AUTO) {
+        const std::string err_window = st.error;
+        st.error.clear();
+        st.auto_compared = true;
+
+        if (err_window.empty()) {
+            st.cost_window = llama_rkv_tactic(st, false, wc);
+        } else {
+            st.cost_window.why_not = err_window;
+        }
+        if (!st.head_refuse.empty()) {
+            st.cost_head.why_not = st.head_refuse;
+        } else if (!in.head_op_unsupported.empty()) {
+            st.cost_head.why_not = in.head_op_unsupported;
+        } else if (!llama_rkv_plan_heads(st)) {
+            st.cost_head.why_not = st.error;
+            st.error.clear();
+        } else {
+            st.cost_head = llama_rkv_tactic(st, true, 0);
+        }
+
+        if (st.cost_window.valid && st.cost_head.valid) {
+            // both fit: compare them where they cost most, at full context (the time model when both bandwidths are known)
+            if (in.measure && st.mem_bw_gbps <= 0.0) {
+                st.mem_bw_gbps = in.measure(&st.mem_bw_source);
             }
-            char buf[160];
-            snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
-                    target > 0 ? "vram_target" : "free VRAM");
-            return llama_rkv_resident(st, buf);
+            llama_rkv_link_source(st);
+            st.cost_window = llama_rkv_tactic(st, false, wc);
+            st.cost_head   = llama_rkv_tactic(st, true, 0);
+            const bool by_time = st.cost_window.t_token_ms > 0.0 && st.cost_head.t_token_ms > 0.0;
+            const double w      = by_time ? st.cost_window.t_token_ms      : st.cost_window.tail_bytes;
+            const double h      = by_time ? st.cost_head.t_token_ms        : st.cost_head.tail_bytes;
+            const double w_mean = by_time ? st.cost_window.t_token_mean_ms : st.cost_window.tail_bytes_mean;
+            const double h_mean = by_time ? st.cost_head.t_token_mean_ms   : st.cost_head.tail_bytes_mean;
+            head = h < LLAMA_RKV_HEAD_MARGIN*w && h_mean < LLAMA_RKV_HEAD_MARGIN*w_mean;
+            const double unit = by_time ? 1.0 : (double) LLAMA_RKV_MIB;
+            const char * what = by_time ? "ms/token" : "MiB streamed/token";
+            char buf[640];
+            snprintf(buf, sizeof(buf), "auto: %s: the head split %.3g %s at full context and %.3g on average over a sequence growing to "
+                    "it, the window %.3g and %.3g (head is taken only where it is more than 3 %% cheaper on both: the window streams "
+                    "nothing while a sequence fits it)", head ? "head" : "window", h/unit, what, h_mean/unit, w/unit, w_mean/unit);
+            st.auto_reason = buf;
+        } else if (st.cost_head.valid) {
+            head = true;
+            st.auto_reason = "auto: head, the window does not fit (" + err_window + ")";
+        } else {
+            st.auto_reason = "auto: window, no head split (" + st.cost_head.why_not + ")";
+            st.error = err_window;
+        }
+        if (head) {
+            st.min_target_mib = 0;
+            for (auto & d : st.devs) {
+                d.min_target_mib  = std::min(d.min_target_mib, d.min_target_mib_head);
+                st.min_target_mib = std::max(st.min_target_mib, d.min_target_mib);
+            }
+        } else {
+            llama_rkv_heads_whole(st);
         }
     }
 
-    st.chosen       = LLAMA_KV_RESIDENCY_WINDOW;
-    st.eligible     = true;
-    st.window_cells = wc;
-    st.tail_cells   = st.kv_size - wc;
-    st.type_k_tail  = req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : req.type_k_tail;
-    st.type_v_tail  = req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : req.type_v_tail;
+    if (!in.quiet) {
+        llama_rkv_log_budget(st);
+    }
+    if (!st.error.empty()) {
+        return llama_rkv_resident(st, st.error);
+    }
+    if (fits) {
+        size_t kv = 0;
+        for (const auto & d : st.devs) {
+            kv += d.kv_resident;
+        }
+        char buf[160];
+        snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
+                target > 0 ? "vram_target" : "free VRAM");
+        return llama_rkv_resident(st, buf);
+    }
+
+    if (head) {
+        llama_rkv_choose_head(st, std::string("auto: the most KV heads per layer that fit the ") +
+                (target > 0 ? "vram_target" : "free VRAM") + " budget");
+        llama_rkv_finish_split(st, in);
+        return 0;
+    }
 
     char buf[256];
-    if (explicit_wc) {
-        snprintf(buf, sizeof(buf), "%s: explicit window of %u cells", llama_rkv_mode_name(req.mode), wc);
-    } else {
-        snprintf(buf, sizeof(buf), "%s: window of %u cells, the largest multiple of %u that fits the %s budget",
-                llama_rkv_mode_name(req.mode), wc, LLAMA_RKV_WINDOW_ALIGN, target > 0 ? "vram_target" : "free VRAM");
-    }
-    st.reason = buf;
-
-    // the link model: only a split needs the device's memory bandwidth
-    if (!st.devs.empty() && in.measure) {
-        st.mem_bw_gbps = in.measure(&st.mem_bw_source);
-    }
-    llama_rkv_plan_estimate(st);
-    llama_rkv_plan_tail_cpu(st, in);
-
-    if (!in.quiet && !st.devs.empty()) {
-        LLAMA_LOG_INFO("%s: rolling KV: device memory bandwidth %.1f GB/s (%s); link %.2f GB/s (%s)\n", __func__,
-                st.mem_bw_gbps, st.mem_bw_source.c_str(), st.link_bw_gbps, st.link_bw_source.c_str());
-        if (st.t_token_ms >= 0.0) {
-            LLAMA_LOG_INFO("%s: rolling KV: expected %.2f ms/token at full context = %.2f ms resident (%.0f MiB at %.1f GB/s) "
-                    "+ %.2f ms tail (%.0f MiB at %.2f GB/s)\n", __func__, st.t_token_ms,
-                    st.t_resident_ms, st.est_device_bytes/LLAMA_RKV_MIB, st.mem_bw_gbps,
-                    st.t_tail_ms, st.est_tail_bytes/LLAMA_RKV_MIB, st.link_bw_gbps);
-        } else {
-            LLAMA_LOG_INFO("%s: rolling KV: no ms/token estimate (%s)\n", __func__,
-                    st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : st.link_bw_source.c_str());
-        }
-        LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac, st.tail_cpu_reason.c_str(),
-                st.t_token_hybrid_ms >= 0.0 ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
-    }
-
+    snprintf(buf, sizeof(buf), "%s: window of %u cells, the largest multiple of %u that fits the %s budget",
+            llama_rkv_mode_name(req.mode), wc, LLAMA_RKV_WINDOW_ALIGN, target > 0 ? "vram_target" : "free VRAM");
+    llama_rkv_choose_window(st, wc, buf);
+    llama_rkv_finish_split(st, in);
     return wc;
 }
 
 uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     const uint32_t wc = llama_rkv_decide_impl(st, in);
-    if (wc == 0) {
+    if (!llama_rkv_is_split(st)) {
         // a resident plan still reports the link it would have planned with
         llama_rkv_plan_estimate(st);
     }
@@ -766,7 +1163,17 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
         in.refuse = "flash attention is off (transposed V cache): the split needs flash attention";
     }
 
-    const bool needs_devices = req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_WINDOW;
+    // the head split: every layer, and why it cannot split by head
+    st.head_layers = desc.head_layers;
+    st.head_refuse = desc.refuse_head ? desc.refuse_head : "";
+    for (auto & hl : st.head_layers) {
+        hl.dev = -1;
+        hl.device_heads = hl.n_head_kv;
+    }
+
+    const bool needs_devices = req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_WINDOW ||
+                               req.mode == LLAMA_KV_RESIDENCY_HEAD;
+    const bool may_head = (req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_HEAD) && st.head_refuse.empty();
 
     if (needs_devices && !in.refuse) {
         const ggml_type type_k_tail = req.type_k_tail == GGML_TYPE_COUNT ? desc.type_k : req.type_k_tail;
@@ -806,6 +1213,29 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
                         ggml_type_name(desc.type_v), ggml_type_name(type_v_tail));
                 in.op_unsupported = buf;
                 break;
+            }
+        }
+        for (const auto * g : groups) {
+            if (may_head && !in.host_memory && !llama_rkv_dev_supports_split(g->dev, *g, desc.n_stream, st.n_ubatch,
+                        desc.type_k, desc.type_v, type_k_tail, type_v_tail, true)) {
+                char buf[256];
+                snprintf(buf, sizeof(buf), "the %s backend cannot run the head split's streaming flash-attention op for K %s, V %s (host heads)",
+                        ggml_backend_dev_name(g->dev), ggml_type_name(type_k_tail), ggml_type_name(type_v_tail));
+                in.head_op_unsupported = buf;
+                break;
+            }
+        }
+
+        // the head split's layers on the budgeted devices (st.devs is filled in the order of groups)
+        for (size_t ig = 0; ig < groups.size(); ++ig) {
+            const int32_t gi = (int32_t) (groups[ig] - desc.groups.data());
+            for (size_t il = 0; il < st.head_layers.size(); ++il) {
+                if (desc.head_layers[il].dev == gi) {
+                    st.head_layers[il].dev = (int32_t) ig;
+                    if (in.host_memory) {
+                        st.head_layers[il].conv_head_bytes = 0;
+                    }
+                }
             }
         }
 

@@ -26,6 +26,23 @@
 // with mem_bw measured at plan time (a 256 MiB copy inside the device through ggml-backend) and link_bw the
 // request's pcie_bw_gbps (from `rollingkv probe pcie`).
 //
+// The head split (head mode, llama_rkv_plan_heads): KV heads [0, h_l) of layer l on the device for every cell, heads
+// [h_l, n_head_kv) in pinned host memory at the tail types. With a budget: every layer first gets one device head (a
+// budget that does not hold that is refused with the head split's minimum), then heads are added one at a time to the
+// layer with the fewest while they fit; all heads on the device is the resident cache. An explicit device_heads N:
+// h_l = min(N, n_head_kv of l). Not for ALiBi (its slopes depend on the head index and count), layers with one KV head
+// (MQA), or head sizes that are not a multiple of a cache type's block size.
+//
+// auto between window and head (llama_rkv_choose): for the same budget both keep about the same bytes on the device and
+// move the rest per token, but the window streams max(0, n_kv - wc) cells of every head and nothing while a sequence
+// fits its window, and the head split streams its host heads of all n_kv cells from the first token on. The two tie at
+// full context apart from each tactic's granularity (a 256-cell window step, one head of one layer); at any shorter
+// n_kv the window streams less. auto compares the link model below at full context (the plan's t_token; bytes when a
+// bandwidth is unknown) and averaged over a sequence that grows to full context (the window: mean max(0, n - wc) cells,
+// the head split: half its host heads' cells), and takes head only when it is more than 3 % cheaper on both (and
+// window wherever head cannot split; head where no window fits and the head split does), so in practice it takes the
+// window.
+//
 // The hybrid tail (llama_rkv_plan_tail_cpu): a GPU may attend a share f of every split layer's tail (its far end)
 // on the CPU while it streams the rest. The streamed part's copies run ahead across layers, overlapping everything;
 // the CPU part of a layer can only start once the layer's Q exists and the layer's merge waits for it, so it adds
@@ -73,6 +90,32 @@ struct llama_rkv_layer_plan {
     size_t   device_bytes; // bytes of this layer's K/V in the device (or the layer's) buffer
     size_t   host_bytes;   // bytes of this layer's K/V tail in host memory
     bool     split;
+    uint32_t n_head_kv    = 0; // the layer's KV heads
+    uint32_t device_heads = 0; // of them on the device (n_head_kv unless head-split)
+};
+
+// one KV layer of the planning cache as the head split sees it: the inputs, then the plan
+struct llama_rkv_head_layer {
+    int32_t  il                = 0;
+    int32_t  dev               = -1; // index in st.devs of the budget that holds it; -1: none (the layer stays whole)
+    uint32_t n_head_kv         = 0;
+    size_t   head_bytes_window = 0;  // K+V bytes of one KV head for one cell and stream, at the device (window) types
+    size_t   head_bytes_tail   = 0;  // the same at the tail types
+    size_t   conv_head_bytes   = 0;  // f16 copy of one head's K/V per cell and stream that CUDA flash attention makes of
+                                     // non-f16 K/V (GPU devices only; see llama_rkv_dev_budget::conv_cell_bytes)
+    uint32_t device_heads      = 0;  // outcome: KV heads on the device (n_head_kv: not split)
+};
+
+// one tactic's cost for auto (llama_rkv_choose), at full context
+struct llama_rkv_tactic_cost {
+    bool        valid             = false;
+    std::string why_not;                 // why the tactic is not a candidate
+    double      device_bytes      = 0.0; // read from device memory per token (weights + other KV + the device's KV)
+    double      tail_bytes        = 0.0; // streamed per token at full context
+    double      device_bytes_mean = 0.0; // the same averaged over a sequence that grows from 0 to full context
+    double      tail_bytes_mean   = 0.0;
+    double      t_token_ms        = -1.0; // the link model at full context (< 0: a bandwidth is unknown)
+    double      t_token_mean_ms   = -1.0; // and averaged over the sequence
 };
 
 // one device whose memory the planner budgets: the inputs, then what the planner made of them
@@ -102,6 +145,8 @@ struct llama_rkv_dev_budget {
     size_t   cell_bytes       = 0;     // device bytes per window cell, all streams
     uint32_t fit_cells        = 0;     // largest window (cells per stream) the budget holds, before alignment
     int64_t  min_target_mib   = 0;     // the smallest vram_target that gives a plan on this device
+    size_t   head_kv_bytes    = 0;     // the head split: device bytes of its KV (+ flash-attention conversion)
+    int64_t  min_target_mib_head = 0;  // the smallest vram_target for a head split (one KV head of every layer)
 };
 
 struct llama_rkv_state {
@@ -170,8 +215,28 @@ struct llama_rkv_state {
     std::string cpu_attn_source  = "none";
     double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
 
+    // the head split (head mode; auto compares it with the window)
+    std::vector<llama_rkv_head_layer> head_layers; // every KV layer of the planning cache, in order
+    std::string head_refuse;   // why this cache cannot split by head ("": it can)
+    bool        heads_explicit = false; // device_heads came from the request
+    llama_rkv_tactic_cost cost_window; // auto's comparison (valid: the tactic was a candidate)
+    llama_rkv_tactic_cost cost_head;
+    bool        auto_compared  = false;
+    std::string auto_reason;
+
     std::vector<llama_rkv_layer_plan> layers;
 };
+
+// whether the plan splits the cache (window or head)
+inline bool llama_rkv_is_split(const llama_rkv_state & st) {
+    return st.chosen == LLAMA_KV_RESIDENCY_WINDOW || st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+}
+
+// KV heads of layer il on the device in a head split (0: not head-split or not a layer of the plan)
+uint32_t llama_rkv_device_heads(const llama_rkv_state & st, int32_t il);
+
+// "2 of 3 KV heads on the device in 30 layers" (a head split), "" otherwise
+std::string llama_rkv_heads_summary(const llama_rkv_state & st);
 
 // layers of the planning cache on one device (dev nullptr: host memory, KV offload off)
 struct llama_rkv_layer_group {
@@ -208,6 +273,9 @@ struct llama_rkv_cache_desc {
     size_t    row_bytes_tail;   // the same at the tail types
     // the same layers grouped by device, in order of first appearance
     std::vector<llama_rkv_layer_group> groups;
+    // the head split: every layer (dev: its index in groups) and why this cache cannot split by head (nullptr: it can)
+    std::vector<llama_rkv_head_layer> head_layers;
+    const char * refuse_head = nullptr;
 };
 
 // A hybrid model's memory (llama_memory_hybrid) builds its attention cache, which may split, before its recurrent
@@ -228,8 +296,12 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
 // st.min_target_mib.
 uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
 
-// the link model of a split plan from st.devs, st.window_cells/tail_cells, st.mem_bw_gbps and the request's
-// pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
+// the head split on the budget of st.devs (llama_rkv_plan_budget ran): fills st.head_layers[].device_heads and the devices'
+// head_kv_bytes/min_target_mib_head; false (st.error set) when one KV head of every layer does not fit
+bool llama_rkv_plan_heads(llama_rkv_state & st);
+
+// the link model of a split plan from st.devs, st.window_cells/tail_cells (window) or st.head_layers (head),
+// st.mem_bw_gbps and the request's pcie_bw_gbps (host-memory devices: the tail is read at mem_bw); fills est_* and t_*
 void llama_rkv_plan_estimate(llama_rkv_state & st);
 
 struct llama_rkv_decide_in;
@@ -261,9 +333,10 @@ size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_sta
         bool has_output, std::string * note);
 
 // whether dev runs GGML_OP_STREAMING_FLASH_ATTN for this layer shape and these types (the scheduler would
-// otherwise run it on the CPU, copying the window to the host every step)
+// otherwise run it on the CPU, copying the window to the host every step); head: the head split's op (an empty window,
+// a tail of n_head_kv - 1 heads of every cell)
 bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
-        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail);
+        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool head = false);
 
 // device memory bandwidth in GB/s (10^9 B/s, bytes read + written) from timed copies inside dev (host memory
 // for a CPU device) through ggml-backend; once per device and process; < 0 when it could not be measured
@@ -274,6 +347,7 @@ double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how);
 struct llama_rkv_decide_in {
     const char * refuse = nullptr;  // why this cache cannot split (not eligible), nullptr: eligible
     std::string  op_unsupported;    // a device that cannot run the streaming op, why ("": all can)
+    std::string  head_op_unsupported; // the same for the head split's streaming op (an empty window, the host heads)
     std::string  no_device;         // why no device could be budgeted (st.devs empty)
     bool         host_memory = false; // st.devs are host memory (a run without GPU)
     bool         quiet       = false; // no logs

@@ -3,9 +3,12 @@
 
 #include "ggml.h"
 
+#include <functional>
+
 // attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the
 // window views k/v and the tail views k_tail/v_tail, with GGML_OP_STREAMING_FLASH_ATTN (ggml-rolling-kv.h).
-// q: [DK, n_head, n_tokens]; k/v/k_tail/v_tail: 4D views [D, n_head_kv, n_kv_part, n_stream] (get_k layout)
+// q: [DK, n_head, n_tokens]; k/v/k_tail/v_tail: 4D views [D, n_head_kv, n_kv_part, n_stream] (get_k layout); k and v may
+// be nullptr (no window: the tail alone, as a head split's host heads)
 // returns [DV*n_head, n_tokens]
 ggml_tensor * llama_rkv_build_attn_mha(
         ggml_context * ctx,
@@ -20,3 +23,26 @@ ggml_tensor * llama_rkv_build_attn_mha(
                float   max_alibi_bias,
                float   logit_softcap,
                float   tail_cpu_frac); // the share of the tail attended on the CPU (the hybrid tail), 0: none
+
+// upstream's attention (build_attn_mha) over the device's KV heads of a head split, for the query heads q (a view of
+// the first ones) and their sinks (a view, or nullptr): [DV*n_head_q, n_tokens]
+using llama_rkv_attn_fn = std::function<ggml_tensor * (ggml_tensor * q, ggml_tensor * sinks)>;
+
+// attention over a layer split by KV head: the device's first n_head_kv_dev KV heads through attn_dev with the query heads
+// that follow them (GQA groups are never split), the host's heads k_tail/v_tail (every cell: [D, n_head_kv_host, n_kv,
+// n_stream]) through GGML_OP_STREAMING_FLASH_ATTN with an empty window, the outputs concatenated by head (device heads
+// first, as the rows of the unsplit layer). q: [DK, n_head, n_tokens]; sinks: [n_head] or nullptr; max_alibi_bias must be 0
+// (a head's ALiBi slope depends on its index and the head count). Returns [DV*n_head, n_tokens].
+ggml_tensor * llama_rkv_build_attn_heads(
+        ggml_context * ctx,
+         ggml_tensor * q,
+             int64_t   n_head_kv_dev,
+         ggml_tensor * k_tail,
+         ggml_tensor * v_tail,
+         ggml_tensor * kq_mask,
+         ggml_tensor * sinks,
+               float   kq_scale,
+               float   max_alibi_bias,
+               float   logit_softcap,
+               float   tail_cpu_frac,
+    const llama_rkv_attn_fn & attn_dev);

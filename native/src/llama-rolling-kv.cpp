@@ -84,6 +84,9 @@ static const char * llama_rkv_chosen_name(const llama_rkv_state * st) {
     if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
         return "window";
     }
+    if (st->chosen == LLAMA_KV_RESIDENCY_HEAD) {
+        return "head";
+    }
     // "off" only for the upstream cache the request asked for; anything else kept whole on the device is resident
     return st->req.mode == LLAMA_KV_RESIDENCY_OFF ? "off" : "resident";
 }
@@ -101,7 +104,7 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     // the flat keys first: llama-bench reads mode_chosen, window_cells and tail_cells by their first occurrence
     res += "\"mode_requested\":" + llama_rkv_json_str(llama_kv_residency_mode_name(st->req.mode));
     res += ",\"mode_chosen\":"   + llama_rkv_json_str(llama_rkv_chosen_name(st));
-    res += std::string(",\"split\":") + (st->window_cells > 0 ? "true" : "false");
+    res += std::string(",\"split\":") + (llama_rkv_is_split(*st) ? "true" : "false");
     res += ",\"reason\":"        + llama_rkv_json_str(st->reason);
     res += std::string(",\"eligible\":") + (st->eligible ? "true" : "false");
     res += ",\"error\":" + (st->error.empty() ? std::string("null") : llama_rkv_json_str(st->error));
@@ -119,6 +122,46 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
     res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
+
+    // the head split: the request, whether this cache can split by head, and per layer what it keeps on the device
+    {
+        uint32_t h_dev = 0, h_host = 0;
+        for (const auto & hl : st->head_layers) {
+            h_dev  += hl.device_heads;
+            h_host += hl.n_head_kv - hl.device_heads;
+        }
+        const bool head = st->chosen == LLAMA_KV_RESIDENCY_HEAD;
+        res += ",\"heads\":{\"requested\":" + (st->req.device_heads > 0 ? std::to_string(st->req.device_heads) : std::string("null"));
+        res += std::string(",\"eligible\":") + (st->head_refuse.empty() ? "true" : "false");
+        res += ",\"refuse\":" + (st->head_refuse.empty() ? std::string("null") : llama_rkv_json_str(st->head_refuse));
+        res += std::string(",\"split\":") + (head ? "true" : "false");
+        res += ",\"device\":" + std::to_string(head ? h_dev : 0) + ",\"host\":" + std::to_string(head ? h_host : 0);
+        res += ",\"summary\":" + llama_rkv_json_str(llama_rkv_heads_summary(*st));
+        res += ",\"per_layer\":[";
+        for (size_t i = 0; head && i < st->head_layers.size(); ++i) {
+            res += (i > 0 ? "," : "") + std::to_string(st->head_layers[i].device_heads);
+        }
+        res += "]}";
+    }
+
+    // auto's comparison of the two splits (null when auto did not compare them)
+    if (!st->auto_compared) {
+        res += ",\"auto\":null";
+    } else {
+        auto tactic = [](const llama_rkv_tactic_cost & c) {
+            std::string r = std::string("{\"candidate\":") + (c.valid ? "true" : "false");
+            r += ",\"why_not\":" + (c.valid ? std::string("null") : llama_rkv_json_str(c.why_not));
+            r += ",\"device_bytes_per_token\":" + llama_rkv_json_num(c.valid ? c.device_bytes : -1.0);
+            r += ",\"tail_bytes_per_token\":" + llama_rkv_json_num(c.valid ? c.tail_bytes : -1.0);
+            r += ",\"ms_per_token\":" + llama_rkv_json_num(c.valid ? c.t_token_ms : -1.0);
+            r += ",\"device_bytes_per_token_mean\":" + llama_rkv_json_num(c.valid ? c.device_bytes_mean : -1.0);
+            r += ",\"tail_bytes_per_token_mean\":" + llama_rkv_json_num(c.valid ? c.tail_bytes_mean : -1.0);
+            r += ",\"ms_per_token_mean\":" + llama_rkv_json_num(c.valid ? c.t_token_mean_ms : -1.0) + "}";
+            return r;
+        };
+        res += ",\"auto\":{\"window\":" + tactic(st->cost_window) + ",\"head\":" + tactic(st->cost_head);
+        res += ",\"reason\":" + llama_rkv_json_str(st->auto_reason) + "}";
+    }
 
     res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
     res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
@@ -170,8 +213,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"link_bw_gbps\":" + llama_rkv_json_num(st->link_bw_gbps);
     res += ",\"link_bw_source\":" + llama_rkv_json_str(st->link_bw_source) + "}";
 
-    res += ",\"estimate\":{\"device_bytes_per_token\":" + llama_rkv_json_num(st->window_cells ? st->est_device_bytes : -1.0);
-    res += ",\"tail_bytes_per_token\":" + llama_rkv_json_num(st->window_cells ? st->est_tail_bytes : -1.0);
+    const bool split = llama_rkv_is_split(*st);
+    res += ",\"estimate\":{\"device_bytes_per_token\":" + llama_rkv_json_num(split ? st->est_device_bytes : -1.0);
+    res += ",\"tail_bytes_per_token\":" + llama_rkv_json_num(split ? st->est_tail_bytes : -1.0);
     res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->t_resident_ms);
     res += ",\"t_tail_ms\":" + llama_rkv_json_num(st->t_tail_ms);
     res += ",\"ms_per_token\":" + llama_rkv_json_num(st->t_token_ms);
@@ -184,8 +228,10 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     for (size_t i = 0; i < st->layers.size(); ++i) {
         const auto & l = st->layers[i];
         snprintf(buf, sizeof(buf),
-                "%s{\"il\":%d,\"window_cells\":%u,\"tail_cells\":%u,\"device_bytes\":%zu,\"host_bytes\":%zu,\"split\":%s}",
-                i > 0 ? "," : "", l.il, l.window_cells, l.tail_cells, l.device_bytes, l.host_bytes, l.split ? "true" : "false");
+                "%s{\"il\":%d,\"window_cells\":%u,\"tail_cells\":%u,\"device_bytes\":%zu,\"host_bytes\":%zu,\"split\":%s"
+                ",\"n_head_kv\":%u,\"device_heads\":%u,\"host_heads\":%u}",
+                i > 0 ? "," : "", l.il, l.window_cells, l.tail_cells, l.device_bytes, l.host_bytes, l.split ? "true" : "false",
+                l.n_head_kv, l.device_heads, l.n_head_kv - l.device_heads);
         res += buf;
         dev_total  += l.device_bytes;
         host_total += l.host_bytes;
@@ -227,6 +273,7 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     res.pcie_bw_gbps    = 0.0f;
     res.tail_cpu_frac   = -1.0f; // auto: the planner puts a share on the CPU where its model says it pays (docs/perf)
     res.cpu_attn_gbps   = 0.0f;
+    res.device_heads    = 0;
     return res;
 }
 
@@ -277,15 +324,28 @@ struct llama_context * llama_init_from_model_rolling_kv(
         case LLAMA_KV_RESIDENCY_OFF:
         case LLAMA_KV_RESIDENCY_AUTO:
         case LLAMA_KV_RESIDENCY_WINDOW:
-            break;
         case LLAMA_KV_RESIDENCY_HEAD:
-            return llama_rkv_fail(__func__, "kv residency mode 'head' is not implemented yet; use window or auto");
+            break;
         default:
             return llama_rkv_fail(__func__, "invalid kv residency mode %d", (int) req.mode);
     }
 
     if (req.window_cells < 0) {
         return llama_rkv_fail(__func__, "window_cells must be >= 0 (got %" PRId64 ")", req.window_cells);
+    }
+    if (req.device_heads < 0) {
+        return llama_rkv_fail(__func__, "device_heads must be >= 0 (got %d)", req.device_heads);
+    }
+    if (req.device_heads > 0 && (req.mode == LLAMA_KV_RESIDENCY_WINDOW || req.mode == LLAMA_KV_RESIDENCY_OFF)) {
+        return llama_rkv_fail(__func__, "device_heads (%d) sets a head split: it needs mode head or auto, not %s",
+                req.device_heads, llama_kv_residency_mode_name(req.mode));
+    }
+    if (req.window_cells > 0 && req.mode == LLAMA_KV_RESIDENCY_HEAD) {
+        return llama_rkv_fail(__func__, "window_cells (%" PRId64 ") sets a window: it needs mode window or auto, not head",
+                req.window_cells);
+    }
+    if (req.window_cells > 0 && req.device_heads > 0) {
+        return llama_rkv_fail(__func__, "window_cells and device_heads exclude each other (a window split or a head split)");
     }
     if (!(req.tail_cpu_frac <= 1.0f) || std::isnan(req.tail_cpu_frac)) {
         return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)", (double) req.tail_cpu_frac);
@@ -377,7 +437,7 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
     *info = {};
     info->mode_requested = st ? st->req.mode : LLAMA_KV_RESIDENCY_OFF;
     info->mode_chosen    = st ? llama_rkv_chosen_name(st) : "off";
-    info->split          = st && st->window_cells > 0;
+    info->split          = st && llama_rkv_is_split(*st);
     info->kv_size        = st ? st->kv_size  : 0;
     info->n_stream       = st ? st->n_stream : 0;
     info->window_cells   = st ? st->window_cells : 0;
@@ -389,6 +449,12 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
         for (const auto & l : st->layers) {
             info->device_bytes += l.device_bytes;
             info->host_bytes   += l.host_bytes;
+        }
+        if (st->chosen == LLAMA_KV_RESIDENCY_HEAD) {
+            for (const auto & hl : st->head_layers) {
+                info->heads_device += hl.device_heads;
+                info->heads_host   += hl.n_head_kv - hl.device_heads;
+            }
         }
     }
     return true;

@@ -39,8 +39,15 @@
 // --exact: compute the double-precision reference for every case and fail a case where ggml_flash_attn_ext
 // itself is farther than 1e-4 NMSE from it (a self-check of that reference: scale, softcap, ALiBi, sinks, masks).
 //
+// --heads: the head split's case set instead (llama_rkv_build_attn_heads, src/llama-rolling-kv-graph.cpp, built here from the
+// same ops): a layer's KV heads [0, h) attended by ggml_flash_attn_ext on a view of their query heads, the others by the
+// streaming op with an EMPTY window (their whole cache is "tail"), the two outputs concatenated by head, against
+// ggml_flash_attn_ext over all heads. Same types: on the CPU bit-identical; two types (device heads at one, host heads at
+// another): each head bit-identical to ggml_flash_attn_ext over all heads at that head's type. Other backends: NMSE within
+// 5e-7 (5e-5 for two types). With --expect-perturbed every case with a host head whose keys are not all masked must fail.
+//
 // usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact]
-//                            [--expect-perturbed]
+//                            [--expect-perturbed] [--heads]
 // --tail-cpu-frac F: every op leaves that share of its tail to the CPU (the hybrid tail; a GPU backend with --tail-host
 // attends it on the host for decode-sized cases, everything else ignores it): same reference, same bounds.
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
@@ -859,10 +866,250 @@ static std::vector<test_case> make_cases(bool quick) {
     return cases;
 }
 
+//
+// --heads: the head split
+//
+
+struct head_case {
+    int64_t   D, n_head_kv, gqa, h_dev; // KV heads [0, h_dev) on the "device", the rest streamed
+    int64_t   n_kv, n_q, ne3;
+    ggml_type tkd, tvd;                 // device heads' K/V types
+    ggml_type tkh, tvh;                 // host heads' K/V types
+    mask_mode mask;
+    bool      sinks;
+    float     softcap;
+
+    bool mixed() const { return tkd != tkh || tvd != tvh; }
+};
+
+static std::string head_case_str(const head_case & c) {
+    char buf[512];
+    snprintf(buf, sizeof(buf), "heads D=%3lld hkv=%lld gqa=%lld h_dev=%lld n_kv=%4lld n_q=%3lld K=%s/%s V=%s/%s mask=%s%s%s%s",
+        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.h_dev, (long long) c.n_kv, (long long) c.n_q,
+        ggml_type_name(c.tkd), ggml_type_name(c.tkh), ggml_type_name(c.tvd), ggml_type_name(c.tvh), mask_name(c.mask),
+        c.sinks ? " sinks" : "", c.softcap != 0.0f ? " softcap" : "", c.ne3 > 1 ? " ne3=2" : "");
+    return buf;
+}
+
+// the heads [h0, h1) of host data
+static kv_host heads_of(kv_host & x, int64_t h0, int64_t h1) {
+    kv_host r{x.D, x.n_kv, h1 - h0, x.ne3, {}};
+    r.x.resize(r.D*r.n_kv*r.nh*r.ne3);
+    for (int64_t i3 = 0; i3 < x.ne3; ++i3)
+    for (int64_t h = h0; h < h1; ++h)
+    for (int64_t cc = 0; cc < x.n_kv; ++cc)
+    for (int64_t d = 0; d < x.D; ++d) {
+        r.at(i3, h - h0, cc, d) = x.at(i3, h, cc, d);
+    }
+    return r;
+}
+
+static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case & c, std::mt19937 & rng, double * out_nmse, double * out_thr) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+
+    const int64_t D = c.D, n_kv = c.n_kv, nhkv = c.n_head_kv, n_head = nhkv*c.gqa, ne3 = c.ne3, n_q = c.n_q;
+    const int64_t n_q_pad = c.mask == MASK_NONE ? n_q : n_q + 3;
+    const int64_t hq = c.h_dev*c.gqa; // query heads of the device's KV heads
+
+    kv_host hk{D, n_kv, nhkv, ne3, {}}, hv{D, n_kv, nhkv, ne3, {}};
+    hk.x.resize(D*n_kv*nhkv*ne3);
+    hv.x.resize(D*n_kv*nhkv*ne3);
+    for (auto & x : hk.x) x = u(rng);
+    for (auto & x : hv.x) x = u(rng);
+    std::vector<float> hq_data(D*n_head*n_q*ne3);
+    for (auto & x : hq_data) x = u(rng);
+    std::vector<float> hs(n_head);
+    for (auto & x : hs) x = 10.0f*u(rng);
+
+    // mask [n_kv, n_q_pad, 1, 1]: causal over the last n_q cells, holes, fully masked rows (MASK_ROWS)
+    std::vector<ggml_fp16_t> hm;
+    g_tail_live = false;
+    if (c.mask != MASK_NONE) {
+        hm.resize(n_kv*n_q_pad);
+        for (int64_t i = 0; i < n_q_pad; ++i) {
+            for (int64_t j = 0; j < n_kv; ++j) {
+                float v = (j % 7) == 3 ? 0.5f*(u(rng) - 1.0f) : 0.0f;
+                bool masked = i >= n_q || j > n_kv - n_q + i;
+                if (c.mask >= MASK_HOLES && j >= n_kv/3 && j < n_kv/3 + 40) masked = true;
+                if (c.mask == MASK_ROWS && i % 4 == 1) masked = true;
+                hm[i*n_kv + j] = ggml_fp32_to_fp16(masked ? -INFINITY : v);
+                g_tail_live = g_tail_live || (i < n_q && !masked);
+            }
+        }
+    } else {
+        g_tail_live = true;
+    }
+    g_tail_live = g_tail_live && c.h_dev < nhkv;
+
+    const size_t ctx_size = 128*ggml_tensor_overhead() + ggml_graph_overhead();
+    ggml_init_params ip = { ctx_size, nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    // Q as llama holds it: [D, n_head, n_q, ne3]
+    ggml_tensor * q_storage = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_head, n_q, ne3);
+    ggml_tensor * m  = c.mask != MASK_NONE ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_q_pad, 1, 1) : nullptr;
+    ggml_tensor * sk = c.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : nullptr;
+
+    auto q_heads = [&](int64_t h0, int64_t h1) {
+        ggml_tensor * v = ggml_view_4d(ctx, q_storage, D, h1 - h0, n_q, ne3, q_storage->nb[1], q_storage->nb[2], q_storage->nb[3],
+                h0*q_storage->nb[1]);
+        return ggml_permute(ctx, v, 0, 2, 1, 3);
+    };
+    const float scale = 1.0f/sqrtf((float) D);
+
+    std::vector<kv_dev> kvs;
+    // the references: every head at the device types (and at the host types when they differ)
+    kvs.push_back(make_kv(ctx, c.tkd, hk, 0, n_kv, true, 3));
+    kvs.push_back(make_kv(ctx, c.tvd, hv, 0, n_kv, true, 3));
+    ggml_tensor * ref_d = ggml_flash_attn_ext(ctx, q_heads(0, n_head), kvs[0].view, kvs[1].view, m, scale, 0.0f, c.softcap);
+    ggml_flash_attn_ext_add_sinks(ref_d, sk);
+    ggml_prec_set_acc(ref_d, GGML_PREC_F32);
+    ggml_tensor * ref_h = ref_d;
+    if (c.mixed()) {
+        kvs.push_back(make_kv(ctx, c.tkh, hk, 0, n_kv, true, 3));
+        kvs.push_back(make_kv(ctx, c.tvh, hv, 0, n_kv, true, 3));
+        ref_h = ggml_flash_attn_ext(ctx, q_heads(0, n_head), kvs[2].view, kvs[3].view, m, scale, 0.0f, c.softcap);
+        ggml_flash_attn_ext_add_sinks(ref_h, sk);
+        ggml_prec_set_acc(ref_h, GGML_PREC_F32);
+    }
+
+    // the split: the device's heads in tensors of their own, the host's in others (each [D*heads, cells] rows, as the cache)
+    kv_host hk_d = heads_of(hk, 0, c.h_dev), hv_d = heads_of(hv, 0, c.h_dev);
+    kv_host hk_h = heads_of(hk, c.h_dev, nhkv), hv_h = heads_of(hv, c.h_dev, nhkv);
+    const size_t i_d = kvs.size();
+    kvs.push_back(make_kv(ctx, c.tkd, hk_d, 0, n_kv, true, 0));
+    kvs.push_back(make_kv(ctx, c.tvd, hv_d, 0, n_kv, true, 0));
+    kvs.push_back(make_kv(ctx, c.tkh, hk_h, 0, n_kv, true, 0));
+    kvs.push_back(make_kv(ctx, c.tvh, hv_h, 0, n_kv, true, 0));
+
+    ggml_tensor * a = ggml_flash_attn_ext(ctx, q_heads(0, hq), kvs[i_d].view, kvs[i_d + 1].view, m, scale, 0.0f, c.softcap);
+    ggml_flash_attn_ext_add_sinks(a, sk ? ggml_view_1d(ctx, sk, hq, 0) : nullptr);
+    ggml_prec_set_acc(a, GGML_PREC_F32);
+    ggml_tensor * b = ggml_streaming_flash_attn(ctx, q_heads(hq, n_head), nullptr, nullptr, kvs[i_d + 2].view, kvs[i_d + 3].view,
+            m, scale, 0.0f, c.softcap);
+    ggml_streaming_flash_attn_add_sinks(b, sk ? ggml_view_1d(ctx, sk, n_head - hq, hq*sk->nb[0]) : nullptr);
+    ggml_streaming_flash_attn_set_prec(b, GGML_PREC_F32);
+    ggml_streaming_flash_attn_set_tail_cpu_frac(b, g_tail_cpu_frac);
+
+    // as llama_rkv_build_attn_heads: [DV*heads, n_q*ne3] each, concatenated by head
+    ggml_tensor * out = ggml_concat(ctx, ggml_reshape_2d(ctx, a, D*hq, n_q*ne3), ggml_reshape_2d(ctx, b, D*(n_head - hq), n_q*ne3), 0);
+
+    if (!ggml_backend_supports_op(backend, b) || !ggml_backend_supports_op(backend, a) || !ggml_backend_supports_op(backend, ref_d) ||
+            !ggml_backend_supports_op(backend, ref_h)) {
+        ggml_free(ctx);
+        return RES_SKIP;
+    }
+
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    ggml_build_forward_expand(gf, ref_d);
+    ggml_build_forward_expand(gf, ref_h);
+
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    GGML_ASSERT(buf);
+    ggml_backend_tensor_set(q_storage, hq_data.data(), 0, ggml_nbytes(q_storage));
+    if (m)  ggml_backend_tensor_set(m, hm.data(), 0, ggml_nbytes(m));
+    if (sk) ggml_backend_tensor_set(sk, hs.data(), 0, ggml_nbytes(sk));
+    for (auto & kv : kvs) {
+        ggml_backend_tensor_set(kv.storage, kv.bytes.data(), 0, kv.bytes.size());
+    }
+    GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+
+    std::vector<float> ho(ggml_nelements(out)), hd(ggml_nelements(ref_d)), hh(ggml_nelements(ref_h));
+    ggml_backend_tensor_get(out, ho.data(), 0, ggml_nbytes(out));
+    ggml_backend_tensor_get(ref_d, hd.data(), 0, ggml_nbytes(ref_d));
+    ggml_backend_tensor_get(ref_h, hh.data(), 0, ggml_nbytes(ref_h));
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+
+    // the expected output: each head from the reference at its part's types ([D, n_head, n_q, ne3], as out's rows)
+    std::vector<float> ex(ho.size());
+    for (int64_t r = 0; r < n_q*ne3; ++r) {
+        for (int64_t h = 0; h < n_head; ++h) {
+            const size_t e0 = (size_t) ((r*n_head + h)*D);
+            memcpy(&ex[e0], (h < hq ? hd.data() : hh.data()) + e0, D*sizeof(float));
+        }
+    }
+
+    size_t n_nonfinite = 0, n_diff = 0;
+    for (size_t i = 0; i < ho.size(); ++i) {
+        n_nonfinite += !std::isfinite(ho[i]);
+        n_diff += memcmp(&ho[i], &ex[i], sizeof(float)) != 0;
+    }
+    const double err = nmse(ho.data(), ex.data(), ho.size());
+    const double thr = c.mixed() ? 5e-5 : 5e-7;
+    *out_nmse = err;
+    *out_thr  = thr;
+
+    bool ok = n_nonfinite == 0 && err <= thr;
+    if (is_cpu) {
+        g_extra += n_diff == 0 ? " bitexact" : " DIFF " + std::to_string(n_diff) + "/" + std::to_string(ho.size());
+        ok = ok && n_diff == 0;
+    }
+    if (n_nonfinite) {
+        g_extra += " non-finite=" + std::to_string(n_nonfinite);
+    }
+    return ok ? RES_PASS : RES_FAIL;
+}
+
+static head_case mkh(int64_t D, int64_t hkv, int64_t gqa, int64_t h_dev, int64_t n_kv, int64_t n_q, ggml_type tk, ggml_type tv,
+                     mask_mode mm = MASK_CAUSAL, bool sinks = false, float softcap = 0.0f, ggml_type tkh = GGML_TYPE_COUNT,
+                     ggml_type tvh = GGML_TYPE_COUNT, int64_t ne3 = 1) {
+    head_case c;
+    c.D = D; c.n_head_kv = hkv; c.gqa = gqa; c.h_dev = h_dev; c.n_kv = n_kv; c.n_q = n_q; c.ne3 = ne3;
+    c.tkd = tk; c.tvd = tv;
+    c.tkh = tkh == GGML_TYPE_COUNT ? tk : tkh;
+    c.tvh = tvh == GGML_TYPE_COUNT ? tv : tvh;
+    c.mask = mm; c.sinks = sinks; c.softcap = softcap;
+    return c;
+}
+
+static std::vector<head_case> make_head_cases(bool quick) {
+    std::vector<head_case> cases;
+    const ggml_type F16 = GGML_TYPE_F16, Q8 = GGML_TYPE_Q8_0, Q4 = GGML_TYPE_Q4_0, BF16 = GGML_TYPE_BF16, F32 = GGML_TYPE_F32;
+
+    // every cut of the KV heads, GQA 1..4: decode (one-chunk below 512 cells, split-KV above), small batches, prefill
+    // batches on the tiled path (n_q >= 64, F16/F32)
+    for (int64_t hkv : { 2, 3, 4 }) {
+        for (int64_t h = 1; h < hkv; ++h) {
+            for (int64_t gqa : { 1, 3 }) {
+                if (quick && (gqa == 1) != (hkv == 2)) continue;
+                cases.push_back(mkh( 64, hkv, gqa, h,  300,   1, F16, F16, MASK_CAUSAL));
+                cases.push_back(mkh( 64, hkv, gqa, h, 1025,   1, F16, F16, MASK_HOLES, true));
+                cases.push_back(mkh( 64, hkv, gqa, h,  512,   7, F16, F16, MASK_ROWS, gqa == 3, 0.0f));
+                cases.push_back(mkh( 64, hkv, gqa, h,  512, 128, F16, F16, MASK_CAUSAL, gqa == 3));
+                if (!quick) {
+                    cases.push_back(mkh(128, hkv, gqa, h, 1024, 512, F16, F16, MASK_HOLES, false, 30.0f));
+                }
+            }
+        }
+    }
+    // the demo model's shape (SmolLM2-135M: D 64, 3 KV heads, 9 query heads) in prefill and decode, and the types
+    for (ggml_type t : { F16, Q8, Q4, BF16, F32 }) {
+        if (quick && !(t == F16 || t == Q8)) continue;
+        cases.push_back(mkh( 64, 3, 3, 2,  512, 512, t, t, MASK_CAUSAL, false));
+        cases.push_back(mkh( 64, 3, 3, 1, 2048,   1, t, t, MASK_CAUSAL, true));
+        cases.push_back(mkh(128, 4, 4, 3,  512,   7, t, t, MASK_HOLES, true, 30.0f));
+        cases.push_back(mkh( 64, 3, 3, 1,  300,   5, t, t, MASK_ROWS, false, 0.0f, t, t, 2)); // two streams
+    }
+    // no mask
+    cases.push_back(mkh(64, 2, 2, 1, 512, 3, F16, F16, MASK_NONE, true));
+    // two types: device heads at one, host heads at another (the tail types)
+    struct mix { ggml_type kd, vd, kh, vh; };
+    for (mix x : { mix{ F16, F16, Q8, Q8 }, mix{ Q8, Q8, Q4, Q4 }, mix{ F16, F16, Q4, F16 } }) {
+        for (int64_t n_q : { 1, 7, 128 }) {
+            if (quick && n_q == 7) continue;
+            cases.push_back(mkh(64, 3, 3, 1, 1025, n_q, x.kd, x.vd, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q != 1, 0.0f, x.kh, x.vh));
+        }
+    }
+    return cases;
+}
+
 int main(int argc, char ** argv) {
     std::string backend_name = "CPU";
     bool quick   = false;
     bool verbose = false;
+    bool heads   = false; // --heads: the head split's cases
     long only    = -1; // --only N: run case N alone (to isolate one case, e.g. under compute-sanitizer)
     int  n_threads = (int) std::max(1u, std::thread::hardware_concurrency());
 
@@ -890,8 +1137,10 @@ int main(int argc, char ** argv) {
             g_exact_check = true;
         } else if (a == "--expect-perturbed") {
             g_expect_perturbed = true;
+        } else if (a == "--heads") {
+            heads = true;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed] [--heads]\n", argv[0]);
             return 2;
         }
     }
@@ -934,33 +1183,41 @@ int main(int argc, char ** argv) {
     if (g_tail_cpu_frac > 0.0f) {
         snprintf(cpu_frac, sizeof(cpu_frac), ", tail CPU share %g", (double) g_tail_cpu_frac);
     }
-    printf("test-rolling-kv-ops: backend %s, %d threads, %s%s%s%s%s\n", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
+    if (heads && (g_tail_host || g_exact_check)) {
+        fprintf(stderr, "--heads runs the head split's cases on the backend alone: without --tail-host and --exact\n");
+        return 2;
+    }
+
+    printf("test-rolling-kv-ops: %sbackend %s, %d threads, %s%s%s%s%s\n", heads ? "head split, " : "", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
         is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "",
         cpu_frac, g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
 
     std::mt19937 rng(1234);
-    const auto cases = make_cases(quick);
+    const auto cases = heads ? std::vector<test_case>() : make_cases(quick);
+    const auto hcases = heads ? make_head_cases(quick) : std::vector<head_case>();
+    const size_t n_cases = heads ? hcases.size() : cases.size();
 
     int n_pass = 0, n_fail = 0, n_skip = 0;
     const auto t_start = std::chrono::steady_clock::now();
 
-    for (size_t i = 0; i < cases.size(); ++i) {
-        const auto & c = cases[i];
+    for (size_t i = 0; i < n_cases; ++i) {
         if (only >= 0 && (long) i != only) {
             continue;
         }
+        const std::string name = heads ? head_case_str(hcases[i]) : case_str(cases[i]);
         double err = 0.0, thr = 0.0;
         const auto t0 = std::chrono::steady_clock::now();
         g_extra.clear();
         const uint64_t cpu_runs = rkv_cpu_part_runs();
-        const result r = run_case(backend, is_cpu, c, rng, verbose, &err, &thr);
+        const result r = heads ? run_head_case(backend, is_cpu, hcases[i], rng, &err, &thr)
+                               : run_case(backend, is_cpu, cases[i], rng, verbose, &err, &thr);
         if (rkv_cpu_part_runs() != cpu_runs) {
             g_extra += " cpu-part=" + std::to_string(rkv_cpu_part_runs() - cpu_runs); // op evaluations with a CPU part
         }
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (r == RES_SKIP) {
             n_skip++;
-            printf("[%4zu] %s: not supported, skipped\n", i, case_str(c).c_str());
+            printf("[%4zu] %s: not supported, skipped\n", i, name.c_str());
             continue;
         }
         const char * verdict = r == RES_PASS ? "OK" : "FAIL";
@@ -972,7 +1229,7 @@ int main(int argc, char ** argv) {
                                   : (g_tail_live ? "FAIL (perturbed tail not detected)" : "FAIL (no live tail, yet failed)");
         }
         (as_expected ? n_pass : n_fail)++;
-        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, case_str(c).c_str(), err, thr, g_extra.c_str(), ms, verdict);
+        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, name.c_str(), err, thr, g_extra.c_str(), ms, verdict);
         fflush(stdout);
     }
 

@@ -116,6 +116,24 @@ def tail_bytes_per_token(shape: KVShape, depth: int, n_gen: int, window: int | N
     return tail_cells_per_token(depth, n_gen, window) * shape.row_bytes(type_k_tail, type_v_tail)
 
 
+def device_heads_for_fraction(fraction: float, n_head_kv: int) -> int:
+    """The head split's KV heads per layer on the device for a tail fraction: round((1 - fraction) x n_head_kv), at least 1
+    (the head split keeps one head of every layer on the device)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"tail fraction {fraction} is outside [0, 1]")
+    return max(1, int(math.floor((1.0 - fraction) * n_head_kv + 0.5)))
+
+
+def head_tail_bytes_per_token(n_head_kv: list[int], device_heads: int, head_dim_k: int, head_dim_v: int, depth: int, n_gen: int,
+                              type_k_tail: str, type_v_tail: str) -> float:
+    """Bytes a head split streams per decoded token: its host heads (n_head_kv - min(device_heads, n_head_kv) per layer) of
+    every attended cell (n_kv, from the first token on) at the tail types."""
+    kv = kv_size(depth, n_gen)
+    n_kv_mean = sum(n_kv_at(p, kv) for p in range(depth, depth + n_gen)) / n_gen if n_gen > 0 else 0.0
+    host = sum(h - min(device_heads, h) for h in n_head_kv)
+    return n_kv_mean * host * (row_bytes(type_k_tail, head_dim_k) + row_bytes(type_v_tail, head_dim_v))
+
+
 def floors(t_resident_s: float, tail_bytes: float, bandwidth_bytes_per_s: float) -> tuple[float, float]:
     """(serialized, overlapped) floor on the time per token: t_res + bytes/bw, and max(t_res, bytes/bw)."""
     if t_resident_s <= 0 or bandwidth_bytes_per_s <= 0:

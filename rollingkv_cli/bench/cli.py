@@ -128,6 +128,10 @@ def _vanilla_bench(d: Path) -> Path:
                    "streams (--kv-tail-cpu-frac: auto or a fraction, comma-separated; none: no hybrid cells). CUDA builds with the "
                    "hybrid tail only (elsewhere the default makes none). auto by default: what users get (the library's default), "
                    "next to the window cells, which stay GPU-only (--kv-tail-cpu-frac 0); give auto,0.4,0.5 to see fixed shares.")
+@click.option("--head-fractions", default="", callback=_fractions, metavar="LIST",
+              help="Head-split cells: for each tail type and fraction f, N = round((1 - f) x n_head_kv) KV heads of every layer "
+                   "on the device (--kv-residency-mode head --kv-device-heads N: the VRAM of the window cell at f at full "
+                   "context), the others streamed from host memory for every cell; e.g. 0.25,0.5,0.75.  [default: none]")
 @click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
 @click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
@@ -149,7 +153,7 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
 @click.pass_context
-def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, cpu_fracs, window_type, vanilla_build,
+def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, cpu_fracs, head_fractions, window_type, vanilla_build,
          skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
     """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
 
@@ -162,6 +166,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
       hybrid         a window cell again with --kv-tail-cpu-frac F for each F of --cpu-fracs (CUDA
                      builds with the hybrid tail; auto by default, the library's default): part of
                      the tail attended on the CPU while the rest streams
+      head           --kv-residency-mode head --kv-device-heads N -ctkt/-ctvt T for each tail type and
+                     --head-fractions f (none by default): N = round((1 - f) x n_head_kv) KV heads of
+                     every layer on the device, the others streamed for every cell
       auto           --kv-residency-mode auto (0% tail when the cache fits)
       vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the VRAM of the 50%-tail
                      window run (all weights + window KV + slot ring), sizes read from the GGUF
@@ -206,13 +213,21 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
+    if head_fractions:
+        from rollingkv_cli.serving import build_has_head_split
+
+        if not build_has_head_split(build.lib_dir / "libllama.so"):
+            abort(f"the build {build.dir} predates the head split (rolling-KV API 5): its llama-bench refuses head mode",
+                  "rebuild with `rollingkv build`, or drop --head-fractions")
+        if min(info.n_head_kv) < 2:
+            abort(f"{model.name} has a layer with one KV head (MQA): it cannot split by head", "drop --head-fractions")
     from rollingkv_cli.serving import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
     cfg = tail_runs.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
-        cpu_fracs=cpu_fracs, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
+        cpu_fracs=cpu_fracs, head_fractions=head_fractions, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
         ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_runs.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
         pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
@@ -240,7 +255,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
             t.add_column(col, overflow="fold")
         for i, c in enumerate(doc["cells"], 1):
             t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
-                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid") else "-", esc(c["command"]))
+                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-", esc(c["command"]))
         tail_runs.report_console().print(t)
         return
     if json_out and json_out.exists() and not resume:

@@ -68,6 +68,7 @@ class TailConfig:
     fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
     mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
     cpu_fracs: list = field(default_factory=lambda: list(DEFAULT_CPU_FRACS))  # "auto" or 0 < F <= 1; [] = no hybrid cells
+    head_fractions: list[float] = field(default_factory=list)  # the head split's cells (share of the KV heads in host memory)
     # the build has the hybrid tail: the window cells then pass --kv-tail-cpu-frac 0 (GPU only). Its default is 0 now,
     # but builds of the series before that default changed took auto: the explicit 0 keeps them GPU-only too
     hybrid_build: bool = False
@@ -87,7 +88,7 @@ class TailConfig:
         return {
             "depths": self.depths, "n_gen": self.n_gen, "reps": self.reps, "vanilla_reps": self.vanilla_reps,
             "tail_types": self.tail_types, "fractions": self.fractions, "mixed_fractions": self.mixed_fractions,
-            "cpu_fracs": self.cpu_fracs,
+            "cpu_fracs": self.cpu_fracs, "head_fractions": self.head_fractions,
             "window_type": self.window_type, "threads": self.threads, "slot_ring_bytes": self.ring_bytes,
             "skip": list(self.skip), "cell_timeout_s": self.cell_timeout, "time_budget_s": self.time_budget,
             "pcie_bw_gbps_explicit": self.pcie_bw_gbps, "gpu": self.gpu,
@@ -155,6 +156,8 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                  "args": args, "command": shlex.join(args), "status": "pending"}
             c.update(kw)
             c["id"] = f"d{depth}/{kind}" + (f"/{c['tail_type']}/w{c['window_cells']}" if kind in ("window", "hybrid") else "")
+            if kind == "head":
+                c["id"] = f"d{depth}/head/{c['tail_type']}/h{c['device_heads']}"
             if kind == "hybrid":
                 c["id"] += f"/cpu{_cpu_arg(c['cpu_frac'])}"
             if kind == "vanilla_ngl":
@@ -225,6 +228,7 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                 hybrid.append(h)
         hybrid.sort(key=lambda c: (c["cpu_frac"] != "auto", priority(c)[0] > 1))
         d_cells += hybrid
+        d_cells += head_cells(cfg, model, depth, cell)
         if "auto" not in cfg.skip:
             d_cells.append(cell("auto", "auto (0% tail when it fits)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "auto"], cfg.reps))
         d_cells += rest
@@ -241,6 +245,35 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
             d_cells.append(cell("vanilla_nkvo", f"vanilla -nkvo 1 ({vkind})", vanilla_bin, ["-ngl", "99", "-nkvo", "1", *off], cfg.vanilla_reps,
                                 host_kv_bytes_per_token=n_kv_mean * row_all))
         cells += d_cells
+    return cells
+
+
+def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
+    """The head split's cells at a depth: for each tail type and --head-fractions f, N = round((1 - f) x n_head_kv) KV heads of
+    every layer on the device (the VRAM of the window cell at f, at full context), the others streamed from host memory for
+    every cell. None for a model with a single-KV-head layer (it cannot split by head)."""
+    if not cfg.head_fractions or min(model.n_head_kv) < 2:
+        return []
+    h_max = max(model.n_head_kv)
+    total = sum(model.n_head_kv)
+    cells, seen = [], {}
+    gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
+    for t in cfg.tail_types:
+        for f in cfg.head_fractions:
+            n = bm.device_heads_for_fraction(f, h_max)
+            if n >= h_max:
+                continue  # every head on the device: the resident cell
+            if (t, n) in seen:
+                seen[(t, n)]["fractions"].append(f)  # another fraction that rounds to the same heads: one cell for both
+                continue
+            host = sum(h - min(n, h) for h in model.n_head_kv)
+            c = cell("head", f"head {t} {_pct(host / total)} tail ({n} of {h_max} KV heads on the device)", cfg.bench,
+                     ["-ngl", "99", "--kv-residency-mode", "head", "--kv-device-heads", str(n), "-ctkt", t, "-ctvt", t, *gpu_only],
+                     cfg.reps, tail_type=t, fractions=[f], device_heads=n, tail_fraction=host / total,
+                     tail_bytes_per_token=bm.head_tail_bytes_per_token(model.n_head_kv, n, model.head_dim_k, model.head_dim_v,
+                                                                        depth, cfg.n_gen, t, t))
+            seen[(t, n)] = c
+            cells.append(c)
     return cells
 
 
@@ -335,6 +368,9 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
                                              "type_k", "type_v", "model_size", "test_time", "build_commit")}
     if "kv_mode_chosen" in row:
         cell["plan"] = {k: row.get(k) for k in ("kv_mode", "kv_mode_chosen", "window_cells", "tail_cells", "type_k_tail", "type_v_tail")}
+        for k in ("kv_device_heads", "heads_device", "heads_host"):  # the head split (API 5 builds)
+            if k in row:
+                cell["plan"][k] = row[k]
         for k in ("kv_tail_cpu_frac", "kv_tail_cpu_frac_chosen"):  # the hybrid tail's (requested; chosen where reported)
             if k in row:
                 cell["plan"][k] = row[k]
@@ -344,6 +380,18 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
             cell["cpu_frac_chosen"] = None if chosen is None else float(chosen)
         except (TypeError, ValueError):
             cell["cpu_frac_chosen"] = None
+    if cell["kind"] == "head":
+        plan = cell.get("plan") or {}
+        split = plan.get("kv_mode_chosen") == "head"
+        if not split:
+            cell["note"] = f"asked for {cell['device_heads']} device KV heads per layer, the plan chose {plan.get('kv_mode_chosen')}: no tail"
+        t, tv = plan.get("type_k_tail"), plan.get("type_v_tail")
+        heads = [min(cell["device_heads"], h) for h in model.n_head_kv]
+        if split and plan.get("heads_device") is not None and int(plan["heads_device"]) != sum(heads):
+            cell["note"] = f"asked for {cell['device_heads']} device KV heads per layer ({sum(heads)} in all), the plan kept {plan['heads_device']}"
+        cell["tail_bytes_per_token"] = (bm.head_tail_bytes_per_token(model.n_head_kv, cell["device_heads"], model.head_dim_k, model.head_dim_v,
+                                                                     cell["depth"], cell["n_gen"], t, tv)
+                                        if split and t in bm.TYPE_BLOCK and tv in bm.TYPE_BLOCK else 0.0)
     if cell["kind"] in ("window", "auto", "hybrid"):
         plan = cell.get("plan") or {}
         w = plan.get("window_cells") or 0
@@ -374,7 +422,7 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
     for c in cells:
         for k in _FLOOR_KEYS:
             c.pop(k, None)
-        if c["kind"] not in ("window", "auto", "hybrid") or c.get("status") != "ok" or not c.get("tokens_per_s"):
+        if c["kind"] not in ("window", "auto", "hybrid", "head") or c.get("status") != "ok" or not c.get("tokens_per_s"):
             continue
         r = resident.get(c["depth"])
         if r is None or gbps is None:
@@ -552,10 +600,10 @@ def print_report(doc: dict) -> None:
             ok = c["status"] == "ok"
             tb.add_row(
                 esc(str(c["label"])),
-                "-" if c.get("window_cells") is None else str(c["window_cells"]),
-                _pct(c["tail_fraction"]) if c["kind"] in ("window", "hybrid") else "-",
+                f"h{c['device_heads']}" if c["kind"] == "head" else "-" if c.get("window_cells") is None else str(c["window_cells"]),
+                _pct(c["tail_fraction"]) if c["kind"] in ("window", "hybrid", "head") else "-",
                 _cpu_cell(c),
-                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto", "hybrid") else "-",
+                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto", "hybrid", "head") else "-",
                 f"{c['tokens_per_s']:.4g}" if ok else "-",
                 _num(c.get("ms_per_token")) if ok else "-",
                 _num(c.get("floor_ms")), _num(c.get("ratio_floor"), ".2f"),
@@ -681,7 +729,7 @@ def report_problem(doc) -> str | None:
         for key in _CELL_OPTIONAL_NUMBERS:
             if c.get(key) is not None and not _is_num(c[key]):
                 return f"{where}.{key} is {c[key]!r}, not a number"
-        if c["kind"] in ("window", "hybrid") and not _is_num(c.get("tail_fraction")):
+        if c["kind"] in ("window", "hybrid", "head") and not _is_num(c.get("tail_fraction")):
             return f"{where} is a {c['kind']} cell without a numeric tail_fraction"
         if c["kind"] == "hybrid" and not (c.get("cpu_frac") == "auto" or _is_num(c.get("cpu_frac"))):
             return f"{where}.cpu_frac is {c.get('cpu_frac')!r}, not auto or a number"
@@ -700,6 +748,11 @@ def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_
                  "summed over layers; n_kv = min(kv_size, max(256, pad256(pos + 1)))")
     notes.append(f"windows are multiples of 256 cells; the 100% tail is the smallest explicit window, {bm.MIN_WINDOW} cells "
                  "(--kv-window-cells 0 means 'the planner decides' in the patched llama-bench)")
+    if cfg.head_fractions:
+        notes.append("head cells: --kv-residency-mode head --kv-device-heads N, N = round((1 - f) x n_head_kv) KV heads of every layer on "
+                     "the device; tail bytes per token = mean n_kv x the host heads of all layers x their K+V bytes at the tail type "
+                     "(a head split streams its host heads of every attended cell from the first token on); the same floors as "
+                     "the window cells")
     if cfg.cpu_fracs:
         notes.append("hybrid cells: a window cell's split with part of each layer's tail attended on the CPU while the rest streams "
                      "(--kv-tail-cpu-frac; auto cells get the link bandwidth of the floors as --pcie-bw-gbps); their third floor is "

@@ -40,9 +40,14 @@ def _setting(*decls: str, key: str, **kw):
 
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.argument("model_spec", metavar="MODEL", required=False)
-@_setting("--kv-residency-mode", key="kv_residency_mode", help="KV residency: auto (default), window, off (head: not implemented yet).")
+@_setting("--kv-residency-mode", key="kv_residency_mode",
+          help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "
+               "less), window, head (each layer's first KV heads on the device, the others in host memory), off.")
 @_setting("--vram-target", key="vram_target", metavar="MiB", help="Device memory budget for weights + KV + buffers.")
 @_setting("--kv-window-cells", key="kv_window_cells", metavar="N", help="Explicit window size in cells per sequence stream.")
+@_setting("--kv-device-heads", key="kv_device_heads", metavar="N",
+          help="Head split: KV heads of each layer kept on the device (more than a layer has: the whole layer); with auto it "
+               "means head mode. Not with window or off mode, nor with --kv-window-cells.")
 @_setting("-c", "--ctx-size", key="ctx_size", metavar="N", help="Context size (all slots together), at least 64.")
 @_setting("-np", "--parallel", key="parallel", metavar="N", help="Number of slots (concurrent sequences), 1 to 256.")
 @_setting("-ctk", "--cache-type-k", key="cache_type_k", help="K cache type (window).")

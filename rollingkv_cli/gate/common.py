@@ -110,7 +110,7 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
                 residency: dict | None) -> list[str]:
     """llama-server flags of a gate run: one slot, flash attention, no auto-fitting, our residency flags.
 
-    residency: None or {"mode": "off"} for the resident reference; else mode/window_cells/vram_target_mib/
+    residency: None or {"mode": "off"} for the resident reference; else mode/window_cells/device_heads/vram_target_mib/
     type_k_tail/type_v_tail as in llama_rolling_kv_params."""
     args = ["-m", str(model), "-fa", "on", "-c", str(n_ctx), "-np", "1", "-ctk", ctk, "-ctv", ctv,
             "--no-warmup", "-fit", "off", "--seed", "0"]
@@ -123,6 +123,8 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
     if r.get("mode", "off") != "off":
         if r.get("window_cells"):
             args += ["--kv-window-cells", str(r["window_cells"])]
+        if r.get("device_heads"):
+            args += ["--kv-device-heads", str(r["device_heads"])]
         if r.get("vram_target_mib"):
             args += ["--vram-target", str(r["vram_target_mib"])]
         if r.get("type_k_tail"):

@@ -152,15 +152,31 @@ def split_summary(result: dict, rows: dict, n_seq: int, n_batch: int, real_margi
     from rollingkv_cli.gate import metrics
 
     plan = result.get("plan") or {}
-    wc = plan.get("window_cells") if plan.get("split") else None
+    head = plan.get("split") and plan.get("mode_chosen") == "head"
+    wc = plan.get("window_cells") if plan.get("split") and not head else None
     mask = metrics.tail_rows(len(rows["pos"]), n_seq, n_batch, wc)
+    if head:
+        mask[:] = True  # a head split streams its host heads of every cell: every position reads the tail
     out = dict(result["summary"])
     out["window_cells"] = wc
+    out["head_split"] = head_split_of(plan)
     out["tail_positions"] = int(mask.sum())
     out["tail"] = metrics.subset_summary(rows, mask, real_margin_nats)
     w = metrics.subset_summary(rows, ~mask, real_margin_nats)
     out["window"] = {k: w.get(k) for k in ("n", "mean_tv", "max_tv", "bitwise_equal_rows")}
     return out, mask
+
+
+def head_split_of(plan: dict | None) -> dict | None:
+    """A head-split plan's device KV heads per layer (per_layer), their common count (uniform; None when they differ)
+    and the summary; None for any other plan."""
+    plan = plan or {}
+    heads = plan.get("heads")
+    if not plan.get("split") or plan.get("mode_chosen") != "head" or not isinstance(heads, dict):
+        return None
+    per_layer = list(heads.get("per_layer") or [])
+    return {"per_layer": per_layer, "uniform": per_layer[0] if per_layer and len(set(per_layer)) == 1 else None,
+            "summary": heads.get("summary"), "device": heads.get("device"), "host": heads.get("host")}
 
 
 def control_thresholds(thresholds_file: Path | None, exact_bits: bool, tolerance: float | None) -> dict:
@@ -270,5 +286,7 @@ def print_plan(console, plan) -> None:
     if not plan:
         return
     keys = [k for k in ("mode_requested", "mode", "reason", "window_cells", "tail_cells") if k in plan]
+    if plan.get("mode_chosen") == "head":
+        keys = [k for k in keys if k not in ("window_cells", "tail_cells")]
     if keys:
         console.print("plan: " + ", ".join(f"{k}={plan[k]}" for k in keys), style="dim", markup=False)

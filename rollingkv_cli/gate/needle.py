@@ -234,8 +234,9 @@ def placement_dict(p: Placement, window_cells: int | None) -> dict:
 
 def tail_positions(n_tokens: int, n_answer: int, window_cells: int | None) -> int:
     """Decoded positions whose key range reaches past the window: the prompt's [wc, n) and the answer's (its last
-    token is sampled, never decoded); one sequence, so position p sits in cell p."""
-    if not window_cells:
+    token is sampled, never decoded); one sequence, so position p sits in cell p. None: no split (no position); 0: a
+    head split (every position)."""
+    if window_cells is None:
         return 0
     return max(0, n_tokens + max(0, n_answer - 1) - window_cells)
 
@@ -266,6 +267,7 @@ class NeedleConfig:
     fmt: str = "plain"
     n_ctx: int | None = None
     window_cells: int | None = None
+    device_heads: int | None = None
     vram_target: int | None = None
     ctk: str = "f16"
     ctv: str = "f16"
@@ -282,6 +284,8 @@ class NeedleConfig:
         r: dict = {"mode": self.mode}
         if self.window_cells:
             r["window_cells"] = self.window_cells
+        if self.device_heads:
+            r["device_heads"] = self.device_heads
         if self.vram_target:
             r["vram_target_mib"] = self.vram_target
         if self.ctkt:
@@ -352,7 +356,9 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
                         why = (p or {}).get("reason", "this build reports no residency plan")
                         abort(f"the candidate's cache was not split ({why}): there is no tail to retrieve from",
                               "give --kv-window-cells N smaller than the prompt (or a --vram-target that forces a window)")
-                    check_in_tail(placements, int(p.get("window_cells") or 0), f"(the candidate's plan: {p.get('reason')})", cfg.n_predict)
+                    if p.get("mode_chosen") != "head":  # a head split streams its host heads of every position
+                        check_in_tail(placements, int(p.get("window_cells") or 0), f"(the candidate's plan: {p.get('reason')})",
+                                      cfg.n_predict)
                 for pl in placements:
                     progress.update(task, stage=f"depth {pl.depth:g}: {pl.n_tokens}-token prompt")
                     answers[role].append(side.answer(pl.tokens, cfg.n_predict))
@@ -363,10 +369,12 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
                 srv.stop()
 
     results = []
+    # where the tail begins: a window's end, or 0 for a head split (its host heads of every position are streamed)
+    tail_from = 0 if (plan or {}).get("mode_chosen") == "head" else (plan or {}).get("window_cells")
     for pl, ra, ca in zip(placements, answers["reference"], answers["candidate"]):
         v = placement_verdict(ra, ca, pl.number, cfg.match)
-        results.append({**placement_dict(pl, (plan or {}).get("window_cells")), "verdict": v,
-                        "tail_positions": tail_positions(pl.n_tokens, len(ca.tokens), (plan or {}).get("window_cells")),
+        results.append({**placement_dict(pl, tail_from), "verdict": v,
+                        "tail_positions": tail_positions(pl.n_tokens, len(ca.tokens), tail_from),
                         "reference_retrieved": retrieved(ra.text, pl.number),
                         "candidate_retrieved": retrieved(ca.text, pl.number),
                         "identical": ra.tokens == ca.tokens, "first_difference": first_difference(ra.tokens, ca.tokens),
@@ -404,8 +412,9 @@ def print_report(console, r: dict) -> None:
     from rollingkv_cli.console import esc
 
     plan = r.get("plan") or {}
-    t = Table(title=f"needle gate: window {plan.get('window_cells', '?')} + tail {plan.get('tail_cells', '?')} cells, "
-                    f"{r['format']} prompt", title_justify="left")
+    split = (f"head split, {(plan.get('heads') or {}).get('summary', '?')}" if plan.get("mode_chosen") == "head" else
+             f"window {plan.get('window_cells', '?')} + tail {plan.get('tail_cells', '?')} cells")
+    t = Table(title=f"needle gate: {split}, {r['format']} prompt", title_justify="left")
     for col, just in (("depth", "right"), ("prompt", "right"), ("needle at", "right"), ("number", "left"),
                       ("reference answer", "left"), ("candidate", "left"), ("", "center")):
         t.add_column(col, justify=just)

@@ -172,10 +172,11 @@ n, d, w = int(get("-n")), int(get("-d")), int(get("--kv-window-cells", "0"))
 mode = get("--kv-residency-mode", "auto")
 kv = -(-(d + n) // 256) * 256
 split = mode == "window" and 0 < w < kv
-ts = 50.0 if split else 100.0
+head = mode == "head" and int(get("--kv-device-heads", "0")) > 0
+ts = 40.0 if head else 50.0 if split else 100.0
 print(json.dumps([{{"n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": ts, "stddev_ts": 0.5, "samples_ts": [ts], "kv_mode": mode,
-                   "kv_mode_chosen": "window" if split else "resident", "window_cells": w if split else 0,
-                   "tail_cells": kv - w if split else 0, "type_k_tail": get("-ctkt", "f16"), "type_v_tail": get("-ctvt", "f16"),
+                   "kv_mode_chosen": "head" if head else "window" if split else "resident", "window_cells": w if split else 0,
+                   "tail_cells": kv if head else kv - w if split else 0, "type_k_tail": get("-ctkt", "f16"), "type_v_tail": get("-ctvt", "f16"),
                    "backends": "FAKE", "n_gpu_layers": int(get("-ngl", "99"))}}]))
 """
 
@@ -385,3 +386,47 @@ def test_read_model_counts_only_a_hybrid_models_attention_layers(tmp_path, arch)
     assert info.n_head_kv == [0, 0, 0, 2, 0, 0, 0, 2]
     assert info.kv.row_bytes("f16", "f16") == 2 * 2 * (2 * 64 * 2)  # two layers, K and V
     assert any("6 layers have no KV cache" in n for n in info.notes)
+
+
+def test_head_cells_with_a_fake_bench(capsys, fake_build, tmp_path, monkeypatch):
+    """--head-fractions: per tail type and fraction f, N = round((1 - f) x n_head_kv) device KV heads per layer; the cell's
+    tail bytes are the host heads of every attended cell, against the same floors as the window cells."""
+    from rollingkv_cli import models, serving
+
+    monkeypatch.setattr(serving, "build_has_head_split", lambda lib: True)
+    model = models.write_synthetic(tmp_path / "gqa.gguf", models.SynthSpec(layers=2, embd=256, heads=4, kv_heads=4, ff=256, vocab=300, ctx=4096))
+    out = tmp_path / "heads.json"
+    code, _, err = run_main(["bench", "tail", str(model), "-d", "1020", "-n", "4", "-r", "1", "--fractions", "0.5", "--tail-types", "f16,q8_0",
+                             "--mixed-fractions", "0.5", "--head-fractions", "0.25,0.5,0.75,1", "--skip", "ngl", "--skip", "nkvo",
+                             "--skip", "auto", "--pcie-bw-gbps", "1", "--json", str(out), "--no-plot"], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    heads = [c for c in doc["cells"] if c["kind"] == "head"]
+    # 4 KV heads: 0.25 -> 3, 0.5 -> 2, 0.75 -> 1, 1 -> 1 (at least one on the device: one cell)
+    assert [c["id"] for c in heads] == [f"d1020/head/{t}/h{n}" for t in ("f16", "q8_0") for n in (3, 2, 1)]
+    row = {"f16": 2 * 64 * 2, "q8_0": 2 * 64 // 32 * 34}  # one KV head's K + V
+    for c in heads:
+        n, t = c["device_heads"], c["tail_type"]
+        assert f"--kv-residency-mode head --kv-device-heads {n} -ctkt {t} -ctvt {t}" in c["command"]
+        assert c["tail_fraction"] == (4 - n) / 4 and c["fractions"] == ([0.75, 1.0] if n == 1 else [1 - n / 4])
+        assert c["tail_bytes_per_token"] == 1024 * 2 * (4 - n) * row[t]  # n_kv 1024 on every decoded token, 2 layers
+        assert c["floor_ms"] == pytest.approx((0.01 + c["tail_bytes_per_token"] / 1e9) * 1e3)
+        assert c["ratio_floor"] == pytest.approx(0.025 / (0.01 + c["tail_bytes_per_token"] / 1e9))
+    assert any("head cells" in n for n in doc["notes"]) and doc["config"]["head_fractions"] == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.build
+def test_head_cells_on_cpu(cpu_build, demo_model, tmp_path):
+    out = tmp_path / "heads.json"
+    proc = _bench(cpu_build, "tail", str(demo_model), "-d", "508", "-n", "4", "-r", "1", "-t", "1", "--fractions", "0.5",
+                  "--tail-types", "f16", "--head-fractions", "0.5", "--skip", "auto", "--skip", "ngl", "--skip", "nkvo",
+                  "--slot-ring-mib", "0", "--pcie-bw-gbps", "2", "--json", str(out), "--no-plot")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [c["kind"] for c in doc["cells"]] == ["resident", "window", "head"]
+    h = doc["cells"][2]
+    # 3 KV heads: 0.5 -> 2 on the device, one streamed per layer; 512 cells attended per decoded token
+    assert h["id"] == "d508/head/f16/h2" and h["plan"]["kv_mode_chosen"] == "head" and "note" not in h
+    assert (h["plan"]["heads_device"], h["plan"]["heads_host"]) == (60, 30)
+    assert h["tail_bytes_per_token"] == 512 * 30 * 64 * 2 * 2 and h["tokens_per_s"] > 0 and h["ratio_floor"] > 0
+    assert "head f16 33% tail (2 of 3 KV heads on the device)" in proc.stdout

@@ -26,11 +26,15 @@ log = os.environ.get("FAKE_ARGV_LOG")
 if log:
     with open(log, "a") as f:
         f.write(json.dumps(argv) + "\n")
-split = mode != "off" and 0 < window < ctx and not os.environ.get("FAKE_NO_SPLIT")
-plan = {"mode_requested": mode, "mode_chosen": "window" if split else "off", "split": split,
-        "reason": "fake: explicit window" if split else "fake: resident", "kv_size": ctx,
-        "window_cells": window if split else 0, "tail_cells": ctx - window if split else 0,
-        "vram_target_mib": int(opt("--vram-target", "0") or 0)}
+heads = int(opt("--kv-device-heads", "0") or 0)
+head = mode in ("head", "auto") and heads > 0 and not os.environ.get("FAKE_NO_SPLIT")
+split = head or (mode != "off" and 0 < window < ctx and not os.environ.get("FAKE_NO_SPLIT"))
+plan = {"mode_requested": mode, "mode_chosen": "head" if head else "window" if split else "off", "split": split,
+        "reason": "fake: explicit heads" if head else "fake: explicit window" if split else "fake: resident", "kv_size": ctx,
+        "window_cells": window if split and not head else 0, "tail_cells": ctx if head else ctx - window if split else 0,
+        "vram_target_mib": int(opt("--vram-target", "0") or 0),
+        "heads": {"split": head, "summary": f"{heads} of 4 KV heads on the device, 2 of 2 layers split" if head else "",
+                  "per_layer": [heads, heads] if head else []}}
 
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a):

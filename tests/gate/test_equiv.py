@@ -36,7 +36,10 @@ def test_help(runner, cmd):
     (["--kv-window-cells", "8", "--vram-target", "100"], "not both"),
     (["-ctk", "q9"], "q9"),
     (["-ctvt", "f8"], "f8"),
-    (["--kv-residency-mode", "head"], "head"),
+    (["--kv-residency-mode", "window", "--kv-device-heads", "1"], "does not make: use head"),
+    (["--kv-residency-mode", "head", "--kv-window-cells", "256"], "use --kv-device-heads N"),
+    (["--kv-device-heads", "1", "--vram-target", "100"], "one of them"),
+    (["--kv-device-heads", "0"], "at least 1"),
     (["--reference", "vanilla"], "neither"),
     (["--synthetic-tokens", "0"], "at least 1"),
 ])

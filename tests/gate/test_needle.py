@@ -171,7 +171,31 @@ def test_needle_window_from_the_plan(capsys, fake_server_build, fake_gguf, tmp_p
     assert code == 1 and "inside the window [0, 1024) (the candidate's plan: fake: explicit window)" in err
 
 
+def test_needle_head_split(capsys, fake_server_build, fake_gguf, tmp_path):
+    """A head split streams its host heads of every position: no window to check the needle against, every position and the
+    needle in the tail; the candidate gets --kv-device-heads (1 by default in head mode)."""
+    out = tmp_path / "n.json"
+    code, stdout, err = run_main([*NEEDLE, "--model", str(fake_gguf), "--kv-residency-mode", "head", "--depth", "0.05", "--json", str(out)], capsys)
+    assert code == 0, stdout + err
+    r = json.loads(out.read_text())
+    assert r["plan"]["mode_chosen"] == "head" and all(p["needle_in_tail"] for p in r["placements"])
+    (p,) = r["placements"]
+    assert p["tail_positions"] >= p["n_tokens"] and p["needle_start"] < 256  # every decoded position
+    _, cand_argv = _argvs(fake_server_build)
+    assert cand_argv[cand_argv.index("--kv-device-heads") + 1] == "1" and "--kv-window-cells" not in cand_argv
+    assert "head split, 1 of 4 KV heads on the device" in stdout
+
+
+def test_tail_positions_of_a_head_split():
+    from rollingkv_cli.gate.needle import tail_positions
+
+    assert tail_positions(100, 5, None) == 0 and tail_positions(100, 5, 0) == 104 and tail_positions(100, 5, 60) == 44
+
+
 @pytest.mark.parametrize("args,match", [
+    (["--kv-residency-mode", "window", "--kv-device-heads", "1"], "does not make: use head"),
+    (["--kv-residency-mode", "head", "--kv-window-cells", "256"], "use --kv-device-heads N"),
+    (["--kv-device-heads", "1", "--vram-target", "100"], "one of them"),
     (["--depth", "1.5"], "strictly between 0 and 1"),
     (["--depth", "half"], "not a number"),
     (["--kv-window-cells", "8", "--vram-target", "100"], "not both"),

@@ -14,7 +14,7 @@ import click
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
 
-MODES = ["window", "auto", "off"]
+MODES = ["window", "head", "auto", "off"]
 
 
 @click.command()
@@ -26,7 +26,10 @@ MODES = ["window", "auto", "off"]
 @click.option("--ctx", "n_ctx", type=int, callback=positive, default=None,
               help="Context size. Default: the token count rounded up to 256, plus 256.")
 @click.option("--kv-window-cells", type=int, callback=positive, default=None, help="Cells of the device window per stream.")
-@click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window.")
+@click.option("--kv-device-heads", type=int, callback=positive, default=None, metavar="N",
+              help="Head split: KV heads of each layer kept on the device, the others streamed from host memory for every cell "
+                   "(--kv-residency-mode head, or auto which it then means).")
+@click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window (or the head split).")
 @cache_type_options
 @click.option("--kv-residency-mode", "mode", type=click.Choice(MODES), default="window", show_default=True,
               help="The candidate's residency mode (off: the plain resident cache, a sanity run).")
@@ -63,7 +66,7 @@ MODES = ["window", "auto", "off"]
 @build_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
-def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vram_target, ctk, ctv, ctkt, ctvt, mode, cpu_frac,
+def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_device_heads, vram_target, ctk, ctv, ctkt, ctvt, mode, cpu_frac,
           reference, thresholds_file, tail_baseline, tolerance, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
           lib_dir, work_dir) -> None:
     """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
@@ -93,6 +96,12 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         raise click.UsageError("give --prompt-file or --synthetic-tokens, not both")
     if kv_window_cells is not None and vram_target is not None:
         raise click.UsageError("give --kv-window-cells or --vram-target, not both")
+    if kv_device_heads is not None and (kv_window_cells is not None or vram_target is not None):
+        raise click.UsageError("give --kv-device-heads, --kv-window-cells or --vram-target, one of them")
+    if kv_device_heads is not None and mode in ("window", "off"):
+        raise click.UsageError(f"--kv-device-heads sets a head split, which --kv-residency-mode {mode} does not make: use head (or auto)")
+    if kv_window_cells is not None and mode == "head":
+        raise click.UsageError("--kv-window-cells sets a window, which --kv-residency-mode head does not make: use --kv-device-heads N")
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
     if prompt_file is None and synthetic_tokens is None:
@@ -106,6 +115,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
     if mode == "off" and (kv_window_cells or vram_target or ctkt or ctvt or cpu_frac is not None):
         warn("--kv-residency-mode off ignores --kv-window-cells, --vram-target, the tail types and --kv-tail-cpu-frac")
+    if mode == "head" and kv_device_heads is None and vram_target is None:
+        kv_device_heads = 1  # the most streamed: every layer's first KV head on the device, the others from host memory
     profile = metrics.profile_for((ctk, ctv), (None, None) if mode == "off" else (ctkt, ctvt))
     try:
         thresholds = metrics.load_thresholds(thresholds_file, profile)
@@ -141,6 +152,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
     if mode != "off":
         residency = {"mode": mode, "window_cells": kv_window_cells or 0, "vram_target_mib": vram_target or 0,
                      "type_k_tail": ctkt, "type_v_tail": ctvt}
+        if kv_device_heads is not None:
+            residency["device_heads"] = kv_device_heads
         if pcie_bw is not None:
             residency["pcie_bw_gbps"] = pcie_bw
         if cpu_frac is not None:
@@ -221,13 +234,19 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                 base_tail = metrics.subset_summary(base_rows, tail_mask, thresholds["real_margin_nats"])
                 thresholds, baseline_how = metrics.relative_thresholds(thresholds, base_tail, bk)
                 above = int((cand_rows["tv"][tail_mask[cand_rows["pos"]]] > base_rows["tv"][tail_mask[base_rows["pos"]]]).sum())
-                if summary["window_cells"]:
+                hs = summary.get("head_split")
+                if hs is not None and hs["uniform"] is None:
+                    warn("no control: the head split keeps different numbers of KV heads per layer on the device "
+                         f"({hs['summary']}), which --kv-device-heads cannot repeat")
+                if summary["window_cells"] or (hs is not None and hs["uniform"] is not None):
                     control_th = equiv_runs.control_thresholds(thresholds_file, exact_bits, tolerance)
-                    control_res = dict(cand_residency, mode="window", window_cells=summary["window_cells"], vram_target_mib=0,
-                                       type_k_tail=None, type_v_tail=None)
+                    control_res = (dict(cand_residency, mode="window", window_cells=summary["window_cells"], vram_target_mib=0,
+                                        type_k_tail=None, type_v_tail=None) if hs is None else
+                                   dict(cand_residency, mode="head", device_heads=hs["uniform"], window_cells=0, vram_target_mib=0,
+                                        type_k_tail=None, type_v_tail=None))
                     results["control"] = sess.decode("control", cand_lib, bk, bv, control_res, reference=wd / "baseline.npy",
                                                      positions_out=wd / "control.npz", real_margin_nats=control_th["real_margin_nats"],
-                                                     progress=progress, label=f"control ({bk}/{bv} window + tail vs baseline)")
+                                                     progress=progress, label=f"control ({bk}/{bv} {'window + tail' if hs is None else 'device + host heads'} vs baseline)")
                     control, _ = equiv_runs.split_summary(results["control"], metrics.load_positions(wd / "control.npz"), n_seq, n_batch,
                                                           control_th["real_margin_nats"])
             if order_floor:
@@ -268,7 +287,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
                       f"baseline; {above} of {summary['tail_positions']} positions lost more than their baseline[/]")
     if vc is not None:
         mark = "[green]✓[/]" if vc.passed else "[bold red]✗[/]"
-        console.print(f"{mark} control ({ctkt or ctk}/{ctvt or ctv} window + tail vs the baseline): mean TV {equiv_runs.fmt(control['mean_tv'])}, "
+        console.print(f"{mark} control ({ctkt or ctk}/{ctvt or ctv} {'window + tail' if summary.get('head_split') is None else 'device + host heads'} vs the baseline): mean TV {equiv_runs.fmt(control['mean_tv'])}, "
                       f"{control.get('bitwise_equal_rows')}/{control['n']} rows bitwise identical"
                       + ("" if vc.passed else ": " + esc("; ".join(c.describe() for c in vc.failed))), soft_wrap=True)
     if floor_how:
@@ -303,6 +322,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, vra
         "tail_positions": summary["tail_positions"],
         "over_floor": summary.get("over_floor"),
         "window_cells": summary["window_cells"],
+        "head_split": summary.get("head_split"),
         "tail_cpu": {"requested": cpu_frac if cpu_frac is not None else "the library's default (auto)",
                      "plan": (cand_r.get("plan") or {}).get("tail_cpu")},
         "tail_metrics": summary["tail"],

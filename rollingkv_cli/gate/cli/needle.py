@@ -28,8 +28,10 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--kv-window-cells", type=int, callback=positive, default=None,
               help="Cells of the device window: positions [0, N); the needle must lie at N or later.  [default: 256]")
 @click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window (GPU).")
-@click.option("--kv-residency-mode", "mode", type=click.Choice(["window", "auto"]), default="window", show_default=True,
-              help="The candidate's residency mode.")
+@click.option("--kv-residency-mode", "mode", type=click.Choice(["window", "head", "auto"]), default="window", show_default=True,
+              help="The candidate's residency mode (head: the needle's host heads are streamed wherever it lies).")
+@click.option("--kv-device-heads", type=int, callback=positive, default=None, metavar="N",
+              help="Head split: KV heads of each layer kept on the device.  [default with head mode and no --vram-target: 1]")
 @cache_type_options
 @click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per server.  [default: all cores]")
 @ngl_option(help_default="llama-server's")
@@ -39,7 +41,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
                    "a near tie after it).  [default: answer on the CUDA backend, tokens on the CPU]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict, n_ctx, kv_window_cells, vram_target, mode,
-           ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, match, json_out) -> None:
+           kv_device_heads, ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, match, json_out) -> None:
     """Retrieve a fact placed in the host tail: the split cache must answer exactly as the resident one.
 
     A seeded random number ("The secret number is 48213.") goes into filler text at each --depth; a
@@ -64,13 +66,22 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
         raise click.UsageError("give --kv-window-cells or --vram-target, not both")
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
-    if kv_window_cells is None and vram_target is None:
+    if kv_device_heads is not None and (kv_window_cells is not None or vram_target is not None):
+        raise click.UsageError("give --kv-device-heads, --kv-window-cells or --vram-target, one of them")
+    if kv_device_heads is not None and mode == "window":
+        raise click.UsageError("--kv-device-heads sets a head split, which --kv-residency-mode window does not make: use head (or auto)")
+    if kv_window_cells is not None and mode == "head":
+        raise click.UsageError("--kv-window-cells sets a window, which --kv-residency-mode head does not make: use --kv-device-heads N")
+    if mode == "head" and kv_device_heads is None and vram_target is None:
+        kv_device_heads = 1
+    if kv_window_cells is None and vram_target is None and kv_device_heads is None:
         kv_window_cells = 256
     depths = depths or (0.5, 0.85)
     model_path = models.resolve_model(model_spec, log=note)
     build = common.resolve_build(build_dir, lib_dir)
     cfg = needle_runs.NeedleConfig(model=model_path, build=build, filler_tokens=filler_tokens, depths=tuple(depths), seed=seed,
-                                   fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, vram_target=vram_target, ctk=ctk, ctv=ctv,
+                                   fmt=fmt, n_ctx=n_ctx, window_cells=kv_window_cells, device_heads=kv_device_heads,
+                                   vram_target=vram_target, ctk=ctk, ctv=ctv,
                                    ctkt=ctkt, ctvt=ctvt, n_predict=n_predict, threads=threads or os.cpu_count() or 1,
                                    n_gpu_layers=n_gpu_layers, filler_file=filler_file, mode=mode,
                                    match=match or ("answer" if build.on_gpu(n_gpu_layers) else "tokens"))

@@ -20,8 +20,8 @@ from rollingkv_cli.gate.common import EXIT_FAIL
 @click.option("--ctx", "n_ctx", type=int, callback=positive, default=32768, show_default=True, help="Context size.")
 @click.option("--prompt-tokens", type=int, callback=positive, default=None, help="Prompt length.  [default: half the context]")
 @click.option("--n-predict", type=int, callback=positive, default=512, show_default=True, help="Tokens generated after the prompt (EOS ignored).")
-@click.option("--kv-residency-mode", "mode", type=click.Choice(["auto", "window"]), default="auto", show_default=True,
-              help="auto: resident when the KV fits the target, a window otherwise.")
+@click.option("--kv-residency-mode", "mode", type=click.Choice(["auto", "window", "head"]), default="auto", show_default=True,
+              help="auto: resident when the KV fits the target, a window (or a head split, where cheaper) otherwise; window; head.")
 @cache_type_options
 @click.option("--gpu", "gpu_index", type=int, callback=non_negative, default=0, show_default=True, metavar="N", help="The GPU (NVML index) to watch.")
 @click.option("--interval-ms", type=int, callback=positive, default=50, show_default=True, help="NVML sampling interval.")
