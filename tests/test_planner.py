@@ -595,11 +595,12 @@ def test_live_iswa_counts_the_swa_cache(cpu_build, tmp_path):
 CPU_PART_LATENCY_MS = 0.09  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer (the H200 latency probe)
 
 
-def _best_share(p: dict, cpu_gbps: float, link_gbps: float) -> float:
+def _best_share(p: dict, cpu_gbps: float, link_gbps: float, scale: float = 1.0) -> float:
     """The documented model (llama-kv-residency.h): f in steps of 1/64 minimizing
-    max(t_res + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %."""
+    max(t_res + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %. scale: the tail in
+    use over the full context's (auto chooses again as the tail grows)."""
     est = p["estimate"]
-    t_res, tail = est["t_resident_ms"], est["tail_bytes_per_token"]
+    t_res, tail = est["t_resident_ms"], scale * est["tail_bytes_per_token"]
     n_layer = sum(1 for layer in p["layers"] if layer["split"])
 
     def t(f):
@@ -624,6 +625,22 @@ def test_auto_share_follows_the_link(sim, link):
         assert tc["frac"] > 0.8
     elif link == 25.0:
         assert 0.5 < tc["frac"] < 0.7
+
+
+@pytest.mark.parametrize("link", [6.5, 25.0, 53.5])
+def test_auto_share_is_chosen_again_as_the_tail_grows(sim, link):
+    """The CPU part's per-layer cost does not shrink with the tail, so a short tail (just past the window) is streamed
+    whole and the share grows towards the full context's: the plan names the shortest tail (in 256-cell steps of n_kv)
+    with a CPU part, exactly where the documented model, its tail terms scaled to that tail, first takes one."""
+    p = sim[f"hyb_auto_{link:g}"]
+    tc, full = p["tail_cpu"], p["tail_cells"]
+    steps = [min(c, full) for c in range(256, full + 256, 256)]
+    first = next(c for c in steps if _best_share(p, 40.0, link, c / full) > 0)
+    assert tc["from_tail_cells"] == first and f"none below {first} cells" in tc["reason"]
+    assert 256 < first < full  # neither bound: the test could not tell a model that ignores the tail from one that does not
+    assert _best_share(p, 40.0, link, (first - 256) / full) == 0
+    assert sim["hyb_fixed"]["tail_cpu"]["from_tail_cells"] is None  # a requested share is used at every tail
+    assert sim["hyb_off"]["tail_cpu"]["from_tail_cells"] is None
 
 
 def test_auto_share_is_monotone_in_the_link(sim):

@@ -270,6 +270,14 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
+float llama_kv_cache::rkv_tail_cpu_frac(uint32_t n_kv) const {
+    if (!rkv_cpu) {
+        return 0.0f;
+    }
+    // the tail a graph attends: the host heads of every cell (head split), the cells past the window
+    return llama_rkv_tail_cpu_frac_at(*rkv_cpu, rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
+}
+
 void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
     if (!st.layers.empty()) {
         return; // recorded by another cache of the context
@@ -1103,7 +1111,7 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
 }
 
 float llama_kv_cache_context::rkv_get_tail_cpu_frac() const {
-    return kv->rkv_tail_cpu_frac();
+    return kv->rkv_tail_cpu_frac(n_kv);
 }
 
 bool llama_kv_cache_context::rkv_is_head_split() const {

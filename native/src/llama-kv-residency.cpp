@@ -604,9 +604,46 @@ bool llama_rkv_plan_heads(llama_rkv_state & st) {
     return ok;
 }
 
+double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_ms, double latency_ms) {
+    auto model = [&](double f) {
+        return std::max(t_res_ms + f*t_cpu_ms + (f > 0.0 ? latency_ms : 0.0), (1.0 - f)*t_link_ms);
+    };
+    double best_f = 0.0, best_t = model(0.0);
+    for (int i = 1; i <= 64; ++i) {
+        const double f = i/64.0;
+        if (model(f) < best_t) {
+            best_t = model(f);
+            best_f = f;
+        }
+    }
+    return best_t > 0.97*model(0.0) ? 0.0 : best_f;
+}
+
+float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells) {
+    if (tail_cells == 0 || (m.frac <= 0.0f && !m.is_auto)) {
+        return 0.0f;
+    }
+    if (!m.is_auto || m.tail_cells == 0) {
+        return m.frac;
+    }
+    const double s = (double) tail_cells/m.tail_cells;
+    return (float) llama_rkv_tail_cpu_best(m.t_res_ms, s*m.t_link_ms, s*m.t_cpu_ms, m.latency_ms);
+}
+
+uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m) {
+    for (uint32_t c = LLAMA_RKV_WINDOW_ALIGN; c < m.tail_cells + LLAMA_RKV_WINDOW_ALIGN; c += LLAMA_RKV_WINDOW_ALIGN) {
+        const uint32_t cells = std::min(c, m.tail_cells);
+        if (llama_rkv_tail_cpu_frac_at(m, cells) > 0.0f) {
+            return cells;
+        }
+    }
+    return 0;
+}
+
 void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     st.tail_cpu_frac     = 0.0f;
     st.t_token_hybrid_ms = -1.0;
+    st.tail_cpu          = llama_rkv_tail_cpu{};
     const float req = st.req.tail_cpu_frac;
 
     bool host_memory = st.devs.empty();
@@ -663,29 +700,26 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     if (req > 0.0f) {
         st.tail_cpu_frac   = std::min(1.0f, req);
         st.tail_cpu_reason = "requested";
+        st.tail_cpu.frac   = st.tail_cpu_frac;
     } else if (!known) {
         st.tail_cpu_reason = std::string("auto: off, ") + (st.cpu_attn_gbps <= 0.0 ? "the CPU attention bandwidth" : "the link bandwidth") +
             " is unknown";
         return;
     } else {
-        double best_f = 0.0, best_t = model(0.0);
-        for (int i = 1; i <= 64; ++i) {
-            const double f = i/64.0;
-            if (model(f) < best_t) {
-                best_t = model(f);
-                best_f = f;
-            }
-        }
+        const double latency = n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS;
+        const double best_f  = llama_rkv_tail_cpu_best(t_res, t_link, t_cpu, latency);
         char buf[256];
-        if (best_t > 0.97*model(0.0)) {
+        if (best_f == 0.0) {
             snprintf(buf, sizeof(buf), "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
                     st.link_bw_gbps, st.cpu_attn_gbps);
             st.tail_cpu_reason = buf;
             return;
         }
         st.tail_cpu_frac = (float) best_f;
-        snprintf(buf, sizeof(buf), "auto: %.0f %% of each tail on the CPU (link %.1f GB/s, CPU attention %.1f GB/s, %d threads)",
-                100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps, st.n_threads);
+        st.tail_cpu = { st.tail_cpu_frac, true, t_res, t_link, t_cpu, latency, st.tail_cells };
+        snprintf(buf, sizeof(buf), "auto: %.0f %% of each tail on the CPU at full context (link %.1f GB/s, CPU attention %.1f GB/s, "
+                "%d threads), chosen again as the tail grows: none below %u cells", 100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps,
+                st.n_threads, llama_rkv_tail_cpu_from_cells(st.tail_cpu));
         st.tail_cpu_reason = buf;
     }
     if (known) {

@@ -49,7 +49,10 @@
 // to the device's own time:
 //   t_token(f) ~ max(t_resident + f*tail/cpu_bw + n_layer*t_cpu_part_latency, (1 - f)*tail/link_bw)
 // with cpu_bw the CPU part's attention bandwidth (the request's cpu_attn_gbps, or a short calibration at plan
-// time). auto takes the f (in steps of 1/64) that minimizes it, none when that gains less than 3 %.
+// time). auto takes the f (in steps of 1/64) that minimizes it, none when that gains less than 3 %. The tail grows
+// with the context while the latency term does not, so auto's share is chosen again for the tail in use whenever a
+// graph is built (llama_rkv_tail_cpu_frac_at: the same model with the tail's terms scaled to its cells): no CPU part
+// while the tail is too short to pay for one, the full-context share once the tail is whole.
 #pragma once
 
 #include "llama-rolling-kv.h"
@@ -149,6 +152,29 @@ struct llama_rkv_dev_budget {
     int64_t  min_target_mib_head = 0;  // the smallest vram_target for a head split (one KV head of every layer)
 };
 
+// the hybrid tail's share for the life of a cache (llama_kv_cache::rkv_cpu): a requested share as is, or auto's model
+// above, evaluated at the tail in use (llama_rkv_tail_cpu_frac_at)
+struct llama_rkv_tail_cpu {
+    float    frac       = 0.0f;  // the share at full context (the plan's tail_cpu_frac)
+    bool     is_auto    = false; // re-chosen for the tail in use
+    double   t_res_ms   = 0.0;   // the model's terms at full context
+    double   t_link_ms  = 0.0;
+    double   t_cpu_ms   = 0.0;
+    double   latency_ms = 0.0;   // n_layer x LLAMA_RKV_CPU_PART_LATENCY_MS
+    uint32_t tail_cells = 0;     // per stream, at full context
+};
+
+// auto's share for terms t_res, t_link, t_cpu and the latency: the f in steps of 1/64 minimizing
+// max(t_res + f*t_cpu + latency, (1 - f)*t_link), 0 when that gains less than 3 % over f = 0
+double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_ms, double latency_ms);
+
+// the share of a tail of tail_cells cells (per stream) to attend on the CPU: m.frac for a request, for auto the model at
+// the tail terms scaled by tail_cells/m.tail_cells (0 for an empty tail)
+float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells);
+
+// the shortest tail (per stream, in steps of LLAMA_RKV_WINDOW_ALIGN cells, as n_kv grows) with a CPU part; 0: none
+uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m);
+
 struct llama_rkv_state {
     llama_rolling_kv_params req;
 
@@ -214,6 +240,7 @@ struct llama_rkv_state {
     double      cpu_attn_gbps    = -1.0;  // the CPU part's attention bandwidth for the tail types
     std::string cpu_attn_source  = "none";
     double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
+    llama_rkv_tail_cpu tail_cpu;          // what a cache keeps of it (llama_rkv_plan_tail_cpu)
 
     // the head split (head mode; auto compares it with the window)
     std::vector<llama_rkv_head_layer> head_layers; // every KV layer of the planning cache, in order

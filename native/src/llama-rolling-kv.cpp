@@ -118,6 +118,9 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
 
     res += ",\"tail_cpu\":{\"requested\":" + (st->req.tail_cpu_frac < 0.0f ? std::string("\"auto\"") : llama_rkv_json_num(st->req.tail_cpu_frac));
     res += ",\"frac\":" + llama_rkv_json_num(st->tail_cpu_frac);
+    // auto: the shortest tail with a CPU part (the share is chosen again as the tail grows); null for a fixed share or none
+    const uint32_t from_cells = st->tail_cpu.is_auto ? llama_rkv_tail_cpu_from_cells(st->tail_cpu) : 0;
+    res += ",\"from_tail_cells\":" + (from_cells > 0 ? std::to_string(from_cells) : std::string("null"));
     res += ",\"cpu_attn_gbps\":" + (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
