@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def _op_test(cuda_build, *args: str, perturb: str | None = None) -> optest.Run:
     proc = subprocess.run([str(exe), "-b", "CUDA0", *args], capture_output=True, text=True, timeout=900, env=env)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
-    assert "test-rolling-kv-ops: backend CUDA0," in proc.stdout, tail  # not "backend CUDA0 not found, skipping"
+    assert re.search(r"^test-rolling-kv-ops: (head split, )?backend CUDA0,", proc.stdout, re.M), tail  # not "backend CUDA0 not found, skipping"
     run = optest.parse(proc.stdout)
     optest.check_complete(run)
     assert run.failed == 0, "\n".join(c.line for c in run.cases.values() if c.ok is False)[-3000:]
@@ -219,6 +220,75 @@ def test_gate_equiv_four_parallel_sequences_within_the_order_floor(cuda_build, s
     r = json.loads(out.read_text())
     assert r["n_seq"] == 4 and r["candidate"]["plan"]["split"] and r["metrics"]["nonfinite"] == 0
     assert r["verdict"] == "pass" and r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
+
+
+# ------------------------------------------------------------------------------ the head split (--kv-residency-mode head)
+
+
+def _head_op_skips(run: optest.Run) -> list[str]:
+    """The head cases CUDA0 refused: only F32 K/V (no CUDA FlashAttention kernel for them, the stock op's refusal too)."""
+    skipped = [c.desc for c in run.cases.values() if c.skipped]
+    assert all("K=f32" in d or "V=f32" in d for d in skipped), skipped
+    return skipped
+
+
+def test_head_split_op_on_cuda_matches_flash_attention(cuda_build):
+    """The head split's op graph on CUDA0 (the op test's --heads set: the stock kernel on the device heads' query view, the
+    streaming op with an EMPTY window over the host heads, concatenated by head) against ggml_flash_attn_ext over every
+    head, within the CUDA bounds (NMSE 5e-7, two types 5e-5): every cut of 2..4 KV heads, GQA 1..4, decode, small batches
+    and prefill, q8_0/q4_0/bf16, sinks, softcap, two streams; only F32 K/V refused."""
+    run = _op_test(cuda_build, "--heads")
+    skipped = _head_op_skips(run)
+    ran = _ran(run)
+    assert run.passed == len(ran) == len(run.cases) - len(skipped) and len(ran) >= 80
+    descs = " ".join(c.desc for c in ran.values())
+    for feature in ("q4_0", "q8_0", "bf16", "sinks", "softcap", "ne3=2", "n_q=512", "K=f16/q8_0"):
+        assert feature in descs, feature
+
+
+def test_head_split_op_on_cuda_perturbed_fails_every_case(cuda_build):
+    """The must-fail: every head case keeps heads in host memory with keys its rows read, so with every host-head score
+    x 2 (ROLLINGKV_DEBUG_PERTURB_TAIL=1, the streaming op's tail parts) every case that ran must fail, none pass."""
+    run = _op_test(cuda_build, "--heads", "--expect-perturbed", perturb="1")
+    _head_op_skips(run)
+    ran = _ran(run)
+    assert ran and all(c.verdict == optest.CAUGHT for c in ran.values()), [c.line for c in ran.values() if c.verdict != optest.CAUGHT][:10]
+
+
+@pytest.mark.parametrize("n_seq, cpu_frac", [(1, "0"), (4, "0"), (1, "0.5"), (4, "0.5")],
+                         ids=["1seq", "4seq", "1seq-cpu-part", "4seq-cpu-part"])
+def test_gate_equiv_head_split_within_the_order_floor(cuda_build, synth_model, tmp_path, n_seq, cpu_frac):
+    """The head split on the GPU, fully offloaded: 1 of the 2 KV heads of every layer on the device, the other in pinned host
+    memory streamed for every position (with cpu_frac 0.5 half of its cells attended on the CPU, decode-sized batches);
+    one sequence and four side by side; within 2x the resident run's own order floor, per position too."""
+    n_tok = 1024 if cpu_frac == "0" else 512
+    batch = ([] if n_seq == 1 else ["--n-batch", "128"]) if cpu_frac == "0" else ["--n-batch", str(n_seq)]
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", str(n_tok * (2 if n_seq == 4 else 1)),
+                 "--n-seq", str(n_seq), *batch, "--kv-residency-mode", "head", "--kv-device-heads", "1",
+                 "--kv-tail-cpu-frac", cpu_frac, "-ngl", "99", "--order-floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    plan = r["candidate"]["plan"]
+    assert plan["split"] and plan["mode_chosen"] == "head" and r["metrics"]["nonfinite"] == 0
+    assert plan["heads"]["per_layer"] == [1] * 4
+    if cpu_frac != "0":
+        assert plan["tail_cpu"]["frac"] == 0.5
+    assert r["tail_positions"] == r["metrics"]["n"]  # the host heads are read at every position
+    assert r["verdict"] == "pass" and r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
+
+
+def test_gate_equiv_head_split_fails_perturbed_on_the_gpu(cuda_build, synth_model, tmp_path):
+    """The head gate's must-fail on the GPU: every host-head score x 1.1 (ROLLINGKV_DEBUG_PERTURB_TAIL=0.1, why 0.1: see
+    test_gate_equiv_fails_on_a_perturbed_tail_on_the_gpu) puts most positions over the per-position bound."""
+    out = tmp_path / "r.json"
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "1024", "--kv-residency-mode", "head",
+                 "--kv-device-heads", "1", "--kv-tail-cpu-frac", "0", "-ngl", "99", "--order-floor", "--json", str(out)],
+                env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.1"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "fail" and r["candidate"]["plan"]["mode_chosen"] == "head" and r["metrics"]["nonfinite"] == 0
+    assert r["over_floor"]["n_over"] > 0.5 * r["over_floor"]["n"], r["over_floor"]
 
 
 # ------------------------------------------------------------------------------ hybrid models (recurrent + attention)

@@ -1031,6 +1031,33 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
         }
     }
 
+    // A q row masked everywhere (no sinks) has no defined softmax: the streaming op writes 0 (as ggml's CPU flash
+    // attention), ggml's CUDA flash attention 0/0 = NaN, in the unsplit layer and in the device heads alike. There a
+    // non-finite value of the reference is taken as 0, and one of the output too where the reference's is non-finite
+    // (the device heads run that kernel); any other non-finite value fails.
+    size_t n_masked_nan = 0;
+    if (c.mask != MASK_NONE && !c.sinks) {
+        for (int64_t r = 0; r < n_q*ne3; ++r) {
+            const int64_t i = r % n_q;
+            bool dead = true;
+            for (int64_t j = 0; j < n_kv && dead; ++j) {
+                dead = ggml_fp16_to_fp32(hm[i*n_kv + j]) == -INFINITY;
+            }
+            for (size_t e = (size_t) (r*n_head*D); dead && e < (size_t) ((r + 1)*n_head*D); ++e) {
+                if (!std::isfinite(ex[e])) {
+                    ex[e] = 0.0f;
+                    n_masked_nan++;
+                    if (!std::isfinite(ho[e])) {
+                        ho[e] = 0.0f;
+                    }
+                }
+            }
+        }
+    }
+    if (n_masked_nan) {
+        g_extra += " masked-nan-as-0=" + std::to_string(n_masked_nan);
+    }
+
     size_t n_nonfinite = 0, n_diff = 0;
     for (size_t i = 0; i < ho.size(); ++i) {
         n_nonfinite += !std::isfinite(ho[i]);
@@ -1042,6 +1069,34 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     *out_thr  = thr;
 
     bool ok = n_nonfinite == 0 && err <= thr;
+    if (!is_cpu && n_nonfinite == 0 && !ok) {
+        // the stock kernels round too (Q and P in f16): the split passes when it is no farther from attention in double
+        // precision (over the values its K/V hold) than ggml_flash_attn_ext over every head is (within 2x its NMSE)
+        auto held = [&](const kv_host & x, ggml_type td, ggml_type th) {
+            kv_host r = x, d = heads_of(r, 0, c.h_dev), h = heads_of(r, c.h_dev, nhkv);
+            round_through(d, td);
+            round_through(h, th);
+            for (int64_t i3 = 0; i3 < ne3; ++i3)
+            for (int64_t hh = 0; hh < nhkv; ++hh)
+            for (int64_t cc = 0; cc < n_kv; ++cc)
+            for (int64_t dd = 0; dd < D; ++dd) {
+                r.at(i3, hh, cc, dd) = hh < c.h_dev ? d.at(i3, hh, cc, dd) : h.at(i3, hh - c.h_dev, cc, dd);
+            }
+            return r;
+        };
+        kv_host xk = held(hk, c.tkd, c.tkh), xv = held(hv, c.tvd, c.tvh);
+        test_case tc = {};
+        tc.D = D; tc.n_head_kv = nhkv; tc.gqa = c.gqa; tc.n_kv = n_kv; tc.n_q = n_q; tc.split = 0;
+        tc.tkw = c.tkd; tc.tvw = c.tvd; tc.tkt = c.tkh; tc.tvt = c.tvh;
+        tc.mask = c.mask; tc.sinks = c.sinks; tc.max_bias = 0.0f; tc.softcap = c.softcap; tc.ne3 = ne3;
+        tc.q_perm = true; // Q as [D, n_head, n_q, ne3]
+        const std::vector<float> xa = exact_attention(tc, hq_data, xk, xv, hm, n_q_pad, hs, scale);
+        const double e_op = nmse(ho.data(), xa.data(), xa.size()), e_ref = nmse(ex.data(), xa.data(), xa.size());
+        char b[128];
+        snprintf(b, sizeof(b), " exact: op %.2e, stock %.2e", e_op, e_ref);
+        g_extra += b;
+        ok = e_op <= 2.0*e_ref;
+    }
     if (is_cpu) {
         g_extra += n_diff == 0 ? " bitexact" : " DIFF " + std::to_string(n_diff) + "/" + std::to_string(ho.size());
         ok = ok && n_diff == 0;

@@ -6,6 +6,7 @@
 # Carry .device/src (plus .device/prebuilt, .device/series, or the demo model halves as the checks need). CHECK is:
 #   op-tests            the op test on the build's backend (CPU: -b CPU; CUDA: the whole matrix, device + pinned-host tail)
 #   hybrid-op-tests     the op test on CUDA0, pinned-host tail, its far end on the CPU (0.5, 1), and perturbed (CUDA builds)
+#   head-op-tests       the op test's head split cases (--heads) on CUDA0, and perturbed (CUDA builds)
 #   cpu-decode-bench    the CPU part's attention bench on 15 threads (f16, q8_0, q4_0) against a read scan and ggml's
 #   hybrid-cells        llama-bench decode at 16384, 50% and ~100% f16 tail, CPU part 0 / auto / HYBRID_FRACS (synthetic model)
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
@@ -40,6 +41,7 @@ while [ $# -gt 0 ]; do
   case "$name" in
     op-tests) if [ "$BUILD_KIND" = cpu ]; then op_tests_cpu; else op_tests_cuda; fi ;;
     hybrid-op-tests) hybrid_op_tests ;;
+    head-op-tests) head_op_tests ;;
     cpu-decode-bench) cpu_decode_bench ;;
     hybrid-cells) hybrid_cells ;;
     gpu-tests) gpu_tests ;;

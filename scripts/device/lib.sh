@@ -205,6 +205,21 @@ hybrid_op_tests() {
   return $rc
 }
 
+# head_op_tests: the head split's op cases (--heads) on CUDA0, then perturbed (every case must fail);
+# $OUT/optest-cuda0-heads{,-perturbed}.txt
+head_op_tests() {
+  local r rc=0 log="$OUT/optest-cuda0-heads.txt"
+  timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --heads > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
+  echo "op test -b CUDA0 --heads: exit $r"
+  grep -E "FAIL|passed" "$log" | cut -c1-260 | tail -6
+  log="$OUT/optest-cuda0-heads-perturbed.txt"
+  ROLLINGKV_DEBUG_PERTURB_TAIL=1 timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --heads --expect-perturbed > "$log" 2>&1
+  r=$?; [ $r = 0 ] || rc=$r
+  echo "perturbed x = 1: exit $r; caught $(grep -c 'OK (fails: perturbed tail)' "$log")"
+  grep -E "FAIL|passed" "$log" | cut -c1-260 | tail -6
+  return $rc
+}
+
 # cpu_decode_bench: the CPU part's attention alone (test-rolling-kv-cpu-decode --bench: 28 layers x 16384 cells, 15
 # threads, f16/q8_0/q4_0) against a read scan, a copy and ggml_flash_attn_ext on the same bytes; $OUT/cpu-decode-bench.txt
 cpu_decode_bench() {
