@@ -247,7 +247,8 @@ def test_internal_error_is_one_line_with_a_way_to_the_traceback(capsys, isolated
 
 def _spawn_parent(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     """A stand-in supervisor: starts `sleep` through popen_tied in its own session, prints its pid, waits."""
-    code = ("import sys, time\n"
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"  # as a supervisor would, even under nohup (which ignores it)
             f"sys.path.insert(0, {str(REPO)!r})\n"
             "from rollingkv_cli.procs import popen_tied\n"
             "p = popen_tied(['sleep', '120'])\n"
