@@ -164,6 +164,12 @@ def _cases() -> dict:
     c["hyb_fast_cpu_no_gain"] = fig(**{**hyb, "cpu_attn_gbps": 0.5}, tail_cpu_frac=-1, pcie_bw_gbps=53.5)
     c["hyb_q4_1"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, type_k_tail="q4_1", type_v_tail="q4_1")
     c["hyb_host"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, host_memory=True)
+    # the H200's synthetic 28-layer model at 16384 cells, half of them in an f16 or q4_0 tail, with the figures the bench
+    # of docs/perf/2026-12-03-h200-head-split measured (link 54.65 GB/s, CPU attention f16 69.64 / q4_0 43.19 GB/s)
+    h200 = dict(mode="window", kv_size=16416, n_layer=28, weights_mib=5755, mem_bw_gbps=3947.58, pcie_bw_gbps=54.65, window_cells=8192,
+                tail_cpu_frac=-1)
+    c["h200_f16"] = fig(**h200, cpu_attn_gbps=69.64)
+    c["h200_q4_0"] = fig(**h200, cpu_attn_gbps=43.19, type_k_tail="q4_0", type_v_tail="q4_0")
     # the head split (8 KV heads of 128 per layer: n_embd_k_gqa / head_k)
     c["head_explicit"] = fig(mode="head", device_heads=3)
     c["head_explicit_all"] = fig(mode="head", device_heads=8)
@@ -593,6 +599,7 @@ def test_live_iswa_counts_the_swa_cache(cpu_build, tmp_path):
 
 
 CPU_PART_LATENCY_MS = 0.09  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer (the H200 latency probe)
+LAYER_DECODE_MS = 0.06      # LLAMA_RKV_LAYER_DECODE_MS, per split layer (the H200's resident decode beyond its bytes)
 
 
 def _best_share(p: dict, cpu_gbps: float, link_gbps: float, scale: float = 1.0) -> float:
@@ -600,8 +607,8 @@ def _best_share(p: dict, cpu_gbps: float, link_gbps: float, scale: float = 1.0) 
     max(t_res + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %. scale: the tail in
     use over the full context's (auto chooses again as the tail grows)."""
     est = p["estimate"]
-    t_res, tail = est["t_resident_ms"], scale * est["tail_bytes_per_token"]
     n_layer = sum(1 for layer in p["layers"] if layer["split"])
+    t_res, tail = est["t_resident_ms"] + n_layer * LAYER_DECODE_MS, scale * est["tail_bytes_per_token"]
 
     def t(f):
         return max(t_res + f * tail / (cpu_gbps * 1e9) * 1e3 + (n_layer * CPU_PART_LATENCY_MS if f > 0 else 0.0),
@@ -643,6 +650,19 @@ def test_auto_share_is_chosen_again_as_the_tail_grows(sim, link):
     assert sim["hyb_off"]["tail_cpu"]["from_tail_cells"] is None
 
 
+def test_auto_share_on_the_h200s_figures(sim):
+    """What auto takes with the figures the H200 bench measured (docs/perf/2026-12-03-h200-head-split): about 0.37 of an f16
+    tail (the fixed shares measured 0.39 and 0.5 near each other), and no CPU part for a q4_0 tail, where that run's auto
+    took 0.078 and lost 23 % to the GPU alone (6.91 against 5.63 ms): the model without a layer's decode cost beyond its
+    bytes (t_resident 1.77 ms against 3.45 measured) saw the CPU part as free."""
+    f16, q4 = sim["h200_f16"], sim["h200_q4_0"]
+    assert f16["window_cells"] == 8192 and f16["estimate"]["t_resident_ms"] == pytest.approx(1.77, abs=0.05)
+    assert f16["tail_cpu"]["frac"] == pytest.approx(_best_share(f16, 69.64, 54.65), abs=1e-6)
+    assert 0.3 < f16["tail_cpu"]["frac"] < 0.45
+    assert q4["tail_cpu"]["frac"] == 0 and "gain < 3 %" in q4["tail_cpu"]["reason"]
+    assert _best_share(q4, 43.19, 54.65) == 0
+
+
 def test_auto_share_is_monotone_in_the_link(sim):
     shares = [sim[f"hyb_auto_{link:g}"]["tail_cpu"]["frac"] for link in (6.5, 25.0, 53.5)]
     assert shares[0] > shares[1] > shares[2] > 0
@@ -663,7 +683,7 @@ def test_a_requested_share_is_used_as_given(sim):
     p = sim["hyb_fixed"]
     assert p["tail_cpu"]["frac"] == pytest.approx(0.5) and p["tail_cpu"]["reason"] == "requested"
     assert p["estimate"]["t_token_hybrid_ms"] == pytest.approx(
-        max(p["estimate"]["t_resident_ms"] + 0.5 * p["estimate"]["tail_bytes_per_token"] / 40e9 * 1e3 + 32 * CPU_PART_LATENCY_MS,
+        max(p["estimate"]["t_resident_ms"] + 32 * LAYER_DECODE_MS + 0.5 * p["estimate"]["tail_bytes_per_token"] / 40e9 * 1e3 + 32 * CPU_PART_LATENCY_MS,
             0.5 * p["estimate"]["tail_bytes_per_token"] / 53.5e9 * 1e3), rel=1e-4)
 
 

@@ -690,7 +690,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     }
 
     const bool known = st.cpu_attn_gbps > 0.0 && st.link_bw_gbps > 0.0;
-    const double t_res  = std::max(0.0, st.t_resident_ms);
+    const double t_res  = std::max(0.0, st.t_resident_ms) + n_layer*LLAMA_RKV_LAYER_DECODE_MS;
     const double t_link = known ? st.est_tail_bytes/(st.link_bw_gbps*1e9)*1e3 : 0.0;
     const double t_cpu  = known ? st.est_tail_bytes/(st.cpu_attn_gbps*1e9)*1e3 : 0.0;
     auto model = [&](double f) {

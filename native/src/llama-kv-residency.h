@@ -47,7 +47,8 @@
 // on the CPU while it streams the rest. The streamed part's copies run ahead across layers, overlapping everything;
 // the CPU part of a layer can only start once the layer's Q exists and the layer's merge waits for it, so it adds
 // to the device's own time:
-//   t_token(f) ~ max(t_resident + f*tail/cpu_bw + n_layer*t_cpu_part_latency, (1 - f)*tail/link_bw)
+//   t_token(f) ~ max(t_resident + n_layer*t_layer + f*tail/cpu_bw + n_layer*t_cpu_part_latency, (1 - f)*tail/link_bw)
+// (t_resident: the device's bytes over its bandwidth; t_layer: what a layer's decode takes beyond that)
 // with cpu_bw the CPU part's attention bandwidth (the request's cpu_attn_gbps, or a short calibration at plan
 // time). auto takes the f (in steps of 1/64) that minimizes it, none when that gains less than 3 %. The tail grows
 // with the context while the latency term does not, so auto's share is chosen again for the tail in use whenever a
@@ -82,6 +83,11 @@ static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
 // stream-ordered host function, the pool's start and merge, the result back. Measured on the H200 (docs/perf/
 // 2026-12-03-h200-hybrid-tail, the latency probe: a 256-cell CPU part per layer costs 96 us of decode time per layer)
 static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.09;
+// per layer and token, what a GPU's decode takes beyond reading its bytes (kernel launches, small kernels): the hybrid
+// tail's model adds it to t_resident, since a CPU part waits for its layer's query and the merge for it. The H200 decodes
+// the synthetic 28-layer model resident in 3.45 ms where its bytes take 1.77 ms at the measured 3948 GB/s: 0.06 ms a
+// layer (docs/perf/2026-12-03-h200-head-split). Without it the model thought a q4_0 tail's CPU part free and auto lost 23 %.
+static const double   LLAMA_RKV_LAYER_DECODE_MS = 0.06;
 
 // "off", "auto", "head", "window" (llama_kv_residency_mode_name)
 const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode);
