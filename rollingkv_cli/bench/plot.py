@@ -64,6 +64,10 @@ def render(doc: dict, out: Path) -> Path:
                 pts = sorted((c for c in hybrid if c.get("cpu_frac") == frac), key=lambda c: c["tail_bytes_per_token"])
                 ax.plot([c["tail_bytes_per_token"] / 1e6 for c in pts], [c["tokens_per_s"] for c in pts],
                         "^--" if frac == "auto" else next(fixed), label=f"hybrid {t}, CPU {_cpu_name(frac)}", color=_TYPE_COLORS.get(t))
+            head = sorted((c for c in cells if c["kind"] == "head" and c.get("tail_type") == t), key=lambda c: c["tail_bytes_per_token"])
+            if head:  # the head split at the same VRAM as the window cells: its tail bytes are its host heads of every cell
+                ax.plot([c["tail_bytes_per_token"] / 1e6 for c in head], [c["tokens_per_s"] for c in head], "x-.", markersize=8,
+                        label=f"head split {t}", color=_TYPE_COLORS.get(t))
         for kind, (label, marker, color) in _VANILLA.items():
             pts = [c for c in cells if c["kind"] == kind]
             if not pts:

@@ -106,3 +106,20 @@ def test_no_hybrid_floor_without_a_cpu_figure(drawn):
     (ax,) = fig.axes
     labels = [ln.get_label() for ln in ax.get_lines()]
     assert "hybrid f16, CPU auto" in labels and not [x for x in labels if x.startswith("hybrid floor") or x.startswith("hybrid serial")]
+
+
+def test_head_cells_are_a_series_of_their_own(drawn):
+    """The head split's cells (kind head) per tail type, in tail-bytes order, apart from the window series; a failed one
+    left out."""
+    doc = _doc()
+
+    def cell(tps, tail, status="ok"):
+        return {"kind": "head", "depth": 1024, "status": status, "tokens_per_s": tps, "tail_type": "f16", "tail_bytes_per_token": tail,
+                "device_heads": 4}
+
+    doc["cells"] += [cell(55.0, 4.2e6), cell(81.0, 1.9e6), cell(70.0, 3e6, "timeout")]
+    _, fig = drawn(doc)
+    (ax,) = fig.axes
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert lines["head split f16"].get_xdata().tolist() == [1.9, 4.2] and lines["head split f16"].get_ydata().tolist() == [81.0, 55.0]
+    assert lines["tail f16"].get_ydata().tolist() == [80.0, 60.0] and "head split q4_0" not in lines
