@@ -83,6 +83,48 @@ llama_cpp.llama_log_set(_cb, None)
 llama_cpp.llama_backend_init()
 """
 
+# After a prelude that loads `model` and defines `cparams()`: a state round trip of one sequence through llama_state_*.
+# saved(kw) feeds 699 tokens to a context made with make_params(**kw) and returns its state and the next token's
+# logits; load(kw, ...) restores that state into another context and compares its next logits ("refused" when the
+# library refuses the state).
+STATE_ROUND_TRIP = """
+import numpy as np
+toks = [(i * 37 + 11) % 20000 + 100 for i in range(700)]
+def new(kw):
+    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
+    assert ctx, ext.last_error()
+    return ctx
+def feed(ctx, tokens, pos0):
+    b = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    for i, t in enumerate(tokens):
+        b.token[i] = t; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(tokens) - 1
+    b.n_tokens = len(tokens)
+    assert llama_cpp.llama_decode(ctx, b) == 0
+    llama_cpp.llama_batch_free(b)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+def saved(kw):
+    a = new(kw)
+    feed(a, toks[:512], 0); feed(a, toks[512:699], 512)
+    size = llama_cpp.llama_state_get_size(a)
+    buf = (ctypes.c_uint8 * size)()
+    assert llama_cpp.llama_state_get_data(a, buf, size) == size
+    ref = feed(a, toks[699:700], 699)
+    llama_cpp.llama_free(a)
+    return buf, size, ref
+def load(kw, buf, size, ref):
+    c = new(kw)
+    n = llama_cpp.llama_state_set_data(c, buf, size)
+    if n == 0:
+        out = "refused"
+    else:
+        got = feed(c, toks[699:700], 699)
+        out = {"exact": bool(np.array_equal(got, ref)), "same_top1": int(got.argmax()) == int(ref.argmax()),
+               "mean_abs": float(np.abs(got - ref).mean())}
+    llama_cpp.llama_free(c)
+    return out
+"""
+
 
 def run_python(code: str, lib_dir: Path | None = None, timeout: float = 600, env_extra: dict | None = None) -> dict:
     """Run code in a fresh interpreter (llama_cpp binds its library once per process); it prints one JSON line last."""

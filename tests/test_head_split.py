@@ -16,19 +16,11 @@ import sys
 
 import pytest
 
-from conftest import run_python
+from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, run_python
 
 pytestmark = pytest.mark.build
 
-_PRELUDE = """
-import ctypes, json, os
-from pathlib import Path
-import numpy as np
-from rollingkv_cli import llama_ext
-llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
-_cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: None)
-llama_cpp.llama_log_set(_cb, None)
-llama_cpp.llama_backend_init()
+_PRELUDE = LIB_PRELUDE + """import numpy as np
 model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
 def cparams(n_ctx=2048, n_seq=1):
     cp = llama_cpp.llama_context_default_params()
@@ -219,41 +211,7 @@ def test_state_bytes_and_round_trips(cpu_build, demo_model):
     and another head split, and a resident state into a head split. Two types (q8_0 host heads): its own marker, loaded
     exactly into the same split, converted (same argmax, q8_0-sized logit changes) into another head split, refused by a
     window split and by the resident cache: never silently wrong."""
-    r = _py(cpu_build, demo_model, """
-toks = [(i * 37 + 11) % 20000 + 100 for i in range(700)]
-def new(kw):
-    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
-    assert ctx, ext.last_error()
-    return ctx
-def feed(ctx, tokens, pos0):
-    b = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    for i, t in enumerate(tokens):
-        b.token[i] = t; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(tokens) - 1
-    b.n_tokens = len(tokens)
-    assert llama_cpp.llama_decode(ctx, b) == 0
-    llama_cpp.llama_batch_free(b)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
-def saved(kw):
-    a = new(kw)
-    feed(a, toks[:512], 0); feed(a, toks[512:699], 512)
-    size = llama_cpp.llama_state_get_size(a)
-    buf = (ctypes.c_uint8 * size)()
-    assert llama_cpp.llama_state_get_data(a, buf, size) == size
-    ref = feed(a, toks[699:700], 699)
-    llama_cpp.llama_free(a)
-    return buf, size, ref
-def load(kw, buf, size, ref):
-    c = new(kw)
-    n = llama_cpp.llama_state_set_data(c, buf, size)
-    if n == 0:
-        out = "refused"
-    else:
-        got = feed(c, toks[699:700], 699)
-        out = {"exact": bool(np.array_equal(got, ref)), "same_top1": int(got.argmax()) == int(ref.argmax()),
-               "mean_abs": float(np.abs(got - ref).mean())}
-    llama_cpp.llama_free(c)
-    return out
+    r = _py(cpu_build, demo_model, STATE_ROUND_TRIP + """
 res = {"f16": {}, "mixed": {}, "resident": {}}
 h1 = dict(mode="head", device_heads=1)
 buf_h, size_h, ref_h = saved(h1)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_PRELUDE, run_python
+from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, run_python
 
 pytestmark = pytest.mark.build
 
@@ -156,42 +156,7 @@ def test_state_round_trip_across_splits(cpu_build, demo_model):
     """A state saved from a spilled context loads back exactly into the same split; a same-type state moves
     between splits (and to the resident cache) exactly; a mixed-type state loads into another layout only
     by converting rows (close, same argmax) or is refused with an error: never silently wrong."""
-    r = _py(cpu_build, demo_model, """
-import numpy as np
-toks = [(i * 37 + 11) % 20000 + 100 for i in range(700)]
-def new(kw):
-    ctx = ext.init_context(model, cparams(), ext.make_params(**kw))
-    assert ctx
-    return ctx
-def feed(ctx, tokens, pos0):
-    b = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    for i, t in enumerate(tokens):
-        b.token[i] = t; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(tokens) - 1
-    b.n_tokens = len(tokens)
-    assert llama_cpp.llama_decode(ctx, b) == 0
-    llama_cpp.llama_batch_free(b)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
-def saved(kw):
-    a = new(kw)
-    feed(a, toks[:512], 0); feed(a, toks[512:699], 512)
-    size = llama_cpp.llama_state_get_size(a)
-    buf = (ctypes.c_uint8 * size)()
-    assert llama_cpp.llama_state_get_data(a, buf, size) == size
-    ref = feed(a, toks[699:700], 699)
-    llama_cpp.llama_free(a)
-    return buf, size, ref
-def load(kw, buf, size, ref):
-    c = new(kw)
-    n = llama_cpp.llama_state_set_data(c, buf, size)
-    if n == 0:
-        out = "refused"
-    else:
-        got = feed(c, toks[699:700], 699)
-        out = {"exact": bool(np.array_equal(got, ref)), "same_top1": int(got.argmax()) == int(ref.argmax()),
-               "mean_abs": float(np.abs(got - ref).mean())}
-    llama_cpp.llama_free(c)
-    return out
+    r = _py(cpu_build, demo_model, STATE_ROUND_TRIP + """
 res = {"mixed": {}, "f16": {}}
 mixed = dict(mode="window", window_cells=256, type_k_tail="q8_0", type_v_tail="q8_0")
 buf, size, ref = saved(mixed)
