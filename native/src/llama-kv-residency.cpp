@@ -743,6 +743,18 @@ static uint32_t llama_rkv_resident(llama_rkv_state & st, std::string reason, boo
     return 0;
 }
 
+// the whole KV fits the budget (the vram_target's, or the free VRAM's when target <= 0): resident, saying so
+static uint32_t llama_rkv_resident_fits(llama_rkv_state & st, int64_t target) {
+    size_t kv = 0;
+    for (const auto & d : st.devs) {
+        kv += d.kv_resident;
+    }
+    char buf[160];
+    snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
+            target > 0 ? "vram_target" : "free VRAM");
+    return llama_rkv_resident(st, buf);
+}
+
 static void llama_rkv_log_budget(const llama_rkv_state & st) {
     for (const auto & d : st.devs) {
         char target[64];
@@ -935,14 +947,7 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
         llama_rkv_log_budget(st);
     }
     if (fits) {
-        size_t kv = 0;
-        for (const auto & d : st.devs) {
-            kv += d.kv_resident;
-        }
-        char buf[160];
-        snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
-                target > 0 ? "vram_target" : "free VRAM");
-        return llama_rkv_resident(st, buf);
+        return llama_rkv_resident_fits(st, target);
     }
     if (!st.error.empty()) {
         return llama_rkv_resident(st, st.error);
@@ -1101,14 +1106,7 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
         return llama_rkv_resident(st, st.error);
     }
     if (fits) {
-        size_t kv = 0;
-        for (const auto & d : st.devs) {
-            kv += d.kv_resident;
-        }
-        char buf[160];
-        snprintf(buf, sizeof(buf), "the whole KV (%.0f MiB) fits the %s budget: resident", llama_rkv_mib(kv),
-                target > 0 ? "vram_target" : "free VRAM");
-        return llama_rkv_resident(st, buf);
+        return llama_rkv_resident_fits(st, target);
     }
 
     if (head) {
