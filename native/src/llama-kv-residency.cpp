@@ -604,10 +604,13 @@ bool llama_rkv_plan_heads(llama_rkv_state & st) {
     return ok;
 }
 
+// the model of the header at share f
+static double llama_rkv_tail_cpu_time(double t_res_ms, double t_link_ms, double t_cpu_ms, double latency_ms, double f) {
+    return std::max(t_res_ms + f*t_cpu_ms + (f > 0.0 ? latency_ms : 0.0), (1.0 - f)*t_link_ms);
+}
+
 double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_ms, double latency_ms) {
-    auto model = [&](double f) {
-        return std::max(t_res_ms + f*t_cpu_ms + (f > 0.0 ? latency_ms : 0.0), (1.0 - f)*t_link_ms);
-    };
+    auto model = [&](double f) { return llama_rkv_tail_cpu_time(t_res_ms, t_link_ms, t_cpu_ms, latency_ms, f); };
     double best_f = 0.0, best_t = model(0.0);
     for (int i = 1; i <= 64; ++i) {
         const double f = i/64.0;
@@ -693,9 +696,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     const double t_res  = std::max(0.0, st.t_resident_ms) + n_layer*LLAMA_RKV_LAYER_DECODE_MS;
     const double t_link = known ? st.est_tail_bytes/(st.link_bw_gbps*1e9)*1e3 : 0.0;
     const double t_cpu  = known ? st.est_tail_bytes/(st.cpu_attn_gbps*1e9)*1e3 : 0.0;
-    auto model = [&](double f) {
-        return std::max(t_res + f*t_cpu + (f > 0.0 ? n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS : 0.0), (1.0 - f)*t_link);
-    };
+    const double latency = n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS;
 
     if (req > 0.0f) {
         st.tail_cpu_frac   = std::min(1.0f, req);
@@ -706,8 +707,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
             " is unknown";
         return;
     } else {
-        const double latency = n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS;
-        const double best_f  = llama_rkv_tail_cpu_best(t_res, t_link, t_cpu, latency);
+        const double best_f = llama_rkv_tail_cpu_best(t_res, t_link, t_cpu, latency);
         char buf[256];
         if (best_f == 0.0) {
             snprintf(buf, sizeof(buf), "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
@@ -723,7 +723,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         st.tail_cpu_reason = buf;
     }
     if (known) {
-        st.t_token_hybrid_ms = model(st.tail_cpu_frac);
+        st.t_token_hybrid_ms = llama_rkv_tail_cpu_time(t_res, t_link, t_cpu, latency, st.tail_cpu_frac);
     }
 }
 
