@@ -209,6 +209,20 @@ static double nmse(const float * a, const float * b, size_t n) {
     return err/ref;
 }
 
+// the query rows (of n_q; mask [n_kv, n_q_pad] as fp16) whose mask is -inf at every key, when check is set (a mask and no
+// sinks: only then has such a row no defined softmax); all false otherwise
+static std::vector<bool> fully_masked_rows(const std::vector<ggml_fp16_t> & hm, int64_t n_q, int64_t n_kv, bool check) {
+    std::vector<bool> dead(n_q, false);
+    for (int64_t i = 0; check && i < n_q; ++i) {
+        bool d = true;
+        for (int64_t j = 0; j < n_kv && d; ++j) {
+            d = ggml_fp16_to_fp32(hm[i*n_kv + j]) == -INFINITY;
+        }
+        dead[i] = d;
+    }
+    return dead;
+}
+
 // Attention in double precision over the values the op's K/V hold (after their types' rounding), the reference
 // for backends whose kernels round (the CUDA kernels take Q and P in f16): dst layout [DV, n_head, n_q, ne3],
 // 0 for fully masked rows without sinks (as the op). Scale, softcap, ALiBi slopes and sinks as ggml's CPU path.
@@ -357,17 +371,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
     }
 
-    std::vector<bool> row_masked(n_q, false);
-    if (c.mask != MASK_NONE && !c.sinks) {
-        for (int64_t i = 0; i < n_q; ++i) {
-            row_masked[i] = true;
-            for (int64_t j = 0; j < n_kv && row_masked[i]; ++j) {
-                if (ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY) {
-                    row_masked[i] = false;
-                }
-            }
-        }
-    }
+    const std::vector<bool> row_masked = fully_masked_rows(hm, n_q, n_kv, c.mask != MASK_NONE && !c.sinks);
     auto zero_masked_nan = [&](std::vector<float> & r) {
         size_t n = 0;
         for (size_t e = 0; e < r.size(); ++e) {
@@ -1036,20 +1040,14 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     // non-finite value of the reference is taken as 0, and one of the output too where the reference's is non-finite
     // (the device heads run that kernel); any other non-finite value fails.
     size_t n_masked_nan = 0;
-    if (c.mask != MASK_NONE && !c.sinks) {
-        for (int64_t r = 0; r < n_q*ne3; ++r) {
-            const int64_t i = r % n_q;
-            bool dead = true;
-            for (int64_t j = 0; j < n_kv && dead; ++j) {
-                dead = ggml_fp16_to_fp32(hm[i*n_kv + j]) == -INFINITY;
-            }
-            for (size_t e = (size_t) (r*n_head*D); dead && e < (size_t) ((r + 1)*n_head*D); ++e) {
-                if (!std::isfinite(ex[e])) {
-                    ex[e] = 0.0f;
-                    n_masked_nan++;
-                    if (!std::isfinite(ho[e])) {
-                        ho[e] = 0.0f;
-                    }
+    const std::vector<bool> dead = fully_masked_rows(hm, n_q, n_kv, c.mask != MASK_NONE && !c.sinks);
+    for (int64_t r = 0; r < n_q*ne3; ++r) {
+        for (size_t e = (size_t) (r*n_head*D); dead[r % n_q] && e < (size_t) ((r + 1)*n_head*D); ++e) {
+            if (!std::isfinite(ex[e])) {
+                ex[e] = 0.0f;
+                n_masked_nan++;
+                if (!std::isfinite(ho[e])) {
+                    ho[e] = 0.0f;
                 }
             }
         }
