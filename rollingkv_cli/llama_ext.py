@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import sys
 from pathlib import Path
@@ -77,9 +78,10 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 5
+API_VERSION = 6
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
+API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -300,6 +302,21 @@ class Extension:
             abort("no residency plan: the context is NULL")
         buf = ctypes.create_string_buffer(n + 1)
         self._lib.llama_rolling_kv_plan_json(ctx_ptr, buf, n + 1)
+        return json.loads(buf.value.decode())
+
+    def stats(self, ctx_ptr) -> dict | None:
+        """llama_rolling_kv_stats_json: what a split cache attended of its tail so far, and its cells per stream (None
+        before API 6)."""
+        fn = getattr(self._lib, "llama_rolling_kv_stats_json", None) if self.api >= API_LIVE_STATS else None
+        if fn is None:
+            return None
+        fn.restype = ctypes.c_int32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        n = fn(ctx_ptr, None, 0)
+        if n < 0:
+            return None
+        buf = ctypes.create_string_buffer(n + 1)
+        fn(ctx_ptr, buf, n + 1)
         return json.loads(buf.value.decode())
 
     def _require_planner(self) -> None:

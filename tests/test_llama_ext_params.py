@@ -70,7 +70,7 @@ def test_struct_layout_appends_the_fields():
     assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
                        "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44}
     assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == 4 and ctypes.sizeof(P) == 48
-    assert llama_ext.API_VERSION == 5 and llama_ext.API_HEAD_SPLIT == 5
+    assert llama_ext.API_VERSION == 6 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
 
 
 @pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),

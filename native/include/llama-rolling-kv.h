@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 5
+#define LLAMA_ROLLING_KV_API_VERSION 6
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -77,6 +77,15 @@ LLAMA_API const char * llama_rolling_kv_last_error(void);
 // memory bandwidth, the link bandwidth and the expected ms/token of a split. Writes at most buf_size
 // bytes including the terminating NUL; returns the full length (excluding NUL), or -1 if ctx is NULL.
 LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf, size_t buf_size);
+
+// API 6: what a split cache does under load, as JSON (safe to call from any thread while the context decodes):
+// {"split":bool,"window_cells":n,"n_stream":n,"steps":n (ubatches that attended a tail),"tail_bytes_total":n,
+// "streamed_bytes_total":n,"occupied_bytes_total":n (the tail bytes in use by those ubatches' streams),
+// "last":{"streams":n,"per_stream_ops":n,"tail_bytes":n,"streamed_bytes":n,"occupied_bytes":n},"block_bytes":n
+// (256 tail cells of every split layer),"slots":[{"stream":i,"device_cells":n,"tail_cells":n}, ...]}. A batch of
+// several streams attends one op per stream over that stream's own cells, so tail_bytes exceeds occupied_bytes by
+// less than block_bytes per stream. Same return convention as llama_rolling_kv_plan_json.
+LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
 // The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at
 // its top level. Returns false if ctx or info is NULL. A context created without residency parameters reports

@@ -173,6 +173,9 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     const uint32_t wc = llama_rkv_plan_cache(st, desc, model);
 
     rkv_head = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+    if (wc || rkv_head) {
+        rkv_live = st.live;
+    }
     rkv_dev_heads.assign(hparams.n_layer_all, 0);
     if (rkv_head) {
         for (const auto & hl : st.head_layers) {
@@ -360,6 +363,141 @@ ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uin
         return nullptr;
     }
     return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv - rkv_wc, sinfo);
+}
+
+uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
+    // as get_n_kv for one stream
+    const uint32_t n_pad_cur = std::max(n_pad, 256u);
+    const auto & cells = v_cells[strm];
+    return std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1(), n_pad_cur)));
+}
+
+// test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
+// cells (the behaviour before per-stream ops), for A/B runs
+static bool llama_rkv_one_op_streams() {
+    static const bool v = [] {
+        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
+        return e && strcmp(e, "1") == 0;
+    }();
+    return v;
+}
+
+llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full) const {
+    llama_rkv_attn_layout lay;
+    lay.n_win         = rkv_head ? 0 : rkv_wc;
+    lay.tail_cpu_frac = rkv_tail_cpu_frac(n_kv);
+
+    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+    if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
+        return lay;
+    }
+    // one op per stream, each over its own cells: a stream's cells past its own n_kv are all masked for its tokens,
+    // so leaving them out changes nothing but the bytes read (the worst-case graph: every stream at n_kv)
+    for (uint32_t s = 0; s < ns; ++s) {
+        const uint32_t n_s = full ? n_kv : std::min(n_kv, rkv_stream_n_kv(sinfo.s0 + s));
+        lay.n_kv.push_back(n_s);
+        lay.cpu_frac.push_back(rkv_tail_cpu_frac(n_s));
+    }
+    return lay;
+}
+
+void llama_kv_cache::rkv_note_graph(const ggml_tensor * k_idxs, const llama_rkv_attn_layout & layout) const {
+    for (auto & e : rkv_graph_cells) {
+        if (e.first == k_idxs) {
+            e.second = layout.n_kv;
+            return;
+        }
+    }
+    // llama_context keeps two graphs for reuse; a few more entries cover graphs whose inputs were freed
+    if (rkv_graph_cells.size() >= 8) {
+        rkv_graph_cells.erase(rkv_graph_cells.begin());
+    }
+    rkv_graph_cells.emplace_back(k_idxs, layout.n_kv);
+}
+
+bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full) const {
+    if (!rkv_split()) {
+        return true;
+    }
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full);
+    for (const auto & e : rkv_graph_cells) {
+        if (e.first == k_idxs) {
+            return e.second == lay.n_kv;
+        }
+    }
+    // not built through the split's attention (no layer attended a tail): one op, or none, per layer
+    return lay.n_kv.empty() || n_kv <= lay.n_win;
+}
+
+void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
+    if (!rkv_live) {
+        return;
+    }
+    uint64_t cell_bytes = 0; // one tail cell of every split layer
+    bool     streamed   = false;
+    for (const auto & layer : layers) {
+        for (const ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
+            if (t) {
+                cell_bytes += t->nb[1];
+                streamed   |= ggml_is_streamed(t);
+            }
+        }
+    }
+
+    uint32_t n_kv = 0;
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        n_kv = std::max(n_kv, rkv_stream_n_kv(sinfo.strm[s]));
+    }
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false);
+    const uint32_t wc = rkv_head ? 0 : rkv_wc;
+
+    uint64_t tail = 0, stream = 0, occupied = 0;
+    std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const uint32_t strm = sinfo.strm[s];
+        const auto & cells = v_cells[strm];
+        uint32_t dev = 0, host = 0;
+        for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
+            if (!cells.is_empty(i)) {
+                (i < wc ? dev : host) += 1;
+            }
+        }
+        if (rkv_head) {
+            dev = host; // every cell's device heads and host heads
+        }
+        cells_of.push_back({ strm, { dev, host } });
+
+        const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
+        const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
+        const float    frac   = lay.n_kv.empty() ? lay.tail_cpu_frac : lay.cpu_frac[s];
+        tail     += n_tail;
+        stream   += streamed ? n_tail - ggml_rkv_tail_cpu_cells(n_tail, frac) : 0;
+        occupied += host;
+    }
+
+    std::lock_guard<std::mutex> lock(rkv_live->mtx);
+    llama_rkv_live & lv = *rkv_live;
+    lv.block_bytes = 256*cell_bytes;
+    if (lv.device_cells.size() < n_stream) {
+        lv.device_cells.resize(n_stream, 0);
+        lv.tail_cells.resize(n_stream, 0);
+    }
+    for (const auto & c : cells_of) {
+        lv.device_cells[c.first] = c.second.first;
+        lv.tail_cells[c.first]   = c.second.second;
+    }
+    if (tail == 0) {
+        return;
+    }
+    lv.steps += 1;
+    lv.last_streams        = sinfo.n_stream();
+    lv.last_per_stream_ops = lay.n_kv.empty() ? 0 : (uint32_t) lay.n_kv.size();
+    lv.last_tail_bytes     = tail*cell_bytes;
+    lv.last_streamed_bytes = stream*cell_bytes;
+    lv.last_occupied_bytes = occupied*cell_bytes;
+    lv.tail_bytes     += lv.last_tail_bytes;
+    lv.streamed_bytes += lv.last_streamed_bytes;
+    lv.occupied_bytes += lv.last_occupied_bytes;
 }
 
 ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v, bool tail) const {
@@ -1110,8 +1248,14 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
     return kv->rkv_get_v_tail(ctx, il, n_kv, sinfos[i_cur]);
 }
 
-float llama_kv_cache_context::rkv_get_tail_cpu_frac() const {
-    return kv->rkv_tail_cpu_frac(n_kv);
+llama_rkv_attn_layout llama_kv_cache_context::rkv_attn_layout(const ggml_tensor * k_idxs) const {
+    llama_rkv_attn_layout lay = kv->rkv_attn_layout(n_kv, sinfos[i_cur], rkv_full);
+    kv->rkv_note_graph(k_idxs, lay);
+    return lay;
+}
+
+bool llama_kv_cache_context::rkv_can_reuse(const ggml_tensor * k_idxs) const {
+    return kv->rkv_can_reuse(k_idxs, n_kv, sinfos[i_cur], rkv_full);
 }
 
 bool llama_kv_cache_context::rkv_is_head_split() const {

@@ -160,11 +160,11 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
         ggml_tensor * out = head
             ? llama_rkv_build_attn_mha(ctx, q, nullptr, nullptr,
                     part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
-                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f)
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, llama_rkv_attn_layout{})
             : llama_rkv_build_attn_mha(ctx, q,
                     part(type_k, g.n_embd_head_k), part(type_v, g.n_embd_head_v),
                     part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
-                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, 0.0f);
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, llama_rkv_attn_layout{});
 
         // out is a reshape of the op
         ggml_tensor * op = out->src[0];

@@ -64,6 +64,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -181,6 +183,25 @@ float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cel
 // the shortest tail (per stream, in steps of LLAMA_RKV_WINDOW_ALIGN cells, as n_kv grows) with a CPU part; 0: none
 uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m);
 
+// what a split cache does under load (llama_rolling_kv_stats_json): the cache writes it as it sets every ubatch's
+// inputs, any thread may read it
+struct llama_rkv_live {
+    mutable std::mutex mtx;
+    uint64_t steps           = 0; // ubatches that attended a tail
+    uint64_t tail_bytes      = 0; // tail bytes those ubatches attended, all layers (streamed + the CPU part)
+    uint64_t streamed_bytes  = 0; // of them, the bytes copied over the link (the rest: the CPU part)
+    uint64_t occupied_bytes  = 0; // the tail bytes in use by the streams of those ubatches
+    uint64_t last_tail_bytes     = 0; // the last such ubatch's
+    uint64_t last_streamed_bytes = 0;
+    uint64_t last_occupied_bytes = 0;
+    uint32_t last_streams        = 0; // streams of the last ubatch, and how many of them attended as one op each
+    uint32_t last_per_stream_ops = 0;
+    uint64_t block_bytes         = 0; // 256 tail cells of every split layer: the padding one stream may attend beyond its cells
+    // per stream, as of its last ubatch: cells in use on the device (window) and in host memory (tail)
+    std::vector<uint32_t> device_cells;
+    std::vector<uint32_t> tail_cells;
+};
+
 struct llama_rkv_state {
     llama_rolling_kv_params req;
 
@@ -258,6 +279,8 @@ struct llama_rkv_state {
     std::string auto_reason;
 
     std::vector<llama_rkv_layer_plan> layers;
+
+    std::shared_ptr<llama_rkv_live> live = std::make_shared<llama_rkv_live>();
 };
 
 // whether the plan splits the cache (window or head)

@@ -3,6 +3,50 @@
 
 #include "ggml-rolling-kv.h"
 
+#include <algorithm>
+
+static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+        ggml_tensor * k_tail, ggml_tensor * v_tail, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale,
+        float max_alibi_bias, float logit_softcap, float tail_cpu_frac, int32_t ref_streams) {
+    q = ggml_permute(ctx, q, 0, 2, 1, 3);
+    if (k) {
+        k = ggml_permute(ctx, k, 0, 2, 1, 3);
+        v = ggml_permute(ctx, v, 0, 2, 1, 3);
+    }
+    if (k_tail) {
+        k_tail = ggml_permute(ctx, k_tail, 0, 2, 1, 3);
+        v_tail = ggml_permute(ctx, v_tail, 0, 2, 1, 3);
+    }
+
+    ggml_tensor * cur = ggml_streaming_flash_attn(ctx, q, k, v, k_tail, v_tail, kq_mask, kq_scale, max_alibi_bias, logit_softcap);
+
+    ggml_streaming_flash_attn_add_sinks(cur, sinks);
+    ggml_streaming_flash_attn_set_prec(cur, GGML_PREC_F32);
+    ggml_streaming_flash_attn_set_tail_cpu_frac(cur, tail_cpu_frac);
+    ggml_streaming_flash_attn_set_ref_streams(cur, ref_streams);
+    return cur;
+}
+
+// stream s of a 4D get_k-layout view [D, n_head_kv, n_cells, n_stream], its first n cells
+static ggml_tensor * llama_rkv_stream_cells(ggml_context * ctx, ggml_tensor * t, int64_t s, int64_t n) {
+    return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], n, 1, t->nb[1], t->nb[2], t->nb[3], s*t->nb[3]);
+}
+
+// concatenation along dim 2 (tokens), pairwise so that each row is copied O(log n) times
+static ggml_tensor * llama_rkv_concat_tokens(ggml_context * ctx, std::vector<ggml_tensor *> parts) {
+    while (parts.size() > 1) {
+        std::vector<ggml_tensor *> next;
+        for (size_t i = 0; i + 1 < parts.size(); i += 2) {
+            next.push_back(ggml_concat(ctx, parts[i], parts[i + 1], 2));
+        }
+        if (parts.size() % 2) {
+            next.push_back(parts.back());
+        }
+        parts = std::move(next);
+    }
+    return parts[0];
+}
+
 ggml_tensor * llama_rkv_build_attn_mha(
         ggml_context * ctx,
          ggml_tensor * q,
@@ -15,26 +59,42 @@ ggml_tensor * llama_rkv_build_attn_mha(
                float   kq_scale,
                float   max_alibi_bias,
                float   logit_softcap,
-               float   tail_cpu_frac) {
+  const llama_rkv_attn_layout & layout) {
     // same stream split and permutations as build_attn_mha
     const auto n_stream = (k ? k : k_tail)->ne[3];
 
-    q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
-
-    q = ggml_permute(ctx, q, 0, 2, 1, 3);
-    if (k) {
-        k = ggml_permute(ctx, k, 0, 2, 1, 3);
-        v = ggml_permute(ctx, v, 0, 2, 1, 3);
+    if (layout.n_kv.empty()) {
+        q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
+        ggml_tensor * cur = llama_rkv_attn_op(ctx, q, k, v, k_tail, v_tail, kq_mask, sinks, kq_scale, max_alibi_bias,
+                logit_softcap, layout.tail_cpu_frac, 0);
+        return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     }
-    k_tail = ggml_permute(ctx, k_tail, 0, 2, 1, 3);
-    v_tail = ggml_permute(ctx, v_tail, 0, 2, 1, 3);
 
-    ggml_tensor * cur = ggml_streaming_flash_attn(ctx, q, k, v, k_tail, v_tail, kq_mask, kq_scale, max_alibi_bias, logit_softcap);
+    GGML_ASSERT((int64_t) layout.n_kv.size() == n_stream && layout.cpu_frac.size() == layout.n_kv.size());
+    GGML_ASSERT(kq_mask && kq_mask->ne[3] == n_stream);
 
-    ggml_streaming_flash_attn_add_sinks(cur, sinks);
-    ggml_streaming_flash_attn_set_prec(cur, GGML_PREC_F32);
-    ggml_streaming_flash_attn_set_tail_cpu_frac(cur, tail_cpu_frac);
+    const int64_t n_tok = q->ne[2]/n_stream; // the tokens of a stream are consecutive
+    std::vector<ggml_tensor *> outs;
+    for (int64_t s = 0; s < n_stream; ++s) {
+        const int64_t n_s    = layout.n_kv[s];
+        const int64_t n_w    = k ? std::min<int64_t>(n_s, k->ne[2]) : 0;
+        const int64_t n_t    = n_s > (int64_t) layout.n_win ? n_s - layout.n_win : 0;
+        GGML_ASSERT(!k_tail || n_t <= k_tail->ne[2]);
 
+        ggml_tensor * qs = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], n_tok, 1, q->nb[1], q->nb[2], q->nb[2]*n_tok, s*n_tok*q->nb[2]);
+        ggml_tensor * ks = n_w ? llama_rkv_stream_cells(ctx, k, s, n_w) : nullptr;
+        ggml_tensor * vs = n_w ? llama_rkv_stream_cells(ctx, v, s, n_w) : nullptr;
+        ggml_tensor * kt = n_t && k_tail ? llama_rkv_stream_cells(ctx, k_tail, s, n_t) : nullptr;
+        ggml_tensor * vt = n_t && k_tail ? llama_rkv_stream_cells(ctx, v_tail, s, n_t) : nullptr;
+        // the stream's rows of the mask (whole rows: the op reads its first n_w + n_t columns)
+        ggml_tensor * ms = ggml_view_4d(ctx, kq_mask, kq_mask->ne[0], kq_mask->ne[1], kq_mask->ne[2], 1,
+                kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], s*kq_mask->nb[3]);
+
+        outs.push_back(llama_rkv_attn_op(ctx, qs, ks, vs, kt, vt, ms, sinks, kq_scale, max_alibi_bias, logit_softcap,
+                kt ? layout.cpu_frac[s] : 0.0f, (int32_t) n_stream));
+    }
+    // [DV, n_head, n_tok, 1] per stream -> [DV, n_head, n_tok*n_stream]: the rows of the one-op output, stream-major
+    ggml_tensor * cur = llama_rkv_concat_tokens(ctx, std::move(outs));
     return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
 }
 
@@ -49,7 +109,7 @@ ggml_tensor * llama_rkv_build_attn_heads(
                float   kq_scale,
                float   max_alibi_bias,
                float   logit_softcap,
-               float   tail_cpu_frac,
+  const llama_rkv_attn_layout & layout,
     const llama_rkv_attn_fn & attn_dev) {
     GGML_ASSERT(max_alibi_bias == 0.0f && "a head split cannot attend with ALiBi");
 
@@ -68,7 +128,7 @@ ggml_tensor * llama_rkv_build_attn_heads(
 
     ggml_tensor * a = attn_dev(q_dev, sinks_dev);
     ggml_tensor * b = llama_rkv_build_attn_mha(ctx, q_host, nullptr, nullptr, k_tail, v_tail, kq_mask, sinks_host, kq_scale,
-            max_alibi_bias, logit_softcap, tail_cpu_frac);
+            max_alibi_bias, logit_softcap, layout);
 
     // [DV*n_q_dev, T] and [DV*(n_head - n_q_dev), T]: the rows of the unsplit layer's output
     return ggml_concat(ctx, a, b, 0);

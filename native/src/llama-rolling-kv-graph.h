@@ -4,12 +4,24 @@
 #include "ggml.h"
 
 #include <functional>
+#include <vector>
+
+// how a ubatch attends a split layer (llama_kv_cache_context::rkv_attn_layout). One op over every stream of the ubatch,
+// all of them over the cells of the longest (n_kv empty), or, for a ubatch of several streams, one op per stream over
+// its own cells: stream s attends cells [0, n_kv[s]) (window [0, min(n_kv[s], n_win)), tail [n_win, n_kv[s])), so a
+// short sequence beside a long one neither streams nor attends the long one's cell count.
+struct llama_rkv_attn_layout {
+    float tail_cpu_frac = 0.0f;     // one op: the share of the tail attended on the CPU
+    uint32_t n_win = 0;             // window cells per stream (0: a head split, where every cell is tail)
+    std::vector<uint32_t> n_kv;     // one op per stream: the cells each attends
+    std::vector<float> cpu_frac;    // and the CPU share of each one's tail
+};
 
 // attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the
 // window views k/v and the tail views k_tail/v_tail, with GGML_OP_STREAMING_FLASH_ATTN (ggml-rolling-kv.h).
 // q: [DK, n_head, n_tokens]; k/v/k_tail/v_tail: 4D views [D, n_head_kv, n_kv_part, n_stream] (get_k layout); k and v may
 // be nullptr (no window: the tail alone, as a head split's host heads)
-// returns [DV*n_head, n_tokens]
+// returns [DV*n_head, n_tokens]; n_tokens is a multiple of n_stream, the tokens of a stream consecutive
 ggml_tensor * llama_rkv_build_attn_mha(
         ggml_context * ctx,
          ggml_tensor * q,
@@ -22,7 +34,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
                float   kq_scale,
                float   max_alibi_bias,
                float   logit_softcap,
-               float   tail_cpu_frac); // the share of the tail attended on the CPU (the hybrid tail), 0: none
+  const llama_rkv_attn_layout & layout);
 
 // upstream's attention (build_attn_mha) over the device's KV heads of a head split, for the query heads q (a view of
 // the first ones) and their sinks (a view, or nullptr): [DV*n_head_q, n_tokens]
@@ -44,5 +56,5 @@ ggml_tensor * llama_rkv_build_attn_heads(
                float   kq_scale,
                float   max_alibi_bias,
                float   logit_softcap,
-               float   tail_cpu_frac,
+  const llama_rkv_attn_layout & layout,
     const llama_rkv_attn_fn & attn_dev);

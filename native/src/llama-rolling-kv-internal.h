@@ -13,6 +13,19 @@
 void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st);
 std::shared_ptr<llama_rkv_state> llama_rkv_take_pending();
 
+// graph nodes a split cache adds beyond upstream's estimate: a ubatch of several streams attends one op per stream and
+// split layer (views of q, K/V window and tail, mask, the op, the concatenation of the outputs)
+inline uint32_t llama_rkv_graph_extra_nodes(const llama_rkv_state * st) {
+    if (!st || !llama_rkv_is_split(*st) || st->n_stream < 2) {
+        return 0;
+    }
+    uint32_t n_split = 0;
+    for (const auto & l : st->layers) {
+        n_split += l.split ? 1 : 0;
+    }
+    return n_split*st->n_stream*16;
+}
+
 // the plan as llama_rolling_kv_plan_json writes it (st nullptr: a context created without residency parameters)
 std::string llama_rkv_plan_to_json(const llama_rkv_state * st);
 

@@ -431,6 +431,38 @@ int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf,
     return llama_rkv_copy_out(llama_rkv_plan_to_json(ctx->get_cparams().rkv.get()), buf, buf_size);
 }
 
+int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size) {
+    if (!ctx) {
+        return -1;
+    }
+    const llama_rkv_state * st = ctx->get_cparams().rkv.get();
+    const bool split = st && llama_rkv_is_split(*st);
+    std::string res = std::string("{\"split\":") + (split ? "true" : "false");
+    if (st && st->live) {
+        const llama_rkv_live & lv = *st->live;
+        std::lock_guard<std::mutex> lock(lv.mtx);
+        char tmp[512];
+        snprintf(tmp, sizeof(tmp),
+                ",\"window_cells\":%u,\"n_stream\":%u,\"steps\":%" PRIu64 ",\"tail_bytes_total\":%" PRIu64
+                ",\"streamed_bytes_total\":%" PRIu64 ",\"occupied_bytes_total\":%" PRIu64
+                ",\"last\":{\"streams\":%u,\"per_stream_ops\":%u,\"tail_bytes\":%" PRIu64 ",\"streamed_bytes\":%" PRIu64
+                ",\"occupied_bytes\":%" PRIu64 "},\"block_bytes\":%" PRIu64,
+                st->window_cells, st->n_stream, lv.steps, lv.tail_bytes, lv.streamed_bytes, lv.occupied_bytes,
+                lv.last_streams, lv.last_per_stream_ops, lv.last_tail_bytes, lv.last_streamed_bytes, lv.last_occupied_bytes,
+                lv.block_bytes);
+        res += tmp;
+        res += ",\"slots\":[";
+        for (size_t s = 0; s < lv.device_cells.size(); ++s) {
+            snprintf(tmp, sizeof(tmp), "%s{\"stream\":%zu,\"device_cells\":%u,\"tail_cells\":%u}", s ? "," : "", s,
+                    lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u);
+            res += tmp;
+        }
+        res += "]";
+    }
+    res += "}";
+    return llama_rkv_copy_out(res, buf, buf_size);
+}
+
 bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_rolling_kv_plan_info * info) {
     if (!ctx || !info) {
         return false;

@@ -22,7 +22,7 @@
 //   result   : [DV, n_head, n_q, ne3] f32 (same as ggml_flash_attn_ext)
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
-// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, f32 tail_cpu_frac
+// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, f32 tail_cpu_frac, i32 ref_streams
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
 // documented in one place: ggml/src/ggml-rolling-kv-impl.h.
@@ -75,6 +75,13 @@ extern "C" {
     // backend itself) streams or attends the whole tail as before, and the parts merge exactly either way.
     GGML_API void  ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float frac);
     GGML_API float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a);
+
+    // A batch of several streams may attend as one op per stream, each over its own occupied cells (a stream's
+    // cells past its own are all masked for it): ref_streams is the batch's stream count, so that a backend picks
+    // the kernel it would pick for the whole batch in one op (the CPU's single-stream split-KV decode path is not
+    // the multi-stream one) and a resident run of the same batch stays the reference bit for bit. 0: this op's own.
+    GGML_API void    ggml_streaming_flash_attn_set_ref_streams(struct ggml_tensor * a, int32_t n_streams);
+    GGML_API int32_t ggml_streaming_flash_attn_get_ref_streams(const struct ggml_tensor * a);
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 

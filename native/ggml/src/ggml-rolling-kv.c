@@ -75,6 +75,7 @@ struct ggml_tensor * ggml_streaming_flash_attn(
     ggml_set_op_params_i32(result, 3, (int32_t) GGML_PREC_DEFAULT);
     ggml_set_op_params_i32(result, 4, (int32_t) n_win);
     ggml_set_op_params_f32(result, 5, 0.0f); // tail_cpu_frac
+    ggml_set_op_params_i32(result, 6, 0);    // ref_streams
 
     result->op = GGML_OP_STREAMING_FLASH_ATTN;
     result->src[GGML_STREAMING_FA_SRC_Q]      = q;
@@ -129,6 +130,17 @@ void ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float f
 float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     return ggml_get_op_params_f32(a, 5);
+}
+
+void ggml_streaming_flash_attn_set_ref_streams(struct ggml_tensor * a, int32_t n_streams) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    GGML_ASSERT(n_streams >= 0);
+    ggml_set_op_params_i32(a, 6, n_streams);
+}
+
+int32_t ggml_streaming_flash_attn_get_ref_streams(const struct ggml_tensor * a) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    return ggml_get_op_params_i32(a, 6);
 }
 
 int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac) {

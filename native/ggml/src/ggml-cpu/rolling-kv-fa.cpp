@@ -912,7 +912,9 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
     const int64_t nek1 = c.nek1;
 
     const bool kv_is_f32_or_f16 = c.same_types && (c.k_type == GGML_TYPE_F32 || c.k_type == GGML_TYPE_F16);
-    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && (c.k_type == c.v_type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
+    // a stream's op of a multi-stream batch takes the path of the whole batch's (ref_streams)
+    const int64_t neq3_ref = std::max<int64_t>(neq3, ggml_streaming_flash_attn_get_ref_streams(dst));
+    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3_ref == 1) && kv_is_f32_or_f16 && (c.k_type == c.v_type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
 
     if (use_split_kv_path) {
         const int64_t chunk_size = (nek1 + nth - 1) / nth;
