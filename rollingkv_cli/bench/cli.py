@@ -304,6 +304,171 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     return cpu_fracs
 
 
+LOAD_CELLS = ["split", "one-op", "resident", "vanilla"]
+
+
+def _load_cells(ctx, param, value: str):
+    out = []
+    for c in (x.strip() for x in value.split(",")):
+        if not c:
+            continue
+        if c not in LOAD_CELLS:
+            raise click.BadParameter(f"unknown cell {c!r} (allowed: {', '.join(LOAD_CELLS)})")
+        if c not in out:
+            out.append(c)
+    if "split" not in out:
+        raise click.BadParameter("the cells must include split (the others are compared with it)")
+    return out
+
+
+def _ramp_levels(ctx, param, value: str):
+    try:
+        levels = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of client counts (e.g. 1,2,4,8,4,2,1)") from None
+    if not levels or min(levels) < 1:
+        raise click.BadParameter("give client counts of at least 1, e.g. 1,2,4,8,4,2,1")
+    return levels
+
+
+@bench.command()
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--mix", "mix_name", type=click.Choice(["table", "ramp"]), default="table", show_default=True,
+              help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
+                   "ramp: clients 1 -> max -> 1 (--ramp).")
+@click.option("-np", "--slots", "n_slots", type=int, callback=_positive, default=4, show_default=True, help="Server slots (-np).")
+@click.option("--ctx-per-slot", type=int, callback=_positive, default=None, help="Context of each slot (-c is slots x this).  [default: the mix's longest request + 256]")
+@click.option("--window-cells", type=int, callback=_positive, default=None, help="The split cells' window per slot (--kv-window-cells).")
+@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --window-cells.")
+@click.option("--long", "long_sizes", type=(int, int), default=(24000, 400), show_default=True, metavar="PROMPT GEN", help="table: the long request.")
+@click.option("--short", "short_sizes", type=(int, int), default=(1500, 160), show_default=True, metavar="PROMPT GEN", help="table: each short request.")
+@click.option("--shorts", "n_short", type=int, callback=_positive, default=3, show_default=True, help="table: short requests per stage.")
+@click.option("--ramp", "ramp_levels", default="1,2,4,8,4,2,1", show_default=True, callback=_ramp_levels, help="ramp: clients per stage.")
+@click.option("--ramp-size", "ramp_sizes", type=(int, int), default=(8000, 64), show_default=True, metavar="PROMPT GEN", help="ramp: each request (+-25%).")
+@click.option("--cells", "cell_names", default=",".join(LOAD_CELLS), show_default=True, callback=_load_cells,
+              help="Servers to run the mix on: split, one-op (the split with one op over all streams: the layout before), "
+                   "resident (--kv-residency-mode off), vanilla (-ngl at the split cell's peak VRAM; GPU only).")
+@click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
+@click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
+@click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The report.  [default: docs/perf/<date>-bench-load-<model>/bench-load.json]")
+@click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
+         ramp_sizes, cell_names, vanilla_ngl, gpu_index, request_timeout, json_out, dry_run, server_args) -> None:
+    """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
+    clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
+    attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
+    `--` go to every llama-server (e.g. -- -t 2)."""
+    from rollingkv_cli import builder
+    from rollingkv_cli.bench import arithmetic as bm
+    from rollingkv_cli.bench import gguf
+    from rollingkv_cli.bench import load as lb
+    from rollingkv_cli.console import abort, console, success, warn
+    from rollingkv_cli.models import resolve_model
+
+    if window_cells and vram_target:
+        raise click.UsageError("give --window-cells or --vram-target, not both")
+    model = resolve_model(model_spec)
+    build = builder.active_build()
+    binary = build.artifact("llama-server")
+    if not binary.is_file():
+        abort(f"the active build {build.dir} has no llama-server", "run `rollingkv build`")
+    if mix_name == "table":
+        need = max(long_sizes[0] + long_sizes[1], short_sizes[0] + short_sizes[1])
+        ctx_per_slot = ctx_per_slot or bm.pad(need + 256)
+        if n_slots < n_short + 1:
+            raise click.BadParameter(f"the table mix runs {n_short} short requests beside the long one: give at least "
+                                     f"{n_short + 1} slots", param_hint="-np")
+        mix = lb.table_mix(*long_sizes, *short_sizes, n_short, n_slots, ctx_per_slot)
+        window = window_cells or (None if vram_target else bm.pad(short_sizes[0] + short_sizes[1]))
+    else:
+        ctx_per_slot = ctx_per_slot or bm.pad(int(ramp_sizes[0] * 1.25) + int(ramp_sizes[1] * 1.25) + 256)
+        if max(ramp_levels) > n_slots:
+            warn(f"the ramp reaches {max(ramp_levels)} clients on {n_slots} slots: the extra requests queue")
+        mix = lb.ramp_mix(ramp_levels, *ramp_sizes, n_slots, ctx_per_slot)
+        window = window_cells or (None if vram_target else bm.pad(ctx_per_slot * 3 // 8))
+    for st in mix.stages:
+        for r in st.reqs:
+            if r.prompt + r.gen > ctx_per_slot:
+                raise click.BadParameter(f"{r.name} needs {r.prompt + r.gen} tokens, more than the {ctx_per_slot} of a slot",
+                                         param_hint="--ctx-per-slot")
+
+    gpu = None
+    try:
+        from rollingkv_cli.gate import vram
+
+        nv = vram.nvml_module()
+        h, gpu_name, _ = vram.open_gpu(nv, gpu_index)
+        gpu = (nv, h)
+    except Exception:
+        gpu_name = None
+    ngl = ["-ngl", "99"] if gpu is not None else []
+    split_flags = ["--kv-residency-mode", "window", *(["--kv-window-cells", str(window)] if window else ["--vram-target", str(vram_target)])]
+    cells = {
+        "split": lb.Cell("split", [*split_flags, *ngl], what="the split cache: one op per stream over its own cells"),
+        "one-op": lb.Cell("one-op", [*split_flags, *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
+                          what="the same split, one op over all streams at the longest one's cells (the layout before)"),
+        "resident": lb.Cell("resident", ["--kv-residency-mode", "off", *ngl], what="upstream's cache, whole on the device"),
+        "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], what="upstream with -ngl at the split cell's VRAM"),
+    }
+    todo = [cells[c] for c in cell_names]
+    if "vanilla" in cell_names and gpu is None:
+        warn("no GPU (NVML): the vanilla -ngl cell is left out (it needs a device to compare VRAM with)")
+        todo = [c for c in todo if c.name != "vanilla"]
+    out = json_out or _default_out(model).with_name("bench-load.json")
+    if json_out is None:
+        out = out.parent.with_name(out.parent.name.replace("bench-tail", "bench-load")) / "bench-load.json"
+    console.print(f"bench load: {mix.name} mix on {model.name}, -np {n_slots} x {ctx_per_slot} cells, "
+                  f"{'window ' + str(window) if window else 'vram target ' + str(vram_target) + ' MiB'}; "
+                  f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)
+    if dry_run:
+        for st in mix.stages:
+            console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" for r in st.reqs), soft_wrap=True)
+        for c in todo:
+            console.print(f"  {c.name}: llama-server -c {n_slots * ctx_per_slot} -np {n_slots} -fa on {' '.join(c.args)} "
+                          f"{' '.join(server_args)}" + (f"  ({' '.join(f'{k}={v}' for k, v in c.env.items())})" if c.env else ""),
+                          soft_wrap=True)
+        return
+    doc = {"schema": lb.SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": str(model), "build": str(build.dir),
+           "gpu": gpu_name, "mix": mix.to_json(), "window_cells": window, "vram_target_mib": vram_target,
+           "server_args": list(server_args), "cells": []}
+    log_dir = out.parent / "logs"
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    n_req = sum(len(st.reqs) for st in mix.stages)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
+                      TimeElapsedColumn(), console=console, transient=True) as prog:
+            for c in todo:
+                if c.name == "vanilla":
+                    split = next((x for x in doc["cells"] if x["name"] == "split"), None)
+                    n = vanilla_ngl
+                    if n is None:
+                        peak = (split or {}).get("vram_peak_mib")
+                        if not peak:
+                            warn("the split cell has no VRAM figure: vanilla is left out (give --vanilla-ngl)")
+                            continue
+                        info = gguf.read_model(model)
+                        kv_layer = [b * n_slots * ctx_per_slot for b in info.kv.layer_row_bytes("f16", "f16")]
+                        n, _ = bm.choose_ngl(info.weights, kv_layer, int(peak * lb.MIB))
+                    c = lb.Cell("vanilla", [*c.args, "-ngl", str(n)], what=f"{c.what} (-ngl {n})")
+                task = prog.add_task(f"{c.name}", total=n_req)
+                rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
+                                  on_done=lambda r, t=task: prog.advance(t))
+                doc["cells"].append(rec)
+                lb.write_json(out, doc)
+    except KeyboardInterrupt:
+        warn("interrupted: the report keeps the cells measured so far")
+    doc["targets"] = lb.evaluate_targets(doc)
+    lb.write_json(out, doc)
+    lb.print_report(doc)
+    success(f"report: {out}")
+    if any(c.get("status") != "ok" for c in doc["cells"]):
+        raise click.exceptions.Exit(1)
+
+
 def _load_report(path: Path) -> dict:
     from rollingkv_cli.bench import tail as tail_runs
     from rollingkv_cli.console import abort

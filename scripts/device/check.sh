@@ -11,6 +11,7 @@
 #   hybrid-cells        llama-bench decode at 16384, 50% and ~100% f16 tail, CPU part 0 / auto / HYBRID_FRACS (synthetic model)
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
+#   bench-load          rollingkv bench load on the synthetic model ($LOAD_ARGS; default the table mix) into $OUT/bench-load.json
 #   serve-without-ngl   rollingkv serve on a KV that does not fit --vram-target 9000, without -ngl
 #   gate-matrix         rollingkv gate matrix on the demo model (-ngl 99 on CUDA) into $OUT/matrix.{json,md}
 #   gate-vram           rollingkv gate vram at $VRAM_TARGETS MiB (default 20000 7500 6800) on the synthetic model
@@ -46,6 +47,7 @@ while [ $# -gt 0 ]; do
     hybrid-cells) hybrid_cells ;;
     gpu-tests) gpu_tests ;;
     decode-cells) decode_cells ;;
+    bench-load) bench_load ;;
     serve-without-ngl) synth_model; serve_without_ngl "$SYNTH" ;;
     gate-matrix) gate_matrix_run ;;
     gate-vram) gate_vram_targets ;;

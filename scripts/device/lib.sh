@@ -245,6 +245,16 @@ hybrid_cells() {
   return $rc
 }
 
+# bench_load: `rollingkv bench load` on the synthetic model, $LOAD_ARGS (default: the table mix of issue 25: -np 4,
+# 25600 cells per slot, a 24000+400 request beside three 1500+160 ones, window 4096), into $OUT/bench-load.json
+bench_load() {
+  synth_model
+  # shellcheck disable=SC2086
+  timeout "${LOAD_TIMEOUT:-560}" python3 -m rollingkv_cli bench load "$SYNTH" ${LOAD_ARGS:--np 4 --ctx-per-slot 25600 --window-cells 4096} \
+    --json "$OUT/bench-load.json" --request-timeout 300 2>&1 | tail -40
+  return "${PIPESTATUS[0]}"
+}
+
 # serve_without_ngl MODEL: `rollingkv serve MODEL -c 65536 --vram-target 9000` without -ngl: the GPU-layers note,
 # the plan, the offload log
 serve_without_ngl() {

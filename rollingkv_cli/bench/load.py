@@ -1,0 +1,410 @@
+"""`rollingkv bench load`: a server under a mixed load. Real llama-server processes (loopback only), one per cell (the
+split cache, the same with one op over all streams, the resident cache, vanilla -ngl at the split's VRAM), each given
+the same schedule of requests from concurrent clients; per request the decode speed and the time to first token, per
+cell the tail bytes each step attended against the tail bytes its streams occupied (the server's rolling_kv_stats),
+peak VRAM (NVML) and peak host memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = "rollingkv-bench-load/1"
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Req:
+    name: str        # "long", "short-1", ...
+    kind: str        # "long" or "short" (what a target compares)
+    phase: str       # the part of the schedule it belongs to
+    prompt: int      # prompt tokens
+    gen: int         # tokens generated (ignore_eos: exactly this many)
+    seed: int
+
+
+@dataclass
+class Stage:
+    """Requests started together (after `delay_s`, or once the request named `after_first_token` streams its first
+    token); the stage ends when all of its requests are done."""
+
+    name: str
+    reqs: list[Req]
+    after_first_token: str | None = None  # a request of the same stage started first
+
+
+@dataclass
+class Mix:
+    name: str
+    n_slots: int
+    ctx_per_slot: int
+    stages: list[Stage] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "n_slots": self.n_slots, "ctx_per_slot": self.ctx_per_slot,
+                "stages": [{"name": s.name, "after_first_token": s.after_first_token,
+                            "requests": [r.__dict__ for r in s.reqs]} for s in self.stages]}
+
+
+def table_mix(long_prompt: int, long_gen: int, short_prompt: int, short_gen: int, n_short: int, n_slots: int,
+              ctx_per_slot: int) -> Mix:
+    """The issue's mix: the long request alone, the short ones alone, then the short ones beside the long one (started
+    once it decodes), then the short ones again after it ended."""
+    def shorts(phase: str, seed0: int) -> list[Req]:
+        return [Req(f"short-{i + 1}", "short", phase, short_prompt, short_gen, seed0 + i) for i in range(n_short)]
+
+    long = Req("long", "long", "beside", long_prompt, long_gen, 100)
+    return Mix("table", n_slots, ctx_per_slot, [
+        Stage("long alone", [Req("long", "long", "long alone", long_prompt, long_gen, 100)]),
+        Stage("short alone", shorts("short alone", 1)),
+        Stage("beside", [long, *shorts("beside", 11)], after_first_token="long"),
+        Stage("after", shorts("after", 21)),
+    ])
+
+
+def ramp_mix(levels: list[int], prompt: int, gen: int, n_slots: int, ctx_per_slot: int, seed: int = 0) -> Mix:
+    """Clients 1 -> max -> 1: a stage per level, that many requests at once (prompt and gen drawn +-25% around the
+    given sizes)."""
+    rng = random.Random(seed)
+    stages = []
+    for i, k in enumerate(levels):
+        reqs = [Req(f"c{i}-{j}", "client", f"{k} clients", max(16, int(prompt * rng.uniform(0.75, 1.25))),
+                    max(4, int(gen * rng.uniform(0.75, 1.25))), 1000 * i + j) for j in range(k)]
+        stages.append(Stage(f"{k} clients", reqs))
+    return Mix("ramp", n_slots, ctx_per_slot, stages)
+
+
+# ------------------------------------------------------------------------------------------ one request
+
+
+def prompt_tokens(url: str, n: int, seed: int) -> list[int]:
+    """n tokens of deterministic text, as the server's tokenizer cuts them."""
+    from rollingkv_cli.gate.runner import synthetic_text
+
+    text = synthetic_text(n * 6 + 64, seed=seed)
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"content": text}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        toks = json.loads(r.read())["tokens"]
+    if len(toks) < n:
+        raise RuntimeError(f"the tokenizer gave {len(toks)} tokens for {n} wanted")
+    return toks[:n]
+
+
+def run_request(url: str, r: Req, timeout: float, started: threading.Event | None = None) -> dict:
+    toks = prompt_tokens(url, r.prompt, r.seed)
+    payload = {"prompt": toks, "n_predict": r.gen, "ignore_eos": True, "temperature": 0, "seed": 0, "cache_prompt": False}
+    t0 = time.monotonic()
+    out = {"name": r.name, "kind": r.kind, "phase": r.phase, "prompt": r.prompt, "gen": r.gen, "t_start": t0}
+
+    def on_first():
+        if started is not None:
+            started.set()
+
+    try:
+        # streamed: the time to the first token, and the event a stage waits on to start the others beside it
+        data = json.dumps({**payload, "stream": True}).encode()
+        req = urllib.request.Request(url + "/completion", data=data, headers={"Content-Type": "application/json"})
+        first, final = None, {}
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                msg = json.loads(line[5:].strip())
+                if first is None and msg.get("content") is not None and not msg.get("stop"):
+                    first = time.monotonic() - t0
+                    on_first()
+                if msg.get("stop"):
+                    final = msg
+        tm = final.get("timings", {})
+        out.update(status="ok", ttft_s=first, e2e_s=time.monotonic() - t0,
+                   predicted_n=tm.get("predicted_n"), decode_tps=tm.get("predicted_per_second"),
+                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic())
+    except Exception as e:  # recorded, the run goes on
+        out.update(status="error", error=f"{type(e).__name__}: {e}", t_end=time.monotonic())
+        on_first()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ one cell
+
+
+class StatsPoller:
+    """Samples the server's rolling_kv_stats (GET /props) until stopped."""
+
+    def __init__(self, url: str, interval_s: float = 0.2):
+        self.url, self.interval_s = url, interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True, name="rollingkv-load-stats")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url + "/props", timeout=5) as r:
+                    st = json.loads(r.read()).get("rolling_kv_stats")
+                if isinstance(st, dict):
+                    self.samples.append({"t": time.monotonic(), **st})
+            except Exception:
+                pass
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=10)
+
+
+def run_schedule(url: str, mix: Mix, timeout: float, on_done=None) -> list[dict]:
+    results: list[dict] = []
+    for st in mix.stages:
+        threads: list[threading.Thread] = []
+        got: list[dict] = []
+        lock = threading.Lock()
+
+        def go(r: Req, ev: threading.Event | None = None):
+            res = run_request(url, r, timeout, ev)
+            res["stage"] = st.name
+            with lock:
+                got.append(res)
+            if on_done:
+                on_done(res)
+
+        first = [r for r in st.reqs if r.name == st.after_first_token]
+        rest = [r for r in st.reqs if r.name != st.after_first_token]
+        if first:
+            ev = threading.Event()
+            t = threading.Thread(target=go, args=(first[0], ev), daemon=True)
+            t.start()
+            threads.append(t)
+            ev.wait(timeout)
+        for r in rest:
+            t = threading.Thread(target=go, args=(r,), daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(timeout)
+        results.extend(got)
+    return results
+
+
+def host_peak_bytes(pid: int) -> int | None:
+    """The process's peak resident memory (VmHWM), pinned host tails included once touched."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def summarize_stats(samples: list[dict]) -> dict:
+    """Totals at the end of the run and the worst sampled step: the tail bytes attended against the tail bytes the
+    step's streams occupied, in blocks of 256 cells per layer and stream."""
+    if not samples or not samples[-1].get("split"):
+        return {"split": False}
+    last = samples[-1]
+    block = max(1, int(last.get("block_bytes") or 1))
+    worst = None
+    for s in samples:
+        lt = s.get("last") or {}
+        if not lt.get("tail_bytes"):
+            continue
+        excess = (lt["tail_bytes"] - lt["occupied_bytes"]) / block / max(1, lt.get("streams", 1))
+        if worst is None or excess > worst["excess_blocks_per_stream"]:
+            worst = {"excess_blocks_per_stream": excess, **lt}
+    occ = last.get("occupied_bytes_total") or 0
+    return {"split": True, "steps": last.get("steps"), "tail_bytes_total": last.get("tail_bytes_total"),
+            "streamed_bytes_total": last.get("streamed_bytes_total"), "occupied_bytes_total": occ,
+            "attended_over_occupied": (last.get("tail_bytes_total") or 0) / occ if occ else None,
+            "block_bytes": block, "worst_step": worst, "n_samples": len(samples),
+            "slots_last": last.get("slots")}
+
+
+@dataclass
+class Cell:
+    name: str            # "split", "one-op", "resident", "vanilla"
+    args: list[str]      # llama-server flags beyond the model, context and slots
+    env: dict = field(default_factory=dict)
+    what: str = ""
+
+
+def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, timeout: float, gpu=None,
+             extra: list[str] | None = None, on_done=None) -> dict:
+    """Start the cell's llama-server, run the schedule, stop it; the cell's record."""
+    import os
+
+    from rollingkv_cli.server import ServerProcess
+
+    args = ["-m", str(model), "-c", str(mix.n_slots * mix.ctx_per_slot), "-np", str(mix.n_slots), "-fa", "on",
+            "--no-webui", *cell.args, *(extra or [])]
+    rec: dict = {"name": cell.name, "what": cell.what, "args": args, "env": cell.env}
+    srv = ServerProcess(binary, args, log_path=log_dir / f"{cell.name}.log", env={**os.environ, **cell.env})
+    sampler = None
+    t0 = time.monotonic()
+    try:
+        srv.start()
+        srv.wait_healthy(timeout=600)
+        rec["plan"] = srv.request("/props").get("rolling_kv")
+        if gpu is not None:
+            from rollingkv_cli.gate import vram
+
+            sampler = vram.NvmlSampler(gpu[0], gpu[1], {srv.proc.pid}).start()
+        with StatsPoller(srv.url) as poller:
+            rec["requests"] = run_schedule(srv.url, mix, timeout, on_done)
+        rec["host_peak_mib"] = (host_peak_bytes(srv.proc.pid) or 0) / MIB or None
+        rec["stats"] = summarize_stats(poller.samples)
+        rec["status"] = "ok" if all(r.get("status") == "ok" for r in rec["requests"]) else "errors"
+    except Exception as e:
+        rec["status"] = "failed"
+        rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if sampler is not None:
+            st = sampler.stop()
+            rec["vram_peak_mib"] = st.peak_bytes / MIB if st.peak_bytes else None
+        srv.stop()
+    rec["seconds"] = time.monotonic() - t0
+    reqs = rec.get("requests") or []
+    rec["phases"] = phase_summary(reqs)
+    rec["aggregate_tps"] = aggregate_tps(reqs)
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def phase_summary(requests: list[dict]) -> dict:
+    """Per (phase, kind): decode tok/s min/mean/max and the median time to first token."""
+    out: dict[str, dict] = {}
+    for r in requests:
+        key = f"{r['phase']}/{r['kind']}"
+        d = out.setdefault(key, {"n": 0, "errors": 0, "tps": [], "ttft": []})
+        d["n"] += 1
+        if r.get("status") != "ok":
+            d["errors"] += 1
+            continue
+        if r.get("decode_tps"):
+            d["tps"].append(r["decode_tps"])
+        if r.get("ttft_s") is not None:
+            d["ttft"].append(r["ttft_s"])
+    for d in out.values():
+        tps, tt = d.pop("tps"), sorted(d.pop("ttft"))
+        d["tps_min"] = min(tps) if tps else None
+        d["tps_mean"] = sum(tps) / len(tps) if tps else None
+        d["tps_max"] = max(tps) if tps else None
+        d["ttft_p50_s"] = tt[len(tt) // 2] if tt else None
+    return out
+
+
+def aggregate_tps(requests: list[dict]) -> float | None:
+    """Tokens generated over the span from the first start to the last end."""
+    ok = [r for r in requests if r.get("status") == "ok" and r.get("predicted_n")]
+    if not ok:
+        return None
+    span = max(r["t_end"] for r in ok) - min(r["t_start"] for r in ok)
+    return sum(r["predicted_n"] for r in ok) / span if span > 0 else None
+
+
+def _get(cell: dict | None, key: str):
+    return None if not cell else (cell.get("phases") or {}).get(key) or {}
+
+
+def evaluate_targets(doc: dict) -> list[dict]:
+    """The issue's targets on the table mix, from the cells of this run (None where a cell is missing)."""
+    cells = {c["name"]: c for c in doc["cells"] if c.get("status") == "ok"}
+    split = cells.get("split")
+    out: list[dict] = []
+
+    def add(name, value, op, thr, what):
+        verdict = "n/a" if value is None else ("met" if (value >= thr if op == ">=" else value <= thr) else "missed")
+        out.append({"target": name, "value": value, "op": op, "threshold": thr, "verdict": verdict, "what": what})
+
+    def tps(cell, key, stat="tps_min"):
+        v = _get(cell, key)
+        return v.get(stat) if v else None
+
+    if doc["mix"]["name"] == "table" and split:
+        long_beside = tps(split, "beside/long", "tps_mean")
+        short_beside = tps(split, "beside/short")
+        long_alone = tps(split, "long alone/long", "tps_mean")
+        add("short_beside_vs_long", short_beside / long_beside if short_beside and long_beside else None, ">=", 0.9,
+            "slowest short request beside the long one / the long one's decode speed (split cell)")
+        add("long_beside_vs_alone", long_beside / long_alone if long_beside and long_alone else None, ">=", 0.9,
+            "the long request beside the short ones / alone (split cell)")
+        one = cells.get("one-op")
+        if one and short_beside:
+            ref = tps(one, "beside/short")
+            add("short_beside_vs_one_op", short_beside / ref if ref else None, ">=", 4.0,
+                "slowest short request beside the long one: split / one op over all streams (the layout before)")
+        van = cells.get("vanilla")
+        if van:
+            worst = None
+            for key in ("beside/short", "beside/long", "short alone/short", "long alone/long", "after/short"):
+                a, b = tps(split, key), tps(van, key)
+                if a and b:
+                    worst = a / b if worst is None else min(worst, a / b)
+            add("vs_vanilla", worst, ">=", 3.0, "every request class: split / vanilla -ngl at the split's VRAM (worst)")
+        res = cells.get("resident")
+        if res:
+            a, b = tps(split, "after/short", "tps_mean"), tps(res, "after/short", "tps_mean")
+            add("after_vs_resident", a / b if a and b else None, ">=", 0.95,
+                "short requests after the long one ended: split / resident")
+    if split and split.get("stats", {}).get("worst_step"):
+        add("excess_blocks", split["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
+            "worst sampled step: (tail bytes attended - occupied) per stream, in blocks of 256 cells of every layer")
+    return out
+
+
+def fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_report(doc: dict) -> None:
+    from rich.table import Table
+
+    from rollingkv_cli.console import console
+
+    keys: list[str] = []
+    for c in doc["cells"]:
+        for k in (c.get("phases") or {}):
+            if k not in keys:
+                keys.append(k)
+    t = Table(title=f"bench load: {doc['mix']['name']} mix, -np {doc['mix']['n_slots']}, decode tok/s min-max (TTFT p50 s)")
+    t.add_column("request class")
+    for c in doc["cells"]:
+        t.add_column(c["name"], justify="right")
+    for k in keys:
+        row = [k]
+        for c in doc["cells"]:
+            p = (c.get("phases") or {}).get(k)
+            row.append("-" if not p else f"{fmt(p['tps_min'])}-{fmt(p['tps_max'])} ({fmt(p['ttft_p50_s'], '.2f')})"
+                       + (f" {p['errors']} err" if p["errors"] else ""))
+        t.add_row(*row)
+    for label, fn in (("aggregate tok/s", lambda c: fmt(c.get("aggregate_tps"))),
+                      ("peak VRAM MiB", lambda c: fmt(c.get("vram_peak_mib"), ".0f")),
+                      ("peak host MiB", lambda c: fmt(c.get("host_peak_mib"), ".0f")),
+                      ("tail attended / occupied", lambda c: fmt((c.get("stats") or {}).get("attended_over_occupied"), ".2f")),
+                      ("status", lambda c: c.get("status", "-"))):
+        t.add_row(label, *[fn(c) for c in doc["cells"]])
+    console.print(t)
+    for tg in doc.get("targets", []):
+        console.print(f"  {tg['target']}: {fmt(tg['value'], '.3g')} {tg['op']} {tg['threshold']}: {tg['verdict']}  ({tg['what']})",
+                      soft_wrap=True)
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{time.time_ns()}.part")
+    tmp.write_text(json.dumps(doc, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+    tmp.replace(path)
