@@ -448,6 +448,37 @@ def _metrics(srv) -> dict[str, float]:
     return out
 
 
+def residency_line(text: str) -> str | None:
+    """The split cache's live figures from /metrics text (llamacpp:rolling_kv_*): each slot's cells on the device and
+    in host memory, and the tail the last step attended against what its streams occupy; None when not split."""
+    slots: dict[int, dict[str, int]] = {}
+    flat: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^llamacpp:rolling_kv_slot_(device|tail)_cells\{slot="(\d+)"\}\s+([0-9.eE+]+)$', line)
+        if m:
+            slots.setdefault(int(m.group(2)), {})[m.group(1)] = int(float(m.group(3)))
+            continue
+        m = re.match(r"^llamacpp:(rolling_kv_\w+)\s+([-+0-9.eE]+)$", line)
+        if m:
+            flat[m.group(1)] = float(m.group(2))
+    if not slots and not flat:
+        return None
+    cells = ", ".join(f"{i}: {d.get('device', 0)}+{d.get('tail', 0)}" for i, d in sorted(slots.items()) if d.get("device") or d.get("tail"))
+    mib = 1024 * 1024
+    last = (f"last step attended {flat.get('rolling_kv_last_tail_bytes', 0) / mib:.0f} MiB of tail "
+            f"({flat.get('rolling_kv_last_occupied_bytes', 0) / mib:.0f} MiB occupied, "
+            f"{flat.get('rolling_kv_last_streamed_bytes', 0) / mib:.0f} MiB streamed)")
+    return f"slot cells device+tail {cells or 'none in use'}; {last}"
+
+
+def _residency_status(srv) -> str | None:
+    try:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:
+            return residency_line(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def _vram_mib() -> list[tuple[int, int]]:
     try:
         import pynvml
@@ -560,6 +591,9 @@ def _status_table(srv, started: float, plan: dict | None):
     if vram:
         t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
     t.add_row("KV", esc(describe_plan(plan)))
+    live = _residency_status(srv) if plan and plan.get("split") else None
+    if live:
+        t.add_row("KV now", esc(live))
     return t
 
 

@@ -151,6 +151,54 @@ def test_four_concurrent_clients_spilled(cpu_build, demo_model, tmp_path):
         assert _deviation(got, ref) <= max(0.01, 2 * baseline), baseline
 
 
+def test_sequential_answers_after_churn_equal_resident(cpu_build, demo_model, tmp_path):
+    """Churn first: concurrent requests of mixed lengths (long ones into the tail beside short ones that fit the
+    window, arriving and leaving), so that steps attend one op per stream over different cell counts. Then the same
+    prompts one at a time answer bit for bit as a resident server's sequential answers, and /props and /metrics
+    report what the split did."""
+    import threading
+
+    prompts = [_prompt(k, n) for k, n in ((1, 2600), (2, 300), (3, 1800), (4, 200))]
+    payload = {"n_predict": 1, "temperature": 0, "seed": 0, "cache_prompt": False, "n_probs": 10}
+    with Serve(cpu_build, tmp_path, "resident-churn", "-c", "8192", "-np", "4", *RESIDENT) as srv:
+        ref = [srv.post("/completion", {"prompt": p, **payload}) for p in prompts]
+    with Serve(cpu_build, tmp_path, "window-churn", "-c", "8192", "-np", "4", *WINDOW) as srv:
+        seen, stop = [], threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                try:
+                    seen.append(srv.get("/props")["rolling_kv_stats"])
+                except OSError:
+                    pass
+                stop.wait(0.1)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        churn = [{"prompt": p, "n_predict": n, "temperature": 0.7, "seed": k, "cache_prompt": False}
+                 for k, (p, n) in enumerate(zip(prompts * 2, (24, 40, 16, 48, 8, 32, 20, 44)))]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(lambda body: srv.post("/completion", body), churn))
+        stop.set()
+        poller.join()
+        seq = [srv.post("/completion", {"prompt": p, **payload}) for p in prompts]
+        stats = srv.get("/props")["rolling_kv_stats"]
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    assert all(d["content"] is not None for d in done) and len(done) == len(churn)
+    # the split path ran with one op per stream, each step within a block per stream of what its streams occupy
+    assert max(s["last"]["per_stream_ops"] for s in seen) >= 2, seen[-3:]
+    block = stats["block_bytes"]
+    for s in seen:
+        last = s["last"]
+        if last["tail_bytes"]:
+            assert last["occupied_bytes"] <= last["tail_bytes"] <= last["occupied_bytes"] + last["streams"] * block
+    assert stats["split"] and stats["steps"] > 0 and len(stats["slots"]) == 4
+    assert "llamacpp:rolling_kv_tail_bytes_total" in metrics and 'llamacpp:rolling_kv_slot_tail_cells{slot="0"}' in metrics
+    # sequentially, after the churn, the answers are the resident server's bit for bit
+    assert [r["completion_probabilities"] for r in seq] == [r["completion_probabilities"] for r in ref]
+
+
 def _save_erase_restore_generate(srv, prompt: str) -> dict:
     a = srv.post("/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0, "id_slot": 0, "cache_prompt": True})
     saved = srv.post("/slots/0?action=save", {"filename": "slot0.bin"})

@@ -1,0 +1,119 @@
+"""`rollingkv bench load`: the schedule, the summaries and targets on given figures, and a short table mix end to end on
+the CPU build (real llama-server processes): every request completes, each step attends no more of the tail than its
+streams occupy plus a block per stream, the one-op layout attends several times more."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rollingkv_cli.bench import load as lb
+from rollingkv_cli.serving import residency_line
+
+
+def test_table_mix_stages():
+    mix = lb.table_mix(1000, 20, 100, 10, 3, 4, 2048)
+    assert [s.name for s in mix.stages] == ["long alone", "short alone", "beside", "after"]
+    beside = mix.stages[2]
+    assert beside.after_first_token == "long" and [r.kind for r in beside.reqs] == ["long", "short", "short", "short"]
+    assert all(r.prompt == 100 and r.gen == 10 for r in mix.stages[3].reqs)
+
+
+def test_ramp_mix_levels_and_sizes():
+    mix = lb.ramp_mix([1, 4, 1], 800, 40, 4, 2048, seed=3)
+    assert [len(s.reqs) for s in mix.stages] == [1, 4, 1]
+    assert all(600 <= r.prompt <= 1000 and 30 <= r.gen <= 50 for s in mix.stages for r in s.reqs)
+    assert lb.ramp_mix([1, 4, 1], 800, 40, 4, 2048, seed=3).to_json() == mix.to_json()  # seeded
+
+
+def _req(phase, kind, tps, ttft=0.5, status="ok", t0=0.0, t1=10.0, n=10):
+    return {"phase": phase, "kind": kind, "decode_tps": tps, "ttft_s": ttft, "status": status, "t_start": t0, "t_end": t1,
+            "predicted_n": n}
+
+
+def test_phase_summary_and_aggregate():
+    reqs = [_req("beside", "short", 10), _req("beside", "short", 20), _req("beside", "short", None, status="error")]
+    p = lb.phase_summary(reqs)["beside/short"]
+    assert (p["n"], p["errors"], p["tps_min"], p["tps_max"], p["tps_mean"]) == (3, 1, 10, 20, 15)
+    assert lb.aggregate_tps(reqs[:2]) == pytest.approx(2.0)  # 20 tokens over 10 s
+
+
+def _cell(name, phases, stats=None):
+    return {"name": name, "status": "ok", "phases": {k: {"tps_min": v, "tps_mean": v, "tps_max": v} for k, v in phases.items()},
+            "stats": stats or {}}
+
+
+def test_targets_met_and_missed():
+    good = {"long alone/long": 20.0, "beside/long": 19.0, "beside/short": 19.0, "after/short": 200.0, "short alone/short": 200.0}
+    doc = {"mix": {"name": "table"}, "cells": [
+        _cell("split", good, {"worst_step": {"excess_blocks_per_stream": 0.5}}),
+        _cell("one-op", {"beside/short": 4.0}),
+        _cell("resident", {"after/short": 205.0}),
+        _cell("vanilla", {k: 5.0 for k in good}),
+    ]}
+    got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
+    assert got == {"short_beside_vs_long": "met", "long_beside_vs_alone": "met", "short_beside_vs_one_op": "met",
+                   "vs_vanilla": "met", "after_vs_resident": "met", "excess_blocks": "met"}
+    bad = dict(good, **{"beside/short": 5.0, "beside/long": 10.0})
+    doc["cells"][0] = _cell("split", bad, {"worst_step": {"excess_blocks_per_stream": 3.0}})
+    got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
+    assert got["short_beside_vs_long"] == got["long_beside_vs_alone"] == got["short_beside_vs_one_op"] == "missed"
+    assert got["excess_blocks"] == "missed"
+
+
+def test_summarize_stats_worst_step():
+    block = 256 * 100
+    samples = [
+        {"split": True, "block_bytes": block, "last": {"tail_bytes": 10 * block, "occupied_bytes": 9 * block, "streams": 2}},
+        {"split": True, "block_bytes": block, "steps": 5, "tail_bytes_total": 40 * block, "occupied_bytes_total": 36 * block,
+         "last": {"tail_bytes": 10 * block, "occupied_bytes": 8.5 * block, "streams": 2}},
+    ]
+    s = lb.summarize_stats(samples)
+    assert s["worst_step"]["excess_blocks_per_stream"] == pytest.approx(0.75)
+    assert s["attended_over_occupied"] == pytest.approx(40 / 36)
+    assert lb.summarize_stats([{"split": False}]) == {"split": False}
+
+
+def test_residency_line_from_metrics():
+    text = "\n".join([
+        "llamacpp:rolling_kv_last_tail_bytes 20971520",
+        "llamacpp:rolling_kv_last_occupied_bytes 10485760",
+        "llamacpp:rolling_kv_last_streamed_bytes 0",
+        'llamacpp:rolling_kv_slot_device_cells{slot="0"} 256',
+        'llamacpp:rolling_kv_slot_tail_cells{slot="0"} 700',
+        'llamacpp:rolling_kv_slot_device_cells{slot="1"} 0',
+        'llamacpp:rolling_kv_slot_tail_cells{slot="1"} 0',
+    ])
+    line = residency_line(text)
+    assert "0: 256+700" in line and "1:" not in line and "attended 20 MiB" in line and "10 MiB occupied" in line
+    assert residency_line("llamacpp:requests_processing 1") is None
+
+
+@pytest.mark.build
+@pytest.mark.slow
+def test_short_table_mix_on_cpu(cpu_build, demo_model, tmp_path):
+    out = tmp_path / "bench-load.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "700", "12",
+                        "--short", "64", "8", "--shorts", "2", "-np", "3", "--window-cells", "256", "--cells", "split,one-op",
+                        "--json", str(out), "--", "-t", "2"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == lb.SCHEMA and [c["name"] for c in doc["cells"]] == ["split", "one-op"]
+    split, one = doc["cells"]
+    for c in (split, one):
+        assert c["status"] == "ok" and len(c["requests"]) == 1 + 2 + 3 + 2
+        assert all(q["predicted_n"] == q["gen"] and q["ttft_s"] > 0 for q in c["requests"])
+        assert c["plan"]["split"] and c["plan"]["window_cells"] == 256
+        assert c["stats"]["split"] and c["stats"]["steps"] > 0
+    # per-stream ops: the long request's tail and nothing for the short ones (which fit the window), up to padding
+    assert split["stats"]["worst_step"]["excess_blocks_per_stream"] <= 1.0
+    assert split["stats"]["attended_over_occupied"] < 1.5
+    # one op over all streams attends the long one's tail in every stream of the step
+    assert one["stats"]["tail_bytes_total"] > 1.3 * split["stats"]["tail_bytes_total"]
+    assert "short_beside_vs_long" in {t["target"] for t in doc["targets"]}
+    assert "decode tok/s" in r.stdout
