@@ -20,6 +20,12 @@
 //       GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device).
 //       --beside-copy: also time the attention while a thread copies pinned host memory to the GPU (the link's
 //       traffic of a hybrid decode), and report both rates.
+//   test-rolling-kv-cpu-decode --pool-stress SECONDS
+//       the CPU part's pool: tasks of changing widths back to back on 8 threads; each must run exactly once per id below
+//       its width, never late. Prints one line; exit 1 on a wrong or late call.
+//   test-rolling-kv-cpu-decode --pool-affinity N
+//       the pool's threads against this process's CPUs (taskset): one JSON line with the CPUs the process may use, the
+//       part's thread count, and the CPUs each of the N-1 workers may use, made from a thread confined to one CPU.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -40,6 +46,8 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <atomic>
 
@@ -264,6 +272,73 @@ int check(const std::vector<std::string> & isas) {
 }
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// The pool's generations (rkv_cpu_pool_run): tasks of changing widths back to back, many more threads than this CPU
+// has, so that workers are descheduled at every step. Each task must run once on every id below its width and on no
+// other, and never after its run returned: a worker that took the width or the task of one generation and ran it in
+// another (a lagging worker between a narrow task and a wide one) shows as a missing, doubled or late call.
+int pool_stress(double seconds, int max_threads) {
+    std::atomic<uint64_t> current{0}, late{0}, wrong{0};
+    std::mt19937 rng(7);
+    uint64_t runs = 0;
+    const double t_end = now_s() + seconds;
+    std::vector<std::atomic<int>> calls(max_threads);
+    while (now_s() < t_end) {
+        for (int rep = 0; rep < 64; ++rep) {
+            // mostly the caller alone or a few threads, now and then all of them: narrow after wide leaves laggards
+            const int nth = rng() % 3 == 0 ? max_threads : 1 + (int) (rng() % 2);
+            const uint64_t gen = ++runs;
+            current.store(gen);
+            for (auto & c : calls) c.store(0);
+            const std::function<void(int)> fn = [&, gen, nth](int ith) {
+                if (current.load() != gen) late++;
+                if (ith < 0 || ith >= nth) wrong++;
+                else calls[ith]++;
+            };
+            rkv_cpu_pool_run(nth, fn);
+            for (int i = 0; i < max_threads; ++i) {
+                if (calls[i].load() != (i < nth ? 1 : 0)) wrong++;
+            }
+        }
+    }
+    current.store(0);
+    printf("pool stress: %llu runs of up to %d threads, %llu wrong calls, %llu late calls\n", (unsigned long long) runs,
+           max_threads, (unsigned long long) wrong.load(), (unsigned long long) late.load());
+    return wrong.load() || late.load();
+}
+
+// The pool's threads against this process's CPUs: what ggml_rkv_get_cpu_threads gives, and the CPUs each of n pool
+// threads may run on, the workers made from a thread confined to one CPU (the last the process may use), as a GPU
+// runtime's callback thread may be. One JSON line.
+int pool_affinity(int n) {
+    cpu_set_t proc;
+    CPU_ZERO(&proc);
+    sched_getaffinity(0, sizeof(proc), &proc);
+    int last = -1;
+    for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &proc)) last = c;
+    std::vector<std::string> sets(n);
+    std::thread spawner([&] {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(last, &one);
+        pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+        const std::function<void(int)> fn = [&](int ith) {
+            cpu_set_t s;
+            CPU_ZERO(&s);
+            pthread_getaffinity_np(pthread_self(), sizeof(s), &s);
+            std::string l;
+            for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &s)) l += (l.empty() ? "" : ",") + std::to_string(c);
+            sets[ith] = "[" + l + "]";
+        };
+        rkv_cpu_pool_run(n, fn);
+    });
+    spawner.join();
+    std::string all;
+    for (int i = 1; i < n; ++i) all += (i > 1 ? "," : "") + sets[i];
+    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc), ggml_rkv_get_cpu_threads(),
+           all.c_str());
+    return 0;
+}
 
 // the first GPU device, if any (the pinned and registered allocations, the copies beside the attention)
 ggml_backend_dev_t gpu_device() {
@@ -592,6 +667,8 @@ int main(int argc, char ** argv) {
     ggml_type type = GGML_TYPE_F16;
     std::vector<std::string> isas, allocs;
     bool beside = false;
+    double stress_s = 0;
+    int affinity_n = 0;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -612,6 +689,8 @@ int main(int argc, char ** argv) {
             }
         }
         else if (a == "--beside-copy") beside = true;
+        else if (a == "--pool-stress") stress_s = atof(next());
+        else if (a == "--pool-affinity") affinity_n = atoi(next());
         else if (a == "--isa") isas.push_back(next());
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
@@ -619,7 +698,7 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--alloc A,...] [--beside-copy]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N\n", argv[0]);
             return 2;
         }
     }
@@ -636,6 +715,12 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "isa %s is not available on this CPU\n", isa.c_str());
             return 2;
         }
+    }
+    if (stress_s > 0) {
+        return pool_stress(stress_s, 8);
+    }
+    if (affinity_n > 0) {
+        return pool_affinity(affinity_n);
     }
     ggml_backend_load_all();  // a no-op unless the backends are modules
     if (do_bench) {
