@@ -134,15 +134,31 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     std::vector<float> slope(c.n_head);
     for (int h = 0; h < c.n_head; ++h) slope[h] = powf(2.f, -8.f * (h + 1) / c.n_head);
 
+    const int n_q = c.n % 3 == 0 ? 2 : c.n % 3 == 1 ? 5 : 19;
+    std::vector<float> qj((size_t) n_q * c.n_head * D);
+    std::copy(q.begin(), q.end(), qj.begin());
+    for (size_t i = q.size(); i < qj.size(); ++i) qj[i] = N(rng) * 2.0f;
+    std::vector<ggml_fp16_t> maskj((size_t) n_q * c.n);
+    for (int t = 0; t < n_q; ++t) {
+        for (int64_t i = 0; i < c.n; ++i) {
+            const bool off = (t > 0 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) || (t == 3 && c.mask_kind && i < 32);
+            maskj[(size_t) t * c.n + i] = off ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
+        }
+    }
     rkv_cpu_decode_params p{};
     p.q = q.data(); p.n_head = c.n_head; p.n_head_kv = c.n_head_kv; p.D = D; p.DV = DV; p.k_type = c.kt; p.v_type = c.vt;
     p.k = K.data(); p.k_nb1 = knb1; p.k_nb_head = kh; p.v = V.data(); p.v_nb1 = vnb1; p.v_nb_head = vh; p.n_cells = c.n;
     p.mask = c.mask_kind || c.alibi ? (const uint16_t *) mask.data() : nullptr;
     p.slope = c.alibi ? slope.data() : nullptr;
     p.scale = 1.0f / sqrtf((float) D); p.softcap = c.softcap;
+    // rkv_cpu_decode_range itself: one row, or (odd part counts) all the rows in one walk of each range (19 rows:
+    // walks of 16 and 3)
+    const int n_direct = c.parts % 2 ? n_q : 1;
+    p.n_rows = n_direct; p.q = qj.data(); p.q_row = (size_t) c.n_head * D;
+    p.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; p.mask_row = (size_t) c.n;
 
     const size_t pf = rkv_cpu_decode_part_floats(p);
-    std::vector<float> parts(pf * c.parts), o((size_t) c.n_head * DV), lse(c.n_head);
+    std::vector<float> parts(pf * c.parts), o((size_t) n_direct * c.n_head * DV), lse((size_t) n_direct * c.n_head);
     std::vector<int64_t> b(c.parts + 1);
     for (int i = 0; i <= c.parts; ++i) b[i] = c.n * i / c.parts;
     if (c.parts >= 3) b[2] = b[1];  // range 1 empty, range 2 covers its cells
@@ -150,39 +166,39 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
 
     // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in order),
-    // two query rows: row 0 as above, row 1 with another query and a mask of its own (row 0's, with every fifth cell
-    // masked as well: a mixed-up row of the mask shows); twice, which must give the same bits (the result may not depend
-    // on which thread took which chunk). The reference scores a quantized K against the query quantized as the kernel does.
-    std::vector<float> q1((size_t) c.n_head * D);
-    for (float & x : q1) x = N(rng) * 2.0f;
-    std::vector<float> qj((size_t) 2 * c.n_head * D);
-    std::copy(q.begin(), q.end(), qj.begin());
-    std::copy(q1.begin(), q1.end(), qj.begin() + (ptrdiff_t) q.size());
-    std::vector<ggml_fp16_t> mask2((size_t) 2 * c.n);
-    std::copy(mask.begin(), mask.end(), mask2.begin());
-    for (int64_t i = 0; i < c.n; ++i) {
-        mask2[c.n + i] = i % 5 == 1 ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
-    }
+    // several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row 0 as
+    // above, the others with queries and masks of their own (row 0's, with more cells masked: a mixed-up row of the mask
+    // shows); with a mask, row 2 sees no cell at all and row 3 none of the first two blocks (a row that skips a block
+    // the others attend). Twice, which must give the same bits (the result may not depend on which thread took which
+    // chunk). The reference scores a quantized K against the query quantized as the kernel does.
     rkv_cpu_part_job j{};
     j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
-    j.n_q = 2; j.n_stream = 1; j.n_cells = c.n;
+    j.n_q = n_q; j.n_stream = 1; j.n_cells = c.n;
     j.q = (const uint8_t *) qj.data(); j.q_nb1 = q.size() * sizeof(float); j.q_nb3 = qj.size() * sizeof(float);
     j.k = K.data(); j.k_nb1 = knb1; j.k_nb2 = kh; j.k_nb3 = K.size();
     j.v = V.data(); j.v_nb1 = vnb1; j.v_nb2 = vh; j.v_nb3 = V.size();
-    j.mask = p.mask ? (const uint16_t *) mask2.data() : nullptr; j.n_mask_planes = 1;
+    j.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; j.n_mask_planes = 1;
     j.slope = p.slope; j.scale = p.scale; j.softcap = p.softcap;
     j.n_threads = 1 + (int) (c.n % 7);  // 1..7 threads: several chunkings
-    std::vector<float> oj((size_t) 2 * c.n_head * DV), lsej((size_t) 2 * c.n_head), oj2(oj.size()), lsej2(lsej.size());
+    std::vector<float> oj((size_t) n_q * c.n_head * DV), lsej((size_t) n_q * c.n_head), oj2(oj.size()), lsej2(lsej.size());
     j.o = oj.data(); j.lse = lsej.data();
     rkv_cpu_part_run(j);
     j.o = oj2.data(); j.lse = lsej2.data();
     rkv_cpu_part_run(j);
     int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
+    // the rows as streams of one row each (the same K/V for every stream, mask plane s for stream s): each row's
+    // arithmetic does not depend on the rows walked beside it, so the bits are the same
+    j.n_stream = n_q; j.n_q = 1; j.q_nb3 = j.q_nb1; j.k_nb3 = 0; j.v_nb3 = 0; j.n_mask_planes = n_q;
+    j.o = oj2.data(); j.lse = lsej2.data();
+    rkv_cpu_part_run(j);
+    bad += memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
 
     // attention in double precision over the same (dequantised) rows for one query row; err of (o, lse) against it
     const int G = c.n_head / c.n_head_kv;
     std::vector<double> kd(D), vd(DV), s(c.n), od(DV), qr(D);
-    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_) {
+    // (o2, lse2: a second result of the same row, checked against the same reference; nullptr: none)
+    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_, const float * o2,
+                       const float * lse2) {
         int n_bad = 0;
         for (int h = 0; h < c.n_head; ++h) {
             const int g = h / G;
@@ -204,8 +220,11 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
                 m = std::max(m, s[i]);
             }
             if (m == -INFINITY) {  // every cell masked: LSE -inf, output 0
-                n_bad += lse_[h] != -INFINITY;
-                for (int d = 0; d < DV; ++d) if (o_[(size_t) h * DV + d] != 0.0f) { n_bad++; break; }
+                for (int w = 0; w < (o2 ? 2 : 1); ++w) {
+                    const float * ow = w ? o2 : o_, * lw = w ? lse2 : lse_;
+                    n_bad += lw[h] != -INFINITY;
+                    for (int d = 0; d < DV; ++d) if (ow[(size_t) h * DV + d] != 0.0f) { n_bad++; break; }
+                }
                 continue;
             }
             std::fill(od.begin(), od.end(), 0.0);
@@ -218,22 +237,27 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
                 for (int d = 0; d < DV; ++d) od[d] += w * vd[d];
             }
             const double lref = m + log(sum);
-            double err = fabs(lse_[h] - lref) / std::max(1.0, fabs(lref));
-            double num = 0, den = 0;
-            for (int d = 0; d < DV; ++d) {
-                const double r = od[d] / sum, e = o_[(size_t) h * DV + d] - r;
-                num += e * e;
-                den += r * r;
+            for (int w = 0; w < (o2 ? 2 : 1); ++w) {
+                const float * ow = w ? o2 : o_, * lw = w ? lse2 : lse_;
+                double err = fabs(lw[h] - lref) / std::max(1.0, fabs(lref));
+                double num = 0, den = 0;
+                for (int d = 0; d < DV; ++d) {
+                    const double r = od[d] / sum, e = ow[(size_t) h * DV + d] - r;
+                    num += e * e;
+                    den += r * r;
+                }
+                err = std::max(err, sqrt(num / std::max(den, 1e-30)));
+                worst = std::max(worst, err);
+                n_bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
             }
-            err = std::max(err, sqrt(num / std::max(den, 1e-30)));
-            worst = std::max(worst, err);
-            n_bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
         }
         return n_bad;
     };
-    bad += compare(q.data(), mask.data(), o.data(), lse.data());
-    bad += compare(q.data(), mask2.data(), oj.data(), lsej.data());
-    bad += compare(q1.data(), mask2.data() + c.n, oj.data() + (size_t) c.n_head * DV, lsej.data() + c.n_head);
+    for (int t = 0; t < n_q; ++t) {  // row t of the job, and of the direct walk where it took the row
+        const size_t oo = (size_t) t * c.n_head * DV, lo = (size_t) t * c.n_head;
+        bad += compare(qj.data() + (size_t) t * c.n_head * D, maskj.data() + (size_t) t * c.n, oj.data() + oo, lsej.data() + lo,
+                       t < n_direct ? o.data() + oo : nullptr, t < n_direct ? lse.data() + lo : nullptr);
+    }
     return bad;
 }
 

@@ -321,10 +321,12 @@ static float * part_buffer(size_t n_floats) {
 }
 
 // Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4 per
-// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (row, chunk)
-// items as they come free, so a slow or late thread (memory contention, a core shared for a while) holds up one chunk,
-// not a 1/nth share of the part; then they claim (row, group of heads) items and merge the chunks in chunk order. Which
-// thread computed what never changes the result.
+// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (chunk,
+// stream, group of up to RKV_CPU_DECODE_MAX_ROWS rows) items as they come free, each one walk of the chunk's cells for
+// all the group's rows (the K/V bytes read once, not once per row), so a slow or late thread (memory contention, a core
+// shared for a while) holds up one chunk, not a 1/nth share of the part; then they claim (row, group of heads) items and
+// merge the chunks in chunk order. Which thread computed what, and which rows were walked together, never changes the
+// result.
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     using clock = std::chrono::steady_clock;
     g_runs.fetch_add(1, std::memory_order_relaxed);
@@ -347,25 +349,32 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     base.scale     = job.scale;
     base.softcap   = job.softcap;
 
-    auto row_params = [&](int64_t r) {
-        const int64_t s = r / job.n_q, t = r % job.n_q;
+    // the params of stream s's rows [t0, t0 + n): one walk of the cells for all of them (rkv_cpu_decode_range)
+    auto rows_params = [&](int64_t s, int64_t t0, int64_t n) {
         rkv_cpu_decode_params p = base;
-        p.q    = (const float *) (job.q + t*job.q_nb1 + s*job.q_nb3);
-        p.k    = job.k + s*job.k_nb3;
-        p.v    = job.v + s*job.v_nb3;
-        p.mask = job.mask ? job.mask + ((s % job.n_mask_planes)*job.n_q + t)*job.n_cells : nullptr;
+        p.q        = (const float *) (job.q + t0*job.q_nb1 + s*job.q_nb3);
+        p.q_row    = job.q_nb1/sizeof(float);
+        p.k        = job.k + s*job.k_nb3;
+        p.v        = job.v + s*job.v_nb3;
+        p.mask     = job.mask ? job.mask + ((s % job.n_mask_planes)*job.n_q + t0)*job.n_cells : nullptr;
+        p.mask_row = (size_t) job.n_cells;
+        p.n_rows   = (int32_t) n;
         return p;
     };
 
     const int nth = rkv_pool_threads(job.n_threads);
     const int64_t n_blk    = (job.n_cells + 15)/16;
     const int     n_chunks = (int) std::max<int64_t>(1, std::min<int64_t>(4*(int64_t) nth, (job.n_cells + 63)/64));
-    const size_t  part_floats = rkv_cpu_decode_part_floats(base);
-    float * parts = part_buffer((size_t) n_rows*n_chunks*part_floats);
+    const size_t  row_floats = rkv_cpu_decode_part_floats(base); // one row's state (base: one row)
+    float * parts = part_buffer((size_t) n_rows*n_chunks*row_floats); // [stream][chunk][row of the stream][state]
 
+    // items: (chunk, stream, group of rows): a group's rows share one walk of the chunk's cells (its K/V read once)
+    const int64_t rows_per_walk = RKV_CPU_DECODE_MAX_ROWS;
+    const int64_t n_groups = (job.n_q + rows_per_walk - 1)/rows_per_walk;
     const int     head_group = 4;
-    const int64_t n_items = n_rows*n_chunks;
-    const int64_t n_merge = n_rows*((job.n_head + head_group - 1)/head_group);
+    const int64_t n_hgroups = (job.n_head + head_group - 1)/head_group;
+    const int64_t n_items = job.n_stream*n_groups*n_chunks;
+    const int64_t n_merge = n_rows*n_hgroups;
     std::atomic<int64_t> next_item{0}, items_done{0}, next_merge{0};
 
     std::vector<double> late(stats ? nth : 0), busy(stats ? nth : 0), oncpu(stats ? nth : 0);
@@ -374,21 +383,25 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         const clock::time_point t0 = stats ? clock::now() : clock::time_point();
         const double c0_cpu = stats ? thread_cpu_s() : 0.0;
         for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items; ) {
-            const int64_t k = i / n_rows, r = i % n_rows; // chunk-major: consecutive claims read neighbouring cells
+            // chunk-major: consecutive claims read neighbouring cells
+            const int64_t k = i / (job.n_stream*n_groups), sg = i % (job.n_stream*n_groups);
+            const int64_t s = sg / n_groups, t0 = sg % n_groups*rows_per_walk, n = std::min(rows_per_walk, job.n_q - t0);
             const int64_t c0 = std::min(job.n_cells, n_blk*k/n_chunks*16);
             const int64_t c1 = std::min(job.n_cells, n_blk*(k + 1)/n_chunks*16);
-            rkv_cpu_decode_range(row_params(r), c0, c1, parts + ((size_t) r*n_chunks + k)*part_floats);
+            rkv_cpu_decode_range(rows_params(s, t0, n), c0, c1, parts + ((size_t) (s*n_chunks + k)*job.n_q + t0)*row_floats);
             items_done.fetch_add(1, std::memory_order_release);
         }
         while (items_done.load(std::memory_order_acquire) < n_items) {
             rkv_pause(); // the last chunks are being attended by other threads
         }
         for (int64_t i; (i = next_merge.fetch_add(1, std::memory_order_relaxed)) < n_merge; ) {
-            const int64_t groups = (job.n_head + head_group - 1)/head_group;
-            const int64_t r = i / groups;
-            const int h0 = (int) (i % groups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
-            rkv_cpu_decode_merge_heads(row_params(r), parts + (size_t) r*n_chunks*part_floats, n_chunks, h0, h1,
-                job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
+            const int64_t r = i / n_hgroups, s = r / job.n_q, t = r % job.n_q;
+            const int h0 = (int) (i % n_hgroups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
+            // the stream's states as one walk over its n_q rows left them: row t's head h is t*n_head + h
+            const rkv_cpu_decode_params ps = rows_params(s, 0, job.n_q);
+            rkv_cpu_decode_merge_heads(ps, parts + (size_t) s*n_chunks*job.n_q*row_floats, n_chunks,
+                (int) t*job.n_head + h0, (int) t*job.n_head + h1,
+                job.o + (size_t) s*job.n_q*job.n_head*job.DV, job.lse + (size_t) s*job.n_q*job.n_head);
         }
         if (stats) {
             late[ith] = std::chrono::duration<double>(t0 - t_post).count();

@@ -2,8 +2,9 @@
 //
 // A GPU backend that streams a pinned-host tail may leave the tail's far end to the CPU (ggml_rkv_tail_cpu_cells,
 // ggml-rolling-kv.h): its Q and mask columns come to the host with small copies, this attends the part's cells for
-// every query row of every stream, split over the pool's threads by cells (rkv_cpu_decode_range, the partials merged
-// in range order: the result does not depend on timing), and leaves the normalised output and the per-row LSE that
+// every query row of every stream, the rows of a stream in one walk of the cells (groups of RKV_CPU_DECODE_MAX_ROWS),
+// split over the pool's threads by cells (rkv_cpu_decode_range, the partials merged in range order: the result does
+// not depend on timing), and leaves the normalised output and the per-row LSE that
 // the backend merges with its other parts. Sinks are not applied here (the final merge counts them once).
 
 #pragma once
