@@ -9,7 +9,7 @@
 //       Prints one line per failing case and "N passed, M failed"; exit 1 on failure.
 //       --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison bites
 //       (X = 1e-4 must fail every case with a visible cell).
-//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R]
+//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R] [--rows R]
 //       one decode token of the synthetic 28-layer shape (8 KV heads, 24 query heads, head size 128) over L layers of
 //       N cells: this attention on T threads (split over cells, merged), against, in the same run and on the same
 //       bytes, a memory-bound read (vector loads), a copy, and ggml_flash_attn_ext on the CPU backend with T threads
@@ -18,6 +18,7 @@
 //       cpu (the CPU backend's buffer, the default), cudahost (cudaMallocHost through the GPU's pinned host buffer type),
 //       thp (anonymous memory advised for 2 MiB pages), tail (the memory a rolling-KV tail lives in: the GPU backend's
 //       GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device).
+//       --rows R: R query rows per layer (a batch of one sequence), in one walk of the cells, and also one by one.
 //       --beside-copy: also time the attention while a thread copies pinned host memory to the GPU (the link's
 //       traffic of a hybrid decode), and report both rates.
 //   test-rolling-kv-cpu-decode --pool-stress SECONDS
@@ -516,7 +517,7 @@ struct copy_beside {
     }
 };
 
-int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside) {
+int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside, int R) {
     const int n_kv = 8, G = 3, D = 128, n_head = n_kv * G;
     const size_t kh = row_bytes(type, D), nb1 = kh * n_kv, layer_bytes = 2 * nb1 * n;
     const double gb = (double) layer_bytes * layers / 1e9;
@@ -560,7 +561,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
     for (size_t ia = 0; ia < allocs.size(); ++ia) {
         const std::string & how = allocs[ia];
         host_region reg;
-        const size_t total = layer_bytes * layers + 4096 * (2 * layers + 1);
+        const size_t total = layer_bytes * layers + 4096 * (2 * layers + 1) + sizeof(float) * D * n_head * R + 4096;
         if (!region_alloc(how, total, reg)) {
             fprintf(stderr, "cannot allocate %.3f GB as %s\n", total / 1e9, how.c_str());
             return 1;
@@ -573,7 +574,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             K[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
             V[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
         }
-        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, 1, n_head);
+        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, R, n_head);  // (the attention reads it as [row][head][D])
         ggml_backend_buffer_t wrap = ggml_backend_cpu_buffer_from_ptr(reg.p, reg.n);
         ggml_tallocr ta = ggml_tallocr_new(wrap);
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
@@ -594,15 +595,16 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                     }
                 }
             }
-            for (int i = 0; i < D * n_head; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
+            for (int i = 0; i < D * n_head * R; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
         }
 
         rkv_cpu_decode_params p{};
         p.q = (const float *) q->data; p.n_head = n_head; p.n_head_kv = n_kv; p.D = D; p.DV = D;
         p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
         p.scale = 1.0f / sqrtf((float) D);
+        p.n_rows = R; p.q_row = (size_t) D * n_head;
         const size_t pf = rkv_cpu_decode_part_floats(p);
-        std::vector<float> parts(pf * T), o((size_t) n_head * D), lse(n_head);
+        std::vector<float> parts(pf * T), o((size_t) R * n_head * D), lse((size_t) R * n_head);
         std::vector<uint8_t> sink(64 * T);
 
         auto attention = [&] {
@@ -614,6 +616,20 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                 rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
             }
         };
+        // the rows one by one (a walk of the cells per row, as the CPU part attended them before issue 26)
+        auto attention_apart = [&] {
+            for (int l = 0; l < layers; ++l) {
+                for (int r = 0; r < R; ++r) {
+                    rkv_cpu_decode_params pl = p;
+                    pl.k = (const uint8_t *) K[l]->data;
+                    pl.v = (const uint8_t *) V[l]->data;
+                    pl.n_rows = 1;
+                    pl.q = p.q + (size_t) r * p.q_row;
+                    rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                    rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D, lse.data() + (size_t) r * n_head);
+                }
+            }
+        };
         std::vector<const uint8_t *> bufs;
         for (int l = 0; l < layers; ++l) {
             bufs.push_back((const uint8_t *) K[l]->data);
@@ -623,9 +639,12 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
         };
         const double hs = huge_share(reg.p, reg.n);
-        const double t_att = best(attention), t_scan = best(read_scan);
+        const double t_att = best(attention), t_scan = best(read_scan), t_apart = R > 1 ? best(attention_apart) : t_att;
         printf("  [%s] huge pages %s\n", how.c_str(), hs < 0 ? "unknown" : (std::to_string((int) std::lround(hs * 100)) + "%").c_str());
         printf("  [%s] attention            %8.2f ms  %6.1f GB/s\n", how.c_str(), t_att * 1e3, gb / t_att);
+        if (R > 1) {
+            printf("  [%s] %d rows one by one %6.2f ms  (in one walk %.2fx faster)\n", how.c_str(), R, t_apart * 1e3, t_apart / t_att);
+        }
         printf("  [%s] read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", how.c_str(), t_scan * 1e3, gb / t_scan, t_scan / t_att);
         double t_beside = 0, link_beside = 0;
         if (beside) {
@@ -670,9 +689,9 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         }
         printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": \"%s\", \"huge_share\": %.3f, "
                "\"gb\": %.6f, \"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f, "
-               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f}\n", rkv_cpu_decode_isa(), T, layers,
-               (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3, t_copy * 1e3, t_vanilla * 1e3,
-               t_beside * 1e3, link_beside);
+               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f, \"rows\": %d, \"rows_apart_ms\": %.4f}\n",
+               rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3,
+               t_copy * 1e3, t_vanilla * 1e3, t_beside * 1e3, link_beside, R, t_apart * 1e3);
         fflush(stdout);
         ggml_backend_buffer_free(wrap);
         ggml_free(ctx);
@@ -692,7 +711,7 @@ int main(int argc, char ** argv) {
     std::vector<std::string> isas, allocs;
     bool beside = false;
     double stress_s = 0;
-    int affinity_n = 0;
+    int affinity_n = 0, rows = 1;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -704,6 +723,7 @@ int main(int argc, char ** argv) {
         else if (a == "--layers") layers = atoi(next());
         else if (a == "--cells") cells = atoll(next());
         else if (a == "--reps") reps = atoi(next());
+        else if (a == "--rows") rows = atoi(next());
         else if (a == "--alloc") {
             std::string v = next();
             for (size_t pos = 0; pos <= v.size();) {
@@ -722,12 +742,12 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N\n", argv[0]);
             return 2;
         }
     }
-    if (T < 1 || layers < 1 || cells < 16 || reps < 1) {
-        fprintf(stderr, "-t, --layers, --reps must be >= 1 and --cells >= 16\n");
+    if (T < 1 || layers < 1 || cells < 16 || reps < 1 || rows < 1) {
+        fprintf(stderr, "-t, --layers, --reps, --rows must be >= 1 and --cells >= 16\n");
         return 2;
     }
     for (const std::string & isa : isas) {
@@ -756,7 +776,7 @@ int main(int argc, char ** argv) {
                 return 2;
             }
         }
-        return bench(T, layers, cells, type, reps, allocs, beside);
+        return bench(T, layers, cells, type, reps, allocs, beside, rows);
     }
     if (isas.empty()) isas = {"avx512vnni", "avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
     return check(isas);
