@@ -7,6 +7,7 @@
 #include "../ggml-rolling-kv-impl.h"
 #include "../rolling-kv-cpu-part.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -74,7 +75,17 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
     if (!(frac > 0.0f) || !kt || !vt || kt->ne[1] == 0 || !ggml_cuda_rkv_is_host(kt) || !ggml_cuda_rkv_is_host(vt)) {
         return 0;
     }
-    if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q || q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
+    if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q) {
+        // the planned limit (a batch of more rows, a prompt's, would make the part compute-bound on the CPU): said once
+        static std::atomic<bool> said{false};
+        if (!said.exchange(true)) {
+            GGML_LOG_INFO("rolling KV: the CPU part of a hybrid tail takes batches of up to %d query rows per stream "
+                          "(GGML_RKV_CPU_PART_MAX_Q); a batch of %lld rows (prompt processing) streams its whole tail\n",
+                          GGML_RKV_CPU_PART_MAX_Q, (long long) q->ne[1]);
+        }
+        return 0;
+    }
+    if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
             !ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
             q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
         return 0;
