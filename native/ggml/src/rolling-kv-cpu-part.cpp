@@ -449,7 +449,9 @@ extern "C" void ggml_rkv_set_cpu_threads(int n_threads) {
 
 extern "C" int ggml_rkv_get_cpu_threads(void) {
     const int n = g_cpu_threads.load();
-    return part_threads(n > 0 ? n : ggml_rkv_get_knobs()->cpu_part_threads);
+    // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
+    static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
+    return part_threads(n > 0 ? n : knob);
 }
 
 extern "C" bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {
