@@ -153,3 +153,19 @@ def test_the_part_threads_are_capped_at_the_processs_cpus(cpu_build, monkeypatch
         assert r["part_threads"] == want and "ROLLINGKV_CPU_PART_THREADS" not in err
         monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
         assert cpu_attn.part_threads() == want
+
+
+def test_idle_workers_sleep_after_a_bounded_spin(cpu_build):
+    """100 ms after a task on 3 threads both workers sleep (the spin, 300 µs by default, ran out: an idle process leaves
+    the CPUs to others); with a spin of 1 s they are still spinning then, which the count sees (the test bites)."""
+    for spin, asleep in ((None, 2), ("0", 2), ("1000000", 0)):
+        env = {"ROLLINGKV_CPU_PART_SPIN_US": spin} if spin is not None else {}
+        import os
+
+        e = dict(os.environ)
+        e.pop("ROLLINGKV_CPU_PART_SPIN_US", None)
+        e.update(env)
+        proc = subprocess.run([str(_binary(cpu_build)), "--pool-idle", "3"], capture_output=True, text=True, timeout=60, env=e)
+        assert proc.returncode == 0, proc.stderr
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert r["threads"] == 3 and r["asleep"] == asleep, (spin, r)

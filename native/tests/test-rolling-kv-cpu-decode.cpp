@@ -27,6 +27,9 @@
 //   test-rolling-kv-cpu-decode --pool-affinity N
 //       the pool's threads against this process's CPUs (taskset): one JSON line with the CPUs the process may use, the
 //       part's thread count, and the CPUs each of the N-1 workers may use, made from a thread confined to one CPU.
+//   test-rolling-kv-cpu-decode --pool-idle N
+//       the pool between tasks: the workers asleep 100 ms after a task on N threads and the CPU time the process spent
+//       meanwhile (the workers' bounded spin before they sleep). One JSON line.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -330,6 +333,21 @@ int pool_stress(double seconds, int max_threads) {
     printf("pool stress: %llu runs of up to %d threads, %llu wrong calls, %llu late calls\n", (unsigned long long) runs,
            max_threads, (unsigned long long) wrong.load(), (unsigned long long) late.load());
     return wrong.load() || late.load();
+}
+
+// The pool between tasks: n threads run a task a few times, then the process sleeps for 100 ms: how many workers are
+// asleep then (all of them, unless ROLLINGKV_CPU_PART_SPIN_US is longer), and the CPU time the process spent meanwhile
+// (their spinning before they slept; on a loaded machine less than the spin's wall time). One JSON line.
+int pool_idle(int n) {
+    const std::function<void(int)> noop = [](int) {};
+    for (int i = 0; i < 3; ++i) rkv_cpu_pool_run(n, noop);
+    timespec a, b;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+    printf("{\"threads\": %d, \"asleep\": %d, \"idle_cpu_ms\": %.3f}\n", n, rkv_cpu_pool_sleepers(),
+           ((b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9) * 1e3);
+    return 0;
 }
 
 // The pool's threads against this process's CPUs: what ggml_rkv_get_cpu_threads gives, and the CPUs each of n pool
@@ -711,7 +729,7 @@ int main(int argc, char ** argv) {
     std::vector<std::string> isas, allocs;
     bool beside = false;
     double stress_s = 0;
-    int affinity_n = 0, rows = 1;
+    int affinity_n = 0, idle_n = 0, rows = 1;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -735,6 +753,7 @@ int main(int argc, char ** argv) {
         else if (a == "--beside-copy") beside = true;
         else if (a == "--pool-stress") stress_s = atof(next());
         else if (a == "--pool-affinity") affinity_n = atoi(next());
+        else if (a == "--pool-idle") idle_n = atoi(next());
         else if (a == "--isa") isas.push_back(next());
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
@@ -742,7 +761,7 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N | --pool-idle N\n", argv[0]);
             return 2;
         }
     }
@@ -765,6 +784,9 @@ int main(int argc, char ** argv) {
     }
     if (affinity_n > 0) {
         return pool_affinity(affinity_n);
+    }
+    if (idle_n > 0) {
+        return pool_idle(idle_n);
     }
     ggml_backend_load_all();  // a no-op unless the backends are modules
     if (do_bench) {

@@ -272,6 +272,10 @@ private:
         }
     }
 
+public:
+    int sleepers() const { return sleepers_.load(); }
+
+private:
     std::vector<std::thread> workers_;
     std::atomic<int>         n_workers_{0};
     std::mutex               run_mutex_;   // one task at a time
@@ -302,6 +306,10 @@ static int rkv_pool_threads(int n_threads) {
 
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn) {
     pool().run(nth, fn);
+}
+
+int rkv_cpu_pool_sleepers(void) {
+    return pool().sleepers();
 }
 
 void rkv_cpu_part_prepare(int n_threads) {

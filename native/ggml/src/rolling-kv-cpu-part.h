@@ -55,6 +55,9 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job);
 // done. The bench times the attention and the memory-bound runs it is compared with on these same threads.
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn);
 
+// the pool's workers asleep now (their spin ran out; the test of the bounded spin)
+int rkv_cpu_pool_sleepers(void);
+
 // make the pool's threads for a job of n_threads (<= 0: ggml_rkv_get_cpu_threads()) now, on the calling thread: a
 // backend calls it where it issues a CPU part, so that the workers do not start from its runtime's callback thread
 void rkv_cpu_part_prepare(int n_threads);
