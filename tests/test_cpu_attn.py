@@ -84,14 +84,18 @@ def test_the_part_threads_are_every_usable_cpu_but_one_not_dash_t(monkeypatch):
     assert cpu_attn.part_threads() == 15
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: {3})
     assert cpu_attn.part_threads() == 1
-    for raw, want in (("6", 6), ("0", 1), ("5000", 1024)):  # 0: the default (here 1 CPU); above 1024: libllama's clamp
+    for raw, want in (("6", 1), ("0", 1)):  # 0: the default; either way at most the process's CPUs (here 1)
+        monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
+        assert cpu_attn.part_threads() == want
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(2048)))
+    for raw, want in (("6", 6), ("0", 2047), ("5000", 1024)):  # above 1024: libllama's clamp
         monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
         assert cpu_attn.part_threads() == want
 
 
 @pytest.mark.parametrize("raw", ["x", "-2", "1.5"])
 def test_a_bad_part_threads_variable_is_one_line(monkeypatch, raw):
-    """A bad value stops the CLI with one line naming the variable (libllama would read it as 0, the default)."""
+    """A bad value stops the CLI with one line naming the variable (libllama warns in one line and takes the default)."""
     from rollingkv_cli.console import RollingKVError
 
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)

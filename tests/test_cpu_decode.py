@@ -86,3 +86,86 @@ def test_the_bench_times_each_kind_of_host_memory(cpu_build):
 def test_bad_arguments_are_refused(cpu_build, args):
     proc = subprocess.run([str(_binary(cpu_build)), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip()
+
+
+def test_the_pools_generations_never_mix_a_width_with_another_task(cpu_build):
+    """Tasks of changing widths back to back on 8 threads (more than this CPU has: workers are descheduled mid-step):
+    each runs once per id below its width and never late. The pool before issue 26 read the width and the task apart
+    from the generation, and failed this within seconds (wrong calls or a crash)."""
+    proc = subprocess.run([str(_binary(cpu_build)), "--pool-stress", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = re.search(r"^pool stress: (\d+) runs of up to 8 threads, 0 wrong calls, 0 late calls$", proc.stdout, re.M)
+    assert m and int(m.group(1)) > 100, proc.stdout
+
+
+def _pool_affinity(cpu_build, n, cpus=None, env=None):
+    import os
+
+    def confine():
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    e = dict(os.environ)
+    e.pop("ROLLINGKV_CPU_PART_THREADS", None)
+    e.update(env or {})
+    proc = subprocess.run([str(_binary(cpu_build)), "--pool-affinity", str(n)], capture_output=True, text=True, timeout=60,
+                          preexec_fn=confine, env=e)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_the_pool_runs_on_the_processs_cpus_only(cpu_build):
+    """Under taskset (here: the process confined to one CPU) the part takes 1 thread, and workers made anyway (a
+    bench's pool run of 3) stay on that CPU, though made from a thread confined elsewhere; without a confinement they
+    run on every CPU of the process, not only on the CPU of the thread that made them."""
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    one = {mine[0]}
+    r, _ = _pool_affinity(cpu_build, 3, cpus=one, env={"ROLLINGKV_CPU_PART_THREADS": "4"})
+    assert r == {"process_cpus": 1, "part_threads": 1, "worker_cpus": [[mine[0]], [mine[0]]]}
+    r, _ = _pool_affinity(cpu_build, 3)
+    assert r["process_cpus"] == len(mine) and r["part_threads"] == max(1, len(mine) - 1)
+    assert r["worker_cpus"] == [mine, mine]
+
+
+@pytest.mark.parametrize("raw", ["x", "-2", "1.5", "3x"])
+def test_a_bad_part_threads_variable_is_one_warning_line_and_the_default(cpu_build, raw):
+    """libllama reads $ROLLINGKV_CPU_PART_THREADS as the CLI does (rollingkv_cli.cpu_attn.part_threads): a value that is
+    not a whole number >= 0 is named in one line and the default is used (not atoi's reading of it)."""
+    import os
+
+    r, err = _pool_affinity(cpu_build, 2, env={"ROLLINGKV_CPU_PART_THREADS": raw})
+    assert r["part_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    lines = [line for line in err.splitlines() if "ROLLINGKV_CPU_PART_THREADS" in line]
+    assert len(lines) == 1 and raw in lines[0] and "default" in lines[0]
+
+
+def test_the_part_threads_are_capped_at_the_processs_cpus(cpu_build, monkeypatch):
+    """One meaning everywhere: N threads, at most the CPUs the process may use (the CLI's part_threads says the same)."""
+    import os
+
+    from rollingkv_cli import cpu_attn
+
+    n = len(os.sched_getaffinity(0))
+    for raw, want in (("1", 1), ("0", max(1, n - 1)), ("5000", n)):
+        r, err = _pool_affinity(cpu_build, 2, env={"ROLLINGKV_CPU_PART_THREADS": raw})
+        assert r["part_threads"] == want and "ROLLINGKV_CPU_PART_THREADS" not in err
+        monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", raw)
+        assert cpu_attn.part_threads() == want
+
+
+def test_idle_workers_sleep_after_a_bounded_spin(cpu_build):
+    """100 ms after a task on 3 threads both workers sleep (the spin, 300 µs by default, ran out: an idle process leaves
+    the CPUs to others); with a spin of 1 s they are still spinning then, which the count sees (the test bites)."""
+    for spin, asleep in ((None, 2), ("0", 2), ("1000000", 0)):
+        env = {"ROLLINGKV_CPU_PART_SPIN_US": spin} if spin is not None else {}
+        import os
+
+        e = dict(os.environ)
+        e.pop("ROLLINGKV_CPU_PART_SPIN_US", None)
+        e.update(env)
+        proc = subprocess.run([str(_binary(cpu_build)), "--pool-idle", "3"], capture_output=True, text=True, timeout=60, env=e)
+        assert proc.returncode == 0, proc.stderr
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert r["threads"] == 3 and r["asleep"] == asleep, (spin, r)

@@ -261,9 +261,10 @@ def _argv(capsys, *args):
 
 def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     """The figure of the CPU part's thread count ($ROLLINGKV_CPU_PART_THREADS here: 6), whatever llama-server's -t says."""
-    from rollingkv_cli import pcie
+    from rollingkv_cli import cpu_attn, pcie
 
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 6 threads: at most the process's CPUs
     m = str(hybrid_build.model)
     pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
     argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")

@@ -9,7 +9,7 @@
 //       Prints one line per failing case and "N passed, M failed"; exit 1 on failure.
 //       --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison bites
 //       (X = 1e-4 must fail every case with a visible cell).
-//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R]
+//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R] [--rows R]
 //       one decode token of the synthetic 28-layer shape (8 KV heads, 24 query heads, head size 128) over L layers of
 //       N cells: this attention on T threads (split over cells, merged), against, in the same run and on the same
 //       bytes, a memory-bound read (vector loads), a copy, and ggml_flash_attn_ext on the CPU backend with T threads
@@ -18,8 +18,18 @@
 //       cpu (the CPU backend's buffer, the default), cudahost (cudaMallocHost through the GPU's pinned host buffer type),
 //       thp (anonymous memory advised for 2 MiB pages), tail (the memory a rolling-KV tail lives in: the GPU backend's
 //       GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device).
+//       --rows R: R query rows per layer (a batch of one sequence), in one walk of the cells, and also one by one.
 //       --beside-copy: also time the attention while a thread copies pinned host memory to the GPU (the link's
 //       traffic of a hybrid decode), and report both rates.
+//   test-rolling-kv-cpu-decode --pool-stress SECONDS
+//       the CPU part's pool: tasks of changing widths back to back on 8 threads; each must run exactly once per id below
+//       its width, never late. Prints one line; exit 1 on a wrong or late call.
+//   test-rolling-kv-cpu-decode --pool-affinity N
+//       the pool's threads against this process's CPUs (taskset): one JSON line with the CPUs the process may use, the
+//       part's thread count, and the CPUs each of the N-1 workers may use, made from a thread confined to one CPU.
+//   test-rolling-kv-cpu-decode --pool-idle N
+//       the pool between tasks: the workers asleep 100 ms after a task on N threads and the CPU time the process spent
+//       meanwhile (the workers' bounded spin before they sleep). One JSON line.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -40,6 +50,8 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <atomic>
 
@@ -126,15 +138,31 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     std::vector<float> slope(c.n_head);
     for (int h = 0; h < c.n_head; ++h) slope[h] = powf(2.f, -8.f * (h + 1) / c.n_head);
 
+    const int n_q = c.n % 3 == 0 ? 2 : c.n % 3 == 1 ? 5 : 19;
+    std::vector<float> qj((size_t) n_q * c.n_head * D);
+    std::copy(q.begin(), q.end(), qj.begin());
+    for (size_t i = q.size(); i < qj.size(); ++i) qj[i] = N(rng) * 2.0f;
+    std::vector<ggml_fp16_t> maskj((size_t) n_q * c.n);
+    for (int t = 0; t < n_q; ++t) {
+        for (int64_t i = 0; i < c.n; ++i) {
+            const bool off = (t > 0 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) || (t == 3 && c.mask_kind && i < 32);
+            maskj[(size_t) t * c.n + i] = off ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
+        }
+    }
     rkv_cpu_decode_params p{};
     p.q = q.data(); p.n_head = c.n_head; p.n_head_kv = c.n_head_kv; p.D = D; p.DV = DV; p.k_type = c.kt; p.v_type = c.vt;
     p.k = K.data(); p.k_nb1 = knb1; p.k_nb_head = kh; p.v = V.data(); p.v_nb1 = vnb1; p.v_nb_head = vh; p.n_cells = c.n;
     p.mask = c.mask_kind || c.alibi ? (const uint16_t *) mask.data() : nullptr;
     p.slope = c.alibi ? slope.data() : nullptr;
     p.scale = 1.0f / sqrtf((float) D); p.softcap = c.softcap;
+    // rkv_cpu_decode_range itself: one row, or (odd part counts) all the rows in one walk of each range (19 rows:
+    // walks of 16 and 3)
+    const int n_direct = c.parts % 2 ? n_q : 1;
+    p.n_rows = n_direct; p.q = qj.data(); p.q_row = (size_t) c.n_head * D;
+    p.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; p.mask_row = (size_t) c.n;
 
     const size_t pf = rkv_cpu_decode_part_floats(p);
-    std::vector<float> parts(pf * c.parts), o((size_t) c.n_head * DV), lse(c.n_head);
+    std::vector<float> parts(pf * c.parts), o((size_t) n_direct * c.n_head * DV), lse((size_t) n_direct * c.n_head);
     std::vector<int64_t> b(c.parts + 1);
     for (int i = 0; i <= c.parts; ++i) b[i] = c.n * i / c.parts;
     if (c.parts >= 3) b[2] = b[1];  // range 1 empty, range 2 covers its cells
@@ -142,39 +170,39 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
 
     // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in order),
-    // two query rows: row 0 as above, row 1 with another query and a mask of its own (row 0's, with every fifth cell
-    // masked as well: a mixed-up row of the mask shows); twice, which must give the same bits (the result may not depend
-    // on which thread took which chunk). The reference scores a quantized K against the query quantized as the kernel does.
-    std::vector<float> q1((size_t) c.n_head * D);
-    for (float & x : q1) x = N(rng) * 2.0f;
-    std::vector<float> qj((size_t) 2 * c.n_head * D);
-    std::copy(q.begin(), q.end(), qj.begin());
-    std::copy(q1.begin(), q1.end(), qj.begin() + (ptrdiff_t) q.size());
-    std::vector<ggml_fp16_t> mask2((size_t) 2 * c.n);
-    std::copy(mask.begin(), mask.end(), mask2.begin());
-    for (int64_t i = 0; i < c.n; ++i) {
-        mask2[c.n + i] = i % 5 == 1 ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
-    }
+    // several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row 0 as
+    // above, the others with queries and masks of their own (row 0's, with more cells masked: a mixed-up row of the mask
+    // shows); with a mask, row 2 sees no cell at all and row 3 none of the first two blocks (a row that skips a block
+    // the others attend). Twice, which must give the same bits (the result may not depend on which thread took which
+    // chunk). The reference scores a quantized K against the query quantized as the kernel does.
     rkv_cpu_part_job j{};
     j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
-    j.n_q = 2; j.n_stream = 1; j.n_cells = c.n;
+    j.n_q = n_q; j.n_stream = 1; j.n_cells = c.n;
     j.q = (const uint8_t *) qj.data(); j.q_nb1 = q.size() * sizeof(float); j.q_nb3 = qj.size() * sizeof(float);
     j.k = K.data(); j.k_nb1 = knb1; j.k_nb2 = kh; j.k_nb3 = K.size();
     j.v = V.data(); j.v_nb1 = vnb1; j.v_nb2 = vh; j.v_nb3 = V.size();
-    j.mask = p.mask ? (const uint16_t *) mask2.data() : nullptr; j.n_mask_planes = 1;
+    j.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; j.n_mask_planes = 1;
     j.slope = p.slope; j.scale = p.scale; j.softcap = p.softcap;
     j.n_threads = 1 + (int) (c.n % 7);  // 1..7 threads: several chunkings
-    std::vector<float> oj((size_t) 2 * c.n_head * DV), lsej((size_t) 2 * c.n_head), oj2(oj.size()), lsej2(lsej.size());
+    std::vector<float> oj((size_t) n_q * c.n_head * DV), lsej((size_t) n_q * c.n_head), oj2(oj.size()), lsej2(lsej.size());
     j.o = oj.data(); j.lse = lsej.data();
     rkv_cpu_part_run(j);
     j.o = oj2.data(); j.lse = lsej2.data();
     rkv_cpu_part_run(j);
     int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
+    // the rows as streams of one row each (the same K/V for every stream, mask plane s for stream s): each row's
+    // arithmetic does not depend on the rows walked beside it, so the bits are the same
+    j.n_stream = n_q; j.n_q = 1; j.q_nb3 = j.q_nb1; j.k_nb3 = 0; j.v_nb3 = 0; j.n_mask_planes = n_q;
+    j.o = oj2.data(); j.lse = lsej2.data();
+    rkv_cpu_part_run(j);
+    bad += memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
 
     // attention in double precision over the same (dequantised) rows for one query row; err of (o, lse) against it
     const int G = c.n_head / c.n_head_kv;
     std::vector<double> kd(D), vd(DV), s(c.n), od(DV), qr(D);
-    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_) {
+    // (o2, lse2: a second result of the same row, checked against the same reference; nullptr: none)
+    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_, const float * o2,
+                       const float * lse2) {
         int n_bad = 0;
         for (int h = 0; h < c.n_head; ++h) {
             const int g = h / G;
@@ -196,8 +224,11 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
                 m = std::max(m, s[i]);
             }
             if (m == -INFINITY) {  // every cell masked: LSE -inf, output 0
-                n_bad += lse_[h] != -INFINITY;
-                for (int d = 0; d < DV; ++d) if (o_[(size_t) h * DV + d] != 0.0f) { n_bad++; break; }
+                for (int w = 0; w < (o2 ? 2 : 1); ++w) {
+                    const float * ow = w ? o2 : o_, * lw = w ? lse2 : lse_;
+                    n_bad += lw[h] != -INFINITY;
+                    for (int d = 0; d < DV; ++d) if (ow[(size_t) h * DV + d] != 0.0f) { n_bad++; break; }
+                }
                 continue;
             }
             std::fill(od.begin(), od.end(), 0.0);
@@ -210,22 +241,27 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
                 for (int d = 0; d < DV; ++d) od[d] += w * vd[d];
             }
             const double lref = m + log(sum);
-            double err = fabs(lse_[h] - lref) / std::max(1.0, fabs(lref));
-            double num = 0, den = 0;
-            for (int d = 0; d < DV; ++d) {
-                const double r = od[d] / sum, e = o_[(size_t) h * DV + d] - r;
-                num += e * e;
-                den += r * r;
+            for (int w = 0; w < (o2 ? 2 : 1); ++w) {
+                const float * ow = w ? o2 : o_, * lw = w ? lse2 : lse_;
+                double err = fabs(lw[h] - lref) / std::max(1.0, fabs(lref));
+                double num = 0, den = 0;
+                for (int d = 0; d < DV; ++d) {
+                    const double r = od[d] / sum, e = ow[(size_t) h * DV + d] - r;
+                    num += e * e;
+                    den += r * r;
+                }
+                err = std::max(err, sqrt(num / std::max(den, 1e-30)));
+                worst = std::max(worst, err);
+                n_bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
             }
-            err = std::max(err, sqrt(num / std::max(den, 1e-30)));
-            worst = std::max(worst, err);
-            n_bad += !(err < 2e-5);  // f32 arithmetic over <= ~250 cells: observed <= 1e-6
         }
         return n_bad;
     };
-    bad += compare(q.data(), mask.data(), o.data(), lse.data());
-    bad += compare(q.data(), mask2.data(), oj.data(), lsej.data());
-    bad += compare(q1.data(), mask2.data() + c.n, oj.data() + (size_t) c.n_head * DV, lsej.data() + c.n_head);
+    for (int t = 0; t < n_q; ++t) {  // row t of the job, and of the direct walk where it took the row
+        const size_t oo = (size_t) t * c.n_head * DV, lo = (size_t) t * c.n_head;
+        bad += compare(qj.data() + (size_t) t * c.n_head * D, maskj.data() + (size_t) t * c.n, oj.data() + oo, lsej.data() + lo,
+                       t < n_direct ? o.data() + oo : nullptr, t < n_direct ? lse.data() + lo : nullptr);
+    }
     return bad;
 }
 
@@ -264,6 +300,88 @@ int check(const std::vector<std::string> & isas) {
 }
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// The pool's generations (rkv_cpu_pool_run): tasks of changing widths back to back, many more threads than this CPU
+// has, so that workers are descheduled at every step. Each task must run once on every id below its width and on no
+// other, and never after its run returned: a worker that took the width or the task of one generation and ran it in
+// another (a lagging worker between a narrow task and a wide one) shows as a missing, doubled or late call.
+int pool_stress(double seconds, int max_threads) {
+    std::atomic<uint64_t> current{0}, late{0}, wrong{0};
+    std::mt19937 rng(7);
+    uint64_t runs = 0;
+    const double t_end = now_s() + seconds;
+    std::vector<std::atomic<int>> calls(max_threads);
+    while (now_s() < t_end) {
+        for (int rep = 0; rep < 64; ++rep) {
+            // mostly the caller alone or a few threads, now and then all of them: narrow after wide leaves laggards
+            const int nth = rng() % 3 == 0 ? max_threads : 1 + (int) (rng() % 2);
+            const uint64_t gen = ++runs;
+            current.store(gen);
+            for (auto & c : calls) c.store(0);
+            const std::function<void(int)> fn = [&, gen, nth](int ith) {
+                if (current.load() != gen) late++;
+                if (ith < 0 || ith >= nth) wrong++;
+                else calls[ith]++;
+            };
+            rkv_cpu_pool_run(nth, fn);
+            for (int i = 0; i < max_threads; ++i) {
+                if (calls[i].load() != (i < nth ? 1 : 0)) wrong++;
+            }
+        }
+    }
+    current.store(0);
+    printf("pool stress: %llu runs of up to %d threads, %llu wrong calls, %llu late calls\n", (unsigned long long) runs,
+           max_threads, (unsigned long long) wrong.load(), (unsigned long long) late.load());
+    return wrong.load() || late.load();
+}
+
+// The pool between tasks: n threads run a task a few times, then the process sleeps for 100 ms: how many workers are
+// asleep then (all of them, unless ROLLINGKV_CPU_PART_SPIN_US is longer), and the CPU time the process spent meanwhile
+// (their spinning before they slept; on a loaded machine less than the spin's wall time). One JSON line.
+int pool_idle(int n) {
+    const std::function<void(int)> noop = [](int) {};
+    for (int i = 0; i < 3; ++i) rkv_cpu_pool_run(n, noop);
+    timespec a, b;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+    printf("{\"threads\": %d, \"asleep\": %d, \"idle_cpu_ms\": %.3f}\n", n, rkv_cpu_pool_sleepers(),
+           ((b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9) * 1e3);
+    return 0;
+}
+
+// The pool's threads against this process's CPUs: what ggml_rkv_get_cpu_threads gives, and the CPUs each of n pool
+// threads may run on, the workers made from a thread confined to one CPU (the last the process may use), as a GPU
+// runtime's callback thread may be. One JSON line.
+int pool_affinity(int n) {
+    cpu_set_t proc;
+    CPU_ZERO(&proc);
+    sched_getaffinity(0, sizeof(proc), &proc);
+    int last = -1;
+    for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &proc)) last = c;
+    std::vector<std::string> sets(n);
+    std::thread spawner([&] {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(last, &one);
+        pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+        const std::function<void(int)> fn = [&](int ith) {
+            cpu_set_t s;
+            CPU_ZERO(&s);
+            pthread_getaffinity_np(pthread_self(), sizeof(s), &s);
+            std::string l;
+            for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &s)) l += (l.empty() ? "" : ",") + std::to_string(c);
+            sets[ith] = "[" + l + "]";
+        };
+        rkv_cpu_pool_run(n, fn);
+    });
+    spawner.join();
+    std::string all;
+    for (int i = 1; i < n; ++i) all += (i > 1 ? "," : "") + sets[i];
+    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc), ggml_rkv_get_cpu_threads(),
+           all.c_str());
+    return 0;
+}
 
 // the first GPU device, if any (the pinned and registered allocations, the copies beside the attention)
 ggml_backend_dev_t gpu_device() {
@@ -417,7 +535,7 @@ struct copy_beside {
     }
 };
 
-int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside) {
+int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside, int R) {
     const int n_kv = 8, G = 3, D = 128, n_head = n_kv * G;
     const size_t kh = row_bytes(type, D), nb1 = kh * n_kv, layer_bytes = 2 * nb1 * n;
     const double gb = (double) layer_bytes * layers / 1e9;
@@ -461,7 +579,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
     for (size_t ia = 0; ia < allocs.size(); ++ia) {
         const std::string & how = allocs[ia];
         host_region reg;
-        const size_t total = layer_bytes * layers + 4096 * (2 * layers + 1);
+        const size_t total = layer_bytes * layers + 4096 * (2 * layers + 1) + sizeof(float) * D * n_head * R + 4096;
         if (!region_alloc(how, total, reg)) {
             fprintf(stderr, "cannot allocate %.3f GB as %s\n", total / 1e9, how.c_str());
             return 1;
@@ -474,7 +592,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             K[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
             V[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
         }
-        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, 1, n_head);
+        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, R, n_head);  // (the attention reads it as [row][head][D])
         ggml_backend_buffer_t wrap = ggml_backend_cpu_buffer_from_ptr(reg.p, reg.n);
         ggml_tallocr ta = ggml_tallocr_new(wrap);
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
@@ -495,15 +613,16 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                     }
                 }
             }
-            for (int i = 0; i < D * n_head; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
+            for (int i = 0; i < D * n_head * R; ++i) ((float *) q->data)[i] = N(rng) * 0.1f;
         }
 
         rkv_cpu_decode_params p{};
         p.q = (const float *) q->data; p.n_head = n_head; p.n_head_kv = n_kv; p.D = D; p.DV = D;
         p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
         p.scale = 1.0f / sqrtf((float) D);
+        p.n_rows = R; p.q_row = (size_t) D * n_head;
         const size_t pf = rkv_cpu_decode_part_floats(p);
-        std::vector<float> parts(pf * T), o((size_t) n_head * D), lse(n_head);
+        std::vector<float> parts(pf * T), o((size_t) R * n_head * D), lse((size_t) R * n_head);
         std::vector<uint8_t> sink(64 * T);
 
         auto attention = [&] {
@@ -515,6 +634,20 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                 rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
             }
         };
+        // the rows one by one (a walk of the cells per row, as the CPU part attended them before issue 26)
+        auto attention_apart = [&] {
+            for (int l = 0; l < layers; ++l) {
+                for (int r = 0; r < R; ++r) {
+                    rkv_cpu_decode_params pl = p;
+                    pl.k = (const uint8_t *) K[l]->data;
+                    pl.v = (const uint8_t *) V[l]->data;
+                    pl.n_rows = 1;
+                    pl.q = p.q + (size_t) r * p.q_row;
+                    rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                    rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D, lse.data() + (size_t) r * n_head);
+                }
+            }
+        };
         std::vector<const uint8_t *> bufs;
         for (int l = 0; l < layers; ++l) {
             bufs.push_back((const uint8_t *) K[l]->data);
@@ -524,9 +657,12 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
         };
         const double hs = huge_share(reg.p, reg.n);
-        const double t_att = best(attention), t_scan = best(read_scan);
+        const double t_att = best(attention), t_scan = best(read_scan), t_apart = R > 1 ? best(attention_apart) : t_att;
         printf("  [%s] huge pages %s\n", how.c_str(), hs < 0 ? "unknown" : (std::to_string((int) std::lround(hs * 100)) + "%").c_str());
         printf("  [%s] attention            %8.2f ms  %6.1f GB/s\n", how.c_str(), t_att * 1e3, gb / t_att);
+        if (R > 1) {
+            printf("  [%s] %d rows one by one %6.2f ms  (in one walk %.2fx faster)\n", how.c_str(), R, t_apart * 1e3, t_apart / t_att);
+        }
         printf("  [%s] read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", how.c_str(), t_scan * 1e3, gb / t_scan, t_scan / t_att);
         double t_beside = 0, link_beside = 0;
         if (beside) {
@@ -571,9 +707,9 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         }
         printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": \"%s\", \"huge_share\": %.3f, "
                "\"gb\": %.6f, \"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f, "
-               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f}\n", rkv_cpu_decode_isa(), T, layers,
-               (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3, t_copy * 1e3, t_vanilla * 1e3,
-               t_beside * 1e3, link_beside);
+               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f, \"rows\": %d, \"rows_apart_ms\": %.4f}\n",
+               rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3,
+               t_copy * 1e3, t_vanilla * 1e3, t_beside * 1e3, link_beside, R, t_apart * 1e3);
         fflush(stdout);
         ggml_backend_buffer_free(wrap);
         ggml_free(ctx);
@@ -592,6 +728,8 @@ int main(int argc, char ** argv) {
     ggml_type type = GGML_TYPE_F16;
     std::vector<std::string> isas, allocs;
     bool beside = false;
+    double stress_s = 0;
+    int affinity_n = 0, idle_n = 0, rows = 1;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -603,6 +741,7 @@ int main(int argc, char ** argv) {
         else if (a == "--layers") layers = atoi(next());
         else if (a == "--cells") cells = atoll(next());
         else if (a == "--reps") reps = atoi(next());
+        else if (a == "--rows") rows = atoi(next());
         else if (a == "--alloc") {
             std::string v = next();
             for (size_t pos = 0; pos <= v.size();) {
@@ -612,6 +751,9 @@ int main(int argc, char ** argv) {
             }
         }
         else if (a == "--beside-copy") beside = true;
+        else if (a == "--pool-stress") stress_s = atof(next());
+        else if (a == "--pool-affinity") affinity_n = atoi(next());
+        else if (a == "--pool-idle") idle_n = atoi(next());
         else if (a == "--isa") isas.push_back(next());
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
@@ -619,12 +761,12 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--alloc A,...] [--beside-copy]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N | --pool-idle N\n", argv[0]);
             return 2;
         }
     }
-    if (T < 1 || layers < 1 || cells < 16 || reps < 1) {
-        fprintf(stderr, "-t, --layers, --reps must be >= 1 and --cells >= 16\n");
+    if (T < 1 || layers < 1 || cells < 16 || reps < 1 || rows < 1) {
+        fprintf(stderr, "-t, --layers, --reps, --rows must be >= 1 and --cells >= 16\n");
         return 2;
     }
     for (const std::string & isa : isas) {
@@ -637,6 +779,15 @@ int main(int argc, char ** argv) {
             return 2;
         }
     }
+    if (stress_s > 0) {
+        return pool_stress(stress_s, 8);
+    }
+    if (affinity_n > 0) {
+        return pool_affinity(affinity_n);
+    }
+    if (idle_n > 0) {
+        return pool_idle(idle_n);
+    }
     ggml_backend_load_all();  // a no-op unless the backends are modules
     if (do_bench) {
         if (!isas.empty()) rkv_cpu_decode_force_isa(isas[0].c_str());
@@ -647,7 +798,7 @@ int main(int argc, char ** argv) {
                 return 2;
             }
         }
-        return bench(T, layers, cells, type, reps, allocs, beside);
+        return bench(T, layers, cells, type, reps, allocs, beside, rows);
     }
     if (isas.empty()) isas = {"avx512vnni", "avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
     return check(isas);

@@ -105,6 +105,9 @@ def _run(capsys, tiny, out, *extra):
 
 def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")  # the CPU part's threads, whatever -t (here 3) says
+    from rollingkv_cli import cpu_attn
+
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 3 threads: at most the process's CPUs
     out = tmp_path / "h.json"
     code, stdout, err = _run(capsys, tiny, out, "--cpu-fracs", "auto,0.25")
     assert code == 0, err

@@ -90,7 +90,8 @@ extern "C" {
     GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
 
     // threads of the CPU part (process-wide; default: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use
-    // but one; n_threads <= 0 restores the default). The thread that runs a part is one of them.
+    // but one; n_threads <= 0 restores the default); get returns the count the part runs, at most the CPUs of the
+    // process's affinity (taskset, numactl), on which its threads run. The thread that runs a part is one of them.
     GGML_API void ggml_rkv_set_cpu_threads(int n_threads);
     GGML_API int  ggml_rkv_get_cpu_threads(void);
 

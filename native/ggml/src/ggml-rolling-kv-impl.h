@@ -16,10 +16,15 @@
 //                             estimate, 640 MiB for CUDA, measured with CUDA 13 on an H200). Other GPUs, drivers or
 //                             CUDA versions hold more or less: the one figure a user must correct for a vram_target
 //                             to hold as NVML measures it.
-//   ROLLINGKV_CPU_PART_THREADS=N  threads of the CPU part of a hybrid tail (atoi, clamped to [0, 1024]; 0 or unset:
-//                             every CPU the process may use but one, the one left to the thread that launches the
-//                             GPU's work). Not the context's -t: the part is bound by memory bandwidth, which takes
-//                             more threads than -t's default (a heuristic for matrix work) gives.
+//   ROLLINGKV_CPU_PART_THREADS=N  threads of the CPU part of a hybrid tail (a whole number >= 0, above 1024: 1024;
+//                             0 or unset: every CPU the process may use but one, the one left to the thread that
+//                             launches the GPU's work; anything else: one warning line and the default). At most the
+//                             CPUs of the process's affinity (taskset, numactl), on which the pool's threads run. Not
+//                             the context's -t: the part is bound by memory bandwidth, which takes more threads than
+//                             -t's default (a heuristic for matrix work) gives.
+//   ROLLINGKV_CPU_PART_SPIN_US=N  how long the CPU part's idle workers spin for the next part before they sleep
+//                             (atoi, clamped to [0, 1000000], default 300: longer than the gap between the parts of
+//                             a decode's layers, short enough that an idle process leaves the CPUs to others).
 //   ROLLINGKV_TAIL_HOST_MEMORY=hugepages|cuda   where a GPU's host tail lives: anonymous memory advised for 2 MiB
 //                             pages and registered with the device (hugepages, the default), or the runtime's own
 //                             pinned allocation (cuda: cudaMallocHost). Both stream at the link's speed; the CPU part
@@ -67,6 +72,7 @@ struct ggml_rkv_knobs {
     int64_t runtime_mib;      // ROLLINGKV_RUNTIME_MIB; -1: unset (the backend's estimate)
     bool    tail_cuda_alloc;  // ROLLINGKV_TAIL_HOST_MEMORY=cuda (else hugepages)
     int     cpu_part_threads; // ROLLINGKV_CPU_PART_THREADS; 0: unset
+    int     cpu_part_spin_us; // ROLLINGKV_CPU_PART_SPIN_US
 
     // diagnostics
     bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS

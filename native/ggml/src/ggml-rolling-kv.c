@@ -5,6 +5,7 @@
 #include "ggml-impl.h"
 #include "ggml-threading.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -246,7 +247,27 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
         }
     }
 
-    k.cpu_part_threads = ggml_rkv_env_int("ROLLINGKV_CPU_PART_THREADS", 0, 0, 1024);
+    {
+        // a whole number >= 0 (0: the default), at most 1024; anything else: one warning line and the default (the CLI
+        // stops on the same values, rollingkv_cli/cpu_attn.py part_threads)
+        const char * v = ggml_rkv_env("ROLLINGKV_CPU_PART_THREADS");
+        k.cpu_part_threads = 0;
+        if (v) {
+            char * end = NULL;
+            errno = 0;
+            const long long n = strtoll(v, &end, 10); // as Python's int(): blanks around and a sign allowed
+            while (end != v && (*end == ' ' || *end == '\t' || *end == '\n')) {
+                end++;
+            }
+            if (end == v || *end != '\0' || errno != 0 || n < 0) {
+                GGML_LOG_WARN("ROLLINGKV_CPU_PART_THREADS=%s is not a whole number >= 0: the CPU part uses the default "
+                              "(every CPU the process may use but one)\n", v);
+            } else {
+                k.cpu_part_threads = n > 1024 ? 1024 : (int) n;
+            }
+        }
+    }
+    k.cpu_part_spin_us = ggml_rkv_env_int("ROLLINGKV_CPU_PART_SPIN_US", 300, 0, 1000000);
 
     k.cpu_part_stats = ggml_rkv_env_int("ROLLINGKV_CPU_PART_STATS", 0, 0, 1) == 1;
 

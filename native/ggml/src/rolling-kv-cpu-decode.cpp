@@ -612,7 +612,7 @@ uint64_t rkv_cpu_decode_read_scan(const uint8_t * const * bufs, int n_bufs, size
 }
 
 size_t rkv_cpu_decode_part_floats(const rkv_cpu_decode_params & p) {
-    return (size_t) p.n_head * (2 + (size_t) p.DV);
+    return (size_t) std::max(1, p.n_rows) * p.n_head * (2 + (size_t) p.DV);
 }
 
 bool rkv_cpu_decode_supported(int k_type, int v_type, int D, int DV) {
@@ -620,7 +620,25 @@ bool rkv_cpu_decode_supported(int k_type, int v_type, int D, int DV) {
     return ok(k_type) && ok(v_type) && D > 0 && DV > 0 && D % 32 == 0 && DV % 32 == 0;
 }
 
+static void range_walk(const rkv_cpu_decode_params & p, int64_t c0, int64_t c1, float * part);
+
 void rkv_cpu_decode_range(const rkv_cpu_decode_params & p, int64_t c0, int64_t c1, float * part) {
+    // more rows than one walk takes: walks of RKV_CPU_DECODE_MAX_ROWS rows, each into its rows' states
+    const int R = std::max(1, p.n_rows);
+    if (R <= RKV_CPU_DECODE_MAX_ROWS) {
+        range_walk(p, c0, c1, part);
+        return;
+    }
+    for (int r0 = 0; r0 < R; r0 += RKV_CPU_DECODE_MAX_ROWS) {
+        rkv_cpu_decode_params w = p;
+        w.n_rows = std::min(RKV_CPU_DECODE_MAX_ROWS, R - r0);
+        w.q      = p.q + (size_t) r0 * p.q_row;
+        w.mask   = p.mask ? p.mask + (size_t) r0 * p.mask_row : nullptr;
+        range_walk(w, c0, c1, part + (size_t) r0 * p.n_head * (2 + (size_t) p.DV));
+    }
+}
+
+static void range_walk(const rkv_cpu_decode_params & p, int64_t c0, int64_t c1, float * part) {
     switch (selected()) {
 #ifdef RKV_X86
         case isa::avx512vnni: rkv_avx512vnni::impl::range(p, c0, c1, part); return;
@@ -675,5 +693,5 @@ void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * p
 }
 
 void rkv_cpu_decode_merge(const rkv_cpu_decode_params & p, const float * parts, int n_parts, float * o, float * lse) {
-    rkv_cpu_decode_merge_heads(p, parts, n_parts, 0, p.n_head, o, lse);
+    rkv_cpu_decode_merge_heads(p, parts, n_parts, 0, std::max(1, p.n_rows) * p.n_head, o, lse);
 }

@@ -1,8 +1,8 @@
 // rolling-KV: a CPU decode attention over host-resident K/V rows, for the CPU part of a hybrid tail.
 //
-// One query token per sequence (decode), all query heads of a KV group against each K/V row read once
-// (GQA), blocks of 16 cells with one online-softmax update per block and a vectorised exp, split over
-// cells (split-K): each worker attends a contiguous cell range and leaves a partial state (max, sum,
+// A few query rows of a sequence (decode: one; a batch: up to RKV_CPU_DECODE_MAX_ROWS per walk), all query heads of
+// a KV group and all rows against each K/V row read once (GQA), blocks of 16 cells with one online-softmax update per
+// block and a vectorised exp, split over cells (split-K): each worker attends a contiguous cell range and leaves a partial state (max, sum,
 // unnormalised output) per query head; the partials are merged in range order, so the result does not
 // depend on timing. K/V types: F16, Q8_0, Q4_0. An F16 K is dotted in f32. A quantized K is dotted in integers
 // with the query quantized once per call (per block of 32: int8 values and an f32 scale, as ggml quantizes the
@@ -40,17 +40,28 @@ struct rkv_cpu_decode_params {
     const float * slope;       // [n_head] ALiBi slopes (mask value times slope is added) or null (slope 1)
     float         scale;       // KQ scale
     float         softcap;     // 0: none; else s = softcap * tanh(s * scale / softcap)
+    // several query rows against the same cells, in one walk of them (each block of K/V rows read once for all rows
+    // and heads: a batch of a sequence's tokens, speculative or a small prefill): row r's query at q + r*q_row floats,
+    // its mask at mask + r*mask_row. 0 or 1: one row. A part's state and the merged o/lse then hold n_rows*n_head
+    // "heads", row-major (row r's head h is r*n_head + h).
+    int32_t       n_rows;
+    size_t        q_row;
+    size_t        mask_row;
 };
 
-// floats of one partial state: per query head, max, sum, then DV outputs
+// the most rows one walk of the cells attends (its scratch grows with them); a caller splits more rows into walks
+constexpr int RKV_CPU_DECODE_MAX_ROWS = 16;
+
+// floats of one partial state: per query head (of every row), max, sum, then DV outputs
 size_t rkv_cpu_decode_part_floats(const rkv_cpu_decode_params & p);
 
 // attend cells [c0, c1) into part (rkv_cpu_decode_part_floats(p) floats)
 void rkv_cpu_decode_range(const rkv_cpu_decode_params & p, int64_t c0, int64_t c1, float * part);
 
-// merge n_parts partial states (in order) into o [n_head][DV] (normalised) and lse [n_head]
+// merge n_parts partial states (in order) into o [n_rows][n_head][DV] (normalised) and lse [n_rows][n_head]
 void rkv_cpu_decode_merge(const rkv_cpu_decode_params & p, const float * parts, int n_parts, float * o, float * lse);
-// the same for heads [h0, h1) only (o and lse of those heads): a pool merges a part's heads in parallel
+// the same for heads [h0, h1) of the n_rows*n_head only (o and lse of those heads): a pool merges a part's heads in
+// parallel
 void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse);
 
 // which path rkv_cpu_decode_range takes on this CPU: "avx512vnni", "avx512", "avx2" or "scalar"

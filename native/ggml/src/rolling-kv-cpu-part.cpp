@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
+#include <unistd.h>
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -39,6 +40,7 @@ namespace {
 
 std::atomic<int> g_cpu_threads{0}; // 0: unset
 std::atomic<uint64_t> g_runs{0};
+std::atomic<uint64_t> g_sleeps{0}; // the pool's workers that slept between tasks (the spin ran out)
 
 // ROLLINGKV_CPU_PART_STATS: per part, its wall time (from the call to the merged result), how late its threads
 // started after the task was posted, the busiest and the idlest thread's work, the gap since the previous part
@@ -80,9 +82,11 @@ void print_stats() {
             s.bytes/1e9, s.wall, s.threads, s.caller_cpus);
     fprintf(stderr, "rolling KV: CPU part: per part, the last thread started %.1f us after the post, the busiest thread worked "
             "%.1f us (its chunks and merges), the idlest %.1f us; from one part's end to the next one's start %.1f us (p50 %.1f); "
-            "the threads were on a CPU %.0f%% of their working time\n",
+            "the threads were on a CPU %.0f%% of their working time; the workers fell asleep %llu times between tasks "
+            "(%.2f per part; ROLLINGKV_CPU_PART_SPIN_US=%d)\n",
             s.late_max/n*1e6, s.busy_max/n*1e6, s.busy_min/n*1e6, s.gaps ? s.gap/(double) s.gaps*1e6 : 0.0, gap_p50*1e6,
-            s.busy_sum > 0 ? 100.0*s.oncpu_sum/s.busy_sum : 0.0);
+            s.busy_sum > 0 ? 100.0*s.oncpu_sum/s.busy_sum : 0.0, (unsigned long long) g_sleeps.load(),
+            (double) g_sleeps.load()/n, ggml_rkv_get_knobs()->cpu_part_spin_us);
 }
 
 bool stats_on() {
@@ -118,37 +122,64 @@ int caller_cpus() {
     return 0;
 }
 
-// CPUs this process may run on (its affinity), else the hardware's count
-int usable_cpus() {
+// The CPUs this process may run on, read once: the main thread's affinity (what taskset, numactl or the application
+// set for the process; sched_getaffinity of the process id, not of the calling thread, which may be a GPU runtime's
+// callback thread confined to one core). The pool's workers run on these and on no other.
+struct proc_cpus {
+    int n = 0;
 #if defined(__linux__)
     cpu_set_t set;
-    CPU_ZERO(&set);
-    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
-        return CPU_COUNT(&set);
-    }
+    bool have_set = false;
 #endif
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw ? (int) hw : 4;
+};
+
+const proc_cpus & process_cpus() {
+    static const proc_cpus pc = [] {
+        proc_cpus r;
+#if defined(__linux__)
+        CPU_ZERO(&r.set);
+        if (sched_getaffinity(getpid(), sizeof(r.set), &r.set) == 0 && CPU_COUNT(&r.set) > 0) {
+            r.have_set = true;
+            r.n = CPU_COUNT(&r.set);
+            return r;
+        }
+#endif
+        const unsigned hw = std::thread::hardware_concurrency();
+        r.n = hw ? (int) hw : 4;
+        return r;
+    }();
+    return pc;
 }
+
+int usable_cpus() { return process_cpus().n; }
 
 // The CPU part reads memory: its speed grows with the threads up to the memory's bandwidth (H200 host: 4 threads 22
 // GB/s, 15 threads 65 GB/s), so it takes every CPU but one (left to the thread that launches the GPU's work), not
-// the context's -t (a heuristic for matrix work on the CPU: 4 on that host). ROLLINGKV_CPU_PART_THREADS sets it.
-int default_threads() {
-    const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
-    return knob > 0 ? knob : std::max(1, usable_cpus() - 1);
+// the context's -t (a heuristic for matrix work on the CPU: 4 on that host). ROLLINGKV_CPU_PART_THREADS or
+// ggml_rkv_set_cpu_threads sets it; either way at most the process's CPUs (more threads only wait for each other).
+int part_threads(int requested) {
+    const int n = requested > 0 ? requested : std::max(1, usable_cpus() - 1);
+    return std::max(1, std::min(n, usable_cpus()));
 }
 
-// A pool of worker threads that runs one task at a time over ids [0, nth): the caller is id 0. Between tasks the
-// workers spin for a short while (the CPU parts of a decode's layers follow each other within a millisecond or so)
-// and then sleep, so an idle process costs nothing.
+// A pool of worker threads that runs one task at a time over ids [0, nth): the caller is id 0.
+//
+// A task is published in one atomic word, its generation and its width together, so that a worker always reads the
+// width of the generation it saw: a worker outside a task's width (not waited for) may lag behind by any number of
+// generations, and must never take a later task's width as its own (it would run that task unasked, twice, or after
+// its end). A worker inside the width reads the task pointer after the word; the caller waits for that worker before
+// the next generation, so the pointer is this generation's.
+//
+// Between tasks the workers spin for a bounded time (ROLLINGKV_CPU_PART_SPIN_US: the CPU parts of a decode's layers
+// follow each other within a fraction of a millisecond), then sleep on a condition variable (a futex), so that an
+// idle process leaves the CPUs to others; the caller takes the lock to wake them only when one sleeps.
 class rkv_pool {
 public:
     ~rkv_pool() {
         {
             std::lock_guard<std::mutex> lk(m_);
-            stop_ = true;
-            gen_.fetch_add(1);
+            stop_.store(true);
+            word_.fetch_add(GEN_ONE);
         }
         cv_.notify_all();
         for (auto & t : workers_) {
@@ -156,83 +187,106 @@ public:
         }
     }
 
-    // make the workers of an nth-thread task now (from a thread of the application, not a runtime's callback thread)
+    // make the workers of an nth-thread task now (from a thread of the application, not a runtime's callback thread);
+    // does not wait for a task that runs
     void prepare(int nth) {
-        std::lock_guard<std::mutex> one(run_mutex_);
+        if (n_workers_.load(std::memory_order_acquire) >= nth - 1) {
+            return;
+        }
         spawn(nth);
     }
 
     void run(int nth, const std::function<void(int)> & fn) {
         std::lock_guard<std::mutex> one(run_mutex_); // one job at a time (several GPUs may call at once)
-        nth = std::max(1, nth);
-        spawn(nth);
-        task_ = &fn;
-        nth_  = nth;
-        pending_.store(nth - 1);
-        {
-            std::lock_guard<std::mutex> lk(m_);
-            gen_.fetch_add(1, std::memory_order_release);
+        nth = std::max(1, std::min(nth, MAX_NTH));
+        if (n_workers_.load(std::memory_order_acquire) < nth - 1) {
+            spawn(nth);
         }
-        cv_.notify_all();
+        task_.store(&fn, std::memory_order_relaxed);
+        pending_.store(nth - 1, std::memory_order_relaxed);
+        const uint64_t gen = (word_.load(std::memory_order_relaxed) >> GEN_SHIFT) + 1;
+        word_.store(gen << GEN_SHIFT | (uint64_t) nth, std::memory_order_seq_cst); // releases task_ and pending_
+        if (nth > 1 && sleepers_.load(std::memory_order_seq_cst) > 0) {
+            { std::lock_guard<std::mutex> lk(m_); } // a worker between its check and its wait holds m_: it sees the word
+            cv_.notify_all();
+        }
         fn(0);
         while (pending_.load(std::memory_order_acquire) > 0) {
             rkv_pause();
         }
-        task_ = nullptr;
+        task_.store(nullptr, std::memory_order_relaxed);
     }
 
 private:
+    static constexpr int      GEN_SHIFT = 16;
+    static constexpr uint64_t GEN_ONE   = 1ull << GEN_SHIFT;
+    static constexpr int      MAX_NTH   = (1 << GEN_SHIFT) - 1;
+
     void spawn(int nth) {
+        std::lock_guard<std::mutex> lk(spawn_mutex_);
         while ((int) workers_.size() < nth - 1) {
-            // the generation before this task's: a worker that starts after the bump below still sees the task
+            // the generation before the next task's: a worker made before the caller publishes it sees the task
             const int id = (int) workers_.size() + 1;
-            const uint64_t seen = gen_.load();
+            const uint64_t seen = word_.load(std::memory_order_acquire) >> GEN_SHIFT;
             workers_.emplace_back([this, id, seen] { work(id, seen); });
+            n_workers_.store((int) workers_.size(), std::memory_order_release);
         }
     }
 
     void work(int id, uint64_t seen) {
 #if defined(__linux__)
-        // every CPU: a worker inherits the affinity of the thread that made it (a GPU runtime's callback thread may be
-        // confined to one core, which serializes the whole pool)
-        cpu_set_t all;
-        CPU_ZERO(&all);
-        for (unsigned c = 0; c < std::thread::hardware_concurrency() && c < CPU_SETSIZE; ++c) {
-            CPU_SET(c, &all);
+        // the process's CPUs: a worker inherits the affinity of the thread that made it (a GPU runtime's callback
+        // thread may be confined to one core, which serializes the whole pool), and must not escape taskset/numactl
+        const proc_cpus & pc = process_cpus();
+        if (pc.have_set) {
+            pthread_setaffinity_np(pthread_self(), sizeof(pc.set), &pc.set);
         }
-        pthread_setaffinity_np(pthread_self(), sizeof(all), &all);
 #endif
+        const auto spin = std::chrono::microseconds(ggml_rkv_get_knobs()->cpu_part_spin_us);
         for (;;) {
-            // spin up to ~2 ms for the next task, then sleep
-            const auto t0 = std::chrono::steady_clock::now();
-            for (int i = 0; gen_.load(std::memory_order_acquire) == seen; ++i) {
-                rkv_pause();
-                if ((i & 255) == 255 && std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(2)) {
-                    std::unique_lock<std::mutex> lk(m_);
-                    cv_.wait(lk, [&] { return gen_.load() != seen; });
-                    break;
+            uint64_t w = word_.load(std::memory_order_acquire);
+            if ((w >> GEN_SHIFT) == seen) {
+                const auto t0 = std::chrono::steady_clock::now();
+                for (int i = 0; (w >> GEN_SHIFT) == seen; ++i) {
+                    rkv_pause();
+                    if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > spin) {
+                        std::unique_lock<std::mutex> lk(m_);
+                        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+                        g_sleeps.fetch_add(1, std::memory_order_relaxed);
+                        cv_.wait(lk, [&] { w = word_.load(std::memory_order_seq_cst); return (w >> GEN_SHIFT) != seen; });
+                        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+                        break;
+                    }
+                    w = word_.load(std::memory_order_acquire);
                 }
             }
-            seen = gen_.load(std::memory_order_acquire);
-            if (stop_) {
+            if (stop_.load()) {
                 return;
             }
-            if (id < nth_) {
-                (*task_)(id);
+            seen = w >> GEN_SHIFT;
+            const int nth = (int) (w & (GEN_ONE - 1));
+            if (id < nth) { // the caller waits for this thread: the task is still this generation's
+                (*task_.load(std::memory_order_relaxed))(id);
                 pending_.fetch_sub(1, std::memory_order_release);
             }
         }
     }
 
+public:
+    int sleepers() const { return sleepers_.load(); }
+
+private:
     std::vector<std::thread> workers_;
-    std::mutex               run_mutex_;
+    std::atomic<int>         n_workers_{0};
+    std::mutex               run_mutex_;   // one task at a time
+    std::mutex               spawn_mutex_; // workers_ (prepare does not wait for a running task)
     std::mutex               m_;
     std::condition_variable  cv_;
-    std::atomic<uint64_t>    gen_{0};
+    std::atomic<uint64_t>    word_{0};     // generation << GEN_SHIFT | nth
     std::atomic<int>         pending_{0};
-    const std::function<void(int)> * task_ = nullptr;
-    int  nth_  = 1;
-    bool stop_ = false;
+    std::atomic<int>         sleepers_{0};
+    std::atomic<const std::function<void(int)> *> task_{nullptr};
+    std::atomic<bool>        stop_{false};
 };
 
 rkv_pool & pool() {
@@ -247,12 +301,15 @@ uint64_t rkv_cpu_part_runs(void) {
 }
 
 static int rkv_pool_threads(int n_threads) {
-    const int nth = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
-    return std::max(1, std::min(nth, usable_cpus())); // more threads than CPUs only wait for each other
+    return n_threads > 0 ? part_threads(n_threads) : ggml_rkv_get_cpu_threads();
 }
 
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn) {
     pool().run(nth, fn);
+}
+
+int rkv_cpu_pool_sleepers(void) {
+    return pool().sleepers();
 }
 
 void rkv_cpu_part_prepare(int n_threads) {
@@ -272,10 +329,12 @@ static float * part_buffer(size_t n_floats) {
 }
 
 // Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4 per
-// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (row, chunk)
-// items as they come free, so a slow or late thread (memory contention, a core shared for a while) holds up one chunk,
-// not a 1/nth share of the part; then they claim (row, group of heads) items and merge the chunks in chunk order. Which
-// thread computed what never changes the result.
+// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (chunk,
+// stream, group of up to RKV_CPU_DECODE_MAX_ROWS rows) items as they come free, each one walk of the chunk's cells for
+// all the group's rows (the K/V bytes read once, not once per row), so a slow or late thread (memory contention, a core
+// shared for a while) holds up one chunk, not a 1/nth share of the part; then they claim (row, group of heads) items and
+// merge the chunks in chunk order. Which thread computed what, and which rows were walked together, never changes the
+// result.
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     using clock = std::chrono::steady_clock;
     g_runs.fetch_add(1, std::memory_order_relaxed);
@@ -298,25 +357,32 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     base.scale     = job.scale;
     base.softcap   = job.softcap;
 
-    auto row_params = [&](int64_t r) {
-        const int64_t s = r / job.n_q, t = r % job.n_q;
+    // the params of stream s's rows [t0, t0 + n): one walk of the cells for all of them (rkv_cpu_decode_range)
+    auto rows_params = [&](int64_t s, int64_t t0, int64_t n) {
         rkv_cpu_decode_params p = base;
-        p.q    = (const float *) (job.q + t*job.q_nb1 + s*job.q_nb3);
-        p.k    = job.k + s*job.k_nb3;
-        p.v    = job.v + s*job.v_nb3;
-        p.mask = job.mask ? job.mask + ((s % job.n_mask_planes)*job.n_q + t)*job.n_cells : nullptr;
+        p.q        = (const float *) (job.q + t0*job.q_nb1 + s*job.q_nb3);
+        p.q_row    = job.q_nb1/sizeof(float);
+        p.k        = job.k + s*job.k_nb3;
+        p.v        = job.v + s*job.v_nb3;
+        p.mask     = job.mask ? job.mask + ((s % job.n_mask_planes)*job.n_q + t0)*job.n_cells : nullptr;
+        p.mask_row = (size_t) job.n_cells;
+        p.n_rows   = (int32_t) n;
         return p;
     };
 
     const int nth = rkv_pool_threads(job.n_threads);
     const int64_t n_blk    = (job.n_cells + 15)/16;
     const int     n_chunks = (int) std::max<int64_t>(1, std::min<int64_t>(4*(int64_t) nth, (job.n_cells + 63)/64));
-    const size_t  part_floats = rkv_cpu_decode_part_floats(base);
-    float * parts = part_buffer((size_t) n_rows*n_chunks*part_floats);
+    const size_t  row_floats = rkv_cpu_decode_part_floats(base); // one row's state (base: one row)
+    float * parts = part_buffer((size_t) n_rows*n_chunks*row_floats); // [stream][chunk][row of the stream][state]
 
+    // items: (chunk, stream, group of rows): a group's rows share one walk of the chunk's cells (its K/V read once)
+    const int64_t rows_per_walk = RKV_CPU_DECODE_MAX_ROWS;
+    const int64_t n_groups = (job.n_q + rows_per_walk - 1)/rows_per_walk;
     const int     head_group = 4;
-    const int64_t n_items = n_rows*n_chunks;
-    const int64_t n_merge = n_rows*((job.n_head + head_group - 1)/head_group);
+    const int64_t n_hgroups = (job.n_head + head_group - 1)/head_group;
+    const int64_t n_items = job.n_stream*n_groups*n_chunks;
+    const int64_t n_merge = n_rows*n_hgroups;
     std::atomic<int64_t> next_item{0}, items_done{0}, next_merge{0};
 
     std::vector<double> late(stats ? nth : 0), busy(stats ? nth : 0), oncpu(stats ? nth : 0);
@@ -325,21 +391,25 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         const clock::time_point t0 = stats ? clock::now() : clock::time_point();
         const double c0_cpu = stats ? thread_cpu_s() : 0.0;
         for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items; ) {
-            const int64_t k = i / n_rows, r = i % n_rows; // chunk-major: consecutive claims read neighbouring cells
+            // chunk-major: consecutive claims read neighbouring cells
+            const int64_t k = i / (job.n_stream*n_groups), sg = i % (job.n_stream*n_groups);
+            const int64_t s = sg / n_groups, t0 = sg % n_groups*rows_per_walk, n = std::min(rows_per_walk, job.n_q - t0);
             const int64_t c0 = std::min(job.n_cells, n_blk*k/n_chunks*16);
             const int64_t c1 = std::min(job.n_cells, n_blk*(k + 1)/n_chunks*16);
-            rkv_cpu_decode_range(row_params(r), c0, c1, parts + ((size_t) r*n_chunks + k)*part_floats);
+            rkv_cpu_decode_range(rows_params(s, t0, n), c0, c1, parts + ((size_t) (s*n_chunks + k)*job.n_q + t0)*row_floats);
             items_done.fetch_add(1, std::memory_order_release);
         }
         while (items_done.load(std::memory_order_acquire) < n_items) {
             rkv_pause(); // the last chunks are being attended by other threads
         }
         for (int64_t i; (i = next_merge.fetch_add(1, std::memory_order_relaxed)) < n_merge; ) {
-            const int64_t groups = (job.n_head + head_group - 1)/head_group;
-            const int64_t r = i / groups;
-            const int h0 = (int) (i % groups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
-            rkv_cpu_decode_merge_heads(row_params(r), parts + (size_t) r*n_chunks*part_floats, n_chunks, h0, h1,
-                job.o + (size_t) r*job.n_head*job.DV, job.lse + (size_t) r*job.n_head);
+            const int64_t r = i / n_hgroups, s = r / job.n_q, t = r % job.n_q;
+            const int h0 = (int) (i % n_hgroups)*head_group, h1 = std::min(job.n_head, h0 + head_group);
+            // the stream's states as one walk over its n_q rows left them: row t's head h is t*n_head + h
+            const rkv_cpu_decode_params ps = rows_params(s, 0, job.n_q);
+            rkv_cpu_decode_merge_heads(ps, parts + (size_t) s*n_chunks*job.n_q*row_floats, n_chunks,
+                (int) t*job.n_head + h0, (int) t*job.n_head + h1,
+                job.o + (size_t) s*job.n_q*job.n_head*job.DV, job.lse + (size_t) s*job.n_q*job.n_head);
         }
         if (stats) {
             late[ith] = std::chrono::duration<double>(t0 - t_post).count();
@@ -373,7 +443,7 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         s.last_end = t_end;
         s.have_last = true;
         s.threads = nth;
-        s.caller_cpus = caller_cpus();
+        if (!s.caller_cpus) s.caller_cpus = caller_cpus(); // once: the calling thread does not change its CPUs
     }
 }
 
@@ -387,7 +457,9 @@ extern "C" void ggml_rkv_set_cpu_threads(int n_threads) {
 
 extern "C" int ggml_rkv_get_cpu_threads(void) {
     const int n = g_cpu_threads.load();
-    return n > 0 ? n : default_threads();
+    // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
+    static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
+    return part_threads(n > 0 ? n : knob);
 }
 
 extern "C" bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {

@@ -2,8 +2,9 @@
 //
 // A GPU backend that streams a pinned-host tail may leave the tail's far end to the CPU (ggml_rkv_tail_cpu_cells,
 // ggml-rolling-kv.h): its Q and mask columns come to the host with small copies, this attends the part's cells for
-// every query row of every stream, split over the pool's threads by cells (rkv_cpu_decode_range, the partials merged
-// in range order: the result does not depend on timing), and leaves the normalised output and the per-row LSE that
+// every query row of every stream, the rows of a stream in one walk of the cells (groups of RKV_CPU_DECODE_MAX_ROWS),
+// split over the pool's threads by cells (rkv_cpu_decode_range, the partials merged in range order: the result does
+// not depend on timing), and leaves the normalised output and the per-row LSE that
 // the backend merges with its other parts. Sinks are not applied here (the final merge counts them once).
 
 #pragma once
@@ -53,6 +54,9 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job);
 // fn(ith) for ith in [0, nth) on the pool the CPU part runs on (the caller is 0), one task at a time; returns when all are
 // done. The bench times the attention and the memory-bound runs it is compared with on these same threads.
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn);
+
+// the pool's workers asleep now (their spin ran out; the test of the bounded spin)
+int rkv_cpu_pool_sleepers(void);
 
 // make the pool's threads for a job of n_threads (<= 0: ggml_rkv_get_cpu_threads()) now, on the calling thread: a
 // backend calls it where it issues a CPU part, so that the workers do not start from its runtime's callback thread

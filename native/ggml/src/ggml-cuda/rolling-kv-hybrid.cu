@@ -7,6 +7,7 @@
 #include "../ggml-rolling-kv-impl.h"
 #include "../rolling-kv-cpu-part.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -30,12 +31,6 @@ struct rkv_staging {
     cudaEvent_t done = nullptr;
 };
 
-// a job and what it points to, never changed once made (a replayed graph's host node reads it)
-struct rkv_job_store {
-    rkv_cpu_part_job   job;
-    std::vector<float> slope;
-};
-
 } // namespace
 
 struct ggml_cuda_rkv_hybrid {
@@ -44,7 +39,9 @@ struct ggml_cuda_rkv_hybrid {
     int next = 0;                      // CPU parts issued in the graph being evaluated
     cudaEvent_t ev_fork = nullptr;
     cudaEvent_t ev_done = nullptr;     // the CPU part issued last (what the compute stream waits for)
-    std::unordered_map<std::string, std::unique_ptr<rkv_job_store>> jobs;
+    // the ALiBi slopes (times the test hook's factor) per (heads, max_bias, factor): what a job's slope points to, never
+    // changed once made (a replayed graph's job points to it); as many as the model's distinct layer shapes
+    std::unordered_map<std::string, std::unique_ptr<std::vector<float>>> slopes;
 };
 
 void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h) {
@@ -78,7 +75,17 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
     if (!(frac > 0.0f) || !kt || !vt || kt->ne[1] == 0 || !ggml_cuda_rkv_is_host(kt) || !ggml_cuda_rkv_is_host(vt)) {
         return 0;
     }
-    if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q || q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
+    if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q) {
+        // the planned limit (a batch of more rows, a prompt's, would make the part compute-bound on the CPU): said once
+        static std::atomic<bool> said{false};
+        if (!said.exchange(true)) {
+            GGML_LOG_INFO("rolling KV: the CPU part of a hybrid tail takes batches of up to %d query rows per stream "
+                          "(GGML_RKV_CPU_PART_MAX_Q); a batch of %lld rows (prompt processing) streams its whole tail\n",
+                          GGML_RKV_CPU_PART_MAX_Q, (long long) q->ne[1]);
+        }
+        return 0;
+    }
+    if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
             !ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
             q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
         return 0;
@@ -98,13 +105,18 @@ int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
 #if RKV_HYBRID
 // the part's inputs straight into its pinned staging (mapped: the device writes it through unified addressing), in one
 // launch instead of a copy of Q and one of the mask columns per plane: Q's bytes as they are, then the mask columns
-// [col0, col0 + n_cpu) of every row and plane, packed [plane][row][cell]
+// [col0, col0 + n_cpu) of every row and plane, packed [plane][row][cell], and the job itself (a kernel argument: a
+// captured graph carries it, and an updated graph its new value), which the host function then reads from the
+// staging. So the job's bytes (its cells change with every token) need no store of their own.
 static __global__ void rkv_stage_inputs(const float * __restrict__ q, const int64_t q_floats,
         const char * __restrict__ mask, const int64_t mask_nb1, const int64_t mask_nb3, const int64_t col0,
         const int64_t n_cpu, const int64_t n_q, const int64_t n_planes,
-        float * __restrict__ q_host, uint16_t * __restrict__ mask_host) {
+        float * __restrict__ q_host, uint16_t * __restrict__ mask_host, const rkv_cpu_part_job job, rkv_cpu_part_job * job_host) {
     const int64_t i0 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
     const int64_t n  = (int64_t) gridDim.x*blockDim.x;
+    if (i0 == 0) {
+        *job_host = job;
+    }
     for (int64_t i = i0; i < q_floats; i += n) {
         q_host[i] = q[i];
     }
@@ -116,7 +128,7 @@ static __global__ void rkv_stage_inputs(const float * __restrict__ q, const int6
 }
 
 static void CUDART_CB rkv_cpu_part_host(void * data) {
-    rkv_cpu_part_run(((const rkv_job_store *) data)->job);
+    rkv_cpu_part_run(*(const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
 }
 
 // the ALiBi slope of each head, as ggml_flash_attn_ext computes it (1 without ALiBi), times the test hook's factor
@@ -153,13 +165,14 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     // test hook ROLLINGKV_DEBUG_PERTURB_TAIL: the part's scores times (1 + x), as the streamed parts'
     static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
 
-    // staging: Q | mask columns | output | LSE, each 256-byte aligned
+    // staging: Q | mask columns | output | LSE | job, each 256-byte aligned
     const size_t q_bytes    = ggml_nbytes(q); // the byte span of a view from its data pointer
     const size_t mask_bytes = mask ? (size_t) (n_planes*n_q*n_cpu)*sizeof(uint16_t) : 0;
     const size_t o_bytes    = (size_t) rows*DV*sizeof(float);
     const size_t off_mask   = GGML_PAD(q_bytes, 256);
     const size_t off_out    = off_mask + GGML_PAD(mask_bytes, 256);
-    const size_t need       = off_out + o_bytes + (size_t) rows*sizeof(float);
+    const size_t off_job    = GGML_PAD(off_out + o_bytes + (size_t) rows*sizeof(float), 256);
+    const size_t need       = off_job + sizeof(rkv_cpu_part_job);
 
     ggml_cuda_rkv_hybrid *& hp = ggml_cuda_rkv_hybrid_of(ctx);
     if (!hp) {
@@ -188,10 +201,10 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     }
     char * host = st.host;
 
-    // the job: made once per distinct content, kept for the context's life (a captured graph's host node points to it)
-    rkv_job_store store;
-    memset(&store.job, 0, sizeof(store.job)); // the key is its bytes, padding included
-    rkv_cpu_part_job & j = store.job;
+    // the job: a kernel argument of the staging kernel, which writes it into the staging for the host function (a
+    // captured graph's host node points to the staging, whose job its kernel node rewrites at every replay)
+    rkv_cpu_part_job j;
+    memset(&j, 0, sizeof(j));
     j.n_head = (int32_t) n_head; j.n_head_kv = (int32_t) kt->ne[2]; j.D = (int32_t) kt->ne[0]; j.DV = (int32_t) DV;
     j.k_type = kt->type; j.v_type = vt->type;
     j.n_q = n_q; j.n_stream = ne3; j.n_cells = n_cpu;
@@ -203,17 +216,18 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     j.softcap = softcap != 0.0f ? softcap*mul : 0.0f; // softcap*tanh(qk*scale/softcap): the whole score times mul
     j.o = (float *) (host + off_out); j.lse = (float *) (host + off_out + o_bytes);
     j.n_threads = 0;
-    std::string key((const char *) &j, sizeof(j));
-    key.append((const char *) &max_bias, sizeof(max_bias));
-    auto it = h.jobs.find(key);
-    if (it == h.jobs.end()) {
-        auto s = std::make_unique<rkv_job_store>(store);
-        if (max_bias > 0.0f || mul != 1.0f) {
-            s->slope = rkv_slopes((int) n_head, max_bias, mul);
+    j.slope = nullptr;
+    if (max_bias > 0.0f || mul != 1.0f) {
+        std::string key((const char *) &n_head, sizeof(n_head));
+        key.append((const char *) &max_bias, sizeof(max_bias));
+        key.append((const char *) &mul, sizeof(mul));
+        auto it = h.slopes.find(key);
+        if (it == h.slopes.end()) {
+            it = h.slopes.emplace(std::move(key), std::make_unique<std::vector<float>>(rkv_slopes((int) n_head, max_bias, mul))).first;
         }
-        s->job.slope = s->slope.empty() ? nullptr : s->slope.data();
-        it = h.jobs.emplace(std::move(key), std::move(s)).first;
+        j.slope = it->second->data();
     }
+    rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
 
     rkv_cpu_part_prepare(0); // the pool's workers start here, not on CUDA's callback thread
 
@@ -226,10 +240,10 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
         const int nblk = (int) std::max<int64_t>(1, std::min<int64_t>((work + nth - 1)/nth, 1024));
         rkv_stage_inputs<<<nblk, nth, 0, cs>>>((const float *) q->data, (int64_t) (q_bytes/sizeof(float)),
             mask ? (const char *) mask->data : nullptr, mask ? (int64_t) mask->nb[1] : 0, mask ? (int64_t) mask->nb[3] : 0, col0,
-            n_cpu, n_q, n_planes, (float *) host, (uint16_t *) (host + off_mask));
+            n_cpu, n_q, n_planes, (float *) host, (uint16_t *) (host + off_mask), j, job_host);
         CUDA_CHECK(cudaGetLastError());
     }
-    CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, it->second.get()));
+    CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, job_host));
     CUDA_CHECK(cudaEventRecord(st.done, cs));
     h.ev_done = st.done;
     return (const float *) (host + off_out); // the merge reads the result where the host wrote it (mapped memory)

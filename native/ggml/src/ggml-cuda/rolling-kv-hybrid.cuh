@@ -25,7 +25,7 @@
 #define GGML_CUDA_RKV_CPU_STREAM (GGML_CUDA_MAX_STREAMS - 2)
 static_assert(GGML_CUDA_RKV_CPU_STREAM > 3, "the rolling-KV CPU-part stream must not be a concurrent-event branch stream");
 
-struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, jobs, events)
+struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, which carries the jobs, slopes, events)
 void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
 
 // before a graph is evaluated: its CPU parts take staging buffers from the first again
