@@ -22,7 +22,7 @@ RESIDENCY_MODES = ("auto", "window", "head", "off")
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -43,6 +43,7 @@ class ServeSettings:
     kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
+    slot_save: bool = False  # llama-server's slot save/restore into <cache>/slots (off: any client could write files there)
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -55,10 +56,11 @@ class Setting:
     """One serve setting, checked the same way from a flag (text) and from the config file (YAML values)."""
 
     key: str
-    kind: str  # "int" | "float" | "choice" | "str" | "fraction_or_auto"
+    kind: str  # "int" | "float" | "choice" | "str" | "fraction_or_auto" | "bool"
     lo: float | None = None
     hi: float | None = None
     choices: tuple[str, ...] = ()
+    cap: int | None = None  # the most llama-server's field holds: said only to a value above it
 
     @property
     def flag(self) -> str:
@@ -73,6 +75,10 @@ class Setting:
             return v
         if self.kind == "fraction_or_auto":
             return _fraction_or_auto(value, from_text)
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise SettingError(f"must be true or false, not {value!r}")
         if self.kind == "str":
             if from_text:
                 value = str(value)
@@ -86,15 +92,18 @@ class Setting:
         positive = self.kind == "float" and self.lo == 0  # an exclusive bound: a positive number
         if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
             raise SettingError(f"must be {self._range()}, not {value if from_text else repr(value)}")
+        if self.cap is not None and v > self.cap:
+            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else repr(value)}")
         return v
 
     def _range(self) -> str:
         noun = "an integer" if self.kind == "int" else "a number"
         if self.kind == "float" and self.lo == 0:
             return "a positive number"
+        num = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")  # noqa: E731
         if self.hi is not None:
-            return f"{noun} from {self.lo:g} to {self.hi:g}"
-        return f"{noun} of at least {self.lo:g}" if self.lo is not None else noun
+            return f"{noun} from {num(self.lo)} to {num(self.hi)}"
+        return f"{noun} of at least {num(self.lo)}" if self.lo is not None else noun
 
 
 def _fraction_or_auto(value, from_text: bool) -> float | str:
@@ -139,13 +148,17 @@ def _as_float(value, from_text: bool) -> float:
     return v
 
 
+INT32_MAX = 2**31 - 1
+MAX_VRAM_TARGET_MIB = 2**24  # 16 TiB per device: far above any GPU, far below an overflow of MiB -> bytes
+
 # the one table of what serve accepts: the flags (commands/serve.py) and the config file check against it
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("kv_residency_mode", "choice", choices=RESIDENCY_MODES),
-    Setting("vram_target", "int", lo=1),
-    Setting("kv_window_cells", "int", lo=1),
-    Setting("kv_device_heads", "int", lo=1),
-    Setting("ctx_size", "int", lo=64),
+    # caps: what llama-server's int32 / MiB fields hold (a value past them failed only after start-up)
+    Setting("vram_target", "int", lo=1, cap=MAX_VRAM_TARGET_MIB),
+    Setting("kv_window_cells", "int", lo=1, cap=INT32_MAX),
+    Setting("kv_device_heads", "int", lo=1, cap=INT32_MAX),
+    Setting("ctx_size", "int", lo=64, cap=INT32_MAX),
     Setting("parallel", "int", lo=1, hi=256),
     Setting("cache_type_k", "choice", choices=CACHE_TYPES),
     Setting("cache_type_v", "choice", choices=CACHE_TYPES),
@@ -155,6 +168,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
+    Setting("slot_save", "bool"),
 )}
 assert set(SETTINGS) == set(_FLAG_KEYS)
 
@@ -214,20 +228,55 @@ def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], co
             where[key] = f"{source}: {key}"
     spec = model_spec or _config_value("model", config.get("model"), source)
     extra_args = list(extra) if extra else _config_value("extra_args", config.get("extra_args", []), source)
-    _check_together(merged, where)
+    extra_where = "after `--`" if extra else f"in {source}: extra_args"
+    _check_extra_args(extra_args or [], merged, where, extra_where)
+    _check_together(merged, where, unified=_given(extra_args or [], "--kv-unified") or _given(extra_args or [], "-kvu"))
     if not spec:
-        abort("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
+        usage_error("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
     model = models.resolve_model(str(spec), log=note)
-    s = ServeSettings(model=model, extra_args=extra_args or [], **{k: v for k, v in merged.items() if k not in ("host", "port")})
+    s = ServeSettings(model=model, extra_args=extra_args or [],
+                      **{k: v for k, v in merged.items() if k not in ("host", "port", "slot_save")})
     s.host = merged.get("host") or DEFAULT_HOST
     s.port = DEFAULT_PORT if merged.get("port") is None else merged["port"]
+    s.slot_save = bool(merged.get("slot_save"))
     return s
 
 
-def _check_together(m: dict, where: dict[str, str]) -> None:
+# llama-server's spellings of what serve sets from its own settings (server_command_args)
+_LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--parallel"), "cache_type_k": ("-ctk", "--cache-type-k"),
+                "cache_type_v": ("-ctv", "--cache-type-v"), "kv_residency_mode": ("--kv-residency-mode",),
+                "vram_target": ("--vram-target",), "kv_window_cells": ("--kv-window-cells",), "kv_device_heads": ("--kv-device-heads",),
+                "cache_type_k_tail": ("-ctkt", "--cache-type-k-tail"), "cache_type_v_tail": ("-ctvt", "--cache-type-v-tail"),
+                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "slot_save": ("--slot-save-path",)}
+
+
+def _check_extra_args(extra: list[str], merged: dict, where: dict[str, str], extra_where: str) -> None:
+    """llama-server's arguments after `--` go unchanged, so none may contradict what serve passes itself: serve binds
+    --host/--port and loads MODEL (what it checks and reports), and a setting given both ways would leave one of the
+    two ignored. Usage errors, naming both."""
+    owner = {f: k for k, fs in _LLAMA_FLAGS.items() for f in fs}
+    for a in extra:
+        name = a.split("=", 1)[0] if a.startswith("--") else a
+        if name in ("--host", "--port"):
+            usage_error(f"{name} {extra_where} clashes with serve's own {name} (serve binds, checks and reports that address)",
+                        f"give it to serve before `--`: rollingkv serve MODEL {name} VALUE")
+        if name in ("-m", "--model"):
+            usage_error(f"{name} {extra_where} clashes with serve's MODEL (serve checks and reports the model it loads)",
+                        "give the model as serve's MODEL argument (a GGUF path or `demo`)")
+        key = owner.get(name)
+        if key is not None and merged.get(key) not in (None, False):
+            usage_error(f"{name} {extra_where} clashes with {where[key]}: llama-server would take only one of them",
+                        "give the setting once")
+
+
+def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> None:
     """Settings that are fine alone but not together (usage errors, as a bad flag)."""
     window, ctx, parallel = m.get("kv_window_cells"), m.get("ctx_size"), m.get("parallel")
     heads, mode = m.get("kv_device_heads"), m.get("kv_residency_mode")
+    if ctx and parallel and ctx < parallel:
+        # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
+        usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
+                    "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
     if heads and window:
         usage_error(f"{where['kv_device_heads']} and {where['kv_window_cells']} exclude each other (a head split or a window split)",
                     "give one of them")
@@ -240,10 +289,11 @@ def _check_together(m: dict, where: dict[str, str]) -> None:
     if window and ctx and window > ctx:
         usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
                     "a window of the whole context is the resident cache: use --kv-residency-mode off")
-    if ctx and parallel and ctx < parallel:
-        # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
-        usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
-                    "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
+    if window and ctx and parallel and parallel > 1 and not unified and window > ctx // parallel:
+        # llama-server gives each of N slots its own stream of ctx / N cells; the window is per stream
+        usage_error(f"{where['kv_window_cells']} {window} is larger than each slot's context ({where['ctx_size']} {ctx} / "
+                    f"{where['parallel']} {parallel} = {ctx // parallel} cells): the cache would stay resident",
+                    f"the window is per slot: give fewer than {ctx // parallel + 1} cells, or raise the context")
 
 
 # ------------------------------------------------------------------ checks on the build and the model
@@ -324,7 +374,12 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
 
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
                         cpu_attn_gbps: float | None = None) -> list[str]:
-    args = ["-m", str(s.model), "-fa", "on", "--metrics", "--slots", "--slot-save-path", str(slot_dir)]
+    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
+    # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
+    # client's request: only with --slot-save.
+    args = ["-m", str(s.model), "-fa", "on", "--metrics"]
+    if s.slot_save:
+        args += ["--slot-save-path", str(slot_dir)]
     args += gpu_layer_args or []
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
@@ -435,10 +490,50 @@ class _Stop(Exception):
     pass
 
 
+def api_key(extra_args: list[str]) -> str | None:
+    """The API key llama-server will require (--api-key or --api-key-file after `--`, else $LLAMA_API_KEY, as llama-server
+    reads them): serve's own requests (/props, /metrics) send it. None: the server is open to whoever reaches it."""
+    import os
+
+    text = _flag_value(extra_args, "--api-key")
+    path = _flag_value(extra_args, "--api-key-file") or os.environ.get("LLAMA_ARG_API_KEY_FILE")
+    if text is None and path is None:
+        text = os.environ.get("LLAMA_API_KEY")
+    if text is not None:
+        keys = [k for k in text.split(",") if k.strip()]
+        return keys[0].strip() if keys else None
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.rstrip("\r\n")
+                if line and not line.startswith("#"):
+                    return line
+    except OSError:
+        return "(unreadable)"  # llama-server refuses the file at start and says why; there is a key meant
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names only this machine (every address it resolves to is a loopback one)."""
+    import ipaddress
+    import socket
+
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    try:
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
+    except ValueError:
+        return False
+
+
 def _metrics(srv) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:
+        with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
             for line in r.read().decode().splitlines():
                 m = re.match(r"^llamacpp:(\w+)\s+([-+0-9.eE]+|nan|inf)$", line)
                 if m:
@@ -603,19 +698,27 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
     slot_dir = paths.cache_dir() / "slots"
     log_dir = paths.cache_dir() / "logs"
+    key = api_key(s.extra_args)
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
     srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps), host=s.host, port=port,
-                        log_path=log_path)
+                        log_path=log_path, api_key=key)
     if print_args:
         print(shlex.join(srv.command))
         return
+    made = [log_dir] + ([slot_dir] if s.slot_save else [])
     try:
-        slot_dir.mkdir(parents=True, exist_ok=True)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        for d in made:
+            d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        abort(f"cannot create {slot_dir.parent}/{{slots,logs}}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+        abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    if not key and not is_loopback(s.host):
+        warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
+             "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
+    if s.slot_save:
+        warn(f"--slot-save: any client of the server can write and read KV cache files in {slot_dir} "
+             "(POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:

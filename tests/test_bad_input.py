@@ -188,6 +188,26 @@ ROWS = {
                                       files={"c.yaml": "model: demo\nkv_device_heads: 2\nkv_window_cells: 512\n"}),
     "5-head-mode-window-cells": Row(["serve", "demo", "--kv-residency-mode", "head", "--kv-window-cells", "256", "--print-args"], 2,
                                     ["--kv-window-cells 256 sets a window, which --kv-residency-mode head does not make"]),
+    # issue 27 (9): arguments after `--` that contradict serve's own
+    "9-port-after-dashes": Row(["serve", "demo", "--print-args", "--", "--port", "9999"], 2, ["--port after `--` clashes with serve's own --port"],
+                               hint=["rollingkv serve MODEL --port VALUE"]),
+    "9-host-after-dashes": Row(["serve", "demo", "--print-args", "--", "--host=0.0.0.0"], 2, ["--host after `--` clashes"]),
+    "9-model-after-dashes": Row(["serve", "demo", "--print-args", "--", "-m", "{gguf}"], 2, ["-m after `--` clashes with serve's MODEL"]),
+    "9-setting-twice": Row(["serve", "demo", "-c", "2048", "--print-args", "--", "-c", "4096"], 2, ["-c after `--` clashes with --ctx-size"]),
+    "9-config-extra-args-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["--port in config file", "extra_args clashes"],
+                                    files={"c.yaml": "model: demo\nextra_args: ['--port', '9999']\n"}),
+    # issue 27 (11): values llama-server would refuse only after start-up
+    "11-vram-target-huge": Row(["serve", "demo", "--vram-target", "1000000000000000000000", "--print-args"], 2,
+                               ["--vram-target", "must be at most 16777216 (what llama-server takes)"]),
+    "11-config-window-huge": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["kv_window_cells must be at most 2147483647"],
+                                 files={"c.yaml": "model: demo\nkv_window_cells: 4294967296\n"}),
+    "11-slot-save-not-a-bool": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["slot_save must be true or false, not 'yes please'"],
+                                   files={"c.yaml": "model: demo\nslot_save: yes please\n"}),
+    # issue 27 (12): the window is per slot
+    "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
+                                        ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),
+    # issue 27 (14): usage errors exit 2
+    "14-serve-no-model": Row(["serve", "--config", "/dev/null", "--print-args"], 2, ["no MODEL given"]),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),
@@ -391,3 +411,38 @@ def test_server_process_reports_a_signal_death(tmp_path):
     srv.stop()
     assert "killed by SIGSEGV (signal 11)" in e.value.message and str(tmp_path / "s.log") in e.value.hint
     assert "about to die" in (tmp_path / "s.log").read_text()
+
+
+# ---------------------------------------------------------------- issue 27 (1): safe by default
+
+@pytest.mark.parametrize("extra, env, warned", [([], {}, True), (["--", "--api-key", "k"], {}, False), ([], {"LLAMA_API_KEY": "k"}, False)],
+                         ids=["no-key", "api-key-after-dashes", "LLAMA_API_KEY"])
+def test_non_loopback_host_without_an_api_key_warns(extra, env, warned, capsys, isolated_cache, standin_build, fake_gguf, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False) if not env else None
+    code, _, err = run_main(["serve", str(fake_gguf), "--host", "0.0.0.0", "--port", str(_free_port()), "-q", *extra], capsys)
+    assert code == 1 and "exited during start-up" in err  # the stand-in dies: the warning came before it started
+    assert ("no API key is set" in err) == warned, err
+    assert _children() == []
+
+
+def test_loopback_hosts():
+    from rollingkv_cli.serving import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("no.such.host.invalid")
+
+
+def test_api_key_is_found_where_llama_server_reads_it(tmp_path, monkeypatch):
+    from rollingkv_cli.serving import api_key
+
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_API_KEY_FILE", raising=False)
+    assert api_key(["-t", "2"]) is None
+    assert api_key(["--api-key", "a,b"]) == "a" and api_key(["--api-key=c"]) == "c"
+    f = tmp_path / "keys"
+    f.write_text("# comment\n\nsecret\n")
+    assert api_key(["--api-key-file", str(f)]) == "secret"
+    monkeypatch.setenv("LLAMA_API_KEY", "env")
+    assert api_key([]) == "env" and api_key(["--api-key", "flag"]) == "flag"

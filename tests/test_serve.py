@@ -31,6 +31,26 @@ def test_print_args_merges_config_and_flags(tmp_path, capsys, demo_model, monkey
     assert argv[-2:] == ["--port", "9999"] and "--threads" in argv
 
 
+def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    """Slot save/restore lets any client write files into the cache: serve passes --slot-save-path only with --slot-save
+    (or `slot_save: true`), and never turns on more than -fa and --metrics beyond llama-server's defaults."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+
+    def argv(*args):
+        code, out, err = run_main(["serve", *args, "--print-args"], capsys)
+        assert code == 0, err
+        return shlex.split(out.strip().splitlines()[-1])
+
+    plain = argv("demo")
+    assert "--slot-save-path" not in plain and "--slots" not in plain and "--props" not in plain
+    assert plain[1:] == ["-m", str(demo_model), "-fa", "on", "--metrics", "--host", "127.0.0.1", "--port", "8080"]
+    on = argv("demo", "--slot-save")
+    assert on[on.index("--slot-save-path") + 1].endswith("/slots")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: demo\nslot_save: true\n")
+    assert "--slot-save-path" in argv("--config", str(cfg))
+
+
 @pytest.mark.parametrize(
     "yaml_text, message, exit_code",
     [
@@ -60,7 +80,7 @@ def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
     code, _, err = run_main(["serve", "demo", "-ctk", "q3_k"], capsys)
     assert code == 2 and "q3_k" in err
     code, _, err = run_main(["serve"], capsys)
-    assert code == 1 and "no MODEL" in err
+    assert code == 2 and "no MODEL" in err  # a usage error
     code, _, err = run_main(["serve", "demo", "-c", "1024", "--kv-window-cells", "4096"], capsys)
     assert code == 2 and "larger than the context" in err  # flags that contradict: a usage error
 
