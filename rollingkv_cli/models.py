@@ -366,6 +366,20 @@ SYNTH_ARCHES = ("llama", "gemma2", "qwen35", "lfm2")
 HYBRID_ARCHES = ("qwen35", "lfm2")  # recurrent + attention layers (llama_memory_hybrid)
 
 
+def _tokenizer_nbytes(vocab: int) -> int:
+    """What _tokenizer(vocab)'s strings, scores and types take in the GGUF, counted without making them (a vocab of a
+    billion is refused by its size, not by the memory of its list)."""
+    fixed = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    n = max(0, vocab - len(fixed))
+    strings = sum(8 + len(t.encode()) for t in fixed) + n * (8 + len("\u2581t".encode()))
+    digits, lo = 1, 0  # the i of "\u2581t{i}": 0..9 have 1 digit, 10..99 have 2, ...
+    while lo < n:
+        hi = min(n, 10 ** digits)
+        strings += (hi - lo) * digits
+        lo, digits = hi, digits + 1
+    return strings + 8 * (len(fixed) + n)
+
+
 def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     types = [2, 3, 3] + [6] * 256
@@ -458,8 +472,7 @@ def synth_nbytes(spec: SynthSpec) -> int:
     tensors = _synth_tensors(spec)
     data = sum(-(-_tensor_nbytes(spec, s, k) // align) * align for _, s, k in tensors)
     infos = sum(8 + len(name) + 4 + 8 * len(s) + 4 + 8 for name, s, _ in tensors)
-    tokens, _, _ = _tokenizer(spec.vocab)
-    vocab = sum(8 + len(t.encode()) for t in tokens) + 8 * len(tokens)  # strings, scores and types
+    vocab = _tokenizer_nbytes(spec.vocab)  # strings, scores and types
     return 24 + 4096 + 8 * spec.layers + vocab + infos + align + data
 
 
@@ -485,10 +498,29 @@ def check_room(out: Path, nbytes: int) -> None:
               "free some space, write to another filesystem, or make the model smaller (--layers, --embd, --ff, --type q8_0)")
 
 
+def check_out(out: Path) -> None:
+    """OUT is absent or a regular file: replacing a device, a FIFO, a socket or a symbolic link with a model is never
+    what was meant (`model synth /dev/full --force` as root replaced the device)."""
+    import stat
+
+    try:
+        st = os.lstat(out)
+    except (FileNotFoundError, NotADirectoryError):  # absent (a parent that is a file: the writer says so)
+        return
+    except OSError as e:
+        abort(f"cannot use {out}: {e.strerror or e}", "check the path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        abort(f"{out} is {kind}, not a regular file: refusing to replace it with a model",
+              "give the path of a new file or of a regular file to replace (with --force)")
+
+
 def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path:
     """Random weights in the spec's architecture; one random pool reused by every matrix keeps it fast.
 
-    Writes OUT.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
+    Writes OUT.<unique>.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
     failure or interrupt the .part and the directories made for it are removed."""
     import gguf
 
@@ -521,11 +553,19 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
             return -(0.5 + rng.random(shape, dtype=np.float32))
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))  # "rand": a kernel over shape[-1] taps
 
+    check_out(out)
     made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
-    tmp = out.with_name(out.name + ".part")
+    tmp: Path | None = None
     w = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        # a name of this run's own, created exclusively: two runs to one OUT never write into one another's file
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f"{out.name}.", suffix=".part")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode a plain open() would give (mkstemp's is 0600)
+        os.close(fd)
+        tmp = Path(name)
         w = gguf.GGUFWriter(str(tmp), spec.arch)
         w.add_name(f"rollingkv-synth-{spec.layers}L-{spec.embd}d")
         w.add_context_length(spec.ctx)
@@ -584,12 +624,14 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
         w.write_kv_data_to_file()
         w.write_tensors_to_file(progress=False)
         w.close()
+        check_out(out)  # still absent or a regular file (another process may have put something there meanwhile)
         os.replace(tmp, out)
     except BaseException as e:
         if w is not None:
             w.close()
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         for d in made:  # innermost first; only the ones still empty
             try:
                 d.rmdir()

@@ -58,7 +58,8 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     f16), iSWA (gemma2) or hybrid (qwen35, lfm2).
 
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
-    or failed write leaves nothing behind (no OUT.part). A shape llama.cpp cannot run is refused before anything
+    or failed write leaves nothing behind (no OUT.*.part, a name of each run's own). OUT must be absent or a
+    regular file (a device, FIFO or link is refused). A shape llama.cpp cannot run is refused before anything
     is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
@@ -67,6 +68,7 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
                             attn_interval=attn_interval, ssm_state=ssm_state, ssm_groups=ssm_groups, ssm_heads=ssm_heads,
                             conv_kernel=conv_kernel)
     spec.validate()
+    models.check_out(out)  # absent or a regular file (never a device, a FIFO, a link)
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
     with _sigterm_raises(), console.status(f"writing {esc(str(out))}"):
