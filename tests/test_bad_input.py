@@ -126,6 +126,24 @@ class Row:
     hint: list[str] = field(default_factory=list)
 
 
+def _fifo(path: Path) -> None:
+    """A FIFO no one writes: opening it to read blocks for ever. Should the refusal regress, a timer opens it for
+    writing after 10 s (a reader then sees its end) so that the row fails instead of hanging."""
+    import threading
+
+    os.mkfifo(path)
+
+    def unblock():
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no one reads: nothing to unblock
+        except OSError:
+            pass
+
+    t = threading.Timer(10, unblock)
+    t.daemon = True
+    t.start()
+
+
 def _no_matplotlib(tmp, monkeypatch):
     from rollingkv_cli.bench import plot as bench_plot
 
@@ -207,7 +225,19 @@ ROWS = {
     "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
                                         ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),
     # issue 27 (14): usage errors exit 2
-    "14-serve-no-model": Row(["serve", "--config", "/dev/null", "--print-args"], 2, ["no MODEL given"]),
+    "14-serve-no-model": Row(["serve", "--config", "{tmp}/empty.yaml", "--print-args"], 2, ["no MODEL given"], files={"empty.yaml": ""}),
+    "14-serve-config-dev-null": Row(["serve", "--config", "/dev/null", "--print-args"], 1, ["config file /dev/null", "a device"]),
+    # issue 27 (4): only regular files are read, and only so much of them (a device or a FIFO hung or ate memory)
+    "4-run-prompt-file-dev-zero": Row(["run", "{gguf}", "-f", "/dev/zero"], 1, ["prompt file /dev/zero", "a device, not a regular file"]),
+    "4-run-prompt-file-fifo": Row(["run", "{gguf}", "-f", "{tmp}/fifo"], 1, ["prompt file {tmp}/fifo", "a FIFO (named pipe), not a regular file"],
+                                  setup=lambda tmp, mp: _fifo(tmp / "fifo")),
+    "4-serve-config-dev-zero": Row(["serve", "--config", "/dev/zero", "--print-args"], 1, ["config file /dev/zero", "a device"]),
+    "4-bench-show-dev-zero": Row(["bench", "show", "/dev/zero"], 1, ["report /dev/zero", "a device"]),
+    "4-bench-show-fifo": Row(["bench", "show", "{tmp}/fifo"], 1, ["report {tmp}/fifo", "a FIFO"], setup=lambda tmp, mp: _fifo(tmp / "fifo")),
+    "4-gate-needle-filler-dev-zero": Row(["gate", "needle", "--model", "{gguf}", "--filler-file", "/dev/zero"], 1, ["filler file /dev/zero", "a device"],
+                                         build=True),
+    "4-report-too-large": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json: it holds more than 1 MiB"], files={"r.json": b" " * (2 << 20)},
+                              setup=lambda tmp, mp: mp.setattr("rollingkv_cli.userinput.MAX_INPUT_BYTES", 1 << 20)),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),
