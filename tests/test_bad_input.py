@@ -221,6 +221,11 @@ ROWS = {
                                  files={"c.yaml": "model: demo\nkv_window_cells: 4294967296\n"}),
     "11-slot-save-not-a-bool": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["slot_save must be true or false, not 'yes please'"],
                                    files={"c.yaml": "model: demo\nslot_save: yes please\n"}),
+    "11-run-temperature-nan": Row(["run", "{gguf}", "-p", "hi", "--temperature", "nan"], 2, ["--temperature", "finite number of at least 0", "not nan"]),
+    "11-run-temperature-inf": Row(["run", "{gguf}", "-p", "hi", "--temperature", "inf"], 2, ["--temperature", "not inf"]),
+    "11-run-temperature-negative": Row(["run", "{gguf}", "-p", "hi", "--temperature", "-1"], 2, ["--temperature", "not -1"]),
+    "11-run-empty-prompt": Row(["run", "{gguf}", "-p", ""], 2, ["--prompt is empty"]),
+    "11-run-blank-prompt-file": Row(["run", "{gguf}", "-f", "{tmp}/p.txt"], 2, ["prompt file", "is empty (or only blanks)"], files={"p.txt": " \n\n"}),
     # issue 27 (12): the window is per slot
     "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
                                         ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),

@@ -11,6 +11,14 @@ from pathlib import Path
 import click
 
 
+def _temperature(ctx, param, value: float) -> float:
+    import math
+
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"must be a finite number of at least 0 (0 = greedy), not {value:g}")
+    return value
+
+
 @click.command()
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-p", "--prompt", help="The user message.")
@@ -18,7 +26,7 @@ import click
 @click.option("-n", "--max-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
 @click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True, help="Context size in tokens (llama.cpp rounds it up to a multiple of 256).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, callback=_temperature, help="0 = greedy; at least 0.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature, verbose) -> None:
     """Answer PROMPT with MODEL (a GGUF path or `demo`), using the active build."""
@@ -52,6 +60,9 @@ def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # undecodable bytes from argv arrive as surrogates
             abort(f"--prompt is not UTF-8 text (character {e.start})", "pass UTF-8 text (check the terminal's locale), or use --prompt-file")
+    if not text.strip():
+        raise click.UsageError(f"{what} is empty: give the message to answer" if prompt_file is None
+                               else f"{what} is empty (or only blanks): give the message to answer")
     if "\0" in text:
         abort(f"{what} holds a NUL byte at character {text.index(chr(0))}: not text", "give a text file, not a binary one")
     return text
