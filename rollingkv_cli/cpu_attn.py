@@ -39,13 +39,13 @@ def part_threads() -> int:
     """The threads libllama gives the hybrid tail's CPU part (ggml_rkv_get_cpu_threads): $ROLLINGKV_CPU_PART_THREADS
     when set, else every CPU this process may run on but one (left to the thread that launches the GPU's work). Not
     llama-server's -t: its default is a heuristic for matrix work on the CPU (4 on the H200 host's 16 cores), and the
-    part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value: one line, exit 2."""
+    part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value: one line, exit 1."""
     from rollingkv_cli.paths import ENV_CPU_PART_THREADS
-    from rollingkv_cli.userinput import env_int
+    from rollingkv_cli.userinput import native_knob
 
-    n = env_int(ENV_CPU_PART_THREADS, minimum=0, example="a number of threads such as 15, or 0 for the default")
+    n = native_knob(ENV_CPU_PART_THREADS)  # above libllama's 1024: refused, not clamped
     if n:
-        return min(n, 1024)  # libllama's clamp
+        return n
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

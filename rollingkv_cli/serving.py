@@ -664,6 +664,9 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     from rollingkv_cli import builder
     from rollingkv_cli.server import ServerProcess, free_port, port_in_use, resolve_host
 
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # the variables llama-server's library reads itself: refused here, not ignored or clamped there
     b = builder.active_build(required=True)
     assert b is not None
     binary = b.artifact("llama-server")

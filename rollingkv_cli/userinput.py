@@ -168,3 +168,33 @@ def env_flag(name: str, default: bool = False) -> bool:
     if raw.lower() in _FALSE:
         return False
     abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, "1 or 0"))
+
+
+# ------------------------------------------------------------------ the library's own knobs
+
+# The variables libllama / libggml read themselves (ggml-rolling-kv.c, ggml_rkv_knobs): there a bad value is silently
+# ignored and one out of range silently clamped. Every command that loads the library or starts a child that does
+# checks them here first, with one parser each, so a value means the same everywhere or is refused with one line.
+# name: (lowest, highest, example)
+NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
+    "ROLLINGKV_SLOTS": (2, 8, "a number of slots from 2 to 8, such as 3"),
+    "ROLLINGKV_SLOT_MIB": (1, 4096, "a size in MiB from 1 to 4096, such as 32"),
+    "ROLLINGKV_RUNTIME_MIB": (0, None, "a size in MiB such as 640"),
+    "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
+}
+
+
+def native_knob(name: str, default: int | None = None) -> int | None:
+    """The library knob's value as the library takes it (NATIVE_KNOBS), default when unset; a value the library would
+    ignore or clamp: one line, exit 1."""
+    lo, hi, example = NATIVE_KNOBS[name]
+    v = env_int(name, default, minimum=lo, example=example)
+    if v is not None and hi is not None and v > hi and env_str(name) is not None:
+        abort(f"${name}={os.environ[name]!r} is more than the library takes ({hi}): it would use {hi}", _unset_hint(name, example))
+    return v
+
+
+def check_native_knobs() -> None:
+    """Every knob of NATIVE_KNOBS that is set, checked (before a command loads the library or starts llama-server)."""
+    for name in NATIVE_KNOBS:
+        native_knob(name)

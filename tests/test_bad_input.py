@@ -232,6 +232,21 @@ ROWS = {
     # issue 27 (14): usage errors exit 2
     "14-serve-no-model": Row(["serve", "--config", "{tmp}/empty.yaml", "--print-args"], 2, ["no MODEL given"], files={"empty.yaml": ""}),
     "14-serve-config-dev-null": Row(["serve", "--config", "/dev/null", "--print-args"], 1, ["config file /dev/null", "a device"]),
+    # issue 27 (13): the library's own variables, one parser each, refused wherever the library runs
+    "13-part-threads-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_CPU_PART_THREADS='abc'", "not a whole number"],
+                                              env={"ROLLINGKV_CPU_PART_THREADS": "abc"}, build=True),
+    "13-part-threads-negative-gate": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["$ROLLINGKV_CPU_PART_THREADS='-1'", "at least 0"],
+                                         env={"ROLLINGKV_CPU_PART_THREADS": "-1"}),
+    "13-part-threads-too-many-run": Row(["run", "{gguf}", "-p", "hi"], 1, ["$ROLLINGKV_CPU_PART_THREADS='100000'", "more than the library takes (1024)"],
+                                        env={"ROLLINGKV_CPU_PART_THREADS": "100000"}),
+    "13-slots-zero-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_SLOTS='0'", "at least 2"], env={"ROLLINGKV_SLOTS": "0"},
+                               build=True),
+    "13-slot-mib-negative-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_SLOT_MIB='-5'", "at least 1"],
+                                      env={"ROLLINGKV_SLOT_MIB": "-5"}, build=True),
+    "13-runtime-mib-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_RUNTIME_MIB='abc'", "not a whole number"],
+                                             env={"ROLLINGKV_RUNTIME_MIB": "abc"}, build=True),
+    "13-slots-too-many-bench": Row(["bench", "tail", "{gguf}", "--dry-run"], 1, ["$ROLLINGKV_SLOTS='9'", "more than the library takes (8)"],
+                                   env={"ROLLINGKV_SLOTS": "9"}),
     # issue 27 (4): only regular files are read, and only so much of them (a device or a FIFO hung or ate memory)
     "4-run-prompt-file-dev-zero": Row(["run", "{gguf}", "-f", "/dev/zero"], 1, ["prompt file /dev/zero", "a device, not a regular file"]),
     "4-run-prompt-file-fifo": Row(["run", "{gguf}", "-f", "{tmp}/fifo"], 1, ["prompt file {tmp}/fifo", "a FIFO (named pipe), not a regular file"],

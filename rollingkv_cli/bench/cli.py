@@ -197,6 +197,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
     depths = list(dict.fromkeys(depths))
 
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # llama-bench's library reads them: refused here, not ignored or clamped there
     model = models.resolve_model(model_spec, log=note)
     build = builder.active_build()
     bench_bin = build.artifact("llama-bench")

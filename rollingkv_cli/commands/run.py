@@ -36,6 +36,9 @@ def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give the message with -p/--prompt or -f/--prompt-file (one of them)")
     text = _prompt_text(prompt, prompt_file)
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # the library this loads reads them itself: refused here, not ignored or clamped there
     path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
     if model_spec != "demo":  # the demo is verified by its sha256
         models.check_gguf(path, model_spec)

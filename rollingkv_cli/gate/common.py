@@ -55,7 +55,9 @@ def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) ->
     """--build DIR (a `rollingkv build` directory), --lib-dir DIR (llama.cpp's build/bin of our series), or
     the active build ($ROLLINGKV_BUILD, else the one `rollingkv build` activated)."""
     from rollingkv_cli import builder
+    from rollingkv_cli.userinput import check_native_knobs
 
+    check_native_knobs()  # every gate runs the library: its own variables are checked first (userinput.NATIVE_KNOBS)
     if build_dir is not None and lib_dir is not None:
         abort("give --build or --lib-dir, not both")
     if lib_dir is not None:
