@@ -311,6 +311,12 @@ def synth_parent_is_a_file(ctx: Ctx):
     return _synth(out="afile/m.gguf")(ctx)
 
 
+def gate_window_past_the_context(ctx: Ctx):
+    """The same usage error as gate needle's (exit 2), though found only once the text is tokenized (issue 27: 14)."""
+    return ["gate", "equiv", "--model", str(ctx.demo), "--synthetic-tokens", "300", "--kv-window-cells", "99999", "--threads", "2",
+            "--work-dir", str(ctx.tmp / "wd")], []
+
+
 ROWS = {
     "run truncated demo (head -c 1000000)": Row(run_truncated_demo, "t.gguf is truncated: 1000000 bytes", proc=True, needs_build=True),
     "run truncated GGUF": Row(run_truncated_synth, "bytes, its tensors end at byte", proc=True),
@@ -352,6 +358,8 @@ ROWS = {
     "synth OUT is a symbolic link (--force)": Row(synth_out_is_a_symlink, "m.gguf is a symbolic link, not a regular file"),
     "synth vocab of a billion": Row(synth_vocab_huge, "writing m.gguf needs"),
     "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
+    "gate equiv window past the context": Row(gate_window_past_the_context, "--kv-window-cells 99999 must be smaller than the context (768)",
+                                              code=2, proc=True, needs_build=True),
     "build --cuda, nvcc but no GPU": Row(build_cuda_no_gpu, "no NVIDIA GPU found to build for: pass --cuda-arch, e.g. 90"),
     "build --cuda-arch native, no GPU": Row(build_cuda_native_no_gpu, "no NVIDIA GPU found to build for"),
     "build --source missing": Row(build_source_missing, "is not a directory"),
