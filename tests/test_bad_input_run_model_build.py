@@ -540,6 +540,7 @@ def test_run_stdout_is_the_answer_alone(cpu_build, demo_model):
     assert code == 0, err
     assert "Paris" in out and len(out.strip().splitlines()) == 1
     assert "rollingkv api=" not in out and "rollingkv api=" in err and "prompt +" in err
+    assert "generating (at most 8 tokens)" in err and "generating" not in out
 
 
 def _guarded(body: str) -> subprocess.CompletedProcess:
@@ -590,11 +591,10 @@ def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model,
         )
         try:
             deadline = time.monotonic() + 120
-            while "rollingkv api=" not in err_path.read_text():  # the child has loaded the library
+            while "generating (at most 4000 tokens)" not in err_path.read_text():  # the child is inside llama.cpp's decode
                 assert proc.poll() is None, err_path.read_text()
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            time.sleep(1.0)  # into the generation
             proc.send_signal(sig)
             proc.communicate(timeout=60)
         finally:

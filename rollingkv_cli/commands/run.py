@@ -83,6 +83,8 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
     with err_console.status(f"loading {esc(path.name)}"):
         llm = llama_ext.open_model(llama_cpp, path, name, n_ctx=ctx_size, seed=seed, verbose=verbose, flash_attn=True)
     t0 = time.monotonic()
+    # the line a caller (tests/test_bad_input_run_model_build.py) waits for: from here on llama.cpp decodes
+    err_console.print(f"generating (at most {max_tokens} tokens)", style="dim", markup=False, soft_wrap=True)
     try:
         out = llm.create_chat_completion(
             messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature, seed=seed,
@@ -96,5 +98,7 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
               "raise -c/--ctx-size or shorten the prompt")
     click.echo(out["choices"][0]["message"]["content"].strip())
     usage = out.get("usage") or {}
+    stopped = (f"; stopped at -n {max_tokens} (the answer may be cut: raise -n/--max-tokens)"
+               if out["choices"][0].get("finish_reason") == "length" else "")
     err_console.print(f"{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} generated tokens "
-                      f"in {time.monotonic() - t0:.1f} s", style="dim", markup=False, soft_wrap=True)
+                      f"in {time.monotonic() - t0:.1f} s{stopped}", style="dim", markup=False, soft_wrap=True)
