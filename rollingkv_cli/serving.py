@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
+from rollingkv_cli.kvtypes import TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
-# types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types)
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too (a split refuses it: see serve's check)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
               "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
@@ -162,8 +162,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("parallel", "int", lo=1, hi=256),
     Setting("cache_type_k", "choice", choices=CACHE_TYPES),
     Setting("cache_type_v", "choice", choices=CACHE_TYPES),
-    Setting("cache_type_k_tail", "choice", choices=CACHE_TYPES),
-    Setting("cache_type_v_tail", "choice", choices=CACHE_TYPES),
+    Setting("cache_type_k_tail", "choice", choices=TAIL_TYPES),
+    Setting("cache_type_v_tail", "choice", choices=TAIL_TYPES),
     Setting("pcie_bw_gbps", "float", lo=0),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("host", "str"),
@@ -681,6 +681,13 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         tail_cpu = False
     else:
         tail_cpu = build_has_tail_cpu(b.lib_dir / "libllama.so")
+    from rollingkv_cli.kvtypes import library_tail_types
+
+    lib_types = library_tail_types(b.lib_dir)  # the build's own list: a build that takes fewer types says so here
+    for flag, t in (("-ctkt", s.cache_type_k_tail), ("-ctvt", s.cache_type_v_tail)):
+        if t is not None and lib_types is not None and t not in lib_types:
+            abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
+                  "pick one of those, or rebuild with `rollingkv build`")
     if s.kv_tail_cpu_frac is not None and not tail_cpu:
         abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
               "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")

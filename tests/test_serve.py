@@ -51,6 +51,19 @@ def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeyp
     assert "--slot-save-path" in argv("--config", str(cfg))
 
 
+def test_a_tail_type_the_build_does_not_take_is_refused_before_start(capsys, demo_model, cpu_build, monkeypatch):
+    """serve asks the active build for its tail types (kvtypes.library_tail_types): one it lacks is one line, before
+    llama-server starts and refuses it (issue 27: 10)."""
+    from rollingkv_cli import kvtypes
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    monkeypatch.setattr(kvtypes, "library_tail_types", lambda lib_dir: ("f16",))
+    code, _, err = run_main(["serve", "demo", "-ctkt", "q8_0", "--print-args"], capsys)
+    assert code == 1 and "-ctkt q8_0: the active build" in err and "takes the tail types f16" in err
+    code, _, err = run_main(["serve", "demo", "-ctkt", "f16", "--print-args"], capsys)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize(
     "yaml_text, message, exit_code",
     [

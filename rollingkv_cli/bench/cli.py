@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-# keep in step with arithmetic.CACHE_TYPES (not imported here: registering commands stays cheap)
-CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+from rollingkv_cli.kvtypes import TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
+
+CACHE_TYPES = list(TAIL_TYPES)
 SKIPPABLE = ["auto", "ngl", "nkvo"]
 
 

@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import EXIT_USAGE, RollingKVError, abort  # noqa: F401  (EXIT_USAGE: a bad flag value)
+from rollingkv_cli.kvtypes import TAIL_TYPES
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # a bound failed, answers differ, or an error
 EXIT_NO_GPU = 3  # gate vram without an NVIDIA GPU / NVML: the same code as `rollingkv probe pcie`
 EXIT_INCONCLUSIVE = 4  # gate needle: the resident model itself does not retrieve the needle
 
-# keep in step with llama_ext.GGML_TYPES (not imported here: registering commands stays cheap)
-CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+# the split's types, the library's list (kvtypes: a tiny module, registering commands stays cheap)
+CACHE_TYPES = list(TAIL_TYPES)
 
 
 @dataclass

@@ -307,9 +307,9 @@ def test_prompt_longer_than_ctx(capsys, fake_runs, fake_gguf, tmp_path):
     prompt.write_text("hello")
     fake_runs["n_tokens"] = 900
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--prompt-file", str(prompt), "--ctx", "512"], capsys)
-    assert code == 1 and "does not fit --ctx 512" in _one_error(err)
+    assert code == 2 and "does not fit --ctx 512" in _one_error(err)  # usage errors, as in gate needle (issue 27: 14)
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "1280"], capsys)
-    assert code == 1 and "smaller than the context (1280)" in _one_error(err)
+    assert code == 2 and "smaller than the context (1280)" in _one_error(err)
 
 
 def test_synthetic_text_is_deterministic():
