@@ -157,7 +157,7 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
             raise _Short
         return bytes(mm[pos:pos + length]).decode("utf-8", errors="replace"), pos + length
 
-    def value(vtype: int, pos: int):
+    def value(vtype: int, pos: int, key: str):
         if vtype in _GGUF_SCALAR:
             return take(_GGUF_SCALAR[vtype], pos)
         if vtype == _GGUF_STRING:
@@ -165,25 +165,30 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
         if vtype == _GGUF_ARRAY:
             itype, pos = take("<I", pos)
             count, pos = take("<Q", pos)
+            if itype == _GGUF_ARRAY:  # gguf.cpp reads no array of arrays (a walk into 5000 of them overflowed Python's stack)
+                abort(f"{name} is corrupt: its key {key} is an array of arrays, which llama.cpp does not read",
+                      "download or convert it again")
             if itype in _GGUF_SCALAR:
                 pos += count * struct.calcsize(_GGUF_SCALAR[itype])
                 if pos > n:
                     raise _Short
             else:
                 for _ in range(count):
-                    _, pos = value(itype, pos)
+                    _, pos = value(itype, pos, key)
             return None, pos  # arrays (token lists, per-layer values) are llama.cpp's to check
-        abort(f"{name} is corrupt: unknown GGUF value type {vtype}", "download or convert it again")
+        abort(f"{name} is corrupt: its key {key} has an unknown GGUF value type {vtype}", "download or convert it again")
 
     try:
         pos = 8
         n_tensors, pos = take("<Q", pos)
         n_kv, pos = take("<Q", pos)
         fields: dict = {}
+        types: dict = {}
         for _ in range(n_kv):
             key, pos = string(pos)
             vtype, pos = take("<I", pos)
-            fields[key], pos = value(vtype, pos)
+            types[key] = vtype
+            fields[key], pos = value(vtype, pos, key)
         infos = []
         for _ in range(n_tensors):
             tname, pos = string(pos)
@@ -199,7 +204,15 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
             infos.append((tname, dims, ttype, offset))
     except _Short:
         abort(f"{name} is truncated: {n} bytes, it ends inside its own header", "download or convert it again")
-    align = fields.get("general.alignment") or 32
+    align = 32  # GGUF_DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:  # gguf.cpp: a uint32, a power of 2
+        align = fields["general.alignment"]
+        if types["general.alignment"] != 4 or not align or align & (align - 1):
+            shown = "an array" if types["general.alignment"] == _GGUF_ARRAY else repr(align)
+            abort(f"{name} is corrupt: its key general.alignment is {shown}; llama.cpp needs a uint32 power of 2",
+                  "download or convert it again")
+    if not infos:  # gguf.cpp pads to the data section only when there are tensors: nothing can be cut off here
+        return fields, pos
     data_start = -(-pos // align) * align
     end = data_start
     for tname, dims, ttype, offset in infos:

@@ -195,6 +195,56 @@ def run_llama_cpp_aborts(ctx: Ctx):
     return _run(m), []
 
 
+def _gguf_bytes(kvs: list[bytes], n_tensors: int = 0) -> bytes:
+    """A GGUF v3 header by hand: kvs are encoded key/value pairs (what gguf-py's writer will not make)."""
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs)
+
+
+def _key(name: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def run_nested_arrays(ctx: Ctx):
+    """5000 arrays each holding the next: the header walk ended in RecursionError ("internal error")."""
+    import struct
+
+    nested = struct.pack("<I", 9) + b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000)) + struct.pack("<IQ", 4, 0)
+    t = ctx.tmp / "nested.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama", _key("x.deep") + nested]))
+    return _run(t), []
+
+
+def run_alignment_a_string(ctx: Ctx):
+    """general.alignment as a string: the header walk ended in TypeError ("internal error")."""
+    import struct
+
+    t = ctx.tmp / "align.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.alignment") + struct.pack("<IQ", 8, 2) + b"32"], n_tensors=1)
+                  + _key("w") + struct.pack("<IQIQ", 1, 32, 0, 0))
+    return _run(t), []
+
+
+def run_alignment_not_a_power_of_two(ctx: Ctx):
+    import struct
+
+    t = ctx.tmp / "align3.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.alignment") + struct.pack("<II", 4, 48)], n_tensors=1) + _key("w") + struct.pack("<IQIQ", 1, 32, 0, 0))
+    return _run(t), []
+
+
+def run_no_tensors_unpadded(ctx: Ctx):
+    """A GGUF with no tensors and no padding after its header was called truncated ("its tensors end at byte 192")."""
+    import struct
+
+    t = ctx.tmp / "empty.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama"]))
+    return _run(t), []
+
+
 def run_model_is_a_directory(ctx: Ctx):
     (ctx.tmp / "d.gguf").mkdir()
     return _run(ctx.tmp / "d.gguf"), []
@@ -326,6 +376,10 @@ ROWS = {
     "run GGUF llama.cpp refuses": Row(run_unknown_arch, "llama.cpp could not load", proc=True, needs_build=True),
     "run GGUF with odd head_dim": Row(run_odd_head_dim, "rotates 33 dimensions per head", proc=True, needs_build=True),
     "run GGUF llama.cpp aborts on": Row(run_llama_cpp_aborts, "llama.cpp aborted while running", proc=True, needs_build=True),
+    "run GGUF of 5000 nested arrays": Row(run_nested_arrays, "its key x.deep is an array of arrays, which llama.cpp does not read", proc=True),
+    "run GGUF alignment a string": Row(run_alignment_a_string, "its key general.alignment is '32'; llama.cpp needs a uint32 power of 2", proc=True),
+    "run GGUF alignment 48": Row(run_alignment_not_a_power_of_two, "its key general.alignment is 48", proc=True),
+    "run GGUF without tensors, unpadded": Row(run_no_tensors_unpadded, "llama.cpp could not load", proc=True, needs_build=True),
     "run model is a directory": Row(run_model_is_a_directory, "is not a file", proc=True),
     "run model missing": Row(run_model_missing, "not found", proc=True),
     "run model unreadable (EIO)": Row(run_model_unreadable, "cannot read model /proc/self/mem", proc=True),
