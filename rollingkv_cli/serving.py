@@ -372,12 +372,19 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
                              "not --fit, makes room for the context")
 
 
+def model_alias(model: Path) -> str:
+    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf."""
+    return model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+
+
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
                         cpu_attn_gbps: float | None = None) -> list[str]:
     # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
     # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
     # client's request: only with --slot-save.
     args = ["-m", str(s.model), "-fa", "on", "--metrics"]
+    if not (_given(s.extra_args, "--alias") or _given(s.extra_args, "-a")):
+        args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
     if s.slot_save:
         args += ["--slot-save-path", str(slot_dir)]
     args += gpu_layer_args or []

@@ -214,6 +214,8 @@ ROWS = {
     "9-setting-twice": Row(["serve", "demo", "-c", "2048", "--print-args", "--", "-c", "4096"], 2, ["-c after `--` clashes with --ctx-size"]),
     "9-config-extra-args-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["--port in config file", "extra_args clashes"],
                                     files={"c.yaml": "model: demo\nextra_args: ['--port', '9999']\n"}),
+    # issue 27 (21): an option of llama-server's given to serve
+    "21-serve-llama-option": Row(["serve", "demo", "-t", "2", "--print-args"], 2, ["No such option '-t'", "go after `--`", "-- -t ...)"]),
     # issue 27 (11): values llama-server would refuse only after start-up
     "11-vram-target-huge": Row(["serve", "demo", "--vram-target", "1000000000000000000000", "--print-args"], 2,
                                ["--vram-target", "must be at most 16777216 (what llama-server takes)"]),

@@ -37,13 +37,16 @@ def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeyp
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
 
     def argv(*args):
-        code, out, err = run_main(["serve", *args, "--print-args"], capsys)
+        code, out, err = run_main(["serve", "--print-args", *args], capsys)
         assert code == 0, err
         return shlex.split(out.strip().splitlines()[-1])
 
     plain = argv("demo")
     assert "--slot-save-path" not in plain and "--slots" not in plain and "--props" not in plain
-    assert plain[1:] == ["-m", str(demo_model), "-fa", "on", "--metrics", "--host", "127.0.0.1", "--port", "8080"]
+    assert plain[1:] == ["-m", str(demo_model), "-fa", "on", "--metrics", "--alias", demo_model.name.removesuffix(".gguf"),
+                         "--host", "127.0.0.1", "--port", "8080"]
+    mine = argv("demo", "--", "--alias", "mine")
+    assert mine.count("--alias") == 1 and mine[mine.index("--alias") + 1] == "mine"  # the user's own alias after `--` alone
     on = argv("demo", "--slot-save")
     assert on[on.index("--slot-save-path") + 1].endswith("/slots")
     cfg = tmp_path / "c.yaml"

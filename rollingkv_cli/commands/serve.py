@@ -38,7 +38,19 @@ def _setting(*decls: str, key: str, **kw):
     return click.option(*decls, type=SettingType(key), **kw)
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+class _ServeCommand(click.Command):
+    """An option serve does not know is most often one of llama-server's (`serve demo -t 2`): the error says where it goes."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            e.message = (f"{e.message.rstrip('.')}: llama-server's own options go after `--`, unchanged "
+                         f"(rollingkv serve MODEL [serve options] -- {e.option_name} ...)")
+            raise
+
+
+@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("model_spec", metavar="MODEL", required=False)
 @_setting("--kv-residency-mode", key="kv_residency_mode",
           help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "
