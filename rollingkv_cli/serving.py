@@ -564,24 +564,52 @@ def _vram_mib() -> list[tuple[int, int]]:
         return []
 
 
-def describe_plan(plan: dict | None) -> str:
+def _plural(n, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def plan_reason(plan: dict, chosen: str) -> str:
+    """The plan's reason without what the line around it says already: the mode's name in front ("window: explicit
+    window of 256 cells" -> "explicit window of 256 cells"), a "...: resident (why)" tail (-> "...: why"), and with
+    singulars where the count is 1 (the library writes "1 device KV heads")."""
+    r = str(plan.get("reason") or "").strip()
+    for prefix in {f"mode {chosen}: ", f"{chosen}: ", f"mode {plan.get('mode_requested')}: ", f"{plan.get('mode_requested')}: "}:
+        if r.startswith(prefix):
+            r = r[len(prefix):]
+    r = re.sub(rf":\s*{re.escape(chosen)}\s*\((.*)\)$", r": \1", r)
+    r = re.sub(rf"^{re.escape(chosen)}\s*\((.*)\)$", r"\1", r)
+    if r == chosen or r == f"{chosen} cache":
+        return ""
+    return re.sub(r"\b1 (device KV head|KV head|thread|cell|layer)s\b", r"1 \1", r)
+
+
+def describe_plan(plan: dict | None, gpu: bool = True) -> str:
+    """One line: the mode chosen, why (once), the split, the bytes ("on device" / "on host" on a GPU build; a CPU build
+    holds them all in host memory)."""
     if not plan:
         return "residency plan: not reported by this build"
     chosen = plan.get("mode_chosen") or plan.get("mode") or "?"
-    parts = [f"residency: {chosen}"]
-    if plan.get("reason"):
-        parts.append(f"({plan['reason']})")
+    head = f"residency: {chosen}"
+    reason = plan_reason(plan, chosen)
+    if reason:
+        head += f" — {reason}"
+    parts = [head]
     heads = plan.get("heads") if isinstance(plan.get("heads"), dict) else {}
     if chosen == "head" and heads.get("summary"):
         per_layer = heads.get("per_layer") or []
         shown = ",".join(str(h) for h in per_layer[:12]) + (",..." if len(per_layer) > 12 else "")
         parts.append(f"{heads['summary']} (per layer {shown})")
-    elif plan.get("window_cells") is not None:
+    elif plan.get("window_cells") is not None and plan.get("split", True):
         parts.append(f"window {plan.get('window_cells')} / tail {plan.get('tail_cells', 0)} cells")
-    for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
-        if plan.get(k) is not None:
-            parts.append(f"{plan[k] / 2**20:.1f} MiB {label}")
-    return ", ".join(parts)
+    if gpu:
+        for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
+            if plan.get(k) is not None:
+                parts.append(f"{plan[k] / 2**20:.1f} MiB {label}")
+    else:
+        total = sum(plan.get(k) or 0 for k in ("device_bytes", "host_bytes"))
+        if total:
+            parts.append(f"{total / 2**20:.1f} MiB in host memory (CPU build)")
+    return "; ".join(parts)
 
 
 def describe_plan_details(plan: dict | None) -> list[str]:
@@ -637,7 +665,7 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     if tc.get("cpu_attn_gbps") is not None:
         parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s ({tc.get('cpu_attn_source', '?')})")
     if tc.get("n_threads"):
-        parts.append(f"{tc['n_threads']} threads")
+        parts.append(_plural(tc["n_threads"], "thread"))
     hybrid = ((plan or {}).get("link") or {}).get("t_token_hybrid_ms")
     if hybrid is None:
         hybrid = ((plan or {}).get("estimate") or {}).get("t_token_hybrid_ms")
@@ -647,7 +675,7 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     return text + (f": {tc['reason']}" if tc.get("reason") else "")
 
 
-def _status_table(srv, started: float, plan: dict | None):
+def _status_table(srv, started: float, plan: dict | None, gpu: bool = True):
     from rich.table import Table
 
     m = _metrics(srv)
@@ -661,7 +689,7 @@ def _status_table(srv, started: float, plan: dict | None):
     vram = _vram_mib()
     if vram:
         t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
-    t.add_row("KV", esc(describe_plan(plan)))
+    t.add_row("KV", esc(describe_plan(plan, gpu=gpu)))
     return t
 
 
@@ -758,17 +786,17 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         props = srv.request("/props")
         plan = props.get("rolling_kv")
         success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
-        info(describe_plan(plan))
+        info(describe_plan(plan, gpu=cuda))
         for line in describe_plan_details(plan):
             note(line)
         started = time.time()
         if is_interactive() and not quiet:
             from rich.live import Live
 
-            with Live(_status_table(srv, started, plan), console=console, refresh_per_second=2) as live:
+            with Live(_status_table(srv, started, plan, cuda), console=console, refresh_per_second=2) as live:
                 while srv.alive():
                     time.sleep(1)
-                    live.update(_status_table(srv, started, plan))
+                    live.update(_status_table(srv, started, plan, cuda))
         else:
             last = ""
             while srv.alive():

@@ -400,3 +400,25 @@ def test_the_plan_shows_the_chosen_split():
     off = describe_tail_cpu({"tail_cpu": {"requested": 0, "frac": 0, "cpu_attn_gbps": None, "cpu_attn_source": "none",
                                           "reason": "disabled"}})
     assert off == "CPU part of the tail: none (requested 0): disabled"
+
+
+@pytest.mark.parametrize("plan, gpu, want, unwanted", [
+    ({"mode_requested": "auto", "mode_chosen": "resident", "reason": "no GPU and no vram_target: resident (the whole KV fits)",
+      "device_bytes": 180 << 20, "host_bytes": 0, "split": False, "window_cells": 0},
+     False, "residency: resident — no GPU and no vram_target: the whole KV fits; 180.0 MiB in host memory (CPU build)", ["on device", "(("]),
+    ({"mode_requested": "window", "mode_chosen": "window", "reason": "window: explicit window of 256 cells", "split": True,
+      "window_cells": 256, "tail_cells": 768, "device_bytes": 1 << 20, "host_bytes": 3 << 20},
+     True, "residency: window — explicit window of 256 cells; window 256 / tail 768 cells; 1.0 MiB on device; 3.0 MiB on host", ["window,"]),
+    ({"mode_requested": "head", "mode_chosen": "head", "reason": "head: explicit 1 device KV heads per layer", "split": True,
+      "heads": {"summary": "1 of 3 KV heads on the device", "per_layer": [1, 1]}},
+     True, "residency: head — explicit 1 device KV head per layer; 1 of 3 KV heads on the device (per layer 1,1)", ["head: ", "heads per"]),
+], ids=["cpu-resident", "window", "head"])
+def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
+    """Issue 27 (17): the mode once, its reason without the mode again, no nested brackets, singulars, and no "on device"
+    on a CPU build."""
+    from rollingkv_cli.serving import describe_plan, describe_tail_cpu
+
+    line = describe_plan(plan, gpu=gpu)
+    assert line == want
+    assert not any(u in line for u in unwanted)
+    assert "(1 thread)" in describe_tail_cpu({"tail_cpu": {"frac": 0, "n_threads": 1}})
