@@ -675,22 +675,111 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     return text + (f": {tc['reason']}" if tc.get("reason") else "")
 
 
-def _status_table(srv, started: float, plan: dict | None, gpu: bool = True):
-    from rich.table import Table
+def _slots(srv) -> list[dict] | None:
+    """llama-server's /slots (each slot's tokens decoded so far), None where it does not answer (`--no-slots`)."""
+    import json
 
-    m = _metrics(srv)
-    t = Table(show_header=False, box=None, title=f"llama-server {esc(srv.url)}", title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("uptime", f"{time.time() - started:.0f} s")
-    t.add_row("requests", f"{m.get('requests_processing', 0):.0f} in flight, {m.get('requests_deferred', 0):.0f} waiting")
-    t.add_row("decode", f"{m.get('predicted_tokens_seconds', 0):.1f} tok/s (avg), {m.get('tokens_predicted_total', 0):.0f} tokens")
-    t.add_row("prompt", f"{m.get('prompt_tokens_seconds', 0):.1f} tok/s (avg), {m.get('prompt_tokens_total', 0):.0f} tokens")
-    vram = _vram_mib()
-    if vram:
-        t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
-    t.add_row("KV", esc(describe_plan(plan, gpu=gpu)))
-    return t
+    try:
+        with urllib.request.urlopen(srv.http_request("/slots"), timeout=2) as r:
+            data = json.loads(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return data if isinstance(data, list) else None
+
+
+def _decoding_now(slots: list[dict] | None) -> int:
+    """Tokens generated so far by the requests still running (llama-server counts a request's tokens in /metrics'
+    tokens_predicted_total only when it ends)."""
+    n = 0
+    for slot in slots or []:
+        nt = slot.get("next_token")
+        if slot.get("is_processing") and isinstance(nt, list) and nt and isinstance(nt[0], dict):
+            n += int(nt[0].get("n_decoded") or 0)
+    return n
+
+
+class LiveStatus:
+    """What serve's live status shows, sampled about once a second: rows() is a list of (label, text), one function per
+    row (rows_* below), so that more rows (e.g. per-slot residency counters) are one more entry in ROWS.
+
+    The decode rate is the tokens generated over the last WINDOW_S seconds: /metrics' tokens_predicted_total (finished
+    requests) plus the running requests' tokens so far (/slots). llama-server's own predicted_tokens_seconds is a mean
+    over the requests that ended since its last poll: 0.0 while two requests decode."""
+
+    WINDOW_S = 5.0
+    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv")
+
+    def __init__(self, srv, started: float, plan: dict | None, gpu: bool = True, vram=None):
+        from collections import deque
+
+        self.srv, self.started, self.plan, self.gpu = srv, started, plan, gpu
+        self.vram = _vram_mib if vram is None else vram
+        self.metrics: dict[str, float] = {}
+        self.slots: list[dict] | None = None
+        self.history: deque = deque()  # (time, tokens generated in all) over the last WINDOW_S seconds
+
+    def sample(self, now: float | None = None, metrics: dict | None = None, slots: list[dict] | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.metrics = _metrics(self.srv) if metrics is None else metrics
+        self.slots = _slots(self.srv) if slots is None else slots
+        self.history.append((now, self.tokens_generated()))
+        while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
+            self.history.popleft()
+
+    def tokens_generated(self) -> int:
+        return int(self.metrics.get("tokens_predicted_total", 0)) + _decoding_now(self.slots)
+
+    def decode_rate(self) -> float | None:
+        """Tokens per second over the window; None before two samples."""
+        if len(self.history) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.history[0], self.history[-1]
+        return max(0.0, (n1 - n0) / (t1 - t0)) if t1 > t0 else None
+
+    def in_flight(self) -> int:
+        return int(self.metrics.get("requests_processing", 0))
+
+    def rows_uptime(self):
+        return [("uptime", f"{time.time() - self.started:.0f} s")]
+
+    def rows_requests(self):
+        return [("requests", f"{self.in_flight()} in flight, {self.metrics.get('requests_deferred', 0):.0f} waiting")]
+
+    def rows_decode(self):
+        rate = self.decode_rate()
+        shown = "…" if rate is None else f"{rate:.1f}"
+        return [("decode", f"{shown} tok/s over the last {self.WINDOW_S:g} s, {self.tokens_generated()} tokens generated")]
+
+    def rows_prompt(self):
+        m = self.metrics
+        return [("prompt", f"{m.get('prompt_tokens_total', 0):.0f} tokens read, {m.get('prompt_tokens_seconds', 0):.1f} tok/s "
+                           "(llama-server's mean of the requests ended)")]
+
+    def rows_vram(self):
+        vram = self.vram()
+        return [("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))] if vram else []
+
+    def rows_kv(self):
+        return [("KV", describe_plan(self.plan, gpu=self.gpu))]
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [row for name in self.ROWS for row in getattr(self, f"rows_{name}")()]
+
+    def table(self):
+        from rich.table import Table
+
+        t = Table(show_header=False, box=None, title=f"llama-server {esc(self.srv.url)}", title_justify="left")
+        t.add_column(style="bold")
+        t.add_column()
+        for label, value in self.rows():
+            t.add_row(esc(label), esc(value))
+        return t
+
+    def line(self) -> str:
+        """The plain status line (not a terminal)."""
+        rate = self.decode_rate()
+        return (f"in flight {self.in_flight()}, generated {self.tokens_generated()} tokens"
+                + ("" if rate is None else f", {rate:.1f} tok/s over the last {self.WINDOW_S:g} s"))
 
 
 def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> None:
@@ -790,21 +879,24 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         for line in describe_plan_details(plan):
             note(line)
         started = time.time()
+        status = LiveStatus(srv, started, plan, gpu=cuda)
         if is_interactive() and not quiet:
             from rich.live import Live
 
-            with Live(_status_table(srv, started, plan, cuda), console=console, refresh_per_second=2) as live:
+            status.sample()
+            with Live(status.table(), console=console, refresh_per_second=2) as live:
                 while srv.alive():
                     time.sleep(1)
-                    live.update(_status_table(srv, started, plan, cuda))
+                    status.sample()
+                    live.update(status.table())
         else:
             last = ""
             while srv.alive():
                 time.sleep(1)
                 if quiet:
                     continue
-                m = _metrics(srv)
-                line = f"in flight {m.get('requests_processing', 0):.0f}, decoded {m.get('tokens_predicted_total', 0):.0f} tokens, {m.get('predicted_tokens_seconds', 0):.1f} tok/s"
+                status.sample()
+                line = status.line()
                 if line != last:
                     print(line, flush=True)
                     last = line

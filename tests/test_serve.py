@@ -422,3 +422,33 @@ def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
     assert line == want
     assert not any(u in line for u in unwanted)
     assert "(1 thread)" in describe_tail_cpu({"tail_cpu": {"frac": 0, "n_threads": 1}})
+
+
+def test_live_status_decode_rate_counts_the_running_requests():
+    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
+    (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
+    from rollingkv_cli.serving import LiveStatus
+
+    class Srv:
+        url = "http://127.0.0.1:1"
+
+    def slots(*decoded):
+        return [{"id": i, "is_processing": busy, "next_token": [{"n_decoded": n}]} for i, (n, busy) in enumerate(decoded)]
+
+    st = LiveStatus(Srv(), started=0.0, plan=None, gpu=False, vram=lambda: [])
+    m = {"tokens_predicted_total": 0, "predicted_tokens_seconds": 0.0, "requests_processing": 2}
+    st.sample(now=0.0, metrics=m, slots=slots((10, True), (20, True)))
+    assert st.decode_rate() is None and st.tokens_generated() == 30
+    st.sample(now=2.0, metrics=m, slots=slots((30, True), (40, True)))
+    assert st.decode_rate() == 20.0 and st.tokens_generated() == 70
+    rows = dict(st.rows())
+    assert rows["decode"] == "20.0 tok/s over the last 5 s, 70 tokens generated" and rows["requests"].startswith("2 in flight")
+    # the first request ends with 35 tokens: counted once, in the total, not again as a slot's
+    m2 = {"tokens_predicted_total": 35, "requests_processing": 1}
+    st.sample(now=3.0, metrics=m2, slots=slots((35, False), (50, True)))
+    assert st.tokens_generated() == 85 and st.decode_rate() == (85 - 30) / 3
+    # idle for longer than the window: the rate falls to 0
+    for t in (4.0, 6.0, 9.0):
+        st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
+    assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
+    assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"
