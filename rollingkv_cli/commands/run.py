@@ -39,6 +39,10 @@ def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature
     from rollingkv_cli.userinput import check_native_knobs
 
     check_native_knobs()  # the library this loads reads them itself: refused here, not ignored or clamped there
+    if model_spec == "demo":  # no build: said before the demo model is downloaded (94 MiB for nothing)
+        from rollingkv_cli import builder
+
+        builder.active_build(required=True)
     path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
     if model_spec != "demo":  # the demo is verified by its sha256
         models.check_gguf(path, model_spec)
