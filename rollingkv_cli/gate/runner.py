@@ -192,7 +192,7 @@ def load_model(llama_cpp, lib_dir: Path, model: Path, vocab_only: bool = False, 
         mp.n_gpu_layers = n_gpu_layers
     m = llama_cpp.llama_model_load_from_file(str(model).encode(), mp)
     if not m:
-        raise RunnerError(f"llama.cpp could not load the model {model}", "see the llama.cpp log above")
+        raise RunnerError(f"llama.cpp could not load the model {model}", "llama.cpp says why in its log")
     return m
 
 

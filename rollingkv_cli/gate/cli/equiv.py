@@ -175,7 +175,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     floor_how = None
     control = control_th = None
     above = None
-    with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
+    with common.work_dir(tmp_root, "rollingkv-gate-") as td:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
                                        n_gpu_layers=n_gpu_layers)
