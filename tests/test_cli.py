@@ -172,3 +172,18 @@ def test_gpu_tests_asked_for():
 
     assert gpu_tests_asked_for("gpu") and gpu_tests_asked_for("gpu and not slow")
     assert not gpu_tests_asked_for("") and not gpu_tests_asked_for("not gpu") and not gpu_tests_asked_for("slow and not gpu")
+
+
+def test_help_fits_80_columns(monkeypatch):
+    """Issue 27 (18): every command's --help at 80 columns has no line over 80 (unwrappable blocks were up to 144)."""
+    from click.testing import CliRunner
+
+    from rollingkv_cli.cli import rollingkv
+    from test_docs import _commands
+
+    monkeypatch.setenv("COLUMNS", "80")
+    long = []
+    for path, _ in _commands(rollingkv):
+        out = CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=80).output
+        long += [f"{' '.join(path)}: {line}" for line in out.splitlines() if len(line) > 80]
+    assert not long, "\n".join(long)
