@@ -553,6 +553,35 @@ def check_out(out: Path) -> None:
               "give the path of a new file or of a regular file to replace (with --force)")
 
 
+@contextlib.contextmanager
+def _watch_size(path: Path, total: int, progress, every: float = 0.25):
+    """Call progress(bytes written, total) from a thread while the block writes path (gguf-py's writer has no hook of
+    its own but a tqdm bar); nothing when progress is None."""
+    if progress is None:
+        yield
+        return
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(every):
+            try:
+                progress(min(path.stat().st_size, total), total)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+    with contextlib.suppress(OSError):
+        progress(min(path.stat().st_size, total), total)
+
+
 def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path:
     """Random weights in the spec's architecture; one random pool reused by every matrix keeps it fast.
 
@@ -658,7 +687,8 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
                 w.add_tensor(name, pool[off: off + n].reshape(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=False)
+        with _watch_size(tmp, nbytes, progress):
+            w.write_tensors_to_file(progress=False)
         w.close()
         check_out(out)  # still absent or a regular file (another process may have put something there meanwhile)
         os.replace(tmp, out)

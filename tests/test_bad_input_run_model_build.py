@@ -675,3 +675,15 @@ def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model,
     assert "Traceback" not in err
     time.sleep(0.2)
     assert not _running_with(str(prompt)), "the child running llama.cpp outlived the command"
+
+
+def test_synth_reports_its_progress(tmp_path):
+    """Issue 27 (19): the write reports bytes written as it goes (a 2 GiB write was silent), up to the whole file."""
+    from rollingkv_cli import models
+
+    seen = []
+    spec = models.SynthSpec(layers=4, embd=1024, heads=8, kv_heads=2, ff=4096, vocab=4000, ctx=1024)
+    models.write_synthetic(tmp_path / "m.gguf", spec, progress=lambda done, total: seen.append((done, total)))
+    size = (tmp_path / "m.gguf").stat().st_size
+    assert seen and seen[-1][0] == size and all(t == models.synth_nbytes(spec) for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -76,8 +76,14 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     models.check_out(out)  # absent or a regular file (never a device, a FIFO, a link)
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
-    with _sigterm_raises(), console.status(f"writing {esc(str(out))}"):
-        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True))
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                   console=console, transient=True, disable=not console.is_terminal)
+    task = bar.add_task(esc(out.name), total=None)
+    with _sigterm_raises(), bar:
+        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True),
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
     n_attn = len(spec.attention_layers)
     kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
     layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""
