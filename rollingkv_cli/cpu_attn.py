@@ -37,20 +37,20 @@ class Unavailable(Exception):
 
 def part_threads() -> int:
     """The threads libllama gives the hybrid tail's CPU part (ggml_rkv_get_cpu_threads): $ROLLINGKV_CPU_PART_THREADS
-    when set (above 1024: 1024), else every CPU this process may run on but one (left to the thread that launches the
+    when set (1 to 1024: rollingkv refuses more before libllama would clamp it), else every CPU this process may run on but one (left to the thread that launches the
     GPU's work); either way at most the CPUs this process may run on (its affinity: taskset, numactl), as libllama
     caps it. Not llama-server's -t: its default is a heuristic for matrix work on the CPU (4 on the H200 host's 16
-    cores), and the part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value (not a
-    whole number >= 0): one line, exit 2 (libllama warns in one line and takes the default)."""
+    cores), and the part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value: one line, exit 1
+    (libllama itself warns in one line and takes the default)."""
     from rollingkv_cli.paths import ENV_CPU_PART_THREADS
-    from rollingkv_cli.userinput import env_int
+    from rollingkv_cli.userinput import native_knob
 
-    n = env_int(ENV_CPU_PART_THREADS, minimum=0, example="a number of threads such as 15, or 0 for the default")
+    n = native_knob(ENV_CPU_PART_THREADS)  # above libllama's 1024: refused, not clamped
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count() or 4
-    want = min(n, 1024) if n else usable - 1
+    want = n if n else usable - 1
     return max(1, min(want, usable))
 
 

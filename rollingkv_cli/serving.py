@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
+from rollingkv_cli.kvtypes import TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
-# types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types)
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too (a split refuses it: see serve's check)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -43,6 +43,7 @@ class ServeSettings:
     kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
+    slot_save: bool = False  # llama-server's slot save/restore into <cache>/slots (off: any client could write files there)
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -55,10 +56,11 @@ class Setting:
     """One serve setting, checked the same way from a flag (text) and from the config file (YAML values)."""
 
     key: str
-    kind: str  # "int" | "float" | "choice" | "str" | "fraction_or_auto"
+    kind: str  # "int" | "float" | "choice" | "str" | "fraction_or_auto" | "bool"
     lo: float | None = None
     hi: float | None = None
     choices: tuple[str, ...] = ()
+    cap: int | None = None  # the most llama-server's field holds: said only to a value above it
 
     @property
     def flag(self) -> str:
@@ -73,6 +75,10 @@ class Setting:
             return v
         if self.kind == "fraction_or_auto":
             return _fraction_or_auto(value, from_text)
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise SettingError(f"must be true or false, not {value!r}")
         if self.kind == "str":
             if from_text:
                 value = str(value)
@@ -86,15 +92,18 @@ class Setting:
         positive = self.kind == "float" and self.lo == 0  # an exclusive bound: a positive number
         if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
             raise SettingError(f"must be {self._range()}, not {value if from_text else repr(value)}")
+        if self.cap is not None and v > self.cap:
+            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else repr(value)}")
         return v
 
     def _range(self) -> str:
         noun = "an integer" if self.kind == "int" else "a number"
         if self.kind == "float" and self.lo == 0:
             return "a positive number"
+        num = (lambda v: str(int(v))) if self.kind == "int" else (lambda v: f"{v:g}")  # noqa: E731
         if self.hi is not None:
-            return f"{noun} from {self.lo:g} to {self.hi:g}"
-        return f"{noun} of at least {self.lo:g}" if self.lo is not None else noun
+            return f"{noun} from {num(self.lo)} to {num(self.hi)}"
+        return f"{noun} of at least {num(self.lo)}" if self.lo is not None else noun
 
 
 def _fraction_or_auto(value, from_text: bool) -> float | str:
@@ -139,22 +148,27 @@ def _as_float(value, from_text: bool) -> float:
     return v
 
 
+INT32_MAX = 2**31 - 1
+MAX_VRAM_TARGET_MIB = 2**24  # 16 TiB per device: far above any GPU, far below an overflow of MiB -> bytes
+
 # the one table of what serve accepts: the flags (commands/serve.py) and the config file check against it
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("kv_residency_mode", "choice", choices=RESIDENCY_MODES),
-    Setting("vram_target", "int", lo=1),
-    Setting("kv_window_cells", "int", lo=1),
-    Setting("kv_device_heads", "int", lo=1),
-    Setting("ctx_size", "int", lo=64),
+    # caps: what llama-server's int32 / MiB fields hold (a value past them failed only after start-up)
+    Setting("vram_target", "int", lo=1, cap=MAX_VRAM_TARGET_MIB),
+    Setting("kv_window_cells", "int", lo=1, cap=INT32_MAX),
+    Setting("kv_device_heads", "int", lo=1, cap=INT32_MAX),
+    Setting("ctx_size", "int", lo=64, cap=INT32_MAX),
     Setting("parallel", "int", lo=1, hi=256),
     Setting("cache_type_k", "choice", choices=CACHE_TYPES),
     Setting("cache_type_v", "choice", choices=CACHE_TYPES),
-    Setting("cache_type_k_tail", "choice", choices=CACHE_TYPES),
-    Setting("cache_type_v_tail", "choice", choices=CACHE_TYPES),
+    Setting("cache_type_k_tail", "choice", choices=TAIL_TYPES),
+    Setting("cache_type_v_tail", "choice", choices=TAIL_TYPES),
     Setting("pcie_bw_gbps", "float", lo=0),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
+    Setting("slot_save", "bool"),
 )}
 assert set(SETTINGS) == set(_FLAG_KEYS)
 
@@ -214,20 +228,55 @@ def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], co
             where[key] = f"{source}: {key}"
     spec = model_spec or _config_value("model", config.get("model"), source)
     extra_args = list(extra) if extra else _config_value("extra_args", config.get("extra_args", []), source)
-    _check_together(merged, where)
+    extra_where = "after `--`" if extra else f"in {source}: extra_args"
+    _check_extra_args(extra_args or [], merged, where, extra_where)
+    _check_together(merged, where, unified=_given(extra_args or [], "--kv-unified") or _given(extra_args or [], "-kvu"))
     if not spec:
-        abort("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
+        usage_error("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
     model = models.resolve_model(str(spec), log=note)
-    s = ServeSettings(model=model, extra_args=extra_args or [], **{k: v for k, v in merged.items() if k not in ("host", "port")})
+    s = ServeSettings(model=model, extra_args=extra_args or [],
+                      **{k: v for k, v in merged.items() if k not in ("host", "port", "slot_save")})
     s.host = merged.get("host") or DEFAULT_HOST
     s.port = DEFAULT_PORT if merged.get("port") is None else merged["port"]
+    s.slot_save = bool(merged.get("slot_save"))
     return s
 
 
-def _check_together(m: dict, where: dict[str, str]) -> None:
+# llama-server's spellings of what serve sets from its own settings (server_command_args)
+_LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--parallel"), "cache_type_k": ("-ctk", "--cache-type-k"),
+                "cache_type_v": ("-ctv", "--cache-type-v"), "kv_residency_mode": ("--kv-residency-mode",),
+                "vram_target": ("--vram-target",), "kv_window_cells": ("--kv-window-cells",), "kv_device_heads": ("--kv-device-heads",),
+                "cache_type_k_tail": ("-ctkt", "--cache-type-k-tail"), "cache_type_v_tail": ("-ctvt", "--cache-type-v-tail"),
+                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "slot_save": ("--slot-save-path",)}
+
+
+def _check_extra_args(extra: list[str], merged: dict, where: dict[str, str], extra_where: str) -> None:
+    """llama-server's arguments after `--` go unchanged, so none may contradict what serve passes itself: serve binds
+    --host/--port and loads MODEL (what it checks and reports), and a setting given both ways would leave one of the
+    two ignored. Usage errors, naming both."""
+    owner = {f: k for k, fs in _LLAMA_FLAGS.items() for f in fs}
+    for a in extra:
+        name = a.split("=", 1)[0] if a.startswith("--") else a
+        if name in ("--host", "--port"):
+            usage_error(f"{name} {extra_where} clashes with serve's own {name} (serve binds, checks and reports that address)",
+                        f"give it to serve before `--`: rollingkv serve MODEL {name} VALUE")
+        if name in ("-m", "--model"):
+            usage_error(f"{name} {extra_where} clashes with serve's MODEL (serve checks and reports the model it loads)",
+                        "give the model as serve's MODEL argument (a GGUF path or `demo`)")
+        key = owner.get(name)
+        if key is not None and merged.get(key) not in (None, False):
+            usage_error(f"{name} {extra_where} clashes with {where[key]}: llama-server would take only one of them",
+                        "give the setting once")
+
+
+def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> None:
     """Settings that are fine alone but not together (usage errors, as a bad flag)."""
     window, ctx, parallel = m.get("kv_window_cells"), m.get("ctx_size"), m.get("parallel")
     heads, mode = m.get("kv_device_heads"), m.get("kv_residency_mode")
+    if ctx and parallel and ctx < parallel:
+        # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
+        usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
+                    "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
     if heads and window:
         usage_error(f"{where['kv_device_heads']} and {where['kv_window_cells']} exclude each other (a head split or a window split)",
                     "give one of them")
@@ -240,10 +289,11 @@ def _check_together(m: dict, where: dict[str, str]) -> None:
     if window and ctx and window > ctx:
         usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
                     "a window of the whole context is the resident cache: use --kv-residency-mode off")
-    if ctx and parallel and ctx < parallel:
-        # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
-        usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
-                    "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
+    if window and ctx and parallel and parallel > 1 and not unified and window > ctx // parallel:
+        # llama-server gives each of N slots its own stream of ctx / N cells; the window is per stream
+        usage_error(f"{where['kv_window_cells']} {window} is larger than each slot's context ({where['ctx_size']} {ctx} / "
+                    f"{where['parallel']} {parallel} = {ctx // parallel} cells): the cache would stay resident",
+                    f"the window is per slot: give fewer than {ctx // parallel + 1} cells, or raise the context")
 
 
 # ------------------------------------------------------------------ checks on the build and the model
@@ -322,9 +372,21 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
                              "not --fit, makes room for the context")
 
 
+def model_alias(model: Path) -> str:
+    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf."""
+    return model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+
+
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
                         cpu_attn_gbps: float | None = None) -> list[str]:
-    args = ["-m", str(s.model), "-fa", "on", "--metrics", "--slots", "--slot-save-path", str(slot_dir)]
+    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
+    # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
+    # client's request: only with --slot-save.
+    args = ["-m", str(s.model), "-fa", "on", "--metrics"]
+    if not (_given(s.extra_args, "--alias") or _given(s.extra_args, "-a")):
+        args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
+    if s.slot_save:
+        args += ["--slot-save-path", str(slot_dir)]
     args += gpu_layer_args or []
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
@@ -435,10 +497,50 @@ class _Stop(Exception):
     pass
 
 
+def api_key(extra_args: list[str]) -> str | None:
+    """The API key llama-server will require (--api-key or --api-key-file after `--`, else $LLAMA_API_KEY, as llama-server
+    reads them): serve's own requests (/props, /metrics) send it. None: the server is open to whoever reaches it."""
+    import os
+
+    text = _flag_value(extra_args, "--api-key")
+    path = _flag_value(extra_args, "--api-key-file") or os.environ.get("LLAMA_ARG_API_KEY_FILE")
+    if text is None and path is None:
+        text = os.environ.get("LLAMA_API_KEY")
+    if text is not None:
+        keys = [k for k in text.split(",") if k.strip()]
+        return keys[0].strip() if keys else None
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.rstrip("\r\n")
+                if line and not line.startswith("#"):
+                    return line
+    except OSError:
+        return "(unreadable)"  # llama-server refuses the file at start and says why; there is a key meant
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names only this machine (every address it resolves to is a loopback one)."""
+    import ipaddress
+    import socket
+
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    try:
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
+    except ValueError:
+        return False
+
+
 def _metrics(srv) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:
+        with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
             for line in r.read().decode().splitlines():
                 m = re.match(r"^llamacpp:(\w+)\s+([-+0-9.eE]+|nan|inf)$", line)
                 if m:
@@ -473,7 +575,7 @@ def residency_line(text: str) -> str | None:
 
 def _residency_status(srv) -> str | None:
     try:
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=2) as r:
+        with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
             return residency_line(r.read().decode())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -493,24 +595,52 @@ def _vram_mib() -> list[tuple[int, int]]:
         return []
 
 
-def describe_plan(plan: dict | None) -> str:
+def _plural(n, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def plan_reason(plan: dict, chosen: str) -> str:
+    """The plan's reason without what the line around it says already: the mode's name in front ("window: explicit
+    window of 256 cells" -> "explicit window of 256 cells"), a "...: resident (why)" tail (-> "...: why"), and with
+    singulars where the count is 1 (the library writes "1 device KV heads")."""
+    r = str(plan.get("reason") or "").strip()
+    for prefix in {f"mode {chosen}: ", f"{chosen}: ", f"mode {plan.get('mode_requested')}: ", f"{plan.get('mode_requested')}: "}:
+        if r.startswith(prefix):
+            r = r[len(prefix):]
+    r = re.sub(rf":\s*{re.escape(chosen)}\s*\((.*)\)$", r": \1", r)
+    r = re.sub(rf"^{re.escape(chosen)}\s*\((.*)\)$", r"\1", r)
+    if r == chosen or r == f"{chosen} cache":
+        return ""
+    return re.sub(r"\b1 (device KV head|KV head|thread|cell|layer)s\b", r"1 \1", r)
+
+
+def describe_plan(plan: dict | None, gpu: bool = True) -> str:
+    """One line: the mode chosen, why (once), the split, the bytes ("on device" / "on host" on a GPU build; a CPU build
+    holds them all in host memory)."""
     if not plan:
         return "residency plan: not reported by this build"
     chosen = plan.get("mode_chosen") or plan.get("mode") or "?"
-    parts = [f"residency: {chosen}"]
-    if plan.get("reason"):
-        parts.append(f"({plan['reason']})")
+    head = f"residency: {chosen}"
+    reason = plan_reason(plan, chosen)
+    if reason:
+        head += f" — {reason}"
+    parts = [head]
     heads = plan.get("heads") if isinstance(plan.get("heads"), dict) else {}
     if chosen == "head" and heads.get("summary"):
         per_layer = heads.get("per_layer") or []
         shown = ",".join(str(h) for h in per_layer[:12]) + (",..." if len(per_layer) > 12 else "")
         parts.append(f"{heads['summary']} (per layer {shown})")
-    elif plan.get("window_cells") is not None:
+    elif plan.get("window_cells") is not None and plan.get("split", True):
         parts.append(f"window {plan.get('window_cells')} / tail {plan.get('tail_cells', 0)} cells")
-    for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
-        if plan.get(k) is not None:
-            parts.append(f"{plan[k] / 2**20:.1f} MiB {label}")
-    return ", ".join(parts)
+    if gpu:
+        for k, label in (("device_bytes", "on device"), ("host_bytes", "on host")):
+            if plan.get(k) is not None:
+                parts.append(f"{plan[k] / 2**20:.1f} MiB {label}")
+    else:
+        total = sum(plan.get(k) or 0 for k in ("device_bytes", "host_bytes"))
+        if total:
+            parts.append(f"{total / 2**20:.1f} MiB in host memory (CPU build)")
+    return "; ".join(parts)
 
 
 def describe_plan_details(plan: dict | None) -> list[str]:
@@ -566,7 +696,7 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     if tc.get("cpu_attn_gbps") is not None:
         parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s ({tc.get('cpu_attn_source', '?')})")
     if tc.get("n_threads"):
-        parts.append(f"{tc['n_threads']} threads")
+        parts.append(_plural(tc["n_threads"], "thread"))
     hybrid = ((plan or {}).get("link") or {}).get("t_token_hybrid_ms")
     if hybrid is None:
         hybrid = ((plan or {}).get("estimate") or {}).get("t_token_hybrid_ms")
@@ -576,25 +706,115 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     return text + (f": {tc['reason']}" if tc.get("reason") else "")
 
 
-def _status_table(srv, started: float, plan: dict | None):
-    from rich.table import Table
+def _slots(srv) -> list[dict] | None:
+    """llama-server's /slots (each slot's tokens decoded so far), None where it does not answer (`--no-slots`)."""
+    import json
 
-    m = _metrics(srv)
-    t = Table(show_header=False, box=None, title=f"llama-server {esc(srv.url)}", title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("uptime", f"{time.time() - started:.0f} s")
-    t.add_row("requests", f"{m.get('requests_processing', 0):.0f} in flight, {m.get('requests_deferred', 0):.0f} waiting")
-    t.add_row("decode", f"{m.get('predicted_tokens_seconds', 0):.1f} tok/s (avg), {m.get('tokens_predicted_total', 0):.0f} tokens")
-    t.add_row("prompt", f"{m.get('prompt_tokens_seconds', 0):.1f} tok/s (avg), {m.get('prompt_tokens_total', 0):.0f} tokens")
-    vram = _vram_mib()
-    if vram:
-        t.add_row("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))
-    t.add_row("KV", esc(describe_plan(plan)))
-    live = _residency_status(srv) if plan and plan.get("split") else None
-    if live:
-        t.add_row("KV now", esc(live))
-    return t
+    try:
+        with urllib.request.urlopen(srv.http_request("/slots"), timeout=2) as r:
+            data = json.loads(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return data if isinstance(data, list) else None
+
+
+def _decoding_now(slots: list[dict] | None) -> int:
+    """Tokens generated so far by the requests still running (llama-server counts a request's tokens in /metrics'
+    tokens_predicted_total only when it ends)."""
+    n = 0
+    for slot in slots or []:
+        nt = slot.get("next_token")
+        if slot.get("is_processing") and isinstance(nt, list) and nt and isinstance(nt[0], dict):
+            n += int(nt[0].get("n_decoded") or 0)
+    return n
+
+
+class LiveStatus:
+    """What serve's live status shows, sampled about once a second: rows() is a list of (label, text), one function per
+    row (rows_* below), so that more rows (e.g. per-slot residency counters) are one more entry in ROWS.
+
+    The decode rate is the tokens generated over the last WINDOW_S seconds: /metrics' tokens_predicted_total (finished
+    requests) plus the running requests' tokens so far (/slots). llama-server's own predicted_tokens_seconds is a mean
+    over the requests that ended since its last poll: 0.0 while two requests decode."""
+
+    WINDOW_S = 5.0
+    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now")
+
+    def __init__(self, srv, started: float, plan: dict | None, gpu: bool = True, vram=None):
+        from collections import deque
+
+        self.srv, self.started, self.plan, self.gpu = srv, started, plan, gpu
+        self.vram = _vram_mib if vram is None else vram
+        self.metrics: dict[str, float] = {}
+        self.slots: list[dict] | None = None
+        self.history: deque = deque()  # (time, tokens generated in all) over the last WINDOW_S seconds
+
+    def sample(self, now: float | None = None, metrics: dict | None = None, slots: list[dict] | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.metrics = _metrics(self.srv) if metrics is None else metrics
+        self.slots = _slots(self.srv) if slots is None else slots
+        self.history.append((now, self.tokens_generated()))
+        while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
+            self.history.popleft()
+
+    def tokens_generated(self) -> int:
+        return int(self.metrics.get("tokens_predicted_total", 0)) + _decoding_now(self.slots)
+
+    def decode_rate(self) -> float | None:
+        """Tokens per second over the window; None before two samples."""
+        if len(self.history) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.history[0], self.history[-1]
+        return max(0.0, (n1 - n0) / (t1 - t0)) if t1 > t0 else None
+
+    def in_flight(self) -> int:
+        return int(self.metrics.get("requests_processing", 0))
+
+    def rows_uptime(self):
+        return [("uptime", f"{time.time() - self.started:.0f} s")]
+
+    def rows_requests(self):
+        return [("requests", f"{self.in_flight()} in flight, {self.metrics.get('requests_deferred', 0):.0f} waiting")]
+
+    def rows_decode(self):
+        rate = self.decode_rate()
+        shown = "…" if rate is None else f"{rate:.1f}"
+        return [("decode", f"{shown} tok/s over the last {self.WINDOW_S:g} s, {self.tokens_generated()} tokens generated")]
+
+    def rows_prompt(self):
+        m = self.metrics
+        return [("prompt", f"{m.get('prompt_tokens_total', 0):.0f} tokens read, {m.get('prompt_tokens_seconds', 0):.1f} tok/s "
+                           "(llama-server's mean of the requests ended)")]
+
+    def rows_vram(self):
+        vram = self.vram()
+        return [("VRAM", ", ".join(f"GPU{i} {u}/{tot} MiB" for i, (u, tot) in enumerate(vram)))] if vram else []
+
+    def rows_kv(self):
+        return [("KV", describe_plan(self.plan, gpu=self.gpu))]
+
+    def rows_kv_now(self):
+        live = _residency_status(self.srv) if self.plan and self.plan.get("split") else None
+        return [("KV now", live)] if live else []
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [row for name in self.ROWS for row in getattr(self, f"rows_{name}")()]
+
+    def table(self):
+        from rich.table import Table
+
+        t = Table(show_header=False, box=None, title=f"llama-server {esc(self.srv.url)}", title_justify="left")
+        t.add_column(style="bold")
+        t.add_column()
+        for label, value in self.rows():
+            t.add_row(esc(label), esc(value))
+        return t
+
+    def line(self) -> str:
+        """The plain status line (not a terminal)."""
+        rate = self.decode_rate()
+        return (f"in flight {self.in_flight()}, generated {self.tokens_generated()} tokens"
+                + ("" if rate is None else f", {rate:.1f} tok/s over the last {self.WINDOW_S:g} s"))
 
 
 def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> None:
@@ -603,6 +823,9 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     from rollingkv_cli import builder
     from rollingkv_cli.server import ServerProcess, free_port, port_in_use, resolve_host
 
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # the variables llama-server's library reads itself: refused here, not ignored or clamped there
     b = builder.active_build(required=True)
     assert b is not None
     binary = b.artifact("llama-server")
@@ -617,6 +840,13 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         tail_cpu = False
     else:
         tail_cpu = build_has_tail_cpu(b.lib_dir / "libllama.so")
+    from rollingkv_cli.kvtypes import library_tail_types
+
+    lib_types = library_tail_types(b.lib_dir)  # the build's own list: a build that takes fewer types says so here
+    for flag, t in (("-ctkt", s.cache_type_k_tail), ("-ctvt", s.cache_type_v_tail)):
+        if t is not None and lib_types is not None and t not in lib_types:
+            abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
+                  "pick one of those, or rebuild with `rollingkv build`")
     if s.kv_tail_cpu_frac is not None and not tail_cpu:
         abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
               "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")
@@ -637,19 +867,27 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
     slot_dir = paths.cache_dir() / "slots"
     log_dir = paths.cache_dir() / "logs"
+    key = api_key(s.extra_args)
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
     srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps), host=s.host, port=port,
-                        log_path=log_path)
+                        log_path=log_path, api_key=key)
     if print_args:
         print(shlex.join(srv.command))
         return
+    made = [log_dir] + ([slot_dir] if s.slot_save else [])
     try:
-        slot_dir.mkdir(parents=True, exist_ok=True)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        for d in made:
+            d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        abort(f"cannot create {slot_dir.parent}/{{slots,logs}}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+        abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    if not key and not is_loopback(s.host):
+        warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
+             "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
+    if s.slot_save:
+        warn(f"--slot-save: any client of the server can write and read KV cache files in {slot_dir} "
+             "(POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:
@@ -672,25 +910,28 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         props = srv.request("/props")
         plan = props.get("rolling_kv")
         success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
-        info(describe_plan(plan))
+        info(describe_plan(plan, gpu=cuda))
         for line in describe_plan_details(plan):
             note(line)
         started = time.time()
+        status = LiveStatus(srv, started, plan, gpu=cuda)
         if is_interactive() and not quiet:
             from rich.live import Live
 
-            with Live(_status_table(srv, started, plan), console=console, refresh_per_second=2) as live:
+            status.sample()
+            with Live(status.table(), console=console, refresh_per_second=2) as live:
                 while srv.alive():
                     time.sleep(1)
-                    live.update(_status_table(srv, started, plan))
+                    status.sample()
+                    live.update(status.table())
         else:
             last = ""
             while srv.alive():
                 time.sleep(1)
                 if quiet:
                     continue
-                m = _metrics(srv)
-                line = f"in flight {m.get('requests_processing', 0):.0f}, decoded {m.get('tokens_predicted_total', 0):.0f} tokens, {m.get('predicted_tokens_seconds', 0):.1f} tok/s"
+                status.sample()
+                line = status.line()
                 if line != last:
                     print(line, flush=True)
                     last = line

@@ -11,16 +11,44 @@ import errno
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from rollingkv_cli.console import abort
 
 
-def read_bytes(path: Path | str, what: str) -> bytes:
+# the most any file the user gives us may hold: configs, thresholds, reports and prompts are far smaller (a prompt of a
+# million tokens is a few MiB); past it, reading stops (`run -f /dev/zero` had read 13 GB in 10 s)
+MAX_INPUT_BYTES = 256 << 20
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def read_bytes(path: Path | str, what: str, limit: int | None = None) -> bytes:
+    """A regular file's bytes, at most `limit` of them. A FIFO, a device or a socket is refused without reading it (it
+    could block forever or never end): opened without blocking, checked, then read."""
     p = Path(path)
+    limit = MAX_INPUT_BYTES if limit is None else limit
+    fd = None
     try:
-        return p.read_bytes()
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            abort(f"cannot read {what} {p}: it is a directory", "give the path of a file")
+        if not stat.S_ISREG(mode):
+            abort(f"cannot read {what} {p}: it is {_kind(mode)}, not a regular file", "give the path of a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = None
+            data = f.read(limit + 1)  # a size stat does not tell (/proc files say 0) is bounded too
+        if len(data) > limit:
+            abort(f"cannot read {what} {p}: it holds more than {limit >> 20} MiB, the most rollingkv reads from a {what}",
+                  "give a smaller file")
+        return data
     except FileNotFoundError:
         abort(f"cannot read {what} {p}: no such file", "check the path")
     except IsADirectoryError:
@@ -30,7 +58,12 @@ def read_bytes(path: Path | str, what: str) -> bytes:
     except OSError as e:
         if e.errno == errno.ENOTDIR:
             abort(f"cannot read {what} {p}: a part of the path is a file, not a directory", "check the path")
+        if e.errno == errno.ELOOP:
+            abort(f"cannot read {what} {p}: a loop of symbolic links", "check the path (ls -l)")
         abort(f"cannot read {what} {p}: {e.strerror or e}")
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def decode_utf8(data: bytes, path: Path | str, what: str) -> str:
@@ -135,3 +168,33 @@ def env_flag(name: str, default: bool = False) -> bool:
     if raw.lower() in _FALSE:
         return False
     abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, "1 or 0"))
+
+
+# ------------------------------------------------------------------ the library's own knobs
+
+# The variables libllama / libggml read themselves (ggml-rolling-kv.c, ggml_rkv_knobs): there a bad value is silently
+# ignored and one out of range silently clamped. Every command that loads the library or starts a child that does
+# checks them here first, with one parser each, so a value means the same everywhere or is refused with one line.
+# name: (lowest, highest, example)
+NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
+    "ROLLINGKV_SLOTS": (2, 8, "a number of slots from 2 to 8, such as 3"),
+    "ROLLINGKV_SLOT_MIB": (1, 4096, "a size in MiB from 1 to 4096, such as 32"),
+    "ROLLINGKV_RUNTIME_MIB": (0, None, "a size in MiB such as 640"),
+    "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
+}
+
+
+def native_knob(name: str, default: int | None = None) -> int | None:
+    """The library knob's value as the library takes it (NATIVE_KNOBS), default when unset; a value the library would
+    ignore or clamp: one line, exit 1."""
+    lo, hi, example = NATIVE_KNOBS[name]
+    v = env_int(name, default, minimum=lo, example=example)
+    if v is not None and hi is not None and v > hi and env_str(name) is not None:
+        abort(f"${name}={os.environ[name]!r} is more than the library takes ({hi}): it would use {hi}", _unset_hint(name, example))
+    return v
+
+
+def check_native_knobs() -> None:
+    """Every knob of NATIVE_KNOBS that is set, checked (before a command loads the library or starts llama-server)."""
+    for name in NATIVE_KNOBS:
+        native_knob(name)

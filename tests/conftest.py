@@ -126,6 +126,22 @@ def load(kw, buf, size, ref):
 """
 
 
+def assert_reference_resident(report: dict) -> None:
+    """A `gate equiv` report's reference ran on the whole, resident cache: residency off, a plan (from the patched
+    library) that splits nothing, or another library's plain context. A bit-identity against a reference wired to the
+    split would prove nothing (issue 27: 22)."""
+    ref = report["reference"]
+    plan = ref.get("plan")
+    if ref["spec"] == "resident":
+        assert ref["residency"] == {"mode": "off"}, ref["residency"]
+        assert plan is not None and plan["mode_chosen"] == "off" and plan["split"] is False, plan
+        for layer in plan.get("layers") or []:
+            assert not layer.get("split") and layer.get("tail_cells", 0) == 0 and layer.get("host_heads", 0) == 0, layer
+        assert not (plan.get("heads") or {}).get("split"), plan.get("heads")
+    else:  # lib:PATH, e.g. the unpatched build: upstream's context, no plan to split with
+        assert ref["context_via"] == "llama_init_from_model" or (plan is not None and plan["mode_chosen"] == "off" and not plan["split"]), ref
+
+
 def run_python(code: str, lib_dir: Path | None = None, timeout: float = 600, env_extra: dict | None = None) -> dict:
     """Run code in a fresh interpreter (llama_cpp binds its library once per process); it prints one JSON line last."""
     env = dict(os.environ)

@@ -126,6 +126,24 @@ class Row:
     hint: list[str] = field(default_factory=list)
 
 
+def _fifo(path: Path) -> None:
+    """A FIFO no one writes: opening it to read blocks for ever. Should the refusal regress, a timer opens it for
+    writing after 10 s (a reader then sees its end) so that the row fails instead of hanging."""
+    import threading
+
+    os.mkfifo(path)
+
+    def unblock():
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no one reads: nothing to unblock
+        except OSError:
+            pass
+
+    t = threading.Timer(10, unblock)
+    t.daemon = True
+    t.start()
+
+
 def _no_matplotlib(tmp, monkeypatch):
     from rollingkv_cli.bench import plot as bench_plot
 
@@ -188,6 +206,70 @@ ROWS = {
                                       files={"c.yaml": "model: demo\nkv_device_heads: 2\nkv_window_cells: 512\n"}),
     "5-head-mode-window-cells": Row(["serve", "demo", "--kv-residency-mode", "head", "--kv-window-cells", "256", "--print-args"], 2,
                                     ["--kv-window-cells 256 sets a window, which --kv-residency-mode head does not make"]),
+    # issue 27 (9): arguments after `--` that contradict serve's own
+    "9-port-after-dashes": Row(["serve", "demo", "--print-args", "--", "--port", "9999"], 2, ["--port after `--` clashes with serve's own --port"],
+                               hint=["rollingkv serve MODEL --port VALUE"]),
+    "9-host-after-dashes": Row(["serve", "demo", "--print-args", "--", "--host=0.0.0.0"], 2, ["--host after `--` clashes"]),
+    "9-model-after-dashes": Row(["serve", "demo", "--print-args", "--", "-m", "{gguf}"], 2, ["-m after `--` clashes with serve's MODEL"]),
+    "9-setting-twice": Row(["serve", "demo", "-c", "2048", "--print-args", "--", "-c", "4096"], 2, ["-c after `--` clashes with --ctx-size"]),
+    "9-config-extra-args-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["--port in config file", "extra_args clashes"],
+                                    files={"c.yaml": "model: demo\nextra_args: ['--port', '9999']\n"}),
+    # issue 27 (15): messages that point the right way
+    "15-run-demo-without-a-build": Row(["run", "demo", "-p", "hi"], 1, ["no rollingkv build yet"], hint=["rollingkv build"]),
+    "15-model-symlink-loop": Row(["run", "{tmp}/loop.gguf", "-p", "hi"], 1, ["loop.gguf is a loop of symbolic links"],
+                                 setup=lambda tmp, mp: (tmp / "loop.gguf").symlink_to(tmp / "loop.gguf")),
+    "15-model-dangling-symlink": Row(["run", "{tmp}/gone.gguf", "-p", "hi"], 1, ["gone.gguf is a symbolic link to", "which does not exist"],
+                                     setup=lambda tmp, mp: (tmp / "gone.gguf").symlink_to(tmp / "nowhere.gguf")),
+    "15-needle-depth-zero": Row(["gate", "needle", "--model", "{gguf}", "--depth", "0"], 2, ["--depth", "strictly between 0 and 1"]),
+    "15-synth-sliding-window-llama": Row(["model", "synth", "{tmp}/m.gguf", "--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2",
+                                          "--ff", "128", "--vocab", "300", "--sliding-window", "64"], 2,
+                                         ["--sliding-window applies to --arch gemma2"]),
+    # issue 27 (21): an option of llama-server's given to serve
+    "21-serve-llama-option": Row(["serve", "demo", "-t", "2", "--print-args"], 2, ["No such option '-t'", "go after `--`", "-- -t ...)"]),
+    # issue 27 (11): values llama-server would refuse only after start-up
+    "11-vram-target-huge": Row(["serve", "demo", "--vram-target", "1000000000000000000000", "--print-args"], 2,
+                               ["--vram-target", "must be at most 16777216 (what llama-server takes)"]),
+    "11-config-window-huge": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["kv_window_cells must be at most 2147483647"],
+                                 files={"c.yaml": "model: demo\nkv_window_cells: 4294967296\n"}),
+    "11-slot-save-not-a-bool": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["slot_save must be true or false, not 'yes please'"],
+                                   files={"c.yaml": "model: demo\nslot_save: yes please\n"}),
+    "11-run-temperature-nan": Row(["run", "{gguf}", "-p", "hi", "--temperature", "nan"], 2, ["--temperature", "finite number of at least 0", "not nan"]),
+    "11-run-temperature-inf": Row(["run", "{gguf}", "-p", "hi", "--temperature", "inf"], 2, ["--temperature", "not inf"]),
+    "11-run-temperature-negative": Row(["run", "{gguf}", "-p", "hi", "--temperature", "-1"], 2, ["--temperature", "not -1"]),
+    "11-run-empty-prompt": Row(["run", "{gguf}", "-p", ""], 2, ["--prompt is empty"]),
+    "11-run-blank-prompt-file": Row(["run", "{gguf}", "-f", "{tmp}/p.txt"], 2, ["prompt file", "is empty (or only blanks)"], files={"p.txt": " \n\n"}),
+    # issue 27 (12): the window is per slot
+    "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
+                                        ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),
+    # issue 27 (14): usage errors exit 2
+    "14-serve-no-model": Row(["serve", "--config", "{tmp}/empty.yaml", "--print-args"], 2, ["no MODEL given"], files={"empty.yaml": ""}),
+    "14-serve-config-dev-null": Row(["serve", "--config", "/dev/null", "--print-args"], 1, ["config file /dev/null", "a device"]),
+    # issue 27 (13): the library's own variables, one parser each, refused wherever the library runs
+    "13-part-threads-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_CPU_PART_THREADS='abc'", "not a whole number"],
+                                              env={"ROLLINGKV_CPU_PART_THREADS": "abc"}, build=True),
+    "13-part-threads-negative-gate": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["$ROLLINGKV_CPU_PART_THREADS='-1'", "at least 0"],
+                                         env={"ROLLINGKV_CPU_PART_THREADS": "-1"}),
+    "13-part-threads-too-many-run": Row(["run", "{gguf}", "-p", "hi"], 1, ["$ROLLINGKV_CPU_PART_THREADS='100000'", "more than the library takes (1024)"],
+                                        env={"ROLLINGKV_CPU_PART_THREADS": "100000"}),
+    "13-slots-zero-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_SLOTS='0'", "at least 2"], env={"ROLLINGKV_SLOTS": "0"},
+                               build=True),
+    "13-slot-mib-negative-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_SLOT_MIB='-5'", "at least 1"],
+                                      env={"ROLLINGKV_SLOT_MIB": "-5"}, build=True),
+    "13-runtime-mib-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_RUNTIME_MIB='abc'", "not a whole number"],
+                                             env={"ROLLINGKV_RUNTIME_MIB": "abc"}, build=True),
+    "13-slots-too-many-bench": Row(["bench", "tail", "{gguf}", "--dry-run"], 1, ["$ROLLINGKV_SLOTS='9'", "more than the library takes (8)"],
+                                   env={"ROLLINGKV_SLOTS": "9"}),
+    # issue 27 (4): only regular files are read, and only so much of them (a device or a FIFO hung or ate memory)
+    "4-run-prompt-file-dev-zero": Row(["run", "{gguf}", "-f", "/dev/zero"], 1, ["prompt file /dev/zero", "a device, not a regular file"]),
+    "4-run-prompt-file-fifo": Row(["run", "{gguf}", "-f", "{tmp}/fifo"], 1, ["prompt file {tmp}/fifo", "a FIFO (named pipe), not a regular file"],
+                                  setup=lambda tmp, mp: _fifo(tmp / "fifo")),
+    "4-serve-config-dev-zero": Row(["serve", "--config", "/dev/zero", "--print-args"], 1, ["config file /dev/zero", "a device"]),
+    "4-bench-show-dev-zero": Row(["bench", "show", "/dev/zero"], 1, ["report /dev/zero", "a device"]),
+    "4-bench-show-fifo": Row(["bench", "show", "{tmp}/fifo"], 1, ["report {tmp}/fifo", "a FIFO"], setup=lambda tmp, mp: _fifo(tmp / "fifo")),
+    "4-gate-needle-filler-dev-zero": Row(["gate", "needle", "--model", "{gguf}", "--filler-file", "/dev/zero"], 1, ["filler file /dev/zero", "a device"],
+                                         build=True),
+    "4-report-too-large": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json: it holds more than 1 MiB"], files={"r.json": b" " * (2 << 20)},
+                              setup=lambda tmp, mp: mp.setattr("rollingkv_cli.userinput.MAX_INPUT_BYTES", 1 << 20)),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),
@@ -391,3 +473,38 @@ def test_server_process_reports_a_signal_death(tmp_path):
     srv.stop()
     assert "killed by SIGSEGV (signal 11)" in e.value.message and str(tmp_path / "s.log") in e.value.hint
     assert "about to die" in (tmp_path / "s.log").read_text()
+
+
+# ---------------------------------------------------------------- issue 27 (1): safe by default
+
+@pytest.mark.parametrize("extra, env, warned", [([], {}, True), (["--", "--api-key", "k"], {}, False), ([], {"LLAMA_API_KEY": "k"}, False)],
+                         ids=["no-key", "api-key-after-dashes", "LLAMA_API_KEY"])
+def test_non_loopback_host_without_an_api_key_warns(extra, env, warned, capsys, isolated_cache, standin_build, fake_gguf, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False) if not env else None
+    code, _, err = run_main(["serve", str(fake_gguf), "--host", "0.0.0.0", "--port", str(_free_port()), "-q", *extra], capsys)
+    assert code == 1 and "exited during start-up" in err  # the stand-in dies: the warning came before it started
+    assert ("no API key is set" in err) == warned, err
+    assert _children() == []
+
+
+def test_loopback_hosts():
+    from rollingkv_cli.serving import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("no.such.host.invalid")
+
+
+def test_api_key_is_found_where_llama_server_reads_it(tmp_path, monkeypatch):
+    from rollingkv_cli.serving import api_key
+
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_API_KEY_FILE", raising=False)
+    assert api_key(["-t", "2"]) is None
+    assert api_key(["--api-key", "a,b"]) == "a" and api_key(["--api-key=c"]) == "c"
+    f = tmp_path / "keys"
+    f.write_text("# comment\n\nsecret\n")
+    assert api_key(["--api-key-file", str(f)]) == "secret"
+    monkeypatch.setenv("LLAMA_API_KEY", "env")
+    assert api_key([]) == "env" and api_key(["--api-key", "flag"]) == "flag"

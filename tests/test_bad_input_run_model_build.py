@@ -195,6 +195,56 @@ def run_llama_cpp_aborts(ctx: Ctx):
     return _run(m), []
 
 
+def _gguf_bytes(kvs: list[bytes], n_tensors: int = 0) -> bytes:
+    """A GGUF v3 header by hand: kvs are encoded key/value pairs (what gguf-py's writer will not make)."""
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs)
+
+
+def _key(name: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def run_nested_arrays(ctx: Ctx):
+    """5000 arrays each holding the next: the header walk ended in RecursionError ("internal error")."""
+    import struct
+
+    nested = struct.pack("<I", 9) + b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000)) + struct.pack("<IQ", 4, 0)
+    t = ctx.tmp / "nested.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama", _key("x.deep") + nested]))
+    return _run(t), []
+
+
+def run_alignment_a_string(ctx: Ctx):
+    """general.alignment as a string: the header walk ended in TypeError ("internal error")."""
+    import struct
+
+    t = ctx.tmp / "align.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.alignment") + struct.pack("<IQ", 8, 2) + b"32"], n_tensors=1)
+                  + _key("w") + struct.pack("<IQIQ", 1, 32, 0, 0))
+    return _run(t), []
+
+
+def run_alignment_not_a_power_of_two(ctx: Ctx):
+    import struct
+
+    t = ctx.tmp / "align3.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.alignment") + struct.pack("<II", 4, 48)], n_tensors=1) + _key("w") + struct.pack("<IQIQ", 1, 32, 0, 0))
+    return _run(t), []
+
+
+def run_no_tensors_unpadded(ctx: Ctx):
+    """A GGUF with no tensors and no padding after its header was called truncated ("its tensors end at byte 192")."""
+    import struct
+
+    t = ctx.tmp / "empty.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama"]))
+    return _run(t), []
+
+
 def run_model_is_a_directory(ctx: Ctx):
     (ctx.tmp / "d.gguf").mkdir()
     return _run(ctx.tmp / "d.gguf"), []
@@ -238,12 +288,64 @@ def run_prompt_not_utf8(ctx: Ctx):
 SMALL = ["--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2", "--ff", "128", "--vocab", "300", "--ctx", "1024"]
 
 
-def _synth(*shape: str, out: str = "m.gguf"):
+def _parts(target: Path) -> list[Path]:
+    """The temporary files a synth run to target writes (OUT.<random>.part), for the "nothing left behind" checks."""
+    return sorted(target.parent.glob(target.name + ".*part")) if target.parent.is_dir() else []
+
+
+class _NoPart:
+    """A must-not-exist entry for every OUT.*.part of target (evaluated when checked, after the run)."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def exists(self) -> bool:
+        return bool(_parts(self.target))
+
+    def __str__(self) -> str:
+        return f"{self.target}.*.part"
+
+
+def _synth(*shape: str, out: str = "m.gguf", force: bool = False):
     """The bad values over a small shape: should the refusal regress, the test writes kilobytes, not the default ~6 GiB."""
     def setup(ctx: Ctx):
         target = ctx.tmp / out
-        return ["model", "synth", str(target), *SMALL, *shape], [target, target.with_name(target.name + ".part")]
+        return ["model", "synth", str(target), *SMALL, *shape, *(["--force"] if force else [])], [target, _NoPart(target)]
     return setup
+
+
+def synth_out_is_a_device(ctx: Ctx):
+    """`model synth /dev/full --force` as root replaced the character device with a regular file. The device here is a
+    node of /dev/null's numbers made in the test's directory: should the refusal regress, only that node is replaced."""
+    import stat
+
+    dev = ctx.tmp / "full"
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs root (the case of the report: root replaced /dev/full)")
+    return ["model", "synth", str(dev), *SMALL, "--force"], [_NoPart(dev)]
+
+
+def synth_out_is_a_fifo(ctx: Ctx):
+    fifo = ctx.tmp / "m.gguf"
+    os.mkfifo(fifo)
+    return ["model", "synth", str(fifo), *SMALL, "--force"], [_NoPart(fifo)]
+
+
+def synth_out_is_a_symlink(ctx: Ctx):
+    real = ctx.tmp / "real.gguf"
+    real.write_bytes(b"keep me")
+    link = ctx.tmp / "m.gguf"
+    link.symlink_to(real)
+    return ["model", "synth", str(link), *SMALL, "--force"], [_NoPart(link)]
+
+
+def synth_vocab_huge(ctx: Ctx):
+    """A billion-token vocabulary is refused by its size before anything is allocated (it grew for minutes, silently)."""
+    target = ctx.tmp / "m.gguf"
+    # 1e9 x 8192 x 2 bytes, twice (embedding and output): 32 TB, more than any test machine has free
+    return ["model", "synth", str(target), *SMALL, "--vocab", "1000000000", "--embd", "8192", "--heads", "64"], [target, _NoPart(target)]
 
 
 def synth_no_room(ctx: Ctx):
@@ -254,9 +356,29 @@ def synth_no_room(ctx: Ctx):
     return _synth()(ctx)  # ~230 KiB (+ headroom) on a filesystem with 100 KiB free
 
 
+def synth_read_only(ctx: Ctx):
+    """A read-only filesystem (as statvfs reports it) was described by its free space ("64 KiB free")."""
+    real = os.statvfs
+
+    def statvfs(p):
+        r = real(p)
+        fake = {k: getattr(r, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_files", "f_ffree", "f_favail", "f_fsid",
+                                           "f_namemax")}
+        return type("statvfs_result", (), {**fake, "f_flag": r.f_flag | os.ST_RDONLY, "f_bavail": 16, "f_frsize": 4096})()
+
+    ctx.monkeypatch.setattr(os, "statvfs", statvfs)
+    return _synth()(ctx)
+
+
 def synth_parent_is_a_file(ctx: Ctx):
     (ctx.tmp / "afile").write_text("x")
     return _synth(out="afile/m.gguf")(ctx)
+
+
+def gate_window_past_the_context(ctx: Ctx):
+    """The same usage error as gate needle's (exit 2), though found only once the text is tokenized (issue 27: 14)."""
+    return ["gate", "equiv", "--model", str(ctx.demo), "--synthetic-tokens", "300", "--kv-window-cells", "99999", "--threads", "2",
+            "--work-dir", str(ctx.tmp / "wd")], []
 
 
 ROWS = {
@@ -268,6 +390,10 @@ ROWS = {
     "run GGUF llama.cpp refuses": Row(run_unknown_arch, "llama.cpp could not load", proc=True, needs_build=True),
     "run GGUF with odd head_dim": Row(run_odd_head_dim, "rotates 33 dimensions per head", proc=True, needs_build=True),
     "run GGUF llama.cpp aborts on": Row(run_llama_cpp_aborts, "llama.cpp aborted while running", proc=True, needs_build=True),
+    "run GGUF of 5000 nested arrays": Row(run_nested_arrays, "its key x.deep is an array of arrays, which llama.cpp does not read", proc=True),
+    "run GGUF alignment a string": Row(run_alignment_a_string, "its key general.alignment is '32'; llama.cpp needs a uint32 power of 2", proc=True),
+    "run GGUF alignment 48": Row(run_alignment_not_a_power_of_two, "its key general.alignment is 48", proc=True),
+    "run GGUF without tensors, unpadded": Row(run_no_tensors_unpadded, "llama.cpp could not load", proc=True, needs_build=True),
     "run model is a directory": Row(run_model_is_a_directory, "is not a file", proc=True),
     "run model missing": Row(run_model_missing, "not found", proc=True),
     "run model unreadable (EIO)": Row(run_model_unreadable, "cannot read model /proc/self/mem", proc=True),
@@ -295,7 +421,14 @@ ROWS = {
     "synth llama with a hybrid option": Row(_synth("--conv-kernel", "4"), "applies to the hybrid architectures", code=2),
     "synth negative attention interval": Row(_synth("--arch", "qwen35", "--attn-interval", "-2"), "--attn-interval -2 is out of range", code=2),
     "synth no room on the filesystem": Row(synth_no_room, "has 100 KiB free; writing m.gguf needs 23"),
+    "synth OUT is a device (--force)": Row(synth_out_is_a_device, "full is a device, not a regular file"),
+    "synth OUT is a FIFO (--force)": Row(synth_out_is_a_fifo, "m.gguf is a FIFO, not a regular file"),
+    "synth OUT is a symbolic link (--force)": Row(synth_out_is_a_symlink, "m.gguf is a symbolic link, not a regular file"),
+    "synth vocab of a billion": Row(synth_vocab_huge, "writing m.gguf needs"),
     "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
+    "synth on a read-only filesystem": Row(synth_read_only, "is on a read-only filesystem: m.gguf cannot be written there"),
+    "gate equiv window past the context": Row(gate_window_past_the_context, "--kv-window-cells 99999 must be smaller than the context (768)",
+                                              code=2, proc=True, needs_build=True),
     "build --cuda, nvcc but no GPU": Row(build_cuda_no_gpu, "no NVIDIA GPU found to build for: pass --cuda-arch, e.g. 90"),
     "build --cuda-arch native, no GPU": Row(build_cuda_native_no_gpu, "no NVIDIA GPU found to build for"),
     "build --source missing": Row(build_source_missing, "is not a directory"),
@@ -371,7 +504,51 @@ def test_synth_existing_out(tmp_path, capsys):
     import gguf
 
     assert gguf.GGUFReader(str(out)).fields["llama.block_count"].parts[-1][0] == 2
-    assert not out.with_name("m.gguf.part").exists()
+    assert not _parts(out)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()  # the mode of a plain open(), not the temporary file's 0600
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_synth_runs_to_one_out_write_files_of_their_own(tmp_path, monkeypatch):
+    """Two runs to one OUT: each writes a temporary file of its own, created exclusively, so neither can rename the other's
+    half-written content over OUT (they shared OUT.part)."""
+    from rollingkv_cli import models
+
+    seen = []
+    real = os.replace
+
+    def replace(src, dst):
+        seen.append(Path(src).name)
+        if len(seen) == 1:  # the first run is about to finish: the second one runs to completion meanwhile
+            models.write_synthetic(tmp_path / "m.gguf", models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300,
+                                                                         ctx=1024, seed=1))
+        real(src, dst)
+
+    monkeypatch.setattr(models.os, "replace", replace)
+    spec = models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300, ctx=1024, seed=0)
+    models.write_synthetic(tmp_path / "m.gguf", spec)
+    assert len(seen) == 2 and seen[0] != seen[1] and all(n.startswith("m.gguf.") and n.endswith(".part") for n in seen)
+    assert not _parts(tmp_path / "m.gguf")
+    import gguf
+
+    assert gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["llama.block_count"].parts[-1][0] == 2  # a whole file
+
+
+def test_synth_size_is_counted_not_built():
+    """synth_nbytes of a huge vocabulary comes at once and matches the token list it stands for."""
+    from rollingkv_cli import models
+
+    for n in (260, 300, 1000, 12345):
+        tokens, _, _ = models._tokenizer(n)
+        assert models._tokenizer_nbytes(n) == sum(8 + len(t.encode()) for t in tokens) + 8 * len(tokens)
+    t0 = time.monotonic()
+    models.synth_nbytes(models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=10**9, ctx=1024))
+    assert time.monotonic() - t0 < 1
 
 
 def test_synth_says_its_size_before_writing(tmp_path, capsys):
@@ -390,7 +567,6 @@ def test_synth_says_its_size_before_writing(tmp_path, capsys):
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "force-over-existing"])
 def test_synth_interrupted_leaves_nothing(tmp_path, sig, code, existing):
     out = tmp_path / "big.gguf"
-    part = tmp_path / "big.gguf.part"
     if existing:
         out.write_bytes(b"the old model")
     proc = subprocess.Popen(
@@ -400,7 +576,7 @@ def test_synth_interrupted_leaves_nothing(tmp_path, sig, code, existing):
     )
     try:
         deadline = time.monotonic() + 120
-        while not (part.exists() and part.stat().st_size > (64 << 20)):  # mid-write
+        while not ((parts := _parts(out)) and parts[0].stat().st_size > (64 << 20)):  # mid-write
             assert proc.poll() is None, f"synth ended before it was interrupted: {proc.communicate()}"
             assert time.monotonic() < deadline, "synth never started writing"
             time.sleep(0.02)
@@ -415,10 +591,11 @@ def test_synth_interrupted_leaves_nothing(tmp_path, sig, code, existing):
         assert "Traceback" not in stdout + stderr
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert len(lines) == 1, stderr  # "aborted" (Ctrl-C) or the SIGTERM error line
-        assert not part.exists()
+        assert not _parts(out)
         assert (out.read_bytes() == b"the old model") if existing else not out.exists()
     finally:  # a failing run must not keep a GiB in pytest's kept temp dirs
-        part.unlink(missing_ok=True)
+        for p in _parts(out):
+            p.unlink(missing_ok=True)
         out.unlink(missing_ok=True)
 
 
@@ -432,6 +609,7 @@ def test_run_stdout_is_the_answer_alone(cpu_build, demo_model):
     assert code == 0, err
     assert "Paris" in out and len(out.strip().splitlines()) == 1
     assert "rollingkv api=" not in out and "rollingkv api=" in err and "prompt +" in err
+    assert "generating (at most 8 tokens)" in err and "generating" not in out
 
 
 def _guarded(body: str) -> subprocess.CompletedProcess:
@@ -482,11 +660,10 @@ def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model,
         )
         try:
             deadline = time.monotonic() + 120
-            while "rollingkv api=" not in err_path.read_text():  # the child has loaded the library
+            while "generating (at most 4000 tokens)" not in err_path.read_text():  # the child is inside llama.cpp's decode
                 assert proc.poll() is None, err_path.read_text()
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            time.sleep(1.0)  # into the generation
             proc.send_signal(sig)
             proc.communicate(timeout=60)
         finally:
@@ -498,3 +675,15 @@ def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model,
     assert "Traceback" not in err
     time.sleep(0.2)
     assert not _running_with(str(prompt)), "the child running llama.cpp outlived the command"
+
+
+def test_synth_reports_its_progress(tmp_path):
+    """Issue 27 (19): the write reports bytes written as it goes (a 2 GiB write was silent), up to the whole file."""
+    from rollingkv_cli import models
+
+    seen = []
+    spec = models.SynthSpec(layers=4, embd=1024, heads=8, kv_heads=2, ff=4096, vocab=4000, ctx=1024)
+    models.write_synthetic(tmp_path / "m.gguf", spec, progress=lambda done, total: seen.append((done, total)))
+    size = (tmp_path / "m.gguf").stat().st_size
+    assert seen and seen[-1][0] == size and all(t == models.synth_nbytes(spec) for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -143,3 +143,47 @@ def test_patches_export_not_a_checkout(capsys, tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     code, _, err = run_main(["patches", "export", str(tmp_path)], capsys)
     assert code == 1 and "not a rollingkv patch checkout" in err
+
+
+def test_assert_reference_resident_can_fail():
+    """The check the bit-identity tests make of their reference (issue 27: 22) refuses a reference wired to a split."""
+    import copy
+
+    from conftest import assert_reference_resident
+
+    plan = {"mode_chosen": "off", "split": False, "heads": {"split": False},
+            "layers": [{"il": 0, "split": False, "tail_cells": 0, "host_heads": 0}]}
+    good = {"reference": {"spec": "resident", "residency": {"mode": "off"}, "plan": plan, "context_via": "llama_init_from_model_rolling_kv"}}
+    assert_reference_resident(good)
+    for mutate in (lambda r: r["reference"].update(residency={"mode": "window", "window_cells": 256}),
+                   lambda r: r["reference"]["plan"].update(mode_chosen="window", split=True),
+                   lambda r: r["reference"]["plan"]["layers"][0].update(split=True, tail_cells=512),
+                   lambda r: r["reference"]["plan"]["heads"].update(split=True),
+                   lambda r: r["reference"].update(plan=None)):
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        with pytest.raises(AssertionError):
+            assert_reference_resident(bad)
+
+
+def test_gpu_tests_asked_for():
+    """tests/test_gpu.py fails (not skips) on a GPU with a CPU build when `-m gpu` asked for its tests."""
+    from test_gpu import gpu_tests_asked_for
+
+    assert gpu_tests_asked_for("gpu") and gpu_tests_asked_for("gpu and not slow")
+    assert not gpu_tests_asked_for("") and not gpu_tests_asked_for("not gpu") and not gpu_tests_asked_for("slow and not gpu")
+
+
+def test_help_fits_80_columns(monkeypatch):
+    """Issue 27 (18): every command's --help at 80 columns has no line over 80 (unwrappable blocks were up to 144)."""
+    from click.testing import CliRunner
+
+    from rollingkv_cli.cli import rollingkv
+    from test_docs import _commands
+
+    monkeypatch.setenv("COLUMNS", "80")
+    long = []
+    for path, _ in _commands(rollingkv):
+        out = CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=80).output
+        long += [f"{' '.join(path)}: {line}" for line in out.splitlines() if len(line) > 80]
+    assert not long, "\n".join(long)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, run_python
+from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, assert_reference_resident, run_python
 
 pytestmark = pytest.mark.build
 
@@ -146,11 +146,18 @@ def test_head_split_is_bit_identical(cpu_build, demo_model, tmp_path, name, args
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = r["metrics"]
     assert m["n"] == n and m["bitwise_identical"] and m["max_abs_logit_diff"] == 0.0 and m["nonfinite"] == 0
-    assert r["tail_positions"] == tail  # a head split streams its host heads of every position
+    assert_reference_resident(r)  # the identity is against the whole cache, not against another split
     plan = r["candidate"]["plan"]
-    assert plan["mode_chosen"] == "head" and r["head_split"]["per_layer"] == plan["heads"]["per_layer"]
-    if name == "budget":
-        assert plan["budget"]["budgeted"] and r["head_split"]["device"] < 90
+    assert plan["mode_chosen"] == "head" and plan["split"]
+    # what was asked for, layer by layer (the demo: 30 layers of 3 KV heads): the host really holds heads of every layer
+    layers = plan["layers"]
+    assert len(layers) == 30 and all(layer["n_head_kv"] == 3 for layer in layers)
+    assert all(layer["device_heads"] + layer["host_heads"] == 3 and layer["host_heads"] >= 1 for layer in layers)
+    if "--kv-device-heads" in args:
+        asked = int(args[args.index("--kv-device-heads") + 1])
+        assert [layer["device_heads"] for layer in layers] == [asked] * 30
+    else:  # from the budget: fewer device heads than the whole cache, more than the least
+        assert plan["budget"]["budgeted"] and 30 < sum(layer["device_heads"] for layer in layers) < 90
 
 
 @pytest.mark.slow
@@ -171,6 +178,7 @@ def test_quantized_host_heads_with_the_baseline_and_an_exact_control(cpu_build, 
                     "-ctkt", "q8_0", "-ctvt", "q8_0", "--tail-baseline")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["profile"] == "quantized" and r["control"]["passed"] and r["control"]["metrics"]["bitwise_identical"]
+    assert_reference_resident(r)
     assert r["control"]["plan"]["mode_chosen"] == "head" and r["control"]["plan"]["heads"]["per_layer"] == [1] * 30
 
 
@@ -187,6 +195,7 @@ def test_iswa_global_layers_split_by_head(cpu_build, tmp_path):
     assert plan["mode_chosen"] == "head" and [layer["il"] for layer in plan["layers"]] == [1, 3]
     assert all(layer["device_heads"] == 1 and layer["host_heads"] == 1 for layer in plan["layers"])
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["n"] == 1024
+    assert_reference_resident(r)
 
 
 @pytest.mark.slow
@@ -201,6 +210,7 @@ def test_hybrid_attention_layers_split_by_head(cpu_build, tmp_path, arch):
     plan = r["candidate"]["plan"]
     assert plan["mode_chosen"] == "head" and [layer["il"] for layer in plan["layers"]] == [1, 3] and plan["recurrent"]["layers"] == [0, 2]
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["n"] == 768
+    assert_reference_resident(r)
 
 
 # ------------------------------------------------------------------------------------------------ state

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_PRELUDE, run_python
+from conftest import LIB_PRELUDE, assert_reference_resident, run_python
 
 pytestmark = pytest.mark.build
 
@@ -193,6 +193,7 @@ def test_gate_equiv_bit_identical(cpu_build, hybrid_models, tmp_path, arch):
     m = r["metrics"]
     assert m["n"] == 1024 and m["bitwise_identical"] and m["max_abs_logit_diff"] == 0.0 and m["nonfinite"] == 0
     assert r["tail_positions"] == 1024 - 256
+    assert_reference_resident(r)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -215,6 +216,7 @@ def test_gate_equiv_four_sequences_bit_identical(cpu_build, hybrid_models, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["n_seq"] == 4 and r["candidate"]["plan"]["split"]
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["n"] == 1024 and r["tail_positions"] > 0
+    assert_reference_resident(r)
 
 
 # ------------------------------------------------------------------------------------------- state, seq_rm

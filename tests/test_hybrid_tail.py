@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LIB_PRELUDE, run_python
+from conftest import LIB_PRELUDE, assert_reference_resident, run_python
 from rollingkv_cli import llama_ext
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,6 +152,7 @@ def test_gate_equiv_with_a_cpu_part_stays_bit_identical_on_the_cpu(cpu_build, de
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["metrics"]["bitwise_identical"] and r["tail_cpu"]["requested"] == 0.5
+    assert_reference_resident(r)
     assert TAIL_CPU_KEYS <= set(r["tail_cpu"]["plan"]) and r["candidate"]["residency"]["tail_cpu_frac"] == 0.5
 
 

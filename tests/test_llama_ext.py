@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import run_python
@@ -90,3 +92,26 @@ def test_rollingkv_run_answers(cpu_build, demo_model, monkeypatch):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+@pytest.mark.build
+def test_the_tail_types_are_the_librarys(cpu_build):
+    """kvtypes.TAIL_TYPES (serve's -ctkt/-ctvt, the gates', bench tail's, the docs') is the list the library accepts
+    (ggml_rkv_tail_type_names), and every one of them is a type the library can name (issue 27: 10)."""
+    from rollingkv_cli import kvtypes
+    from rollingkv_cli.bench import arithmetic
+    from rollingkv_cli.gate import common as gate_common
+    from rollingkv_cli.serving import SETTINGS
+
+    assert kvtypes.library_tail_types(cpu_build.lib_dir) == kvtypes.TAIL_TYPES
+    assert "iq4_nl" not in kvtypes.TAIL_TYPES and "iq4_nl" in kvtypes.WINDOW_TYPES
+    assert SETTINGS["cache_type_k_tail"].choices == SETTINGS["cache_type_v_tail"].choices == kvtypes.TAIL_TYPES
+    assert tuple(gate_common.CACHE_TYPES) == kvtypes.TAIL_TYPES and set(arithmetic.CACHE_TYPES) == set(kvtypes.TAIL_TYPES)
+    cli_md = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "cli.md").read_text()
+    assert f"T, a cache type: {', '.join(kvtypes.TAIL_TYPES)}" in cli_md
+
+
+def test_library_tail_types_without_a_library(tmp_path):
+    from rollingkv_cli import kvtypes
+
+    assert kvtypes.library_tail_types(tmp_path) is None

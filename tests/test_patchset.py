@@ -234,3 +234,53 @@ def test_a_series_hash_is_fixed_when_it_is_first_read(tmp_path):
     victim.write_bytes(victim.read_bytes() + b"\n// changed while a build runs\n")
     assert series.hash == before
     assert patchset.load_series(patches, native).hash != before
+
+
+def test_checkout_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, pristine_tree, monkeypatch):
+    """Issue 27 (7): ENOSPC in the middle of the copy was an internal error (a 1.2 MB message listing every file) with a
+    partial tree left behind."""
+    import errno
+    import shutil
+
+    from rollingkv_cli.console import RollingKVError
+
+    real = shutil.copytree
+
+    def copytree(src, dst, **kw):
+        real(Path(src) / "include", Path(dst) / "include")  # some of it written, then the disk is full
+        raise shutil.Error([(f"{src}/f{i}", f"{dst}/f{i}", f"[Errno {errno.ENOSPC}] No space left on device") for i in range(5000)])
+
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    dest = tmp_path / "new" / "co"
+    with pytest.raises(RollingKVError) as e:
+        patchset.checkout(dest, pristine_tree)
+    assert "No space left on device (and 4999 more)" in e.value.message and "\n" not in e.value.message
+    assert len(e.value.message) < 400
+    assert not dest.exists() and not (tmp_path / "new").exists()
+    empty = tmp_path / "empty"  # the user's own empty folder stays, emptied again
+    empty.mkdir()
+    with pytest.raises(RollingKVError):
+        patchset.checkout(empty, pristine_tree)
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
+def test_checkout_on_a_read_only_filesystem_is_refused_before_writing(tmp_path, pristine_tree, monkeypatch):
+    import os
+
+    from rollingkv_cli.console import RollingKVError
+
+    real = os.statvfs
+
+    class RO:
+        def __init__(self, r):
+            self._r = r
+
+        def __getattr__(self, k):
+            return getattr(self._r, k)
+
+        f_flag = os.ST_RDONLY
+
+    monkeypatch.setattr(os, "statvfs", lambda p: RO(real(p)))
+    with pytest.raises(RollingKVError) as e:
+        patchset.checkout(tmp_path / "co", pristine_tree)
+    assert "read-only filesystem" in e.value.message and not (tmp_path / "co").exists()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, run_python
+from conftest import LIB_PRELUDE, STATE_ROUND_TRIP, assert_reference_resident, run_python
 
 pytestmark = pytest.mark.build
 
@@ -137,6 +137,7 @@ def test_f16_tail_is_exact_teacher_forced(cpu_build, demo_model, tmp_path, windo
     assert m["n"] == 2048 and m["bitwise_identical"] and m["max_abs_logit_diff"] == 0.0
     assert r["tail_positions"] == 2048 - window
     assert r["candidate"]["plan"]["split"] and r["candidate"]["plan"]["window_cells"] == window
+    assert_reference_resident(r)
 
 
 @pytest.mark.slow
@@ -295,4 +296,5 @@ def test_iswa_only_full_attention_layers_split_and_stay_exact(cpu_build, tmp_pat
     assert plan["split"] and sorted(layer["il"] for layer in plan["layers"]) == [1, 3]
     assert all(layer["split"] and layer["window_cells"] == 256 for layer in plan["layers"])
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["bitwise_equal_rows"] == 1024 and r["metrics"]["max_abs_logit_diff"] == 0.0
+    assert_reference_resident(r)
     assert r["tail_positions"] == 1024 - 256

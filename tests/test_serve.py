@@ -31,6 +31,42 @@ def test_print_args_merges_config_and_flags(tmp_path, capsys, demo_model, monkey
     assert argv[-2:] == ["--port", "9999"] and "--threads" in argv
 
 
+def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    """Slot save/restore lets any client write files into the cache: serve passes --slot-save-path only with --slot-save
+    (or `slot_save: true`), and never turns on more than -fa and --metrics beyond llama-server's defaults."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+
+    def argv(*args):
+        code, out, err = run_main(["serve", "--print-args", *args], capsys)
+        assert code == 0, err
+        return shlex.split(out.strip().splitlines()[-1])
+
+    plain = argv("demo")
+    assert "--slot-save-path" not in plain and "--slots" not in plain and "--props" not in plain
+    assert plain[1:] == ["-m", str(demo_model), "-fa", "on", "--metrics", "--alias", demo_model.name.removesuffix(".gguf"),
+                         "--host", "127.0.0.1", "--port", "8080"]
+    mine = argv("demo", "--", "--alias", "mine")
+    assert mine.count("--alias") == 1 and mine[mine.index("--alias") + 1] == "mine"  # the user's own alias after `--` alone
+    on = argv("demo", "--slot-save")
+    assert on[on.index("--slot-save-path") + 1].endswith("/slots")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: demo\nslot_save: true\n")
+    assert "--slot-save-path" in argv("--config", str(cfg))
+
+
+def test_a_tail_type_the_build_does_not_take_is_refused_before_start(capsys, demo_model, cpu_build, monkeypatch):
+    """serve asks the active build for its tail types (kvtypes.library_tail_types): one it lacks is one line, before
+    llama-server starts and refuses it (issue 27: 10)."""
+    from rollingkv_cli import kvtypes
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    monkeypatch.setattr(kvtypes, "library_tail_types", lambda lib_dir: ("f16",))
+    code, _, err = run_main(["serve", "demo", "-ctkt", "q8_0", "--print-args"], capsys)
+    assert code == 1 and "-ctkt q8_0: the active build" in err and "takes the tail types f16" in err
+    code, _, err = run_main(["serve", "demo", "-ctkt", "f16", "--print-args"], capsys)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize(
     "yaml_text, message, exit_code",
     [
@@ -60,7 +96,7 @@ def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
     code, _, err = run_main(["serve", "demo", "-ctk", "q3_k"], capsys)
     assert code == 2 and "q3_k" in err
     code, _, err = run_main(["serve"], capsys)
-    assert code == 1 and "no MODEL" in err
+    assert code == 2 and "no MODEL" in err  # a usage error
     code, _, err = run_main(["serve", "demo", "-c", "1024", "--kv-window-cells", "4096"], capsys)
     assert code == 2 and "larger than the context" in err  # flags that contradict: a usage error
 
@@ -365,3 +401,55 @@ def test_the_plan_shows_the_chosen_split():
     off = describe_tail_cpu({"tail_cpu": {"requested": 0, "frac": 0, "cpu_attn_gbps": None, "cpu_attn_source": "none",
                                           "reason": "disabled"}})
     assert off == "CPU part of the tail: none (requested 0): disabled"
+
+
+@pytest.mark.parametrize("plan, gpu, want, unwanted", [
+    ({"mode_requested": "auto", "mode_chosen": "resident", "reason": "no GPU and no vram_target: resident (the whole KV fits)",
+      "device_bytes": 180 << 20, "host_bytes": 0, "split": False, "window_cells": 0},
+     False, "residency: resident — no GPU and no vram_target: the whole KV fits; 180.0 MiB in host memory (CPU build)", ["on device", "(("]),
+    ({"mode_requested": "window", "mode_chosen": "window", "reason": "window: explicit window of 256 cells", "split": True,
+      "window_cells": 256, "tail_cells": 768, "device_bytes": 1 << 20, "host_bytes": 3 << 20},
+     True, "residency: window — explicit window of 256 cells; window 256 / tail 768 cells; 1.0 MiB on device; 3.0 MiB on host", ["window,"]),
+    ({"mode_requested": "head", "mode_chosen": "head", "reason": "head: explicit 1 device KV heads per layer", "split": True,
+      "heads": {"summary": "1 of 3 KV heads on the device", "per_layer": [1, 1]}},
+     True, "residency: head — explicit 1 device KV head per layer; 1 of 3 KV heads on the device (per layer 1,1)", ["head: ", "heads per"]),
+], ids=["cpu-resident", "window", "head"])
+def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
+    """Issue 27 (17): the mode once, its reason without the mode again, no nested brackets, singulars, and no "on device"
+    on a CPU build."""
+    from rollingkv_cli.serving import describe_plan, describe_tail_cpu
+
+    line = describe_plan(plan, gpu=gpu)
+    assert line == want
+    assert not any(u in line for u in unwanted)
+    assert "(1 thread)" in describe_tail_cpu({"tail_cpu": {"frac": 0, "n_threads": 1}})
+
+
+def test_live_status_decode_rate_counts_the_running_requests():
+    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
+    (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
+    from rollingkv_cli.serving import LiveStatus
+
+    class Srv:
+        url = "http://127.0.0.1:1"
+
+    def slots(*decoded):
+        return [{"id": i, "is_processing": busy, "next_token": [{"n_decoded": n}]} for i, (n, busy) in enumerate(decoded)]
+
+    st = LiveStatus(Srv(), started=0.0, plan=None, gpu=False, vram=lambda: [])
+    m = {"tokens_predicted_total": 0, "predicted_tokens_seconds": 0.0, "requests_processing": 2}
+    st.sample(now=0.0, metrics=m, slots=slots((10, True), (20, True)))
+    assert st.decode_rate() is None and st.tokens_generated() == 30
+    st.sample(now=2.0, metrics=m, slots=slots((30, True), (40, True)))
+    assert st.decode_rate() == 20.0 and st.tokens_generated() == 70
+    rows = dict(st.rows())
+    assert rows["decode"] == "20.0 tok/s over the last 5 s, 70 tokens generated" and rows["requests"].startswith("2 in flight")
+    # the first request ends with 35 tokens: counted once, in the total, not again as a slot's
+    m2 = {"tokens_predicted_total": 35, "requests_processing": 1}
+    st.sample(now=3.0, metrics=m2, slots=slots((35, False), (50, True)))
+    assert st.tokens_generated() == 85 and st.decode_rate() == (85 - 30) / 3
+    # idle for longer than the window: the rate falls to 0
+    for t in (4.0, 6.0, 9.0):
+        st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
+    assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
+    assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"

@@ -213,10 +213,10 @@ def test_slot_save_restore_of_a_spilled_slot(cpu_build, demo_model, tmp_path):
     """Save a slot whose cache reaches into the host tail, erase it, restore it: the restored cache is reused
     (not recomputed) and the continuation is exactly what the resident server gives for the same steps."""
     prompt = _prompt(5)
-    with Serve(cpu_build, tmp_path, "slots", "-c", "2048", *WINDOW) as srv:
+    with Serve(cpu_build, tmp_path, "slots", "-c", "2048", "--slot-save", *WINDOW) as srv:
         assert srv.get("/props")["rolling_kv"]["split"]
         got = _save_erase_restore_generate(srv, prompt)
-    with Serve(cpu_build, tmp_path, "slots-ref", "-c", "2048", *RESIDENT) as srv:
+    with Serve(cpu_build, tmp_path, "slots-ref", "-c", "2048", "--slot-save", *RESIDENT) as srv:
         ref = _save_erase_restore_generate(srv, prompt)
     assert got["evaluated"] > 256 and got["n_saved"] > 256  # the saved cache reaches into the tail
     assert got["n_restored"] == got["n_saved"]

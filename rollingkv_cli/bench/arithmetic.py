@@ -39,6 +39,9 @@ TYPE_BLOCK = {
     "q5_1": (32, 24),
 }
 CACHE_TYPES = tuple(TYPE_BLOCK)
+from rollingkv_cli.kvtypes import TAIL_TYPES as _TAIL_TYPES  # noqa: E402
+
+assert set(CACHE_TYPES) == set(_TAIL_TYPES), "TYPE_BLOCK covers exactly the library's tail types (kvtypes.TAIL_TYPES)"
 
 
 def pad(n: int, to: int = KV_PAD) -> int:

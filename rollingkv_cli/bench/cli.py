@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-# keep in step with arithmetic.CACHE_TYPES (not imported here: registering commands stays cheap)
-CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+from rollingkv_cli.kvtypes import TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
+
+CACHE_TYPES = list(TAIL_TYPES)
 SKIPPABLE = ["auto", "ngl", "nkvo"]
 
 
@@ -158,26 +159,34 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
 
     \b
-    Per depth, one llama-bench process per cell (-fa 1 -p 0 -n N -d DEPTH -r R -o json):
+    Per depth, one llama-bench process per cell (-fa 1 -p 0 -n N -d DEPTH -r R
+    -o json):
       resident       --kv-residency-mode off, -ngl 99 (the floor's t_resident)
-      window         --kv-residency-mode window --kv-window-cells W -ctkt/-ctvt T, for each tail type T
-                     and tail fraction: W = (1 - fraction) x (depth + n_gen) to a multiple of 256, at
-                     least 256 (the 100% tail); 0% = the whole cache
-      hybrid         a window cell again with --kv-tail-cpu-frac F for each F of --cpu-fracs (CUDA
-                     builds with the hybrid tail; auto by default, the library's default): part of
-                     the tail attended on the CPU while the rest streams
-      head           --kv-residency-mode head --kv-device-heads N -ctkt/-ctvt T for each tail type and
-                     --head-fractions f (none by default): N = round((1 - f) x n_head_kv) KV heads of
-                     every layer on the device, the others streamed for every cell
+      window         --kv-residency-mode window --kv-window-cells W -ctkt/-ctvt
+                     T, for each tail type T and tail fraction: W = (1 -
+                     fraction) x (depth + n_gen) to a multiple of 256, at least
+                     256 (the 100% tail); 0% = the whole cache
+      hybrid         a window cell again with --kv-tail-cpu-frac F for each F of
+                     --cpu-fracs (CUDA builds with the hybrid tail; auto by
+                     default, the library's default): part of the tail attended
+                     on the CPU while the rest streams
+      head           --kv-residency-mode head --kv-device-heads N -ctkt/-ctvt T
+                     for each tail type and --head-fractions f (none by
+                     default): N = round((1 - f) x n_head_kv) KV heads of every
+                     layer on the device, the others streamed for every cell
       auto           --kv-residency-mode auto (0% tail when the cache fits)
-      vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the VRAM of the 50%-tail
-                     window run (all weights + window KV + slot ring), sizes read from the GGUF
-      vanilla -nkvo  -nkvo 1 (KV in host memory, attention on the CPU), run last: the slowest cell
+      vanilla -ngl   the largest -ngl whose last layers' weights + KV fit the
+                     VRAM of the 50%-tail window run (all weights + window KV +
+                     slot ring), sizes read from the GGUF
+      vanilla -nkvo  -nkvo 1 (KV in host memory, attention on the CPU), run
+                     last: the slowest cell
+
     The host-to-device bandwidth is measured in the same run (none on a CPU-only machine: floors skipped).
     Each cell's tail bytes per token, floors (t_res + bytes/bw, max(t_res, bytes/bw)) and ratios, the hybrid
     cells' third floor (max(t_res, bytes/(bw + cpu_attn)) and its serial form, with the CPU attention GB/s
-    measured in the same run), and the issue 4 and 16 targets, go to the table and the JSON report (rewritten after every cell, with every command
-    line); a PNG next to it when matplotlib is installed (else `rollingkv bench plot REPORT.json`).
+    measured in the same run), and the issue 4 and 16 targets, go to the table and the JSON report (rewritten
+    after every cell, with every command line); a PNG next to it when matplotlib is installed (else
+    `rollingkv bench plot REPORT.json`).
 
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
@@ -197,6 +206,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
     depths = list(dict.fromkeys(depths))
 
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # llama-bench's library reads them: refused here, not ignored or clamped there
     model = models.resolve_model(model_spec, log=note)
     build = builder.active_build()
     bench_bin = build.artifact("llama-bench")
@@ -250,13 +262,16 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     if dry_run:
         from rich.table import Table
 
-        t = Table(title=f"{len(doc['cells'])} cells, in the order they would run")
-        for col in ("#", "cell", "depth", "window", "tail MB/tok", "command"):
+        t = Table(title=f"{len(doc['cells'])} cells, in the order they would run (their commands below)")
+        for col in ("#", "cell", "depth", "window", "tail MB/tok"):
             t.add_column(col, overflow="fold")
         for i, c in enumerate(doc["cells"], 1):
             t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
-                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-", esc(c["command"]))
-        tail_runs.report_console().print(t)
+                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-")
+        out_console = tail_runs.report_console()
+        out_console.print(t)
+        for i, c in enumerate(doc["cells"], 1):  # one line each, never wrapped or cut: they are for copying
+            out_console.print(f"# {i}\n{c['command']}", markup=False, highlight=False, soft_wrap=True)
         return
     if json_out and json_out.exists() and not resume:
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")

@@ -41,16 +41,11 @@ STDERR_TAIL = 25
 
 def default_ring_bytes() -> int:
     """The CUDA op's slot ring: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB when set, else 3 x 32 MiB."""
-    from rollingkv_cli.userinput import env_int
+    from rollingkv_cli.userinput import native_knob
 
-    # the CUDA op reads the same variables: a value it would not take is refused here, not guessed around
-    slots = env_int("ROLLINGKV_SLOTS", DEFAULT_RING_SLOTS, minimum=2, example="a number of slots from 2 to 8, such as 3")
-    slot_mib = env_int("ROLLINGKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB, minimum=1, example="a size in MiB such as 32")
-    if slots > 8 or slot_mib > 4096:  # the op would clamp these: say so instead of planning with another ring
-        from rollingkv_cli.console import abort
-
-        name, value, top = ("ROLLINGKV_SLOTS", slots, 8) if slots > 8 else ("ROLLINGKV_SLOT_MIB", slot_mib, 4096)
-        abort(f"${name}={value} is more than the CUDA op takes ({top})", f"set it to at most {top}, or unset it")
+    # the CUDA op reads the same variables: a value it would not take is refused (userinput.NATIVE_KNOBS), not guessed around
+    slots = native_knob("ROLLINGKV_SLOTS", DEFAULT_RING_SLOTS)
+    slot_mib = native_knob("ROLLINGKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB)
     return slots * slot_mib << 20
 
 

@@ -42,7 +42,8 @@ def demo(print_path: bool) -> None:
 @click.option("--arch", type=click.Choice(["llama", "gemma2", "qwen35", "lfm2"]), default="llama", show_default=True,
               help="gemma2: interleaved sliding-window attention (iSWA), every other layer local. qwen35 (gated delta net) and "
                    "lfm2 (short convolutions): hybrid models, recurrent layers with an attention layer every --attn-interval.")
-@click.option("--sliding-window", type=click.IntRange(min=1), default=128, show_default=True, help="Window of the local layers (gemma2).")
+@click.option("--sliding-window", type=click.IntRange(min=1), default=None,
+              help="Window of the local layers (gemma2 only; another --arch refuses it).  [default: 128]")
 @click.option("--attn-interval", type=int, default=4, show_default=True,
               help="Hybrid models: layer i is an attention layer when i + 1 is a multiple of this, the others are recurrent.")
 @click.option("--ssm-state", type=int, default=None, help="qwen35: the gated delta net's state size (its key and value head size).  [default: the attention's head_dim]")
@@ -58,19 +59,31 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     f16), iSWA (gemma2) or hybrid (qwen35, lfm2).
 
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
-    or failed write leaves nothing behind (no OUT.part). A shape llama.cpp cannot run is refused before anything
+    or failed write leaves nothing behind (no OUT.*.part, a name of each run's own). OUT must be absent or a
+    regular file (a device, FIFO or link is refused). A shape llama.cpp cannot run is refused before anything
     is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
 
-    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window,
+    if sliding_window is not None and arch != "gemma2":
+        from rollingkv_cli.console import usage_error
+
+        usage_error(f"--sliding-window applies to --arch gemma2 (its local layers), not --arch {arch}")
+    spec = models.SynthSpec(layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch, sliding_window or 128,
                             attn_interval=attn_interval, ssm_state=ssm_state, ssm_groups=ssm_groups, ssm_heads=ssm_heads,
                             conv_kernel=conv_kernel)
     spec.validate()
+    models.check_out(out)  # absent or a regular file (never a device, a FIFO, a link)
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
-    with _sigterm_raises(), console.status(f"writing {esc(str(out))}"):
-        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True))
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                   console=console, transient=True, disable=not console.is_terminal)
+    task = bar.add_task(esc(out.name), total=None)
+    with _sigterm_raises(), bar:
+        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True),
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
     n_attn = len(spec.attention_layers)
     kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
     layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""

@@ -12,7 +12,7 @@ def patches() -> None:
     """Work on the patch series against the pinned llama.cpp.
 
     \b
-    rollingkv patches checkout DIR   git work tree at the pin, one commit per patch
+    rollingkv patches checkout DIR   git work tree at the pin, a commit per patch
     (edit, commit: one commit per hook, its message saying why)
     rollingkv patches export DIR     regenerate patches/ and native/ from it
     """

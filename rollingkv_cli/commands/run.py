@@ -11,6 +11,14 @@ from pathlib import Path
 import click
 
 
+def _temperature(ctx, param, value: float) -> float:
+    import math
+
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"must be a finite number of at least 0 (0 = greedy), not {value:g}")
+    return value
+
+
 @click.command()
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-p", "--prompt", help="The user message.")
@@ -18,7 +26,7 @@ import click
 @click.option("-n", "--max-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
 @click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True, help="Context size in tokens (llama.cpp rounds it up to a multiple of 256).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, callback=_temperature, help="0 = greedy; at least 0.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature, verbose) -> None:
     """Answer PROMPT with MODEL (a GGUF path or `demo`), using the active build."""
@@ -28,6 +36,13 @@ def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give the message with -p/--prompt or -f/--prompt-file (one of them)")
     text = _prompt_text(prompt, prompt_file)
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # the library this loads reads them itself: refused here, not ignored or clamped there
+    if model_spec == "demo":  # no build: said before the demo model is downloaded (94 MiB for nothing)
+        from rollingkv_cli import builder
+
+        builder.active_build(required=True)
     path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
     if model_spec != "demo":  # the demo is verified by its sha256
         models.check_gguf(path, model_spec)
@@ -52,6 +67,9 @@ def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # undecodable bytes from argv arrive as surrogates
             abort(f"--prompt is not UTF-8 text (character {e.start})", "pass UTF-8 text (check the terminal's locale), or use --prompt-file")
+    if not text.strip():
+        raise click.UsageError(f"{what} is empty: give the message to answer" if prompt_file is None
+                               else f"{what} is empty (or only blanks): give the message to answer")
     if "\0" in text:
         abort(f"{what} holds a NUL byte at character {text.index(chr(0))}: not text", "give a text file, not a binary one")
     return text
@@ -69,6 +87,8 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
     with err_console.status(f"loading {esc(path.name)}"):
         llm = llama_ext.open_model(llama_cpp, path, name, n_ctx=ctx_size, seed=seed, verbose=verbose, flash_attn=True)
     t0 = time.monotonic()
+    # the line a caller (tests/test_bad_input_run_model_build.py) waits for: from here on llama.cpp decodes
+    err_console.print(f"generating (at most {max_tokens} tokens)", style="dim", markup=False, soft_wrap=True)
     try:
         out = llm.create_chat_completion(
             messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature, seed=seed,
@@ -82,5 +102,7 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
               "raise -c/--ctx-size or shorten the prompt")
     click.echo(out["choices"][0]["message"]["content"].strip())
     usage = out.get("usage") or {}
+    stopped = (f"; stopped at -n {max_tokens} (the answer may be cut: raise -n/--max-tokens)"
+               if out["choices"][0].get("finish_reason") == "length" else "")
     err_console.print(f"{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} generated tokens "
-                      f"in {time.monotonic() - t0:.1f} s", style="dim", markup=False, soft_wrap=True)
+                      f"in {time.monotonic() - t0:.1f} s{stopped}", style="dim", markup=False, soft_wrap=True)

@@ -38,7 +38,19 @@ def _setting(*decls: str, key: str, **kw):
     return click.option(*decls, type=SettingType(key), **kw)
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+class _ServeCommand(click.Command):
+    """An option serve does not know is most often one of llama-server's (`serve demo -t 2`): the error says where it goes."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            e.message = (f"{e.message.rstrip('.')}: llama-server's own options go after `--`, unchanged "
+                         f"(rollingkv serve MODEL [serve options] -- {e.option_name} ...)")
+            raise
+
+
+@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("model_spec", metavar="MODEL", required=False)
 @_setting("--kv-residency-mode", key="kv_residency_mode",
           help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "
@@ -61,6 +73,10 @@ def _setting(*decls: str, key: str, **kw):
                "(the whole tail).")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
+@click.option("--slot-save", "slot_save", is_flag=True, default=False,
+              help="Turn on llama-server's slot save/restore (--slot-save-path CACHE/slots). Off by default: with it ANY client "
+                   "that reaches the server can write KV cache files (each as large as a slot's cache) into that folder and "
+                   "read them back (POST /slots/N?action=save|restore); use it only with an API key or on loopback.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="YAML file with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
@@ -69,7 +85,9 @@ def _setting(*decls: str, key: str, **kw):
 def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra, **flags) -> None:
     """Run the patched llama-server (OpenAI-compatible API) on MODEL (a GGUF path or `demo`).
 
-    Arguments after `--` go to llama-server unchanged. The server's output goes to a log file whose
+    Arguments after `--` go to llama-server unchanged (one that contradicts serve's own, such as --port or
+    -m, is refused), e.g. `-- -t 8 --api-key KEY`. A --host other than loopback without an API key is
+    warned about. The server's output goes to a log file whose
     path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """

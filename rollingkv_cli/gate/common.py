@@ -6,19 +6,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import EXIT_USAGE, RollingKVError, abort  # noqa: F401  (EXIT_USAGE: a bad flag value)
+from rollingkv_cli.kvtypes import TAIL_TYPES
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # a bound failed, answers differ, or an error
 EXIT_NO_GPU = 3  # gate vram without an NVIDIA GPU / NVML: the same code as `rollingkv probe pcie`
 EXIT_INCONCLUSIVE = 4  # gate needle: the resident model itself does not retrieve the needle
 
-# keep in step with llama_ext.GGML_TYPES (not imported here: registering commands stays cheap)
-CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+# the split's types, the library's list (kvtypes: a tiny module, registering commands stays cheap)
+CACHE_TYPES = list(TAIL_TYPES)
 
 
 @dataclass
@@ -55,7 +60,9 @@ def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) ->
     """--build DIR (a `rollingkv build` directory), --lib-dir DIR (llama.cpp's build/bin of our series), or
     the active build ($ROLLINGKV_BUILD, else the one `rollingkv build` activated)."""
     from rollingkv_cli import builder
+    from rollingkv_cli.userinput import check_native_knobs
 
+    check_native_knobs()  # every gate runs the library: its own variables are checked first (userinput.NATIVE_KNOBS)
     if build_dir is not None and lib_dir is not None:
         abort("give --build or --lib-dir, not both")
     if lib_dir is not None:
@@ -83,15 +90,72 @@ def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) ->
     return GateBuild(b.lib_dir, server if server.is_file() else None, cuda, b.dir, b.manifest)
 
 
+KEEP_RUN_LOGS = 20  # the newest runs' log folders kept under <cache>/gate
+
+
 def logs_dir() -> Path:
+    """This run's own log folder, <cache>/gate/<time>-<pid> (concurrent gates shared fixed names like tokenize.log);
+    the oldest beyond KEEP_RUN_LOGS are removed."""
     from rollingkv_cli import paths
 
-    d = paths.cache_dir() / "gate"
+    root = paths.cache_dir() / "gate"
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        d = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-", dir=root))
     except OSError:
-        d = Path(tempfile.mkdtemp(prefix="rollingkv-gate-logs-"))
+        return Path(tempfile.mkdtemp(prefix="rollingkv-gate-logs-"))
+    runs = sorted((p for p in root.iterdir() if p.is_dir() and p.name[:8].isdigit()), key=lambda p: p.name)
+    for old in runs[:-KEEP_RUN_LOGS]:
+        shutil.rmtree(old, ignore_errors=True)
     return d
+
+
+OWNER_FILE = ".rollingkv-owner"  # in a gate's temporary work folder: "pid start-time" of the process that made it
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _stale(d: Path) -> bool:
+    """A work folder whose owner is gone (killed: SIGKILL leaves no chance to clean up), or is another process by now."""
+    try:
+        pid_text, start = (d / OWNER_FILE).read_text().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return False  # not ours to judge (no owner file: an older run, or someone else's)
+    return _start_time(pid) != start
+
+
+def remove_stale_work_dirs(root: Path, prefix: str) -> list[Path]:
+    """Remove root/<prefix>* folders whose owner process is gone; returns them."""
+    gone = []
+    try:
+        candidates = [p for p in root.iterdir() if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return gone
+    for d in candidates:
+        if _stale(d):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+@contextlib.contextmanager
+def work_dir(root: Path, prefix: str):
+    """A temporary folder under root for a gate's logits (hundreds of MiB), removed on the way out, and removed by the
+    next gate when this process was killed before it could (an owner file says whose it is)."""
+    from rollingkv_cli.console import note
+
+    gone = remove_stale_work_dirs(root, prefix)
+    if gone:
+        note(f"removed {len(gone)} work folder(s) of gates that were killed: {', '.join(str(g) for g in gone)}")
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=root) as td:
+        (Path(td) / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        yield td
 
 
 def write_json(path: Path, doc: dict) -> None:

@@ -113,7 +113,6 @@ def _metrics(summary: dict) -> dict:
 def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     """Every cell; the report. Raises RollingKVError on errors (a failed bound is a result, not an error)."""
     import shutil
-    import tempfile
 
     from rollingkv_cli.gate import equiv as equiv_runs
     from rollingkv_cli.console import abort, esc
@@ -152,7 +151,9 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     base_rows: dict[str, dict] = {}
     floors: dict[str, dict] = {}
     floor_rows: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="rollingkv-matrix-", dir=work_dir) as td:
+    from rollingkv_cli.gate.common import work_dir as gate_work_dir
+
+    with gate_work_dir(work_dir, "rollingkv-matrix-") as td:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
                                        n_gpu_layers=cfg.n_gpu_layers, n_ctx=n_ctx)

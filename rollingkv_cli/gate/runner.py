@@ -192,7 +192,7 @@ def load_model(llama_cpp, lib_dir: Path, model: Path, vocab_only: bool = False, 
         mp.n_gpu_layers = n_gpu_layers
     m = llama_cpp.llama_model_load_from_file(str(model).encode(), mp)
     if not m:
-        raise RunnerError(f"llama.cpp could not load the model {model}", "see the llama.cpp log above")
+        raise RunnerError(f"llama.cpp could not load the model {model}", "llama.cpp says why in its log")
     return m
 
 
@@ -385,12 +385,14 @@ def logits(args) -> dict:
                     "total_s": round(time.perf_counter() - t0, 3)},
     }
     if ref is not None:
+        emit("STAGE", "comparing: the summary over every position")  # seconds on a long text: not silent
         summary = acc.summary(real_margin_nats=args.real_margin_nats)
         summary["max_abs_logit_diff"] = metrics._f(max_abs)
         summary["bitwise_equal_rows"] = bitwise_rows
         summary["bitwise_identical"] = bitwise_rows == n
         result["summary"] = summary
         if args.positions_out:
+            emit("STAGE", "writing the per-position metrics")
             pos, m = acc.metrics()
             np.savez_compressed(args.positions_out, pos=pos, tv=m.tv, kl=m.kl, top1_ref=m.top1_ref, top1_cand=m.top1_cand,
                                 margin=m.margin, topk_agree=m.topk_agree, nonfinite=m.nonfinite,

@@ -184,6 +184,22 @@ def test_dry_run_shows_the_link_placeholder(capsys, cuda_build, tiny, tmp_path):
     assert not (tmp_path / "d.json").exists()
 
 
+def test_dry_run_commands_are_whole_lines(capsys, cuda_build, tiny, tmp_path, monkeypatch):
+    """Issue 27 (18): --dry-run's commands are for copying: each on a line of its own, whole, at any terminal width
+    (they were folded inside a table column)."""
+    import shlex
+
+    monkeypatch.setenv("COLUMNS", "60")
+    code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
+    assert code == 0
+    lines = stdout.splitlines()
+    commands = [line for line in lines if "llama-bench" in line]
+    assert len(commands) >= 6 and all(len(c) > 60 for c in commands)
+    for c in commands:
+        argv = shlex.split(c)
+        assert argv[0].endswith("llama-bench") and "-fa" in argv and "-d" in argv  # one whole command per line
+
+
 def test_hybrid_auto_cells_by_default(capsys, cuda_build, tiny, tmp_path):
     """The CPU part's default is auto (the library's): the default run measures what users get, an auto hybrid cell next to
     each GPU-only window cell with a tail (--kv-tail-cpu-frac 0), and the CPU attention calibrated in the run."""

@@ -307,9 +307,9 @@ def test_prompt_longer_than_ctx(capsys, fake_runs, fake_gguf, tmp_path):
     prompt.write_text("hello")
     fake_runs["n_tokens"] = 900
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--prompt-file", str(prompt), "--ctx", "512"], capsys)
-    assert code == 1 and "does not fit --ctx 512" in _one_error(err)
+    assert code == 2 and "does not fit --ctx 512" in _one_error(err)  # usage errors, as in gate needle (issue 27: 14)
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "1280"], capsys)
-    assert code == 1 and "smaller than the context (1280)" in _one_error(err)
+    assert code == 2 and "smaller than the context (1280)" in _one_error(err)
 
 
 def test_synthetic_text_is_deterministic():
@@ -523,3 +523,41 @@ def test_equiv_four_sequences_side_by_side(cpu_build, demo_model, tmp_path):
     bad = _gate(cpu_build, args, env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.02"})
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert json.loads(out.read_text())["metrics"]["mean_tv"] > 1e-4
+
+
+def test_a_killed_gates_work_folder_is_removed_by_the_next(tmp_path):
+    """Issue 27 (8): SIGKILL leaves a gate's work folder (hundreds of MiB of logits) behind; the next gate removes the
+    folders whose owner is gone, and only those (a live owner's, and a folder without an owner file, stay)."""
+    import signal
+    import subprocess
+    import sys
+
+    from rollingkv_cli.gate import common
+
+    code = ("import sys, time\n"
+            f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+            "from pathlib import Path\n"
+            "from rollingkv_cli.gate import common\n"
+            f"with common.work_dir(Path({str(tmp_path)!r}), 'rollingkv-gate-') as td:\n"
+            "    (Path(td) / 'logits.npy').write_bytes(b'x' * 1000)\n"
+            "    print(td, flush=True)\n"
+            "    time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    killed = Path(child.stdout.readline().strip())
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (killed / "logits.npy").is_file(), "SIGKILL left it behind"
+    foreign = tmp_path / "rollingkv-gate-foreign"
+    foreign.mkdir()
+    with common.work_dir(tmp_path, "rollingkv-gate-") as live:
+        assert not killed.exists() and foreign.is_dir()
+        assert common.remove_stale_work_dirs(tmp_path, "rollingkv-gate-") == []  # our own, alive, stays
+        assert Path(live).is_dir()
+    assert not Path(live).exists() and foreign.is_dir()
+
+
+def test_each_gate_run_logs_into_a_folder_of_its_own(isolated_cache):
+    from rollingkv_cli.gate import common
+
+    a, b = common.logs_dir(), common.logs_dir()
+    assert a != b and a.parent == b.parent == isolated_cache / "gate"

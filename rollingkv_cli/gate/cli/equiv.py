@@ -175,7 +175,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     floor_how = None
     control = control_th = None
     above = None
-    with tempfile.TemporaryDirectory(prefix="rollingkv-gate-", dir=tmp_root) as td:
+    with common.work_dir(tmp_root, "rollingkv-gate-") as td:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
                                        n_gpu_layers=n_gpu_layers)
@@ -191,9 +191,10 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
         if n_ctx is None:
             n_ctx = -(-n_tokens // 256) * 256 + 256
         elif n_tokens > n_ctx:
-            abort(f"{prompt_file or 'the text'} is {n_tokens} tokens and does not fit --ctx {n_ctx}", "raise --ctx or shorten the prompt")
+            usage_error(f"{prompt_file or 'the text'} is {n_tokens} tokens and does not fit --ctx {n_ctx}", "raise --ctx or shorten the prompt")
         if kv_window_cells is not None and kv_window_cells >= n_ctx:
-            abort(f"--kv-window-cells {kv_window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
+            # the context is --ctx or follows from the text: a usage error either way (as in gate needle)
+            usage_error(f"--kv-window-cells {kv_window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
         if mode != "off" and kv_window_cells is not None and kv_window_cells >= n_tokens:
             warn(f"the window ({kv_window_cells} cells) holds all {n_tokens} tokens: the tail is never read")
         sess.n_ctx = n_ctx

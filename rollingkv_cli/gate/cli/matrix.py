@@ -50,9 +50,8 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     the resident T cache, as `gate equiv --tail-baseline`); per quantized T, a T window + T tail against
     the resident T cache (must be exact); and the needle gate. Every cell reuses one reference decode.
 
-    \b
-    Exit status: 0 every cell passes, 1 one fails (or an error), 2 usage error,
-    4 every cell passes but the needle is inconclusive (the model misses it even resident).
+    Exit status: 0 every cell passes, 1 one fails (or an error), 2 usage error, 4 every cell passes but the
+    needle is inconclusive (the model misses it even resident).
     """
     from rollingkv_cli import models
     from rollingkv_cli.gate import common

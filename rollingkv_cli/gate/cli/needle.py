@@ -19,7 +19,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--filler-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Take the filler from this text file (cut to --filler-tokens). Default: built-in prose without numbers.")
 @click.option("--depth", "--position", "depths", multiple=True, callback=fraction_list, metavar="F",
-              help="Where the needle goes, as a fraction of the filler (0..1); repeat (or comma-separate) for several placements.  [default: 0.5, 0.85]")
+              help="Where the needle goes, as a fraction of the filler strictly between 0 and 1; repeat (or comma-separate) for several placements.  [default: 0.5, 0.85]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draws the secret numbers (and the filler's sentences).")
 @click.option("--format", "fmt", type=click.Choice(["plain", "chat"]), default="plain", show_default=True,
               help="plain: a completion prompt ending in 'Answer: The secret number is'; chat: the model's chat template.")

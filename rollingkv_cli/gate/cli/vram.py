@@ -43,8 +43,9 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
       0  pass
       1  the peak exceeded the limit (or an error)
       2  usage error
-      3  no NVIDIA GPU found (no driver, no NVML, or no device), as `rollingkv probe pcie`;
-         with --json the report is {"gate": "vram", "verdict": "no-gpu", "error": "no NVIDIA GPU found", ...}
+      3  no NVIDIA GPU found (no driver, no NVML, or no device), as
+         `rollingkv probe pcie`; with --json the report is {"gate": "vram",
+         "verdict": "no-gpu", "error": "no NVIDIA GPU found", ...}
     """
     from rollingkv_cli import models
     from rollingkv_cli.gate import common
