@@ -135,8 +135,8 @@ def test_api4_without_the_measure_function_is_not_hybrid(ext):
 
 
 def test_a_newer_library_is_refused(ext):
-    e = ext(6)
-    with pytest.raises(RollingKVError, match="version 6, newer than the 5"):
+    e = ext(7)
+    with pytest.raises(RollingKVError, match="version 7, newer than the 6"):
         e.make_params(mode="window")
 
 
