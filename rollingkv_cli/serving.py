@@ -537,32 +537,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _metrics(srv) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _metrics_text(srv) -> str:
+    """llama-server's /metrics page ("" where it does not answer)."""
     try:
         with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
-            for line in r.read().decode().splitlines():
-                m = re.match(r"^llamacpp:(\w+)\s+([-+0-9.eE]+|nan|inf)$", line)
-                if m:
-                    out[m.group(1)] = float(m.group(2))
+            return r.read().decode()
     except (urllib.error.URLError, OSError, ValueError):
-        pass
+        return ""
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The unlabeled llamacpp:NAME VALUE lines of a /metrics page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^llamacpp:(\w+)\s+([-+0-9.eE]+|nan|inf)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
     return out
+
+
+def _metrics(srv) -> dict[str, float]:
+    return parse_metrics(_metrics_text(srv))
 
 
 def residency_line(text: str) -> str | None:
     """The split cache's live figures from /metrics text (llamacpp:rolling_kv_*): each slot's cells on the device and
     in host memory, and the tail the last step attended against what its streams occupy; None when not split."""
     slots: dict[int, dict[str, int]] = {}
-    flat: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r'^llamacpp:rolling_kv_slot_(device|tail)_cells\{slot="(\d+)"\}\s+([0-9.eE+]+)$', line)
         if m:
             slots.setdefault(int(m.group(2)), {})[m.group(1)] = int(float(m.group(3)))
-            continue
-        m = re.match(r"^llamacpp:(rolling_kv_\w+)\s+([-+0-9.eE]+)$", line)
-        if m:
-            flat[m.group(1)] = float(m.group(2))
+    flat = {k: v for k, v in parse_metrics(text).items() if k.startswith("rolling_kv_")}
     if not slots and not flat:
         return None
     cells = ", ".join(f"{i}: {d.get('device', 0)}+{d.get('tail', 0)}" for i, d in sorted(slots.items()) if d.get("device") or d.get("tail"))
@@ -571,14 +577,6 @@ def residency_line(text: str) -> str | None:
             f"({flat.get('rolling_kv_last_occupied_bytes', 0) / mib:.0f} MiB occupied, "
             f"{flat.get('rolling_kv_last_streamed_bytes', 0) / mib:.0f} MiB streamed)")
     return f"slot cells device+tail {cells or 'none in use'}; {last}"
-
-
-def _residency_status(srv) -> str | None:
-    try:
-        with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
-            return residency_line(r.read().decode())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 def _vram_mib() -> list[tuple[int, int]]:
@@ -746,12 +744,15 @@ class LiveStatus:
         self.srv, self.started, self.plan, self.gpu = srv, started, plan, gpu
         self.vram = _vram_mib if vram is None else vram
         self.metrics: dict[str, float] = {}
+        self.metrics_text = ""
         self.slots: list[dict] | None = None
         self.history: deque = deque()  # (time, tokens generated in all) over the last WINDOW_S seconds
 
     def sample(self, now: float | None = None, metrics: dict | None = None, slots: list[dict] | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.metrics = _metrics(self.srv) if metrics is None else metrics
+        # one /metrics read a sample: its counters, and its text for the split cache's per-slot lines
+        self.metrics_text = _metrics_text(self.srv) if metrics is None else ""
+        self.metrics = parse_metrics(self.metrics_text) if metrics is None else metrics
         self.slots = _slots(self.srv) if slots is None else slots
         self.history.append((now, self.tokens_generated()))
         while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
@@ -794,7 +795,7 @@ class LiveStatus:
         return [("KV", describe_plan(self.plan, gpu=self.gpu))]
 
     def rows_kv_now(self):
-        live = _residency_status(self.srv) if self.plan and self.plan.get("split") else None
+        live = residency_line(self.metrics_text) if self.plan and self.plan.get("split") else None
         return [("KV now", live)] if live else []
 
     def rows(self) -> list[tuple[str, str]]:

@@ -29,15 +29,21 @@ def _positive(ctx, param, value):
     return value
 
 
-def _types(ctx, param, value: str):
+def _names(value: str, allowed: list[str], what: str) -> list[str]:
+    """A comma-separated list of names from `allowed`, in order, each once; an unknown one is a usage error."""
     out = []
     for t in (x.strip() for x in value.split(",")):
         if not t:
             continue
-        if t not in CACHE_TYPES:
-            raise click.BadParameter(f"unknown tail type {t!r} (allowed: {', '.join(CACHE_TYPES)})")
+        if t not in allowed:
+            raise click.BadParameter(f"unknown {what} {t!r} (allowed: {', '.join(allowed)})")
         if t not in out:
             out.append(t)
+    return out
+
+
+def _types(ctx, param, value: str):
+    out = _names(value, CACHE_TYPES, "tail type")
     if not out:
         raise click.BadParameter("give at least one tail type")
     return out
@@ -323,14 +329,7 @@ LOAD_CELLS = ["split", "one-op", "resident", "vanilla"]
 
 
 def _load_cells(ctx, param, value: str):
-    out = []
-    for c in (x.strip() for x in value.split(",")):
-        if not c:
-            continue
-        if c not in LOAD_CELLS:
-            raise click.BadParameter(f"unknown cell {c!r} (allowed: {', '.join(LOAD_CELLS)})")
-        if c not in out:
-            out.append(c)
+    out = _names(value, LOAD_CELLS, "cell")
     if "split" not in out:
         raise click.BadParameter("the cells must include split (the others are compared with it)")
     return out
@@ -380,6 +379,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     from rollingkv_cli.bench import arithmetic as bm
     from rollingkv_cli.bench import gguf
     from rollingkv_cli.bench import load as lb
+    from rollingkv_cli.bench import tail as tail_runs
     from rollingkv_cli.console import abort, console, success, warn
     from rollingkv_cli.models import resolve_model
 
@@ -473,11 +473,11 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))
                 doc["cells"].append(rec)
-                lb.write_json(out, doc)
+                tail_runs.write_json(out, doc)
     except KeyboardInterrupt:
         warn("interrupted: the report keeps the cells measured so far")
     doc["targets"] = lb.evaluate_targets(doc)
-    lb.write_json(out, doc)
+    tail_runs.write_json(out, doc)
     lb.print_report(doc)
     success(f"report: {out}")
     if any(c.get("status") != "ok" for c in doc["cells"]):

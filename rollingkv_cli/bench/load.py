@@ -7,7 +7,6 @@ peak VRAM (NVML) and peak host memory."""
 from __future__ import annotations
 
 import json
-import math
 import random
 import threading
 import time
@@ -401,10 +400,3 @@ def print_report(doc: dict) -> None:
     for tg in doc.get("targets", []):
         console.print(f"  {tg['target']}: {fmt(tg['value'], '.3g')} {tg['op']} {tg['threshold']}: {tg['verdict']}  ({tg['what']})",
                       soft_wrap=True)
-
-
-def write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{time.time_ns()}.part")
-    tmp.write_text(json.dumps(doc, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
-    tmp.replace(path)
