@@ -1,9 +1,11 @@
-"""ggml's AMX weight path on Intel Xeons with AMX (the upstream fix in patches/upstream-fixes/).
+"""ggml's AMX weight path on Intel Xeons with AMX (the upstream fixes in patches/upstream-fixes/).
 
-Without the fix the first quantized matmul through the AMX buffer type dies with SIGILL at `tilezero`: the tile
-config was filled on the stack and the compiler dropped the stores. These tests run the demo model's Q4_1
-weights through that path and prove from the library that it is the path taken; on a CPU without AMX they skip
-and say so (nothing here passes because AMX is absent).
+Without the first fix the first quantized matmul through the AMX buffer type dies with SIGILL at `tilezero`: the tile
+config was filled on the stack and the compiler dropped the stores. Without the second, a matmul of more than one
+batch (a 2D weight times a 3D activation: a hybrid model's recurrent layers with several sequences) reads past the
+weight (SIGSEGV in the f16 kernel) or writes batch 1 on at the wrong rows. These tests run real weights through that
+path and prove from the library that it is the path taken; on a CPU without AMX they skip and say so (nothing here
+passes because AMX is absent).
 """
 
 from __future__ import annotations
@@ -83,6 +85,62 @@ def test_demo_model_decodes_through_the_amx_buffer_type(which, cpu_build, unpatc
     # int8 tiles and the plain q8 dot products round differently; a wrong tile config gives garbage, not a near miss
     agree = sum(a == b for a, b in zip(amx["argmax"], plain["argmax"])) / amx["n"]
     assert agree >= 0.9, f"AMX and plain CPU buffers agree on the top token at only {agree:.0%} of {amx['n']} positions"
+
+
+# Four sequences side by side through a hybrid model's f16 weights: the recurrent layers multiply each 2D weight by a
+# [n_embd, n_seq_tokens, n_seqs] activation, a batched mul_mat the AMX buffer type takes.
+_BATCHED = """
+import numpy as np
+p = llama_cpp.llama_model_default_params()
+p.use_extra_bufts = os.environ["RKV_EXTRA_BUFTS"] == "1"
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), p)
+assert model
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx = 512; cp.n_batch = cp.n_ubatch = 128; cp.flash_attn_type = 1
+cp.n_threads = cp.n_threads_batch = 2; cp.n_seq_max = 4; cp.kv_unified = True
+ctx = llama_cpp.llama_init_from_model(model, cp)
+assert ctx
+n = 24
+b = llama_cpp.llama_batch_init(4 * n, 0, 1)
+for s in range(4):
+    for i in range(n):
+        j = s * n + i
+        b.token[j] = (i * 37 + 11 + 101 * s) % 700 + 260; b.pos[j] = i; b.n_seq_id[j] = 1; b.seq_id[j][0] = s
+        b.logits[j] = True
+b.n_tokens = 4 * n
+assert llama_cpp.llama_decode(ctx, b) == 0
+rows = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy() for j in range(4 * n)])
+np.save(os.environ["RKV_OUT"], rows)
+print(json.dumps({"amx": "AMX model buffer size" in "".join(logs)}))
+"""
+
+
+@_REQUIRES_AMX
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_batched_matmul_through_the_amx_buffer_type(arch, cpu_build, tmp_path):
+    """Every sequence's logits through the AMX buffer type are plain CPU buffers' (the f16 kernels round alike up to
+    the order of the dot products); without the fix the run dies with SIGSEGV or sequences 1-3 get other rows."""
+    import numpy as np
+
+    from conftest import LIB_PRELUDE, run_python
+    from rollingkv_cli import models
+
+    model = models.write_synthetic(tmp_path / f"{arch}.gguf", models.SynthSpec(
+        layers=4, embd=256, heads=4, kv_heads=2, ff=512, vocab=1000, ctx=4096, attn_interval=2, arch=arch))
+    out = {}
+    for extra in (True, False):
+        path = tmp_path / f"logits-{int(extra)}.npy"
+        r = run_python(LIB_PRELUDE + _BATCHED, cpu_build.lib_dir, timeout=300, env_extra={
+            "RKV_TEST_MODEL": str(model), "RKV_EXTRA_BUFTS": "1" if extra else "0", "RKV_OUT": str(path)})
+        assert r["amx"] == extra, "the weights did not go where the test asked: it would prove nothing"
+        out[extra] = np.load(path)
+    amx, plain = out[True], out[False]
+    assert np.isfinite(amx).all()
+    scale = float(np.abs(plain).max())
+    for s in range(4):
+        err = float(np.abs(amx[s * 24:(s + 1) * 24] - plain[s * 24:(s + 1) * 24]).max())
+        assert err <= 1e-2 * scale, f"sequence {s}: the AMX path's logits differ from plain buffers' by {err:.3g} (scale {scale:.3g})"
 
 
 def test_cpu_facts_come_from_the_host():
