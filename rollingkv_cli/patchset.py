@@ -5,7 +5,8 @@ Rules (ollama's llama/ workflow, adapted):
 - a change to an upstream file is a *hook*: it lives in a numbered git patch under patches/;
 - a fix of an upstream bug is an *upstream fix*: a numbered git patch under patches/upstream-fixes/, applied
   first, by our build and by the `--unpatched` reference build alike (the reference is "upstream as it should
-  behave", not "upstream crashing"); each names the upstream PR so a pin bump can drop it;
+  behave", not "upstream crashing"); each names the upstream PR (or says upstream has none at the pin)
+  so a pin bump can drop it;
 - applying is idempotent (a patch whose reverse applies is already in) and refuses foreign changes;
 - patches/ is never edited by hand: `rollingkv patches checkout DIR`, commit, `rollingkv patches export DIR`.
 """
@@ -409,7 +410,7 @@ def write_index(series: Series) -> Path:
         "The series has three parts, applied in this order:",
         "",
         f"1. **Upstream fixes** (`{FIXES_SUBDIR}/`): bugs of the pinned llama.cpp itself, fixed as upstream fixes them (each names",
-        "   its upstream PR; drop it when a pin bump contains it). Both our build and the `--unpatched` reference build apply them,",
+        "   its upstream PR, or says upstream has none at the pin; drop it when a pin bump fixes the bug). Both our build and the `--unpatched` reference build apply them,",
         "   so the reference stays \"upstream as it should behave\".",
         "2. **Native files** (`native/`): whole new source files, copied in at their tree paths.",
         "3. **Hooks** (the numbered patches here): small changes to upstream files that call into the native files.",
