@@ -78,10 +78,12 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 6
+API_VERSION = 7
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
+API_ELASTIC_WINDOWS = 7  # the first API with the window policy (elastic windows: the streams' device cells as one pool)
+WINDOW_POLICIES = {"elastic": 0, "static": 1}
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -111,6 +113,9 @@ class RollingKVParams(ctypes.Structure):
         # 0: the planner decides. In the padding of an API 4 struct (same size): written 0 for an older library, which
         # never reads it.
         ("device_heads", ctypes.c_int32),
+        # API 7: the windows of a window split with several streams: 0 elastic (one pool that follows the load, the
+        # default), 1 static (a window of window_cells per stream). Past an API 6 struct's end: never read by it.
+        ("windows", ctypes.c_int),
     ]
 
 
@@ -234,12 +239,14 @@ class Extension:
 
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
                     type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
-                    tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0, device_heads: int = 0) -> RollingKVParams:
+                    tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0, device_heads: int = 0,
+                    windows: str = "elastic") -> RollingKVParams:
         """tail_cpu_frac: None = the library's default (auto in this series); "auto" = the planner decides (-1 in the
         struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
         does; auto, a share or a CPU bandwidth there is refused. device_heads > 0: the head split's KV heads per layer on the
-        device (API 5; mode head or auto); head mode or device heads on an older library are refused."""
+        device (API 5; mode head or auto); head mode or device heads on an older library are refused. windows: "elastic"
+        (the default) or "static" (API 7; an older library has static windows only, so "static" is what it does)."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -276,6 +283,9 @@ class Extension:
             p.tail_cpu_frac = 0.0 if frac is None else frac
         p.cpu_attn_gbps = float(cpu_attn_gbps) if cpu_attn_gbps > 0 else 0.0
         p.device_heads = int(device_heads)  # an older library's padding: written, never read
+        if windows not in WINDOW_POLICIES:
+            abort(f"unknown window policy {windows!r}", f"use one of {', '.join(WINDOW_POLICIES)}")
+        p.windows = WINDOW_POLICIES[windows]  # past an older library's struct: never read there (its windows are static)
         return p
 
     def measure_cpu_attn_gbps(self, n_threads: int, type_name: str = "f16") -> float:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Cross-build the committed series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
+# Cross-build this checkout's series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
 # pack it for device calls that then need no build (scripts/device/*.sh --prebuilt): .device/prebuilt/cuda-build.tgz.
 # No libcuda here: ggml-cuda links against an empty stub with the driver's SONAME (libcuda.so.1), and its cu*
 # symbols resolve at load time on the GPU machine (--no-as-needed keeps libcuda.so.1 in its DT_NEEDED). CPU code is built for AVX2/FMA/F16C, not -march=native.
-# usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores)
+# usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores, much less again
+# with ccache for a series that changed a few files)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
@@ -25,11 +26,19 @@ if [ ! -e "$cuda_root/lib64/libcublas.so" ] && [ ! -e "$cuda_root/targets/x86_64
   cp "$d"/include/*.h "$cuda_root/include/" && cp -P "$d"/lib/lib*.so* "$cuda_root/lib64/"
   for l in "$cuda_root"/lib64/libcublas*.so.*; do ln -sf "$(basename "$l")" "${l%%.so.*}.so"; done
 fi
-[ -d "$B/src" ] || rollingkv patches checkout "$B/src"   # the pinned tree with the committed series applied
 PIN=$(python -c "from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)")
 SER=$(python -c "from rollingkv_cli import patchset; print(patchset.load_series().hash)")
+# the pinned tree with this checkout's series applied; a tree of another series is replaced (ccache, when installed,
+# keeps the rebuild to the files the series changed)
+if [ "$(cat "$B/series" 2>/dev/null)" != "$SER" ]; then
+  rm -rf "$B/src"
+  rollingkv patches checkout "$B/src"
+  echo "$SER" > "$B/series"
+fi
+ccache_flag=-DGGML_CCACHE=OFF
+command -v ccache >/dev/null && ccache_flag=-DGGML_CCACHE=ON  # its launcher covers nvcc too
 cmake -S "$B/src" -B "$B/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_USE_PREBUILT_UI=OFF \
-  -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DGGML_CCACHE=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF $ccache_flag \
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCUDA_cuda_driver_LIBRARY=/tmp/cudastub/libcuda.so -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
   "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -Wl,--no-as-needed" -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"

@@ -432,3 +432,45 @@ def test_hybrid_model_server_two_slots_spilled(cuda_build, hybrid_models, tmp_pa
     for a_w, a_r in zip(answers["window"][0], answers["resident"][0]):
         assert a_w["tokens_evaluated"] > 256  # the prompt reaches the tail
         assert a_w["tokens"][:8] == a_r["tokens"][:8]
+
+
+def _elastic_load(cuda_build, model: Path, tmp_path: Path, name: str, kw: dict, ubatch: int = 256):
+    """tests/test_elastic_windows.py's load (windows that move every way), offloaded: (stats, logits rows)."""
+    import numpy as np
+    from conftest import LIB_PRELUDE, run_python
+    from test_elastic_windows import ELASTIC_LOAD
+
+    out = tmp_path / f"{name}.npy"
+    r = run_python(LIB_PRELUDE + ELASTIC_LOAD, cuda_build.lib_dir, timeout=900,
+                   env_extra={"RKV_TEST_MODEL": str(model), "RKV_TEST_KW": json.dumps(kw), "RKV_TEST_OUT": str(out),
+                              "RKV_TEST_NGL": "99", "RKV_TEST_UBATCH": str(ubatch)})
+    return r, np.load(out)
+
+
+def _mean_tv(a, b) -> float:
+    import numpy as np
+
+    def softmax(x):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    return float(0.5 * np.abs(softmax(a.astype(np.float64)) - softmax(b.astype(np.float64))).sum(axis=-1).mean())
+
+
+def test_elastic_windows_on_the_gpu_within_the_order_floor(cuda_build, synth_model, tmp_path):
+    """Elastic windows on CUDA: the same moves as on the CPU (promotions, demotions and relocations in device memory and
+    pinned host memory, counted), the logits within 2x the resident run's own distance to itself at another ubatch size."""
+    import numpy as np
+
+    _, ref = _elastic_load(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"))
+    _, floor_run = _elastic_load(cuda_build, synth_model, tmp_path, "floor", dict(mode="off"), ubatch=128)
+    r, got = _elastic_load(cuda_build, synth_model, tmp_path, "elastic", dict(mode="window", window_cells=256, tail_cpu_frac=0))
+    moves = r["stats"][-1]["moves"]
+    assert r["plan"]["windows"]["policy"] == "elastic", r["plan"].get("windows")
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0 and moves["relocated_cells"] > 0, moves
+    assert r["stats"][-1]["streamed_bytes_total"] > 0  # the tails were streamed over the link, not attended on the CPU
+    assert np.isfinite(got).all() and got.shape == ref.shape
+    tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
+    print(f"elastic vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
+    assert floor > 0 and tv <= 2 * floor, (tv, floor)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= (floor_run.argmax(-1) == ref.argmax(-1)).mean() - 0.05

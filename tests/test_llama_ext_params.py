@@ -62,15 +62,17 @@ def ext(monkeypatch):
 def test_struct_layout_appends_the_fields():
     """The C struct (x86-64 / aarch64 ABI): mode 0, vram_target_mib 8, window_cells 16, type_k_tail 24, type_v_tail 28,
     pcie_bw_gbps 32, then API 4's tail_cpu_frac 36 and cpu_attn_gbps 40, then API 5's device_heads 44, in what was the
-    padding: still 48 bytes. The fields before them do not move, so an older library reads its prefix unchanged."""
+    padding, then API 7's windows 48 (56 bytes). The fields before them do not move, so an older library reads its prefix
+    unchanged."""
     P = llama_ext.RollingKVParams
     assert [f[0] for f in P._fields_] == ["mode", "vram_target_mib", "window_cells", "type_k_tail", "type_v_tail", "pcie_bw_gbps",
-                                          "tail_cpu_frac", "cpu_attn_gbps", "device_heads"]
+                                          "tail_cpu_frac", "cpu_attn_gbps", "device_heads", "windows"]
     offsets = {name: getattr(P, name).offset for name, _ in P._fields_}
     assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
-                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44}
-    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == 4 and ctypes.sizeof(P) == 48
-    assert llama_ext.API_VERSION == 6 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
+                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44, "windows": 48}
+    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == 4 and ctypes.sizeof(P) == 56
+    assert llama_ext.API_VERSION == 7 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
+    assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1}
 
 
 @pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),

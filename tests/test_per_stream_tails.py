@@ -57,6 +57,9 @@ def _run(cpu_build, demo_model, tmp_path, name, kw, **env):
 
 
 WINDOW = dict(mode="window", window_cells=256)
+# static windows: the layout whose per-stream tails the byte counts below follow (elastic windows move cells between
+# streams: tests/test_elastic_windows.py)
+STATIC = dict(WINDOW, windows="static")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def resident(cpu_build, demo_model, tmp_path_factory):
     return _run(cpu_build, demo_model, tmp_path_factory.mktemp("resident"), "resident", dict(mode="off"))
 
 
-@pytest.mark.parametrize("kw", [WINDOW, dict(mode="head", device_heads=1)], ids=["window", "head"])
+@pytest.mark.parametrize("kw", [WINDOW, STATIC, dict(mode="head", device_heads=1)], ids=["window", "static", "head"])
 def test_per_stream_ops_equal_resident_bit_for_bit(cpu_build, demo_model, tmp_path, resident, kw):
     r, got = _run(cpu_build, demo_model, tmp_path, "split", kw)
     ref_plan, ref = resident[0]["plan"], resident[1]
@@ -79,8 +82,8 @@ def test_per_stream_ops_equal_resident_bit_for_bit(cpu_build, demo_model, tmp_pa
 def test_each_stream_attends_only_its_own_tail(cpu_build, demo_model, tmp_path):
     """Window mode: the long sequence's tail is [256, 1024) (its cells padded to 1024), the short ones have none until
     one crosses 256 cells. One op over all streams (the lever that restores it) attended 4 x the long one's tail."""
-    per, got = _run(cpu_build, demo_model, tmp_path, "per", WINDOW)
-    one, got_one = _run(cpu_build, demo_model, tmp_path, "one", WINDOW, ROLLINGKV_DEBUG_ONE_OP_STREAMS="1")
+    per, got = _run(cpu_build, demo_model, tmp_path, "per", STATIC)
+    one, got_one = _run(cpu_build, demo_model, tmp_path, "one", STATIC, ROLLINGKV_DEBUG_ONE_OP_STREAMS="1")
     cell = per["steps"][-1]["block_bytes"] // 256  # one tail cell of every layer (K and V)
     assert cell == 30 * 2 * 3 * 64 * 2
     for step, (s_per, s_one) in enumerate(zip(per["steps"], one["steps"])):

@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 6
+#define LLAMA_ROLLING_KV_API_VERSION 7
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
@@ -35,6 +35,17 @@ enum llama_kv_residency_mode {
     LLAMA_KV_RESIDENCY_WINDOW = 3, // always split: device window + host tail
 };
 
+// API 7: how the windows of a window split with several streams (llama-server's slots without a unified cache) share
+// the device cells
+enum llama_kv_window_policy {
+    // one pool of n_stream * window cells that follows the load: a stream's window grows into cells other streams do not
+    // use (its oldest tail blocks promoted), shrinks to the cells its sequence uses, and an idle stream's window is
+    // demoted to host memory when an active one needs the room. Exact (byte copies between rows of one type); a cache
+    // whose tail type differs from its window's keeps static windows
+    LLAMA_KV_WINDOWS_ELASTIC = 0,
+    LLAMA_KV_WINDOWS_STATIC  = 1, // every stream keeps its own window of window cells, used or not
+};
+
 struct llama_rolling_kv_params {
     enum llama_kv_residency_mode mode;
     // total MiB this process may use on each device that holds KV layers: weights + KV + compute buffers +
@@ -54,6 +65,7 @@ struct llama_rolling_kv_params {
     // the others in pinned host memory, at the tail types); with auto it means head mode. 0: the planner decides (head
     // mode: from the budget, per layer). Refused with window mode, with window_cells and with off.
     int32_t        device_heads;
+    enum llama_kv_window_policy windows; // API 7 (default: elastic)
 };
 
 LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
@@ -82,9 +94,11 @@ LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, c
 // {"split":bool,"window_cells":n,"n_stream":n,"steps":n (ubatches that attended a tail),"tail_bytes_total":n,
 // "streamed_bytes_total":n,"occupied_bytes_total":n (the tail bytes in use by those ubatches' streams),
 // "last":{"streams":n,"per_stream_ops":n,"tail_bytes":n,"streamed_bytes":n,"occupied_bytes":n},"block_bytes":n
-// (256 tail cells of every split layer),"slots":[{"stream":i,"device_cells":n,"tail_cells":n}, ...]}. A batch of
-// several streams attends one op per stream over that stream's own cells, so tail_bytes exceeds occupied_bytes by
-// less than block_bytes per stream. Same return convention as llama_rolling_kv_plan_json.
+// (256 tail cells of every split layer),"windows":"elastic"|"static","pool_cells":n,"moves":{"rebalances":n,
+// "promoted_cells":n,"demoted_cells":n,"relocated_cells":n,"bytes":n,"ms":x} (API 7: elastic windows' moves so far),
+// "slots":[{"stream":i,"device_cells":n,"tail_cells":n,"window_cells":n}, ...]}. A batch of several streams attends one
+// op per stream over that stream's own cells, so tail_bytes exceeds occupied_bytes by less than block_bytes per stream.
+// Same return convention as llama_rolling_kv_plan_json.
 LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
 // The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at

@@ -31,6 +31,18 @@
 // construction
 //
 
+// test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
+// cells (the behaviour before per-stream ops), for A/B runs (it implies
+// static windows: one op needs every stream's window at the same rows of its slab)
+static bool llama_rkv_one_op_streams() {
+    static const bool v = [] {
+        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
+        return e && strcmp(e, "1") == 0;
+    }();
+    return v;
+}
+
+
 uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
         const layer_filter_cb & filter, const layer_share_cb & share) {
     if (st.resolved) {
@@ -176,6 +188,25 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     if (wc || rkv_head) {
         rkv_live = st.live;
     }
+    rkv_st = &st;
+
+    // elastic windows: the streams' device cells as one pool (llama-kv-window-pool.h), where moving a row between the
+    // window and the tail is a byte copy
+    if (wc) {
+        const char * why_static =
+            n_stream < 2                                                 ? "one stream (a unified cache, or one sequence)" :
+            st.req.windows == LLAMA_KV_WINDOWS_STATIC                    ? "static windows requested" :
+            type_k != type_k_tail || type_v != type_v_tail               ? "the tail's types differ from the window's (a move would convert rows)" :
+            llama_rkv_one_op_streams()                                   ? "ROLLINGKV_DEBUG_ONE_OP_STREAMS=1" : nullptr;
+        rkv_elastic    = why_static == nullptr;
+        rkv_tail_first = rkv_elastic ? 0 : wc;
+        st.elastic        = rkv_elastic;
+        st.pool_cells     = rkv_elastic ? n_stream*wc : 0;
+        st.windows_reason = why_static ? why_static : "";
+        if (rkv_elastic) {
+            rkv_pool.init(n_stream, kv_size, n_stream*wc);
+        }
+    }
     rkv_dev_heads.assign(hparams.n_layer_all, 0);
     if (rkv_head) {
         for (const auto & hl : st.head_layers) {
@@ -188,6 +219,11 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
                 "K %s/%s, V %s/%s (window/tail): %s\n", __func__, wc, kv_size - wc, n_stream,
                 ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
                 st.reason.c_str());
+        if (rkv_elastic) {
+            LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", __func__, n_stream*wc);
+        } else if (n_stream > 1) {
+            LLAMA_LOG_INFO("%s: rolling KV: static windows (%s)\n", __func__, st.windows_reason.c_str());
+        }
     } else if (rkv_head) {
         LLAMA_LOG_INFO("%s: rolling KV: split by head, %s (%u streams), K %s/%s, V %s/%s (device/host): %s\n", __func__,
                 llama_rkv_heads_summary(st).c_str(), n_stream, ggml_type_name(type_k), ggml_type_name(st.type_k_tail),
@@ -221,8 +257,9 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
         throw std::runtime_error("failed to create ggml context for the kv cache tail");
     }
 
-    // window: the cells past the window (+1 trash row) at the full row; head: every cell, the host heads' part of the row
-    const uint32_t rows   = rkv_head ? get_size() : get_size() - rkv_wc + 1;
+    // window: the cells past the window (elastic windows: every cell) +1 trash row, at the full row; head: every cell, the
+    // host heads' part of the row
+    const uint32_t rows   = rkv_head ? get_size() : get_size() - rkv_tail_first + 1;
     const int64_t  n_k    = rkv_head ? (int64_t) hparams.n_embd_k_gqa(layer.il) - layer.k->ne[0] : layer.k->ne[0];
     const int64_t  n_v    = !layer.v ? 0 : rkv_head ? (int64_t) hparams.n_embd_v_gqa(layer.il) - layer.v->ne[0] : layer.v->ne[0];
 
@@ -274,11 +311,44 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
 }
 
 float llama_kv_cache::rkv_tail_cpu_frac(uint32_t n_kv) const {
-    if (!rkv_cpu) {
-        return 0.0f;
+    // the tail a graph attends: the host heads of every cell (head split), the cells past the (static) window
+    return rkv_tail_cpu_frac_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
+}
+
+float llama_kv_cache::rkv_tail_cpu_frac_cells(uint32_t n_tail) const {
+    return rkv_cpu ? llama_rkv_tail_cpu_frac_at(*rkv_cpu, n_tail) : 0.0f;
+}
+
+bool llama_kv_cache::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) const {
+    if (sinfo.s0 == sinfo.s1) {
+        return n_kv <= rkv_pool.cells[sinfo.s0];
     }
-    // the tail a graph attends: the host heads of every cell (head split), the cells past the window
-    return llama_rkv_tail_cpu_frac_at(*rkv_cpu, rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
+    // several streams in one view: each at its static place, its cells in use within its window, and the view's n_kv rows
+    // of each stream within its share (rows past a stream's cells hold no cell of it: the mask hides them)
+    if (n_kv > rkv_pool.share) {
+        return false;
+    }
+    for (uint32_t s = sinfo.s0; s <= sinfo.s1; ++s) {
+        if (rkv_pool.base[s] != s*rkv_pool.share || v_cells[s].used_max_p1() > rkv_pool.cells[s]) {
+            return false;
+        }
+    }
+    return true;
+}
+
+uint32_t llama_kv_cache::rkv_win_cells(uint32_t strm) const {
+    return rkv_elastic ? rkv_pool.cells[strm] : rkv_wc;
+}
+
+size_t llama_kv_cache::rkv_win_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
+    // elastic: the stream's window in the pool (the rows of all slabs); static: the stream's own slab
+    const size_t row0 = rkv_elastic ? rkv_pool.base[strm] : (size_t) strm*t->ne[1];
+    return (row0 + cell)*t->nb[1];
+}
+
+size_t llama_kv_cache::rkv_tail_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
+    GGML_ASSERT(cell >= rkv_tail_first);
+    return strm*t->nb[2] + (size_t) (cell - rkv_tail_first)*t->nb[1];
 }
 
 void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
@@ -327,6 +397,21 @@ ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uin
     const int64_t  n_embd_head = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
     const uint32_t ns          = sinfo.s1 - sinfo.s0 + 1;
 
+    if (rkv_elastic) {
+        // every stream within its window: upstream's attention over their window rows (several streams: at the static
+        // layout's stride); otherwise the whole pool, from which the per-stream attention takes each stream's window
+        // (rkv_attn_layout)
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            const size_t stride = (size_t) rkv_pool.share*t->nb[1];
+            return ggml_view_4d(ctx, t,
+                    n_embd_head, t->ne[0]/n_embd_head, n_kv, ns,
+                    ggml_row_size(t->type, n_embd_head), t->nb[1], stride, rkv_win_off(t, sinfo.s0, 0));
+        }
+        return ggml_view_4d(ctx, t,
+                n_embd_head, t->ne[0]/n_embd_head, rkv_pool.capacity, 1,
+                ggml_row_size(t->type, n_embd_head), t->nb[1], (size_t) rkv_pool.capacity*t->nb[1], 0);
+    }
+
     // window: the window's cells of every head; head: every cell of the device's heads
     return ggml_view_4d(ctx, t,
             n_embd_head, t->ne[0]/n_embd_head, rkv_head ? n_kv : std::min(n_kv, rkv_wc), ns,
@@ -348,6 +433,14 @@ ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uin
         // every cell of the host heads (none: the layer is whole on the device)
         return layers[ikv].k_tail ? llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo) : nullptr;
     }
+    if (rkv_elastic) {
+        // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
+        // stream is within its window
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            return nullptr;
+        }
+        return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), get_size(), sinfo);
+    }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
     }
@@ -358,6 +451,14 @@ ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uin
     const int32_t ikv = map_layer_ids.at(il);
     if (rkv_head) {
         return layers[ikv].v_tail ? llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo) : nullptr;
+    }
+    if (rkv_elastic) {
+        // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
+        // stream is within its window
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            return nullptr;
+        }
+        return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), get_size(), sinfo);
     }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
@@ -372,22 +473,27 @@ uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
     return std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1(), n_pad_cur)));
 }
 
-// test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
-// cells (the behaviour before per-stream ops), for A/B runs
-static bool llama_rkv_one_op_streams() {
-    static const bool v = [] {
-        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
-        return e && strcmp(e, "1") == 0;
-    }();
-    return v;
-}
-
 llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full) const {
     llama_rkv_attn_layout lay;
     lay.n_win         = rkv_head ? 0 : rkv_wc;
     lay.tail_cpu_frac = rkv_tail_cpu_frac(n_kv);
 
     const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+    if (rkv_elastic) {
+        // one op per stream, one stream included: each over its own cells, its window where the pool keeps it
+        lay.pool = true;
+        for (uint32_t s = 0; s < ns; ++s) {
+            const uint32_t strm = sinfo.s0 + s;
+            const uint32_t n_s  = full ? n_kv : std::min(n_kv, rkv_stream_n_kv(strm));
+            const uint32_t w    = rkv_pool.cells[strm];
+            lay.n_kv.push_back(n_s);
+            lay.win_cells.push_back(w);
+            lay.win_row0.push_back(rkv_pool.base[strm]);
+            lay.tail_row0.push_back(w - rkv_tail_first);
+            lay.cpu_frac.push_back(rkv_tail_cpu_frac_cells(n_s > w ? n_s - w : 0));
+        }
+        return lay;
+    }
     if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
         return lay;
     }
@@ -401,18 +507,26 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
     return lay;
 }
 
-void llama_kv_cache::rkv_note_graph(const ggml_tensor * k_idxs, const llama_rkv_attn_layout & layout) const {
+llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs) const {
     for (auto & e : rkv_graph_cells) {
-        if (e.first == k_idxs) {
-            e.second = layout.n_kv;
-            return;
+        if (e.k_idxs == k_idxs) {
+            return e;
         }
     }
-    // llama_context keeps two graphs for reuse; a few more entries cover graphs whose inputs were freed
-    if (rkv_graph_cells.size() >= 8) {
+    // llama_context keeps two graphs for reuse (each with a k and a v index input); a few more entries cover graphs whose
+    // inputs were freed
+    if (rkv_graph_cells.size() >= 16) {
         rkv_graph_cells.erase(rkv_graph_cells.begin());
     }
-    rkv_graph_cells.emplace_back(k_idxs, layout.n_kv);
+    rkv_graph_cells.push_back({ k_idxs, {}, rkv_pool.epoch, false });
+    return rkv_graph_cells.back();
+}
+
+void llama_kv_cache::rkv_note_graph(const ggml_tensor * k_idxs, const llama_rkv_attn_layout & layout) const {
+    llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
+    e.n_kv       = layout.n_kv;
+    e.epoch      = rkv_pool.epoch;
+    e.per_stream = true;
 }
 
 bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full) const {
@@ -421,11 +535,22 @@ bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, co
     }
     const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full);
     for (const auto & e : rkv_graph_cells) {
-        if (e.first == k_idxs) {
-            return e.second == lay.n_kv;
+        if (e.k_idxs != k_idxs) {
+            continue;
         }
+        // elastic windows: a graph's views hold the windows as they were when it was built
+        if (rkv_elastic && e.epoch != rkv_pool.epoch) {
+            return false;
+        }
+        if (e.per_stream) {
+            return e.n_kv == lay.n_kv;
+        }
+        break;
     }
-    // not built through the split's attention (no layer attended a tail): one op, or none, per layer
+    // not built through the split's attention (no layer attended a tail): upstream's attention over the window
+    if (rkv_elastic) {
+        return rkv_elastic_whole(n_kv, sinfo);
+    }
     return lay.n_kv.empty() || n_kv <= lay.n_win;
 }
 
@@ -449,13 +574,13 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
         n_kv = std::max(n_kv, rkv_stream_n_kv(sinfo.strm[s]));
     }
     const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false);
-    const uint32_t wc = rkv_head ? 0 : rkv_wc;
 
     uint64_t tail = 0, stream = 0, occupied = 0;
     std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const uint32_t strm = sinfo.strm[s];
         const auto & cells = v_cells[strm];
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
         uint32_t dev = 0, host = 0;
         for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
             if (!cells.is_empty(i)) {
@@ -468,6 +593,7 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
         cells_of.push_back({ strm, { dev, host } });
 
         const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
+        GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
         const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
         const float    frac   = lay.n_kv.empty() ? lay.tail_cpu_frac : lay.cpu_frac[s];
         tail     += n_tail;
@@ -485,6 +611,10 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
     for (const auto & c : cells_of) {
         lv.device_cells[c.first] = c.second.first;
         lv.tail_cells[c.first]   = c.second.second;
+    }
+    lv.window_cells.resize(n_stream, 0);
+    for (uint32_t s = 0; s < n_stream && !rkv_head; ++s) {
+        lv.window_cells[s] = rkv_win_cells(s);
     }
     if (tail == 0) {
         return;
@@ -576,6 +706,9 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
     ggml_format_name(tail, "%s (tail)",   name);
     rkv_idx_views[idxs] = { win, tail };
 
+    // a graph built now holds the windows of now (elastic windows: rkv_can_reuse compares them)
+    rkv_graph_note(idxs) = { idxs, {}, rkv_pool.epoch, false };
+
     return idxs;
 }
 
@@ -587,31 +720,66 @@ void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * 
     GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
     int64_t * data = (int64_t *) dst->data;
 
-    const int64_t wc      = rkv_wc;
-    const int64_t rows_w  = wc + 1;                        // window rows per stream (last: trash)
-    const int64_t rows_t  = (int64_t) get_size() - wc + 1; // tail rows per stream (last: trash)
+    const int64_t rows_w  = rkv_wc + 1;                                // window rows per slab (last: trash)
+    const int64_t rows_t  = (int64_t) get_size() - rkv_tail_first + 1; // tail rows per stream (last: trash)
+    // elastic windows: the pool's trash row is the last row of all slabs
+    const int64_t trash_pool = (int64_t) n_stream*rows_w - 1;
 
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const int64_t strm = sinfo.strm[s];
+        const int64_t wc   = rkv_win_cells(strm);
+        const int64_t row0 = rkv_elastic ? (int64_t) rkv_pool.base[strm] : strm*rows_w; // the window's first row
 
         for (uint32_t i = 0; i < sinfo.size(); ++i) {
             const int64_t cell = sinfo.idxs[s][i];
             const int64_t j    = s*sinfo.size() + i;
 
-            data[j]            = strm*rows_w + (cell <  wc ? cell      : wc);
-            data[n_tokens + j] = strm*rows_t + (cell >= wc ? cell - wc : rows_t - 1);
+            data[j]            = cell < wc ? row0 + cell : rkv_elastic ? trash_pool : strm*rows_w + rkv_wc;
+            data[n_tokens + j] = strm*rows_t + (cell >= wc ? cell - rkv_tail_first : rows_t - 1);
         }
     }
 }
 
 void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
-    for (ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
-        if (!t) {
+    if (rkv_head) {
+        // the host heads' slab (upstream copied the device heads')
+        for (ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
+            if (!t) {
+                continue;
+            }
+            std::vector<uint8_t> tmp(t->nb[2]);
+            ggml_backend_tensor_get(t, tmp.data(), ssrc*t->nb[2], t->nb[2]);
+            ggml_backend_tensor_set(t, tmp.data(), sdst*t->nb[2], t->nb[2]);
+        }
+        return;
+    }
+    // a window split: every cell, from where the source stream keeps it to where the destination keeps it (the windows of
+    // the two streams may differ, and with elastic windows they are not slabs)
+    const uint32_t w_src = rkv_win_cells(ssrc);
+    const uint32_t w_dst = rkv_win_cells(sdst);
+    const uint32_t cuts[] = { 0, std::min(w_src, w_dst), std::max(w_src, w_dst), get_size() };
+    for (int kv = 0; kv < 2; ++kv) {
+        ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
+        ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
+        if (!win) {
             continue;
         }
-        std::vector<uint8_t> tmp(t->nb[2]);
-        ggml_backend_tensor_get(t, tmp.data(), ssrc*t->nb[2], t->nb[2]);
-        ggml_backend_tensor_set(t, tmp.data(), sdst*t->nb[2], t->nb[2]);
+        std::vector<uint8_t> tmp;
+        for (int r = 0; r < 3; ++r) {
+            const uint32_t c0 = cuts[r];
+            const uint32_t n  = cuts[r + 1] - c0;
+            if (n == 0) {
+                continue;
+            }
+            const bool src_win = c0 < w_src;
+            const bool dst_win = c0 < w_dst;
+            ggml_tensor * ts = src_win ? win : tail;
+            ggml_tensor * td = dst_win ? win : tail;
+            GGML_ASSERT(ts->type == td->type || (src_win == dst_win));
+            tmp.resize((size_t) n*ts->nb[1]);
+            ggml_backend_tensor_get(ts, tmp.data(), src_win ? rkv_win_off(ts, ssrc, c0) : rkv_tail_off(ts, ssrc, c0), tmp.size());
+            ggml_backend_tensor_set(td, tmp.data(), dst_win ? rkv_win_off(td, sdst, c0) : rkv_tail_off(td, sdst, c0), tmp.size());
+        }
     }
 }
 
@@ -635,20 +803,22 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
     const uint32_t kv_size = get_size();
 
     for (uint32_t s = 0; s < n_stream; ++s) {
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(s);
         for (int part = 0; part < 2; ++part) {
             // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's heads
             ggml_tensor * t       = part == 0 ? layer.k : layer.k_tail;
-            const uint32_t first  = part == 0 || rkv_head ? 0 : rkv_wc;
-            const uint32_t n_cell = rkv_head ? kv_size : part == 0 ? rkv_wc : kv_size - rkv_wc;
-            if (!t) {
+            const uint32_t first  = part == 0 || rkv_head ? 0 : wc;
+            const uint32_t n_cell = rkv_head ? kv_size : part == 0 ? wc : kv_size - wc;
+            if (!t || n_cell == 0) {
                 continue;
             }
+            const size_t row0 = rkv_head ? s*t->nb[2] : part == 0 ? rkv_win_off(t, s, 0) : rkv_tail_off(t, s, first);
 
             ggml_tensor * k = ggml_view_3d(ctx, t,
                     n_rot, t->ne[0]/n_embd_head_k, n_cell,
                     ggml_row_size(t->type, n_embd_head_k),
                     t->nb[1],
-                    s*t->nb[2] + ggml_row_size(t->type, n_embd_nope));
+                    row0 + ggml_row_size(t->type, n_embd_nope));
 
             // the shift input is [kv_size*n_stream], cells in order per stream
             ggml_tensor * shift = ggml_view_1d(ctx, k_shift, n_cell, ((size_t) s*kv_size + first)*ggml_element_size(k_shift));
@@ -681,6 +851,104 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
 }
 
 //
+// elastic windows (llama-kv-window-pool.h)
+//
+
+// n bytes of t from byte offset src to dst, where the two ranges do not overlap (llama_rkv_pool_rebalance cuts a move into
+// such pieces)
+static void llama_rkv_copy_within(ggml_tensor * t, size_t src, size_t dst, size_t n) {
+    if (ggml_backend_buffer_is_host(t->buffer)) {
+        memcpy((char *) t->data + dst, (const char *) t->data + src, n);
+        return;
+    }
+    // a device buffer: a copy between two views of it (the backend's own device-to-device copy)
+    ggml_init_params params = { 2*ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(params);
+    const int64_t n_el = (int64_t) (n/ggml_type_size(t->type))*ggml_blck_size(t->type);
+    ggml_tensor * a = ggml_view_1d(ctx, t, n_el, src);
+    ggml_tensor * b = ggml_view_1d(ctx, t, n_el, dst);
+    GGML_ASSERT(ggml_backend_view_init(a) == GGML_STATUS_SUCCESS && ggml_backend_view_init(b) == GGML_STATUS_SUCCESS);
+    ggml_backend_tensor_copy(a, b);
+    ggml_free(ctx);
+}
+
+void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
+    for (const auto & layer : layers) {
+        for (int kv = 0; kv < 2; ++kv) {
+            ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
+            ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
+            if (!win) {
+                continue;
+            }
+            const size_t row = win->nb[1];
+            GGML_ASSERT(tail && tail->type == win->type && tail->nb[1] == row && ggml_backend_buffer_is_host(tail->buffer));
+            char * host = (char *) tail->data + rkv_tail_off(tail, c.strm, c.cell0);
+            switch (c.kind) {
+                case llama_rkv_pool_copy::DEMOTE:
+                    ggml_backend_tensor_get(win, host, (size_t) c.row_src*row, (size_t) c.n*row);
+                    break;
+                case llama_rkv_pool_copy::PROMOTE:
+                    ggml_backend_tensor_set(win, host, (size_t) c.row_dst*row, (size_t) c.n*row);
+                    break;
+                case llama_rkv_pool_copy::RELOCATE:
+                    llama_rkv_copy_within(win, (size_t) c.row_src*row, (size_t) c.row_dst*row, (size_t) c.n*row);
+                    break;
+            }
+        }
+    }
+}
+
+void llama_kv_cache::rkv_rebalance(const slot_info & sinfo) {
+    if (!rkv_elastic) {
+        return;
+    }
+    std::vector<uint32_t> ext_old(n_stream), ext_new(n_stream);
+    std::vector<uint8_t>  in_ubatch(n_stream, 0);
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        ext_old[s] = ext_new[s] = v_cells[s].used_max_p1();
+    }
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const uint32_t strm = sinfo.strm[s];
+        in_ubatch[strm] = 1;
+        for (const uint32_t idx : sinfo.idxs[s]) {
+            ext_new[strm] = std::max(ext_new[strm], idx + 1);
+        }
+    }
+
+    const uint64_t promoted = rkv_pool.promoted, demoted = rkv_pool.demoted, relocated = rkv_pool.relocated;
+    const std::vector<llama_rkv_pool_copy> copies = llama_rkv_pool_rebalance(rkv_pool, ext_old, ext_new, in_ubatch);
+
+    int64_t t0 = 0;
+    if (!copies.empty()) {
+        // the graph before this ubatch may still read and write these rows (an asynchronous backend)
+        if (rkv_st && rkv_st->synchronize) {
+            rkv_st->synchronize();
+        }
+        t0 = ggml_time_us();
+        for (const auto & c : copies) {
+            rkv_pool_copy(c);
+        }
+    }
+    if (!rkv_live) {
+        return;
+    }
+    uint64_t cell_bytes = 0; // one row of every split layer's K and V
+    for (const auto & layer : layers) {
+        cell_bytes += layer.k->nb[1] + (layer.v ? layer.v->nb[1] : 0);
+    }
+    std::lock_guard<std::mutex> lock(rkv_live->mtx);
+    llama_rkv_live & lv = *rkv_live;
+    const uint64_t moved = (rkv_pool.promoted - promoted) + (rkv_pool.demoted - demoted) + (rkv_pool.relocated - relocated);
+    lv.promoted_cells  = rkv_pool.promoted;
+    lv.demoted_cells   = rkv_pool.demoted;
+    lv.relocated_cells = rkv_pool.relocated;
+    lv.rebalances      = rkv_pool.n_rebalance;
+    lv.moved_bytes    += moved*cell_bytes;
+    lv.move_ms        += copies.empty() ? 0.0 : (ggml_time_us() - t0)/1000.0;
+    lv.window_cells    = rkv_pool.cells;
+}
+
+//
 // state
 //
 // With the same type in window and tail, a split layer writes exactly the bytes of an unsplit cache (state
@@ -701,13 +969,15 @@ static const int32_t LLAMA_RKV_STATE_MIXED = -0x524B56; // "RKV"
 static const int32_t  LLAMA_RKV_STATE_HEADS = -0x524B57;
 static const uint32_t LLAMA_RKV_STATE_CHUNK = 4096;
 
+// cells [from, to) of a stream whose cells [0, wc) are in the window, at win_off(c) and tail_off(c)
+template <typename F, typename G>
 static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
-        uint32_t strm, uint32_t from, uint32_t to, bool mixed) {
+        uint32_t from, uint32_t to, bool mixed, F win_off, G tail_off) {
     const size_t row_w = win->nb[1];
     const size_t row_t = tail->nb[1];
 
-    const uint32_t w1 = std::min(to, wc);              // window rows [from, w1)
-    const uint32_t t0 = std::max(from, wc);            // tail rows   [t0, to)
+    const uint32_t w1 = std::min(to, wc);              // window cells [from, w1)
+    const uint32_t t0 = std::max(from, wc);            // tail cells   [t0, to)
 
     if (mixed) {
         const uint32_t n_w = w1 > from ? w1 - from : 0;
@@ -716,10 +986,10 @@ static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_
         io.write(&n_t, sizeof(n_t));
     }
     if (w1 > from) {
-        io.write_tensor(win, strm*win->nb[2] + from*row_w, (w1 - from)*row_w);
+        io.write_tensor(win, win_off(from), (w1 - from)*row_w);
     }
     if (to > t0) {
-        io.write_tensor(tail, strm*tail->nb[2] + (t0 - wc)*row_t, (to - t0)*row_t);
+        io.write_tensor(tail, tail_off(t0), (to - t0)*row_t);
     }
 }
 
@@ -821,8 +1091,10 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
                 io.write(&row_t,  sizeof(row_t));
             }
 
+            const uint32_t strm = cr.strm;
             for (const auto & range : cr.data) {
-                llama_rkv_write_rows(io, win, tail, rkv_wc, cr.strm, range.first, range.second, mixed);
+                llama_rkv_write_rows(io, win, tail, rkv_win_cells(strm), range.first, range.second, mixed,
+                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             }
         }
     }
@@ -1153,19 +1425,19 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
             auto place = [&](uint32_t i0, uint32_t n, ggml_type src) -> bool {
                 const size_t row_src = ggml_row_size(src, n_embd);
                 uint32_t i = i0;
+                const uint32_t wc = rkv_win_cells(strm);
                 while (i < i0 + n) {
                     const uint32_t c0      = idxs[i];
-                    const bool     in_tail = c0 >= rkv_wc;
+                    const bool     in_tail = c0 >= wc;
                     ggml_tensor *  dst_t   = in_tail ? tail : win;
-                    const uint32_t r0      = in_tail ? c0 - rkv_wc : c0;
 
                     // extend the run while the destination cells stay consecutive in the same region
                     uint32_t j = i + 1;
-                    while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= rkv_wc) == in_tail) {
+                    while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= wc) == in_tail) {
                         ++j;
                     }
                     const uint32_t n_run = j - i;
-                    const size_t   off   = strm*dst_t->nb[2] + r0*dst_t->nb[1];
+                    const size_t   off   = in_tail ? rkv_tail_off(dst_t, strm, c0) : rkv_win_off(dst_t, strm, c0);
 
                     if (src == dst_t->type) {
                         io.read_tensor(dst_t, off, n_run*row_src);
@@ -1227,10 +1499,10 @@ void llama_kv_cache::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo
                 }
                 continue;
             }
+            const uint32_t wc = rkv_win_cells(strm);
             for (const uint32_t c : sinfo.idxs[0]) {
-                ggml_tensor * t = c < rkv_wc ? win : tail;
-                const uint32_t r = c < rkv_wc ? c : c - rkv_wc;
-                llama_clear_tensor_data(t, strm*t->nb[2] + r*t->nb[1], t->nb[1]);
+                ggml_tensor * t = c < wc ? win : tail;
+                llama_clear_tensor_data(t, c < wc ? rkv_win_off(t, strm, c) : rkv_tail_off(t, strm, c), t->nb[1]);
             }
         }
     }

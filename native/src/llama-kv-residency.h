@@ -200,6 +200,15 @@ struct llama_rkv_live {
     // per stream, as of its last ubatch: cells in use on the device (window) and in host memory (tail)
     std::vector<uint32_t> device_cells;
     std::vector<uint32_t> tail_cells;
+    // elastic windows: each stream's window (cells it may keep on the device), and the moves so far, in cells (one row of
+    // every split layer's K and V) and bytes, and the time the ubatches waited for them
+    std::vector<uint32_t> window_cells;
+    uint64_t promoted_cells  = 0; // tail -> device
+    uint64_t demoted_cells   = 0; // device -> tail
+    uint64_t relocated_cells = 0; // device -> device (a window moved in the pool)
+    uint64_t moved_bytes     = 0;
+    uint64_t rebalances      = 0; // ubatches before which a window changed
+    double   move_ms         = 0.0;
 };
 
 struct llama_rkv_state {
@@ -280,7 +289,16 @@ struct llama_rkv_state {
 
     std::vector<llama_rkv_layer_plan> layers;
 
+    // elastic windows (llama-kv-window-pool.h): the streams' device cells are one pool of pool_cells
+    bool     elastic    = false;
+    uint32_t pool_cells = 0;
+    std::string windows_reason; // why the windows are static (a window split only)
+
     std::shared_ptr<llama_rkv_live> live = std::make_shared<llama_rkv_live>();
+
+    // the context's scheduler synchronize (set by llama_context): the cache moves rows between a window and a tail
+    // only after the graph before finished with them
+    std::function<void()> synchronize;
 };
 
 // whether the plan splits the cache (window or head)

@@ -27,9 +27,9 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
     return cur;
 }
 
-// stream s of a 4D get_k-layout view [D, n_head_kv, n_cells, n_stream], its first n cells
-static ggml_tensor * llama_rkv_stream_cells(ggml_context * ctx, ggml_tensor * t, int64_t s, int64_t n) {
-    return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], n, 1, t->nb[1], t->nb[2], t->nb[3], s*t->nb[3]);
+// stream s of a 4D get_k-layout view [D, n_head_kv, n_cells, n_stream], n cells from its cell row0
+static ggml_tensor * llama_rkv_stream_cells(ggml_context * ctx, ggml_tensor * t, int64_t s, int64_t row0, int64_t n) {
+    return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], n, 1, t->nb[1], t->nb[2], t->nb[3], s*t->nb[3] + row0*t->nb[2]);
 }
 
 // concatenation along dim 2 (tokens), pairwise so that each row is copied O(log n) times
@@ -60,8 +60,8 @@ ggml_tensor * llama_rkv_build_attn_mha(
                float   max_alibi_bias,
                float   logit_softcap,
   const llama_rkv_attn_layout & layout) {
-    // same stream split and permutations as build_attn_mha
-    const auto n_stream = (k ? k : k_tail)->ne[3];
+    // same stream split and permutations as build_attn_mha (elastic windows: the window view is the pool, one "stream")
+    const auto n_stream = layout.pool ? k_tail->ne[3] : (k ? k : k_tail)->ne[3];
 
     if (layout.n_kv.empty()) {
         q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
@@ -77,15 +77,21 @@ ggml_tensor * llama_rkv_build_attn_mha(
     std::vector<ggml_tensor *> outs;
     for (int64_t s = 0; s < n_stream; ++s) {
         const int64_t n_s    = layout.n_kv[s];
-        const int64_t n_w    = k ? std::min<int64_t>(n_s, k->ne[2]) : 0;
-        const int64_t n_t    = n_s > (int64_t) layout.n_win ? n_s - layout.n_win : 0;
-        GGML_ASSERT(!k_tail || n_t <= k_tail->ne[2]);
+        const int64_t n_win  = layout.pool ? layout.win_cells[s] : layout.n_win;
+        const int64_t n_w    = k ? std::min<int64_t>(n_s, layout.pool ? n_win : k->ne[2]) : 0;
+        const int64_t n_t    = n_s > n_win ? n_s - n_win : 0;
+        // where the stream's window and tail cells start in the views
+        const int64_t ks_s   = layout.pool ? 0 : s;
+        const int64_t ks_row = layout.pool ? layout.win_row0[s] : 0;
+        const int64_t kt_row = layout.pool ? layout.tail_row0[s] : 0;
+        GGML_ASSERT(!k_tail || kt_row + n_t <= k_tail->ne[2]);
+        GGML_ASSERT(!n_w || ks_row + n_w <= k->ne[2]);
 
         ggml_tensor * qs = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], n_tok, 1, q->nb[1], q->nb[2], q->nb[2]*n_tok, s*n_tok*q->nb[2]);
-        ggml_tensor * ks = n_w ? llama_rkv_stream_cells(ctx, k, s, n_w) : nullptr;
-        ggml_tensor * vs = n_w ? llama_rkv_stream_cells(ctx, v, s, n_w) : nullptr;
-        ggml_tensor * kt = n_t && k_tail ? llama_rkv_stream_cells(ctx, k_tail, s, n_t) : nullptr;
-        ggml_tensor * vt = n_t && k_tail ? llama_rkv_stream_cells(ctx, v_tail, s, n_t) : nullptr;
+        ggml_tensor * ks = n_w ? llama_rkv_stream_cells(ctx, k, ks_s, ks_row, n_w) : nullptr;
+        ggml_tensor * vs = n_w ? llama_rkv_stream_cells(ctx, v, ks_s, ks_row, n_w) : nullptr;
+        ggml_tensor * kt = n_t && k_tail ? llama_rkv_stream_cells(ctx, k_tail, s, kt_row, n_t) : nullptr;
+        ggml_tensor * vt = n_t && k_tail ? llama_rkv_stream_cells(ctx, v_tail, s, kt_row, n_t) : nullptr;
         // the stream's rows of the mask (whole rows: the op reads its first n_w + n_t columns)
         ggml_tensor * ms = ggml_view_4d(ctx, kq_mask, kq_mask->ne[0], kq_mask->ne[1], kq_mask->ne[2], 1,
                 kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], s*kq_mask->nb[3]);

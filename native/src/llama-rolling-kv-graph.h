@@ -15,6 +15,22 @@ struct llama_rkv_attn_layout {
     uint32_t n_win = 0;             // window cells per stream (0: a head split, where every cell is tail)
     std::vector<uint32_t> n_kv;     // one op per stream: the cells each attends
     std::vector<float> cpu_frac;    // and the CPU share of each one's tail
+    // elastic windows (llama-kv-window-pool.h; pool true): the window view is the whole pool ([D, n_head_kv, rows, 1]) and
+    // the tail view every row of each stream; stream s's window is win_cells[s] cells from pool row win_row0[s], its tail
+    // cells [win_cells[s], n_kv[s]) from row tail_row0[s] of its tail slab
+    bool pool = false;
+    std::vector<uint32_t> win_cells;
+    std::vector<uint32_t> win_row0;
+    std::vector<uint32_t> tail_row0;
+};
+
+// what a split cache records of a graph it built (by the graph's k index input), to tell whether the graph may be reused:
+// the per-stream cells it attends and the windows it was built with
+struct llama_rkv_graph_note {
+    const ggml_tensor * k_idxs = nullptr;
+    std::vector<uint32_t> n_kv;    // the per-stream layout's cells (per_stream: built through the split's attention)
+    uint64_t epoch = 0;            // llama_rkv_window_pool::epoch when built
+    bool per_stream = false;
 };
 
 // attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the

@@ -126,6 +126,15 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
     res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
 
+    // a window split's windows: elastic (one pool of the streams' device cells that follows the load) or static
+    if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
+        res += std::string(",\"windows\":{\"policy\":") + (st->elastic ? "\"elastic\"" : "\"static\"");
+        res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" : "elastic");
+        res += ",\"pool_cells\":" + std::to_string(st->elastic ? st->pool_cells : st->window_cells*st->n_stream);
+        res += ",\"reason\":" + llama_rkv_json_str(st->elastic ? "the streams' device cells are one pool that follows the load" :
+                                                                   st->windows_reason) + "}";
+    }
+
     // the head split: the request, whether this cache can split by head, and per layer what it keeps on the device
     {
         uint32_t h_dev = 0, h_host = 0;
@@ -277,6 +286,7 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     res.tail_cpu_frac   = -1.0f; // auto: the planner puts a share on the CPU where its model says it pays (docs/perf)
     res.cpu_attn_gbps   = 0.0f;
     res.device_heads    = 0;
+    res.windows         = LLAMA_KV_WINDOWS_ELASTIC;
     return res;
 }
 
@@ -352,6 +362,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
     }
     if (!(req.tail_cpu_frac <= 1.0f) || std::isnan(req.tail_cpu_frac)) {
         return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)", (double) req.tail_cpu_frac);
+    }
+    if (req.windows != LLAMA_KV_WINDOWS_ELASTIC && req.windows != LLAMA_KV_WINDOWS_STATIC) {
+        return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static)", (int) req.windows);
     }
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
@@ -451,10 +464,17 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
                 lv.last_streams, lv.last_per_stream_ops, lv.last_tail_bytes, lv.last_streamed_bytes, lv.last_occupied_bytes,
                 lv.block_bytes);
         res += tmp;
+        snprintf(tmp, sizeof(tmp),
+                ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64 ",\"promoted_cells\":%" PRIu64
+                ",\"demoted_cells\":%" PRIu64 ",\"relocated_cells\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"ms\":%.3f}",
+                st->elastic ? "elastic" : "static", st->elastic ? st->pool_cells : st->window_cells*st->n_stream,
+                lv.rebalances, lv.promoted_cells, lv.demoted_cells, lv.relocated_cells, lv.moved_bytes, lv.move_ms);
+        res += tmp;
         res += ",\"slots\":[";
         for (size_t s = 0; s < lv.device_cells.size(); ++s) {
-            snprintf(tmp, sizeof(tmp), "%s{\"stream\":%zu,\"device_cells\":%u,\"tail_cells\":%u}", s ? "," : "", s,
-                    lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u);
+            snprintf(tmp, sizeof(tmp), "%s{\"stream\":%zu,\"device_cells\":%u,\"tail_cells\":%u,\"window_cells\":%u}", s ? "," : "", s,
+                    lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u,
+                    s < lv.window_cells.size() ? lv.window_cells[s] : st->window_cells);
             res += tmp;
         }
         res += "]";
