@@ -13,7 +13,6 @@ import pytest
 pytestmark = pytest.mark.build
 
 BLOCK = 256
-ACTIVE_UBATCHES = 32  # LLAMA_RKV_POOL_ACTIVE_UBATCHES
 DEMOTE, RELOCATE, PROMOTE = 0, 1, 2
 
 
@@ -22,6 +21,7 @@ def sim_lib(cpu_build):
     lib = ctypes.CDLL(str(cpu_build.lib_dir / "librollingkv-pool-sim.so"))
     lib.rollingkv_pool_new.restype = ctypes.c_void_p
     lib.rollingkv_pool_new.argtypes = [ctypes.c_uint32] * 3
+    lib.rollingkv_pool_begin_batch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint8)]
     lib.rollingkv_pool_step.restype = ctypes.c_int32
     lib.rollingkv_pool_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
                                         ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_uint32), ctypes.c_int32]
@@ -65,7 +65,21 @@ class Cache:
         else:
             self.host[loc[1]][loc[2]] = v
 
+    def batch(self, *ubatches: dict[int, int]):
+        """One llama_decode: its ubatches in order (a stream in any of them is in the batch)."""
+        in_batch = [1 if any(s in u for u in ubatches) else 0 for s in range(self.ns)]
+        self.lib.rollingkv_pool_begin_batch(self.h, (ctypes.c_uint8 * self.ns)(*in_batch))
+        copies = []
+        for u in ubatches:
+            copies += self._ubatch(u)
+        self.copies = copies
+        return copies
+
     def ubatch(self, grow: dict[int, int]):
+        """A batch of one ubatch."""
+        return self.batch(grow)
+
+    def _ubatch(self, grow: dict[int, int]):
         """A ubatch that appends grow[s] cells to each stream s in it (0: one of its cells rewritten in place)."""
         ext_old = list(self.ext)
         ext_new = [min(self.kv, e + grow.get(s, 0)) for s, e in enumerate(self.ext)]
@@ -74,9 +88,7 @@ class Cache:
         n = self.lib.rollingkv_pool_step(self.h, (ctypes.c_uint32 * self.ns)(*ext_old), (ctypes.c_uint32 * self.ns)(*ext_new),
                                          (ctypes.c_uint8 * self.ns)(*in_ub), out, 4096)
         assert 0 <= n <= 4096
-        base_old, cells_old = getattr(self, "_last", (None, None))
         copies = [tuple(out[6 * i:6 * i + 6]) for i in range(n)]
-        self.copies = copies
         for kind, s, c0, k, src, dst in copies:
             assert k > 0 and c0 + k <= self.kv and s < self.ns
             if kind == self.drop:
@@ -175,7 +187,7 @@ def test_an_idle_stream_is_demoted_least_recently_used_first_and_an_active_one_n
     c.ubatch({0: 1000})           # then idle (a finished request whose cells the server keeps)
     c.ubatch({1: 1000})           # then idle, used after 0
     c.ubatch({2: 1000})           # stays active
-    for _ in range(ACTIVE_UBATCHES):
+    for _ in range(3):
         c.ubatch({2: 1, 3: 1})    # 3 grows beside 2
     before = c.windows()[1]
     c.ubatch({2: 1, 3: 2000})     # 3 needs 2048 more than it has: the idle ones give up theirs, 0 before 1
@@ -183,6 +195,31 @@ def test_an_idle_stream_is_demoted_least_recently_used_first_and_an_active_one_n
     assert cells[2] == before[2], "an active stream lost cells"
     assert cells[0] < before[0] and (cells[1] == before[1] or cells[0] == 0), (before, cells)
     assert any(k == DEMOTE for k, *_ in c.copies)
+    c.close()
+
+
+def test_a_finished_request_is_idle_from_the_second_batch_on(sim_lib):
+    """A stream that was in the batch before is still active (a server step may miss a slot once); from the second batch
+    without it, its window goes to a stream that needs the room, and that stream is whole on the device again."""
+    c = new_cache(sim_lib, 2, 8192, 2048)
+    c.ubatch({0: 1500, 1: 200})   # 0 takes most of the pool
+    c.ubatch({0: 1, 1: 400})      # 1 outgrows what is free: it spills
+    assert c.windows()[1][1] < c.ext[1]
+    c.ubatch({1: 1})              # 0 finished, still active for this batch: 1 still spills
+    assert c.windows()[1][1] < c.ext[1]
+    c.ubatch({1: 1})              # 0 is idle now: demoted, 1 promoted, whole
+    assert c.windows()[1][1] >= c.ext[1] and {k for k, *_ in c.copies} >= {DEMOTE, PROMOTE}
+    c.close()
+
+
+def test_a_batch_of_several_ubatches_keeps_its_streams_active(sim_lib):
+    """A server step: one decode token of a generating slot, then a prompt chunk in ubatches of its own. The generating
+    slot is in the first ubatch only, yet it is not demoted for the prompt in the same batch, nor in the next."""
+    c = new_cache(sim_lib, 2, 8192, 2048)
+    c.ubatch({0: 1000})
+    for _ in range(2):
+        c.batch({0: 1, 1: 1}, {1: 400}, {1: 400}, {1: 400})
+        assert c.windows()[1][0] >= c.ext[0]
     c.close()
 
 

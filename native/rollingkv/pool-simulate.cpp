@@ -6,6 +6,7 @@
 // the windows it gets and that the copies it is told to make keep every cell in use where the windows say it lives.
 //
 //   void *  rollingkv_pool_new(uint32_t n_stream, uint32_t kv_size, uint32_t capacity);
+//   void    rollingkv_pool_begin_batch(void * pool, const uint8_t * in_batch);      // a batch (llama_decode) begins
 //   int32_t rollingkv_pool_step(void * pool, const uint32_t * ext_old, const uint32_t * ext_new, const uint8_t * in_ubatch,
 //                               uint32_t * copies, int32_t max_copies);   // 6 numbers a copy: kind, strm, cell0, n,
 //                                                                         // row_src, row_dst; returns the count
@@ -26,6 +27,11 @@ RKV_SIM_API void * rollingkv_pool_new(uint32_t n_stream, uint32_t kv_size, uint3
     auto * pool = new llama_rkv_window_pool();
     pool->init(n_stream, kv_size, capacity);
     return pool;
+}
+
+RKV_SIM_API void rollingkv_pool_begin_batch(void * p, const uint8_t * in_batch) {
+    auto & pool = *static_cast<llama_rkv_window_pool *>(p);
+    llama_rkv_pool_begin_batch(pool, std::vector<uint8_t>(in_batch, in_batch + pool.n_stream));
 }
 
 RKV_SIM_API int32_t rollingkv_pool_step(void * p, const uint32_t * ext_old, const uint32_t * ext_new, const uint8_t * in_ubatch,

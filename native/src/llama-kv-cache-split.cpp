@@ -898,6 +898,19 @@ void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
     }
 }
 
+void llama_kv_cache::rkv_begin_batch(const slot_info_vec_t & sinfos) {
+    if (!rkv_elastic) {
+        return;
+    }
+    std::vector<uint8_t> in_batch(n_stream, 0);
+    for (const auto & sinfo : sinfos) {
+        for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+            in_batch[sinfo.strm[s]] = 1;
+        }
+    }
+    llama_rkv_pool_begin_batch(rkv_pool, in_batch);
+}
+
 void llama_kv_cache::rkv_rebalance(const slot_info & sinfo) {
     if (!rkv_elastic) {
         return;

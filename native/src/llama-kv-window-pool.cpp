@@ -15,6 +15,7 @@ void llama_rkv_window_pool::init(uint32_t n_stream_, uint32_t kv_size_, uint32_t
     base.assign(n_stream, 0);
     cells.assign(n_stream, 0);
     last_used.assign(n_stream, 0);
+    last_batch.assign(n_stream, 0);
     // empty windows spread evenly: the static layout
     share = n_stream ? capacity/n_stream/LLAMA_RKV_POOL_BLOCK*LLAMA_RKV_POOL_BLOCK : 0;
     for (uint32_t s = 0; s < n_stream; ++s) {
@@ -34,6 +35,15 @@ static void llama_rkv_pool_relocate(std::vector<llama_rkv_pool_copy> & out, uint
     }
 }
 
+void llama_rkv_pool_begin_batch(llama_rkv_window_pool & pool, const std::vector<uint8_t> & in_batch) {
+    pool.n_batch += 1;
+    for (uint32_t s = 0; s < pool.n_stream; ++s) {
+        if (in_batch[s]) {
+            pool.last_batch[s] = pool.n_batch;
+        }
+    }
+}
+
 std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
         llama_rkv_window_pool & pool,
         const std::vector<uint32_t> & ext_old,
@@ -48,7 +58,7 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
         }
     }
     auto active = [&](uint32_t s) {
-        return pool.last_used[s] > 0 && pool.n_ubatch - pool.last_used[s] < LLAMA_RKV_POOL_ACTIVE_UBATCHES;
+        return pool.last_batch[s] > 0 && pool.last_batch[s] + 1 >= pool.n_batch;
     };
 
     // what each stream would keep on the device: the blocks covering its cells in use
@@ -84,7 +94,9 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
                     idle.push_back(t);
                 }
             }
-            std::stable_sort(idle.begin(), idle.end(), [&](uint32_t a, uint32_t b) { return pool.last_used[a] < pool.last_used[b]; });
+            std::stable_sort(idle.begin(), idle.end(), [&](uint32_t a, uint32_t b) {
+                return pool.last_batch[a] != pool.last_batch[b] ? pool.last_batch[a] < pool.last_batch[b] : pool.last_used[a] < pool.last_used[b];
+            });
             for (const uint32_t t : idle) {
                 if (free >= want) {
                     break;

@@ -10,9 +10,10 @@
 //     releases (it ended, was truncated or cleared) returns to the pool at once, without a copy;
 //   - the streams of the ubatch whose cells in use outgrow their window take free blocks, the smallest deficit first
 //     (new tokens then land on the device and the oldest tail blocks move up: promotion);
-//   - when the pool is full, idle streams (not in a ubatch for LLAMA_RKV_POOL_ACTIVE_UBATCHES ubatches: a finished request
-//     whose cells llama-server keeps for its prompt cache) give up their windows, least recently used first: demotion of
-//     their newest device blocks to their host rows;
+//   - when the pool is full, idle streams give up their windows, least recently used first: demotion of their newest
+//     device blocks to their host rows. A stream is active while it has tokens in the current batch (one llama_decode:
+//     a server step, every generating slot's next token and a chunk of a prompt) or the one before; a finished request
+//     whose cells llama-server keeps for its prompt cache is idle from the second step after its last token;
 //   - an active stream never loses cells to another active one: the bytes streamed per step are the same however the
 //     pool is shared among them, and moving cells between them would only cost copies.
 //
@@ -28,12 +29,7 @@
 #include <cstdint>
 #include <vector>
 
-// a stream that was in one of the last this many ubatches is active: never demoted to make room for another. A server
-// step is one llama_decode of one token per generating slot plus a chunk of a prompt, split into ubatches of at most
-// n_ubatch tokens of equal counts per stream: a chunk of 2048 prompt tokens is ~5 ubatches, so every generating slot
-// appears in each few ubatches
-static const uint32_t LLAMA_RKV_POOL_ACTIVE_UBATCHES = 32;
-static const uint32_t LLAMA_RKV_POOL_BLOCK           = 256;
+static const uint32_t LLAMA_RKV_POOL_BLOCK = 256;
 
 struct llama_rkv_window_pool {
     uint32_t n_stream = 0;
@@ -43,9 +39,11 @@ struct llama_rkv_window_pool {
 
     std::vector<uint32_t> base;      // first pool row of each stream's window
     std::vector<uint32_t> cells;     // window size of each stream: its cells [0, cells[s]) are on the device
-    std::vector<uint64_t> last_used; // the ubatch count when the stream was last in a ubatch (0: never)
+    std::vector<uint64_t> last_used;  // the ubatch count when the stream was last in a ubatch (0: never)
+    std::vector<uint64_t> last_batch; // the batch count when the stream was last in a batch (0: never)
 
     uint64_t n_ubatch = 0;
+    uint64_t n_batch  = 0;
     uint64_t epoch    = 0; // bumped by every change of a window: graphs built before attend stale views
 
     // totals, in cells (a cell: one row of every split layer's K and V)
@@ -69,6 +67,9 @@ struct llama_rkv_pool_copy {
     uint32_t row_src;
     uint32_t row_dst;
 };
+
+// A batch (one llama_decode) with tokens of the streams in_batch[s] begins: they are active for it and the next one.
+void llama_rkv_pool_begin_batch(llama_rkv_window_pool & pool, const std::vector<uint8_t> & in_batch);
 
 // Rebalances the pool before a ubatch. ext_old[s]: stream s's cells in use (used_max_p1) before the ubatch, ext_new[s]:
 // after it (the ubatch's cells included); in_ubatch[s]: s has tokens in it. Updates pool (windows, bases, counters,
