@@ -168,7 +168,7 @@ def test_a_long_sequence_takes_the_idle_cells_and_gives_them_back(sim_lib):
     c.ubatch({0: 3000})
     assert c.windows()[1][0] == 3072  # the whole need, not the static 1024
     for s in (1, 2, 3):
-        c.ubatch({s: 400})
+        c.ubatch({0: 1, s: 400})  # the long one decodes on while the short ones arrive
     base, cells, _ = c.windows()
     # the pool holds 4096 cells: 3072 went to the long one, the rest to the first short one, none is taken from an active one
     assert cells[0] == 3072 and sum(cells) <= 4096

@@ -325,7 +325,7 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     return cpu_fracs
 
 
-LOAD_CELLS = ["split", "one-op", "resident", "vanilla"]
+LOAD_CELLS = ["split", "static", "one-op", "resident", "vanilla"]
 
 
 def _load_cells(ctx, param, value: str):
@@ -360,8 +360,9 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--ramp", "ramp_levels", default="1,2,4,8,4,2,1", show_default=True, callback=_ramp_levels, help="ramp: clients per stage.")
 @click.option("--ramp-size", "ramp_sizes", type=(int, int), default=(8000, 64), show_default=True, metavar="PROMPT GEN", help="ramp: each request (+-25%).")
 @click.option("--cells", "cell_names", default=",".join(LOAD_CELLS), show_default=True, callback=_load_cells,
-              help="Servers to run the mix on: split, one-op (the split with one op over all streams: the layout before), "
-                   "resident (--kv-residency-mode off), vanilla (-ngl at the split cell's peak VRAM; GPU only).")
+              help="Servers to run the mix on: split (elastic windows), static (--kv-windows static), one-op (static "
+                   "windows and one op over all streams: the layout before), resident (--kv-residency-mode off), vanilla "
+                   "(-ngl at the split cell's peak VRAM; GPU only).")
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
@@ -422,9 +423,12 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     ngl = ["-ngl", "99"] if gpu is not None else []
     split_flags = ["--kv-residency-mode", "window", *(["--kv-window-cells", str(window)] if window else ["--vram-target", str(vram_target)])]
     cells = {
-        "split": lb.Cell("split", [*split_flags, *ngl], what="the split cache: one op per stream over its own cells"),
-        "one-op": lb.Cell("one-op", [*split_flags, *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
-                          what="the same split, one op over all streams at the longest one's cells (the layout before)"),
+        "split": lb.Cell("split", [*split_flags, *ngl],
+                         what="the split cache: elastic windows (one pool of the slots' device cells), one op per stream"),
+        "static": lb.Cell("static", [*split_flags, "--kv-windows", "static", *ngl],
+                          what="the same split with static windows (each slot keeps its own window)"),
+        "one-op": lb.Cell("one-op", [*split_flags, "--kv-windows", "static", *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
+                          what="static windows and one op over all streams at the longest one's cells (the layout before)"),
         "resident": lb.Cell("resident", ["--kv-residency-mode", "off", *ngl], what="upstream's cache, whole on the device"),
         "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], what="upstream with -ngl at the split cell's VRAM"),
     }

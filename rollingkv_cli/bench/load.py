@@ -54,16 +54,18 @@ class Mix:
 def table_mix(long_prompt: int, long_gen: int, short_prompt: int, short_gen: int, n_short: int, n_slots: int,
               ctx_per_slot: int) -> Mix:
     """The issue's mix: the long request alone, the short ones alone, then the short ones beside the long one (started
-    once it decodes), then the short ones again after it ended."""
-    def shorts(phase: str, seed0: int) -> list[Req]:
-        return [Req(f"short-{i + 1}", "short", phase, short_prompt, short_gen, seed0 + i) for i in range(n_short)]
+    once it decodes; they generate long_gen tokens more, so that they outlive it: their tokens before its end are
+    "beside", those from the third after it "after long", where a split promotes them), then short ones again after it
+    ended."""
+    def shorts(phase: str, seed0: int, gen: int) -> list[Req]:
+        return [Req(f"short-{i + 1}", "short", phase, short_prompt, gen, seed0 + i) for i in range(n_short)]
 
     long = Req("long", "long", "beside", long_prompt, long_gen, 100)
     return Mix("table", n_slots, ctx_per_slot, [
         Stage("long alone", [Req("long", "long", "long alone", long_prompt, long_gen, 100)]),
-        Stage("short alone", shorts("short alone", 1)),
-        Stage("beside", [long, *shorts("beside", 11)], after_first_token="long"),
-        Stage("after", shorts("after", 21)),
+        Stage("short alone", shorts("short alone", 1, short_gen)),
+        Stage("beside", [long, *shorts("beside", 11, short_gen + long_gen)], after_first_token="long"),
+        Stage("after", shorts("after", 21, short_gen)),
     ])
 
 
@@ -111,21 +113,24 @@ def run_request(url: str, r: Req, timeout: float, started: threading.Event | Non
         data = json.dumps({**payload, "stream": True}).encode()
         req = urllib.request.Request(url + "/completion", data=data, headers={"Content-Type": "application/json"})
         first, final = None, {}
+        token_t: list[float] = []  # when each streamed token arrived (monotonic)
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue
                 msg = json.loads(line[5:].strip())
-                if first is None and msg.get("content") is not None and not msg.get("stop"):
-                    first = time.monotonic() - t0
-                    on_first()
+                if msg.get("content") is not None and not msg.get("stop"):
+                    token_t.append(time.monotonic())
+                    if first is None:
+                        first = time.monotonic() - t0
+                        on_first()
                 if msg.get("stop"):
                     final = msg
         tm = final.get("timings", {})
         out.update(status="ok", ttft_s=first, e2e_s=time.monotonic() - t0,
                    predicted_n=tm.get("predicted_n"), decode_tps=tm.get("predicted_per_second"),
-                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic())
+                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic(), token_t=token_t)
     except Exception as e:  # recorded, the run goes on
         out.update(status="error", error=f"{type(e).__name__}: {e}", t_end=time.monotonic())
         on_first()
@@ -224,10 +229,14 @@ def summarize_stats(samples: list[dict]) -> dict:
         if worst is None or excess > worst["excess_blocks_per_stream"]:
             worst = {"excess_blocks_per_stream": excess, **lt}
     occ = last.get("occupied_bytes_total") or 0
+    # the windows each slot held over the run (elastic windows: they follow the load)
+    windows = [[sl.get("window_cells") for sl in s.get("slots") or []] for s in samples]
     return {"split": True, "steps": last.get("steps"), "tail_bytes_total": last.get("tail_bytes_total"),
             "streamed_bytes_total": last.get("streamed_bytes_total"), "occupied_bytes_total": occ,
             "attended_over_occupied": (last.get("tail_bytes_total") or 0) / occ if occ else None,
             "block_bytes": block, "worst_step": worst, "n_samples": len(samples),
+            "windows": last.get("windows"), "pool_cells": last.get("pool_cells"), "moves": last.get("moves"),
+            "window_cells_max": [max((w[i] or 0 for w in windows if i < len(w)), default=0) for i in range(max(map(len, windows), default=0))],
             "slots_last": last.get("slots")}
 
 
@@ -277,16 +286,45 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
     reqs = rec.get("requests") or []
     rec["phases"] = phase_summary(reqs)
     rec["aggregate_tps"] = aggregate_tps(reqs)
+    rec["requests"] = strip_token_times(reqs)
     return rec
 
 
 # ------------------------------------------------------------------------------------------ report
 
 
+def rate(times: list[float]) -> float | None:
+    """Tokens per second over consecutive token arrival times."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 and times[-1] > times[0] else None
+
+
+SKIP_AFTER_END = 2  # tokens of a short request after the long one ended that the promotion may take (the issue: 2 steps)
+
+
+def split_beside(requests: list[dict]) -> list[dict]:
+    """A short request of the beside stage that outlived the long one decodes at two speeds: its tokens before the long
+    one's last ("beside", its decode_tps here) and those from the third after it ("after long")."""
+    long = next((r for r in requests if r.get("phase") == "beside" and r.get("kind") == "long" and r.get("status") == "ok"), None)
+    if not long or not long.get("token_t"):
+        return requests
+    t_end = long["token_t"][-1]
+    out = []
+    for r in requests:
+        if r.get("phase") == "beside" and r.get("kind") == "short" and r.get("status") == "ok" and r.get("token_t"):
+            before = [t for t in r["token_t"] if t <= t_end]
+            after = [t for t in r["token_t"] if t > t_end][SKIP_AFTER_END:]
+            out.append({**r, "decode_tps": rate(before) or r.get("decode_tps")})
+            if len(after) > 2:
+                out.append({**r, "phase": "after long", "decode_tps": rate(after), "ttft_s": None})
+            continue
+        out.append(r)
+    return out
+
+
 def phase_summary(requests: list[dict]) -> dict:
     """Per (phase, kind): decode tok/s min/mean/max and the median time to first token."""
     out: dict[str, dict] = {}
-    for r in requests:
+    for r in split_beside(requests):
         key = f"{r['phase']}/{r['kind']}"
         d = out.setdefault(key, {"n": 0, "errors": 0, "tps": [], "ttft": []})
         d["n"] += 1
@@ -304,6 +342,11 @@ def phase_summary(requests: list[dict]) -> dict:
         d["tps_max"] = max(tps) if tps else None
         d["ttft_p50_s"] = tt[len(tt) // 2] if tt else None
     return out
+
+
+def strip_token_times(requests: list[dict]) -> list[dict]:
+    """The report keeps per request what the summaries took from the token times, not the times themselves."""
+    return [{k: v for k, v in r.items() if k != "token_t"} for r in requests]
 
 
 def aggregate_tps(requests: list[dict]) -> float | None:
@@ -356,9 +399,32 @@ def evaluate_targets(doc: dict) -> list[dict]:
             add("vs_vanilla", worst, ">=", 3.0, "every request class: split / vanilla -ngl at the split's VRAM (worst)")
         res = cells.get("resident")
         if res:
+            a, b = tps(split, "after long/short"), tps(res, "after long/short", "tps_mean")
+            add("promoted_vs_resident", a / b if a and b else None, ">=", 0.95,
+                f"short requests that outlived the long one, from their {SKIP_AFTER_END + 1}rd token after its end: "
+                "slowest split / resident (promotion)")
             a, b = tps(split, "after/short", "tps_mean"), tps(res, "after/short", "tps_mean")
             add("after_vs_resident", a / b if a and b else None, ">=", 0.95,
-                "short requests after the long one ended: split / resident")
+                "new short requests after the long one ended: split / resident")
+        static = cells.get("static")
+        if static:
+            a, b = tps(split, "beside/long", "tps_mean"), tps(static, "beside/long", "tps_mean")
+            add("long_beside_vs_static", a / b if a and b else None, ">=", 1.0,
+                "the long request beside the short ones: elastic / static windows (report)")
+            a, b = tps(split, "long alone/long", "tps_mean"), tps(static, "long alone/long", "tps_mean")
+            add("long_alone_vs_static", a / b if a and b else None, ">=", 1.0,
+                "the long request alone: elastic (the whole pool) / static windows (report)")
+    if doc["mix"]["name"] == "ramp" and split:
+        static = cells.get("static")
+        if static and split.get("aggregate_tps") and static.get("aggregate_tps"):
+            add("ramp_aggregate_vs_static", split["aggregate_tps"] / static["aggregate_tps"], ">=", 1.0,
+                "aggregate tok/s over the ramp: elastic / static windows (report)")
+        n_req = sum(len(st["requests"]) for st in doc["mix"]["stages"])
+        done = sum(1 for r in split.get("requests") or [] if r.get("status") == "ok")
+        add("ramp_all_complete", done / n_req if n_req else None, ">=", 1.0, "requests of the ramp completed (split cell)")
+    if split and doc.get("vram_target_mib") and split.get("vram_peak_mib"):
+        add("vram_within_target", split["vram_peak_mib"] - doc["vram_target_mib"], "<=", 200.0,
+            "the split cell's NVML peak - --vram-target, MiB")
     if split and split.get("stats", {}).get("worst_step"):
         add("excess_blocks", split["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
             "worst sampled step: (tail bytes attended - occupied) per stream, in blocks of 256 cells of every layer")
@@ -394,6 +460,8 @@ def print_report(doc: dict) -> None:
                       ("peak VRAM MiB", lambda c: fmt(c.get("vram_peak_mib"), ".0f")),
                       ("peak host MiB", lambda c: fmt(c.get("host_peak_mib"), ".0f")),
                       ("tail attended / occupied", lambda c: fmt((c.get("stats") or {}).get("attended_over_occupied"), ".2f")),
+                      ("cells promoted / demoted", lambda c: "-" if not (c.get("stats") or {}).get("moves") else
+                       f"{c['stats']['moves']['promoted_cells']} / {c['stats']['moves']['demoted_cells']}"),
                       ("status", lambda c: c.get("status", "-"))):
         t.add_row(label, *[fn(c) for c in doc["cells"]])
     console.print(t)

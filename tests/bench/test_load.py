@@ -20,6 +20,7 @@ def test_table_mix_stages():
     assert [s.name for s in mix.stages] == ["long alone", "short alone", "beside", "after"]
     beside = mix.stages[2]
     assert beside.after_first_token == "long" and [r.kind for r in beside.reqs] == ["long", "short", "short", "short"]
+    assert all(r.gen == 10 + 20 for r in beside.reqs[1:])  # they outlive the long one (its 20 tokens): "after long"
     assert all(r.prompt == 100 and r.gen == 10 for r in mix.stages[3].reqs)
 
 
@@ -42,27 +43,58 @@ def test_phase_summary_and_aggregate():
     assert lb.aggregate_tps(reqs[:2]) == pytest.approx(2.0)  # 20 tokens over 10 s
 
 
+def test_a_short_request_beside_the_long_one_is_split_at_its_end():
+    """Its tokens before the long one's last give its beside speed; those from the third after it its speed after."""
+    long = {**_req("beside", "long", 10), "token_t": [float(t) for t in range(0, 11)]}  # 1 tok/s, last at 10
+    short = {**_req("beside", "short", 99), "token_t": [0.5 + t for t in range(0, 11)] + [10.6 + 0.1 * i for i in range(1, 21)]}
+    got = {r["phase"]: r["decode_tps"] for r in lb.split_beside([long, short]) if r["kind"] == "short"}
+    assert got["beside"] == pytest.approx(1.0) and got["after long"] == pytest.approx(10.0)
+    p = lb.phase_summary([long, short])
+    assert p["after long/short"]["tps_min"] == pytest.approx(10.0) and p["beside/short"]["tps_min"] == pytest.approx(1.0)
+    assert "token_t" not in lb.strip_token_times([short])[0]
+
+
 def _cell(name, phases, stats=None):
     return {"name": name, "status": "ok", "phases": {k: {"tps_min": v, "tps_mean": v, "tps_max": v} for k, v in phases.items()},
             "stats": stats or {}}
 
 
 def test_targets_met_and_missed():
-    good = {"long alone/long": 20.0, "beside/long": 19.0, "beside/short": 19.0, "after/short": 200.0, "short alone/short": 200.0}
+    good = {"long alone/long": 20.0, "beside/long": 19.0, "beside/short": 19.0, "after/short": 200.0, "short alone/short": 200.0,
+            "after long/short": 196.0}
     doc = {"mix": {"name": "table"}, "cells": [
         _cell("split", good, {"worst_step": {"excess_blocks_per_stream": 0.5}}),
+        _cell("static", {"beside/long": 12.0, "long alone/long": 14.0}),
         _cell("one-op", {"beside/short": 4.0}),
-        _cell("resident", {"after/short": 205.0}),
+        _cell("resident", {"after/short": 205.0, "after long/short": 200.0}),
         _cell("vanilla", {k: 5.0 for k in good}),
     ]}
     got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
     assert got == {"short_beside_vs_long": "met", "long_beside_vs_alone": "met", "short_beside_vs_one_op": "met",
-                   "vs_vanilla": "met", "after_vs_resident": "met", "excess_blocks": "met"}
+                   "vs_vanilla": "met", "promoted_vs_resident": "met", "after_vs_resident": "met",
+                   "long_beside_vs_static": "met", "long_alone_vs_static": "met", "excess_blocks": "met"}
     bad = dict(good, **{"beside/short": 5.0, "beside/long": 10.0})
     doc["cells"][0] = _cell("split", bad, {"worst_step": {"excess_blocks_per_stream": 3.0}})
     got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
     assert got["short_beside_vs_long"] == got["long_beside_vs_alone"] == got["short_beside_vs_one_op"] == "missed"
     assert got["excess_blocks"] == "missed"
+    doc["cells"][0] = _cell("split", dict(good, **{"after long/short": 150.0}))
+    assert {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}["promoted_vs_resident"] == "missed"
+
+
+def test_ramp_and_vram_targets():
+    doc = {"mix": {"name": "ramp", "stages": [{"requests": [{}, {}]}, {"requests": [{}]}]}, "vram_target_mib": 11000, "cells": [
+        {**_cell("split", {}), "aggregate_tps": 30.0, "vram_peak_mib": 11150.0,
+         "requests": [{"status": "ok"}, {"status": "ok"}, {"status": "ok"}]},
+        {**_cell("static", {}), "aggregate_tps": 20.0},
+    ]}
+    got = {t["target"]: (t["verdict"], t["value"]) for t in lb.evaluate_targets(doc)}
+    assert got["ramp_aggregate_vs_static"] == ("met", 1.5) and got["ramp_all_complete"] == ("met", 1.0)
+    assert got["vram_within_target"] == ("met", 150.0)
+    doc["cells"][0]["requests"][2]["status"] = "error"
+    doc["cells"][0]["vram_peak_mib"] = 11300.0
+    got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
+    assert got["ramp_all_complete"] == got["vram_within_target"] == "missed"
 
 
 def test_summarize_stats_worst_step():
@@ -98,22 +130,29 @@ def test_residency_line_from_metrics():
 def test_short_table_mix_on_cpu(cpu_build, demo_model, tmp_path):
     out = tmp_path / "bench-load.json"
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
-    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "700", "12",
-                        "--short", "64", "8", "--shorts", "2", "-np", "3", "--window-cells", "256", "--cells", "split,one-op",
+    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "1000", "12",
+                        "--short", "64", "8", "--shorts", "2", "-np", "3", "--window-cells", "256", "--cells", "split,static,one-op",
                         "--json", str(out), "--", "-t", "2"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
-    assert doc["schema"] == lb.SCHEMA and [c["name"] for c in doc["cells"]] == ["split", "one-op"]
-    split, one = doc["cells"]
-    for c in (split, one):
+    assert doc["schema"] == lb.SCHEMA and [c["name"] for c in doc["cells"]] == ["split", "static", "one-op"]
+    split, static, one = doc["cells"]
+    for c in (split, static, one):
         assert c["status"] == "ok" and len(c["requests"]) == 1 + 2 + 3 + 2
         assert all(q["predicted_n"] == q["gen"] and q["ttft_s"] > 0 for q in c["requests"])
         assert c["plan"]["split"] and c["plan"]["window_cells"] == 256
         assert c["stats"]["split"] and c["stats"]["steps"] > 0
-    # per-stream ops: the long request's tail and nothing for the short ones (which fit the window), up to padding
-    assert split["stats"]["worst_step"]["excess_blocks_per_stream"] <= 1.0
-    assert split["stats"]["attended_over_occupied"] < 1.5
+        # each step attends its streams' occupied tail, up to a block of padding per stream
+        assert c["stats"]["worst_step"]["excess_blocks_per_stream"] <= 1.0 or c is one
+    assert [c["plan"]["windows"]["policy"] for c in doc["cells"]] == ["elastic", "static", "static"]
+    # elastic windows: the long request alone held the pool (3 x 256 cells), not a window of 256; the short ones beside it
+    # were promoted once it ended, the idle long one demoted for the new short ones after it
+    assert split["stats"]["window_cells_max"][0] > 256 and split["stats"]["pool_cells"] == 768
+    moves = split["stats"]["moves"]
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0, moves
+    assert static["stats"]["moves"]["rebalances"] == 0 and max(static["stats"]["window_cells_max"]) == 256
     # one op over all streams attends the long one's tail in every stream of the step
-    assert one["stats"]["tail_bytes_total"] > 1.3 * split["stats"]["tail_bytes_total"]
-    assert "short_beside_vs_long" in {t["target"] for t in doc["targets"]}
+    assert one["stats"]["tail_bytes_total"] > 1.3 * static["stats"]["tail_bytes_total"]
+    targets = {t["target"] for t in doc["targets"]}
+    assert {"short_beside_vs_long", "long_beside_vs_static"} <= targets
     assert "decode tok/s" in r.stdout

@@ -63,8 +63,6 @@ extern "C" {
             struct ggml_tensor * a,
             enum ggml_prec       prec);
 
-    GGML_API enum ggml_prec ggml_streaming_flash_attn_get_prec(const struct ggml_tensor * a);
-
     // number of window cells (k_window->ne[1], or 0 when the window is empty)
     GGML_API int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a);
 
@@ -89,10 +87,9 @@ extern "C" {
     // keeps a multiple of 256 cells (the streamed chunks' alignment), rounded to the nearest
     GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
 
-    // threads of the CPU part (process-wide; default: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use
-    // but one; n_threads <= 0 restores the default); get returns the count the part runs, at most the CPUs of the
-    // process's affinity (taskset, numactl), on which its threads run. The thread that runs a part is one of them.
-    GGML_API void ggml_rkv_set_cpu_threads(int n_threads);
+    // threads of the CPU part (process-wide: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use but one),
+    // at most the CPUs of the process's affinity (taskset, numactl), on which its threads run. The thread that runs a
+    // part is one of them.
     GGML_API int  ggml_rkv_get_cpu_threads(void);
 
     // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a

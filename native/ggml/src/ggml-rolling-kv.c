@@ -112,11 +112,6 @@ void ggml_streaming_flash_attn_set_prec(
     ggml_set_op_params_i32(a, 3, (int32_t) prec);
 }
 
-enum ggml_prec ggml_streaming_flash_attn_get_prec(const struct ggml_tensor * a) {
-    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
-    return (enum ggml_prec) ggml_get_op_params_i32(a, 3);
-}
-
 int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     return ggml_get_op_params_i32(a, 4);
@@ -274,6 +269,11 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
     {
         const char * v = ggml_rkv_env("ROLLINGKV_DEBUG_PERTURB_TAIL");
         k.perturb_tail = v ? strtof(v, NULL) : 0.0f;
+        // a test switch of the gates' must-fail controls that makes every split's output wrong: never silently
+        if (k.perturb_tail != 0.0f) {
+            GGML_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_TAIL=%s: every KV tail's attention scores are perturbed on purpose, so "
+                          "the outputs of a split cache are WRONG (a test switch: unset it)\n", v);
+        }
     }
     k.chunk_cells = ggml_rkv_env_int("ROLLINGKV_DEBUG_CHUNK_CELLS", 0, 0, 1 << 30);
 

@@ -38,7 +38,6 @@ static inline void rkv_pause() { std::this_thread::yield(); }
 
 namespace {
 
-std::atomic<int> g_cpu_threads{0}; // 0: unset
 std::atomic<uint64_t> g_runs{0};
 std::atomic<uint64_t> g_sleeps{0}; // the pool's workers that slept between tasks (the spin ran out)
 
@@ -155,8 +154,8 @@ int usable_cpus() { return process_cpus().n; }
 
 // The CPU part reads memory: its speed grows with the threads up to the memory's bandwidth (H200 host: 4 threads 22
 // GB/s, 15 threads 65 GB/s), so it takes every CPU but one (left to the thread that launches the GPU's work), not
-// the context's -t (a heuristic for matrix work on the CPU: 4 on that host). ROLLINGKV_CPU_PART_THREADS or
-// ggml_rkv_set_cpu_threads sets it; either way at most the process's CPUs (more threads only wait for each other).
+// the context's -t (a heuristic for matrix work on the CPU: 4 on that host). ROLLINGKV_CPU_PART_THREADS sets it; at
+// most the process's CPUs either way (more threads only wait for each other).
 int part_threads(int requested) {
     const int n = requested > 0 ? requested : std::max(1, usable_cpus() - 1);
     return std::max(1, std::min(n, usable_cpus()));
@@ -451,15 +450,10 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
 // the C API (ggml-rolling-kv.h)
 //
 
-extern "C" void ggml_rkv_set_cpu_threads(int n_threads) {
-    g_cpu_threads.store(n_threads > 0 ? n_threads : 0);
-}
-
 extern "C" int ggml_rkv_get_cpu_threads(void) {
-    const int n = g_cpu_threads.load();
     // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
     static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
-    return part_threads(n > 0 ? n : knob);
+    return part_threads(knob);
 }
 
 extern "C" bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {
