@@ -329,9 +329,9 @@ def build_has_head_split(lib: Path) -> bool:
 
 
 def model_weight_bytes(model: Path) -> int:
-    import gguf
+    from rollingkv_cli.gguf_header import read_header
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
+    return sum(t.n_bytes for t in read_header(model).tensors)
 
 
 # llama-server's flags that decide the GPU layers (its --fit is on by default and adjusts unset ones)

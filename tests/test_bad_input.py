@@ -12,6 +12,7 @@ One row per class of failure (the robustness issue's list):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,6 +151,19 @@ def _no_matplotlib(tmp, monkeypatch):
     monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: False)
 
 
+def _crafted_gguf_and_llama_bench(tmp, monkeypatch):
+    """A GGUF whose array is counted past its end (gguf-py's GGUFReader never finished it) and a llama-bench in the
+    stand-in build, so that bench tail reaches the model's header."""
+    import struct
+
+    key = lambda k: struct.pack("<Q", len(k)) + k.encode()  # noqa: E731
+    kvs = [key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama", key("x.big") + struct.pack("<IIQ", 9, 0, 2**40)]
+    (tmp / "crafted.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
+    bench = tmp / "build" / "build" / "bin" / "llama-bench"
+    bench.write_text("#!/bin/sh\nexit 1\n")
+    bench.chmod(0o755)
+
+
 def _runner_dies(tmp, monkeypatch):
     from rollingkv_cli.gate import equiv as gate_equiv
 
@@ -270,12 +284,40 @@ ROWS = {
                                          build=True),
     "4-report-too-large": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json: it holds more than 1 MiB"], files={"r.json": b" " * (2 << 20)},
                               setup=lambda tmp, mp: mp.setattr("rollingkv_cli.userinput.MAX_INPUT_BYTES", 1 << 20)),
+    # issue 27 (6): one GGUF reader (gguf_header.py) for every command that reads a header
+    "6-bench-tail-array-past-the-end": Row(["bench", "tail", "{tmp}/crafted.gguf", "--dry-run"], 1,
+                                           ["crafted.gguf is truncated: 98 bytes, it ends inside its own header"],
+                                           setup=_crafted_gguf_and_llama_bench, build=True),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),
     "7-gate-runner-sigsegv": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["run failed", "killed by SIGSEGV"],
                                  setup=_runner_dies, build=True, writes=True, hint=["--no-repack", "full log: "]),
 }
+
+
+ROW_TIMEOUT_S = 60  # a row answers in seconds; past this it hangs (a FIFO read, a walk that never ends)
+
+
+class _Hung(BaseException):
+    """Raised in the command by the row's timer: a BaseException, so the CLI's last-resort net does not catch it."""
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int):
+    """A row that hangs fails after `seconds` instead of hanging the suite (pure-Python loops see the signal)."""
+    def hung(signum, frame):
+        raise _Hung(f"the command did not end within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    except _Hung as e:
+        pytest.fail(str(e))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("name", list(ROWS))
@@ -293,7 +335,8 @@ def test_bad_input(name, capsys, isolated_cache, tmp_path, monkeypatch, fake_ggu
         row.setup(tmp_path, monkeypatch)
     before = _files(tmp_path)
 
-    code, out, err = run_main([sub(a) for a in row.args], capsys)
+    with _no_hang(ROW_TIMEOUT_S):
+        code, out, err = run_main([sub(a) for a in row.args], capsys)
 
     assert code == row.code, err
     errors = [line for line in err.splitlines() if line.startswith(("error:", "Error:"))]
