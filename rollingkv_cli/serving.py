@@ -625,6 +625,8 @@ def describe_plan(plan: dict | None, gpu: bool = True) -> str:
     parts = [head]
     heads = plan.get("heads") if isinstance(plan.get("heads"), dict) else {}
     if chosen == "head" and heads.get("summary"):
+        # the library's reason ends with the summary in brackets, which the next part says already
+        parts[0] = parts[0].removesuffix(f" ({heads['summary']})")
         per_layer = heads.get("per_layer") or []
         shown = ",".join(str(h) for h in per_layer[:12]) + (",..." if len(per_layer) > 12 else "")
         parts.append(f"{heads['summary']} (per layer {shown})")
@@ -666,12 +668,13 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     link = plan.get("link") or {}
     est = plan.get("estimate") or {}
     if est.get("ms_per_token") is not None:
+        # the link's source last, after a dash: it has brackets of its own ("host memory bandwidth (the tail is ...)")
         lines.append(f"expected {est['ms_per_token']:.2f} ms/token at full context: {est['t_resident_ms']:.2f} ms resident"
                      f" ({link.get('mem_bw_gbps', 0):.0f} GB/s measured) + {est['t_tail_ms']:.2f} ms tail"
-                     f" ({link.get('link_bw_gbps', 0):.1f} GB/s, {link.get('link_bw_source', '?')})")
+                     f" at {link.get('link_bw_gbps', 0):.1f} GB/s — {link.get('link_bw_source', '?')}")
     elif plan.get("split") and link:
         lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
-                     f" ({link.get('link_bw_source', '?')})")
+                     f" — {link.get('link_bw_source', '?')}")
     auto = plan.get("auto")
     if isinstance(auto, dict) and auto.get("reason"):  # auto weighed the window against the head split
         lines.append(auto["reason"])
@@ -691,8 +694,8 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     head = (f"CPU part of the tail: {frac * 100:.0f}% of each split layer's host tail attended on the CPU" if frac
             else "CPU part of the tail: none")
     parts = [f"requested {req}" if req is not None else None]
-    if tc.get("cpu_attn_gbps") is not None:
-        parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s ({tc.get('cpu_attn_source', '?')})")
+    if tc.get("cpu_attn_gbps") is not None:  # its source last: it has commas and brackets of its own
+        parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s")
     if tc.get("n_threads"):
         parts.append(_plural(tc["n_threads"], "thread"))
     hybrid = ((plan or {}).get("link") or {}).get("t_token_hybrid_ms")
@@ -701,7 +704,10 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     if isinstance(hybrid, (int, float)):
         parts.append(f"expected {hybrid:.2f} ms/token with it")
     text = head + " (" + ", ".join(p for p in parts if p) + ")"
-    return text + (f": {tc['reason']}" if tc.get("reason") else "")
+    text += f": {tc['reason']}" if tc.get("reason") else ""
+    if tc.get("cpu_attn_gbps") is not None and tc.get("cpu_attn_source"):
+        text += f"; CPU attention {tc['cpu_attn_source']}"
+    return text
 
 
 def _slots(srv) -> list[dict] | None:
