@@ -257,7 +257,18 @@ ROWS = {
                                         ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),
     # issue 27 (14): usage errors exit 2
     "14-serve-no-model": Row(["serve", "--config", "{tmp}/empty.yaml", "--print-args"], 2, ["no MODEL given"], files={"empty.yaml": ""}),
+    # a file given to read that is missing or not a regular file is not a usage error (exit 1, console.EXIT_USAGE): the
+    # same line and status for every such option (serve --config and the gates' files were click's exit 2 before)
     "14-serve-config-dev-null": Row(["serve", "--config", "/dev/null", "--print-args"], 1, ["config file /dev/null", "a device"]),
+    "14-serve-config-missing": Row(["serve", "--config", "{tmp}/none.yaml", "--print-args"], 1, ["config file {tmp}/none.yaml: no such file"]),
+    "14-serve-config-a-directory": Row(["serve", "--config", "{tmp}", "--print-args"], 1, ["config file {tmp}: it is a directory"]),
+    "14-gate-prompt-file-missing": Row(["gate", "equiv", "--model", "{gguf}", "--prompt-file", "{tmp}/none.txt"], 1,
+                                       ["prompt file {tmp}/none.txt: no such file"]),
+    "14-gate-filler-file-a-directory": Row(["gate", "needle", "--model", "{gguf}", "--filler-file", "{tmp}"], 1,
+                                           ["filler file {tmp}: it is a directory"], build=True),
+    "14-bench-show-a-directory": Row(["bench", "show", "{tmp}"], 1, ["report {tmp}: it is a directory"]),
+    "14-gate-thresholds-a-directory": Row(["gate", "equiv", "--model", "{gguf}", "--thresholds", "{tmp}"], 1,
+                                          ["thresholds file {tmp}: it is a directory"]),
     # issue 27 (13): the library's own variables, one parser each, refused wherever the library runs
     "13-part-threads-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_CPU_PART_THREADS='abc'", "not a whole number"],
                                               env={"ROLLINGKV_CPU_PART_THREADS": "abc"}, build=True),
