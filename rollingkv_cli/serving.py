@@ -19,7 +19,7 @@ from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is
                                    success, usage_error, warn)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
-CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too (a split refuses it: see serve's check)
+CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
               "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
@@ -233,6 +233,9 @@ def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], co
     _check_together(merged, where, unified=_given(extra_args or [], "--kv-unified") or _given(extra_args or [], "-kvu"))
     if not spec:
         usage_error("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
+    # what splits on any build; serve checks auto on a GPU once it knows the build
+    check_split_types({where["cache_type_k"]: merged["cache_type_k"], where["cache_type_v"]: merged["cache_type_v"]},
+                      *_split_asked(merged, extra_args or []), cuda=False)
     model = models.resolve_model(str(spec), log=note)
     s = ServeSettings(model=model, extra_args=extra_args or [],
                       **{k: v for k, v in merged.items() if k not in ("host", "port", "slot_save")})
@@ -294,6 +297,34 @@ def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> No
         usage_error(f"{where['kv_window_cells']} {window} is larger than each slot's context ({where['ctx_size']} {ctx} / "
                     f"{where['parallel']} {parallel} = {ctx // parallel} cells): the cache would stay resident",
                     f"the window is per slot: give fewer than {ctx // parallel + 1} cells, or raise the context")
+
+
+def may_split(mode: str | None, budgeted: bool, cuda: bool) -> bool:
+    """Whether llama-server may split the cache: any mode but off, except auto on a CPU build without a vram_target,
+    window or heads (resident: nothing to budget)."""
+    mode = mode or "auto"
+    return mode != "off" and (cuda or mode != "auto" or budgeted)
+
+
+def check_split_types(types: dict[str, str | None], mode: str | None, budgeted: bool, cuda: bool,
+                      split_types: tuple[str, ...] = TAIL_TYPES) -> None:
+    """-ctk/-ctv (types: where each was given -> its type) of a type only an unsplit cache takes (iq4_nl), where the cache
+    may split: a usage error here, not llama.cpp's abort (GGML_ASSERT in the scheduler) after start-up. A split's tail
+    takes the window's types unless -ctkt/-ctvt say otherwise, and its window takes only the tail types."""
+    for where, t in types.items():
+        if t is not None and t not in split_types and may_split(mode, budgeted, cuda):
+            usage_error(f"{where} {t}: only an unsplit cache takes {t}, and this one may split (a split's window and tail take "
+                        f"{', '.join(split_types)})",
+                        f"pick one of those types, or keep the cache whole with --kv-residency-mode off ({t} then works)")
+
+
+def _split_asked(settings: dict, extra_args: list[str]) -> tuple[str | None, bool]:
+    """(the residency mode, whether a budget, window or head split is asked for), from serve's settings (by key) or after
+    `--`."""
+    mode = _flag_value(extra_args, "--kv-residency-mode") or settings.get("kv_residency_mode")
+    budgeted = any(settings.get(k) is not None for k in ("vram_target", "kv_window_cells", "kv_device_heads")) or any(
+        _given(extra_args, f) for f in ("--vram-target", "--kv-window-cells", "--kv-device-heads"))
+    return mode, budgeted
 
 
 # ------------------------------------------------------------------ checks on the build and the model
@@ -854,6 +885,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         if t is not None and lib_types is not None and t not in lib_types:
             abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
                   "pick one of those, or rebuild with `rollingkv build`")
+    cuda = bool(b.manifest.get("options", {}).get("cuda"))
+    if cuda:  # auto on a GPU may split without being asked to (resolve_settings checked what a CPU build splits)
+        check_split_types({"--cache-type-k": s.cache_type_k, "--cache-type-v": s.cache_type_v}, *_split_asked(vars(s), s.extra_args), cuda=True,
+                          split_types=lib_types or TAIL_TYPES)
     if s.kv_tail_cpu_frac is not None and not tail_cpu:
         abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
               "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")
@@ -865,7 +900,6 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         if s.vram_target < weights_mib:
             abort(f"--vram-target {s.vram_target} MiB is below the model's weights ({weights_mib:.0f} MiB)",
                   f"the minimum is about {weights_mib + 512:.0f} MiB (weights + compute buffers), or drop --vram-target")
-    cuda = bool(b.manifest.get("options", {}).get("cuda"))
     bandwidth, tier = _resolve_bandwidth(s, cuda)
     start_timeout = paths.serve_start_timeout()
     resolve_host(s.host)  # a name that does not resolve is said so, before anything is created

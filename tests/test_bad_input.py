@@ -252,6 +252,13 @@ ROWS = {
     "11-run-temperature-negative": Row(["run", "{gguf}", "-p", "hi", "--temperature", "-1"], 2, ["--temperature", "not -1"]),
     "11-run-empty-prompt": Row(["run", "{gguf}", "-p", ""], 2, ["--prompt is empty"]),
     "11-run-blank-prompt-file": Row(["run", "{gguf}", "-f", "{tmp}/p.txt"], 2, ["prompt file", "is empty (or only blanks)"], files={"p.txt": " \n\n"}),
+    # issue 27 (10): a type only an unsplit cache takes, where the cache splits (llama-server aborted after start-up)
+    "10-window-iq4_nl-split": Row(["serve", "demo", "-ctk", "iq4_nl", "--kv-window-cells", "256", "-c", "1024", "--print-args"], 2,
+                                  ["--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl, and this one may split"],
+                                  hint=["--kv-residency-mode off"]),
+    "10-config-iq4_nl-budget": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2,
+                                   ["c.yaml: cache_type_v iq4_nl: only an unsplit cache takes iq4_nl"],
+                                   files={"c.yaml": "model: demo\ncache_type_v: iq4_nl\nvram_target: 300\n"}),
     # issue 27 (12): the window is per slot
     "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
                                         ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),

@@ -483,3 +483,27 @@ def test_live_status_decode_rate_counts_the_running_requests():
         st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
     assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
     assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"
+
+
+@pytest.mark.parametrize("cuda, args, refused", [
+    (True, [], True),  # auto on a GPU budgets free VRAM and may split
+    (True, ["--kv-residency-mode", "off"], False),
+    (True, ["--", "--kv-residency-mode", "off"], False),
+    (False, [], False),  # auto on a CPU build without a budget stays resident
+    (False, ["--vram-target", "300"], True),
+    (False, ["--", "--kv-window-cells", "256"], True),
+], ids=["gpu-auto", "gpu-off", "gpu-off-after-dashes", "cpu-auto", "cpu-budget", "cpu-window-after-dashes"])
+def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypatch, cuda, args, refused):
+    """Issue 27 (10): -ctk iq4_nl, which llama.cpp takes for an unsplit cache, made llama-server abort (GGML_ASSERT in the
+    scheduler) once the cache split (an explicit window, a budget, auto on a GPU): refused before it starts, exit 2."""
+    from rollingkv_cli import serving
+
+    monkeypatch.setattr(serving, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
+    monkeypatch.setattr(serving, "gpu_layers", lambda s, cuda: ([], None))
+    hybrid_build.cuda = cuda
+    at = args.index("--") if "--" in args else len(args)
+    code, out, err = run_main(["serve", str(hybrid_build.model), "-ctk", "iq4_nl", *args[:at], "--print-args", *args[at:]], capsys)
+    if refused:
+        assert code == 2 and "--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl" in err and "--kv-residency-mode off" in err, err
+    else:
+        assert code == 0 and "-ctk iq4_nl" in out, err
