@@ -926,9 +926,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
-    if s.slot_save:
-        warn(f"--slot-save: any client of the server can write and read KV cache files in {slot_dir} "
-             "(POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
+    if s.slot_save or _given(s.extra_args, "--slot-save-path"):  # serve's option, or llama-server's own after `--`
+        where = slot_dir if s.slot_save else _flag_value(s.extra_args, "--slot-save-path")
+        warn(f"{'--slot-save' if s.slot_save else '--slot-save-path'}: any client of the server can write and read KV cache "
+             f"files in {where} (POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:

@@ -550,6 +550,24 @@ def test_non_loopback_host_without_an_api_key_warns(extra, env, warned, capsys, 
     assert _children() == []
 
 
+@pytest.mark.parametrize("extra, warned", [([], None), (["--slot-save"], "--slot-save: any client"),
+                                           (["--", "--slot-save-path", "{tmp}/s"], "--slot-save-path: any client")],
+                         ids=["off", "slot-save", "slot-save-path-after-dashes"])
+def test_slot_save_is_off_unless_asked_and_warned_about(extra, warned, capsys, isolated_cache, standin_build, fake_gguf, tmp_path,
+                                                        monkeypatch):
+    """Slot save/restore lets any client write files: llama-server gets --slot-save-path only when asked, either way, and
+    serve warns then, naming the folder."""
+    monkeypatch.setenv("LLAMA_API_KEY", "k")  # no warning about the host to tell apart
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    code, _, err = run_main(["serve", str(fake_gguf), "--port", str(_free_port()), "-q", *extra], capsys)
+    assert code == 1 and "exited during start-up" in err
+    log = (isolated_cache / "logs").glob("serve-*.log")
+    argv = next(log).read_text().splitlines()[0]
+    assert ("--slot-save-path" in argv) == (warned is not None), argv
+    warnings = [line for line in err.splitlines() if line.startswith("warning:") and "slot" in line]
+    assert (len(warnings) == 1 and warned in warnings[0] and "KV cache files in" in warnings[0]) if warned else warnings == [], err
+
+
 def test_loopback_hosts():
     from rollingkv_cli.serving import is_loopback
 
