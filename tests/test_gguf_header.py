@@ -92,3 +92,11 @@ def test_one_reader_in_the_package():
     readers = sorted(p.name for p in (REPO / "rollingkv_cli").rglob("*.py")
                      if p.name != "gguf_header.py" and ("GGUFReader(" in (text := p.read_text()) or '"<Q"' in text))
     assert readers == []
+
+
+def test_a_file_without_tensors_is_not_truncated(tmp_path):
+    """gguf.cpp pads the header to the alignment only before tensor data: a file of metadata alone ends right after it
+    (it was called truncated: "its tensors end at byte 192")."""
+    p = _gguf(tmp_path, [ARCH])
+    header = read_header(p)
+    assert header.tensors == () and header.data_end == p.stat().st_size and header.data_end % 32 != 0
