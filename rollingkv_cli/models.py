@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 
 from rollingkv_cli import paths
 from rollingkv_cli.console import abort, usage_error
+from rollingkv_cli.gguf_header import GGUF_MAGIC, unreadable
 from rollingkv_cli.upstream import sha256_file
 
 
@@ -30,7 +30,6 @@ class DemoModel:
 
 
 DEMO = DemoModel()
-GGUF_MAGIC = b"GGUF"
 
 
 def demo_path() -> Path:
@@ -103,147 +102,24 @@ def resolve_model(spec: str, log=print) -> Path:
         with open(p, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        _unreadable(spec, e)
+        unreadable(spec, e)
     if magic != GGUF_MAGIC:
         abort(f"{spec} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
     return p.resolve()
 
 
-def _unreadable(name: str, e: OSError) -> None:
-    abort(f"cannot read model {name}: {e.strerror or e}", "check its permissions (ls -l)" if isinstance(e, PermissionError) else None)
-
-
-GGUF_VERSIONS = (2, 3)  # what the pin's gguf.cpp reads (v1 is refused, v0 and newer ones too)
 LLAMA_MAX_LAYERS = 512  # llama.cpp GGML_ASSERTs (aborts) on more at load
 _ROPE_ARCHES = ("llama", "gemma2")  # rope over the whole head when no rope.dimension_count is given
 
 
 def check_gguf(path: Path, name: str | None = None) -> None:
     """Refuse, as one line naming the file, a GGUF that llama.cpp would fail to load or abort on, where that is
-    cheap to see: the header, truncation (every tensor's data must lie inside the file) and the hyperparameters
-    whose bad values end in a GGML_ASSERT rather than a load error. Reads the metadata only (no tensor data)."""
+    cheap to see: the header (gguf_header.read_header: truncation, corrupt fields and tensor infos) and the
+    hyperparameters whose bad values end in a GGML_ASSERT rather than a load error. Reads no tensor data."""
+    from rollingkv_cli.gguf_header import read_header
+
     name = name or str(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(24)
-            if head[:4] != GGUF_MAGIC:
-                abort(f"{name} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
-            if len(head) < 24:
-                abort(f"{name} is truncated: {size} bytes, shorter than a GGUF header", "download or convert it again")
-            version = int.from_bytes(head[4:8], "little")
-            if version & 0xFFFF == 0 and version:
-                abort(f"{name} is a big-endian GGUF", "llama.cpp on this machine reads little-endian files only")
-            if version not in GGUF_VERSIONS:
-                abort(f"{name} is GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, GGUF_VERSIONS))}",
-                      "convert it again with a current llama.cpp")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                fields, end = _scan_gguf(mm, name)
-    except OSError as e:
-        _unreadable(name, e)
-    if end > size:
-        abort(f"{name} is truncated: {size} bytes, its tensors end at byte {end}", "download or convert it again")
-    _check_hparams(fields, name)
-
-
-class _Short(Exception):
-    """A read past the end of the file."""
-
-
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _scan_gguf(mm, name: str) -> tuple[dict, int]:
-    """(scalar metadata, the byte where the last tensor's data ends), walking the header like gguf.cpp does."""
-    import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    n = len(mm)
-
-    def take(fmt: str, pos: int):
-        k = struct.calcsize(fmt)
-        if pos + k > n:
-            raise _Short
-        return struct.unpack_from(fmt, mm, pos)[0], pos + k
-
-    def string(pos: int) -> tuple[str, int]:
-        length, pos = take("<Q", pos)
-        if pos + length > n:
-            raise _Short
-        return bytes(mm[pos:pos + length]).decode("utf-8", errors="replace"), pos + length
-
-    def value(vtype: int, pos: int, key: str):
-        if vtype in _GGUF_SCALAR:
-            return take(_GGUF_SCALAR[vtype], pos)
-        if vtype == _GGUF_STRING:
-            return string(pos)
-        if vtype == _GGUF_ARRAY:
-            itype, pos = take("<I", pos)
-            count, pos = take("<Q", pos)
-            if itype == _GGUF_ARRAY:  # gguf.cpp reads no array of arrays (a walk into 5000 of them overflowed Python's stack)
-                abort(f"{name} is corrupt: its key {key} is an array of arrays, which llama.cpp does not read",
-                      "download or convert it again")
-            if itype in _GGUF_SCALAR:
-                pos += count * struct.calcsize(_GGUF_SCALAR[itype])
-                if pos > n:
-                    raise _Short
-            else:
-                for _ in range(count):
-                    _, pos = value(itype, pos, key)
-            return None, pos  # arrays (token lists, per-layer values) are llama.cpp's to check
-        abort(f"{name} is corrupt: its key {key} has an unknown GGUF value type {vtype}", "download or convert it again")
-
-    try:
-        pos = 8
-        n_tensors, pos = take("<Q", pos)
-        n_kv, pos = take("<Q", pos)
-        fields: dict = {}
-        types: dict = {}
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            vtype, pos = take("<I", pos)
-            types[key] = vtype
-            fields[key], pos = value(vtype, pos, key)
-        infos = []
-        for _ in range(n_tensors):
-            tname, pos = string(pos)
-            n_dims, pos = take("<I", pos)
-            if n_dims > 4:  # GGML_MAX_DIMS
-                abort(f"{name} is corrupt: tensor {tname} has {n_dims} dimensions", "download or convert it again")
-            dims = []
-            for _ in range(n_dims):
-                d, pos = take("<Q", pos)
-                dims.append(d)
-            ttype, pos = take("<I", pos)
-            offset, pos = take("<Q", pos)
-            infos.append((tname, dims, ttype, offset))
-    except _Short:
-        abort(f"{name} is truncated: {n} bytes, it ends inside its own header", "download or convert it again")
-    align = 32  # GGUF_DEFAULT_ALIGNMENT
-    if "general.alignment" in fields:  # gguf.cpp: a uint32, a power of 2
-        align = fields["general.alignment"]
-        if types["general.alignment"] != 4 or not align or align & (align - 1):
-            shown = "an array" if types["general.alignment"] == _GGUF_ARRAY else repr(align)
-            abort(f"{name} is corrupt: its key general.alignment is {shown}; llama.cpp needs a uint32 power of 2",
-                  "download or convert it again")
-    if not infos:  # gguf.cpp pads to the data section only when there are tensors: nothing can be cut off here
-        return fields, pos
-    data_start = -(-pos // align) * align
-    end = data_start
-    for tname, dims, ttype, offset in infos:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        except (ValueError, KeyError):
-            abort(f"{name}: tensor {tname} has an unknown type {ttype}", "the file is corrupt or newer than this llama.cpp")
-        elements = 1
-        for d in dims:
-            elements *= d
-        if dims and dims[0] % block:
-            abort(f"{name}: tensor {tname} has {dims[0]} columns, not a multiple of its type's block of {block}", "the file is corrupt")
-        end = max(end, data_start + offset + elements // block * type_size)
-    return fields, end
+    _check_hparams(read_header(path, name).fields, name)
 
 
 def _check_hparams(fields: dict, name: str) -> None:

@@ -19,7 +19,7 @@ from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is
                                    success, usage_error, warn)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
-CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too (a split refuses it: see serve's check)
+CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
               "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
@@ -233,6 +233,9 @@ def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], co
     _check_together(merged, where, unified=_given(extra_args or [], "--kv-unified") or _given(extra_args or [], "-kvu"))
     if not spec:
         usage_error("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
+    # what splits on any build; serve checks auto on a GPU once it knows the build
+    check_split_types({where["cache_type_k"]: merged["cache_type_k"], where["cache_type_v"]: merged["cache_type_v"]},
+                      *_split_asked(merged, extra_args or []), cuda=False)
     model = models.resolve_model(str(spec), log=note)
     s = ServeSettings(model=model, extra_args=extra_args or [],
                       **{k: v for k, v in merged.items() if k not in ("host", "port", "slot_save")})
@@ -296,6 +299,34 @@ def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> No
                     f"the window is per slot: give fewer than {ctx // parallel + 1} cells, or raise the context")
 
 
+def may_split(mode: str | None, budgeted: bool, cuda: bool) -> bool:
+    """Whether llama-server may split the cache: any mode but off, except auto on a CPU build without a vram_target,
+    window or heads (resident: nothing to budget)."""
+    mode = mode or "auto"
+    return mode != "off" and (cuda or mode != "auto" or budgeted)
+
+
+def check_split_types(types: dict[str, str | None], mode: str | None, budgeted: bool, cuda: bool,
+                      split_types: tuple[str, ...] = TAIL_TYPES) -> None:
+    """-ctk/-ctv (types: where each was given -> its type) of a type only an unsplit cache takes (iq4_nl), where the cache
+    may split: a usage error here, not llama.cpp's abort (GGML_ASSERT in the scheduler) after start-up. A split's tail
+    takes the window's types unless -ctkt/-ctvt say otherwise, and its window takes only the tail types."""
+    for where, t in types.items():
+        if t is not None and t not in split_types and may_split(mode, budgeted, cuda):
+            usage_error(f"{where} {t}: only an unsplit cache takes {t}, and this one may split (a split's window and tail take "
+                        f"{', '.join(split_types)})",
+                        f"pick one of those types, or keep the cache whole with --kv-residency-mode off ({t} then works)")
+
+
+def _split_asked(settings: dict, extra_args: list[str]) -> tuple[str | None, bool]:
+    """(the residency mode, whether a budget, window or head split is asked for), from serve's settings (by key) or after
+    `--`."""
+    mode = _flag_value(extra_args, "--kv-residency-mode") or settings.get("kv_residency_mode")
+    budgeted = any(settings.get(k) is not None for k in ("vram_target", "kv_window_cells", "kv_device_heads")) or any(
+        _given(extra_args, f) for f in ("--vram-target", "--kv-window-cells", "--kv-device-heads"))
+    return mode, budgeted
+
+
 # ------------------------------------------------------------------ checks on the build and the model
 
 def build_has_rolling_kv(lib: Path) -> bool:
@@ -329,9 +360,9 @@ def build_has_head_split(lib: Path) -> bool:
 
 
 def model_weight_bytes(model: Path) -> int:
-    import gguf
+    from rollingkv_cli.gguf_header import read_header
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors)
+    return sum(t.n_bytes for t in read_header(model).tensors)
 
 
 # llama-server's flags that decide the GPU layers (its --fit is on by default and adjusts unset ones)
@@ -625,6 +656,8 @@ def describe_plan(plan: dict | None, gpu: bool = True) -> str:
     parts = [head]
     heads = plan.get("heads") if isinstance(plan.get("heads"), dict) else {}
     if chosen == "head" and heads.get("summary"):
+        # the library's reason ends with the summary in brackets, which the next part says already
+        parts[0] = parts[0].removesuffix(f" ({heads['summary']})")
         per_layer = heads.get("per_layer") or []
         shown = ",".join(str(h) for h in per_layer[:12]) + (",..." if len(per_layer) > 12 else "")
         parts.append(f"{heads['summary']} (per layer {shown})")
@@ -666,12 +699,13 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     link = plan.get("link") or {}
     est = plan.get("estimate") or {}
     if est.get("ms_per_token") is not None:
+        # the link's source last, after a dash: it has brackets of its own ("host memory bandwidth (the tail is ...)")
         lines.append(f"expected {est['ms_per_token']:.2f} ms/token at full context: {est['t_resident_ms']:.2f} ms resident"
                      f" ({link.get('mem_bw_gbps', 0):.0f} GB/s measured) + {est['t_tail_ms']:.2f} ms tail"
-                     f" ({link.get('link_bw_gbps', 0):.1f} GB/s, {link.get('link_bw_source', '?')})")
+                     f" at {link.get('link_bw_gbps', 0):.1f} GB/s — {link.get('link_bw_source', '?')}")
     elif plan.get("split") and link:
         lines.append(f"no ms/token estimate: memory bandwidth {link.get('mem_bw_gbps')} GB/s, link {link.get('link_bw_gbps')} GB/s"
-                     f" ({link.get('link_bw_source', '?')})")
+                     f" — {link.get('link_bw_source', '?')}")
     auto = plan.get("auto")
     if isinstance(auto, dict) and auto.get("reason"):  # auto weighed the window against the head split
         lines.append(auto["reason"])
@@ -691,8 +725,8 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     head = (f"CPU part of the tail: {frac * 100:.0f}% of each split layer's host tail attended on the CPU" if frac
             else "CPU part of the tail: none")
     parts = [f"requested {req}" if req is not None else None]
-    if tc.get("cpu_attn_gbps") is not None:
-        parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s ({tc.get('cpu_attn_source', '?')})")
+    if tc.get("cpu_attn_gbps") is not None:  # its source last: it has commas and brackets of its own
+        parts.append(f"CPU attention {tc['cpu_attn_gbps']:.3g} GB/s")
     if tc.get("n_threads"):
         parts.append(_plural(tc["n_threads"], "thread"))
     hybrid = ((plan or {}).get("link") or {}).get("t_token_hybrid_ms")
@@ -701,7 +735,10 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
     if isinstance(hybrid, (int, float)):
         parts.append(f"expected {hybrid:.2f} ms/token with it")
     text = head + " (" + ", ".join(p for p in parts if p) + ")"
-    return text + (f": {tc['reason']}" if tc.get("reason") else "")
+    text += f": {tc['reason']}" if tc.get("reason") else ""
+    if tc.get("cpu_attn_gbps") is not None and tc.get("cpu_attn_source"):
+        text += f"; CPU attention {tc['cpu_attn_source']}"
+    return text
 
 
 def _slots(srv) -> list[dict] | None:
@@ -848,6 +885,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         if t is not None and lib_types is not None and t not in lib_types:
             abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
                   "pick one of those, or rebuild with `rollingkv build`")
+    cuda = bool(b.manifest.get("options", {}).get("cuda"))
+    if cuda:  # auto on a GPU may split without being asked to (resolve_settings checked what a CPU build splits)
+        check_split_types({"--cache-type-k": s.cache_type_k, "--cache-type-v": s.cache_type_v}, *_split_asked(vars(s), s.extra_args), cuda=True,
+                          split_types=lib_types or TAIL_TYPES)
     if s.kv_tail_cpu_frac is not None and not tail_cpu:
         abort(f"the active build {b.dir} predates the hybrid tail: its llama-server has no --kv-tail-cpu-frac",
               "rebuild with `rollingkv build`, or drop --kv-tail-cpu-frac")
@@ -859,7 +900,6 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         if s.vram_target < weights_mib:
             abort(f"--vram-target {s.vram_target} MiB is below the model's weights ({weights_mib:.0f} MiB)",
                   f"the minimum is about {weights_mib + 512:.0f} MiB (weights + compute buffers), or drop --vram-target")
-    cuda = bool(b.manifest.get("options", {}).get("cuda"))
     bandwidth, tier = _resolve_bandwidth(s, cuda)
     start_timeout = paths.serve_start_timeout()
     resolve_host(s.host)  # a name that does not resolve is said so, before anything is created
@@ -886,9 +926,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
-    if s.slot_save:
-        warn(f"--slot-save: any client of the server can write and read KV cache files in {slot_dir} "
-             "(POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
+    if s.slot_save or _given(s.extra_args, "--slot-save-path"):  # serve's option, or llama-server's own after `--`
+        where = slot_dir if s.slot_save else _flag_value(s.extra_args, "--slot-save-path")
+        warn(f"{'--slot-save' if s.slot_save else '--slot-save-path'}: any client of the server can write and read KV cache "
+             f"files in {where} (POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:

@@ -12,6 +12,7 @@ One row per class of failure (the robustness issue's list):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,6 +151,19 @@ def _no_matplotlib(tmp, monkeypatch):
     monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: False)
 
 
+def _crafted_gguf_and_llama_bench(tmp, monkeypatch):
+    """A GGUF whose array is counted past its end (gguf-py's GGUFReader never finished it) and a llama-bench in the
+    stand-in build, so that bench tail reaches the model's header."""
+    import struct
+
+    key = lambda k: struct.pack("<Q", len(k)) + k.encode()  # noqa: E731
+    kvs = [key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama", key("x.big") + struct.pack("<IIQ", 9, 0, 2**40)]
+    (tmp / "crafted.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
+    bench = tmp / "build" / "build" / "bin" / "llama-bench"
+    bench.write_text("#!/bin/sh\nexit 1\n")
+    bench.chmod(0o755)
+
+
 def _runner_dies(tmp, monkeypatch):
     from rollingkv_cli.gate import equiv as gate_equiv
 
@@ -238,12 +252,30 @@ ROWS = {
     "11-run-temperature-negative": Row(["run", "{gguf}", "-p", "hi", "--temperature", "-1"], 2, ["--temperature", "not -1"]),
     "11-run-empty-prompt": Row(["run", "{gguf}", "-p", ""], 2, ["--prompt is empty"]),
     "11-run-blank-prompt-file": Row(["run", "{gguf}", "-f", "{tmp}/p.txt"], 2, ["prompt file", "is empty (or only blanks)"], files={"p.txt": " \n\n"}),
+    # issue 27 (10): a type only an unsplit cache takes, where the cache splits (llama-server aborted after start-up)
+    "10-window-iq4_nl-split": Row(["serve", "demo", "-ctk", "iq4_nl", "--kv-window-cells", "256", "-c", "1024", "--print-args"], 2,
+                                  ["--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl, and this one may split"],
+                                  hint=["--kv-residency-mode off"]),
+    "10-config-iq4_nl-budget": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2,
+                                   ["c.yaml: cache_type_v iq4_nl: only an unsplit cache takes iq4_nl"],
+                                   files={"c.yaml": "model: demo\ncache_type_v: iq4_nl\nvram_target: 300\n"}),
     # issue 27 (12): the window is per slot
     "12-window-larger-than-a-slot": Row(["serve", "demo", "--kv-window-cells", "512", "-c", "1024", "-np", "4", "--print-args"], 2,
                                         ["--kv-window-cells 512 is larger than each slot's context", "= 256 cells"]),
     # issue 27 (14): usage errors exit 2
     "14-serve-no-model": Row(["serve", "--config", "{tmp}/empty.yaml", "--print-args"], 2, ["no MODEL given"], files={"empty.yaml": ""}),
+    # a file given to read that is missing or not a regular file is not a usage error (exit 1, console.EXIT_USAGE): the
+    # same line and status for every such option (serve --config and the gates' files were click's exit 2 before)
     "14-serve-config-dev-null": Row(["serve", "--config", "/dev/null", "--print-args"], 1, ["config file /dev/null", "a device"]),
+    "14-serve-config-missing": Row(["serve", "--config", "{tmp}/none.yaml", "--print-args"], 1, ["config file {tmp}/none.yaml: no such file"]),
+    "14-serve-config-a-directory": Row(["serve", "--config", "{tmp}", "--print-args"], 1, ["config file {tmp}: it is a directory"]),
+    "14-gate-prompt-file-missing": Row(["gate", "equiv", "--model", "{gguf}", "--prompt-file", "{tmp}/none.txt"], 1,
+                                       ["prompt file {tmp}/none.txt: no such file"]),
+    "14-gate-filler-file-a-directory": Row(["gate", "needle", "--model", "{gguf}", "--filler-file", "{tmp}"], 1,
+                                           ["filler file {tmp}: it is a directory"], build=True),
+    "14-bench-show-a-directory": Row(["bench", "show", "{tmp}"], 1, ["report {tmp}: it is a directory"]),
+    "14-gate-thresholds-a-directory": Row(["gate", "equiv", "--model", "{gguf}", "--thresholds", "{tmp}"], 1,
+                                          ["thresholds file {tmp}: it is a directory"]),
     # issue 27 (13): the library's own variables, one parser each, refused wherever the library runs
     "13-part-threads-not-a-number-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1, ["$ROLLINGKV_CPU_PART_THREADS='abc'", "not a whole number"],
                                               env={"ROLLINGKV_CPU_PART_THREADS": "abc"}, build=True),
@@ -270,12 +302,40 @@ ROWS = {
                                          build=True),
     "4-report-too-large": Row(["bench", "show", "{tmp}/r.json"], 1, ["r.json: it holds more than 1 MiB"], files={"r.json": b" " * (2 << 20)},
                               setup=lambda tmp, mp: mp.setattr("rollingkv_cli.userinput.MAX_INPUT_BYTES", 1 << 20)),
+    # issue 27 (6): one GGUF reader (gguf_header.py) for every command that reads a header
+    "6-bench-tail-array-past-the-end": Row(["bench", "tail", "{tmp}/crafted.gguf", "--dry-run"], 1,
+                                           ["crafted.gguf is truncated: 98 bytes, it ends inside its own header"],
+                                           setup=_crafted_gguf_and_llama_bench, build=True),
     # 7: a child killed by a signal
     "7-llama-server-sigill": Row(["serve", "{gguf}", "--port", "{port}", "-q"], 1, ["exited during start-up", "killed by SIGILL", "instruction"],
                                  build=True, writes=True, hint=["--no-repack", "log: "]),
     "7-gate-runner-sigsegv": Row(["gate", "equiv", "--model", "{gguf}"], 1, ["run failed", "killed by SIGSEGV"],
                                  setup=_runner_dies, build=True, writes=True, hint=["--no-repack", "full log: "]),
 }
+
+
+ROW_TIMEOUT_S = 60  # a row answers in seconds; past this it hangs (a FIFO read, a walk that never ends)
+
+
+class _Hung(BaseException):
+    """Raised in the command by the row's timer: a BaseException, so the CLI's last-resort net does not catch it."""
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int):
+    """A row that hangs fails after `seconds` instead of hanging the suite (pure-Python loops see the signal)."""
+    def hung(signum, frame):
+        raise _Hung(f"the command did not end within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    except _Hung as e:
+        pytest.fail(str(e))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("name", list(ROWS))
@@ -293,7 +353,8 @@ def test_bad_input(name, capsys, isolated_cache, tmp_path, monkeypatch, fake_ggu
         row.setup(tmp_path, monkeypatch)
     before = _files(tmp_path)
 
-    code, out, err = run_main([sub(a) for a in row.args], capsys)
+    with _no_hang(ROW_TIMEOUT_S):
+        code, out, err = run_main([sub(a) for a in row.args], capsys)
 
     assert code == row.code, err
     errors = [line for line in err.splitlines() if line.startswith(("error:", "Error:"))]
@@ -487,6 +548,24 @@ def test_non_loopback_host_without_an_api_key_warns(extra, env, warned, capsys, 
     assert code == 1 and "exited during start-up" in err  # the stand-in dies: the warning came before it started
     assert ("no API key is set" in err) == warned, err
     assert _children() == []
+
+
+@pytest.mark.parametrize("extra, warned", [([], None), (["--slot-save"], "--slot-save: any client"),
+                                           (["--", "--slot-save-path", "{tmp}/s"], "--slot-save-path: any client")],
+                         ids=["off", "slot-save", "slot-save-path-after-dashes"])
+def test_slot_save_is_off_unless_asked_and_warned_about(extra, warned, capsys, isolated_cache, standin_build, fake_gguf, tmp_path,
+                                                        monkeypatch):
+    """Slot save/restore lets any client write files: llama-server gets --slot-save-path only when asked, either way, and
+    serve warns then, naming the folder."""
+    monkeypatch.setenv("LLAMA_API_KEY", "k")  # no warning about the host to tell apart
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    code, _, err = run_main(["serve", str(fake_gguf), "--port", str(_free_port()), "-q", *extra], capsys)
+    assert code == 1 and "exited during start-up" in err
+    log = (isolated_cache / "logs").glob("serve-*.log")
+    argv = next(log).read_text().splitlines()[0]
+    assert ("--slot-save-path" in argv) == (warned is not None), argv
+    warnings = [line for line in err.splitlines() if line.startswith("warning:") and "slot" in line]
+    assert (len(warnings) == 1 and warned in warnings[0] and "KV cache files in" in warnings[0]) if warned else warnings == [], err
 
 
 def test_loopback_hosts():

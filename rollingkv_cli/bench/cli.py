@@ -504,7 +504,7 @@ def _load_report(path: Path) -> dict:
 
 
 @bench.command()
-@click.argument("report", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("report", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
     """Draw the PNG of a `bench tail` report (needs matplotlib: pip install 'rollingkv[plot]')."""
@@ -523,7 +523,7 @@ def plot(report: Path, output: Path | None) -> None:
 
 
 @bench.command()
-@click.argument("report", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("report", type=click.Path(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""
     from rollingkv_cli.bench import tail as tail_runs

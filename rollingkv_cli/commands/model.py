@@ -78,8 +78,9 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
         abort(f"{out} exists", "pass --force to replace it")
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
+    # GiB as the "writing OUT: N GiB" line above says it
+    bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
     task = bar.add_task(esc(out.name), total=None)
     with _sigterm_raises(), bar:
         models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True),

@@ -77,7 +77,7 @@ class _ServeCommand(click.Command):
               help="Turn on llama-server's slot save/restore (--slot-save-path CACHE/slots). Off by default: with it ANY client "
                    "that reaches the server can write KV cache files (each as large as a slot's cache) into that folder and "
                    "read them back (POST /slots/N?action=save|restore); use it only with an API key or on loopback.")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="YAML file with the same keys as these flags (flags win).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML file with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)

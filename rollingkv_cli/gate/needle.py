@@ -195,14 +195,54 @@ class ServerSide:
             raise RollingKVError("llama-server's /apply-template returned no prompt", "does the model carry a chat template? try --format plain")
         return r["prompt"]
 
-    def answer(self, tokens: list[int], n_predict: int) -> Answer:
+    def answer(self, tokens: list[int], n_predict: int, on_progress=None, every: float = 0.5) -> Answer:
+        """The greedy answer to the prompt `tokens`. on_progress(tokens done) is called about every `every` seconds
+        meanwhile (the prompt's tokens processed plus those generated, from /slots): a long prompt on a CPU takes minutes.
+        The request itself is the same either way."""
+        import threading
+
         from rollingkv_cli.gate.common import request
 
         t0 = time.perf_counter()
-        r = request(self.srv, "/completion", {"prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1,
-                                              "seed": 0, "cache_prompt": False, "return_tokens": True, "samplers": ["top_k"]})
+        payload = {"prompt": tokens, "n_predict": n_predict, "temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": False,
+                   "return_tokens": True, "samplers": ["top_k"]}
+        if on_progress is None:
+            r = request(self.srv, "/completion", payload)
+        else:
+            got: dict = {}
+
+            def ask():
+                try:
+                    got["r"] = request(self.srv, "/completion", payload)
+                except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+                    got["e"] = e
+
+            worker = threading.Thread(target=ask, daemon=True)  # daemon: an interrupt stops the server, not this wait
+            worker.start()
+            while worker.is_alive():
+                worker.join(every)
+                done = self.tokens_done() if worker.is_alive() else None
+                if done is not None:
+                    on_progress(done)
+            if "e" in got:
+                raise got["e"]
+            r = got["r"]
         return Answer(tokens=[int(t) for t in r.get("tokens") or []], text=r.get("content", ""),
                       prompt_tokens=r.get("tokens_evaluated"), seconds=round(time.perf_counter() - t0, 3))
+
+    def tokens_done(self) -> int | None:
+        """The running request's prompt tokens processed plus tokens generated (llama-server's /slots), None when not
+        known (no slot busy, /slots off or slow to answer: it waits for the batch being computed)."""
+        try:
+            slots = self.srv.request("/slots", None, timeout=5)
+        except Exception:  # noqa: BLE001  (progress is a nicety: never a failure of the gate)
+            return None
+        for slot in slots if isinstance(slots, list) else []:
+            if isinstance(slot, dict) and slot.get("is_processing"):
+                nt = slot.get("next_token")
+                decoded = nt[0].get("n_decoded", 0) if isinstance(nt, list) and nt and isinstance(nt[0], dict) else 0
+                return int(slot.get("n_prompt_tokens_processed") or 0) + int(decoded or 0)
+        return None
 
 
 def build_placements(side: ServerSide, filler: str, depths: list[float], seed: int, fmt: str) -> list[Placement]:
@@ -327,12 +367,13 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     answers: dict[str, list[Answer]] = {"reference": [], "candidate": []}
     placements: list[Placement] = []
     plan = None
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    # the bar counts tokens (each prompt's, then its answer's), not placements: a side is two long prompts on a CPU
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                         TextColumn("[dim]{task.fields[stage]}[/]"), TimeElapsedColumn(), console=console, transient=False)
     with progress:
         for role, args in (("reference", ref_args), ("candidate", cand_args)):
             label = "reference (resident)" if role == "reference" else f"candidate ({cfg.mode})"
-            task = progress.add_task(label, total=len(cfg.depths), stage="starting llama-server")
+            task = progress.add_task(label, total=None, stage="starting llama-server")
             log_path = logs / f"needle-{role}.log"
             t0 = time.perf_counter()
             srv = gc.start_server(binary, args, log_path)
@@ -359,10 +400,15 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
                     if p.get("mode_chosen") != "head":  # a head split streams its host heads of every position
                         check_in_tail(placements, int(p.get("window_cells") or 0), f"(the candidate's plan: {p.get('reason')})",
                                       cfg.n_predict)
+                progress.update(task, total=sum(pl.n_tokens + cfg.n_predict for pl in placements), completed=0)
+                before = 0
                 for pl in placements:
                     progress.update(task, stage=f"depth {pl.depth:g}: {pl.n_tokens}-token prompt")
-                    answers[role].append(side.answer(pl.tokens, cfg.n_predict))
-                    progress.advance(task)
+                    ans = side.answer(pl.tokens, cfg.n_predict,
+                                      on_progress=lambda n, b=before: progress.update(task, completed=b + n))
+                    answers[role].append(ans)
+                    before += pl.n_tokens + cfg.n_predict  # an answer that stops early still counts as its whole share
+                    progress.update(task, completed=before)
                 progress.update(task, stage="done")
                 sides[role] = {"command": srv.command, "log": str(log_path), "load_s": round(load_s, 2), "plan": p}
             finally:

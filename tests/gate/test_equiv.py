@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollingkv_cli.cli import rollingkv
+from conftest import assert_reference_resident
 from test_cli import run_main
 
 
@@ -350,6 +351,7 @@ def test_e2e_mode_off_twice_is_deterministic(cpu_build, demo_model, tmp_path):
     m = r["metrics"]
     assert m["n"] == 512 and m["mean_tv"] == 0.0 and m["max_kl"] == 0.0 and m["top1_agreement"] == 1.0
     assert m["bitwise_identical"] and m["max_abs_logit_diff"] == 0.0
+    assert_reference_resident(r)
     assert r["reference"]["lib"] == r["candidate"]["lib"] == str(cpu_build.lib_dir / "libllama.so")
     assert cpu_build.manifest["series_hash"][:16] in r["candidate"]["build_info"]
     assert Path(r["positions_file"]).is_file()
@@ -366,6 +368,7 @@ def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
     r = json.loads(out.read_text())
     assert r["profile"] == "same_type" and r["candidate"]["plan"] and r["thresholds"]["require_bitwise"]
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["max_abs_logit_diff"] == 0.0
+    assert_reference_resident(r)  # the identity is against the whole cache, not against another split
     assert r["tail_positions"] == 512 - 256 and r["window_cells"] == 256
 
 
@@ -380,6 +383,7 @@ def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, unpatched_build
     r = json.loads(out.read_text())
     assert r["reference"]["rollingkv_lib"] is False and r["reference"]["build_info"] is None
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["mean_tv"] == 0.0
+    assert_reference_resident(r)
 
 
 @pytest.mark.build

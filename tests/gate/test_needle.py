@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -100,6 +101,57 @@ def test_needle_verdicts():
     assert overall_verdict(["inconclusive", "fail"]) == "fail"
     assert overall_verdict([]) == "fail"
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1 and first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+def test_an_answer_reports_its_tokens_as_it_goes():
+    """Issue 27 (19): a needle prompt takes minutes on a CPU and the bar had one step per prompt: the answer reports the
+    prompt tokens processed and the tokens generated (llama-server's /slots) while the request runs, and its result is
+    the request's own."""
+    import threading
+
+    from rollingkv_cli.gate.needle import ServerSide
+
+    class Srv:
+        log_path = "srv.log"
+
+        def __init__(self):
+            self.done = threading.Event()
+            self.polls = 0
+
+        def alive(self):
+            return True
+
+        def request(self, path, payload=None, timeout=300):
+            if path == "/completion":
+                self.done.wait(10)
+                return {"tokens": [7, 8], "content": " 42.", "tokens_evaluated": len(payload["prompt"])}
+            assert path == "/slots" and payload is None
+            self.polls += 1
+            if self.polls == 4:
+                self.done.set()
+            return [{"id": 0, "is_processing": False},
+                    {"id": 1, "is_processing": True, "n_prompt_tokens_processed": 100 * self.polls, "next_token": [{"n_decoded": 1}]}]
+
+    seen = []
+    srv = Srv()
+    ans = ServerSide(srv).answer(list(range(500)), 16, on_progress=seen.append, every=0.01)
+    assert ans.tokens == [7, 8] and ans.text == " 42." and ans.prompt_tokens == 500
+    assert seen[:3] == [101, 201, 301] and seen == sorted(seen)
+
+
+def test_progress_never_fails_an_answer():
+    """/slots off (llama-server --no-slots answers 501) or slow: the answer comes all the same, without progress."""
+    from rollingkv_cli.gate.needle import ServerSide
+
+    class Srv:
+        def request(self, path, payload=None, timeout=300):
+            if path == "/slots":
+                raise OSError("HTTP Error 501: Not Implemented")
+            time.sleep(0.05)
+            return {"tokens": [1], "content": "x", "tokens_evaluated": 3}
+
+    seen = []
+    assert ServerSide(Srv()).answer([1, 2, 3], 4, on_progress=seen.append, every=0.01).tokens == [1] and seen == []
 
 
 # ---------------------------------------------------------------- needle: the command against the fake server

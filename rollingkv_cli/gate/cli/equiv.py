@@ -19,7 +19,7 @@ MODES = ["window", "head", "auto", "off"]
 
 @click.command()
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--prompt-file", type=click.Path(path_type=Path),
               help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")
 @click.option("--synthetic-tokens", type=int, callback=positive, default=None,
               help="Decode N tokens of built-in deterministic public-domain prose.  [default: 2048]")
@@ -39,7 +39,7 @@ MODES = ["window", "head", "auto", "off"]
                    "report shows the plan's split.  [default: the library's, auto]")
 @click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
               help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
-@click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (flat keys, or per profile: same_type/quantized).")
 @click.option("--tail-baseline", is_flag=True,
               help="Quantized tail: also decode the resident cache with every K/V in the tail's type (the baseline): over the "

@@ -25,7 +25,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--needle/--no-needle", default=True, show_default=True, help="Also run the needle gate (f16 tail).")
 @click.option("--needle-filler-tokens", type=int, callback=positive, default=1536, show_default=True, help="The needle's filler length.")
 @click.option("--needle-depths", callback=fraction_list, default="0.5,0.85", show_default=True, help="The needle's placements.")
-@click.option("--thresholds", "thresholds_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (as for gate equiv).")
 @click.option("--tolerance", type=float, default=None, metavar="TV",
               help="Same-type cells on the CPU: accept a mean TV up to TV instead of requiring bit-identical logits (as gate equiv).")

@@ -16,7 +16,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")
-@click.option("--filler-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--filler-file", type=click.Path(path_type=Path), default=None,
               help="Take the filler from this text file (cut to --filler-tokens). Default: built-in prose without numbers.")
 @click.option("--depth", "--position", "depths", multiple=True, callback=fraction_list, metavar="F",
               help="Where the needle goes, as a fraction of the filler strictly between 0 and 1; repeat (or comma-separate) for several placements.  [default: 0.5, 0.85]")
