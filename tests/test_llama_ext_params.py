@@ -137,8 +137,8 @@ def test_api4_without_the_measure_function_is_not_hybrid(ext):
 
 
 def test_a_newer_library_is_refused(ext):
-    e = ext(7)
-    with pytest.raises(RollingKVError, match="version 7, newer than the 6"):
+    e = ext(8)
+    with pytest.raises(RollingKVError, match="version 8, newer than the 7"):
         e.make_params(mode="window")
 
 
