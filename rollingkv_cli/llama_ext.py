@@ -78,10 +78,11 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 6
+API_VERSION = 7
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
+API_TAIL_AUTO = 7  # the first API whose tail types take auto (LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner chooses them)
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -90,6 +91,8 @@ RESIDENCY_MODES = {"off": 0, "auto": 1, "head": 2, "window": 3}
 GGML_TYPE_COUNT_SENTINEL = -1  # resolved against the library's GGML_TYPE_COUNT at call time
 # ggml_type values (ggml.h of the pin) for the cache types users name
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+GGML_TYPE_COUNT = 43  # ggml.h of the pin
+TAIL_TYPE_AUTO = GGML_TYPE_COUNT + 1  # LLAMA_ROLLING_KV_TAIL_TYPE_AUTO (include/llama-rolling-kv.h, API 7)
 
 
 class RollingKVParams(ctypes.Structure):
@@ -239,7 +242,8 @@ class Extension:
         struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
         does; auto, a share or a CPU bandwidth there is refused. device_heads > 0: the head split's KV heads per layer on the
-        device (API 5; mode head or auto); head mode or device heads on an older library are refused."""
+        device (API 5; mode head or auto); head mode or device heads on an older library are refused. type_k_tail/type_v_tail:
+        a type name, None (the window's type) or "auto" (the planner chooses when the cache spills; API 7)."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -265,9 +269,14 @@ class Extension:
         p.vram_target_mib = int(vram_target_mib)
         p.window_cells = int(window_cells)
         for field, name in (("type_k_tail", type_k_tail), ("type_v_tail", type_v_tail)):
-            if name is not None:
+            if name == "auto":
+                if self.api < API_TAIL_AUTO:
+                    abort(f"{field} auto needs the planner's tail types (rolling-KV API {API_TAIL_AUTO}); this build has API "
+                          f"{self.api}", "rebuild with `rollingkv build`, or give the tail a type")
+                setattr(p, field, TAIL_TYPE_AUTO)
+            elif name is not None:
                 if name not in GGML_TYPES:
-                    abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
+                    abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}, or auto")
                 setattr(p, field, GGML_TYPES[name])
         p.pcie_bw_gbps = float(pcie_bw_gbps)
         # written on every library: one before API 4 never reads them (its default_params left them unwritten); None keeps
