@@ -233,6 +233,15 @@ def test_head_split(sim):
     assert types_of(sim["window_40"]) == ("q4_0", "q4_0") and sim["window_40"]["mode_chosen"] == "window"
 
 
+def test_serve_describes_the_choice(sim):
+    from rollingkv_cli import serving
+
+    line = serving.describe_tail_types(sim["big_tail"])
+    assert line.startswith("tail types (asked auto/auto): K q4_0, V q4_0 — auto: K q4_0, V q4_0: the tail's link-only time")
+    assert serving.describe_tail_types(sim["big_tail_f16"]) is None
+    assert line in serving.describe_plan_details(sim["big_tail"])
+
+
 # ------------------------------------------------------------------------ the live planner on the CPU build
 
 _LIVE = LIB_PRELUDE + """model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())
