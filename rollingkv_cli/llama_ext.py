@@ -84,6 +84,7 @@ API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 libra
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
 API_ELASTIC_WINDOWS = 7  # the first API with the window policy (elastic windows: the streams' device cells as one pool)
 WINDOW_POLICIES = {"elastic": 0, "static": 1}
+API_TAIL_AUTO = 7  # the first API whose tail types take auto (LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner chooses them)
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -92,6 +93,8 @@ RESIDENCY_MODES = {"off": 0, "auto": 1, "head": 2, "window": 3}
 GGML_TYPE_COUNT_SENTINEL = -1  # resolved against the library's GGML_TYPE_COUNT at call time
 # ggml_type values (ggml.h of the pin) for the cache types users name
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+GGML_TYPE_COUNT = 43  # ggml.h of the pin
+TAIL_TYPE_AUTO = GGML_TYPE_COUNT + 1  # LLAMA_ROLLING_KV_TAIL_TYPE_AUTO (include/llama-rolling-kv.h, API 7)
 
 
 class RollingKVParams(ctypes.Structure):
@@ -245,8 +248,9 @@ class Extension:
         struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
         does; auto, a share or a CPU bandwidth there is refused. device_heads > 0: the head split's KV heads per layer on the
-        device (API 5; mode head or auto); head mode or device heads on an older library are refused. windows: "elastic"
-        (the default) or "static" (API 7; an older library has static windows only, so "static" is what it does)."""
+        device (API 5; mode head or auto); head mode or device heads on an older library are refused. type_k_tail/type_v_tail:
+        a type name, None (the window's type) or "auto" (the planner chooses when the cache spills; API 7). windows:
+        "elastic" (the default) or "static" (API 7; an older library has static windows only, so "static" is what it does)."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -272,9 +276,14 @@ class Extension:
         p.vram_target_mib = int(vram_target_mib)
         p.window_cells = int(window_cells)
         for field, name in (("type_k_tail", type_k_tail), ("type_v_tail", type_v_tail)):
-            if name is not None:
+            if name == "auto":
+                if self.api < API_TAIL_AUTO:
+                    abort(f"{field} auto needs the planner's tail types (rolling-KV API {API_TAIL_AUTO}); this build has API "
+                          f"{self.api}", "rebuild with `rollingkv build`, or give the tail a type")
+                setattr(p, field, TAIL_TYPE_AUTO)
+            elif name is not None:
                 if name not in GGML_TYPES:
-                    abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}")
+                    abort(f"unknown cache type {name!r}", f"use one of {', '.join(GGML_TYPES)}, or auto")
                 setattr(p, field, GGML_TYPES[name])
         p.pcie_bw_gbps = float(pcie_bw_gbps)
         # written on every library: one before API 4 never reads them (its default_params left them unwritten); None keeps

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
-from rollingkv_cli.kvtypes import TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
+from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, WINDOW_TYPES  # the one list of KV types (the library's)
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
 
@@ -162,8 +162,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("parallel", "int", lo=1, hi=256),
     Setting("cache_type_k", "choice", choices=CACHE_TYPES),
     Setting("cache_type_v", "choice", choices=CACHE_TYPES),
-    Setting("cache_type_k_tail", "choice", choices=TAIL_TYPES),
-    Setting("cache_type_v_tail", "choice", choices=TAIL_TYPES),
+    Setting("cache_type_k_tail", "choice", choices=TAIL_TYPE_CHOICES),  # a type, or auto: the planner's when the cache spills
+    Setting("cache_type_v_tail", "choice", choices=TAIL_TYPE_CHOICES),
     Setting("pcie_bw_gbps", "float", lo=0),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("host", "str"),
@@ -292,6 +292,15 @@ def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> No
     if window and ctx and window > ctx:
         usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
                     "a window of the whole context is the resident cache: use --kv-residency-mode off")
+    auto = [where[k] for k in ("cache_type_k_tail", "cache_type_v_tail") if m.get(k) == TAIL_AUTO]
+    if auto and mode == "off":
+        usage_error(f"{' and '.join(auto)} auto chooses the type of a split's tail, and {where['kv_residency_mode']} off never splits",
+                    "use --kv-residency-mode auto or window, or give the tail a type")
+    slot_cells = ctx // parallel if ctx and parallel and parallel > 1 and not unified else ctx
+    if auto and window and slot_cells and window >= slot_cells:
+        usage_error(f"{where['kv_window_cells']} {window} holds each slot's whole context ({slot_cells} cells): nothing spills, so "
+                    f"{' and '.join(auto)} auto has no tail to choose a type for",
+                    f"give a window below {slot_cells} cells, or a tail type")
     if window and ctx and parallel and parallel > 1 and not unified and window > ctx // parallel:
         # llama-server gives each of N slots its own stream of ctx / N cells; the window is per stream
         usage_error(f"{where['kv_window_cells']} {window} is larger than each slot's context ({where['ctx_size']} {ctx} / "
@@ -346,17 +355,54 @@ def build_has_tail_cpu(lib: Path) -> bool:
         return False
 
 
+def _api_version(lib: Path) -> int:
+    """The library's rolling-KV API version (0 when it has none)."""
+    try:
+        fn = ctypes.CDLL(str(lib)).llama_rolling_kv_api_version
+    except (OSError, AttributeError):
+        return 0
+    fn.restype = ctypes.c_int32
+    fn.argtypes = []
+    return int(fn())
+
+
 def build_has_head_split(lib: Path) -> bool:
     """The build has the head split (rolling-KV API 5: its llama-server takes --kv-residency-mode head and --kv-device-heads)."""
     from rollingkv_cli.llama_ext import API_HEAD_SPLIT
 
-    try:
-        fn = ctypes.CDLL(str(lib)).llama_rolling_kv_api_version
-    except (OSError, AttributeError):
-        return False
-    fn.restype = ctypes.c_int32
-    fn.argtypes = []
-    return int(fn()) >= API_HEAD_SPLIT
+    return _api_version(lib) >= API_HEAD_SPLIT
+
+
+def build_has_tail_auto(lib: Path) -> bool:
+    """The build chooses tail types (rolling-KV API 7: its llama-server takes -ctkt/-ctvt auto)."""
+    from rollingkv_cli.llama_ext import API_TAIL_AUTO
+
+    return _api_version(lib) >= API_TAIL_AUTO
+
+
+def auto_tail_head_refusal(head_k: int, head_v: int, auto_k: bool, auto_v: bool, type_k: str, type_v: str) -> str | None:
+    """Why a requested head split cannot take the tail types auto would choose (None: it can). Auto picks q8_0 or q4_0
+    (blocks of 32 elements) for a wider window; a host head must hold whole blocks (the library refuses the same)."""
+    compact = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"}  # already compact: auto keeps the window's type
+    for axis, on, head, window in (("K", auto_k, head_k, type_k), ("V", auto_v, head_v, type_v)):
+        if on and window not in compact and head % 32 != 0:
+            return (f"the head split's host heads ({axis} head size {head}) cannot take the q8_0/q4_0 tail that "
+                    f"-ct{axis.lower()}t auto chooses (blocks of 32)")
+    return None
+
+
+def check_auto_tail_heads(s: ServeSettings) -> None:
+    """A requested head split (mode head or --kv-device-heads) with auto tail types: refused before llama-server starts
+    when the model's KV heads cannot take the compressed types auto would choose."""
+    auto_k, auto_v = s.cache_type_k_tail == TAIL_AUTO, s.cache_type_v_tail == TAIL_AUTO
+    if not (auto_k or auto_v) or not (s.kv_residency_mode == "head" or s.kv_device_heads is not None):
+        return
+    from rollingkv_cli.bench.gguf import read_model
+
+    info = read_model(s.model)
+    why = auto_tail_head_refusal(info.head_dim_k, info.head_dim_v, auto_k, auto_v, s.cache_type_k or "f16", s.cache_type_v or "f16")
+    if why:
+        usage_error(f"{s.model.name}: {why}", "give -ctkt/-ctvt a type that divides the heads (f16, bf16, f32), or split by window")
 
 
 def model_weight_bytes(model: Path) -> int:
@@ -489,6 +535,8 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
         return None, None
     if _given(s.extra_args, "--cpu-attn-gbps") or os.environ.get(ENV_CPU_ATTN, "").strip():
         return None, None
+    if s.cache_type_k_tail == TAIL_AUTO:
+        return None, "CPU attention: auto tail types: llama-server measures it for the type it chooses"
     type_k = s.cache_type_k_tail or s.cache_type_k or "f16"
     if type_k not in CPU_ATTN_TYPES:
         return None, f"CPU attention: the hybrid tail attends {', '.join(CPU_ATTN_TYPES)} tails on the CPU, not {type_k}"
@@ -709,10 +757,23 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     auto = plan.get("auto")
     if isinstance(auto, dict) and auto.get("reason"):  # auto weighed the window against the head split
         lines.append(auto["reason"])
+    line = describe_tail_types(plan)
+    if line:
+        lines.append(line)
     line = describe_tail_cpu(plan) if plan.get("split") else None  # the CPU part only where the tail is split
     if line:
         lines.append(line)
     return lines
+
+
+def describe_tail_types(plan: dict | None) -> str | None:
+    """The tail types the planner chose for auto (-ctkt/-ctvt auto) and why; None when no axis was auto or the build does
+    not report it."""
+    tt = (plan or {}).get("tail_types")
+    if not isinstance(tt, dict) or not tt.get("auto"):
+        return None
+    asked = "/".join(str(tt.get(k) or "=") for k in ("requested_k", "requested_v"))
+    return f"tail types (asked {asked}): K {tt.get('k')}, V {tt.get('v')} — {tt.get('reason') or '?'}"
 
 
 def describe_tail_cpu(plan: dict | None) -> str | None:
@@ -882,6 +943,11 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
 
     lib_types = library_tail_types(b.lib_dir)  # the build's own list: a build that takes fewer types says so here
     for flag, t in (("-ctkt", s.cache_type_k_tail), ("-ctvt", s.cache_type_v_tail)):
+        if t == TAIL_AUTO:
+            if not build_has_tail_auto(b.lib_dir / "libllama.so"):
+                abort(f"{flag} auto: the active build {b.dir} predates the planner's tail types (rolling-KV API 7)",
+                      "rebuild with `rollingkv build`, or give the tail a type")
+            continue
         if t is not None and lib_types is not None and t not in lib_types:
             abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
                   "pick one of those, or rebuild with `rollingkv build`")
@@ -895,6 +961,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     if (s.kv_residency_mode == "head" or s.kv_device_heads is not None) and not build_has_head_split(b.lib_dir / "libllama.so"):
         abort(f"the active build {b.dir} predates the head split (rolling-KV API 5): its llama-server refuses head mode",
               "rebuild with `rollingkv build`, or use --kv-residency-mode window")
+    check_auto_tail_heads(s)
     if s.vram_target is not None:
         weights_mib = model_weight_bytes(s.model) / 2**20
         if s.vram_target < weights_mib:

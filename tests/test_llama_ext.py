@@ -105,8 +105,11 @@ def test_the_tail_types_are_the_librarys(cpu_build):
 
     assert kvtypes.library_tail_types(cpu_build.lib_dir) == kvtypes.TAIL_TYPES
     assert "iq4_nl" not in kvtypes.TAIL_TYPES and "iq4_nl" in kvtypes.WINDOW_TYPES
-    assert SETTINGS["cache_type_k_tail"].choices == SETTINGS["cache_type_v_tail"].choices == kvtypes.TAIL_TYPES
+    # every option that takes a tail type takes the library's list and auto (the planner's choice), nothing else
+    assert kvtypes.TAIL_TYPE_CHOICES == kvtypes.TAIL_TYPES + ("auto",)
+    assert SETTINGS["cache_type_k_tail"].choices == SETTINGS["cache_type_v_tail"].choices == kvtypes.TAIL_TYPE_CHOICES
     assert tuple(gate_common.CACHE_TYPES) == kvtypes.TAIL_TYPES and set(arithmetic.CACHE_TYPES) == set(kvtypes.TAIL_TYPES)
+    assert tuple(gate_common.TAIL_CHOICES) == kvtypes.TAIL_TYPE_CHOICES
     cli_md = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "cli.md").read_text()
     assert f"T, a cache type: {', '.join(kvtypes.TAIL_TYPES)}" in cli_md
 

@@ -73,6 +73,7 @@ def test_struct_layout_appends_the_fields():
     assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == 4 and ctypes.sizeof(P) == 56
     assert llama_ext.API_VERSION == 7 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
     assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1}
+    assert llama_ext.API_TAIL_AUTO == 7
 
 
 @pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
@@ -140,6 +141,22 @@ def test_a_newer_library_is_refused(ext):
     e = ext(8)
     with pytest.raises(RollingKVError, match="version 8, newer than the 7"):
         e.make_params(mode="window")
+
+
+def test_auto_tail_types(ext):
+    """API 7: "auto" is LLAMA_ROLLING_KV_TAIL_TYPE_AUTO (GGML_TYPE_COUNT + 1 of the pin) per axis, a type its ggml_type;
+    an older library, which would refuse the value as an invalid type, is refused here with what to do."""
+    e = ext(7)
+    p = e.make_params(mode="window", type_k_tail="auto", type_v_tail="q8_0")
+    assert p.type_k_tail == llama_ext.TAIL_TYPE_AUTO == 44 and p.type_v_tail == 8
+    p = e.make_params(type_v_tail="auto")
+    assert p.type_v_tail == 44 and p.type_k_tail != 44
+    with pytest.raises(RollingKVError) as exc:
+        ext(6).make_params(type_k_tail="auto")
+    assert "API 7" in exc.value.message and "API 6" in exc.value.message and "rollingkv build" in exc.value.hint
+    with pytest.raises(RollingKVError, match="unknown cache type 'q2_K'") as exc:
+        e.make_params(type_k_tail="q2_K")
+    assert "auto" in exc.value.hint
 
 
 def test_head_split_params(ext):

@@ -13,6 +13,14 @@ extern "C" {
 // Version of the extension API below; bumped on any change to it.
 #define LLAMA_ROLLING_KV_API_VERSION 7
 
+// API 7: type_k_tail / type_v_tail may ask the planner to choose the tail's type (opt-in: a compressed tail is lossy).
+// When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
+// type otherwise, or q4_0 (for windows wider than q4_0) where the tail at those types would take longer over the link
+// than a token's resident part times LLAMA_RKV_AUTO_TAIL_Q4_RATIO (llama-kv-residency.h); nothing spills: the window's
+// type. The plan JSON's "tail_types" says what was chosen and why. Refused with mode off, with window_cells that leave no
+// tail and with a requested head split whose host heads the type's blocks do not divide.
+#define LLAMA_ROLLING_KV_TAIL_TYPE_AUTO ((enum ggml_type) (GGML_TYPE_COUNT + 1))
+
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
 LLAMA_API const char * llama_rolling_kv_build_info(void);
 
@@ -52,8 +60,8 @@ struct llama_rolling_kv_params {
     // the streaming op's staging ring; <= 0: the free VRAM when the cache is created, minus a reserve
     int64_t        vram_target_mib;
     int64_t        window_cells;    // > 0: explicit window size in cells per stream; 0: the planner decides
-    enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K
-    enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V
+    enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner's (API 7)
+    enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner's (API 7)
     float          pcie_bw_gbps;    // host->device bandwidth for the planner; <= 0: unknown (auto measures it)
     // the hybrid tail: the share of each split layer's tail cells (its far end, in 256-cell steps) that a GPU
     // attends on the CPU while it streams the rest. < 0: auto (the planner picks it from the link and CPU attention
@@ -112,7 +120,7 @@ struct llama_rolling_kv_plan_info {
     uint32_t       n_stream;
     uint32_t       window_cells;   // per stream; 0 when not split
     uint32_t       tail_cells;     // per stream; 0 when not split
-    enum ggml_type type_k_tail;    // GGML_TYPE_COUNT when unknown
+    enum ggml_type type_k_tail;    // GGML_TYPE_COUNT when unknown; the chosen type for an auto request
     enum ggml_type type_v_tail;
     size_t         device_bytes;   // K/V bytes of all layers in their device (window) buffers
     size_t         host_bytes;     // K/V bytes of all layers' tails in host memory

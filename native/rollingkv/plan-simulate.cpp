@@ -21,7 +21,9 @@
 // other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order), device_heads (the
 // request's, 0), n_head_kv (a number, or a list with one per layer whose K/V rows are then n_head_kv x head_k/head_v
 // elements; default n_embd_k_gqa/head_k), refuse_head (a reason the cache cannot split by head, e.g. ALiBi; a layer with
-// one KV head or a head size no cache type's block divides refuses by itself). (*: required.)
+// one KV head or a head size no cache type's block divides refuses by itself). type_k_tail/type_v_tail may be "auto" (the
+// planner chooses the split's tail type); op_unsupported_tails (a list of type names) models a device whose streaming op
+// refuses tails of those types. (*: required.)
 // Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
 // mode_chosen "refused" and the message in "error"; invalid input gives {"error": ..., "invalid_input": true}.
 // Returns the full length (excluding NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
@@ -379,8 +381,23 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.type_v = rkv_type_from_name(r.str("type_v", "f16"));
     const std::string tkt = r.str("type_k_tail", "");
     const std::string tvt = r.str("type_v_tail", "");
-    st.req.type_k_tail = tkt.empty() ? GGML_TYPE_COUNT : rkv_type_from_name(tkt);
-    st.req.type_v_tail = tvt.empty() ? GGML_TYPE_COUNT : rkv_type_from_name(tvt);
+    st.req.type_k_tail = tkt.empty() ? GGML_TYPE_COUNT : tkt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO : rkv_type_from_name(tkt);
+    st.req.type_v_tail = tvt.empty() ? GGML_TYPE_COUNT : tvt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO : rkv_type_from_name(tvt);
+    // as llama_init_from_model_rolling_kv: the cache describes itself at the window's types, the planner chooses the tail's
+    llama_rkv_take_auto_tail(st);
+    const bool k_auto_given = st.tail_auto_k;
+    const bool v_auto_given = st.tail_auto_v;
+    std::vector<ggml_type> op_unsupported;
+    {
+        const rkv_jv * u = r.at("op_unsupported_tails", rkv_jv::ARR, "a list of type names");
+        for (size_t i = 0; u && i < u->arr.size(); ++i) {
+            const ggml_type t = u->arr[i].kind == rkv_jv::STR ? rkv_type_from_name(u->arr[i].str) : GGML_TYPE_COUNT;
+            if (t == GGML_TYPE_COUNT) {
+                return rkv_invalid("op_unsupported_tails must list type names");
+            }
+            op_unsupported.push_back(t);
+        }
+    }
 
     const std::string dev_name    = r.str("device", "GPU0");
     const bool        host_memory = r.flag("host_memory", false);
@@ -445,7 +462,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
             return rkv_invalid("unsupported tail type");
         }
     }
-    if ((!tkt.empty() && st.req.type_k_tail == GGML_TYPE_COUNT) || (!tvt.empty() && st.req.type_v_tail == GGML_TYPE_COUNT)) {
+    if ((!tkt.empty() && !k_auto_given && st.req.type_k_tail == GGML_TYPE_COUNT) ||
+        (!tvt.empty() && !v_auto_given && st.req.type_v_tail == GGML_TYPE_COUNT)) {
         return rkv_invalid("unknown tail type");
     }
 
@@ -520,6 +538,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
         hl.n_head_kv         = heads(il);
         hl.head_bytes_window = ggml_row_size(st.type_k, st.head_k) + ggml_row_size(st.type_v, st.head_v);
         hl.head_bytes_tail   = ggml_row_size(type_k_tail, st.head_k) + ggml_row_size(type_v_tail, st.head_v);
+        hl.head_k            = (uint32_t) st.head_k;
+        hl.head_v            = (uint32_t) st.head_v;
         hl.conv_head_bytes   = (st.type_k != GGML_TYPE_F16 ? st.head_k*2 : 0) + (st.type_v != GGML_TYPE_F16 ? st.head_v*2 : 0);
         hl.device_heads      = hl.n_head_kv;
         st.head_layers.push_back(hl);
@@ -610,6 +630,17 @@ static std::string rkv_plan_simulate(const char * json_in) {
     if (link_measured > 0.0) {
         di.measure_link = [link_measured](std::string * how) { *how = "given (measured)"; return link_measured; };
     }
+    if (!op_unsupported.empty() && !host_memory) {
+        di.tail_op_unsupported = [op_unsupported, dev_name](ggml_type tk, ggml_type tv, bool) -> std::string {
+            for (ggml_type t : op_unsupported) {
+                if (t == tk || t == tv) {
+                    return "the " + dev_name + " backend cannot run the streaming op with a " + ggml_type_name(tk) + "/" +
+                           ggml_type_name(tv) + " tail (given)";
+                }
+            }
+            return "";
+        };
+    }
 
     const uint32_t wc = llama_rkv_decide(st, di);
 
@@ -630,8 +661,12 @@ static std::string rkv_plan_simulate(const char * json_in) {
                 lp.device_bytes = (size_t) st.kv_size*hl.device_heads*hl.head_bytes_window*st.n_stream;
                 lp.host_bytes   = (size_t) st.kv_size*(hl.n_head_kv - hl.device_heads)*hl.head_bytes_tail*st.n_stream;
             } else {
+                // the tail at the plan's types (auto tail types choose them after the split)
+                const uint64_t nk = per_layer_heads ? heads(il)*st.head_k : n_embd_k_gqa;
+                const uint64_t nv = per_layer_heads ? heads(il)*st.head_v : n_embd_v_gqa;
+                const size_t row_plan = wc ? ggml_row_size(st.type_k_tail, nk) + ggml_row_size(st.type_v_tail, nv) : 0;
                 lp.device_bytes = (size_t) (wc ? wc + 1 : st.kv_size)*row_w[il]*st.n_stream;
-                lp.host_bytes   = wc ? (size_t) (st.kv_size - wc + 1)*row_t[il]*st.n_stream : 0;
+                lp.host_bytes   = wc ? (size_t) (st.kv_size - wc + 1)*row_plan*st.n_stream : 0;
             }
             st.layers.push_back(lp);
         }

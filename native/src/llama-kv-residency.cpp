@@ -728,6 +728,183 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
 }
 
 //
+// auto tail types (see the header)
+//
+
+void llama_rkv_take_auto_tail(llama_rkv_state & st) {
+    if (st.req.type_k_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO) {
+        st.tail_auto_k     = true;
+        st.req.type_k_tail = GGML_TYPE_COUNT;
+    }
+    if (st.req.type_v_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO) {
+        st.tail_auto_v     = true;
+        st.req.type_v_tail = GGML_TYPE_COUNT;
+    }
+}
+
+// an auto axis' floor: q8_0 under a float window, else the window's own (already compact) type
+static ggml_type llama_rkv_auto_tail_floor(ggml_type window) {
+    return window == GGML_TYPE_F32 || window == GGML_TYPE_F16 || window == GGML_TYPE_BF16 ? GGML_TYPE_Q8_0 : window;
+}
+
+static double llama_rkv_bytes_per_elem(ggml_type t) {
+    return (double) ggml_type_size(t)/(double) ggml_blck_size(t);
+}
+
+// whether every layer's tail can hold type t: a window split stores whole rows of its blocks, a head split whole heads
+// (false when the layers' shapes are unknown, unless t is the window's type, which the cache holds already)
+static bool llama_rkv_tail_type_fits(const llama_rkv_state & st, ggml_type t, bool is_v, bool head) {
+    if (t == (is_v ? st.type_v : st.type_k)) {
+        return true;
+    }
+    if (st.head_layers.empty()) {
+        return false;
+    }
+    const uint64_t blck = (uint64_t) ggml_blck_size(t);
+    for (const auto & hl : st.head_layers) {
+        const uint64_t h = is_v ? hl.head_v : hl.head_k;
+        if (h == 0 || (head ? h : h*hl.n_head_kv) % blck != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the plan's tail-dependent figures at these types: the devices' K+V row bytes of the tail, the head layers' bytes of one
+// host head (0 where the type does not divide a head: no head split at it)
+static void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv) {
+    st.type_k_tail = tk;
+    st.type_v_tail = tv;
+    bool known = !st.head_layers.empty();
+    for (const auto & hl : st.head_layers) {
+        known = known && hl.head_k > 0 && hl.head_v > 0;
+    }
+    if (!known) {
+        return; // the figures stay as the cache described them (at the window's types)
+    }
+    for (auto & d : st.devs) {
+        d.row_bytes_tail = 0;
+    }
+    const int64_t bk = ggml_blck_size(tk);
+    const int64_t bv = ggml_blck_size(tv);
+    for (auto & hl : st.head_layers) {
+        hl.head_bytes_tail = hl.head_k % bk == 0 && hl.head_v % bv == 0 ?
+            ggml_row_size(tk, hl.head_k) + ggml_row_size(tv, hl.head_v) : 0;
+        const int64_t nk = (int64_t) hl.head_k*hl.n_head_kv;
+        const int64_t nv = (int64_t) hl.head_v*hl.n_head_kv;
+        if (hl.dev >= 0 && (size_t) hl.dev < st.devs.size() && nk % bk == 0 && nv % bv == 0) {
+            st.devs[hl.dev].row_bytes_tail += ggml_row_size(tk, nk) + ggml_row_size(tv, nv);
+        }
+    }
+}
+
+bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    st.tail_auto_t_res_ms  = -1.0;
+    st.tail_auto_t_link_ms = -1.0;
+
+    const ggml_type req_k = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
+    const ggml_type req_v = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
+
+    if (!st.tail_auto_k && !st.tail_auto_v) {
+        st.type_k_tail = req_k;
+        st.type_v_tail = req_v;
+        st.tail_types_reason = st.req.type_k_tail == GGML_TYPE_COUNT && st.req.type_v_tail == GGML_TYPE_COUNT ?
+            "the window's types (none requested)" : "requested";
+        return true;
+    }
+
+    const bool head           = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+    const bool head_requested = st.req.mode == LLAMA_KV_RESIDENCY_HEAD || st.req.device_heads > 0;
+    std::string notes;
+
+    // the floor of each auto axis, where every layer takes it; an explicit axis keeps its type
+    ggml_type fk = st.tail_auto_k ? llama_rkv_auto_tail_floor(st.type_k) : req_k;
+    ggml_type fv = st.tail_auto_v ? llama_rkv_auto_tail_floor(st.type_v) : req_v;
+    for (const bool is_v : { false, true }) {
+        ggml_type & f = is_v ? fv : fk;
+        const ggml_type window = is_v ? st.type_v : st.type_k;
+        if (!(is_v ? st.tail_auto_v : st.tail_auto_k) || llama_rkv_tail_type_fits(st, f, is_v, head)) {
+            continue;
+        }
+        if (head && head_requested) {
+            char buf[320];
+            snprintf(buf, sizeof(buf), "the head split's host heads (%s size %u) cannot take the %s tail that auto chooses (blocks of %d "
+                    "elements): give -ct%st a type that divides them, or split by window", is_v ? "V head" : "K head",
+                    st.head_layers.empty() ? 0u : (is_v ? st.head_layers[0].head_v : st.head_layers[0].head_k), ggml_type_name(f),
+                    (int) ggml_blck_size(f), is_v ? "v" : "k");
+            st.error = buf;
+            return false;
+        }
+        notes += std::string("; ") + (is_v ? "V" : "K") + ": " + ggml_type_name(f) + " blocks do not divide the " +
+                 (head ? "KV heads" : "rows") + ", the window's " + ggml_type_name(window);
+        f = window;
+    }
+    if (in.tail_op_unsupported && (fk != req_k || fv != req_v)) {
+        const std::string why = in.tail_op_unsupported(fk, fv, head);
+        if (!why.empty()) {
+            notes += "; " + why + ", the window's types";
+            fk = st.tail_auto_k ? st.type_k : req_k;
+            fv = st.tail_auto_v ? st.type_v : req_v;
+        }
+    }
+
+    // the link-only time of the split's tail at the floor types against the time of what the device reads
+    llama_rkv_retype_tail(st, fk, fv);
+    double dev_bytes = 0.0, tail_bytes = 0.0;
+    llama_rkv_token_bytes(st, head, st.window_cells, st.kv_size, dev_bytes, tail_bytes);
+
+    llama_rkv_link_source(st);
+    double link_bw = st.link_bw_gbps;
+    std::string link_how = st.link_bw_source;
+    if (link_bw <= 0.0 && in.measure_link) {
+        link_bw = in.measure_link(&link_how);
+    }
+    const bool known = !st.devs.empty() && st.mem_bw_gbps > 0.0 && link_bw > 0.0;
+    if (known) {
+        st.tail_auto_t_res_ms  = dev_bytes/(st.mem_bw_gbps*1e9)*1e3;
+        st.tail_auto_t_link_ms = tail_bytes/(link_bw*1e9)*1e3;
+    }
+
+    ggml_type ck = fk, cv = fv;
+    char buf[512];
+    if (known && st.tail_auto_t_link_ms > LLAMA_RKV_AUTO_TAIL_Q4_RATIO*st.tail_auto_t_res_ms) {
+        for (const bool is_v : { false, true }) {
+            ggml_type & c = is_v ? cv : ck;
+            const ggml_type window = is_v ? st.type_v : st.type_k;
+            if ((is_v ? st.tail_auto_v : st.tail_auto_k) && llama_rkv_bytes_per_elem(window) > llama_rkv_bytes_per_elem(GGML_TYPE_Q4_0)) {
+                if (llama_rkv_tail_type_fits(st, GGML_TYPE_Q4_0, is_v, head)) {
+                    c = GGML_TYPE_Q4_0;
+                } else {
+                    notes += std::string("; ") + (is_v ? "V" : "K") + ": q4_0 blocks do not divide the " + (head ? "KV heads" : "rows");
+                }
+            }
+        }
+        if (in.tail_op_unsupported && (ck != fk || cv != fv)) {
+            const std::string why = in.tail_op_unsupported(ck, cv, head);
+            if (!why.empty()) {
+                notes += "; " + why;
+                ck = fk;
+                cv = fv;
+            }
+        }
+        snprintf(buf, sizeof(buf), "auto: K %s, V %s: the tail's link-only time at %s/%s (%.3g ms/token at full context) exceeds %g x "
+                "the resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), ggml_type_name(fk), ggml_type_name(fv),
+                st.tail_auto_t_link_ms, LLAMA_RKV_AUTO_TAIL_Q4_RATIO, st.tail_auto_t_res_ms);
+    } else if (known) {
+        snprintf(buf, sizeof(buf), "auto: K %s, V %s (the floor): the tail's link-only time (%.3g ms/token at full context) is within "
+                "%g x the resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), st.tail_auto_t_link_ms,
+                LLAMA_RKV_AUTO_TAIL_Q4_RATIO, st.tail_auto_t_res_ms);
+    } else {
+        snprintf(buf, sizeof(buf), "auto: K %s, V %s (the floor): the link-only time cannot be weighed against the resident time (%s)",
+                ggml_type_name(ck), ggml_type_name(cv),
+                st.devs.empty() ? "no device was budgeted" : st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : link_how.c_str());
+    }
+    st.tail_types_reason = buf + notes;
+    llama_rkv_retype_tail(st, ck, cv);
+    return true;
+}
+
+//
 // decision
 //
 
@@ -739,6 +916,10 @@ static uint32_t llama_rkv_resident(llama_rkv_state & st, std::string reason, boo
     st.tail_cells   = 0;
     st.type_k_tail  = st.type_k;
     st.type_v_tail  = st.type_v;
+    st.tail_auto_t_res_ms  = -1.0;
+    st.tail_auto_t_link_ms = -1.0;
+    st.tail_types_reason = !st.error.empty() ? "refused (see error)" :
+        st.tail_auto_k || st.tail_auto_v ? "auto: nothing spills (resident): the window's types" : "no tail (resident)";
     llama_rkv_heads_whole(st);
     return 0;
 }
@@ -812,15 +993,17 @@ static bool llama_rkv_check_explicit(llama_rkv_state & st, const llama_rkv_decid
     return true;
 }
 
-// a split was chosen (st.chosen, st.reason): the link model, the hybrid tail's share and the logs
-static void llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_in & in) {
-    st.eligible    = true;
-    st.type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
-    st.type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
+// a split was chosen (st.chosen, st.reason): the tail types, the link model, the hybrid tail's share and the logs; false
+// (st.error set) when the tail types refuse the request
+static bool llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    st.eligible = true;
 
     // the link model: only a split needs the device's memory bandwidth (auto may have measured it already)
     if (!st.devs.empty() && in.measure && st.mem_bw_gbps <= 0.0) {
         st.mem_bw_gbps = in.measure(&st.mem_bw_source);
+    }
+    if (!llama_rkv_choose_tail_types(st, in)) {
+        return false;
     }
     llama_rkv_plan_estimate(st);
     llama_rkv_plan_tail_cpu(st, in);
@@ -842,7 +1025,12 @@ static void llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_
         if (!st.auto_reason.empty()) {
             LLAMA_LOG_INFO("%s: rolling KV: %s\n", __func__, st.auto_reason.c_str());
         }
+        if (st.tail_auto_k || st.tail_auto_v) {
+            LLAMA_LOG_INFO("%s: rolling KV: tail types K %s, V %s (%s)\n", __func__, ggml_type_name(st.type_k_tail),
+                    ggml_type_name(st.type_v_tail), st.tail_types_reason.c_str());
+        }
     }
+    return true;
 }
 
 static uint32_t llama_rkv_choose_window(llama_rkv_state & st, uint32_t wc, std::string reason) {
@@ -895,6 +1083,11 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
         }
         if (!any) {
             st.devs.clear();
+            if (st.tail_auto_k || st.tail_auto_v) {
+                st.error = "device_heads " + std::to_string(n) + " keeps every KV head on the device (" + std::to_string(n_max) +
+                    " per layer): nothing spills, so auto has no tail to choose a type for; give fewer device heads, or a tail type";
+                return llama_rkv_resident(st, st.error);
+            }
             return llama_rkv_resident(st, "device_heads " + std::to_string(n) + " >= the KV heads of every layer (" +
                     std::to_string(n_max) + "): the whole cache on the device (resident)");
         }
@@ -916,7 +1109,9 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
         }
         llama_rkv_choose_head(st, std::string(llama_rkv_mode_name(req.mode)) + ": explicit " + std::to_string(n) +
                 " device KV heads per layer");
-        llama_rkv_finish_split(st, in);
+        if (!llama_rkv_finish_split(st, in)) {
+            return llama_rkv_resident(st, st.error);
+        }
         return 0;
     }
 
@@ -954,7 +1149,9 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
     }
     llama_rkv_choose_head(st, std::string("head: the most KV heads per layer that fit the ") +
             (target > 0 ? "vram_target" : "free VRAM") + " budget");
-    llama_rkv_finish_split(st, in);
+    if (!llama_rkv_finish_split(st, in)) {
+        return llama_rkv_resident(st, st.error);
+    }
     return 0;
 }
 
@@ -969,9 +1166,21 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     st.cost_window = {};
     st.cost_head   = {};
 
+    const bool tail_auto = st.tail_auto_k || st.tail_auto_v;
+    if (tail_auto) {
+        // plan at the window's types (a plan made before on this state may have left the chosen ones)
+        llama_rkv_retype_tail(st, st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail,
+                st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail);
+    }
+
     // the answers that need no budget report none
     if (req.mode == LLAMA_KV_RESIDENCY_OFF) {
         st.devs.clear();
+        if (tail_auto) {
+            st.error = "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto or window, "
+                       "or give the tail a type";
+            return llama_rkv_resident(st, st.error);
+        }
         return llama_rkv_resident(st, "mode off: the upstream resident cache");
     }
     if (in.refuse) {
@@ -993,6 +1202,11 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
 
     if (explicit_wc && (uint64_t) req.window_cells >= st.kv_size) {
         st.devs.clear();
+        if (tail_auto) {
+            st.error = "window_cells " + std::to_string(req.window_cells) + " holds the whole cache (" + std::to_string(st.kv_size) +
+                " cells per stream): nothing spills, so auto has no tail to choose a type for; give a smaller window, or a tail type";
+            return llama_rkv_resident(st, st.error);
+        }
         return llama_rkv_resident(st, "window_cells >= kv_size: the whole cache is the window (resident)");
     }
 
@@ -1021,7 +1235,9 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
         char buf[256];
         snprintf(buf, sizeof(buf), "%s: explicit window of %u cells", llama_rkv_mode_name(req.mode), wc);
         llama_rkv_choose_window(st, wc, buf);
-        llama_rkv_finish_split(st, in);
+        if (!llama_rkv_finish_split(st, in)) {
+            return llama_rkv_resident(st, st.error);
+        }
         return wc;
     }
 
@@ -1112,7 +1328,9 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     if (head) {
         llama_rkv_choose_head(st, std::string("auto: the most KV heads per layer that fit the ") +
                 (target > 0 ? "vram_target" : "free VRAM") + " budget");
-        llama_rkv_finish_split(st, in);
+        if (!llama_rkv_finish_split(st, in)) {
+            return llama_rkv_resident(st, st.error);
+        }
         return 0;
     }
 
@@ -1120,7 +1338,9 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     snprintf(buf, sizeof(buf), "%s: window of %u cells, the largest multiple of %u that fits the %s budget",
             llama_rkv_mode_name(req.mode), wc, LLAMA_RKV_WINDOW_ALIGN, target > 0 ? "vram_target" : "free VRAM");
     llama_rkv_choose_window(st, wc, buf);
-    llama_rkv_finish_split(st, in);
+    if (!llama_rkv_finish_split(st, in)) {
+        return llama_rkv_resident(st, st.error);
+    }
     return wc;
 }
 
@@ -1201,6 +1421,9 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
     for (auto & hl : st.head_layers) {
         hl.dev = -1;
         hl.device_heads = hl.n_head_kv;
+        // the head shapes, for the figures of another tail type (auto tail types)
+        hl.head_k = model.hparams.n_embd_head_k(hl.il);
+        hl.head_v = model.hparams.n_embd_head_v(hl.il);
     }
 
     const bool needs_devices = req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_WINDOW ||
@@ -1327,13 +1550,28 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
         }
         if (!in.host_memory && bw_dev) {
             const int n_threads = st.n_threads;
-            in.measure_cpu_attn = [n_threads, type_k_tail](std::string * how) {
-                return llama_rkv_measure_cpu_attn_bw(n_threads, type_k_tail, how);
+            // the tail's K type as the plan chose it (auto tail types decide it after the split)
+            in.measure_cpu_attn = [n_threads, &st](std::string * how) {
+                return llama_rkv_measure_cpu_attn_bw(n_threads, st.type_k_tail, how);
             };
             in.measure_link = [bw_dev](std::string * how) {
                 return llama_rkv_measure_link_bw(bw_dev, how);
             };
         }
+    }
+
+    // auto tail types: whether the devices run the streaming op with a candidate's types
+    if (!in.host_memory && (st.tail_auto_k || st.tail_auto_v)) {
+        in.tail_op_unsupported = [&desc, &st](ggml_type tk, ggml_type tv, bool head) -> std::string {
+            for (const auto & g : desc.groups) {
+                if (llama_rkv_dev_is_gpu(g.dev) && !llama_rkv_dev_supports_split(g.dev, g, desc.n_stream, st.n_ubatch,
+                            desc.type_k, desc.type_v, tk, tv, head)) {
+                    return std::string("the ") + ggml_backend_dev_name(g.dev) + " backend cannot run the streaming op with a " +
+                           ggml_type_name(tk) + "/" + ggml_type_name(tv) + " tail";
+                }
+            }
+            return "";
+        };
     }
 
     const uint32_t wc = llama_rkv_decide(st, in);

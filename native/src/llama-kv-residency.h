@@ -54,6 +54,22 @@
 // with the context while the latency term does not, so auto's share is chosen again for the tail in use whenever a
 // graph is built (llama_rkv_tail_cpu_frac_at: the same model with the tail's terms scaled to its cells): no CPU part
 // while the tail is too short to pay for one, the full-context share once the tail is whole.
+//
+// Auto tail types (llama_rkv_choose_tail_types; a request's LLAMA_ROLLING_KV_TAIL_TYPE_AUTO, opt-in because a compressed
+// tail is lossy): the cache describes itself and the budget is made at the window's types (the window's bytes, and a ring
+// for rows never narrower than the chosen tail's), then, once the split is chosen, each auto axis gets:
+//   nothing spills (resident):                                 the window's type
+//   the floor: q8_0 for an f32/f16/bf16 window, else the window's own type (q8_0, q5_*, q4_*: compact already)
+//   q4_0 (for windows wider than q4_0) where   t_link(floor) > LLAMA_RKV_AUTO_TAIL_Q4_RATIO x t_resident
+// with t_link(floor) the link-only time of the split's tail at full context at the floor types (an explicit axis at its
+// own type) and t_resident the device's bytes over its bandwidth (the link model above): where the link would still
+// take longer than everything the device reads, q4_0 halves it again (q4_0 moves 0.53x the bytes of q8_0). A bandwidth
+// unknown: the floor, saying so. A candidate type whose blocks do not divide the rows (a window split) or the KV heads (a
+// head split), or that the device's streaming op does not run, falls back to the next (q4_0 -> floor -> the window's
+// type). The choice is made with every plan (each context, each llama-bench instance, each simulation) from that plan's
+// split, and the tail is allocated at it for the cache's life. Refused (st.error): auto with mode off, with an explicit
+// window that leaves no tail, with a requested head split (mode head, device_heads) whose host heads the candidate's
+// blocks do not divide.
 #pragma once
 
 #include "llama-rolling-kv.h"
@@ -90,6 +106,9 @@ static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.09;
 // the synthetic 28-layer model resident in 3.45 ms where its bytes take 1.77 ms at the measured 3948 GB/s: 0.06 ms a
 // layer (docs/perf/2026-12-03-h200-head-split). Without it the model thought a q4_0 tail's CPU part free and auto lost 23 %.
 static const double   LLAMA_RKV_LAYER_DECODE_MS = 0.06;
+// auto tail types: q4_0 where the tail's link-only time at the floor types exceeds this multiple of the resident time, i.e.
+// where the link would still dominate the token (q4_0 then saves at least 0.47/2 = 23 % of it over q8_0)
+static const double   LLAMA_RKV_AUTO_TAIL_Q4_RATIO = 1.0;
 
 // "off", "auto", "head", "window" (llama_kv_residency_mode_name)
 const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode);
@@ -115,6 +134,8 @@ struct llama_rkv_head_layer {
     size_t   conv_head_bytes   = 0;  // f16 copy of one head's K/V per cell and stream that CUDA flash attention makes of
                                      // non-f16 K/V (GPU devices only; see llama_rkv_dev_budget::conv_cell_bytes)
     uint32_t device_heads      = 0;  // outcome: KV heads on the device (n_head_kv: not split)
+    uint32_t head_k            = 0;  // K and V elements of one KV head (the planner's, for auto tail types; 0: unknown)
+    uint32_t head_v            = 0;
 };
 
 // one tactic's cost for auto (llama_rkv_choose), at full context
@@ -266,6 +287,14 @@ struct llama_rkv_state {
     double      t_resident_ms = -1.0;
     double      t_tail_ms     = -1.0;
     double      t_token_ms    = -1.0;
+
+    // auto tail types (llama_rkv_choose_tail_types): the axes the request left to the planner (st.req holds
+    // GGML_TYPE_COUNT for them, so the cache describes itself at the window's types), what the rule saw, and why
+    bool        tail_auto_k      = false;
+    bool        tail_auto_v      = false;
+    double      tail_auto_t_res_ms  = -1.0; // t_resident and the link-only time at the floor types (< 0: unknown)
+    double      tail_auto_t_link_ms = -1.0;
+    std::string tail_types_reason;
 
     // the hybrid tail (llama_rkv_plan_tail_cpu)
     int32_t     n_threads        = 0;     // the CPU part's threads (ggml_rkv_get_cpu_threads)
@@ -431,7 +460,18 @@ struct llama_rkv_decide_in {
     // called only for an auto split on a GPU (unset: unknown)
     std::function<double(std::string *)> measure_cpu_attn;
     std::function<double(std::string *)> measure_link;
+    // auto tail types: why a device cannot run the streaming op with these tail types ("": it can; unset: every device can)
+    std::function<std::string(ggml_type type_k_tail, ggml_type type_v_tail, bool head)> tail_op_unsupported;
 };
+
+// moves a request's LLAMA_ROLLING_KV_TAIL_TYPE_AUTO axes into st.tail_auto_k/v (st.req then holds GGML_TYPE_COUNT for
+// them: the window's type until the planner chooses); before the cache describes itself
+void llama_rkv_take_auto_tail(llama_rkv_state & st);
+
+// the tail types of a split plan for the axes the request left to the planner (see the header), with st.type_k_tail/
+// type_v_tail, the devices' row_bytes_tail and the head layers' head_bytes_tail set to them; false (st.error) when a
+// requested head split's host heads cannot take the type
+bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in & in);
 
 // st.req, st.kv_size, st.n_stream, st.type_k/v and the inputs of st.devs in: the window cells per stream (0:
 // resident), the plan in st (st.error set, 0 returned, when the request is refused)

@@ -175,6 +175,22 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         res += ",\"reason\":" + llama_rkv_json_str(st->auto_reason) + "}";
     }
 
+    // the tail types: what was asked for per axis ("auto", a type, or null: the window's), what the plan holds and why
+    {
+        auto requested = [](bool is_auto, ggml_type t) {
+            return is_auto ? std::string("\"auto\"") : t == GGML_TYPE_COUNT ? std::string("null") : llama_rkv_json_str(ggml_type_name(t));
+        };
+        res += ",\"tail_types\":{\"requested_k\":" + requested(st->tail_auto_k, st->req.type_k_tail);
+        res += ",\"requested_v\":" + requested(st->tail_auto_v, st->req.type_v_tail);
+        res += std::string(",\"auto\":") + (st->tail_auto_k || st->tail_auto_v ? "true" : "false");
+        res += ",\"k\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
+        res += ",\"v\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
+        res += ",\"q4_ratio\":" + llama_rkv_json_num(LLAMA_RKV_AUTO_TAIL_Q4_RATIO);
+        res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->tail_auto_t_res_ms);
+        res += ",\"t_link_floor_ms\":" + llama_rkv_json_num(st->tail_auto_t_link_ms);
+        res += ",\"reason\":" + llama_rkv_json_str(st->tail_types_reason) + "}";
+    }
+
     res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
     res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
     res += ",\"type_k_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
@@ -369,7 +385,15 @@ struct llama_context * llama_init_from_model_rolling_kv(
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
+    const bool tail_auto = req.type_k_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO || req.type_v_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO;
+    if (tail_auto && req.mode == LLAMA_KV_RESIDENCY_OFF) {
+        return llama_rkv_fail(__func__, "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto "
+                "or window, or give the tail a type");
+    }
     for (ggml_type t : { req.type_k_tail, req.type_v_tail }) {
+        if (t == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO) {
+            continue;
+        }
         if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !ggml_rkv_tail_type_supported(t))) {
             return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of %s",
                     ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)", ggml_rkv_tail_type_names());
@@ -379,6 +403,7 @@ struct llama_context * llama_init_from_model_rolling_kv(
     // the cache constructor plans with this request (mode off: the upstream cache, the plan only reports it)
     auto st = std::make_shared<llama_rkv_state>();
     st->req = req;
+    llama_rkv_take_auto_tail(*st); // the cache describes itself at the window's types; the planner chooses the tail's
 
     // what the cache constructor cannot see, resolved as llama_context resolves it (causal models: the batch is
     // capped by the context), for the compute buffer estimate and the size of an iSWA model's SWA cache

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.kvtypes import TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
+from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
 SKIPPABLE = ["auto", "ngl", "nkvo"]
@@ -43,7 +43,7 @@ def _names(value: str, allowed: list[str], what: str) -> list[str]:
 
 
 def _types(ctx, param, value: str):
-    out = _names(value, CACHE_TYPES, "tail type")
+    out = _names(value, [*CACHE_TYPES, TAIL_AUTO], "tail type")
     if not out:
         raise click.BadParameter("give at least one tail type")
     return out
@@ -125,7 +125,8 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("-r", "--reps", type=int, callback=_positive, default=3, show_default=True, help="Repetitions per cell (llama-bench -r).")
 @click.option("--vanilla-reps", type=int, callback=_positive, default=None, help="Repetitions of the vanilla -ngl/-nkvo cells (slow).  [default: --reps]")
 @click.option("--tail-types", "tail_types", default="f16,q8_0,q4_0", show_default=True, callback=_types,
-              help=f"Comma-separated tail K/V types (-ctkt/-ctvt): {', '.join(CACHE_TYPES)}.")
+              help=f"Comma-separated tail K/V types (-ctkt/-ctvt): {', '.join(CACHE_TYPES)}, or auto (the planner's choice, "
+                   "given the run's link figure; the report names the type it chose).")
 @click.option("--fractions", default="0,0.25,0.5,0.75,1", show_default=True, callback=_fractions,
               help="Tail fractions of the KV cells for the tail type equal to the window type (0.5 or 50%).")
 @click.option("--mixed-fractions", default="0.5", show_default=True, callback=_fractions,
@@ -221,7 +222,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     if not bench_bin.is_file():
         abort(f"the build {build.dir} has no llama-bench", "run `rollingkv build` (it builds llama-bench)")
     info = gguf.read_model(model)
-    for t in sorted({window_type, *tail_types}):
+    for t in sorted({window_type, *tail_types} - {TAIL_AUTO}):  # auto: whatever the planner picks fits (it checks)
         try:
             info.kv.row_bytes(t, t)
         except ValueError as e:

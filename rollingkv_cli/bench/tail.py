@@ -34,7 +34,9 @@ DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
 # the hybrid cells' CPU part (--kv-tail-cpu-frac): auto by default, the library's default (what users get); the window cells
 # are the GPU-only ones (0)
 DEFAULT_CPU_FRACS: tuple = ("auto",)
-LINK_PLACEHOLDER = "MEASURED"  # in a hybrid auto cell's args until the run knows the link bandwidth the plan is given
+LINK_PLACEHOLDER = "MEASURED"  # in an auto cell's args (hybrid, tail type) until the run knows the link bandwidth the plan is given
+TAIL_AUTO = "auto"  # a tail type the planner chooses (kvtypes.TAIL_AUTO)
+AUTO_CANDIDATES = ("q8_0", "q4_0")  # what auto may choose under a float window
 DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25
 
@@ -175,9 +177,14 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                 tcells = bm.tail_cells_per_token(depth, cfg.n_gen, w)
                 gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
                 c = cell("window", "", cfg.bench,
-                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t, *gpu_only], cfg.reps,
+                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t, *gpu_only,
+                          *_auto_tail_link(cfg, t)], cfg.reps,
                          tail_type=t, fractions=[f], window_cells=w, tail_fraction=bm.tail_fraction(w, depth, cfg.n_gen),
-                         tail_cells_per_token=tcells, tail_bytes_per_token=tcells * model.kv.row_bytes(t, t))
+                         tail_cells_per_token=tcells,
+                         # auto: the bytes of the type the plan chooses, known once the cell ran (fill_measurement)
+                         tail_bytes_per_token=0.0 if t == TAIL_AUTO else tcells * model.kv.row_bytes(t, t))
+                if t == TAIL_AUTO:
+                    c["command_key"] = c["command"]  # what --resume matches: the link placeholder, not the figure filled in
                 window_cells[key] = c
         for c in window_cells.values():
             req = "/".join(_pct(f) for f in c["fractions"])
@@ -214,6 +221,8 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                     extra += ["--pcie-bw-gbps", link]
                 t, w = w_cell["tail_type"], w_cell["window_cells"]
                 split = ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t]
+                if link is None:
+                    split += _auto_tail_link(cfg, t)
                 h = cell("hybrid", "", cfg.bench, split + extra, cfg.reps,
                          **{k: w_cell[k] for k in ("tail_type", "window_cells", "tail_fraction", "tail_cells_per_token", "tail_bytes_per_token")},
                          fractions=list(w_cell["fractions"]), cpu_frac=frac, cpu_frac_chosen=None,
@@ -243,6 +252,14 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
     return cells
 
 
+def _auto_tail_link(cfg: TailConfig, tail_type: str) -> list[str]:
+    """An auto tail type's plan weighs the tail's link time against the resident time: give it the link figure the floors
+    use (the run's measurement fills LINK_PLACEHOLDER in, bind_link), as for the hybrid auto cells."""
+    if tail_type != TAIL_AUTO:
+        return []
+    return ["--pcie-bw-gbps", f"{cfg.pcie_bw_gbps:g}" if cfg.pcie_bw_gbps is not None else LINK_PLACEHOLDER]
+
+
 def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
     """The head split's cells at a depth: for each tail type and --head-fractions f, N = round((1 - f) x n_head_kv) KV heads of
     every layer on the device (the VRAM of the window cell at f, at full context), the others streamed from host memory for
@@ -263,10 +280,13 @@ def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
                 continue
             host = sum(h - min(n, h) for h in model.n_head_kv)
             c = cell("head", f"head {t} {_pct(host / total)} tail ({n} of {h_max} KV heads on the device)", cfg.bench,
-                     ["-ngl", "99", "--kv-residency-mode", "head", "--kv-device-heads", str(n), "-ctkt", t, "-ctvt", t, *gpu_only],
+                     ["-ngl", "99", "--kv-residency-mode", "head", "--kv-device-heads", str(n), "-ctkt", t, "-ctvt", t, *gpu_only,
+                      *_auto_tail_link(cfg, t)],
                      cfg.reps, tail_type=t, fractions=[f], device_heads=n, tail_fraction=host / total,
-                     tail_bytes_per_token=bm.head_tail_bytes_per_token(model.n_head_kv, n, model.head_dim_k, model.head_dim_v,
-                                                                        depth, cfg.n_gen, t, t))
+                     tail_bytes_per_token=0.0 if t == TAIL_AUTO else  # auto: the chosen type's, once the cell ran
+                     bm.head_tail_bytes_per_token(model.n_head_kv, n, model.head_dim_k, model.head_dim_v, depth, cfg.n_gen, t, t))
+            if t == TAIL_AUTO:
+                c["command_key"] = c["command"]
             seen[(t, n)] = c
             cells.append(c)
     return cells
@@ -363,6 +383,9 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
                                              "type_k", "type_v", "model_size", "test_time", "build_commit")}
     if "kv_mode_chosen" in row:
         cell["plan"] = {k: row.get(k) for k in ("kv_mode", "kv_mode_chosen", "window_cells", "tail_cells", "type_k_tail", "type_v_tail")}
+        for k in ("type_k_tail_chosen", "type_v_tail_chosen"):  # the types the plan chose (API 7 builds): auto's choice
+            if k in row:
+                cell["plan"][k] = row[k]
         for k in ("kv_device_heads", "heads_device", "heads_host"):  # the head split (API 5 builds)
             if k in row:
                 cell["plan"][k] = row[k]
@@ -380,7 +403,9 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
         split = plan.get("kv_mode_chosen") == "head"
         if not split:
             cell["note"] = f"asked for {cell['device_heads']} device KV heads per layer, the plan chose {plan.get('kv_mode_chosen')}: no tail"
-        t, tv = plan.get("type_k_tail"), plan.get("type_v_tail")
+        t, tv = plan.get("type_k_tail_chosen") or plan.get("type_k_tail"), plan.get("type_v_tail_chosen") or plan.get("type_v_tail")
+        if cell.get("tail_type") == TAIL_AUTO:
+            cell["tail_type_chosen"] = f"{t}/{tv}" if split else None
         heads = [min(cell["device_heads"], h) for h in model.n_head_kv]
         if split and plan.get("heads_device") is not None and int(plan["heads_device"]) != sum(heads):
             cell["note"] = f"asked for {cell['device_heads']} device KV heads per layer ({sum(heads)} in all), the plan kept {plan['heads_device']}"
@@ -396,8 +421,12 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
             cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan chose {plan.get('kv_mode_chosen')}: no tail"
         if fixed and split and w != cell["window_cells"]:
             cell["note"] = f"asked for a window of {cell['window_cells']} cells, the plan made {w}"
-        t = plan.get("type_k_tail") if split else None
-        tv = plan.get("type_v_tail") if split else None
+        t = (plan.get("type_k_tail_chosen") or plan.get("type_k_tail")) if split else None
+        tv = (plan.get("type_v_tail_chosen") or plan.get("type_v_tail")) if split else None
+        if cell.get("tail_type") == TAIL_AUTO:
+            cell["tail_type_chosen"] = f"{t}/{tv}" if split else None
+            if split and t not in bm.TYPE_BLOCK:
+                cell["note"] = "an auto tail type, but this llama-bench does not report the type its plan chose"
         tcells = bm.tail_cells_per_token(cell["depth"], cell["n_gen"], w if split else None)
         cell["tail_cells_per_token"] = tcells
         cell["tail_bytes_per_token"] = tcells * model.kv.row_bytes(t, tv) if split and t in bm.TYPE_BLOCK and tv in bm.TYPE_BLOCK else 0.0
@@ -430,7 +459,8 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
         c["stretch_floor_ms"] = stretch * 1e3
         c["ratio_floor"] = t / serial
         c["ratio_stretch"] = t / stretch
-        cpu = (cpu_gbps or {}).get(c.get("tail_type")) if c["kind"] == "hybrid" else None
+        k_type = (c.get("tail_type_chosen") or "").split("/")[0] or c.get("tail_type")  # auto: the K type the plan chose
+        cpu = (cpu_gbps or {}).get(k_type) if c["kind"] == "hybrid" else None
         if isinstance(cpu, (int, float)) and cpu > 0:
             h_serial, h_over = bm.hybrid_floors(t_res, c.get("tail_bytes_per_token") or 0.0, gbps * 1e9, cpu * 1e9)
             c["cpu_attn_gbps"] = cpu
@@ -474,7 +504,9 @@ def measure_cpu_attn(cfg: TailConfig) -> dict:
     from rollingkv_cli import cpu_attn
 
     n = cpu_attn.part_threads()
-    types = tuple(t for t in dict.fromkeys(cfg.tail_types) if t in cpu_attn.CPU_ATTN_TYPES)
+    # auto: the types it may choose under an f16/bf16/f32 window (the q8_0 floor, q4_0), or the window's own
+    asked = [t for tt in cfg.tail_types for t in ((AUTO_CANDIDATES + (cfg.window_type,)) if tt == TAIL_AUTO else (tt,))]
+    types = tuple(t for t in dict.fromkeys(asked) if t in cpu_attn.CPU_ATTN_TYPES)
     out = {"gbps": None, "n_threads": n, "threads_source": "the CPU part's (every CPU but one, or $ROLLINGKV_CPU_PART_THREADS; not -t)",
            "types": list(types), "source": None,
            "note": "libllama's calibration (llama_rolling_kv_measure_cpu_attn_gbps: GB/s of K+V read by the CPU decode attention "
@@ -555,6 +587,8 @@ def _num(v: float | None, fmt: str = ".3g") -> str:
 
 def cell_line(c: dict) -> str:
     """One cell as console markup (its label and error are escaped: stderr lines hold brackets)."""
+    if c["status"] == "ok" and c.get("tail_type_chosen"):
+        c = dict(c, label=f"{c['label']} (chose {c['tail_type_chosen']})")
     if c["status"] != "ok":
         return f"{esc(str(c['label']))} at d={c['depth']}: [red]{esc(str(c['status']))}[/]" + (f" ({esc(str(c.get('error')))})" if c.get("error") else "")
     s = f"{esc(str(c['label']))} at d={c['depth']}: [bold]{c['tokens_per_s']:.4g} tok/s[/] (±{c.get('stddev_ts', 0):.2g}), {c['ms_per_token']:.3g} ms/token"
@@ -594,7 +628,7 @@ def print_report(doc: dict) -> None:
         for c in cells:
             ok = c["status"] == "ok"
             tb.add_row(
-                esc(str(c["label"])),
+                esc(str(c["label"]) + (f" (→{c['tail_type_chosen']})" if c.get("tail_type_chosen") else "")),
                 f"h{c['device_heads']}" if c["kind"] == "head" else "-" if c.get("window_cells") is None else str(c["window_cells"]),
                 _pct(c["tail_fraction"]) if c["kind"] in ("window", "hybrid", "head") else "-",
                 _cpu_cell(c),

@@ -64,8 +64,10 @@ class _ServeCommand(click.Command):
 @_setting("-np", "--parallel", key="parallel", metavar="N", help="Number of slots (concurrent sequences), 1 to 256.")
 @_setting("-ctk", "--cache-type-k", key="cache_type_k", help="K cache type (window).")
 @_setting("-ctv", "--cache-type-v", key="cache_type_v", help="V cache type (window).")
-@_setting("-ctkt", "--cache-type-k-tail", key="cache_type_k_tail", help="K cache type of the host tail (default: the window's).")
-@_setting("-ctvt", "--cache-type-v-tail", key="cache_type_v_tail", help="V cache type of the host tail (default: the window's).")
+@_setting("-ctkt", "--cache-type-k-tail", key="cache_type_k_tail",
+          help="K cache type of the host tail (default: the window's); auto: the planner's when the cache spills (q8_0 under an "
+               "f16/bf16/f32 window, q4_0 where the link would dominate; lossy, opt-in).")
+@_setting("-ctvt", "--cache-type-v-tail", key="cache_type_v_tail", help="V cache type of the host tail (default: the window's; auto as -ctkt).")
 @_setting("--pcie-bw-gbps", key="pcie_bw_gbps", metavar="GBPS", help="Host->device bandwidth to plan with (default: the probed profile).")
 @_setting("--kv-tail-cpu-frac", key="kv_tail_cpu_frac",
           help="Share of each split layer's host tail attended on the CPU while the rest streams: auto (llama-server's "

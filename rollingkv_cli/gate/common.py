@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import EXIT_USAGE, RollingKVError, abort  # noqa: F401  (EXIT_USAGE: a bad flag value)
-from rollingkv_cli.kvtypes import TAIL_TYPES
+from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # a bound failed, answers differ, or an error
@@ -24,6 +24,7 @@ EXIT_INCONCLUSIVE = 4  # gate needle: the resident model itself does not retriev
 
 # the split's types, the library's list (kvtypes: a tiny module, registering commands stays cheap)
 CACHE_TYPES = list(TAIL_TYPES)
+TAIL_CHOICES = list(TAIL_TYPE_CHOICES)  # -ctkt/-ctvt: a type, or auto (the planner's when the cache spills)
 
 
 @dataclass

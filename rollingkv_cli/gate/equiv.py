@@ -192,6 +192,102 @@ def control_thresholds(thresholds_file: Path | None, exact_bits: bool, tolerance
     return th
 
 
+# ------------------------------------------------------------------ auto tail types: the heads, the needle, the report
+
+NEEDLE_N_PREDICT = 12  # the answer's number and a little after it
+NEEDLE_MIN_TAIL = 96  # filler tokens the tail must hold for the needle to lie in it with room on both sides
+
+
+def check_auto_tail_heads(model: Path, ctk: str, ctv: str, ctkt: str | None, ctvt: str | None) -> None:
+    """A requested head split with auto tail types whose host heads cannot take the compressed types auto would choose:
+    a usage error before any run (the library refuses it too, when it plans)."""
+    from rollingkv_cli.bench.gguf import read_model
+    from rollingkv_cli.console import usage_error
+    from rollingkv_cli.serving import auto_tail_head_refusal
+
+    info = read_model(model)
+    why = auto_tail_head_refusal(info.head_dim_k, info.head_dim_v, ctkt == "auto", ctvt == "auto", ctk, ctv)
+    if why:
+        usage_error(f"{model.name}: {why}", "give -ctkt/-ctvt a type that divides the heads (f16, bf16, f32), or split by window")
+
+
+def needle_depths(plan: dict | None, filler_tokens: int) -> tuple[float, ...] | None:
+    """Where the needle goes so that it lies in the candidate's tail: a third and two thirds of the way through the
+    filler's tail part (a window's cells [0, wc) hold the oldest positions); a head split streams every position. None when
+    the tail holds fewer than NEEDLE_MIN_TAIL filler tokens."""
+    plan = plan or {}
+    if plan.get("mode_chosen") == "head":
+        return (0.5, 0.85)
+    wc = int(plan.get("window_cells") or 0)
+    if not plan.get("split") or filler_tokens - wc < NEEDLE_MIN_TAIL:
+        return None
+    return tuple(round((wc + k * (filler_tokens - wc) / 3) / filler_tokens, 4) for k in (1, 2))
+
+
+def auto_needle(model: Path, build, cand_plan: dict | None, *, n_ctx: int, mode: str, window_cells: int | None,
+                vram_target: int | None, device_heads: int | None, ctk: str, ctv: str, ctkt: str | None, ctvt: str | None,
+                threads: int, n_gpu_layers: int | None, console, logs: Path) -> dict:
+    """gate needle's run with the candidate's residency request at the gate's context (so that the server plans as the
+    candidate did), the needle in the tail, compared through the number (a lossy tail may word what follows it otherwise).
+    The report, or {"verdict": "skipped", "why": ...} when the tail is too short to hold it."""
+    from rollingkv_cli.gate import needle as needle_runs
+
+    filler = int((n_ctx - 96 - NEEDLE_N_PREDICT - 64) / 1.05)  # NeedleConfig.default_ctx's room, inverted
+    depths = needle_depths(cand_plan, filler)
+    if depths is None:
+        why = (f"the candidate's tail holds fewer than {NEEDLE_MIN_TAIL} of the needle's {filler} filler tokens (window "
+               f"{(cand_plan or {}).get('window_cells')} of {n_ctx} cells)")
+        return {"verdict": "skipped", "passed": None, "why": why}
+    cfg = needle_runs.NeedleConfig(model=model, build=build, filler_tokens=filler, depths=depths, n_ctx=n_ctx, window_cells=window_cells,
+                                   device_heads=device_heads, vram_target=vram_target, ctk=ctk, ctv=ctv, ctkt=ctkt, ctvt=ctvt,
+                                   n_predict=NEEDLE_N_PREDICT, threads=threads, n_gpu_layers=n_gpu_layers, mode=mode, match="answer")
+    console.print(f"[dim]needle: {filler} filler tokens, depths {', '.join(f'{d:g}' for d in depths)}, the candidate's residency[/]")
+    r = needle_runs.run(cfg, console, logs)
+    tt = (r.get("plan") or {}).get("tail_types") or {}
+    want = (cand_plan or {}).get("tail_types") or {}
+    r["tail_types"] = {"k": tt.get("k"), "v": tt.get("v")}
+    if (tt.get("k"), tt.get("v")) != (want.get("k"), want.get("v")):
+        r["note"] = (f"the needle's server chose K {tt.get('k')}, V {tt.get('v')} (the gate's candidate K {want.get('k')}, "
+                     f"V {want.get('v')}): its plan differs")
+    return r
+
+
+def print_needle(console, r: dict) -> None:
+    from rollingkv_cli.console import esc
+
+    if r["verdict"] == "skipped":
+        console.print(f"[yellow]needle: not run[/]: {esc(r['why'])}")
+        return
+    mark = {"pass": "[green]✓[/]", "fail": "[bold red]✗[/]", "inconclusive": "[yellow]?[/]"}[r["verdict"]]
+    places = ", ".join(f"{p['number']} at {p['needle_start']} ({'retrieved' if p['candidate_retrieved'] else 'missed'}"
+                       f"{'' if p['reference_retrieved'] else ', missed resident too'})" for p in r["placements"])
+    tt = r.get("tail_types") or {}
+    console.print(f"{mark} needle in the tail (K {tt.get('k')}, V {tt.get('v')}): {r['verdict']} — {places}", soft_wrap=True)
+    if r.get("note"):
+        console.print(f"[yellow]{esc(r['note'])}[/]")
+
+
+def auto_tail_report(plan: dict | None, summary: dict, thresholds: dict, v, needle: dict | None) -> dict:
+    """What gate equiv reports of auto tail types: the planner's choice and why, the loss over the positions that read the
+    tail with its bounds, and the needle."""
+    tt = (plan or {}).get("tail_types") or {}
+    tail = summary.get("tail") or {}
+    bounds = {k: thresholds.get(k) for k in ("max_mean_tv", "max_p99_tv", "min_top1_agreement", "max_real_frac") if thresholds.get(k) is not None}
+    return {
+        "requested": {"k": tt.get("requested_k"), "v": tt.get("requested_v")},
+        "chosen": {"k": tt.get("k"), "v": tt.get("v")},
+        "reason": tt.get("reason"),
+        "loss": {"positions": summary.get("tail_positions"), **{k: tail.get(k) for k in ("mean_tv", "p99_tv", "max_tv", "top1_agreement",
+                                                                                           "real_frac", "mean_kl")}},
+        "bounds": bounds,
+        "loss_passed": v.passed,
+        "needle": None if needle is None else {
+            "verdict": needle["verdict"], "why": needle.get("why"), "note": needle.get("note"), "tail_types": needle.get("tail_types"),
+            "placements": [{k: p.get(k) for k in ("depth", "number", "needle_start", "n_tokens", "reference_retrieved",
+                                                  "candidate_retrieved", "verdict")} for p in needle.get("placements", [])]},
+    }
+
+
 # ------------------------------------------------------------------ display
 
 def fmt(v) -> str:
@@ -240,6 +336,7 @@ def print_table(console, s: dict, th: dict, v, profile: str, title: str | None =
         ("positions", "n"),
         ("mean total variation", "mean_tv"),
         ("max total variation", "max_tv"),
+        ("99th-percentile total variation", "p99_tv"),
         ("mean KL(ref‖cand), nats", "mean_kl"),
         ("max KL(ref‖cand), nats", "max_kl"),
         ("top-1 agreement", "top1_agreement"),

@@ -11,6 +11,8 @@ For one synthetic token sequence (decoded teacher-forced, runner children as in 
                         baseline-T (metrics.relative_thresholds) otherwise;
 - ``exact-T``           T window + T tail against the resident T cache: the split must be exact on
                         quantized parts too (same-type bounds);
+- ``cell-auto-S``       the auto row: f16 window, the tail's type the planner's (-ctkt/-ctvt auto), against the f16
+                        reference over the positions that read the tail with the auto bounds (metrics.PROFILES["auto"]);
 - the needle gate (needle.py) with an f16 tail.
 
 One reference serves every cell, so the matrix costs (1 + #quantized types x 2 + #types x #splits)
@@ -38,7 +40,7 @@ class MatrixConfig:
     build: object  # common.GateBuild
     tokens: int = 1024
     splits: tuple[float, ...] = (0.25, 0.5, 0.75)
-    tail_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+    tail_types: tuple[str, ...] = ("f16", "q8_0", "q4_0", "auto")
     exact_split: float = 0.5
     needle: bool = True
     needle_filler_tokens: int = 1536
@@ -83,6 +85,8 @@ def equiv_command(cfg: MatrixConfig, n_ctx: int, window: int, tail: str, ctk: st
         parts += ["-ctk", ctk, "-ctv", ctk]
     if tail != ctk:
         parts += ["-ctkt", tail, "-ctvt", tail]
+    if tail == "auto":
+        parts.append("--no-needle")  # the matrix runs the needle once, with an f16 tail
     if baseline:
         parts.append("--tail-baseline")
     if cfg.order_floor:
@@ -96,9 +100,9 @@ def equiv_command(cfg: MatrixConfig, n_ctx: int, window: int, tail: str, ctk: st
     return " ".join(parts)
 
 
-_SUMMARY_KEYS = ("n", "mean_tv", "max_tv", "mean_kl", "max_kl", "top1_agreement", "real_frac", "frac_full_agree", "nonfinite",
+_SUMMARY_KEYS = ("n", "mean_tv", "max_tv", "p99_tv", "mean_kl", "max_kl", "top1_agreement", "real_frac", "frac_full_agree", "nonfinite",
                  "n_top1_disagree", "n_real", "bitwise_equal_rows", "bitwise_identical", "max_abs_logit_diff", "tail_positions")
-_TAIL_KEYS = ("n", "mean_tv", "max_tv", "mean_kl", "top1_agreement", "real_frac", "bitwise_equal_rows")
+_TAIL_KEYS = ("n", "mean_tv", "max_tv", "p99_tv", "mean_kl", "top1_agreement", "real_frac", "bitwise_equal_rows")
 
 
 def _metrics(summary: dict) -> dict:
@@ -142,6 +146,8 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
     thresholds("same_type")
     if any(is_quantized(t) for t in cfg.tail_types):
         thresholds("quantized")
+    if "auto" in cfg.tail_types:
+        thresholds("auto")
     lib = cfg.build.lib_dir
     n_ctx = -(-cfg.tokens // 256) * 256 + 256
     quantized = [t for t in cfg.tail_types if is_quantized(t)]
@@ -202,8 +208,10 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
             for t in cfg.tail_types:
                 for s in cfg.splits:
                     w = window_for(s, n)
-                    profile = "quantized" if is_quantized(t) else "same_type"
+                    profile = "auto" if t == "auto" else "quantized" if is_quantized(t) else "same_type"
                     th = split_thresholds(profile)
+                    if profile == "auto":
+                        th = metrics.auto_thresholds(th)  # over the positions that read the tail
                     res = {"mode": "window", "window_cells": w}
                     if t != WINDOW_TYPE:
                         res.update(type_k_tail=t, type_v_tail=t)
@@ -212,6 +220,9 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                                     positions_out=wd / f"{role}.npz", progress=prog, label=f"{t} tail, window {w} ({s:g})")
                     rows = metrics.load_positions(wd / f"{role}.npz")
                     summary, mask = equiv_runs.split_summary(r, rows, 1, cfg.n_batch, th["real_margin_nats"])
+                    if profile == "auto":  # the bounds of the types the plan chose
+                        ch = _chosen(r.get("plan")) or {}
+                        th = metrics.auto_thresholds(th, (ch.get("k"), ch.get("v")))
                     how = None
                     if profile == "quantized":
                         base_tail = metrics.subset_summary(base_rows[t], mask, th["real_margin_nats"])
@@ -223,6 +234,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
                                   "relative_to_baseline": how, "relative_to_order_floor": floor_how, "metrics": _metrics(summary), "worst": r["summary"].get("worst", [])[:5],
                                   "checks": v.to_dict()["checks"], "passed": v.passed, "failed_checks": [c.name for c in v.failed],
                                   "plan": _plan_brief(r.get("plan")), "timings": r.get("timings"),
+                                  "tail_types_chosen": _chosen(r.get("plan")) if profile == "auto" else None,
                                   "command": equiv_command(cfg, n_ctx, w, t, baseline=profile == "quantized")})
             for t in quantized:
                 w = window_for(cfg.exact_split, n)
@@ -309,7 +321,14 @@ def _over_floor_text(m: dict) -> str:
 def _plan_brief(plan: dict | None) -> dict | None:
     if not plan:
         return None
-    return {k: plan.get(k) for k in ("mode_chosen", "split", "window_cells", "tail_cells", "type_k_tail", "type_v_tail", "reason") if k in plan}
+    return {k: plan.get(k) for k in ("mode_chosen", "split", "window_cells", "tail_cells", "type_k_tail", "type_v_tail", "reason",
+                                     "tail_types") if k in plan}
+
+
+def _chosen(plan: dict | None) -> dict | None:
+    """The tail types an auto cell's plan chose, and why."""
+    tt = (plan or {}).get("tail_types")
+    return None if not isinstance(tt, dict) else {"k": tt.get("k"), "v": tt.get("v"), "reason": tt.get("reason")}
 
 
 def _cell_name(c: dict) -> str:
@@ -355,7 +374,8 @@ def markdown(r: dict) -> str:
               "real disagreements (top-1 flips where the reference's margin exceeds 0.5 nats), bitwise-identical rows, positions",
               "that read the tail; ✓ when every bound holds. f16 tails get the same-type bounds (bit-identical rows on the CPU,",
               "mean TV ≤ 1e-4, top-1 ≥ 0.999, no real flip); quantized tails: over the positions that read the tail, mean TV",
-              "≤ factor × the resident cache of their own type at the same positions (`--tail-baseline`). A cell whose tail no",
+              "≤ factor × the resident cache of their own type at the same positions (`--tail-baseline`); `auto`: the type the",
+              "planner chose (→), its loss over the positions that read the tail against the auto bounds. A cell whose tail no",
               "position read fails.", ""]
     splits = r["splits"]
     by = {(c["tail"], c["split"]): c for c in r["cells"]}
@@ -372,6 +392,14 @@ def markdown(r: dict) -> str:
                 continue
             m = c["metrics"]
             tail_tv = f" (tail {_g(m['tail']['mean_tv'])})" if c["profile"] == "quantized" and m.get("tail") else ""
+            if c["profile"] == "auto":
+                ch, tm = c.get("tail_types_chosen") or {}, m.get("tail") or {}
+                row.append(f"{mark[c['passed']]} → `{ch.get('k')}`/`{ch.get('v')}`: tail TV {_g(tm.get('mean_tv'))}, p99 "
+                           f"{_g(tm.get('p99_tv'))}, top-1 {_g(tm.get('top1_agreement'), 4)}, tail read by {m.get('tail_positions')}")
+                th = c["thresholds"]
+                bounds = (f"over the tail positions: TV ≤ {_g(th.get('max_mean_tv'))}, p99 ≤ {_g(th.get('max_p99_tv'))}, "
+                          f"top-1 ≥ {_g(th.get('min_top1_agreement'), 4)} (auto)")
+                continue
             cell = (f"{mark[c['passed']]} TV {_g(m['mean_tv'])}{tail_tv}, top-1 {_g(m['top1_agreement'], 4)}, real {_g(m['real_frac'])}, "
                     f"bitwise {m.get('bitwise_equal_rows')}/{m['n']}, tail read by {m.get('tail_positions')}{_over_floor_text(m)}")
             row.append(cell)

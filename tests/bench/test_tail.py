@@ -430,3 +430,22 @@ def test_head_cells_on_cpu(cpu_build, demo_model, tmp_path):
     assert (h["plan"]["heads_device"], h["plan"]["heads_host"]) == (60, 30)
     assert h["tail_bytes_per_token"] == 512 * 30 * 64 * 2 * 2 and h["tokens_per_s"] > 0 and h["ratio_floor"] > 0
     assert "head f16 33% tail (2 of 3 KV heads on the device)" in proc.stdout
+
+
+@pytest.mark.build
+def test_auto_tail_type_cell_on_cpu(cpu_build, demo_model, tmp_path):
+    """--tail-types auto: the cell asks llama-bench for -ctkt/-ctvt auto with the run's link figure; the report takes the
+    type the plan chose (llama-bench's type_k_tail_chosen) for its tail bytes and floors. A 0.05 GB/s link makes the 256-cell
+    q8_0 tail's link time (~61 ms a token) exceed the resident time (the demo model's ~100 MB from host memory): q4_0."""
+    out = tmp_path / "auto.json"
+    proc = _bench(cpu_build, "tail", str(demo_model), "-d", "508", "-n", "4", "-r", "1", "-t", "1", "--fractions", "0.5",
+                  "--tail-types", "f16,auto", "--skip", "auto", "--skip", "ngl", "--skip", "nkvo", "--slot-ring-mib", "0",
+                  "--pcie-bw-gbps", "0.05", "--json", str(out), "--no-plot")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [(c["kind"], c["tail_type"]) for c in doc["cells"]] == [("resident", None), ("window", "f16"), ("window", "auto")]
+    c = doc["cells"][2]
+    assert "-ctkt auto -ctvt auto" in c["command"] and "--pcie-bw-gbps 0.05" in c["command"]
+    assert c["plan"]["type_k_tail"] == "auto" and c["plan"]["type_k_tail_chosen"] == c["plan"]["type_v_tail_chosen"] == "q4_0"
+    assert c["tail_type_chosen"] == "q4_0/q4_0" and c["tail_bytes_per_token"] == (512 - 256) * 30 * 2 * 3 * 64 // 32 * 18
+    assert c["ratio_floor"] > 0 and "window auto 50% tail (→q4_0/q4_0)" in proc.stdout

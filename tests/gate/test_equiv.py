@@ -130,7 +130,8 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
         if role == "reference":
             return {"lib": "ref/libllama.so", "timings": timings, "plan": None}
         split = "--residency" in cmd and json.loads(cmd[cmd.index("--residency") + 1])["mode"] != "off"
-        plan = {"mode_requested": "window", "mode": "window", "split": True, "window_cells": state["window"]} if split else None
+        plan = ({"mode_requested": "window", "mode": "window", "split": True, "window_cells": state["window"], **state.get("plan_extra", {})}
+                if split else None)
         r = rows(role, state["n_tokens"], state["window"] if split else 10**9)
         if "--positions-out" in cmd:
             np.savez(cmd[cmd.index("--positions-out") + 1], **r)
@@ -293,6 +294,96 @@ def test_gpu_order_floor_per_position_bound_skips_a_quantized_tail_and_checks_th
     assert rc == 1 and r["failed_checks"] == ["control.max_frac_over_floor"], stdout
 
 
+AUTO_PLAN = {"tail_types": {"requested_k": "auto", "requested_v": "auto", "auto": True, "k": "q8_0", "v": "q8_0",
+                             "reason": "auto: K q8_0, V q8_0 (the floor): ..."}}
+
+
+@pytest.mark.parametrize("chosen,tail_tv,code,bound", [
+    ("q8_0", 0.04, 0, 0.05),   # a tail of 8 bits: the 8-bit bounds
+    ("q8_0", 0.06, 1, 0.05),
+    ("q4_0", 0.06, 0, 0.2),    # auto chose q4_0: the 4-bit bounds
+    ("q4_0", 0.25, 1, 0.2),
+])
+def test_auto_tail_types_get_the_bounds_of_the_chosen_type(capsys, fake_runs, fake_gguf, tmp_path, chosen, tail_tv, code, bound):
+    """-ctkt/-ctvt auto: the loss over the positions that read the tail against the resident cache, bounded for the type the
+    plan chose (the window's positions, exact here, would dilute it); the report says what was chosen and the loss."""
+    fake_runs["plan_extra"] = {"tail_types": dict(AUTO_PLAN["tail_types"], k=chosen, v=chosen)}
+    fake_runs["tv"]["candidate"] = (0.0, tail_tv)
+    out = tmp_path / "r.json"
+    code_, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "-ctkt", "auto", "-ctvt", "auto",
+                                 "--no-needle", "--json", str(out)], capsys)
+    assert code_ == code, stdout
+    r = json.loads(out.read_text())
+    assert r["profile"] == "auto" and r["thresholds"]["positions"] == "tail" and r["thresholds"]["max_mean_tv"] == bound
+    a = r["auto_tail"]
+    assert a["requested"] == {"k": "auto", "v": "auto"} and a["chosen"] == {"k": chosen, "v": chosen} and a["needle"] is None
+    assert a["loss"]["positions"] == 256 and a["loss"]["mean_tv"] == pytest.approx(tail_tv) and a["loss"]["p99_tv"] == pytest.approx(tail_tv)
+    assert a["bounds"]["max_mean_tv"] == bound and a["loss_passed"] == (code == 0)
+    assert f"auto tail types: K {chosen}, V {chosen}" in stdout and "99th-percentile total variation" in stdout
+    cand = fake_runs["cmds"]["candidate"]
+    assert json.loads(cand[cand.index("--residency") + 1])["type_k_tail"] == "auto"
+    if code:
+        assert "max_mean_tv" in r["failed_checks"]
+
+
+def test_auto_tail_types_run_the_needle_and_fail_with_it(capsys, fake_runs, fake_gguf, tmp_path, monkeypatch):
+    """With auto the needle runs by default (with the candidate's residency and plan); its failure fails the gate."""
+    from rollingkv_cli.gate import common as gate_common
+    from rollingkv_cli.gate import equiv as gate_equiv
+
+    fake_runs["plan_extra"] = AUTO_PLAN
+    fake_runs["tv"]["candidate"] = (0.0, 0.01)
+    seen = {}
+
+    def needle(model, build, plan, **kw):
+        seen.update(kw, plan=plan)
+        return {"verdict": seen.get("verdict", "fail"), "placements": [], "tail_types": {"k": "q8_0", "v": "q8_0"}}
+
+    monkeypatch.setattr(gate_equiv, "auto_needle", needle)
+    monkeypatch.setattr(gate_common.GateBuild, "require_server", lambda self: Path("/bin/true"))
+    out = tmp_path / "r.json"
+    code, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "-ctkt", "auto", "--json", str(out)],
+                               capsys)
+    assert code == 1 and "the needle" in stdout
+    r = json.loads(out.read_text())
+    assert r["failed_checks"] == ["needle"] and r["auto_tail"]["loss_passed"] and r["auto_tail"]["needle"]["verdict"] == "fail"
+    assert seen["plan"]["window_cells"] == 256 and seen["window_cells"] == 256 and seen["ctkt"] == "auto" and seen["ctvt"] is None
+
+
+@pytest.mark.parametrize("plan,filler,depths", [
+    ({"split": True, "mode_chosen": "window", "window_cells": 256}, 1000, (0.504, 0.752)),
+    ({"split": True, "mode_chosen": "window", "window_cells": 950}, 1000, None),   # 50 filler tokens in the tail: no room
+    ({"split": True, "mode_chosen": "head", "window_cells": 0}, 1000, (0.5, 0.85)),
+    ({"split": False, "mode_chosen": "resident"}, 1000, None),
+])
+def test_the_needle_lies_in_the_tail(plan, filler, depths):
+    from rollingkv_cli.gate import equiv as gate_equiv
+
+    assert gate_equiv.needle_depths(plan, filler) == depths
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--kv-residency-mode", "off", "-ctkt", "auto"], "-ctkt auto chooses the type of a split's tail, and --kv-residency-mode off never splits"),
+    (["-ctvt", "auto", "--tail-baseline"], "auto chooses only when it plans"),
+    (["--needle"], "--needle goes with auto tail types"),
+    (["-ctkt", "automatic"], "automatic"),
+])
+def test_auto_usage_errors_exit_2(capsys, isolated_cache, fake_gguf, args, match):
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), *args], capsys)
+    assert code == 2 and match in err and "Traceback" not in err
+
+
+def test_auto_with_a_head_split_whose_heads_cannot_take_the_type_exits_2(capsys, isolated_cache, tmp_path):
+    """Heads of 40 elements: q8_0/q4_0 blocks of 32 do not divide them, so a requested head split with auto is refused before any
+    run (a window split of the same model is fine: its rows of 4 x 40 are whole blocks)."""
+    from rollingkv_cli import models
+
+    model = models.write_synthetic(tmp_path / "h40.gguf", models.SynthSpec(layers=2, embd=160, heads=4, kv_heads=4, ff=256, vocab=300,
+                                                                           ctx=512))
+    code, _, err = run_main(["gate", "equiv", "--model", str(model), "--kv-residency-mode", "head", "-ctkt", "auto"], capsys)
+    assert code == 2 and "K head size 40" in _one_error(err) and "cannot take the q8_0/q4_0 tail" in err
+
+
 def test_no_residency_api_is_refused_before_decoding(capsys, fake_runs, fake_gguf):
     fake_runs["has_residency"] = False
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf)], capsys)
@@ -412,6 +503,43 @@ def test_gate_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
     assert env_proc.returncode == 1, env_proc.stdout + env_proc.stderr
     r = json.loads(out.read_text())
     assert r["verdict"] == "fail" and "bitwise" in r["failed_checks"] and r["metrics"]["bitwise_equal_rows"] < 512
+
+
+@pytest.mark.build
+@pytest.mark.slow
+def test_e2e_auto_tail_types_report_the_loss_and_the_needle(cpu_build, demo_model, tmp_path):
+    """-ctkt/-ctvt auto on the CPU: the planner takes the q8_0 floor (a short tail of the demo model weighs less than its
+    weights), the gate reports the loss over the positions that read the tail within the 8-bit bounds, and the needle placed in
+    the tail is retrieved as the resident server retrieves it."""
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "128", "-ctkt", "auto", "-ctvt", "auto",
+                             "--json", str(out)], timeout=900)
+    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    a = r["auto_tail"]
+    assert r["profile"] == "auto" and a["requested"] == {"k": "auto", "v": "auto"} and a["chosen"] == {"k": "q8_0", "v": "q8_0"}
+    assert "the floor" in a["reason"] and r["candidate"]["plan"]["type_k_tail"] == "q8_0"
+    loss = a["loss"]
+    assert loss["positions"] == 512 - 128 and 0 < loss["mean_tv"] <= 0.05 and loss["p99_tv"] <= 0.25 and loss["top1_agreement"] >= 0.92
+    assert a["bounds"] == {"max_mean_tv": 0.05, "max_p99_tv": 0.25, "min_top1_agreement": 0.92} and a["loss_passed"]
+    nd = a["needle"]
+    assert nd["verdict"] == "pass" and nd["tail_types"] == {"k": "q8_0", "v": "q8_0"} and len(nd["placements"]) == 2
+    assert all(p["needle_start"] > 128 and p["candidate_retrieved"] and p["reference_retrieved"] for p in nd["placements"])
+    assert "needle in the tail (K q8_0, V q8_0): pass" in proc.stdout
+
+
+@pytest.mark.build
+def test_e2e_auto_tail_types_fail_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
+    """The auto gate can fail: every tail score x 2 in the candidate (the op's debug switch) is a loss no tail type makes."""
+    out = tmp_path / "r.json"
+    proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "-ctkt", "auto", "-ctvt", "auto",
+                             "--no-needle", "--json", str(out)], env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "1"})
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["verdict"] == "fail" and {"max_mean_tv", "max_p99_tv", "min_top1_agreement"} <= set(r["failed_checks"])
+    assert r["auto_tail"]["chosen"] == {"k": "q8_0", "v": "q8_0"} and not r["auto_tail"]["loss_passed"]
+    assert "FAIL" in proc.stdout and "p99_tv over the positions that read the tail" in proc.stdout
 
 
 @pytest.mark.build

@@ -56,6 +56,10 @@ MODES = ["window", "head", "auto", "off"]
                    "position, at most max_frac_over_floor (5%) of the positions that read the tail may exceed 2 x the floor "
                    "run's 99th-percentile TV over them (same-type bounds).  "
                    "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
+@click.option("--needle/--no-needle", "needle", default=None,
+              help="Auto tail types: also run the needle (gate needle's, llama-server with the candidate's residency at the same "
+                   "context): a number placed in the tail, which the split must retrieve wherever the resident run does.  "
+                   "[default: on with -ctkt/-ctvt auto]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
 @click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
@@ -67,8 +71,8 @@ MODES = ["window", "head", "auto", "off"]
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_device_heads, vram_target, ctk, ctv, ctkt, ctvt, mode, cpu_frac,
-          reference, thresholds_file, tail_baseline, tolerance, order_floor, json_out, threads, n_batch, n_seq, n_gpu_layers, build_dir,
-          lib_dir, work_dir) -> None:
+          reference, thresholds_file, tail_baseline, tolerance, order_floor, needle, json_out, threads, n_batch, n_seq, n_gpu_layers,
+          build_dir, lib_dir, work_dir) -> None:
     """Decode a text teacher-forced with the reference and the candidate and compare every position's distribution.
 
     The text runs as one sequence, or as --n-seq sequences side by side. A tail of the window's own type on the
@@ -82,6 +86,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     for q4_0), admits the rounding bias that tail keys carry and a fully quantized cache cancels. Single
     positions are too noisy to compare one by one. A control, window and tail both of the tail's type against
     that baseline, checks the merge exactly (bit-identical on the CPU).
+
+    Auto tail types (-ctkt/-ctvt auto: the planner picks q8_0 or q4_0 when the cache spills): the loss against
+    the resident cache of the window's type over the positions that read the tail, bounded for the type the plan
+    chose (q8_0: mean TV <= 0.05, 99th-percentile TV <= 0.25, top-1 agreement >= 0.92; q4_0: 0.2, 0.8, 0.85;
+    --thresholds overrides them), and the needle (--needle) retrieved wherever the resident run retrieves it.
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
@@ -104,6 +113,15 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
         raise click.UsageError("--kv-window-cells sets a window, which --kv-residency-mode head does not make: use --kv-device-heads N")
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
+    auto_axes = [flag for flag, t in (("-ctkt", ctkt), ("-ctvt", ctvt)) if t == "auto"]
+    if auto_axes and mode == "off":
+        usage_error(f"{' and '.join(auto_axes)} auto chooses the type of a split's tail, and --kv-residency-mode off never splits",
+                    "use --kv-residency-mode window, head or auto, or give the tail a type")
+    if auto_axes and tail_baseline:
+        usage_error("--tail-baseline compares with the resident cache of the tail's type, which auto chooses only when it plans",
+                    "drop --tail-baseline (auto's loss is bounded against the resident cache), or give the tail a type")
+    if needle and not auto_axes:
+        usage_error("--needle goes with auto tail types (-ctkt/-ctvt auto)", "run `rollingkv gate needle` for a tail of a given type")
     if prompt_file is None and synthetic_tokens is None:
         synthetic_tokens = 2048
     if n_ctx is not None and kv_window_cells is not None and kv_window_cells >= n_ctx:
@@ -122,6 +140,10 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
         thresholds = metrics.load_thresholds(thresholds_file, profile)
     except metrics.ThresholdsError as e:
         abort(str(e), e.hint or "keys: " + ", ".join(sorted(set(metrics.CHECKS) | metrics.PARAM_KEYS)))
+    if profile == "auto":
+        thresholds = metrics.auto_thresholds(thresholds)
+        if needle is None:
+            needle = True
     if tail_baseline and profile != "quantized":
         warn("--tail-baseline applies to a quantized tail only: the tail holds the window's type, the same-type bounds apply")
         tail_baseline = False
@@ -134,7 +156,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     pcie_bw = paths.pcie_bw_env() if mode != "off" else None
 
     model_path = models.resolve_model(model_spec, log=note)
+    if auto_axes and (mode == "head" or kv_device_heads is not None):
+        equiv_runs.check_auto_tail_heads(model_path, ctk, ctv, ctkt, ctvt)
     build = common.resolve_build(build_dir, lib_dir)
+    if needle:
+        build.require_server()
     cand_lib = build.lib_dir
     if order_floor is None:
         order_floor = build.on_gpu(n_gpu_layers)
@@ -230,6 +256,9 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                                                progress=progress, label=cand_label)
             cand_rows = metrics.load_positions(positions_tmp)
             summary, tail_mask = equiv_runs.split_summary(results["candidate"], cand_rows, n_seq, n_batch, thresholds["real_margin_nats"])
+            if profile == "auto":  # the bounds of the types the plan chose
+                tt = (results["candidate"].get("plan") or {}).get("tail_types") or {}
+                thresholds = metrics.auto_thresholds(thresholds, (tt.get("k"), tt.get("v")))
             if tail_baseline:
                 base_rows = metrics.load_positions(wd / "baseline.npz")
                 base_tail = metrics.subset_summary(base_rows, tail_mask, thresholds["real_margin_nats"])
@@ -269,13 +298,24 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
             except OSError:
                 positions_file = None
 
+    cand_plan = results["candidate"].get("plan")
+    needle_report = None
+    if needle:
+        needle_report = equiv_runs.auto_needle(model_path, build, cand_plan, n_ctx=n_ctx, mode=mode, window_cells=kv_window_cells,
+                                               vram_target=vram_target, device_heads=kv_device_heads, ctk=ctk, ctv=ctv, ctkt=ctkt,
+                                               ctvt=ctvt, threads=threads, n_gpu_layers=n_gpu_layers, console=console, logs=logs_dir)
     v = metrics.verdict(summary, thresholds)
     vc = metrics.verdict(control, control_th) if control is not None else None
-    passed = v.passed and (vc is None or vc.passed)
+    needle_failed = needle_report is not None and needle_report["verdict"] == "fail"
+    passed = v.passed and (vc is None or vc.passed) and not needle_failed
     title = None
     if baseline_how:
         title = (f"equivalence gate (quantized bounds over the {summary['tail_positions']} positions that read the tail, relative "
                  f"to the resident {ctkt or ctk}/{ctvt or ctv} cache at the same positions")
+    if profile == "auto":
+        tt = (cand_plan or {}).get("tail_types") or {}
+        title = (f"auto tail types: K {tt.get('k', '?')}, V {tt.get('v', '?')}; the loss against the resident {ctk}/{ctv} cache over "
+                 f"the {summary['tail_positions']} positions that read the tail (auto bounds")
     if floor_how:
         title = (title or f"equivalence gate ({profile.replace('_', '-')} bounds") + ", relaxed to the order floor where looser"
     title = title + ")" if title else None
@@ -302,7 +342,13 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                       f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
                       f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser{per_pos}[/]")
     equiv_runs.print_plan(console, cand_r.get("plan"))
-    from rollingkv_cli.serving import describe_tail_cpu
+    from rollingkv_cli.serving import describe_tail_cpu, describe_tail_types
+
+    types_line = describe_tail_types(cand_r.get("plan"))
+    if types_line:
+        console.print(types_line, style="dim", markup=False, soft_wrap=True)
+    if needle_report is not None:
+        equiv_runs.print_needle(console, needle_report)
 
     split_line = describe_tail_cpu(cand_r.get("plan"))
     if split_line:
@@ -315,7 +361,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
         "rollingkv": __version__,
         "verdict": "pass" if passed else "fail",
         "passed": passed,
-        "failed_checks": [c.name for c in v.failed] + ([f"control.{c.name}" for c in vc.failed] if vc is not None else []),
+        "failed_checks": [c.name for c in v.failed] + ([f"control.{c.name}" for c in vc.failed] if vc is not None else [])
+                         + (["needle"] if needle_failed else []),
         "profile": profile,
         "thresholds": thresholds,
         "thresholds_file": str(thresholds_file.resolve()) if thresholds_file else None,
@@ -328,6 +375,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                      "plan": (cand_r.get("plan") or {}).get("tail_cpu")},
         "tail_metrics": summary["tail"],
         "window_metrics": summary["window"],
+        "auto_tail": None if profile != "auto" else equiv_runs.auto_tail_report(cand_plan, summary, thresholds, v, needle_report),
         "checks": v.to_dict()["checks"],
         "model": str(model_path),
         "tokens": {"n": n_tokens, "n_vocab": n_vocab, **tok.get("source", {})},
@@ -367,6 +415,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
         console.print("[bold green]PASS[/] the candidate reproduces the reference within every bound")
         return
     fails = [c.describe() for c in v.failed] + (["control: " + c.describe() for c in vc.failed] if vc is not None else [])
+    if needle_failed:
+        fails.append("the needle: the split does not retrieve the number the resident run retrieves")
     console.print("[bold red]FAIL[/] " + esc("; ".join(fails)), soft_wrap=True)
     # SystemExit, not click's Exit: with standalone_mode=False click turns Exit into a return value
     sys.exit(EXIT_FAIL)

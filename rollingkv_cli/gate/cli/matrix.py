@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_option, positive, type_list
+from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_option, positive, tail_type_list
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
@@ -19,7 +19,8 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
               help="Synthetic tokens decoded teacher-forced per equivalence cell.")
 @click.option("--splits", callback=fraction_list, default="0.25,0.5,0.75", show_default=True,
               help="Window sizes as fractions of the sequence (the window holds the oldest positions).")
-@click.option("--tail-types", callback=type_list, default="f16,q8_0,q4_0", show_default=True, help="Tail K/V types (the window is f16).")
+@click.option("--tail-types", callback=tail_type_list, default="f16,q8_0,q4_0,auto", show_default=True,
+              help="Tail K/V types (the window is f16); auto: the planner's choice, bounded by the auto profile.")
 @click.option("--exact-split", type=float, default=0.5, show_default=True,
               help="Window fraction of the exactness cells (quantized window + same tail vs the resident quantized cache).")
 @click.option("--needle/--no-needle", default=True, show_default=True, help="Also run the needle gate (f16 tail).")
@@ -48,7 +49,8 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     Per tail type T and split S: the f16-window + T-tail cache with a window of S x the sequence against
     the resident f16 cache (same-type bounds for f16; for a quantized T, the quantized bounds relative to
     the resident T cache, as `gate equiv --tail-baseline`); per quantized T, a T window + T tail against
-    the resident T cache (must be exact); and the needle gate. Every cell reuses one reference decode.
+    the resident T cache (must be exact); the auto row (the planner's tail type, the auto bounds over the
+    positions that read the tail); and the needle gate. Every cell reuses one reference decode.
 
     Exit status: 0 every cell passes, 1 one fails (or an error), 2 usage error, 4 every cell passes but the
     needle is inconclusive (the model misses it even resident).
@@ -130,6 +132,11 @@ def _print_matrix(console, r: dict) -> None:
                 row.append("")
                 continue
             m = c["metrics"]
+            if c["profile"] == "auto":  # the planner's type; its loss over the positions that read the tail
+                ch, tm = c.get("tail_types_chosen") or {}, m.get("tail") or {}
+                row.append(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} →{ch.get('k')}/{ch.get('v')}: tail "
+                           f"{_g(tm.get('mean_tv'))}, p99 {_g(tm.get('p99_tv'))}")
+                continue
             of = m.get("over_floor")
             over = f" ({of['n_over']}/{of['n']} over floor)" if of and of.get("bound_tv") is not None else ""
             row.append(f"{'[green]✓[/]' if c['passed'] else '[bold red]✗[/]'} {_g(m['mean_tv'])} / {_g(m['real_frac'])}{over}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.gate.common import CACHE_TYPES
+from rollingkv_cli.gate.common import CACHE_TYPES, TAIL_CHOICES
 
 
 def positive(ctx, param, value):
@@ -44,16 +44,21 @@ def fraction_list(ctx, param, value):
     return tuple(out) or None
 
 
-def type_list(ctx, param, value):
+def type_list(ctx, param, value, allowed: list[str] = CACHE_TYPES):
     if value is None:
         return None
     out = [t.strip() for t in value.split(",") if t.strip()]
-    bad = [t for t in out if t not in CACHE_TYPES]
+    bad = [t for t in out if t not in allowed]
     if bad:
-        raise click.BadParameter(f"{', '.join(bad)}: not a cache type ({', '.join(CACHE_TYPES)})")
+        raise click.BadParameter(f"{', '.join(bad)}: not a cache type ({', '.join(allowed)})")
     if not out:
         raise click.BadParameter("give at least one type")
     return tuple(dict.fromkeys(out))
+
+
+def tail_type_list(ctx, param, value):
+    """A comma list of tail types, auto among them."""
+    return type_list(ctx, param, value, TAIL_CHOICES)
 
 
 def tail_cpu_frac(ctx, param, value):
@@ -82,8 +87,10 @@ def ngl_option(default=None, help_default="the library's default"):
 
 
 def cache_type_options(f):
-    f = click.option("-ctvt", "--cache-type-v-tail", "ctvt", type=click.Choice(CACHE_TYPES), default=None, help="Type of V in the host tail. Default: -ctv.")(f)
-    f = click.option("-ctkt", "--cache-type-k-tail", "ctkt", type=click.Choice(CACHE_TYPES), default=None, help="Type of K in the host tail. Default: -ctk.")(f)
+    f = click.option("-ctvt", "--cache-type-v-tail", "ctvt", type=click.Choice(TAIL_CHOICES), default=None,
+                     help="Type of V in the host tail (auto: the planner's when the cache spills). Default: -ctv.")(f)
+    f = click.option("-ctkt", "--cache-type-k-tail", "ctkt", type=click.Choice(TAIL_CHOICES), default=None,
+                     help="Type of K in the host tail (auto: the planner's when the cache spills, lossy). Default: -ctk.")(f)
     f = click.option("-ctv", "--cache-type-v", "ctv", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of V (the window's, and the reference's).")(f)
     f = click.option("-ctk", "--cache-type-k", "ctk", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of K (the window's, and the reference's).")(f)
     return f
