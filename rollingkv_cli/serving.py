@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli import paths
-from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, WINDOW_TYPES  # the one list of KV types (the library's)
+from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
 

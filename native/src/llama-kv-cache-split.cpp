@@ -193,10 +193,13 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     // elastic windows: the streams' device cells as one pool (llama-kv-window-pool.h), where moving a row between the
     // window and the tail is a byte copy
     if (wc) {
+        // the tail types the plan chose (auto tail types resolve in the planner)
+        const ggml_type tk = st.type_k_tail == GGML_TYPE_COUNT ? type_k : st.type_k_tail;
+        const ggml_type tv = st.type_v_tail == GGML_TYPE_COUNT ? type_v : st.type_v_tail;
         const char * why_static =
             n_stream < 2                                                 ? "one stream (a unified cache, or one sequence)" :
             st.req.windows == LLAMA_KV_WINDOWS_STATIC                    ? "static windows requested" :
-            type_k != type_k_tail || type_v != type_v_tail               ? "the tail's types differ from the window's (a move would convert rows)" :
+            type_k != tk || type_v != tv                                 ? "the tail's types differ from the window's (a move would convert rows)" :
             llama_rkv_one_op_streams()                                   ? "ROLLINGKV_DEBUG_ONE_OP_STREAMS=1" : nullptr;
         rkv_elastic    = why_static == nullptr;
         rkv_tail_first = rkv_elastic ? 0 : wc;
