@@ -164,7 +164,14 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
 
     // eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the
     // split-aware build_attn paths only
-    if (hparams.is_mla()) {
+    if (!ggml_rkv_tail_type_supported(type_k) || !ggml_rkv_tail_type_supported(type_v)) {
+        // the split's parts, the window included, are attended by the streaming op, which takes these types only
+        // (a window of another type, e.g. iq4_nl, made the scheduler abort after start-up)
+        static thread_local std::string why; // desc.refuse is read before this cache returns
+        why = std::string("the cache types (K ") + ggml_type_name(type_k) + ", V " + ggml_type_name(type_v) +
+              ") are not ones a split cache takes (" + ggml_rkv_tail_type_names() + "): stays whole";
+        desc.refuse = why.c_str();
+    } else if (hparams.is_mla()) {
         desc.refuse = "MLA cache (K only): the split is not supported";
     } else if (swa_type != LLAMA_SWA_TYPE_NONE) {
         desc.refuse = "SWA cache: stays whole on the device";
