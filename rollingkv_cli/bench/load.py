@@ -130,7 +130,8 @@ def run_request(url: str, r: Req, timeout: float, started: threading.Event | Non
         tm = final.get("timings", {})
         out.update(status="ok", ttft_s=first, e2e_s=time.monotonic() - t0,
                    predicted_n=tm.get("predicted_n"), decode_tps=tm.get("predicted_per_second"),
-                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic(), token_t=token_t)
+                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic(), token_t=token_t,
+                   slot=final.get("id_slot"))  # the server picks the slot: windows per slot are read by it
     except Exception as e:  # recorded, the run goes on
         out.update(status="error", error=f"{type(e).__name__}: {e}", t_end=time.monotonic())
         on_first()
