@@ -641,21 +641,30 @@ def _metrics(srv) -> dict[str, float]:
 
 def residency_line(text: str) -> str | None:
     """The split cache's live figures from /metrics text (llamacpp:rolling_kv_*): each slot's cells on the device and
-    in host memory, and the tail the last step attended against what its streams occupy; None when not split."""
+    in host memory (and its window, when elastic windows moved it off the static one), the tail the last step attended
+    against what its streams occupy, and the cells elastic windows moved so far; None when not split."""
     slots: dict[int, dict[str, int]] = {}
     for line in text.splitlines():
-        m = re.match(r'^llamacpp:rolling_kv_slot_(device|tail)_cells\{slot="(\d+)"\}\s+([0-9.eE+]+)$', line)
+        m = re.match(r'^llamacpp:rolling_kv_slot_(device|tail|window)_cells\{slot="(\d+)"\}\s+([0-9.eE+]+)$', line)
         if m:
             slots.setdefault(int(m.group(2)), {})[m.group(1)] = int(float(m.group(3)))
     flat = {k: v for k, v in parse_metrics(text).items() if k.startswith("rolling_kv_")}
     if not slots and not flat:
         return None
-    cells = ", ".join(f"{i}: {d.get('device', 0)}+{d.get('tail', 0)}" for i, d in sorted(slots.items()) if d.get("device") or d.get("tail"))
+    windows = {d.get("window") for d in slots.values() if "window" in d}
+    moved = len(windows) > 1  # elastic windows that followed the load: each slot's window says where its cells are
+
+    def slot(i: int, d: dict) -> str:
+        return f"{i}: {d.get('device', 0)}+{d.get('tail', 0)}" + (f" (window {d['window']})" if moved and "window" in d else "")
+
+    cells = ", ".join(slot(i, d) for i, d in sorted(slots.items()) if d.get("device") or d.get("tail"))
     mib = 1024 * 1024
     last = (f"last step attended {flat.get('rolling_kv_last_tail_bytes', 0) / mib:.0f} MiB of tail "
             f"({flat.get('rolling_kv_last_occupied_bytes', 0) / mib:.0f} MiB occupied, "
             f"{flat.get('rolling_kv_last_streamed_bytes', 0) / mib:.0f} MiB streamed)")
-    return f"slot cells device+tail {cells or 'none in use'}; {last}"
+    promoted, demoted = flat.get("rolling_kv_promoted_cells_total", 0), flat.get("rolling_kv_demoted_cells_total", 0)
+    moves = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail" if promoted or demoted else ""
+    return f"slot cells device+tail {cells or 'none in use'}; {last}{moves}"
 
 
 def _vram_mib() -> list[tuple[int, int]]:

@@ -283,6 +283,7 @@ def test_gate_equiv_head_split_within_the_order_floor(cuda_build, synth_model, t
     assert plan["heads"]["per_layer"] == [1] * 4
     if cpu_frac != "0":
         assert plan["tail_cpu"]["frac"] == 0.5
+        assert r["candidate"]["cpu_part_runs"] > 0, r["candidate"]  # the CPU part ran (counted on the device's host)
     assert r["tail_positions"] == r["metrics"]["n"]  # the host heads are read at every position
     assert r["verdict"] == "pass" and r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
 
@@ -394,6 +395,8 @@ def test_gate_equiv_with_a_cpu_part_within_the_order_floor(cuda_build, synth_mod
     r = json.loads(out.read_text())
     plan = r["candidate"]["plan"]
     assert r["n_seq"] == n_seq and plan["split"] and plan["tail_cpu"]["frac"] == 0.5 and r["metrics"]["nonfinite"] == 0
+    # the path ran: CPU parts counted on the device's host (a build that streamed the whole tail would pass the rest)
+    assert r["candidate"]["cpu_part_runs"] > 0, r["candidate"]
     assert r["verdict"] == "pass" and r["tail_positions"] > 0
     assert r["metrics"]["mean_tv"] <= 2 * r["order_floor"]["metrics"]["mean_tv"]
 

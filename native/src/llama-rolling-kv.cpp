@@ -476,6 +476,8 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
     const llama_rkv_state * st = ctx->get_cparams().rkv.get();
     const bool split = st && llama_rkv_is_split(*st);
     std::string res = std::string("{\"split\":") + (split ? "true" : "false");
+    // process-wide, every backend: a hybrid tail's CPU parts that ran (a share planned and none run is a GPU-only run)
+    res += ",\"cpu_part_runs\":" + std::to_string(ggml_rkv_cpu_part_runs());
     if (st && st->live) {
         const llama_rkv_live & lv = *st->live;
         std::lock_guard<std::mutex> lock(lv.mtx);

@@ -298,6 +298,28 @@ def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
 CPU_PART_STATS_PREFIX = "rolling KV: CPU part:"  # libllama's ROLLINGKV_CPU_PART_STATS lines (at exit, on stderr)
 
 
+def cpu_part_runs(stats_lines: list[str]) -> int:
+    """How many CPU parts ran in a cell's process, from its ROLLINGKV_CPU_PART_STATS lines (0: no line, none ran)."""
+    import re
+
+    for line in stats_lines:
+        m = re.match(re.escape(CPU_PART_STATS_PREFIX) + r" (\d+) runs", line)
+        if m:
+            return int(m.group(1))
+    return 0
+
+
+def check_cpu_part_ran(cell: dict) -> None:
+    """A hybrid cell whose plan gave the CPU a share proves that the CPU part ran (a GPU-only run would time the
+    streamed tail under the hybrid's name): failed otherwise."""
+    runs = cpu_part_runs(cell.get("cpu_part_stats") or [])
+    cell["cpu_part_runs"] = runs
+    if cell.get("kind") == "hybrid" and (cell.get("cpu_frac_chosen") or 0) > 0 and runs == 0:
+        cell["status"] = "failed"
+        cell["error"] = (f"the plan gave the CPU {cell['cpu_frac_chosen']:.0%} of the tail but no CPU part ran "
+                         "(ROLLINGKV_CPU_PART_STATS counted none): the cell timed the GPU-only stream")
+
+
 class CellRunner:
     """Runs one llama-bench process; stderr lines feed a callback (progress).
 
@@ -906,6 +928,7 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                     stats = [line for line in err_tail if line.startswith(CPU_PART_STATS_PREFIX)]
                     if stats:
                         c["cpu_part_stats"] = stats
+                    check_cpu_part_ran(c)
                 except ValueError as e:
                     c["status"], c["error"] = "failed", str(e)
                     c["stderr_tail"] = err_tail

@@ -357,6 +357,7 @@ def logits(args) -> dict:
         if out_mm is not None:
             out_mm.flush()
             del out_mm
+        cpu_part_runs = _cpu_part_runs(ext, ctx) if residency else None
     finally:
         if batch is not None:
             llama_cpp.llama_batch_free(batch)
@@ -370,6 +371,7 @@ def logits(args) -> dict:
         "context_via": via,
         "plan": plan,
         "residency": residency,
+        "cpu_part_runs": cpu_part_runs,
         "n_tokens": n,
         "n_seq": n_seq,
         "n_vocab": n_vocab,
@@ -400,6 +402,15 @@ def logits(args) -> dict:
     if args.save_logits:
         result["logits"] = str(Path(args.save_logits).resolve())
     return result
+
+
+def _cpu_part_runs(ext, ctx) -> int | None:
+    """The hybrid tail's CPU parts that ran in this process (the proof that the path ran; None: a library without it)."""
+    try:
+        st = ext.stats(ctx) if ext is not None else None
+    except Exception:
+        return None
+    return st.get("cpu_part_runs") if isinstance(st, dict) else None
 
 
 def _init_context(llama_cpp, ext, model, cp, residency: dict | None):

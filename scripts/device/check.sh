@@ -9,6 +9,7 @@
 #   head-op-tests       the op test's head split cases (--heads) on CUDA0, and perturbed (CUDA builds)
 #   cpu-decode-bench    the CPU part's attention bench on 15 threads (f16, q8_0, q4_0) against a read scan and ggml's
 #   hybrid-cells        llama-bench decode at 16384, 50% and ~100% f16 tail, CPU part 0 / auto / HYBRID_FRACS (synthetic model)
+#   handoff-cells       llama-bench decode, the CPU part handed off by host function vs mapped flag (ROLLINGKV_CPU_PART_HANDOFF)
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
 #   bench-load          rollingkv bench load on the synthetic model ($LOAD_ARGS; default the table mix) into $OUT/bench-load.json
@@ -45,6 +46,7 @@ while [ $# -gt 0 ]; do
     head-op-tests) head_op_tests ;;
     cpu-decode-bench) cpu_decode_bench ;;
     hybrid-cells) hybrid_cells ;;
+    handoff-cells) handoff_cells ;;
     gpu-tests) gpu_tests ;;
     decode-cells) decode_cells ;;
     bench-load) bench_load ;;

@@ -163,17 +163,30 @@ gpu_tests() {
 #   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
 # (the ROLLINGKV_DEBUG_* lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH, exist only in -DROLLINGKV_DEBUG=ON builds)
 decode_cell() {
-  local label=$1 envs=(); shift
+  local label=$1 envs=(ROLLINGKV_CPU_PART_STATS=1) err; shift
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   synth_model
+  err=$(mktemp)
   env "${envs[@]}" timeout 300 "$B/build/bin/llama-bench" -m "$SYNTH" -fa 1 -p 0 -n "${N:-32}" -d "${D:-16384}" -r "${R:-3}" \
-    -ngl 99 -o json "$@" 2>/dev/null | python3 -c "
-import json, sys
+    -ngl 99 -o json "$@" 2>"$err" | python3 -c "
+import json, re, sys
 r = json.load(sys.stdin)[0]
-print(json.dumps({'label': sys.argv[1], 'ms': round(1000 / r['avg_ts'], 3), 'tok_s': r['avg_ts'], 'sd_ts': r['stddev_ts'],
-                  'samples_ms': [round(1000 / x, 2) for x in r['samples_ts']]}))" "$label" | tee -a "$OUT/decode.jsonl"
-  return "${PIPESTATUS[0]}"
+stats = [l.strip() for l in open(sys.argv[2], errors='replace') if l.startswith('rolling KV: CPU part:')]
+runs = next((int(m.group(1)) for m in (re.match(r'rolling KV: CPU part: (\\d+) runs', l) for l in stats) if m), 0)
+gap = next((float(m.group(1)) for m in (re.search(r'next one.s start [0-9.]+ us \\(p50 ([0-9.]+)\\)', l) for l in stats) if m), None)
+chosen = r.get('kv_tail_cpu_frac_chosen')
+rec = {'label': sys.argv[1], 'ms': round(1000 / r['avg_ts'], 3), 'tok_s': r['avg_ts'], 'sd_ts': r['stddev_ts'],
+       'samples_ms': [round(1000 / x, 2) for x in r['samples_ts']], 'cpu_frac_chosen': chosen, 'cpu_part_runs': runs,
+       'gap_p50_us': gap, 'cpu_part_stats': stats}
+print(json.dumps(rec))
+# the path ran: a cell whose plan gave the CPU a share and that ran no CPU part timed the GPU-only stream
+if chosen not in (None, '') and float(chosen) > 0 and runs == 0:
+    print(f'FAILED: {sys.argv[1]}: the plan gave the CPU {float(chosen):.0%} of the tail, no CPU part ran', file=sys.stderr)
+    sys.exit(1)" "$label" "$err" | tee -a "$OUT/decode.jsonl"
+  local rc=$(( PIPESTATUS[0] | PIPESTATUS[1] ))
+  rm -f "$err"
+  return $rc
 }
 
 # decode_cells: the closing check's three cells at depth 16384: resident, 50% f16 tail, 50% q4_0 tail
@@ -189,18 +202,23 @@ decode_cells() {
 # the decode-sized cases say cpu-part=N), and the perturbation reaching the CPU part (x = 1, the whole tail on the CPU:
 # every case with a live tail must fail); logs $OUT/optest-cuda0-hybrid-*.txt
 hybrid_op_tests() {
-  local f r rc=0 log
+  local f r n rc=0 log
   for f in 0.5 1; do
     log="$OUT/optest-cuda0-hybrid-$f.txt"
     timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --tail-host --tail-cpu-frac "$f" > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
-    echo "op test -b CUDA0 --tail-host --tail-cpu-frac $f: exit $r, $(grep -c 'cpu-part=' "$log") cases with a CPU part"
+    n=$(grep -c 'cpu-part=' "$log")
+    echo "op test -b CUDA0 --tail-host --tail-cpu-frac $f: exit $r, $n cases with a CPU part"
+    # the path ran: a build whose CPU part never runs passes every case on the streamed tail alone
+    [ "$n" -gt 0 ] || { echo "FAILED: no case ran a CPU part"; rc=1; }
     grep -E "FAIL|passed|skipped" "$log" | cut -c1-260 | tail -6
   done
   log="$OUT/optest-cuda0-hybrid-perturbed.txt"
   ROLLINGKV_DEBUG_PERTURB_TAIL=1 timeout 150 "$B/build/bin/test-rolling-kv-ops" -b CUDA0 --tail-host --tail-cpu-frac 1 --expect-perturbed \
     > "$log" 2>&1; r=$?; [ $r = 0 ] || rc=$r
+  n=$(grep 'OK (fails: perturbed tail)' "$log" | grep -c 'cpu-part=')
   echo "perturbed x = 1, the whole tail on the CPU: exit $r; caught $(grep -c 'OK (fails: perturbed tail)' "$log")," \
-    "of them with a CPU part $(grep 'OK (fails: perturbed tail)' "$log" | grep -c 'cpu-part=')"
+    "of them with a CPU part $n"
+  [ "$n" -gt 0 ] || { echo "FAILED: no perturbed case reached a CPU part"; rc=1; }
   grep -E "FAIL|passed" "$log" | cut -c1-260 | tail -6
   return $rc
 }
@@ -241,6 +259,21 @@ hybrid_cells() {
     for f in ${HYBRID_FRACS:-0.25 0.4 0.5}; do
       decode_cell "w$w cpu $f" -- --kv-residency-mode window --kv-window-cells "$w" --kv-tail-cpu-frac "$f" || rc=1
     done
+  done
+  return $rc
+}
+
+# handoff_cells: the CPU part's hand-off to the host, host function (the first design) against the flag in mapped memory
+# (the default), each at 50% f16 tail with the CPU part at auto and at 0.5, and the full spill at 0.5, in one run
+handoff_cells() {
+  local h rc=0 kv=$(( ${D:-16384} + ${N:-32} ))
+  for h in host flag; do
+    decode_cell "w$(( kv / 2 / 256 * 256 )) cpu auto $h" ROLLINGKV_CPU_PART_HANDOFF=$h -- --kv-residency-mode window \
+      --kv-window-cells $(( kv / 2 / 256 * 256 )) --kv-tail-cpu-frac auto || rc=1
+    decode_cell "w$(( kv / 2 / 256 * 256 )) cpu 0.5 $h" ROLLINGKV_CPU_PART_HANDOFF=$h -- --kv-residency-mode window \
+      --kv-window-cells $(( kv / 2 / 256 * 256 )) --kv-tail-cpu-frac 0.5 || rc=1
+    decode_cell "w256 cpu 0.5 $h" ROLLINGKV_CPU_PART_HANDOFF=$h -- --kv-residency-mode window --kv-window-cells 256 \
+      --kv-tail-cpu-frac 0.5 || rc=1
   done
   return $rc
 }

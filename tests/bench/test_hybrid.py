@@ -39,7 +39,8 @@ if cpu is not None:  # as llama-bench writes them: "auto", or the request as %f
 if on and split:  # libllama's CPU part statistics at exit (ROLLINGKV_CPU_PART_STATS, which the bench sets)
     import os
     assert os.environ.get("ROLLINGKV_CPU_PART_STATS") == "1"
-    print("rolling KV: CPU part: 56 runs, 500.0 us each (p50 490.0, p90 520.0, max 900.0), 60.0 GB/s of K+V", file=sys.stderr)
+    runs = int(os.environ.get("FAKE_CPU_PART_RUNS", "56"))  # 0: a build whose CPU part never ran
+    print(f"rolling KV: CPU part: {{runs}} runs, 500.0 us each (p50 490.0, p90 520.0, max 900.0), 60.0 GB/s of K+V", file=sys.stderr)
     print("rolling KV: CPU part: per part, the last thread started 3.0 us after the post", file=sys.stderr)
 print(json.dumps([row]))
 """
@@ -269,3 +270,27 @@ def test_hybrid_floor_arithmetic():
         bm.hybrid_floors(1e-3, 1e6, 1e9, 0.0)
     with pytest.raises(ValueError):
         bm.cpu_share(0.0, 40.0)
+
+
+def test_a_hybrid_cell_whose_cpu_part_never_ran_fails(capsys, cuda_build, tiny, tmp_path, monkeypatch):
+    """Proof that the path ran: a hybrid cell that the plan gave a CPU share but whose process counted no CPU part (a
+    build that streamed the whole tail) fails with the reason, instead of timing the GPU-only stream as the hybrid."""
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")
+    from rollingkv_cli import cpu_attn
+
+    monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("FAKE_CPU_PART_RUNS", "0")
+    out = tmp_path / "h.json"
+    code, stdout, err = _run(capsys, tiny, out, "--cpu-fracs", "0.25")
+    doc = json.loads(out.read_text())
+    hyb = [c for c in doc["cells"] if c["kind"] == "hybrid"]
+    assert hyb and all(c["status"] == "failed" and c["cpu_part_runs"] == 0 and "no CPU part ran" in c["error"] for c in hyb)
+    assert all(c["status"] == "ok" for c in doc["cells"] if c["kind"] == "window")
+    assert code != 0
+
+
+def test_cpu_part_runs_reads_the_stats_line():
+    from rollingkv_cli.bench.tail import cpu_part_runs
+
+    assert cpu_part_runs(["rolling KV: CPU part: 1234 runs, 5.0 us each", "rolling KV: CPU part: per part"]) == 1234
+    assert cpu_part_runs(["rolling KV: CPU part: per part, the last thread"]) == 0 and cpu_part_runs([]) == 0

@@ -123,6 +123,16 @@ def test_residency_line_from_metrics():
     line = residency_line(text)
     assert "0: 256+700" in line and "1:" not in line and "attended 20 MiB" in line and "10 MiB occupied" in line
     assert residency_line("llamacpp:requests_processing 1") is None
+    assert "window" not in line and "moved" not in line  # static windows: nothing moved, every window the same
+    # elastic windows that followed the load: each slot's window and the cells moved each way
+    text += "\n" + "\n".join([
+        'llamacpp:rolling_kv_slot_window_cells{slot="0"} 768',
+        'llamacpp:rolling_kv_slot_window_cells{slot="1"} 256',
+        "llamacpp:rolling_kv_promoted_cells_total 512",
+        "llamacpp:rolling_kv_demoted_cells_total 256",
+    ])
+    line = residency_line(text)
+    assert "0: 256+700 (window 768)" in line and "moved 512 cells to the device, 256 to the tail" in line
 
 
 @pytest.mark.build

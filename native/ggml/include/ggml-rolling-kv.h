@@ -91,6 +91,8 @@ extern "C" {
     // at most the CPUs of the process's affinity (taskset, numactl), on which its threads run. The thread that runs a
     // part is one of them.
     GGML_API int  ggml_rkv_get_cpu_threads(void);
+    // CPU parts run so far in this process, by every backend (the proof that a hybrid tail's CPU part ran)
+    GGML_API uint64_t ggml_rkv_cpu_part_runs(void);
 
     // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a
     // synthetic tail of `bytes` bytes (0: 256 MiB) of type `type` (f16, q8_0, q4_0 for K and V) on n_threads

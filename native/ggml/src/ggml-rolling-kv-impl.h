@@ -25,6 +25,12 @@
 //   ROLLINGKV_CPU_PART_SPIN_US=N  how long the CPU part's idle workers spin for the next part before they sleep
 //                             (atoi, clamped to [0, 1000000], default 300: longer than the gap between the parts of
 //                             a decode's layers, short enough that an idle process leaves the CPUs to others).
+//   ROLLINGKV_CPU_PART_HANDOFF=flag|host  how a CUDA device hands a CPU part to the host and waits for its result: a
+//                             flag in mapped memory that a host thread (the agent) polls and a flag it sets that a
+//                             one-thread kernel on the compute stream waits for (flag, the default), or a
+//                             stream-ordered host function and an event (host: cudaLaunchHostFunc, the first design;
+//                             kept for the A/B of the per-layer hand-off, docs/design/hybrid-tail.md). Anything else:
+//                             one warning line and flag.
 //   ROLLINGKV_TAIL_HOST_MEMORY=hugepages|cuda   where a GPU's host tail lives: anonymous memory advised for 2 MiB
 //                             pages and registered with the device (hugepages, the default), or the runtime's own
 //                             pinned allocation (cuda: cudaMallocHost). Both stream at the link's speed; the CPU part
@@ -73,6 +79,7 @@ struct ggml_rkv_knobs {
     bool    tail_cuda_alloc;  // ROLLINGKV_TAIL_HOST_MEMORY=cuda (else hugepages)
     int     cpu_part_threads; // ROLLINGKV_CPU_PART_THREADS; 0: unset
     int     cpu_part_spin_us; // ROLLINGKV_CPU_PART_SPIN_US
+    bool    cpu_part_host_fn; // ROLLINGKV_CPU_PART_HANDOFF=host (else flag)
 
     // diagnostics
     bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS

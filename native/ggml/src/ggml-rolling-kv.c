@@ -263,6 +263,13 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
         }
     }
     k.cpu_part_spin_us = ggml_rkv_env_int("ROLLINGKV_CPU_PART_SPIN_US", 300, 0, 1000000);
+    {
+        const char * v = ggml_rkv_env("ROLLINGKV_CPU_PART_HANDOFF");
+        k.cpu_part_host_fn = v && strcmp(v, "host") == 0;
+        if (v && !k.cpu_part_host_fn && strcmp(v, "flag") != 0) {
+            GGML_LOG_WARN("ROLLINGKV_CPU_PART_HANDOFF=%s is neither flag nor host: using flag\n", v);
+        }
+    }
 
     k.cpu_part_stats = ggml_rkv_env_int("ROLLINGKV_CPU_PART_STATS", 0, 0, 1) == 1;
 

@@ -450,6 +450,10 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
 // the C API (ggml-rolling-kv.h)
 //
 
+extern "C" uint64_t ggml_rkv_cpu_part_runs(void) {
+    return rkv_cpu_part_runs();
+}
+
 extern "C" int ggml_rkv_get_cpu_threads(void) {
     // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
     static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;

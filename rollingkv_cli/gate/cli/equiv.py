@@ -390,7 +390,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                       "plan": ref_r.get("plan"), "n_ctx": ref_r.get("n_ctx"), "timings": ref_r.get("timings")},
         "candidate": {"lib": cand_r.get("lib"), "build_info": cand_r.get("build_info"), "residency": cand_residency,
                       "context_via": cand_r.get("context_via"), "plan": cand_r.get("plan"), "n_ctx": cand_r.get("n_ctx"),
-                      "timings": cand_r.get("timings")},
+                      "cpu_part_runs": cand_r.get("cpu_part_runs"), "timings": cand_r.get("timings")},
         "baseline": None if not baseline_how else {"cache_types": {"k": ctkt or ctk, "v": ctvt or ctv}, "metrics": results["baseline"]["summary"],
                                                    "tail_metrics": base_tail, "bounds": baseline_how, "tail_positions_above": above,
                                                    "timings": results["baseline"].get("timings")},

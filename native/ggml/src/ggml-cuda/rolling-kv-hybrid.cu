@@ -8,12 +8,23 @@
 #include "../rolling-kv-cpu-part.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define RKV_CPU_RELAX() _mm_pause()
+#else
+#define RKV_CPU_RELAX() std::this_thread::yield()
+#endif
 
 // cudaLaunchHostFunc and the capture of host nodes: CUDA only (vendors/hip.h and musa.h do not map them all)
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
@@ -31,14 +42,130 @@ struct rkv_staging {
     cudaEvent_t done = nullptr;
 };
 
+// The hand-off of the k-th CPU part of a graph through mapped memory (ROLLINGKV_CPU_PART_HANDOFF=flag): the device
+// rings (job, req = 1) after the part's inputs are staged; the agent, a host thread, takes it (req = 0), runs the part
+// and sets done = 1; a one-thread kernel on the compute stream waits for done, resets it and the merge follows in
+// stream order. Fixed for the context's life (a staging buffer that grows moves; a kernel already queued rings here
+// still), one line each way so that the two sides never share a cache line.
+struct alignas(128) rkv_bell {
+    uint32_t                         req;
+    uint32_t                         pad0;
+    const struct rkv_cpu_part_job *  job;
+    char                             pad1[48];
+    uint32_t                         done;
+    char                             pad2[60];
+};
+static_assert(sizeof(rkv_bell) == 128, "one 64-byte line per direction");
+constexpr int RKV_MAX_BELLS = 512; // CPU parts per graph with a bell; a later one uses the host function
+
 } // namespace
+
+// the host thread that serves the bells: it spins while the graphs begun so far have parts it has not served (the
+// graph's plan counts them, rolling-kv-stream.cu), else sleeps on a condition the next graph's begin signals, with a
+// timeout that grows from 1 ms to 100 ms (a part the count missed is still served)
+struct rkv_agent {
+    rkv_bell *             bells   = nullptr; // [RKV_MAX_BELLS], cudaMallocHost (portable, mapped)
+    std::atomic<int>       n_bells { 0 };     // bells in use (the most CPU parts a graph had)
+    std::atomic<int64_t>   pending { 0 };     // parts expected and not served yet
+    std::atomic<bool>      stop    { false };
+    std::mutex              m;
+    std::condition_variable cv;
+    uint64_t               wakes   = 0;       // under m: graphs begun since the agent last looked
+    std::thread            th;
+
+    void expect(int n) {
+        pending.fetch_add(n, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lk(m);
+            wakes++;
+        }
+        cv.notify_one();
+    }
+
+    bool serve_once() {
+        bool served = false;
+        const int n = n_bells.load(std::memory_order_acquire);
+        for (int i = 0; i < n; ++i) {
+            rkv_bell & b = bells[i];
+            if (__atomic_load_n(&b.req, __ATOMIC_ACQUIRE) != 1) {
+                continue;
+            }
+            const rkv_cpu_part_job * job = __atomic_load_n(&b.job, __ATOMIC_ACQUIRE);
+            __atomic_store_n(&b.req, 0u, __ATOMIC_RELAXED);
+            rkv_cpu_part_run(*job);
+            __atomic_store_n(&b.done, 1u, __ATOMIC_RELEASE); // after the part's output and LSE (x86: stores in order)
+            pending.fetch_sub(1, std::memory_order_relaxed);
+            served = true;
+        }
+        return served;
+    }
+
+    void main() {
+        using clk = std::chrono::steady_clock;
+        auto last = clk::now();
+        auto nap  = std::chrono::milliseconds(1);
+        while (!stop.load(std::memory_order_relaxed)) {
+            if (serve_once()) {
+                last = clk::now();
+                nap  = std::chrono::milliseconds(1);
+                continue;
+            }
+            const auto now = clk::now();
+            // spin while parts are expected (given up after 200 ms without one: a count that missed), or for the
+            // pool's spin time after the last one
+            const bool expected = pending.load(std::memory_order_relaxed) > 0 && now - last < std::chrono::milliseconds(200);
+            if (expected || now - last < std::chrono::microseconds(ggml_rkv_get_knobs()->cpu_part_spin_us)) {
+                RKV_CPU_RELAX();
+                continue;
+            }
+            if (pending.load(std::memory_order_relaxed) > 0) {
+                pending.store(0, std::memory_order_relaxed);
+            }
+            std::unique_lock<std::mutex> lk(m);
+            const uint64_t w = wakes;
+            cv.wait_for(lk, nap, [&] { return wakes != w || stop.load(std::memory_order_relaxed); });
+            if (wakes != w) {
+                last = clk::now();
+                nap  = std::chrono::milliseconds(1);
+            } else {
+                nap = std::min<std::chrono::milliseconds>(nap*2, std::chrono::milliseconds(100));
+            }
+        }
+    }
+
+    void start() {
+#if RKV_HYBRID
+        CUDA_CHECK(cudaHostAlloc((void **) &bells, RKV_MAX_BELLS*sizeof(rkv_bell), cudaHostAllocPortable | cudaHostAllocMapped));
+        memset(bells, 0, RKV_MAX_BELLS*sizeof(rkv_bell));
+        th = std::thread([this] { main(); });
+#endif
+    }
+
+    ~rkv_agent() {
+        if (th.joinable()) {
+            {
+                std::lock_guard<std::mutex> lk(m);
+                stop = true;
+            }
+            cv.notify_one();
+            th.join();
+        }
+#if RKV_HYBRID
+        if (bells) {
+            CUDA_CHECK(cudaFreeHost(bells));
+        }
+#endif
+    }
+};
 
 struct ggml_cuda_rkv_hybrid {
     std::vector<rkv_staging> staging;  // the k-th CPU part of a graph uses staging[k]
     std::vector<char *>      retired;  // staging that grew: a captured graph may still copy through it
     int next = 0;                      // CPU parts issued in the graph being evaluated
     cudaEvent_t ev_fork = nullptr;
-    cudaEvent_t ev_done = nullptr;     // the CPU part issued last (what the compute stream waits for)
+    cudaEvent_t ev_done = nullptr;     // host function: the CPU part issued last (what the compute stream waits for)
+    rkv_bell *  bell_done = nullptr;   // flag: the bell of the CPU part issued last
+    std::unique_ptr<rkv_agent> agent;  // flag: made with the first graph that has CPU parts
     // the ALiBi slopes (times the test hook's factor) per (heads, max_bias, factor): what a job's slope points to, never
     // changed once made (a replayed graph's job points to it); as many as the model's distinct layer shapes
     std::unordered_map<std::string, std::unique_ptr<std::vector<float>>> slopes;
@@ -48,6 +175,7 @@ void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h) {
     if (!h) {
         return;
     }
+    h->agent.reset(); // joined before the staging its jobs point into goes
     for (auto & s : h->staging) {
         if (s.host) CUDA_CHECK(cudaFreeHost(s.host));
         if (s.done) CUDA_CHECK(cudaEventDestroy(s.done));
@@ -59,10 +187,30 @@ void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h) {
     delete h;
 }
 
-void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid * h) {
-    if (h) {
-        h->next = 0;
+static ggml_cuda_rkv_hybrid & rkv_hybrid_make(ggml_cuda_rkv_hybrid *& hp) {
+    if (!hp) {
+        hp = new ggml_cuda_rkv_hybrid;
+        CUDA_CHECK(cudaEventCreateWithFlags(&hp->ev_fork, cudaEventDisableTiming));
     }
+    return *hp;
+}
+
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, int n_cpu_parts) {
+    if (hp) {
+        hp->next = 0;
+    }
+#if RKV_HYBRID
+    if (n_cpu_parts > 0 && !ggml_rkv_get_knobs()->cpu_part_host_fn) {
+        ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(hp);
+        if (!h.agent) {
+            h.agent = std::make_unique<rkv_agent>();
+            h.agent->start();
+        }
+        h.agent->expect(n_cpu_parts); // the agent spins from here until it has served them
+    }
+#else
+    GGML_UNUSED(n_cpu_parts);
+#endif
 }
 
 int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
@@ -127,6 +275,48 @@ static __global__ void rkv_stage_inputs(const float * __restrict__ q, const int6
     }
 }
 
+// the bell rung once the staging kernel before it in stream order is done (a kernel boundary: its writes happen before
+// this release at system scope, which the agent's acquire of req pairs with)
+static __global__ void rkv_ring_bell(rkv_bell * bell, const rkv_cpu_part_job * job) {
+    bell->job = job;
+#if __CUDA_ARCH__ >= 700
+    asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(&bell->req), "r"(1u) : "memory");
+#else
+    __threadfence_system();
+    *(volatile uint32_t *) &bell->req = 1u;
+#endif
+}
+
+// the compute stream waits for the agent's done (an acquire at system scope: the part's output and LSE, written
+// before it, are what the merge after this kernel reads), then re-arms the bell; a part that never ends stops the
+// process with a line after 60 s instead of hanging it
+static __global__ void rkv_wait_bell(rkv_bell * bell) {
+    uint64_t t0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        uint32_t v;
+#if __CUDA_ARCH__ >= 700
+        asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(&bell->done) : "memory");
+#else
+        v = *(volatile uint32_t *) &bell->done;
+        __threadfence_system();
+#endif
+        if (v) {
+            break;
+        }
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 60ull*1000000000ull) {
+            printf("rolling KV: the CPU part of a hybrid tail did not finish in 60 s (its host agent is gone?)\n");
+            __trap();
+        }
+#if __CUDA_ARCH__ >= 700
+        __nanosleep(256);
+#endif
+    }
+    *(volatile uint32_t *) &bell->done = 0u;
+}
+
 static void CUDART_CB rkv_cpu_part_host(void * data) {
     rkv_cpu_part_run(*(const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
 }
@@ -174,12 +364,7 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     const size_t off_job    = GGML_PAD(off_out + o_bytes + (size_t) rows*sizeof(float), 256);
     const size_t need       = off_job + sizeof(rkv_cpu_part_job);
 
-    ggml_cuda_rkv_hybrid *& hp = ggml_cuda_rkv_hybrid_of(ctx);
-    if (!hp) {
-        hp = new ggml_cuda_rkv_hybrid;
-        CUDA_CHECK(cudaEventCreateWithFlags(&hp->ev_fork, cudaEventDisableTiming));
-    }
-    ggml_cuda_rkv_hybrid & h = *hp;
+    ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(ggml_cuda_rkv_hybrid_of(ctx));
     const int k = h.next++;
     if ((int) h.staging.size() <= k) {
         h.staging.resize(k + 1);
@@ -243,9 +428,22 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
             n_cpu, n_q, n_planes, (float *) host, (uint16_t *) (host + off_mask), j, job_host);
         CUDA_CHECK(cudaGetLastError());
     }
-    CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, job_host));
-    CUDA_CHECK(cudaEventRecord(st.done, cs));
-    h.ev_done = st.done;
+    // the bell when the graph's plan started the agent (a part past the bells, or one the plan did not count, takes
+    // the host function)
+    if (h.agent && k < RKV_MAX_BELLS) {
+        rkv_bell * bell = &h.agent->bells[k];
+        int n = h.agent->n_bells.load(std::memory_order_relaxed);
+        while (n < k + 1 && !h.agent->n_bells.compare_exchange_weak(n, k + 1, std::memory_order_release)) {}
+        rkv_ring_bell<<<1, 1, 0, cs>>>(bell, job_host);
+        CUDA_CHECK(cudaGetLastError());
+        h.bell_done = bell;
+        h.ev_done   = nullptr;
+    } else {
+        CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, job_host));
+        CUDA_CHECK(cudaEventRecord(st.done, cs));
+        h.ev_done   = st.done;
+        h.bell_done = nullptr;
+    }
     return (const float *) (host + off_out); // the merge reads the result where the host wrote it (mapped memory)
 #else
     GGML_UNUSED(ctx); GGML_UNUSED(op); GGML_UNUSED(n_cpu); GGML_UNUSED(col0);
@@ -255,6 +453,13 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
 
 void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx) {
     ggml_cuda_rkv_hybrid * h = ggml_cuda_rkv_hybrid_of(ctx);
-    GGML_ASSERT(h && h->ev_done);
+    GGML_ASSERT(h && (h->ev_done || h->bell_done));
+#if RKV_HYBRID
+    if (h->bell_done) {
+        rkv_wait_bell<<<1, 1, 0, ctx.stream()>>>(h->bell_done);
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+#endif
     CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0));
 }

@@ -4,11 +4,15 @@
 // stream of its own that forks from the compute stream where the op starts (its Q and this step's tail rows are
 // written by then):
 //   1. a kernel writes Q and the part's mask columns into pinned host staging (a few KiB, through unified addressing);
-//   2. a stream-ordered host function (cudaLaunchHostFunc: a host node in a captured CUDA graph) attends the part's
-//      cells on the host's thread pool straight from the pinned tail rows (rolling-kv-cpu-part.h);
-//   3. an event is recorded; the merge reads the output and per-row LSE from the staging in place (no copy back).
-// Meanwhile the compute stream attends the window and the streamed chunks; it waits for that event only before the
-// last merge, where the CPU part is merged like any other part (exact online-softmax combine, sinks once).
+//   2. a one-thread kernel rings the part's bell in mapped memory; a host thread (the agent, spinning while the graph
+//      has parts to come) sees it, attends the part's cells on the host's thread pool straight from the pinned tail
+//      rows (rolling-kv-cpu-part.h) and sets the bell's done flag;
+//   3. a one-thread kernel on the compute stream waits for that flag only before the last merge, where the CPU part
+//      is merged like any other part (exact online-softmax combine, sinks once), reading the output and per-row LSE
+//      from the staging in place (no copy back).
+// Meanwhile the compute stream attends the window and the streamed chunks. ROLLINGKV_CPU_PART_HANDOFF=host keeps the
+// first design for 2-3: a stream-ordered host function (cudaLaunchHostFunc) and an event the compute stream waits for.
+// Both are kernels or host nodes a CUDA graph captures.
 //
 // The host function reads a job (shapes, host addresses) that is never changed once made: a replayed graph finds
 // the job of its capture. The pinned staging of the k-th CPU part of a graph is shared by all graphs (they run one
@@ -28,8 +32,9 @@ static_assert(GGML_CUDA_RKV_CPU_STREAM > 3, "the rolling-KV CPU-part stream must
 struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, which carries the jobs, slopes, events)
 void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
 
-// before a graph is evaluated: its CPU parts take staging buffers from the first again
-void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid * h);
+// before a graph is evaluated (eager or captured, and before a replay): its CPU parts take staging buffers from the
+// first again; n_cpu_parts > 0 (the graph's count) starts the agent that serves the bells, or tells it to expect them
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& h, int n_cpu_parts);
 
 // cells of op's host tail that the CPU attends (its far end), 0 when op has no CPU part: a pinned-host tail, a
 // tail_cpu_frac > 0, at most GGML_RKV_CPU_PART_MAX_Q query rows per stream, K/V types and head sizes the CPU part

@@ -75,7 +75,8 @@ void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
         return;
     }
     ggml_cuda_set_device(ctx.device);
-    for (const int s : { GGML_CUDA_RKV_COPY_STREAM, GGML_CUDA_RKV_CPU_STREAM }) {
+    // the compute stream too: a CPU part's wait kernel there needs the hybrid's agent until it is done
+    for (const int s : { 0, GGML_CUDA_RKV_COPY_STREAM, GGML_CUDA_RKV_CPU_STREAM }) {
         if (ctx.streams[ctx.device][s]) {
             CUDA_CHECK(cudaStreamSynchronize(ctx.streams[ctx.device][s]));
         }
@@ -316,7 +317,7 @@ static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t,
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (r) {
-        ggml_cuda_rkv_hybrid_graph_begin(r->hybrid);
+        ggml_cuda_rkv_hybrid_graph_begin(r->hybrid, 0);
         r->fifo.clear();
         r->ops.clear();
         r->next_copy = 0;
@@ -331,10 +332,14 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     std::vector<std::pair<const ggml_tensor *, const ggml_tensor *>> writes; // (root written, set_rows node)
     const size_t slot_bytes = rkv_knobs().ring_slot_bytes;
     size_t need = 0;
+    int n_cpu_parts = 0; // ops with a CPU part: the agent that serves them spins while the graph runs
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(cgraph)); ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(cgraph), i);
         if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
             continue;
+        }
+        if (node->op == GGML_OP_STREAMING_FLASH_ATTN && ggml_cuda_rkv_tail_cpu_cells(node) > 0) {
+            n_cpu_parts++;
         }
         if (node->op == GGML_OP_SET_ROWS && ggml_is_streamed(node)) {
             writes.push_back({ node->view_src ? node->view_src : node, node });
@@ -352,6 +357,9 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
             if (w.first == kroot) ops.back().writes_k.push_back(w.second);
             if (w.first == vroot) ops.back().writes_v.push_back(w.second);
         }
+    }
+    if (n_cpu_parts > 0) {
+        ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid_of(ctx), n_cpu_parts);
     }
     if (ops.empty()) {
         return;
