@@ -154,6 +154,8 @@ def test_gate_equiv_with_a_cpu_part_stays_bit_identical_on_the_cpu(cpu_build, de
     assert r["metrics"]["bitwise_identical"] and r["tail_cpu"]["requested"] == 0.5
     assert_reference_resident(r)
     assert TAIL_CPU_KEYS <= set(r["tail_cpu"]["plan"]) and r["candidate"]["residency"]["tail_cpu_frac"] == 0.5
+    # the count the GPU tests prove the path with is reported, and a CPU build runs no CPU part (it attends all on the CPU)
+    assert r["candidate"]["cpu_part_runs"] == 0
 
 
 @pytest.mark.gpu
