@@ -388,7 +388,9 @@ def test_gate_equiv_with_a_cpu_part_within_the_order_floor(cuda_build, synth_mod
     reaches the CPU part (test_op_on_cuda_perturbed_fails_exactly_the_live_tail_cases, --tail-cpu-frac in the device
     checks)."""
     out = tmp_path / "r.json"
-    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", "512", "--n-seq", str(n_seq),
+    # 1024 tokens a sequence: a tail of 256 cells streams whole at a share of 0.5 (the streamed part keeps a multiple of
+    # 256 cells), so 512 tokens never ran a CPU part (cpu_part_runs was 0 on the H100, 2026-12-06)
+    proc = _cli(["gate", "equiv", "--model", str(synth_model), "--synthetic-tokens", str(1024 * n_seq), "--n-seq", str(n_seq),
                  "--n-batch", str(n_seq), "--kv-window-cells", "256", "--kv-tail-cpu-frac", "0.5", "-ngl", "99",
                  "--order-floor", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -436,8 +436,9 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
         while (n < k + 1 && !h.agent->n_bells.compare_exchange_weak(n, k + 1, std::memory_order_release)) {}
         rkv_ring_bell<<<1, 1, 0, cs>>>(bell, job_host);
         CUDA_CHECK(cudaGetLastError());
+        CUDA_CHECK(cudaEventRecord(st.done, cs)); // the fork joins the compute stream again (a capture requires it)
         h.bell_done = bell;
-        h.ev_done   = nullptr;
+        h.ev_done   = st.done;
     } else {
         CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, job_host));
         CUDA_CHECK(cudaEventRecord(st.done, cs));
@@ -453,9 +454,10 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
 
 void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx) {
     ggml_cuda_rkv_hybrid * h = ggml_cuda_rkv_hybrid_of(ctx);
-    GGML_ASSERT(h && (h->ev_done || h->bell_done));
+    GGML_ASSERT(h && h->ev_done);
 #if RKV_HYBRID
     if (h->bell_done) {
+        CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0)); // the join: the bell was rung long before
         rkv_wait_bell<<<1, 1, 0, ctx.stream()>>>(h->bell_done);
         CUDA_CHECK(cudaGetLastError());
         return;
