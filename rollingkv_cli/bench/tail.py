@@ -547,8 +547,9 @@ def measure_cpu_attn(cfg: TailConfig) -> dict:
 
 
 def bind_link(doc: dict, gbps: float | None) -> None:
-    """Fill the link figure into the pending hybrid auto cells' --pcie-bw-gbps (their plan's split depends on it): the
-    bandwidth the floors use, measured in this run unless given; without one the option is left out."""
+    """Fill the link figure into the pending auto cells' --pcie-bw-gbps (hybrid: their plan's split depends on it; auto
+    tail types: their type does): the bandwidth the floors use, measured in this run unless given; without one the
+    option is left out."""
     for c in doc["cells"]:
         if c.get("status") == "ok" or LINK_PLACEHOLDER not in c.get("args", []):
             continue
@@ -835,8 +836,10 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps)
     if doc["bandwidth"]["gbps"] is None:
         doc["notes"].append(doc["bandwidth"]["note"])
+    # every auto cell's plan gets the link (hybrid and tail-type cells: without it an auto tail-type cell passed the
+    # placeholder itself to llama-bench, which refused it, on the H100 2026-12-06)
+    bind_link(doc, doc["bandwidth"]["gbps"])
     if any(c["kind"] == "hybrid" for c in doc["cells"]):
-        bind_link(doc, doc["bandwidth"]["gbps"])
         doc["cpu_attn"] = measure_cpu_attn(cfg)
         if doc["cpu_attn"]["gbps"] is None:
             doc["notes"].append(f"CPU attention not measured ({doc['cpu_attn']['error']}): the hybrid floors are skipped")

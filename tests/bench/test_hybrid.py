@@ -294,3 +294,16 @@ def test_cpu_part_runs_reads_the_stats_line():
 
     assert cpu_part_runs(["rolling KV: CPU part: 1234 runs, 5.0 us each", "rolling KV: CPU part: per part"]) == 1234
     assert cpu_part_runs(["rolling KV: CPU part: per part, the last thread"]) == 0 and cpu_part_runs([]) == 0
+
+
+def test_an_auto_tail_type_cell_gets_the_measured_link(capsys, cuda_build, tiny, tmp_path):
+    """An auto tail-type cell in a run without hybrid cells: its plan gets the link measured in the run, never the
+    placeholder (which llama-bench refused: the cell failed on the H100, 2026-12-06)."""
+    out = tmp_path / "a.json"
+    code, stdout, err = run_main(["bench", "tail", str(tiny), "-d", "1020", "-n", "4", "-r", "1", "-t", "3", "--fractions", "0.5",
+                                  "--tail-types", "f16,auto", "--cpu-fracs", "", "--skip", "nkvo", "--skip", "ngl",
+                                  "--json", str(out), "--no-plot"], capsys)
+    doc = json.loads(out.read_text())
+    auto = next(c for c in doc["cells"] if c.get("tail_type") == "auto")
+    assert "MEASURED" not in auto["command"] and auto["command"].endswith("--pcie-bw-gbps 20"), auto["command"]
+    assert auto["plan_link"] == {"gbps": 20.0, "source": "measured"}
