@@ -182,6 +182,27 @@ def test_a_long_sequence_takes_the_idle_cells_and_gives_them_back(sim_lib):
     c.close()
 
 
+def test_windows_return_to_the_static_layout_once_the_active_streams_fit(sim_lib):
+    """A long request ends but its slot keeps its cells (llama-server's prompt cache): once the short ones beside it fit
+    their shares, the idle stream keeps only its share (its excess demoted once) and the windows sit at the static layout
+    again, which upstream's one op over all streams reads (the H100 decoded the short ones at 0.65x resident while the
+    idle window held the pool off it)."""
+    c = new_cache(sim_lib, 4, 8192, 4 * 1024)
+    c.ubatch({0: 3000})
+    c.ubatch({0: 1, 1: 400, 2: 400})
+    assert c.windows()[1][0] == 3072
+    c.ubatch({1: 1, 2: 1})           # 0 finished: still active for this batch
+    assert c.windows()[1][0] == 3072
+    c.ubatch({1: 1, 2: 1})           # 0 idle: down to its share, the rest of its cells to its host rows
+    base, cells, _ = c.windows()
+    assert cells[0] == 1024 and list(base) == [0, 1024, 2048, 3072], (base, cells)
+    assert any(k == DEMOTE and s == 0 for k, s, *_ in c.copies)
+    assert all(cells[s] >= c.ext[s] for s in (1, 2))
+    c.ubatch({1: 1, 2: 1})           # nothing more moves
+    assert c.copies == [] and list(c.windows()[0]) == [0, 1024, 2048, 3072]
+    c.close()
+
+
 def test_an_idle_stream_is_demoted_least_recently_used_first_and_an_active_one_never(sim_lib):
     c = new_cache(sim_lib, 4, 8192, 4 * 1024)
     c.ubatch({0: 1000})           # then idle (a finished request whose cells the server keeps)

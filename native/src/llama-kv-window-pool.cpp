@@ -116,6 +116,23 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
         free -= grant;
     }
 
+    // 2b. back to the static layout once the active streams fit their shares: an idle stream keeps at most its share
+    // (its excess demoted once). A finished long request whose cells a slot keeps for its prompt cache would otherwise
+    // hold its large window, keep the pool off the static layout, and make every ubatch of the short ones attend one op
+    // per stream instead of upstream's one op over all streams (0.65x resident after the long one ended, H100 2026-12-06)
+    bool active_fit = true;
+    for (uint32_t s = 0; s < ns && active_fit; ++s) {
+        active_fit = !active(s) || std::max(w[s], in_ubatch[s] ? need[s] : 0u) <= pool.share;
+    }
+    if (active_fit) {
+        for (uint32_t s = 0; s < ns; ++s) {
+            if (!active(s) && w[s] > pool.share) {
+                free += w[s] - pool.share;
+                w[s]  = pool.share;
+            }
+        }
+    }
+
     if (w == pool.cells) {
         return {};
     }

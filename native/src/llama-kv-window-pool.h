@@ -14,6 +14,8 @@
 //     device blocks to their host rows. A stream is active while it has tokens in the current batch (one llama_decode:
 //     a server step, every generating slot's next token and a chunk of a prompt) or the one before; a finished request
 //     whose cells llama-server keeps for its prompt cache is idle from the second step after its last token;
+//   - once every active stream fits its share, an idle stream keeps at most its share (the excess demoted once), so
+//     that the windows return to the static layout (below) instead of an idle window holding the pool off it;
 //   - an active stream never loses cells to another active one: the bytes streamed per step are the same however the
 //     pool is shared among them, and moving cells between them would only cost copies.
 //
