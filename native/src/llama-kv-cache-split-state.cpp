@@ -199,36 +199,37 @@ static bool llama_rkv_convertible(ggml_type src_type, ggml_type dst_type) {
     return src_ok && dst_ok;
 }
 
-// cell_count rows of one layer's K or V from the state into a head split's device part dev (its first dev->ne[0]
-// elements of a row) and host part host (the rest; null: a layer whole on the device), at destination cells idxs: an
-// unsplit state, a window split's mixed state or a head split's state with two types, converted through f32 where the
-// types or the cut differ
-static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm, uint32_t cell_count,
-        const std::vector<uint32_t> & idxs, int32_t il, const char * what) {
-    const int64_t   n_d    = dev->ne[0];
-    const int64_t   n_h    = host ? host->ne[0] : 0;
-    const int64_t   n_embd = n_d + n_h;
-    const ggml_type td     = dev->type;
-    const ggml_type th     = host ? host->type : dev->type;
-    const size_t    row_d  = dev->nb[1];
-    const size_t    row_h  = host ? host->nb[1] : 0;
+// the layout of one layer's K or V rows in a state: rows of part a (type sa, na elements) followed by part b (sb, nb; 0:
+// whole rows), as a whole row (ROWS), a window split's mixed state (WINDOW: window rows and tail rows per range) or a head
+// split's state with two types (HEADS: the device and host parts of each row)
+struct llama_rkv_state_layout {
+    enum { ROWS, WINDOW, HEADS } kind = ROWS;
+    ggml_type sa = GGML_TYPE_COUNT;
+    ggml_type sb = GGML_TYPE_COUNT;
+    int64_t   na = 0;
+    int64_t   nb = 0;
+};
+
+// reads the layout of a layer's rows of n_embd elements from the state (its type, or a marker and its parts' types and
+// sizes); "" or why the state is refused
+static std::string llama_rkv_read_layout(llama_io_read_i & io, int64_t n_embd, int32_t il, const char * what,
+        llama_rkv_state_layout & src) {
+    char buf[256];
 
     int32_t type_i;
     io.read(&type_i, sizeof(type_i));
 
-    // the source: rows of part a (type sa, na elements) followed by part b (sb, nb; 0: whole rows)
-    enum { SRC_ROWS, SRC_WINDOW, SRC_HEADS } kind;
-    ggml_type sa, sb;
-    int64_t   na = n_embd, nb = 0;
+    src.na = n_embd;
+    src.nb = 0;
     if (type_i >= 0 && type_i < GGML_TYPE_COUNT) {
         uint64_t size_row;
         io.read(&size_row, sizeof(size_row));
-        kind = SRC_ROWS;
-        sa = sb = (ggml_type) type_i;
-        if (size_row != ggml_row_size(sa, n_embd)) {
-            LLAMA_LOG_ERROR("%s: mismatched %s row size (%zu != %zu, layer %d)\n", __func__, what,
-                    ggml_row_size(sa, n_embd), (size_t) size_row, il);
-            return false;
+        src.kind = llama_rkv_state_layout::ROWS;
+        src.sa = src.sb = (ggml_type) type_i;
+        if (size_row != ggml_row_size(src.sa, n_embd)) {
+            snprintf(buf, sizeof(buf), "mismatched %s row size (%zu != %zu, layer %d)", what,
+                    ggml_row_size(src.sa, n_embd), (size_t) size_row, il);
+            return buf;
         }
     } else if (type_i == LLAMA_RKV_STATE_MIXED) {
         int32_t tw, tt;
@@ -239,12 +240,12 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
         io.read(&rt, sizeof(rt));
         if (tw < 0 || tw >= GGML_TYPE_COUNT || tt < 0 || tt >= GGML_TYPE_COUNT ||
                 rw != ggml_row_size((ggml_type) tw, n_embd) || rt != ggml_row_size((ggml_type) tt, n_embd)) {
-            LLAMA_LOG_ERROR("%s: invalid rolling-KV %s layout in the state (layer %d)\n", __func__, what, il);
-            return false;
+            snprintf(buf, sizeof(buf), "invalid rolling-KV %s layout in the state (layer %d)", what, il);
+            return buf;
         }
-        kind = SRC_WINDOW;
-        sa = (ggml_type) tw;
-        sb = (ggml_type) tt;
+        src.kind = llama_rkv_state_layout::WINDOW;
+        src.sa = (ggml_type) tw;
+        src.sb = (ggml_type) tt;
     } else if (type_i == LLAMA_RKV_STATE_HEADS) {
         int32_t ta, tb;
         uint64_t ua, ub, ra, rb;
@@ -257,34 +258,48 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
         if (ta < 0 || ta >= GGML_TYPE_COUNT || tb < 0 || tb >= GGML_TYPE_COUNT || ua + ub != (uint64_t) n_embd || ua == 0 || ub == 0 ||
                 ua % ggml_blck_size((ggml_type) ta) != 0 || ub % ggml_blck_size((ggml_type) tb) != 0 ||
                 ra != ggml_row_size((ggml_type) ta, ua) || rb != ggml_row_size((ggml_type) tb, ub)) {
-            LLAMA_LOG_ERROR("%s: invalid rolling-KV head-split %s layout in the state (layer %d)\n", __func__, what, il);
-            return false;
+            snprintf(buf, sizeof(buf), "invalid rolling-KV head-split %s layout in the state (layer %d)", what, il);
+            return buf;
         }
-        kind = SRC_HEADS;
-        sa = (ggml_type) ta;
-        sb = (ggml_type) tb;
-        na = (int64_t) ua;
-        nb = (int64_t) ub;
+        src.kind = llama_rkv_state_layout::HEADS;
+        src.sa = (ggml_type) ta;
+        src.sb = (ggml_type) tb;
+        src.na = (int64_t) ua;
+        src.nb = (int64_t) ub;
     } else {
-        LLAMA_LOG_ERROR("%s: invalid %s type %d in the state (layer %d)\n", __func__, what, type_i, il);
-        return false;
+        snprintf(buf, sizeof(buf), "invalid %s type %d in the state (layer %d)", what, type_i, il);
+        return buf;
     }
+    return "";
+}
 
-    for (ggml_type src : { sa, sb }) {
-        for (ggml_type dst : { td, th }) {
-            if (!llama_rkv_convertible(src, dst)) {
-                LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
-                        __func__, what, ggml_type_name(src), ggml_type_name(dst), il);
-                return false;
-            }
-        }
-    }
+// where a head split's state rows land: the device part dev (its first dev->ne[0] elements of a row) and the host part
+// host (the rest; null: a layer whole on the device) of stream strm, at destination cells idxs
+struct llama_rkv_heads_dst {
+    ggml_tensor * dev;
+    ggml_tensor * host;
+    uint32_t      strm;
+    const std::vector<uint32_t> & idxs;
 
-    std::vector<uint8_t> pa, pb, bd, bh;
+    llama_rkv_heads_dst(ggml_tensor * d, ggml_tensor * h, uint32_t s, const std::vector<uint32_t> & ix) :
+        dev(d), host(h), strm(s), idxs(ix) {}
+
+    const int64_t   n_d    = dev->ne[0];
+    const int64_t   n_h    = host ? host->ne[0] : 0;
+    const int64_t   n_embd = n_d + n_h;
+    const ggml_type td     = dev->type;
+    const ggml_type th     = host ? host->type : dev->type;
+    const size_t    row_d  = dev->nb[1];
+    const size_t    row_h  = host ? host->nb[1] : 0;
+
+    // the rows at the destination's types and cut, device and host part
+    std::vector<uint8_t> bd, bh;
     std::vector<float>   f, tmp;
 
-    // n source rows (part a in pa, part b in pb) into the cells idxs[i0 ...]
-    auto place = [&](uint32_t i0, uint32_t n, ggml_type ta, int64_t ua, ggml_type tb, int64_t ub) -> bool {
+    // n source rows (part a in pa: type ta, ua elements; part b in pb: tb, ub, 0: whole rows in pa) into the cells
+    // idxs[i0 ...]; false when a part cannot be converted
+    bool place(const std::vector<uint8_t> & pa, const std::vector<uint8_t> & pb, uint32_t i0, uint32_t n,
+            ggml_type ta, int64_t ua, ggml_type tb, int64_t ub) {
         const size_t ra = ggml_row_size(ta, ua);
         const size_t rb = ub ? ggml_row_size(tb, ub) : 0;
         if (ta == td && ua == n_d && (ub == 0 ? n_h == 0 : (tb == th && ub == n_h))) {
@@ -297,38 +312,49 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
                 memcpy(bd.data() + i*row_d, pa.data() + i*ra,         row_d);
                 memcpy(bh.data() + i*row_h, pa.data() + i*ra + row_d, row_h);
             }
-        } else {
-            // through f32: whole rows, then each part at its type
-            f.resize((size_t) n*n_embd);
-            tmp.resize((size_t) n*std::max(ua, ub));
-            if (!llama_rkv_convert_rows(ta, GGML_TYPE_F32, pa.data(), tmp.data(), n, ua)) {
+        } else if (!convert(pa, pb, n, ta, ua, tb, ub)) {
+            return false;
+        }
+        write(i0, n);
+        return true;
+    }
+
+    // through f32: whole rows, then each part at its type
+    bool convert(const std::vector<uint8_t> & pa, const std::vector<uint8_t> & pb, uint32_t n,
+            ggml_type ta, int64_t ua, ggml_type tb, int64_t ub) {
+        f.resize((size_t) n*n_embd);
+        tmp.resize((size_t) n*std::max(ua, ub));
+        if (!llama_rkv_convert_rows(ta, GGML_TYPE_F32, pa.data(), tmp.data(), n, ua)) {
+            return false;
+        }
+        for (uint32_t i = 0; i < n; ++i) {
+            memcpy(f.data() + (size_t) i*n_embd, tmp.data() + (size_t) i*ua, ua*sizeof(float));
+        }
+        if (ub) {
+            if (!llama_rkv_convert_rows(tb, GGML_TYPE_F32, pb.data(), tmp.data(), n, ub)) {
                 return false;
             }
             for (uint32_t i = 0; i < n; ++i) {
-                memcpy(f.data() + (size_t) i*n_embd, tmp.data() + (size_t) i*ua, ua*sizeof(float));
-            }
-            if (ub) {
-                if (!llama_rkv_convert_rows(tb, GGML_TYPE_F32, pb.data(), tmp.data(), n, ub)) {
-                    return false;
-                }
-                for (uint32_t i = 0; i < n; ++i) {
-                    memcpy(f.data() + (size_t) i*n_embd + ua, tmp.data() + (size_t) i*ub, ub*sizeof(float));
-                }
-            }
-            bd.resize(n*row_d);
-            bh.resize(n*row_h);
-            for (int part = 0; part < (n_h ? 2 : 1); ++part) {
-                const int64_t c0 = part == 0 ? 0 : n_d, w = part == 0 ? n_d : n_h;
-                tmp.resize((size_t) n*w);
-                for (uint32_t i = 0; i < n; ++i) {
-                    memcpy(tmp.data() + (size_t) i*w, f.data() + (size_t) i*n_embd + c0, w*sizeof(float));
-                }
-                if (!llama_rkv_convert_rows(GGML_TYPE_F32, part == 0 ? td : th, tmp.data(), part == 0 ? bd.data() : bh.data(), n, w)) {
-                    return false;
-                }
+                memcpy(f.data() + (size_t) i*n_embd + ua, tmp.data() + (size_t) i*ub, ub*sizeof(float));
             }
         }
-        // each run of consecutive destination cells at once
+        bd.resize(n*row_d);
+        bh.resize(n*row_h);
+        for (int part = 0; part < (n_h ? 2 : 1); ++part) {
+            const int64_t c0 = part == 0 ? 0 : n_d, w = part == 0 ? n_d : n_h;
+            tmp.resize((size_t) n*w);
+            for (uint32_t i = 0; i < n; ++i) {
+                memcpy(tmp.data() + (size_t) i*w, f.data() + (size_t) i*n_embd + c0, w*sizeof(float));
+            }
+            if (!llama_rkv_convert_rows(GGML_TYPE_F32, part == 0 ? td : th, tmp.data(), part == 0 ? bd.data() : bh.data(), n, w)) {
+                return false;
+            }
+        }
+        return true;
+    }
+
+    // the n rows of bd/bh into the cells idxs[i0 ...], each run of consecutive destination cells at once
+    void write(uint32_t i0, uint32_t n) {
         uint32_t i = 0;
         while (i < n) {
             uint32_t j = i + 1;
@@ -342,8 +368,39 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
             }
             i = j;
         }
-        return true;
-    };
+    }
+};
+
+// cell_count rows of one layer's K or V from the state into a head split's device part dev (its first dev->ne[0]
+// elements of a row) and host part host (the rest; null: a layer whole on the device), at destination cells idxs: an
+// unsplit state, a window split's mixed state or a head split's state with two types, converted through f32 where the
+// types or the cut differ
+static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm, uint32_t cell_count,
+        const std::vector<uint32_t> & idxs, int32_t il, const char * what) {
+    llama_rkv_heads_dst dst(dev, host, strm, idxs);
+    const int64_t   n_embd = dst.n_embd;
+    const ggml_type td     = dst.td;
+    const ggml_type th     = dst.th;
+
+    llama_rkv_state_layout src;
+    const std::string err = llama_rkv_read_layout(io, n_embd, il, what, src);
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, err.c_str());
+        return false;
+    }
+    const ggml_type sa = src.sa, sb = src.sb;
+
+    for (ggml_type s : { sa, sb }) {
+        for (ggml_type d : { td, th }) {
+            if (!llama_rkv_convertible(s, d)) {
+                LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
+                        __func__, what, ggml_type_name(s), ggml_type_name(d), il);
+                return false;
+            }
+        }
+    }
+
+    std::vector<uint8_t> pa, pb;
 
     // whole rows of type t for the cells [i0, i0 + n), in chunks
     auto rows = [&](uint32_t i0, uint32_t n, ggml_type t) -> bool {
@@ -351,7 +408,7 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
             const uint32_t m = std::min(n - k, LLAMA_RKV_STATE_CHUNK);
             pa.resize(m*ggml_row_size(t, n_embd));
             io.read(pa.data(), pa.size());
-            if (!place(i0 + k, m, t, n_embd, t, 0)) {
+            if (!dst.place(pa, pb, i0 + k, m, t, n_embd, t, 0)) {
                 return false;
             }
         }
@@ -359,28 +416,28 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
     };
 
     bool ok = true;
-    if (kind == SRC_ROWS) {
+    if (src.kind == llama_rkv_state_layout::ROWS) {
         ok = rows(0, cell_count, sa);
     } else {
         uint32_t done = 0;
         while (ok && done < cell_count) {
             uint32_t n_a, n_b = 0;
             io.read(&n_a, sizeof(n_a));
-            if (kind == SRC_WINDOW) {
+            if (src.kind == llama_rkv_state_layout::WINDOW) {
                 io.read(&n_b, sizeof(n_b));
             }
-            if (n_a + n_b == 0 || done + n_a + n_b > cell_count || (kind == SRC_HEADS && n_a > LLAMA_RKV_STATE_CHUNK)) {
+            if (n_a + n_b == 0 || done + n_a + n_b > cell_count || (src.kind == llama_rkv_state_layout::HEADS && n_a > LLAMA_RKV_STATE_CHUNK)) {
                 LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, il);
                 return false;
             }
-            if (kind == SRC_WINDOW) {
+            if (src.kind == llama_rkv_state_layout::WINDOW) {
                 ok = rows(done, n_a, sa) && rows(done + n_a, n_b, sb);
             } else {
-                pa.resize(n_a*ggml_row_size(sa, na));
-                pb.resize(n_a*ggml_row_size(sb, nb));
+                pa.resize(n_a*ggml_row_size(sa, src.na));
+                pb.resize(n_a*ggml_row_size(sb, src.nb));
                 io.read(pa.data(), pa.size());
                 io.read(pb.data(), pb.size());
-                ok = place(done, n_a, sa, na, sb, nb);
+                ok = dst.place(pa, pb, done, n_a, sa, src.na, sb, src.nb);
             }
             done += n_a + n_b;
         }
