@@ -1,4 +1,4 @@
-"""The VRAM-budget planner of the library (llama-kv-residency.cpp).
+"""The VRAM-budget planner of the library (llama-kv-residency*.cpp).
 
 Most tests run the planner on FAKE memory figures through rollingkv_plan_simulate (no model, no GPU; the
 planner test library librollingkv-plan-sim next to libllama, which models a GPU as the CUDA backend reports it)

@@ -410,7 +410,7 @@ def test_the_plan_shows_the_chosen_split():
     ({"mode_requested": "window", "mode_chosen": "window", "reason": "window: explicit window of 256 cells", "split": True,
       "window_cells": 256, "tail_cells": 768, "device_bytes": 1 << 20, "host_bytes": 3 << 20},
      True, "residency: window — explicit window of 256 cells; window 256 / tail 768 cells; 1.0 MiB on device; 3.0 MiB on host", ["window,"]),
-    # the library's reason of an explicit head split (llama-kv-residency.cpp): the summary in brackets at its end
+    # the library's reason of an explicit head split (llama-kv-residency-decide.cpp): the summary in brackets at its end
     ({"mode_requested": "auto", "mode_chosen": "head", "split": True,
       "reason": "head: explicit 1 device KV heads per layer (1 of 3 KV heads on the device, 30 of 30 layers split)",
       "heads": {"summary": "1 of 3 KV heads on the device, 30 of 30 layers split", "per_layer": [1, 1]}},

@@ -34,8 +34,9 @@
 #include "ggml-cuda/rolling-kv-budget.h"
 #include "ggml-rolling-kv.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -51,222 +52,94 @@
 
 namespace {
 
-// the JSON subset the simulate input needs: objects, arrays, strings, numbers, true/false/null
-struct rkv_jv {
-    enum kind_t { NUL, BOOL, NUM, STR, ARR, OBJ } kind = NUL;
-    bool        b   = false;
-    double      num = 0.0;
-    std::string str;
-    std::vector<rkv_jv> arr;
-    std::vector<std::pair<std::string, rkv_jv>> obj;
+using rkv_json = nlohmann::ordered_json; // ordered: "unknown key" names the first one in the input
 
-    const rkv_jv * get(const std::string & key) const {
-        for (const auto & kv : obj) {
-            if (kv.first == key) {
-                return &kv.second;
-            }
-        }
-        return nullptr;
-    }
-};
-
-struct rkv_jparser {
-    const char * p;
-    const char * end;
-    std::string  err;
-
-    void ws() {
-        while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
-            ++p;
-        }
-    }
-
-    bool fail(const char * what) {
-        if (err.empty()) {
-            err = what;
-        }
-        return false;
-    }
-
-    bool lit(const char * s) {
-        const size_t n = strlen(s);
-        if ((size_t) (end - p) >= n && strncmp(p, s, n) == 0) {
-            p += n;
+// parses the input (no exceptions: "" or why it is not valid); refuses duplicate keys, numbers out of the double range and
+// more than 16 levels of nesting, as the planner's input is a flat object with a list or two
+std::string rkv_parse(const char * json_in, rkv_json & out) {
+    std::string err;
+    std::vector<std::vector<std::string>> keys; // the keys of each object being parsed
+    const rkv_json::parser_callback_t cb = [&](int depth, rkv_json::parse_event_t event, rkv_json & parsed) {
+        if (!err.empty()) {
             return true;
         }
-        return false;
-    }
-
-    bool string(std::string & out) {
-        if (p >= end || *p != '"') {
-            return fail("expected a string");
-        }
-        ++p;
-        while (p < end && *p != '"') {
-            char c = *p++;
-            if (c == '\\') {
-                if (p >= end) {
-                    return fail("unterminated string");
+        switch (event) {
+            case rkv_json::parse_event_t::object_start:
+            case rkv_json::parse_event_t::array_start:
+                if (depth > 16) {
+                    err = "nested too deep";
                 }
-                c = *p++;
-                switch (c) {
-                    case '"': case '\\': case '/': out += c; break;
-                    case 'b': out += '\b'; break;
-                    case 'f': out += '\f'; break;
-                    case 'n': out += '\n'; break;
-                    case 'r': out += '\r'; break;
-                    case 't': out += '\t'; break;
-                    case 'u': {
-                        if (end - p < 4) {
-                            return fail("bad \\u escape");
-                        }
-                        const unsigned long cp = strtoul(std::string(p, 4).c_str(), nullptr, 16);
-                        out += cp < 0x80 ? (char) cp : '?';
-                        p += 4;
-                    } break;
-                    default: return fail("bad escape");
+                if (event == rkv_json::parse_event_t::object_start) {
+                    keys.emplace_back();
                 }
-            } else {
-                out += c;
-            }
-        }
-        if (p >= end) {
-            return fail("unterminated string");
-        }
-        ++p;
-        return true;
-    }
-
-    bool value(rkv_jv & v, int depth) {
-        if (depth > 16) {
-            return fail("nested too deep");
-        }
-        ws();
-        if (p >= end) {
-            return fail("unexpected end");
-        }
-        if (*p == '{') {
-            ++p;
-            v.kind = rkv_jv::OBJ;
-            ws();
-            if (p < end && *p == '}') {
-                ++p;
-                return true;
-            }
-            while (true) {
-                ws();
-                std::string key;
-                if (!string(key)) {
-                    return false;
-                }
-                ws();
-                if (p >= end || *p != ':') {
-                    return fail("expected ':'");
-                }
-                ++p;
-                rkv_jv item;
-                if (!value(item, depth + 1)) {
-                    return false;
-                }
-                if (v.get(key)) {
+                break;
+            case rkv_json::parse_event_t::object_end:
+                keys.pop_back();
+                break;
+            case rkv_json::parse_event_t::key: {
+                const std::string key = parsed.get<std::string>();
+                auto & seen = keys.back();
+                if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
                     err = "duplicate key " + key;
-                    return false;
                 }
-                v.obj.emplace_back(std::move(key), std::move(item));
-                ws();
-                if (p < end && *p == ',') {
-                    ++p;
-                    continue;
+                seen.push_back(key);
+            } break;
+            case rkv_json::parse_event_t::value:
+                if (parsed.is_number_float() && !std::isfinite(parsed.get<double>())) {
+                    err = "bad number";
                 }
-                if (p < end && *p == '}') {
-                    ++p;
-                    return true;
-                }
-                return fail("expected ',' or '}'");
-            }
+                break;
+            default:
+                break;
         }
-        if (*p == '[') {
-            ++p;
-            v.kind = rkv_jv::ARR;
-            ws();
-            if (p < end && *p == ']') {
-                ++p;
-                return true;
-            }
-            while (true) {
-                rkv_jv item;
-                if (!value(item, depth + 1)) {
-                    return false;
-                }
-                v.arr.push_back(std::move(item));
-                ws();
-                if (p < end && *p == ',') {
-                    ++p;
-                    continue;
-                }
-                if (p < end && *p == ']') {
-                    ++p;
-                    return true;
-                }
-                return fail("expected ',' or ']'");
-            }
-        }
-        if (*p == '"') {
-            v.kind = rkv_jv::STR;
-            return string(v.str);
-        }
-        if (lit("true"))  { v.kind = rkv_jv::BOOL; v.b = true;  return true; }
-        if (lit("false")) { v.kind = rkv_jv::BOOL; v.b = false; return true; }
-        if (lit("null"))  { v.kind = rkv_jv::NUL;               return true; }
-
-        // a number: the JSON characters only, then strtod on them
-        const char * q = p;
-        while (q < end && (isdigit((unsigned char) *q) || *q == '-' || *q == '+' || *q == '.' || *q == 'e' || *q == 'E')) {
-            ++q;
-        }
-        if (q == p) {
-            return fail("unexpected character");
-        }
-        const std::string num(p, q);
-        char * num_end = nullptr;
-        v.num  = strtod(num.c_str(), &num_end);
-        v.kind = rkv_jv::NUM;
-        if (*num_end != '\0' || !std::isfinite(v.num)) {
-            return fail("bad number");
-        }
-        p = q;
         return true;
+    };
+    out = rkv_json::parse(json_in, cb, /* allow_exceptions */ false);
+    if (!err.empty()) {
+        return err;
     }
-};
+    if (out.is_discarded()) {
+        return "not valid JSON";
+    }
+    return "";
+}
 
 // typed reads of the input object that refuse wrong types and remember every key read
 struct rkv_jreader {
-    const rkv_jv & o;
-    std::string    err;
+    using is_t = bool (rkv_json::*)() const noexcept;
+
+    const rkv_json & o;
+    std::string      err;
     std::vector<std::string> known;
 
-    const rkv_jv * at(const char * key, rkv_jv::kind_t kind, const char * what) {
+    // the value of key, nullptr when absent or null
+    const rkv_json * get(const char * key) const {
+        const auto it = o.find(key);
+        return it == o.end() || it->is_null() ? nullptr : &*it;
+    }
+
+    const rkv_json * at(const char * key, is_t is, const char * what) {
         known.push_back(key);
-        const rkv_jv * v = o.get(key);
-        if (!v || v->kind == rkv_jv::NUL) {
+        const rkv_json * v = get(key);
+        if (!v) {
             return nullptr;
         }
-        if (v->kind != kind && err.empty()) {
+        if (!(v->*is)() && err.empty()) {
             err = std::string(key) + " must be " + what;
             return nullptr;
         }
-        return v->kind == kind ? v : nullptr;
+        return (v->*is)() ? v : nullptr;
     }
 
     double num(const char * key, double def, bool required = false) {
-        const rkv_jv * v = at(key, rkv_jv::NUM, "a number");
+        const rkv_json * v = at(key, &rkv_json::is_number, "a number");
         if (!v) {
             if (required && err.empty()) {
                 err = std::string(key) + " is required";
             }
             return def;
         }
-        return v->num;
+        return v->get<double>();
     }
 
     // a count: a non-negative integer
@@ -283,7 +156,7 @@ struct rkv_jreader {
 
     size_t mib(const char * key, size_t def_bytes) {
         const double v = num(key, -1.0);
-        if (!o.get(key) || o.get(key)->kind == rkv_jv::NUL) {
+        if (!get(key)) {
             return def_bytes;
         }
         if (v < 0) {
@@ -296,19 +169,19 @@ struct rkv_jreader {
     }
 
     std::string str(const char * key, const std::string & def) {
-        const rkv_jv * v = at(key, rkv_jv::STR, "a string");
-        return v ? v->str : def;
+        const rkv_json * v = at(key, &rkv_json::is_string, "a string");
+        return v ? v->get<std::string>() : def;
     }
 
     bool flag(const char * key, bool def) {
-        const rkv_jv * v = at(key, rkv_jv::BOOL, "true or false");
-        return v ? v->b : def;
+        const rkv_json * v = at(key, &rkv_json::is_boolean, "true or false");
+        return v ? v->get<bool>() : def;
     }
 
     std::string unknown_key() const {
-        for (const auto & kv : o.obj) {
-            if (std::find(known.begin(), known.end(), kv.first) == known.end()) {
-                return kv.first;
+        for (const auto & kv : o.items()) {
+            if (std::find(known.begin(), known.end(), kv.key()) == known.end()) {
+                return kv.key();
             }
         }
         return "";
@@ -332,17 +205,13 @@ std::string rkv_invalid(const std::string & why) {
 } // namespace
 
 static std::string rkv_plan_simulate(const char * json_in) {
-    rkv_jv in;
+    rkv_json in;
     {
-        rkv_jparser ps { json_in, json_in + strlen(json_in), "" };
-        if (!ps.value(in, 0)) {
-            return rkv_invalid(ps.err);
+        const std::string err = rkv_parse(json_in, in);
+        if (!err.empty()) {
+            return rkv_invalid(err);
         }
-        ps.ws();
-        if (ps.p != ps.end) {
-            return rkv_invalid("trailing characters after the object");
-        }
-        if (in.kind != rkv_jv::OBJ) {
+        if (!in.is_object()) {
             return rkv_invalid("expected an object");
         }
     }
@@ -389,9 +258,9 @@ static std::string rkv_plan_simulate(const char * json_in) {
     const bool v_auto_given = st.tail_auto_v;
     std::vector<ggml_type> op_unsupported;
     {
-        const rkv_jv * u = r.at("op_unsupported_tails", rkv_jv::ARR, "a list of type names");
-        for (size_t i = 0; u && i < u->arr.size(); ++i) {
-            const ggml_type t = u->arr[i].kind == rkv_jv::STR ? rkv_type_from_name(u->arr[i].str) : GGML_TYPE_COUNT;
+        const rkv_json * u = r.at("op_unsupported_tails", &rkv_json::is_array, "a list of type names");
+        for (size_t i = 0; u && i < u->size(); ++i) {
+            const ggml_type t = (*u)[i].is_string() ? rkv_type_from_name((*u)[i].get<std::string>()) : GGML_TYPE_COUNT;
             if (t == GGML_TYPE_COUNT) {
                 return rkv_invalid("op_unsupported_tails must list type names");
             }
@@ -419,26 +288,27 @@ static std::string rkv_plan_simulate(const char * json_in) {
     const double mem_bw = r.num("mem_bw_gbps", -1.0);
     const std::string refuse = r.str("refuse", "");
 
-    const rkv_jv * devs = r.at("devices", rkv_jv::ARR, "a list of objects");
+    const rkv_json * devs = r.at("devices", &rkv_json::is_array, "a list of objects");
     const std::string refuse_head = r.str("refuse_head", "");
     // n_head_kv: a number or a list (one per layer)
     std::vector<uint64_t> heads_of;
     {
         r.known.push_back("n_head_kv");
-        const rkv_jv * h = in.get("n_head_kv");
-        if (h && h->kind == rkv_jv::NUM) {
-            heads_of.assign(1, (uint64_t) std::max(0.0, h->num));
-            if (h->num < 1 || h->num != std::floor(h->num)) {
+        const rkv_json * h = r.get("n_head_kv");
+        if (h && h->is_number()) {
+            const double n = h->get<double>();
+            heads_of.assign(1, (uint64_t) std::max(0.0, n));
+            if (n < 1 || n != std::floor(n)) {
                 return rkv_invalid("n_head_kv must be a positive integer or a list of them");
             }
-        } else if (h && h->kind == rkv_jv::ARR) {
-            for (const auto & e : h->arr) {
-                if (e.kind != rkv_jv::NUM || e.num < 1 || e.num != std::floor(e.num)) {
+        } else if (h && h->is_array()) {
+            for (const auto & e : *h) {
+                if (!e.is_number() || e.get<double>() < 1 || e.get<double>() != std::floor(e.get<double>())) {
                     return rkv_invalid("n_head_kv must be a positive integer or a list of them");
                 }
-                heads_of.push_back((uint64_t) e.num);
+                heads_of.push_back((uint64_t) e.get<double>());
             }
-        } else if (h && h->kind != rkv_jv::NUL) {
+        } else if (h) {
             return rkv_invalid("n_head_kv must be a positive integer or a list of them");
         }
     }
@@ -576,9 +446,9 @@ static std::string rkv_plan_simulate(const char * json_in) {
         add_dev(base, n_layer);
     } else {
         uint32_t n_total = 0;
-        for (size_t i = 0; i < devs->arr.size(); ++i) {
-            const rkv_jv & o = devs->arr[i];
-            if (o.kind != rkv_jv::OBJ) {
+        for (size_t i = 0; i < devs->size(); ++i) {
+            const rkv_json & o = (*devs)[i];
+            if (!o.is_object()) {
                 return rkv_invalid("devices must be a list of objects");
             }
             rkv_jreader dr { o, "", {} };

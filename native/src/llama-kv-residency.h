@@ -90,6 +90,9 @@ struct llama_model;
 
 // constants of the planner (not knobs)
 static const size_t   LLAMA_RKV_MIB          = 1024ull*1024;
+inline double llama_rkv_mib(size_t bytes) {
+    return bytes/(double) LLAMA_RKV_MIB;
+}
 // reserve kept free on the device when the budget is the free VRAM (no vram_target): what the compute
 // estimate does not cover (cuBLAS workspaces, the CUDA pool's growth for dequantized weights in large
 // batches, fragmentation, other processes starting later)
@@ -476,3 +479,35 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
 // st.req, st.kv_size, st.n_stream, st.type_k/v and the inputs of st.devs in: the window cells per stream (0:
 // resident), the plan in st (st.error set, 0 returned, when the request is refused)
 uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in);
+
+//
+// the planner's pieces shared between its files (llama-kv-residency*.cpp), not called from elsewhere
+//
+
+// a GPU or an integrated GPU (not the CPU, not null)
+bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev);
+
+// the CPU part's attention bandwidth for a tail type on n_threads threads (<= 0: ggml_rkv_get_cpu_threads), once per
+// process for each (ggml_rkv_cpu_attn_measure_gbps)
+double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how);
+
+// bytes read from device memory and streamed over the link per token at n_kv cells of every stream, for a window of wc
+// cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence
+// that grows from 0 to n_kv cells instead
+void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device, double & tail,
+        bool mean = false);
+
+// ms per token for the bytes of llama_rkv_token_bytes (< 0: a bandwidth is unknown)
+double llama_rkv_token_ms(double device, double tail, double mem_bw, double link_bw);
+
+// st.link_bw_gbps and its source from the request (pcie_bw_gbps) or, on host memory, the memory bandwidth
+void llama_rkv_link_source(llama_rkv_state & st);
+
+// every layer's KV heads on the device (no head split)
+void llama_rkv_heads_whole(llama_rkv_state & st);
+
+// device bytes of the head split's KV on device di (+ the f16 copy flash attention makes of one layer's device heads)
+size_t llama_rkv_head_dev_bytes(const llama_rkv_state & st, int32_t di);
+
+// the plan's tail-dependent figures at tail types tk/tv (auto tail types)
+void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv);

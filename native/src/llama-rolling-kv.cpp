@@ -91,31 +91,9 @@ static const char * llama_rkv_chosen_name(const llama_rkv_state * st) {
     return st->req.mode == LLAMA_KV_RESIDENCY_OFF ? "off" : "resident";
 }
 
-std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
-    if (!st) {
-        return "{\"mode_requested\":\"off\",\"mode_chosen\":\"off\",\"split\":false,"
-               "\"reason\":\"context created without residency parameters (llama_init_from_model)\",\"layers\":[],"
-               "\"device_bytes\":0,\"host_bytes\":0}";
-    }
-
-    char buf[1024];
-    std::string res = "{";
-
-    // the flat keys first: llama-bench reads mode_chosen, window_cells and tail_cells by their first occurrence
-    res += "\"mode_requested\":" + llama_rkv_json_str(llama_kv_residency_mode_name(st->req.mode));
-    res += ",\"mode_chosen\":"   + llama_rkv_json_str(llama_rkv_chosen_name(st));
-    res += std::string(",\"split\":") + (llama_rkv_is_split(*st) ? "true" : "false");
-    res += ",\"reason\":"        + llama_rkv_json_str(st->reason);
-    res += std::string(",\"eligible\":") + (st->eligible ? "true" : "false");
-    res += ",\"error\":" + (st->error.empty() ? std::string("null") : llama_rkv_json_str(st->error));
-
-    snprintf(buf, sizeof(buf),
-            ",\"kv_size\":%u,\"n_stream\":%u,\"window_cells\":%u,\"tail_cells\":%u"
-            ",\"vram_target_mib\":%" PRId64 ",\"pcie_bw_gbps\":%g",
-            st->kv_size, st->n_stream, st->window_cells, st->tail_cells,
-            st->req.vram_target_mib, (double) st->req.pcie_bw_gbps);
-    res += buf;
-
+// the plan's "tail_cpu": the hybrid tail's share, its inputs and why
+static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
+    std::string res;
     res += ",\"tail_cpu\":{\"requested\":" + (st->req.tail_cpu_frac < 0.0f ? std::string("\"auto\"") : llama_rkv_json_num(st->req.tail_cpu_frac));
     res += ",\"frac\":" + llama_rkv_json_num(st->tail_cpu_frac);
     // auto: the shortest tail with a CPU part (the share is chosen again as the tail grows); null for a fixed share or none
@@ -125,8 +103,13 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
     res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
+    return res;
+}
 
-    // a window split's windows: elastic (one pool of the streams' device cells that follows the load) or static
+// a window split's "windows": elastic (one pool of the streams' device cells that follows the load) or static ("" for
+// other plans)
+static std::string llama_rkv_json_windows(const llama_rkv_state * st) {
+    std::string res;
     if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
         res += std::string(",\"windows\":{\"policy\":") + (st->elastic ? "\"elastic\"" : "\"static\"");
         res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" : "elastic");
@@ -134,29 +117,36 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         res += ",\"reason\":" + llama_rkv_json_str(st->elastic ? "the streams' device cells are one pool that follows the load" :
                                                                    st->windows_reason) + "}";
     }
+    return res;
+}
 
-    // the head split: the request, whether this cache can split by head, and per layer what it keeps on the device
-    {
-        uint32_t h_dev = 0, h_host = 0;
-        for (const auto & hl : st->head_layers) {
-            h_dev  += hl.device_heads;
-            h_host += hl.n_head_kv - hl.device_heads;
-        }
-        const bool head = st->chosen == LLAMA_KV_RESIDENCY_HEAD;
-        res += ",\"heads\":{\"requested\":" + (st->req.device_heads > 0 ? std::to_string(st->req.device_heads) : std::string("null"));
-        res += std::string(",\"eligible\":") + (st->head_refuse.empty() ? "true" : "false");
-        res += ",\"refuse\":" + (st->head_refuse.empty() ? std::string("null") : llama_rkv_json_str(st->head_refuse));
-        res += std::string(",\"split\":") + (head ? "true" : "false");
-        res += ",\"device\":" + std::to_string(head ? h_dev : 0) + ",\"host\":" + std::to_string(head ? h_host : 0);
-        res += ",\"summary\":" + llama_rkv_json_str(llama_rkv_heads_summary(*st));
-        res += ",\"per_layer\":[";
-        for (size_t i = 0; head && i < st->head_layers.size(); ++i) {
-            res += (i > 0 ? "," : "") + std::to_string(st->head_layers[i].device_heads);
-        }
-        res += "]}";
+// the plan's "heads": the head split's request, whether this cache can split by head, and per layer what it keeps on the
+// device
+static std::string llama_rkv_json_heads(const llama_rkv_state * st) {
+    std::string res;
+    uint32_t h_dev = 0, h_host = 0;
+    for (const auto & hl : st->head_layers) {
+        h_dev  += hl.device_heads;
+        h_host += hl.n_head_kv - hl.device_heads;
     }
+    const bool head = st->chosen == LLAMA_KV_RESIDENCY_HEAD;
+    res += ",\"heads\":{\"requested\":" + (st->req.device_heads > 0 ? std::to_string(st->req.device_heads) : std::string("null"));
+    res += std::string(",\"eligible\":") + (st->head_refuse.empty() ? "true" : "false");
+    res += ",\"refuse\":" + (st->head_refuse.empty() ? std::string("null") : llama_rkv_json_str(st->head_refuse));
+    res += std::string(",\"split\":") + (head ? "true" : "false");
+    res += ",\"device\":" + std::to_string(head ? h_dev : 0) + ",\"host\":" + std::to_string(head ? h_host : 0);
+    res += ",\"summary\":" + llama_rkv_json_str(llama_rkv_heads_summary(*st));
+    res += ",\"per_layer\":[";
+    for (size_t i = 0; head && i < st->head_layers.size(); ++i) {
+        res += (i > 0 ? "," : "") + std::to_string(st->head_layers[i].device_heads);
+    }
+    res += "]}";
+    return res;
+}
 
-    // auto's comparison of the two splits (null when auto did not compare them)
+// the plan's "auto": auto's comparison of the two splits (null when auto did not compare them)
+static std::string llama_rkv_json_auto(const llama_rkv_state * st) {
+    std::string res;
     if (!st->auto_compared) {
         res += ",\"auto\":null";
     } else {
@@ -174,28 +164,31 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         res += ",\"auto\":{\"window\":" + tactic(st->cost_window) + ",\"head\":" + tactic(st->cost_head);
         res += ",\"reason\":" + llama_rkv_json_str(st->auto_reason) + "}";
     }
+    return res;
+}
 
-    // the tail types: what was asked for per axis ("auto", a type, or null: the window's), what the plan holds and why
-    {
-        auto requested = [](bool is_auto, ggml_type t) {
-            return is_auto ? std::string("\"auto\"") : t == GGML_TYPE_COUNT ? std::string("null") : llama_rkv_json_str(ggml_type_name(t));
-        };
-        res += ",\"tail_types\":{\"requested_k\":" + requested(st->tail_auto_k, st->req.type_k_tail);
-        res += ",\"requested_v\":" + requested(st->tail_auto_v, st->req.type_v_tail);
-        res += std::string(",\"auto\":") + (st->tail_auto_k || st->tail_auto_v ? "true" : "false");
-        res += ",\"k\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
-        res += ",\"v\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
-        res += ",\"q4_ratio\":" + llama_rkv_json_num(LLAMA_RKV_AUTO_TAIL_Q4_RATIO);
-        res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->tail_auto_t_res_ms);
-        res += ",\"t_link_floor_ms\":" + llama_rkv_json_num(st->tail_auto_t_link_ms);
-        res += ",\"reason\":" + llama_rkv_json_str(st->tail_types_reason) + "}";
-    }
+// the plan's "tail_types": what was asked for per axis ("auto", a type, or null: the window's), what the plan holds and why
+static std::string llama_rkv_json_tail_types(const llama_rkv_state * st) {
+    std::string res;
+    auto requested = [](bool is_auto, ggml_type t) {
+        return is_auto ? std::string("\"auto\"") : t == GGML_TYPE_COUNT ? std::string("null") : llama_rkv_json_str(ggml_type_name(t));
+    };
+    res += ",\"tail_types\":{\"requested_k\":" + requested(st->tail_auto_k, st->req.type_k_tail);
+    res += ",\"requested_v\":" + requested(st->tail_auto_v, st->req.type_v_tail);
+    res += std::string(",\"auto\":") + (st->tail_auto_k || st->tail_auto_v ? "true" : "false");
+    res += ",\"k\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
+    res += ",\"v\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
+    res += ",\"q4_ratio\":" + llama_rkv_json_num(LLAMA_RKV_AUTO_TAIL_Q4_RATIO);
+    res += ",\"t_resident_ms\":" + llama_rkv_json_num(st->tail_auto_t_res_ms);
+    res += ",\"t_link_floor_ms\":" + llama_rkv_json_num(st->tail_auto_t_link_ms);
+    res += ",\"reason\":" + llama_rkv_json_str(st->tail_types_reason) + "}";
+    return res;
+}
 
-    res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
-    res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
-    res += ",\"type_k_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
-    res += ",\"type_v_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
-
+// the plan's "budget": the devices' terms and their sums (null when no device was budgeted)
+static std::string llama_rkv_json_budget(const llama_rkv_state * st) {
+    char buf[1024];
+    std::string res;
     if (st->devs.empty()) {
         res += ",\"budget\":null";
     } else {
@@ -235,7 +228,12 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
         }
         res += "]}";
     }
+    return res;
+}
 
+// the plan's "link" and "estimate": the link model's inputs and its figures
+static std::string llama_rkv_json_link(const llama_rkv_state * st) {
+    std::string res;
     res += ",\"link\":{\"mem_bw_gbps\":" + llama_rkv_json_num(st->mem_bw_gbps);
     res += ",\"mem_bw_source\":" + llama_rkv_json_str(st->mem_bw_source);
     res += ",\"link_bw_gbps\":" + llama_rkv_json_num(st->link_bw_gbps);
@@ -248,6 +246,67 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     res += ",\"t_tail_ms\":" + llama_rkv_json_num(st->t_tail_ms);
     res += ",\"ms_per_token\":" + llama_rkv_json_num(st->t_token_ms);
     res += ",\"t_token_hybrid_ms\":" + llama_rkv_json_num(st->t_token_hybrid_ms) + "}";
+    return res;
+}
+
+// the plan's "recurrent": a hybrid model's recurrent layers, whose state stays whole (not in "layers", which are the
+// attention cache's)
+static std::string llama_rkv_json_recurrent(const llama_rkv_state * st) {
+    std::string res;
+    if (!st->hybrid) {
+        res += ",\"recurrent\":null";
+    } else {
+        size_t recr_total = 0;
+        for (const auto & e : st->recurrent_bytes) {
+            recr_total += e.second;
+        }
+        res += ",\"recurrent\":{\"split\":false,\"layers\":[";
+        for (size_t i = 0; i < st->recurrent_layers.size(); ++i) {
+            res += (i > 0 ? "," : "") + std::to_string(st->recurrent_layers[i]);
+        }
+        res += "],\"bytes\":" + std::to_string(recr_total) + "}";
+    }
+    return res;
+}
+
+std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
+    if (!st) {
+        return "{\"mode_requested\":\"off\",\"mode_chosen\":\"off\",\"split\":false,"
+               "\"reason\":\"context created without residency parameters (llama_init_from_model)\",\"layers\":[],"
+               "\"device_bytes\":0,\"host_bytes\":0}";
+    }
+
+    char buf[1024];
+    std::string res = "{";
+
+    // the flat keys first: llama-bench reads mode_chosen, window_cells and tail_cells by their first occurrence
+    res += "\"mode_requested\":" + llama_rkv_json_str(llama_kv_residency_mode_name(st->req.mode));
+    res += ",\"mode_chosen\":"   + llama_rkv_json_str(llama_rkv_chosen_name(st));
+    res += std::string(",\"split\":") + (llama_rkv_is_split(*st) ? "true" : "false");
+    res += ",\"reason\":"        + llama_rkv_json_str(st->reason);
+    res += std::string(",\"eligible\":") + (st->eligible ? "true" : "false");
+    res += ",\"error\":" + (st->error.empty() ? std::string("null") : llama_rkv_json_str(st->error));
+
+    snprintf(buf, sizeof(buf),
+            ",\"kv_size\":%u,\"n_stream\":%u,\"window_cells\":%u,\"tail_cells\":%u"
+            ",\"vram_target_mib\":%" PRId64 ",\"pcie_bw_gbps\":%g",
+            st->kv_size, st->n_stream, st->window_cells, st->tail_cells,
+            st->req.vram_target_mib, (double) st->req.pcie_bw_gbps);
+    res += buf;
+
+    res += llama_rkv_json_tail_cpu(st);
+    res += llama_rkv_json_windows(st);
+    res += llama_rkv_json_heads(st);
+    res += llama_rkv_json_auto(st);
+    res += llama_rkv_json_tail_types(st);
+
+    res += ",\"type_k\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_k));
+    res += ",\"type_v\":"      + llama_rkv_json_str(llama_rkv_type_name(st->type_v));
+    res += ",\"type_k_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_k_tail));
+    res += ",\"type_v_tail\":" + llama_rkv_json_str(llama_rkv_type_name(st->type_v_tail));
+
+    res += llama_rkv_json_budget(st);
+    res += llama_rkv_json_link(st);
 
     size_t dev_total = 0;
     size_t host_total = 0;
@@ -266,20 +325,7 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     }
     res += "]";
 
-    // a hybrid model: the recurrent layers, whose state stays whole (not in "layers", which are the attention cache's)
-    if (!st->hybrid) {
-        res += ",\"recurrent\":null";
-    } else {
-        size_t recr_total = 0;
-        for (const auto & e : st->recurrent_bytes) {
-            recr_total += e.second;
-        }
-        res += ",\"recurrent\":{\"split\":false,\"layers\":[";
-        for (size_t i = 0; i < st->recurrent_layers.size(); ++i) {
-            res += (i > 0 ? "," : "") + std::to_string(st->recurrent_layers[i]);
-        }
-        res += "],\"bytes\":" + std::to_string(recr_total) + "}";
-    }
+    res += llama_rkv_json_recurrent(st);
 
     snprintf(buf, sizeof(buf), ",\"device_bytes\":%zu,\"host_bytes\":%zu}", dev_total, host_total);
     res += buf;

@@ -1,0 +1,484 @@
+// rollingkv: the graph side of a split llama_kv_cache (see llama-kv-cache-split.cpp for the layout): the window and
+// tail views a split layer attends, the per-stream layout of the attention and whether a graph may be reused, the
+// writes of new K/V rows, the index inputs and the K-shift; and llama_kv_cache_context's hooks into them.
+#include "llama-kv-cache.h"
+
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-model.h"
+#include "llama-context.h"
+#include "llama-kv-residency.h"
+#include "ggml-rolling-kv.h"
+#include "ggml-alloc.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+bool llama_rkv_one_op_streams() {
+    static const bool v = [] {
+        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
+        return e && strcmp(e, "1") == 0;
+    }();
+    return v;
+}
+
+//
+// graph
+//
+
+ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo, bool is_v) const {
+    const int32_t ikv = map_layer_ids.at(il);
+
+    ggml_tensor * t = is_v ? layers[ikv].v : layers[ikv].k;
+
+    const int64_t  n_embd_head = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+    const uint32_t ns          = sinfo.s1 - sinfo.s0 + 1;
+
+    if (rkv_elastic) {
+        // every stream within its window: upstream's attention over their window rows (several streams: at the static
+        // layout's stride); otherwise the whole pool, from which the per-stream attention takes each stream's window
+        // (rkv_attn_layout)
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            const size_t stride = (size_t) rkv_pool.share*t->nb[1];
+            return ggml_view_4d(ctx, t,
+                    n_embd_head, t->ne[0]/n_embd_head, n_kv, ns,
+                    ggml_row_size(t->type, n_embd_head), t->nb[1], stride, rkv_win_off(t, sinfo.s0, 0));
+        }
+        return ggml_view_4d(ctx, t,
+                n_embd_head, t->ne[0]/n_embd_head, rkv_pool.capacity, 1,
+                ggml_row_size(t->type, n_embd_head), t->nb[1], (size_t) rkv_pool.capacity*t->nb[1], 0);
+    }
+
+    // window: the window's cells of every head; head: every cell of the device's heads
+    return ggml_view_4d(ctx, t,
+            n_embd_head, t->ne[0]/n_embd_head, rkv_head ? n_kv : std::min(n_kv, rkv_wc), ns,
+            ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
+}
+
+static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, int64_t n_embd_head,
+        uint32_t n_tail, const llama_kv_cache::slot_info & sinfo) {
+    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+
+    return ggml_view_4d(ctx, t,
+            n_embd_head, t->ne[0]/n_embd_head, n_tail, ns,
+            ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
+}
+
+ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    if (rkv_head) {
+        // every cell of the host heads (none: the layer is whole on the device)
+        return layers[ikv].k_tail ? llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo) : nullptr;
+    }
+    if (rkv_elastic) {
+        // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
+        // stream is within its window
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            return nullptr;
+        }
+        return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), get_size(), sinfo);
+    }
+    if (!rkv_wc || n_kv <= rkv_wc) {
+        return nullptr;
+    }
+    return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv - rkv_wc, sinfo);
+}
+
+ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    if (rkv_head) {
+        return layers[ikv].v_tail ? llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo) : nullptr;
+    }
+    if (rkv_elastic) {
+        // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
+        // stream is within its window
+        if (rkv_elastic_whole(n_kv, sinfo)) {
+            return nullptr;
+        }
+        return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), get_size(), sinfo);
+    }
+    if (!rkv_wc || n_kv <= rkv_wc) {
+        return nullptr;
+    }
+    return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv - rkv_wc, sinfo);
+}
+
+uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
+    // as get_n_kv for one stream
+    const uint32_t n_pad_cur = std::max(n_pad, 256u);
+    const auto & cells = v_cells[strm];
+    return std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1(), n_pad_cur)));
+}
+
+llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full) const {
+    llama_rkv_attn_layout lay;
+    lay.n_win         = rkv_head ? 0 : rkv_wc;
+    lay.tail_cpu_frac = rkv_tail_cpu_frac(n_kv);
+
+    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+    if (rkv_elastic) {
+        // one op per stream, one stream included: each over its own cells, its window where the pool keeps it
+        lay.pool = true;
+        for (uint32_t s = 0; s < ns; ++s) {
+            const uint32_t strm = sinfo.s0 + s;
+            const uint32_t n_s  = full ? n_kv : std::min(n_kv, rkv_stream_n_kv(strm));
+            const uint32_t w    = rkv_pool.cells[strm];
+            lay.n_kv.push_back(n_s);
+            lay.win_cells.push_back(w);
+            lay.win_row0.push_back(rkv_pool.base[strm]);
+            lay.tail_row0.push_back(w - rkv_tail_first);
+            lay.cpu_frac.push_back(rkv_tail_cpu_frac_cells(n_s > w ? n_s - w : 0));
+        }
+        return lay;
+    }
+    if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
+        return lay;
+    }
+    // one op per stream, each over its own cells: a stream's cells past its own n_kv are all masked for its tokens,
+    // so leaving them out changes nothing but the bytes read (the worst-case graph: every stream at n_kv)
+    for (uint32_t s = 0; s < ns; ++s) {
+        const uint32_t n_s = full ? n_kv : std::min(n_kv, rkv_stream_n_kv(sinfo.s0 + s));
+        lay.n_kv.push_back(n_s);
+        lay.cpu_frac.push_back(rkv_tail_cpu_frac(n_s));
+    }
+    return lay;
+}
+
+llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs) const {
+    for (auto & e : rkv_graph_cells) {
+        if (e.k_idxs == k_idxs) {
+            return e;
+        }
+    }
+    // llama_context keeps two graphs for reuse (each with a k and a v index input); a few more entries cover graphs whose
+    // inputs were freed
+    if (rkv_graph_cells.size() >= 16) {
+        rkv_graph_cells.erase(rkv_graph_cells.begin());
+    }
+    rkv_graph_cells.push_back({ k_idxs, {}, rkv_pool.epoch, false });
+    return rkv_graph_cells.back();
+}
+
+void llama_kv_cache::rkv_note_graph(const ggml_tensor * k_idxs, const llama_rkv_attn_layout & layout) const {
+    llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
+    e.n_kv       = layout.n_kv;
+    e.epoch      = rkv_pool.epoch;
+    e.per_stream = true;
+}
+
+bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full) const {
+    if (!rkv_split()) {
+        return true;
+    }
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full);
+    for (const auto & e : rkv_graph_cells) {
+        if (e.k_idxs != k_idxs) {
+            continue;
+        }
+        // elastic windows: a graph's views hold the windows as they were when it was built
+        if (rkv_elastic && e.epoch != rkv_pool.epoch) {
+            return false;
+        }
+        if (e.per_stream) {
+            return e.n_kv == lay.n_kv;
+        }
+        break;
+    }
+    // not built through the split's attention (no layer attended a tail): upstream's attention over the window
+    if (rkv_elastic) {
+        return rkv_elastic_whole(n_kv, sinfo);
+    }
+    return lay.n_kv.empty() || n_kv <= lay.n_win;
+}
+
+void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
+    if (!rkv_live) {
+        return;
+    }
+    uint64_t cell_bytes = 0; // one tail cell of every split layer
+    bool     streamed   = false;
+    for (const auto & layer : layers) {
+        for (const ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
+            if (t) {
+                cell_bytes += t->nb[1];
+                streamed   |= ggml_is_streamed(t);
+            }
+        }
+    }
+
+    uint32_t n_kv = 0;
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        n_kv = std::max(n_kv, rkv_stream_n_kv(sinfo.strm[s]));
+    }
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false);
+
+    uint64_t tail = 0, stream = 0, occupied = 0;
+    std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const uint32_t strm = sinfo.strm[s];
+        const auto & cells = v_cells[strm];
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
+        uint32_t dev = 0, host = 0;
+        for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
+            if (!cells.is_empty(i)) {
+                (i < wc ? dev : host) += 1;
+            }
+        }
+        if (rkv_head) {
+            dev = host; // every cell's device heads and host heads
+        }
+        cells_of.push_back({ strm, { dev, host } });
+
+        const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
+        GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
+        const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
+        const float    frac   = lay.n_kv.empty() ? lay.tail_cpu_frac : lay.cpu_frac[s];
+        tail     += n_tail;
+        stream   += streamed ? n_tail - ggml_rkv_tail_cpu_cells(n_tail, frac) : 0;
+        occupied += host;
+    }
+
+    std::lock_guard<std::mutex> lock(rkv_live->mtx);
+    llama_rkv_live & lv = *rkv_live;
+    lv.block_bytes = 256*cell_bytes;
+    if (lv.device_cells.size() < n_stream) {
+        lv.device_cells.resize(n_stream, 0);
+        lv.tail_cells.resize(n_stream, 0);
+    }
+    for (const auto & c : cells_of) {
+        lv.device_cells[c.first] = c.second.first;
+        lv.tail_cells[c.first]   = c.second.second;
+    }
+    lv.window_cells.resize(n_stream, 0);
+    for (uint32_t s = 0; s < n_stream && !rkv_head; ++s) {
+        lv.window_cells[s] = rkv_win_cells(s);
+    }
+    if (tail == 0) {
+        return;
+    }
+    lv.steps += 1;
+    lv.last_streams        = sinfo.n_stream();
+    lv.last_per_stream_ops = lay.n_kv.empty() ? 0 : (uint32_t) lay.n_kv.size();
+    lv.last_tail_bytes     = tail*cell_bytes;
+    lv.last_streamed_bytes = stream*cell_bytes;
+    lv.last_occupied_bytes = occupied*cell_bytes;
+    lv.tail_bytes     += lv.last_tail_bytes;
+    lv.streamed_bytes += lv.last_streamed_bytes;
+    lv.occupied_bytes += lv.last_occupied_bytes;
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v, bool tail) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    const auto & layer = layers[ikv];
+
+    ggml_tensor * t = tail ? (is_v ? layer.v_tail : layer.k_tail) : (is_v ? layer.v : layer.k);
+    if (!t) {
+        return nullptr; // a head split's layer whose heads are all on the device has no tail
+    }
+
+    const int64_t n_embd_head = cur->ne[0];
+    const int64_t n_head      = cur->ne[1];
+    const int64_t n_tokens    = cur->ne[2];
+
+    // we can merge dims 0 and 1
+    GGML_ASSERT(ggml_row_size(cur->type, n_embd_head) == cur->nb[1]);
+
+    // all streams in one 2D tensor: the indices are global (strm*rows_per_stream + row)
+    ggml_tensor * dst = ggml_reshape_2d(ctx, t, t->ne[0], t->ne[1]*t->ne[2]);
+
+    if (rkv_head) {
+        // this part's heads of every token (the device's first, the host's after them) at upstream's index input: both
+        // tensors have kv_size rows per stream
+        const ggml_tensor * t_dev  = is_v ? layer.v      : layer.k;
+        const ggml_tensor * t_host = is_v ? layer.v_tail : layer.k_tail;
+        const int64_t n_dev = t_dev->ne[0];
+        GGML_ASSERT(n_embd_head*n_head == n_dev + (t_host ? t_host->ne[0] : 0));
+        GGML_ASSERT(idxs->ne[0] == n_tokens && ggml_nrows(idxs) == 1);
+        cur = ggml_view_2d(ctx, cur, t->ne[0], n_tokens, cur->nb[2], tail ? ggml_row_size(cur->type, n_dev) : 0);
+        return ggml_set_rows(ctx, dst, cur, idxs);
+    }
+
+    GGML_ASSERT(n_embd_head*n_head == t->ne[0]);
+    GGML_ASSERT(idxs->ne[0] == n_tokens && idxs->ne[1] == 2);
+
+    cur = ggml_view_2d(ctx, cur, n_embd_head*n_head, n_tokens, cur->nb[2], 0);
+
+    // row 0 of idxs routes to the window, row 1 to the tail: through the views made with the input (shared by all
+    // layers), else a view of its own
+    const auto it = rkv_idx_views.find(idxs);
+    ggml_tensor * ix = it != rkv_idx_views.end() ? (tail ? it->second.second : it->second.first)
+                                                 : ggml_view_1d(ctx, idxs, n_tokens, tail ? idxs->nb[1] : 0);
+
+    return ggml_set_rows(ctx, dst, cur, ix);
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+    return rkv_split() ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
+}
+
+ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+    return rkv_split() ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
+}
+
+ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch, const char * name) const {
+    // [n_tokens, 2]: row 0 window indices, row 1 tail indices (ne[0] stays n_tokens for the graph reuse checks)
+    ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
+
+    ggml_set_input(idxs);
+    ggml_set_name(idxs, name);
+
+    // One window-row and one tail-row view for every layer: the scheduler copies each distinct view of a CPU input to
+    // the GPU on its own, with a synchronization (a view per layer cost ~1 ms of host time per decode token on the
+    // H200, docs/perf). They are kept per input tensor for the graph being built, which is the graph of the ggml
+    // context the input is made in: the views of a graph built in another context are dropped. (The graph contexts
+    // of consecutive builds differ: a graph result allocates its new context before it frees the old one.) Every
+    // index input a cpy receives was made here for the graph being built, since the inputs precede the layers.
+    if (ctx != rkv_idx_ctx) {
+        rkv_idx_views.clear();
+        rkv_idx_ctx = ctx;
+    }
+    ggml_tensor * win  = ggml_view_1d(ctx, idxs, ubatch.n_tokens, 0);
+    ggml_tensor * tail = ggml_view_1d(ctx, idxs, ubatch.n_tokens, idxs->nb[1]);
+    ggml_format_name(win,  "%s (window)", name);
+    ggml_format_name(tail, "%s (tail)",   name);
+    rkv_idx_views[idxs] = { win, tail };
+
+    // a graph built now holds the windows of now (elastic windows: rkv_can_reuse compares them)
+    rkv_graph_note(idxs) = { idxs, {}, rkv_pool.epoch, false };
+
+    return idxs;
+}
+
+void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
+    const uint32_t n_tokens = ubatch->n_tokens;
+    GGML_ASSERT(n_tokens == (int64_t) sinfo.size()*sinfo.n_stream());
+    GGML_ASSERT(dst->ne[0] == n_tokens && dst->ne[1] == 2);
+
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+    int64_t * data = (int64_t *) dst->data;
+
+    const int64_t rows_w  = rkv_wc + 1;                                // window rows per slab (last: trash)
+    const int64_t rows_t  = (int64_t) get_size() - rkv_tail_first + 1; // tail rows per stream (last: trash)
+    // elastic windows: the pool's trash row is the last row of all slabs
+    const int64_t trash_pool = (int64_t) n_stream*rows_w - 1;
+
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const int64_t strm = sinfo.strm[s];
+        const int64_t wc   = rkv_win_cells(strm);
+        const int64_t row0 = rkv_elastic ? (int64_t) rkv_pool.base[strm] : strm*rows_w; // the window's first row
+
+        for (uint32_t i = 0; i < sinfo.size(); ++i) {
+            const int64_t cell = sinfo.idxs[s][i];
+            const int64_t j    = s*sinfo.size() + i;
+
+            data[j]            = cell < wc ? row0 + cell : rkv_elastic ? trash_pool : strm*rows_w + rkv_wc;
+            data[n_tokens + j] = strm*rows_t + (cell >= wc ? cell - rkv_tail_first : rows_t - 1);
+        }
+    }
+}
+
+void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_context * ctx, ggml_cgraph * gf,
+        const kv_layer & layer, ggml_tensor * k_shift, ggml_tensor * k_rot) const {
+    const uint32_t il = layer.il;
+
+    const auto    n_rot         = hparams.n_rot(il);
+    const auto    n_embd_head_k = hparams.n_embd_head_k(il);
+    const auto    n_embd_nope   = hparams.n_lora_kv > 0 ? n_embd_head_k - n_rot : 0;
+
+    const float freq_base_l  = model.get_rope_freq_base (cparams, il);
+    const float freq_scale_l = model.get_rope_freq_scale(cparams, il);
+
+    ggml_tensor * rope_factors = model.get_rope_factors(cparams, il);
+
+    // same as build_rope_shift
+    const auto rope_type = hparams.rope_type == LLAMA_ROPE_TYPE_MROPE || hparams.rope_type == LLAMA_ROPE_TYPE_IMROPE
+        ? LLAMA_ROPE_TYPE_NEOX : hparams.rope_type;
+
+    const uint32_t kv_size = get_size();
+
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(s);
+        for (int part = 0; part < 2; ++part) {
+            // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's heads
+            ggml_tensor * t       = part == 0 ? layer.k : layer.k_tail;
+            const uint32_t first  = part == 0 || rkv_head ? 0 : wc;
+            const uint32_t n_cell = rkv_head ? kv_size : part == 0 ? wc : kv_size - wc;
+            if (!t || n_cell == 0) {
+                continue;
+            }
+            const size_t row0 = rkv_head ? s*t->nb[2] : part == 0 ? rkv_win_off(t, s, 0) : rkv_tail_off(t, s, first);
+
+            ggml_tensor * k = ggml_view_3d(ctx, t,
+                    n_rot, t->ne[0]/n_embd_head_k, n_cell,
+                    ggml_row_size(t->type, n_embd_head_k),
+                    t->nb[1],
+                    row0 + ggml_row_size(t->type, n_embd_nope));
+
+            // the shift input is [kv_size*n_stream], cells in order per stream
+            ggml_tensor * shift = ggml_view_1d(ctx, k_shift, n_cell, ((size_t) s*kv_size + first)*ggml_element_size(k_shift));
+
+            ggml_tensor * cur;
+
+            // the K-rotation is keyed on the window type: a region of another type may hold rotated data
+            // (rotate back before RoPE) or be quantized without rotation (no Hadamard)
+            if (ggml_is_quantized(t->type) || k_rot) {
+                cur = ggml_cast(ctx, k, GGML_TYPE_F32);
+                if (k_rot) {
+                    cur = llama_mul_mat_hadamard(ctx, cur, k_rot);
+                }
+                cur = ggml_rope_ext(ctx, cur, shift, rope_factors, n_rot, rope_type, cparams.n_ctx_orig_yarn,
+                        freq_base_l, freq_scale_l, cparams.yarn_ext_factor, cparams.yarn_attn_factor,
+                        cparams.yarn_beta_fast, cparams.yarn_beta_slow);
+                if (k_rot) {
+                    cur = llama_mul_mat_hadamard(ctx, cur, k_rot);
+                }
+                cur = ggml_cpy(ctx, cur, k);
+            } else {
+                cur = ggml_rope_ext_inplace(ctx, k, shift, rope_factors, n_rot, rope_type, cparams.n_ctx_orig_yarn,
+                        freq_base_l, freq_scale_l, cparams.yarn_ext_factor, cparams.yarn_attn_factor,
+                        cparams.yarn_beta_fast, cparams.yarn_beta_slow);
+            }
+
+            ggml_build_forward_expand(gf, cur);
+        }
+    }
+}
+
+//
+// llama_kv_cache_context
+//
+
+ggml_tensor * llama_kv_cache_context::rkv_get_k_tail(ggml_context * ctx, int32_t il) const {
+    return kv->rkv_get_k_tail(ctx, il, n_kv, sinfos[i_cur]);
+}
+
+ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t il) const {
+    return kv->rkv_get_v_tail(ctx, il, n_kv, sinfos[i_cur]);
+}
+
+llama_rkv_attn_layout llama_kv_cache_context::rkv_attn_layout(const ggml_tensor * k_idxs) const {
+    llama_rkv_attn_layout lay = kv->rkv_attn_layout(n_kv, sinfos[i_cur], rkv_full);
+    kv->rkv_note_graph(k_idxs, lay);
+    return lay;
+}
+
+bool llama_kv_cache_context::rkv_can_reuse(const ggml_tensor * k_idxs) const {
+    return kv->rkv_can_reuse(k_idxs, n_kv, sinfos[i_cur], rkv_full);
+}
+
+bool llama_kv_cache_context::rkv_is_head_split() const {
+    return kv->rkv_head_split();
+}
+
+void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+    if (ggml_tensor * t = kv->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il)) {
+        ggml_build_forward_expand(gf, t);
+    }
+}
+
+void llama_kv_cache_context::rkv_cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+    if (ggml_tensor * t = kv->rkv_cpy_v_tail(ctx, v_cur, v_idxs, il)) {
+        ggml_build_forward_expand(gf, t);
+    }
+}

@@ -1,0 +1,286 @@
+// rollingkv: the KV residency planner's inputs from the devices and the model (see llama-kv-residency.h): the
+// backend's budget figures, the weights and compute buffers, whether a device runs the streaming op, and the
+// bandwidths measured once per process. Everything here may touch a device; the decision itself does not
+// (llama-kv-residency-model.cpp, llama-kv-residency-decide.cpp).
+#include "llama-kv-residency.h"
+
+#include "llama-model.h"
+#include "llama-rolling-kv-graph.h"
+
+#include "ggml-cpp.h"
+#include "ggml-rolling-kv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <mutex>
+
+// the copy that measures the device memory bandwidth: large enough to leave the caches of any device behind,
+// small enough to fit next to the weights (a smaller one is tried when it does not)
+static const size_t LLAMA_RKV_BW_COPY_MIB[] = { 256, 64 };
+static const int    LLAMA_RKV_BW_REPS       = 5;
+
+//
+// planner inputs
+//
+
+bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev) {
+    if (!dev) {
+        return false;
+    }
+    const auto t = ggml_backend_dev_type(dev);
+    return t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU;
+}
+
+ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, uint32_t n_stream) {
+    ggml_rkv_dev_budget res = {};
+    ggml_backend_reg_t reg = llama_rkv_dev_is_gpu(dev) ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto fn = reg ? (ggml_backend_rkv_dev_budget_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_DEV_BUDGET_PROC) : nullptr;
+    if (fn) {
+        fn(dev, row_k_tail, row_v_tail, n_stream, &res);
+    }
+    return res;
+}
+
+size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev) {
+    // host memory: every host buffer (CPU, mmapped, repacked); a GPU: its own buffers, not the pinned host ones
+    // its buffer types also report as theirs
+    const bool host = !llama_rkv_dev_is_gpu(dev);
+
+    size_t res = 0;
+    for (const auto & [buft, size] : model.memory_breakdown()) {
+        const bool buft_host = ggml_backend_buft_is_host(buft);
+        if (host ? buft_host : (!buft_host && ggml_backend_buft_get_device(buft) == dev)) {
+            res += size;
+        }
+    }
+    return res;
+}
+
+// The compute buffer of a device is the peak of the graph allocator over the worst-case graph, which
+// llama_context reserves for a ubatch of T = min(n_ctx, n_ubatch) tokens that are all outputs. The allocator
+// frees a tensor after its last use, so the peak is about the larger of
+//   the head:    T x (n_vocab + n_embd) f32 logits                (on the device of the output layer only)
+//   one layer:   T x (3 n_ff + 4 n_embd + Q/K/V widths + n_expert) f32 (n_ff: the widest dense FFN, or the
+//                experts in use x expert FFN + shared expert FFN), plus the KQ masks that stay live through
+//                every layer (f16, T x n_kv of the cache and of the SWA cache of an iSWA model)
+// and the estimate is that x 1.1 + 32 MiB (positions, output ids, small temporaries, the backend's pool). On the
+// demo model (n_ubatch 512) the largest term is the head, 97 MiB, for measured buffers of 102.5 MiB (2048
+// cells) and 98.3 MiB (16384 cells): an estimate of 139 MiB.
+size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv, uint32_t n_kv_other,
+        bool has_output, std::string * note) {
+    const auto & hp = model.hparams;
+
+    // unknown (a context made without llama_init_from_model_rolling_kv): llama_context_default_params' 512
+    size_t n_tokens = st.n_ubatch > 0 ? st.n_ubatch : 512;
+    if (st.n_ctx > 0) {
+        n_tokens = std::min<size_t>(n_tokens, st.n_ctx);
+    }
+
+    const size_t n_vocab = (size_t) std::max<int32_t>(0, llama_vocab_n_tokens(llama_model_get_vocab(&model)));
+    const size_t n_embd  = hp.n_embd;
+
+    size_t n_ff  = 0;
+    size_t n_qkv = 0;
+    for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
+        n_ff  = std::max<size_t>(n_ff, hp.n_ff(il));
+        n_ff  = std::max<size_t>(n_ff, (size_t) hp.n_expert_used(il)*hp.n_ff_exp(il) + hp.n_ff_shexp);
+        n_qkv = std::max<size_t>(n_qkv, (size_t) hp.n_head(il)*hp.n_embd_head_k(il) +
+                                        (size_t) hp.n_head_kv(il)*(hp.n_embd_head_k(il) + hp.n_embd_head_v(il)));
+    }
+
+    const size_t logits = has_output ? n_tokens*sizeof(float)*(n_vocab + n_embd) : 0;
+    const size_t layer  = n_tokens*sizeof(float)*(3*n_ff + 4*n_embd + n_qkv + hp.n_expert);
+    const size_t mask   = n_tokens*sizeof(ggml_fp16_t)*((size_t) n_kv + n_kv_other);
+
+    const size_t res = (size_t) (std::max(logits, layer + mask)*1.1) + 32*LLAMA_RKV_MIB;
+
+    if (note) {
+        char buf[256];
+        snprintf(buf, sizeof(buf), "%zu-token ubatch: logits %.1f MiB, one layer %.1f MiB, KQ masks %.1f MiB (%u + %u cells); "
+                "max(logits, layer + masks) x 1.1 + 32 MiB", n_tokens, llama_rkv_mib(logits), llama_rkv_mib(layer), llama_rkv_mib(mask),
+                n_kv, n_kv_other);
+        *note = buf;
+    }
+
+    return res;
+}
+
+bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
+        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool head) {
+    if (!dev || g.n_embd_head_k <= 0 || g.n_embd_head_v <= 0 || g.n_head <= 0 || g.n_head_kv <= 0) {
+        return true; // nothing to ask: the CPU runs every case
+    }
+    if (head && g.n_head_kv < 2) {
+        return true; // no head split of this shape (refused elsewhere)
+    }
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ 64*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr ctx_ptr { ggml_init(params) };
+    ggml_context * ctx = ctx_ptr.get();
+    if (!ctx) {
+        return true;
+    }
+
+    // the views the split cache hands to the graph (rkv_get_window / the tail views): both parts non-empty; a head
+    // split's host part: the last n_head_kv - 1 heads of every cell, in a tensor of their own (no trash row)
+    const int64_t n_part  = LLAMA_RKV_WINDOW_ALIGN;
+    const int64_t n_heads = head ? g.n_head_kv - 1 : g.n_head_kv;
+    auto part = [&](ggml_type t, int64_t d) {
+        ggml_tensor * base = ggml_new_tensor_3d(ctx, t, d*n_heads, n_part + (head ? 0 : 1), n_stream);
+        return ggml_view_4d(ctx, base, d, n_heads, n_part, n_stream, ggml_row_size(t, d), base->nb[1], base->nb[2], 0);
+    };
+    // the query heads that follow those KV heads
+    const int64_t n_q_head = head ? g.n_head/g.n_head_kv*n_heads : g.n_head;
+
+    // a decode step and a full ubatch: the kernels differ
+    for (const int64_t n_q : { (int64_t) 1, (int64_t) std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch ? n_ubatch : 512, 512)) }) {
+        ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, g.n_embd_head_k, n_q_head, n_q*n_stream);
+        ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 2*n_part, n_q, 1, n_stream);
+
+        ggml_tensor * out = head
+            ? llama_rkv_build_attn_mha(ctx, q, nullptr, nullptr,
+                    part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, llama_rkv_attn_layout{})
+            : llama_rkv_build_attn_mha(ctx, q,
+                    part(type_k, g.n_embd_head_k), part(type_v, g.n_embd_head_v),
+                    part(type_k_tail, g.n_embd_head_k), part(type_v_tail, g.n_embd_head_v),
+                    mask, nullptr, 1.0f/sqrtf((float) g.n_embd_head_k), 0.0f, 0.0f, llama_rkv_attn_layout{});
+
+        // out is a reshape of the op
+        ggml_tensor * op = out->src[0];
+        if (!op || op->op != GGML_OP_STREAMING_FLASH_ATTN) {
+            return true;
+        }
+        if (!ggml_backend_dev_supports_op(dev, op)) {
+            return false;
+        }
+    }
+
+    return true;
+}
+
+// A measurement made once per process and key: later calls return the same figure, their description saying so.
+// Each measuring function owns one (a device has a memory and a link figure).
+template <typename K>
+struct llama_rkv_measured_once {
+    std::mutex mutex;
+    std::map<K, std::pair<double, std::string>> values;
+
+    double get(const K & key, std::string * how, const std::function<double(std::string *)> & measure) {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = values.find(key);
+        const bool fresh = it == values.end();
+        if (fresh) {
+            std::string desc;
+            const double res = measure(&desc);
+            it = values.emplace(key, std::make_pair(res, desc)).first;
+        }
+        if (how) {
+            *how = it->second.second + (fresh ? "" : " (measured earlier in this process)");
+        }
+        return it->second.first;
+    }
+};
+
+// the shortest of LLAMA_RKV_BW_REPS runs of copy(i), in microseconds (at least 1)
+static int64_t llama_rkv_best_us(const std::function<void(int)> & copy) {
+    int64_t best_us = INT64_MAX;
+    for (int i = 0; i < LLAMA_RKV_BW_REPS; ++i) {
+        const int64_t t0 = ggml_time_us();
+        copy(i);
+        best_us = std::min(best_us, ggml_time_us() - t0);
+    }
+    return std::max<int64_t>(best_us, 1);
+}
+
+double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
+    static llama_rkv_measured_once<ggml_backend_dev_t> once;
+    return once.get(dev, how, [dev](std::string * desc) {
+        const bool host = !llama_rkv_dev_is_gpu(dev);
+        ggml_backend_buffer_type_t buft = host ? ggml_backend_cpu_buffer_type() : ggml_backend_dev_buffer_type(dev);
+        const char * name = host ? "host memory" : ggml_backend_dev_name(dev);
+
+        *desc = std::string("not measured: no memory for the copy on ") + name;
+
+        for (const size_t mib : LLAMA_RKV_BW_COPY_MIB) {
+            const size_t size = mib*LLAMA_RKV_MIB;
+
+            ggml_init_params params = {
+                /*.mem_size   =*/ 2*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ NULL,
+                /*.no_alloc   =*/ true,
+            };
+            ggml_context_ptr ctx { ggml_init(params) };
+            if (!ctx) {
+                break;
+            }
+            ggml_tensor * a = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
+            ggml_tensor * b = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, size);
+
+            ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
+            if (!buf) {
+                continue;
+            }
+
+            // touch every page first (host memory faults pages in on first write), then one untimed copy
+            ggml_backend_buffer_clear(buf.get(), 0);
+            ggml_backend_tensor_copy(a, b);
+
+            // ggml_backend_tensor_copy returns when the copy is done (host: memcpy; CUDA: the copy is synchronized)
+            const int64_t best_us = llama_rkv_best_us([&](int i) { ggml_backend_tensor_copy(i % 2 ? b : a, i % 2 ? a : b); });
+
+            char tmp[160];
+            snprintf(tmp, sizeof(tmp), "%zu MiB copy in %s, best of %d", mib, name, LLAMA_RKV_BW_REPS);
+            *desc = tmp;
+            return 2.0*size/(best_us*1e-6)/1e9; // a copy reads and writes every byte
+        }
+        return -1.0;
+    });
+}
+
+// the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
+// process for each
+double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how) {
+    static llama_rkv_measured_once<std::pair<int, int>> once;
+    const int nt = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
+    return once.get({ nt, (int) type }, how, [nt, type](std::string * desc) {
+        *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads";
+        return ggml_rkv_cpu_attn_measure_gbps(nt, type, 0);
+    });
+}
+
+double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
+    static llama_rkv_measured_once<ggml_backend_dev_t> once;
+    return once.get(dev, how, [dev](std::string * desc) {
+        ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+        if (!host_buft || !llama_rkv_dev_is_gpu(dev)) {
+            *desc = "not measured: the device has no pinned host buffer type";
+            return -1.0;
+        }
+        const size_t size = 256*LLAMA_RKV_MIB;
+        ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL, /*.no_alloc =*/ true };
+        ggml_context_ptr ctx_h { ggml_init(params) };
+        ggml_context_ptr ctx_d { ggml_init(params) };
+        ggml_tensor * a = ggml_new_tensor_1d(ctx_h.get(), GGML_TYPE_I8, size);
+        ggml_tensor * b = ggml_new_tensor_1d(ctx_d.get(), GGML_TYPE_I8, size);
+        ggml_backend_buffer_ptr buf_h { ggml_backend_alloc_ctx_tensors_from_buft(ctx_h.get(), host_buft) };
+        ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(), ggml_backend_dev_buffer_type(dev)) };
+        if (!buf_h || !buf_d) {
+            *desc = "not measured: no memory for a 256 MiB pinned copy";
+            return -1.0;
+        }
+        ggml_backend_buffer_clear(buf_h.get(), 0);
+        ggml_backend_tensor_copy(a, b); // untimed: the first copy maps what it needs
+        // a host source: a synchronous tensor_set from pinned memory
+        const int64_t best_us = llama_rkv_best_us([&](int) { ggml_backend_tensor_copy(a, b); });
+        *desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
+                std::to_string(LLAMA_RKV_BW_REPS);
+        return size/(best_us*1e-6)/1e9;
+    });
+}
