@@ -2,7 +2,7 @@
 
 TAIL_TYPES is the list the library accepts for a split cache's parts (the host tail, and the window of every split
 command here): ggml_rkv_tail_type_names() of the patched libggml. It is written out so that --help and the docs need no
-build, and tests/test_llama_ext.py asks the library for its list and requires the same one; `serve` asks the active
+build, and tests/lib/test_llama_ext.py asks the library for its list and requires the same one; `serve` asks the active
 build's library at start-up too (library_tail_types), so a build that takes fewer types is said so before llama-server
 starts. WINDOW_TYPES adds what llama.cpp's -ctk/-ctv take for an unsplit cache (common/arg.cpp kv_cache_types): iq4_nl,
 which the split refuses. TAIL_AUTO ("auto") is no type but the planner's choice, accepted wherever a tail type is.

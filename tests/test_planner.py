@@ -85,7 +85,7 @@ class Expect:
 _SIMULATE = """
 import json, os, sys
 from pathlib import Path
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
 out = {}
 for name, case in json.loads(os.environ["RKV_CASES"]).items():
@@ -450,7 +450,7 @@ def test_invalid_input(sim, name, message):
 
 
 def test_serve_prints_the_budget_and_the_estimate(sim):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import serving
 
     far = sim["far"]
     assert serving.describe_plan(far).startswith("residency: window")
@@ -542,7 +542,7 @@ def test_server_refuses_a_target_below_the_minimum(cpu_build, demo_model):
 
 
 def test_server_reports_the_budget_in_props(cpu_build, demo_model, tmp_path):
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     env = {**os.environ, "ROLLINGKV_SLOTS": "2"}
     with ServerProcess(cpu_build.artifact("llama-server"), ["-m", str(demo_model), "-t", "2", "-c", "8192", "-np", "1", "-fa", "on",
@@ -888,7 +888,7 @@ def test_auto_never_splits_mqa_by_head(sim):
 
 
 def test_serve_describes_a_head_plan(sim):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import serving
 
     d = serving.describe_plan(sim["head_budget"])
     assert d.startswith("residency: head") and "of 8 KV heads on the device" in d and "per layer" in d

@@ -92,7 +92,7 @@ def _default_out(model: Path) -> Path:
     """docs/perf/<date>-bench-tail-<model>/bench-tail.json: a new folder per run (-2, -3, ... when one exists), as
     docs/perf keeps one folder per record (its README.md discusses the raw files beside it). Created when the
     report is first written (a dry run creates nothing)."""
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
 
     base = paths.REPO_ROOT / "docs" / "perf"
     if not base.is_dir():
@@ -198,7 +198,8 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
     """
-    from rollingkv_cli import builder, models
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli import models
     from rollingkv_cli.bench import arithmetic, gguf
     from rollingkv_cli.bench import plot as plotting, tail as tail_runs
     from rollingkv_cli.console import abort, console, esc, note, warn
@@ -233,14 +234,14 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
     if head_fractions:
-        from rollingkv_cli.serving import build_has_head_split
+        from rollingkv_cli.serve.serving import build_has_head_split
 
         if not build_has_head_split(build.lib_dir / "libllama.so"):
             abort(f"the build {build.dir} predates the head split (rolling-KV API 5): its llama-bench refuses head mode",
                   "rebuild with `rollingkv build`, or drop --head-fractions")
         if min(info.n_head_kv) < 2:
             abort(f"{model.name} has a layer with one KV head (MQA): it cannot split by head", "drop --head-fractions")
-    from rollingkv_cli.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.serving import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
     cfg = tail_runs.TailConfig(
@@ -308,7 +309,7 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     """The CPU fractions the hybrid cells run at: none on a CPU build (it attends the whole cache on the CPU already)
     or a build before the hybrid tail; --cpu-fracs given explicitly there is refused."""
     from rollingkv_cli.console import abort, warn
-    from rollingkv_cli.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.serving import build_has_tail_cpu
 
     if not cpu_fracs:
         return []
@@ -377,7 +378,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
     `--` go to every llama-server (e.g. -- -t 2)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.bench import arithmetic as bm
     from rollingkv_cli.bench import gguf
     from rollingkv_cli.bench import load as lb

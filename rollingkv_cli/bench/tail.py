@@ -310,14 +310,14 @@ class CellRunner:
 
     @staticmethod
     def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-        from rollingkv_cli.procs import stop_group
+        from rollingkv_cli.lib.procs import stop_group
 
         stop_group(proc, grace)  # in our group: just it; a second Ctrl-C while it stops kills it at once
 
     def run(self, args: list[str], timeout: float | None) -> tuple[int | None, str, list[str], float, bool]:
         """(returncode, stdout, stderr tail, wall seconds, timed out)."""
         t0 = time.monotonic()
-        from rollingkv_cli.procs import popen_tied
+        from rollingkv_cli.lib.procs import popen_tied
 
         # a hybrid cell's CPU parts report their time and bandwidth at exit (a few clock reads per part): where its
         # decode time goes, kept in the report next to the figure
@@ -475,7 +475,7 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
 
 def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
     """Pinned host-to-device GB/s for the floors, measured now (pcie.measure, 256 MiB copies); None without a GPU."""
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import pcie
 
     if explicit is not None:
         return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
@@ -501,7 +501,7 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
 def measure_cpu_attn(cfg: TailConfig) -> dict:
     """The CPU decode attention's GB/s per tail type of the hybrid cells, measured now at the CPU part's thread count
     (what the cells' llama-bench gives it, whatever -t) by the build's libllama (its calibration, in a child: cpu_attn.py); null with the reason when it cannot be."""
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     n = cpu_attn.part_threads()
     # auto: the types it may choose under an f16/bf16/f32 window (the q8_0 floor, q4_0), or the window's own
@@ -894,7 +894,7 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                 c["status"], c["error"] = "timeout", f"stopped after {wall:.0f} s ({limit})"
                 c["stderr_tail"] = err_tail
             elif rc != 0:
-                from rollingkv_cli.procs import describe_exit
+                from rollingkv_cli.lib.procs import describe_exit
 
                 how = "could not start" if rc is None else describe_exit(rc)
                 c["status"], c["error"] = "failed", f"llama-bench {how}: {err_tail[-1] if err_tail else ''} (stderr_tail in {cfg.out})"

@@ -19,7 +19,7 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 def _triple(figures: dict | None) -> str:
     if not figures:
         return "-"
-    from rollingkv_cli.pcie import SIZES_MIB
+    from rollingkv_cli.hw.pcie import SIZES_MIB
 
     return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in SIZES_MIB)
 
@@ -52,8 +52,8 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
       3  no NVIDIA GPU found (no driver, no NVML, or no device); with --json
          the document is {"gpus": [], "error": "no NVIDIA GPU found"}
     """
-    from rollingkv_cli import paths
-    from rollingkv_cli import pcie as link
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.hw import pcie as link
     from rollingkv_cli.console import abort, console, err_console, esc, note, warn
 
     if refresh and no_measure:
@@ -181,8 +181,9 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
 def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None) -> dict:
     """The CPU attention part of the profile at `threads` for the active build: cached, or measured now (a failure
     only warns, as a failed link measurement does). The JSON's cpu_attn object."""
-    from rollingkv_cli import builder, cpu_attn
-    from rollingkv_cli import pcie as link
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli.hw import cpu_attn
+    from rollingkv_cli.hw import pcie as link
     from rollingkv_cli.console import err_console, warn
 
     n = threads or cpu_attn.part_threads()

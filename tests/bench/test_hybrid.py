@@ -13,7 +13,7 @@ import pytest
 
 from rollingkv_cli.bench import arithmetic as bm
 from test_cli import run_main
-from test_cpu_attn import _standin_lib
+from hw.test_cpu_attn import _standin_lib
 
 # resident 100 tok/s, a GPU-only split 50, a hybrid split 80; the chosen CPU share of an auto cell: 40 / (40 + link)
 FAKE_BENCH = r"""#!{python}
@@ -51,7 +51,7 @@ def cuda_build(tmp_path, monkeypatch, isolated_cache):
     (f16 10 GB/s per thread, q8_0 5, q4_0 unsupported). .api(3) makes a build whose library predates the hybrid tail
     the active one: another directory, as the command loads the library in-process to look for the calibration (a
     library overwritten in place under that mapping crashes the interpreter at exit)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.bench import tail as bench_tail
 
     state = {"cuda": True, "dir": None}
@@ -105,7 +105,7 @@ def _run(capsys, tiny, out, *extra):
 
 def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")  # the CPU part's threads, whatever -t (here 3) says
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 3 threads: at most the process's CPUs
     out = tmp_path / "h.json"

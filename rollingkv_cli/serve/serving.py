@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollingkv_cli import paths
+from rollingkv_cli.lib import paths
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
@@ -347,7 +347,7 @@ def build_has_rolling_kv(lib: Path) -> bool:
 
 def build_has_tail_cpu(lib: Path) -> bool:
     """The build has the hybrid tail (rolling-KV API 4: its llama-server takes --kv-tail-cpu-frac and --cpu-attn-gbps)."""
-    from rollingkv_cli.llama_ext import MEASURE_CPU_ATTN_SYMBOL
+    from rollingkv_cli.lib.llama_ext import MEASURE_CPU_ATTN_SYMBOL
 
     try:
         return hasattr(ctypes.CDLL(str(lib)), MEASURE_CPU_ATTN_SYMBOL)
@@ -368,14 +368,14 @@ def _api_version(lib: Path) -> int:
 
 def build_has_head_split(lib: Path) -> bool:
     """The build has the head split (rolling-KV API 5: its llama-server takes --kv-residency-mode head and --kv-device-heads)."""
-    from rollingkv_cli.llama_ext import API_HEAD_SPLIT
+    from rollingkv_cli.lib.llama_ext import API_HEAD_SPLIT
 
     return _api_version(lib) >= API_HEAD_SPLIT
 
 
 def build_has_tail_auto(lib: Path) -> bool:
     """The build chooses tail types (rolling-KV API 7: its llama-server takes -ctkt/-ctvt auto)."""
-    from rollingkv_cli.llama_ext import API_TAIL_AUTO
+    from rollingkv_cli.lib.llama_ext import API_TAIL_AUTO
 
     return _api_version(lib) >= API_TAIL_AUTO
 
@@ -527,8 +527,8 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
     Nothing cached: None, and llama-server calibrates when it plans (auto only)."""
     import os
 
-    from rollingkv_cli import cpu_attn
-    from rollingkv_cli.llama_ext import CPU_ATTN_TYPES
+    from rollingkv_cli.hw import cpu_attn
+    from rollingkv_cli.lib.llama_ext import CPU_ATTN_TYPES
 
     requested = requested_tail_cpu_frac(s)
     if not cuda or not tail_cpu or s.kv_residency_mode == "off" or requested == 0:
@@ -541,7 +541,7 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
     if type_k not in CPU_ATTN_TYPES:
         return None, f"CPU attention: the hybrid tail attends {', '.join(CPU_ATTN_TYPES)} tails on the CPU, not {type_k}"
     threads = cpu_attn.part_threads()
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import pcie
 
     gbps, detail = pcie.cpu_attn_gbps_for(type_k, threads, build_key, doc)
     if gbps is None:
@@ -559,7 +559,7 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
     if env is not None:
         return env, f"explicit ${paths.ENV_PCIE_BW}"
     try:
-        from rollingkv_cli import pcie
+        from rollingkv_cli.hw import pcie
     except ImportError:
         return None, "no PCIe profile support in this install"
     try:
@@ -919,8 +919,8 @@ class LiveStatus:
 def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> None:
     import shlex
 
-    from rollingkv_cli import builder
-    from rollingkv_cli.server import ServerProcess, free_port, port_in_use, resolve_host
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli.serve.server import ServerProcess, free_port, port_in_use, resolve_host
 
     from rollingkv_cli.userinput import check_native_knobs
 
@@ -1050,7 +1050,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     except (KeyboardInterrupt, _Stop):
         info("stopping llama-server …")
     except RollingKVError as e:
-        from rollingkv_cli.builder import log_tail
+        from rollingkv_cli.lib.builder import log_tail
 
         if srv.proc is not None:
             log_panel(log_tail(log_path, 15), f"last lines of {log_path}")
@@ -1070,8 +1070,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
 
 
 def _report_death(srv, code, log_path: Path) -> None:
-    from rollingkv_cli.builder import log_tail
-    from rollingkv_cli.procs import exit_parts
+    from rollingkv_cli.lib.builder import log_tail
+    from rollingkv_cli.lib.procs import exit_parts
 
     what, advice = exit_parts(code)
     log_panel(log_tail(log_path, 20), f"last lines of {log_path}")

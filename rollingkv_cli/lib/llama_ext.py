@@ -48,7 +48,7 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
             abort(f"llama_cpp could not load {lib_dir / 'libllama.so'}: {e}", "rebuild with `rollingkv build`; the bindings and the library must come from the same pin")
     loaded = loaded_library_path(mod)
     if loaded is None or loaded.resolve() != (lib_dir / "libllama.so").resolve():
-        abort(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}", "import rollingkv_cli.llama_ext before anything imports llama_cpp, in a fresh process")
+        abort(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}", "import rollingkv_cli.lib.llama_ext before anything imports llama_cpp, in a fresh process")
     if not hasattr(mod.llama_cpp._lib, _BUILD_INFO_SYMBOL):
         abort(f"{loaded} is not a rollingkv build (no {_BUILD_INFO_SYMBOL})", "build it with `rollingkv build`")
     return mod
@@ -378,7 +378,7 @@ def _context_params_type():
 def load(lib_dir: Path | None = None) -> tuple[ModuleType, Extension]:
     """(llama_cpp, our extension) bound to lib_dir or the active build."""
     if lib_dir is None:
-        from rollingkv_cli import builder
+        from rollingkv_cli.lib import builder
 
         b = builder.active_build(required=True)
         assert b is not None

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from rollingkv_cli import paths
+from rollingkv_cli.lib import paths
 from rollingkv_cli.console import RollingKVError, abort, warn
 
 # Where the kernel lists PCI devices; module level so that tests can point it at a fake tree.
@@ -402,7 +402,7 @@ def _valid_cpu_attn_entry(e) -> bool:
 
 
 def cpu_attn_key(n_threads: int, build_key: str, cpu: str | None = None, logical_cpus: int | None = None) -> str:
-    from rollingkv_cli import hostinfo
+    from rollingkv_cli.hw import hostinfo
 
     return f"{cpu or hostinfo.cpu_model()}|{logical_cpus or os.cpu_count() or 0}|t{int(n_threads)}|{build_key}"
 
@@ -415,7 +415,7 @@ def cached_cpu_attn(n_threads: int, build_key: str, doc: dict | None = None) -> 
 
 def save_cpu_attn(n_threads: int, build_key: str, result: dict) -> dict:
     """Cache a calibration (cpu_attn.measure's result) as this machine's entry; returns the entry."""
-    from rollingkv_cli import hostinfo
+    from rollingkv_cli.hw import hostinfo
 
     entry = {
         "cpu": hostinfo.cpu_model(),
@@ -471,7 +471,7 @@ def cudart_candidates() -> list[str]:
     out = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
     dirs: list[Path] = []
     try:
-        from rollingkv_cli import builder
+        from rollingkv_cli.lib import builder
 
         b = builder.active_build(required=False)
         if b is not None:

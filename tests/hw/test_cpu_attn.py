@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli import cpu_attn, pcie
+from rollingkv_cli.hw import cpu_attn, pcie
 from test_cli import run_main
-from test_pcie import env, link  # noqa: F401  (the fixture: an isolated cache, a fake NVML, no CUDA runtime)
+from hw.test_pcie import env, link  # noqa: F401  (the fixture: an isolated cache, a fake NVML, no CUDA runtime)
 
 STANDIN = r"""
 const char * llama_rolling_kv_build_info(void) { return "rollingkv api=API pin=stand-in series=0"; }
@@ -113,7 +113,7 @@ RESULT = {"gbps": {"f16": 64.9, "q8_0": 36.8, "q4_0": 16.4}, "errors": {}, "buil
 def test_cache_per_threads_and_build_beside_the_link(env):  # noqa: F811
     env([link(5, 16)])
     (g,) = pcie.discover()
-    from test_pcie import fake_entry
+    from hw.test_pcie import fake_entry
 
     pcie.save_measurement(g, fake_entry(g, h2d256=53.5))
     e = pcie.save_cpu_attn(15, "buildA", RESULT)
@@ -147,7 +147,7 @@ def test_an_unsupported_type_is_not_a_figure(env):  # noqa: F811
 def test_a_malformed_cpu_entry_is_dropped_not_the_link(env, capsys, bad):  # noqa: F811
     env([link(5, 16)])
     (g,) = pcie.discover()
-    from test_pcie import fake_entry
+    from hw.test_pcie import fake_entry
 
     p = pcie.profile_path()
     p.parent.mkdir(parents=True)
@@ -162,7 +162,7 @@ def test_a_malformed_cpu_entry_is_dropped_not_the_link(env, capsys, bad):  # noq
 
 @pytest.fixture
 def fake_build(monkeypatch, tmp_path):
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     b = builder.Build(tmp_path / "b1234", {"pin": "x", "series_hash": "y", "options": {"cuda": True}})
     monkeypatch.setattr(builder, "active_build", lambda required=True: b)
@@ -208,7 +208,7 @@ def test_probe_measures_caches_and_refreshes(env, capsys, monkeypatch, fake_buil
 
 
 def test_probe_without_a_build_or_with_an_old_one(env, capsys, monkeypatch):  # noqa: F811
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     env([link(5, 16)])
     calls = _measuring(monkeypatch)

@@ -1,4 +1,4 @@
-"""`rollingkv probe pcie` and rollingkv_cli.pcie without a GPU: NVML, sysfs and the CUDA runtime are faked."""
+"""`rollingkv probe pcie` and rollingkv_cli.hw.pcie without a GPU: NVML, sysfs and the CUDA runtime are faked."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli import pcie
+from rollingkv_cli.hw import pcie
 from rollingkv_cli.console import RollingKVError
 from test_cli import run_main
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.serving import SETTINGS, SettingError, check_setting
+from rollingkv_cli.serve.serving import SETTINGS, SettingError, check_setting
 
 
 class SettingType(click.ParamType):
@@ -93,7 +93,7 @@ def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra,
     path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import serving
 
     explicit = {k for k in flags if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
     settings = serving.resolve_settings(model_spec, flags, explicit, config_file, list(extra))

@@ -97,7 +97,7 @@ print(json.dumps({"system_info": info, "extra_buffer_types": bufts}))
 
 
 def backend_info(lib_dir: Path, timeout: float = 60) -> BackendInfo:
-    from rollingkv_cli.procs import describe_exit
+    from rollingkv_cli.lib.procs import describe_exit
 
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE, str(lib_dir)], capture_output=True, text=True, timeout=timeout)
