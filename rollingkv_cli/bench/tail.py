@@ -474,8 +474,8 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
 
 
 def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
-    """Pinned host-to-device GB/s for the floors, measured now (pcie.measure, 256 MiB copies); None without a GPU."""
-    from rollingkv_cli.hw import pcie
+    """Pinned host-to-device GB/s for the floors, measured now (cudart.measure, 256 MiB copies); None without a GPU."""
+    from rollingkv_cli.hw import cudart, pcie
 
     if explicit is not None:
         return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
@@ -488,8 +488,8 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
         abort(f"--gpu {gpu_index}: no such GPU", f"NVML sees GPUs {', '.join(str(g.index) for g in gpus)}")
     try:
         with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({esc(gpu.name)})"):
-            entry = pcie.measure(gpu)
-    except (pcie.CudaUnavailable, pcie.MeasureError) as e:
+            entry = cudart.measure(gpu)
+    except (cudart.CudaUnavailable, cudart.MeasureError) as e:
         res = pcie.resolve_bandwidth(gpu_index, gpus=gpus)
         return {"gbps": res.gbps, "source": f"resolved ({res.tier})", "gpu": pcie.gpu_dict(gpu),
                 "note": f"measuring failed ({e}); using {res.gbps:g} GB/s: {res.detail}"}

@@ -7,7 +7,7 @@ the CLI never loads libllama itself (a library that crashes or aborts ends only 
     python -m rollingkv_cli.hw.cpu_attn --lib-dir DIR --threads N [--types f16,q8_0,q4_0]
 
 prints one JSON line (`{"gbps": {type: GB/s or null}, "errors": {type: why}, ...}` or `{"error": ..., "kind": ...}`).
-The cache of these figures is the per-machine profile (pcie.py); `rollingkv probe pcie` measures and shows them.
+The cache of these figures is the per-machine profile (profile.py); `rollingkv probe pcie` measures and shows them.
 """
 
 from __future__ import annotations

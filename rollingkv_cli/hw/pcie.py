@@ -1,4 +1,4 @@
-"""The PCIe link profile: what the host<->GPU link is, what it should carry, and what it carries.
+"""The PCIe link: what the host<->GPU link is, what it should carry, and the one figure the server plans with.
 
 Three sources, best last:
 
@@ -6,8 +6,8 @@ Three sources, best last:
   sysfs (`/sys/bus/pci/devices/<bus id>/{current,max}_link_{speed,width}`) for any field NVML lacks;
 * the theoretical per-direction bandwidth of that link: GT/s per lane x lanes x encoding (8b/10b for
   Gen1-2, 128b/130b for Gen3-5, FLIT 242/256 for Gen6) / 8, in GB/s (10^9 bytes/s);
-* a measurement: pinned host<->device copies of 1, 16 and 256 MiB through the CUDA runtime (libcudart via
-  ctypes: no PyTorch, no CuPy), cached in `<cache dir>/pcie/profile.json` keyed by GPU UUID + driver version.
+* a measurement: pinned host<->device copies of 1, 16 and 256 MiB (cudart.py), cached per GPU UUID + driver
+  version in the per-machine profile (profile.py).
 
 `resolve_bandwidth()` turns that into the one number the server plans with (see its docstring for the
 order). No click in here: the command is rollingkv_cli/commands/probe.py.
@@ -15,20 +15,15 @@ order). No click in here: the command is rollingkv_cli/commands/probe.py.
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import json
 import math
-import os
 import re
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from rollingkv_cli.lib import paths
 from rollingkv_cli.console import RollingKVError, abort, warn
+from rollingkv_cli.hw import profile
+from rollingkv_cli.lib import paths
 
 # Where the kernel lists PCI devices; module level so that tests can point it at a fake tree.
 SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
@@ -44,14 +39,11 @@ EFFICIENCY = 0.85
 DEFAULT_GBPS = 6.5
 DEFAULT_DETAIL = "PCIe 3.0 x8 assumed"
 
-SIZES_MIB = (1, 16, 256)
+SIZES_MIB = (1, 16, 256)  # the copies a measurement times (cudart.py), per direction
 RESOLVE_SIZE_MIB = 256  # the measured figure the server plans with (large copies: what KV streaming does)
-_REPS = {1: 20, 16: 10, 256: 5}  # timed copies per size after one warm-up copy; the median is kept
-_LOAD_BURST = 4  # 256 MiB copies in flight while the link state is read "under load"
 
 _GT_PER_LANE = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 _SPEED_TO_GEN = {v: k for k, v in _GT_PER_LANE.items()}
-PROFILE_VERSION = 1
 
 
 # --------------------------------------------------------------------------------------------- link
@@ -263,408 +255,6 @@ def read_current_link(index: int) -> tuple[int | None, int | None]:
         except Exception:
             pass
 
-
-# ------------------------------------------------------------------------------------------- cache
-
-
-def profile_path() -> Path:
-    return paths.cache_dir() / "pcie" / "profile.json"
-
-
-def _valid_entry(e) -> bool:
-    if not isinstance(e, dict) or not isinstance(e.get("measured_at"), str):
-        return False
-    for d in ("h2d", "d2h"):
-        figures = e.get(d)
-        if not isinstance(figures, dict) or not figures:
-            return False
-        for v in figures.values():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                return False
-    return True
-
-
-def _move_aside(p: Path, why: str) -> None:
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    dest = p.with_name(f"{p.name}.corrupt-{stamp}")
-    n = 1
-    while dest.exists():
-        dest = p.with_name(f"{p.name}.corrupt-{stamp}-{n}")
-        n += 1
-    try:
-        os.replace(p, dest)
-    except OSError as e:
-        warn(f"{p} is unreadable ({why}) and could not be moved aside ({e}); ignoring it")
-        return
-    warn(f"{p} was unreadable ({why}); moved it to {dest.name} and will measure again")
-
-
-def _load_doc() -> dict:
-    """The whole profile: {"version", "entries": {GPU key: link measurement}, "cpu_attn": {machine key: entry}}. A missing
-    file is empty; a corrupt one (or one with a malformed link entry) is renamed aside with a warning, never lost; a
-    malformed CPU attention entry is dropped with a warning (measured again), the link figures kept."""
-    empty = {"version": PROFILE_VERSION, "entries": {}, "cpu_attn": {}}
-    p = profile_path()
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        return empty
-    except OSError as e:
-        warn(f"cannot read {p} ({e.strerror or e}); ignoring the cached measurements")
-        return empty
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        _move_aside(p, f"not JSON: {e}")
-        return empty
-    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-        _move_aside(p, "not a rollingkv PCIe profile")
-        return empty
-    bad = [k for k, e in data["entries"].items() if not _valid_entry(e)]
-    if bad:
-        _move_aside(p, f"malformed entries: {', '.join(bad)}")
-        return empty
-    cpu = data.get("cpu_attn", {})
-    if not isinstance(cpu, dict):
-        _warn_once(f"{p}: its cpu_attn part is not an object; ignoring it (the CPU attention is measured again)")
-        cpu = {}
-    bad_cpu = [k for k, e in cpu.items() if not _valid_cpu_attn_entry(e)]
-    if bad_cpu:
-        _warn_once(f"{p}: malformed CPU attention entries ({', '.join(bad_cpu)}); ignoring them (measured again)")
-        cpu = {k: e for k, e in cpu.items() if k not in bad_cpu}
-    return {"version": PROFILE_VERSION, "entries": data["entries"], "cpu_attn": cpu}
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(text: str) -> None:
-    if text not in _warned:
-        _warned.add(text)
-        warn(text)
-
-
-def _write_doc(doc: dict) -> Path:
-    p = profile_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": PROFILE_VERSION, "entries": doc.get("entries", {}), "cpu_attn": doc.get("cpu_attn", {})},
-                              indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, p)
-    return p
-
-
-def load_profile() -> dict:
-    """{cache key: entry}. A missing file is empty; a corrupt one is renamed aside with a warning, never lost."""
-    return _load_doc()["entries"]
-
-
-def cached_measurement(gpu: GpuInfo, entries: dict | None = None) -> dict | None:
-    """The measurement of this GPU under this driver, if it was made in the same slot."""
-    entries = load_profile() if entries is None else entries
-    e = entries.get(gpu.cache_key())
-    if e is None:
-        return None
-    if e.get("pci_bus_id") and gpu.pci_bus_id and e["pci_bus_id"] != gpu.pci_bus_id:
-        return None  # the card moved to another slot: another link
-    return e
-
-
-def save_measurement(gpu: GpuInfo, m: dict) -> Path:
-    doc = _load_doc()
-    doc["entries"][gpu.cache_key()] = m
-    return _write_doc(doc)
-
-
-# ------------------------------------------------------------------------------------ CPU attention
-#
-# The hybrid tail attends part of each split layer's host tail on the CPU; its planner splits by the link bandwidth
-# above and the CPU decode attention's bandwidth for the tail's K type, measured by libllama's calibration
-# (cpu_attn.py runs it in a child). Cached next to the link figures, per CPU model, logical CPU count, thread count
-# and build (the kernel is the build's code): {"cpu", "logical_cpus", "n_threads", "build", "build_info",
-# "gbps": {f16, q8_0, q4_0: GB/s or null}, "errors", "measured_at"}.
-
-
-def _valid_cpu_attn_entry(e) -> bool:
-    if not isinstance(e, dict) or not isinstance(e.get("measured_at"), str) or not isinstance(e.get("gbps"), dict):
-        return False
-    n = e.get("n_threads")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return False
-    good = 0
-    for v in e["gbps"].values():
-        if v is None:
-            continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            return False
-        good += 1
-    return good > 0
-
-
-def cpu_attn_key(n_threads: int, build_key: str, cpu: str | None = None, logical_cpus: int | None = None) -> str:
-    from rollingkv_cli.hw import hostinfo
-
-    return f"{cpu or hostinfo.cpu_model()}|{logical_cpus or os.cpu_count() or 0}|t{int(n_threads)}|{build_key}"
-
-
-def cached_cpu_attn(n_threads: int, build_key: str, doc: dict | None = None) -> dict | None:
-    """This machine's CPU attention figures at n_threads for that build, if measured."""
-    doc = _load_doc() if doc is None else doc
-    return doc["cpu_attn"].get(cpu_attn_key(n_threads, build_key))
-
-
-def save_cpu_attn(n_threads: int, build_key: str, result: dict) -> dict:
-    """Cache a calibration (cpu_attn.measure's result) as this machine's entry; returns the entry."""
-    from rollingkv_cli.hw import hostinfo
-
-    entry = {
-        "cpu": hostinfo.cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "n_threads": int(n_threads),
-        "build": build_key,
-        "build_info": result.get("build_info"),
-        "lib": result.get("lib"),
-        "gbps": dict(result.get("gbps") or {}),
-        "errors": dict(result.get("errors") or {}),
-        "seconds": dict(result.get("seconds") or {}),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "measured_at_unix": int(time.time()),
-    }
-    if not _valid_cpu_attn_entry(entry):
-        raise ValueError(f"no usable CPU attention figure to cache: {entry['gbps']} ({entry['errors']})")
-    doc = _load_doc()
-    doc["cpu_attn"][cpu_attn_key(n_threads, build_key)] = entry
-    _write_doc(doc)
-    return entry
-
-
-def cpu_attn_gbps_for(type_k: str | None, n_threads: int, build_key: str, doc: dict | None = None) -> tuple[float | None, str]:
-    """(GB/s, where from) of the CPU attention for a tail whose K type is type_k (None: f16, llama.cpp's default),
-    from the cache; (None, why) when nothing is cached for that type, thread count and build."""
-    t = type_k or "f16"
-    entry = cached_cpu_attn(n_threads, build_key, doc)
-    if entry is None:
-        return None, f"no CPU attention measured at {n_threads} threads for this build (`rollingkv probe pcie` measures it)"
-    v = entry["gbps"].get(t)
-    if not isinstance(v, (int, float)) or v <= 0:
-        return None, f"no CPU attention figure for a {t} tail in the profile" + (f" ({entry['errors'][t]})" if t in entry.get("errors", {}) else "")
-    return float(v), f"{t} tail, {n_threads} threads, measured {entry['measured_at']}"
-
-
-# ------------------------------------------------------------------------------------- measurement
-
-
-class CudaUnavailable(Exception):
-    """No CUDA runtime library could be loaded: measuring is skipped (theoretical figures only)."""
-
-
-class MeasureError(Exception):
-    """The CUDA runtime loaded but a call failed."""
-
-
-_H2D, _D2H = 1, 2  # cudaMemcpyKind
-_STREAM_NON_BLOCKING = 1
-
-
-def cudart_candidates() -> list[str]:
-    """Sonames for the loader first, then files: next to the active build, CUDA_HOME, /usr/local/cuda, pip's nvidia wheels."""
-    out = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-    dirs: list[Path] = []
-    try:
-        from rollingkv_cli.lib import builder
-
-        b = builder.active_build(required=False)
-        if b is not None:
-            dirs.append(b.lib_dir)
-    except Exception:
-        pass
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            dirs += [Path(os.environ[env]) / "lib64", Path(os.environ[env]) / "lib"]
-    dirs += [Path("/usr/local/cuda/lib64"), Path("/usr/local/cuda/targets/x86_64-linux/lib"),
-             Path("/usr/local/cuda/targets/sbsa-linux/lib")]
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("nvidia")
-        for loc in (spec.submodule_search_locations or []) if spec else []:
-            dirs += [Path(loc) / "cu13" / "lib", Path(loc) / "cuda_runtime" / "lib"]
-    except Exception:
-        pass
-    seen: set[str] = set()
-    for d in dirs:
-        found = glob.glob(str(d / "libcudart.so*"))
-        # newest major first: libcudart.so.13.0.88 before libcudart.so.12
-        found.sort(key=lambda f: [int(x) for x in re.findall(r"\d+", Path(f).name)], reverse=True)
-        for f in found:
-            real = os.path.realpath(f)  # libcudart.so -> .so.13 -> .so.13.0.96: one file, tried once
-            if real not in seen:
-                seen.add(real)
-                out.append(f)
-    return out
-
-
-class _Cudart:
-    def __init__(self, lib: ctypes.CDLL, where: str):
-        self.lib, self.where = lib, where
-        vp, sz, c_int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        sigs = {
-            "cudaGetDeviceCount": [ctypes.POINTER(c_int)],
-            "cudaDeviceGetByPCIBusId": [ctypes.POINTER(c_int), ctypes.c_char_p],
-            "cudaSetDevice": [c_int],
-            "cudaMallocHost": [ctypes.POINTER(vp), sz],
-            "cudaFreeHost": [vp],
-            "cudaMalloc": [ctypes.POINTER(vp), sz],
-            "cudaFree": [vp],
-            "cudaMemset": [vp, c_int, sz],
-            "cudaStreamCreateWithFlags": [ctypes.POINTER(vp), ctypes.c_uint],
-            "cudaStreamDestroy": [vp],
-            "cudaStreamSynchronize": [vp],
-            "cudaMemcpyAsync": [vp, vp, sz, c_int, vp],
-            "cudaEventCreate": [ctypes.POINTER(vp)],
-            "cudaEventDestroy": [vp],
-            "cudaEventRecord": [vp, vp],
-            "cudaEventSynchronize": [vp],
-            "cudaEventElapsedTime": [ctypes.POINTER(ctypes.c_float), vp, vp],
-            "cudaRuntimeGetVersion": [ctypes.POINTER(c_int)],
-            "cudaDriverGetVersion": [ctypes.POINTER(c_int)],
-        }
-        for name, argtypes in sigs.items():
-            fn = getattr(lib, name)  # AttributeError: not a CUDA runtime
-            fn.argtypes, fn.restype = argtypes, c_int
-        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [c_int], ctypes.c_char_p
-
-    def check(self, err: int, what: str) -> None:
-        if err != 0:
-            msg = self.lib.cudaGetErrorString(err)
-            raise MeasureError(f"{what} failed: {msg.decode() if msg else 'error'} ({err})")
-
-    def __getattr__(self, name):
-        return getattr(self.lib, name)
-
-    def version(self) -> str:
-        v = ctypes.c_int(0)
-        if self.lib.cudaRuntimeGetVersion(ctypes.byref(v)) != 0:
-            return "?"
-        return f"{v.value // 1000}.{v.value % 1000 // 10}"
-
-
-def load_cudart() -> _Cudart:
-    """The first CUDA runtime that loads and sees a device; CudaUnavailable if none loads at all."""
-    tried, failures = [], []
-    for cand in cudart_candidates():
-        try:
-            lib = ctypes.CDLL(cand)
-        except OSError:
-            tried.append(cand)
-            continue
-        try:
-            rt = _Cudart(lib, cand)
-        except AttributeError:
-            failures.append((cand, "not a CUDA runtime"))
-            continue
-        n = ctypes.c_int(0)
-        err = rt.cudaGetDeviceCount(ctypes.byref(n))
-        if err == 0 and n.value > 0:
-            return rt
-        msg = rt.cudaGetErrorString(err) if err else b"no devices"
-        failures.append((cand, msg.decode() if msg else str(err)))  # e.g. a runtime newer than the driver: try the next
-    if failures:
-        by_error: dict[str, list[str]] = {}
-        for cand, msg in failures:
-            by_error.setdefault(msg, []).append(cand)
-        parts = [f"{msg} ({', '.join(c[:3])}{f' and {len(c) - 3} more' if len(c) > 3 else ''})" for msg, c in by_error.items()]
-        hidden = " (CUDA_VISIBLE_DEVICES is set)" if os.environ.get("CUDA_VISIBLE_DEVICES") is not None else ""
-        raise MeasureError("no usable CUDA runtime: " + "; ".join(parts) + hidden)
-    raise CudaUnavailable("no CUDA runtime (libcudart) found")
-
-
-def _touch(host: ctypes.c_void_p, nbytes: int) -> None:
-    """Write every page of the pinned buffer once: nothing is left to fault in while timing."""
-    ctypes.memset(host, 0x5A, nbytes)
-
-
-def measure(gpu: GpuInfo, link_reader: Callable[[int], tuple] | None = read_current_link, rt: _Cudart | None = None) -> dict:
-    """Pinned H2D and D2H copies of 1/16/256 MiB on their own stream, timed with CUDA events (one warm-up,
-    then the median of several copies). Returns the cache entry (GB/s = 10^9 B/s per direction)."""
-    rt = rt or load_cudart()
-    dev = ctypes.c_int(-1)
-    rt.check(rt.cudaDeviceGetByPCIBusId(ctypes.byref(dev), sysfs_address(gpu.pci_bus_id).encode()),
-             f"finding GPU {gpu.index} ({gpu.pci_bus_id}) in CUDA (is it hidden by CUDA_VISIBLE_DEVICES?); cudaDeviceGetByPCIBusId")
-    rt.check(rt.cudaSetDevice(dev.value), "cudaSetDevice")
-    nbytes = max(SIZES_MIB) << 20
-    host, devp, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    ev0, ev1 = ctypes.c_void_p(), ctypes.c_void_p()
-    h2d: dict[str, float] = {}
-    d2h: dict[str, float] = {}
-    under_load = (None, None)
-    try:
-        rt.check(rt.cudaMallocHost(ctypes.byref(host), nbytes), f"cudaMallocHost({nbytes >> 20} MiB pinned)")
-        _touch(host, nbytes)
-        rt.check(rt.cudaMalloc(ctypes.byref(devp), nbytes), f"cudaMalloc({nbytes >> 20} MiB)")
-        rt.check(rt.cudaMemset(devp, 0, nbytes), "cudaMemset")
-        rt.check(rt.cudaStreamCreateWithFlags(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cudaStreamCreateWithFlags")
-        rt.check(rt.cudaEventCreate(ctypes.byref(ev0)), "cudaEventCreate")
-        rt.check(rt.cudaEventCreate(ctypes.byref(ev1)), "cudaEventCreate")
-
-        def copy(kind: int, size: int) -> None:
-            dst, src = (devp, host) if kind == _H2D else (host, devp)
-            rt.check(rt.cudaMemcpyAsync(dst, src, size, kind, stream), "cudaMemcpyAsync")
-
-        def timed(kind: int, size: int) -> float:
-            rt.check(rt.cudaEventRecord(ev0, stream), "cudaEventRecord")
-            copy(kind, size)
-            rt.check(rt.cudaEventRecord(ev1, stream), "cudaEventRecord")
-            rt.check(rt.cudaEventSynchronize(ev1), "cudaEventSynchronize")
-            ms = ctypes.c_float(0)
-            rt.check(rt.cudaEventElapsedTime(ctypes.byref(ms), ev0, ev1), "cudaEventElapsedTime")
-            return ms.value
-
-        for kind, out in ((_H2D, h2d), (_D2H, d2h)):
-            for mib in SIZES_MIB:
-                size = mib << 20
-                timed(kind, size)  # warm-up (first-touch of the mapping, clocks and link out of idle)
-                ms = statistics.median(timed(kind, size) for _ in range(_REPS.get(mib, 5)))
-                if ms <= 0:
-                    raise MeasureError(f"a {mib} MiB copy timed at {ms} ms")
-                out[str(mib)] = round(size / (ms / 1e3) / 1e9, 3)
-        if link_reader is not None:
-            # Idle GPUs drop their link generation to save power: read it while big copies are in flight.
-            for _ in range(_LOAD_BURST):
-                copy(_H2D, nbytes)
-            try:
-                under_load = tuple(link_reader(gpu.index))
-            finally:
-                rt.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-    finally:
-        if ev0.value:
-            rt.cudaEventDestroy(ev0)
-        if ev1.value:
-            rt.cudaEventDestroy(ev1)
-        if stream.value:
-            rt.cudaStreamSynchronize(stream)
-            rt.cudaStreamDestroy(stream)
-        if devp.value:
-            rt.cudaFree(devp)
-        if host.value:
-            rt.cudaFreeHost(host)
-    return {
-        "uuid": gpu.uuid,
-        "driver_version": gpu.driver_version,
-        "name": gpu.name,
-        "pci_bus_id": gpu.pci_bus_id,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "measured_at_unix": int(time.time()),
-        "cudart": rt.where,
-        "cudart_version": rt.version(),
-        "cuda_device": dev.value,
-        "h2d": h2d,
-        "d2h": d2h,
-        "link_idle": {"gen": gpu.cur_gen, "width": gpu.cur_width},
-        "link_under_load": {"gen": under_load[0], "width": under_load[1]},
-    }
-
-
 def link_under_load(entry: dict | None) -> tuple[int | None, int | None]:
     if not entry or not isinstance(entry.get("link_under_load"), dict):
         return None, None
@@ -730,7 +320,7 @@ def resolve_bandwidth(gpu_index: int = 0, explicit=None, gpus: list[GpuInfo] | N
     gpu = next((g for g in gpus if g.index == gpu_index), None)
     if gpu is None and not why:
         why = f"no GPU {gpu_index}" if gpus else "no GPU"
-    entry = cached_measurement(gpu, entries) if gpu is not None else None
+    entry = profile.cached_measurement(gpu, entries) if gpu is not None else None
     if entry is not None:
         figure = entry["h2d"].get(str(RESOLVE_SIZE_MIB))
         if isinstance(figure, (int, float)) and figure > 0:

@@ -541,9 +541,9 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
     if type_k not in CPU_ATTN_TYPES:
         return None, f"CPU attention: the hybrid tail attends {', '.join(CPU_ATTN_TYPES)} tails on the CPU, not {type_k}"
     threads = cpu_attn.part_threads()
-    from rollingkv_cli.hw import pcie
+    from rollingkv_cli.hw import profile
 
-    gbps, detail = pcie.cpu_attn_gbps_for(type_k, threads, build_key, doc)
+    gbps, detail = profile.cpu_attn_gbps_for(type_k, threads, build_key, doc)
     if gbps is None:
         return None, f"CPU attention: {detail}; " + ("llama-server measures it when it plans" if requested in (None, "auto") else
                                                       "the plan's estimate for the requested share goes without it")

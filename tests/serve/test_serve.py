@@ -299,12 +299,12 @@ def _argv(capsys, *args):
 
 def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     """The figure of the CPU part's thread count ($ROLLINGKV_CPU_PART_THREADS here: 6), whatever llama-server's -t says."""
-    from rollingkv_cli.hw import cpu_attn, pcie
+    from rollingkv_cli.hw import cpu_attn, profile
 
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 6 threads: at most the process's CPUs
     m = str(hybrid_build.model)
-    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
+    profile.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
     argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "auto" and argv[argv.index("--cpu-attn-gbps") + 1] == "40.5"
     assert argv[argv.index("--pcie-bw-gbps") + 1] == "25" and argv[-8:-4] == ["-ngl", "99", "-t", "6"]
@@ -358,10 +358,10 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
 
 
 def test_cpu_attn_left_out(capsys, hybrid_build, monkeypatch):
-    from rollingkv_cli.hw import pcie
+    from rollingkv_cli.hw import profile
 
     m = str(hybrid_build.model)
-    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5}, "errors": {}})
+    profile.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5}, "errors": {}})
     base = ["--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6"]
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0", *base)  # no CPU part: nothing to plan it with
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0" and "--cpu-attn-gbps" not in argv
