@@ -203,10 +203,10 @@ def test_dry_run_commands_are_whole_lines(capsys, cuda_build, tiny, tmp_path, mo
 def test_hybrid_auto_cells_by_default(capsys, cuda_build, tiny, tmp_path):
     """The CPU part's default is auto (the library's): the default run measures what users get, an auto hybrid cell next to
     each GPU-only window cell with a tail (--kv-tail-cpu-frac 0), and the CPU attention calibrated in the run."""
-    from rollingkv_cli.bench import tail as bench_tail
+    from rollingkv_cli.bench import tail_grid
 
-    assert bench_tail.DEFAULT_CPU_FRACS == ("auto",) and bench_tail.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
-                                                                               depths=[1020]).cpu_fracs == ["auto"]
+    assert tail_grid.DEFAULT_CPU_FRACS == ("auto",) and tail_grid.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
+                                                                              depths=[1020]).cpu_fracs == ["auto"]
     code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
     assert code == 0 and "--kv-tail-cpu-frac auto" in stdout and "MEASURED" in stdout
     out = tmp_path / "n.json"
