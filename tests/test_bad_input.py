@@ -372,12 +372,12 @@ def test_bad_input(name, capsys, isolated_cache, tmp_path, monkeypatch, fake_ggu
 
 def test_internal_error_is_one_line_with_a_way_to_the_traceback(capsys, isolated_cache, monkeypatch):
     """The last-resort net (no expected failure may rely on it)."""
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import settings
 
     def boom(*a, **k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(serving, "resolve_settings", boom)
+    monkeypatch.setattr(settings, "resolve_settings", boom)
     code, _, err = run_main(["serve", "demo"], capsys)
     assert code == 1 and err.splitlines()[0] == "internal error: ZeroDivisionError: a bug"
     assert "ROLLINGKV_TRACEBACK=1" in err
@@ -569,14 +569,14 @@ def test_slot_save_is_off_unless_asked_and_warned_about(extra, warned, capsys, i
 
 
 def test_loopback_hosts():
-    from rollingkv_cli.serve.serving import is_loopback
+    from rollingkv_cli.serve.launch import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("127.0.0.2")
     assert not is_loopback("0.0.0.0") and not is_loopback("no.such.host.invalid")
 
 
 def test_api_key_is_found_where_llama_server_reads_it(tmp_path, monkeypatch):
-    from rollingkv_cli.serve.serving import api_key
+    from rollingkv_cli.serve.launch import api_key
 
     monkeypatch.delenv("LLAMA_API_KEY", raising=False)
     monkeypatch.delenv("LLAMA_ARG_API_KEY_FILE", raising=False)

@@ -450,17 +450,17 @@ def test_invalid_input(sim, name, message):
 
 
 def test_serve_prints_the_budget_and_the_estimate(sim):
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import status
 
     far = sim["far"]
-    assert serving.describe_plan(far).startswith("residency: window")
-    lines = serving.describe_plan_details(far)
+    assert status.describe_plan(far).startswith("residency: window")
+    lines = status.describe_plan_details(far)
     assert lines[0].startswith("budget on GPU0: target 8000 MiB; weights 4500 + compute ~300 + other KV 0 + streaming ring 96 MiB")
     assert f"minimum target {far['budget']['min_target_mib']} MiB" in lines[0]
     assert lines[1].startswith(f"expected {far['estimate']['ms_per_token']:.2f} ms/token") and "25.0 GB/s" in lines[1]
-    assert "residency: resident" in serving.describe_plan(sim["fits"]) and len(serving.describe_plan_details(sim["fits"])) == 1
-    assert serving.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
-    recr = serving.describe_plan_details(sim["recurrent"])
+    assert "residency: resident" in status.describe_plan(sim["fits"]) and len(status.describe_plan_details(sim["fits"])) == 1
+    assert status.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
+    recr = status.describe_plan_details(sim["recurrent"])
     assert "+ other KV 2048 (recurrent state 2048) + streaming ring 96 MiB" in recr[0]
     assert recr[1].startswith("hybrid model: the attention layers' cache (32 layers) splits; the recurrent state (0 layers, 2048.0 MiB)")
 
@@ -888,11 +888,11 @@ def test_auto_never_splits_mqa_by_head(sim):
 
 
 def test_serve_describes_a_head_plan(sim):
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import status
 
-    d = serving.describe_plan(sim["head_budget"])
+    d = status.describe_plan(sim["head_budget"])
     assert d.startswith("residency: head") and "of 8 KV heads on the device" in d and "per layer" in d
-    lines = serving.describe_plan_details(sim["auto_tie"])
+    lines = status.describe_plan_details(sim["auto_tie"])
     assert any(line.startswith("auto: window") for line in lines)
 
 

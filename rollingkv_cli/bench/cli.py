@@ -234,14 +234,14 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
     if head_fractions:
-        from rollingkv_cli.serve.serving import build_has_head_split
+        from rollingkv_cli.serve.launch import build_has_head_split
 
         if not build_has_head_split(build.lib_dir / "libllama.so"):
             abort(f"the build {build.dir} predates the head split (rolling-KV API 5): its llama-bench refuses head mode",
                   "rebuild with `rollingkv build`, or drop --head-fractions")
         if min(info.n_head_kv) < 2:
             abort(f"{model.name} has a layer with one KV head (MQA): it cannot split by head", "drop --head-fractions")
-    from rollingkv_cli.serve.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.launch import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
     cfg = tail_grid.TailConfig(
@@ -309,7 +309,7 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     """The CPU fractions the hybrid cells run at: none on a CPU build (it attends the whole cache on the CPU already)
     or a build before the hybrid tail; --cpu-fracs given explicitly there is refused."""
     from rollingkv_cli.console import abort, warn
-    from rollingkv_cli.serve.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.launch import build_has_tail_cpu
 
     if not cpu_fracs:
         return []

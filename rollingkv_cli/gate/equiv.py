@@ -203,7 +203,7 @@ def check_auto_tail_heads(model: Path, ctk: str, ctv: str, ctkt: str | None, ctv
     a usage error before any run (the library refuses it too, when it plans)."""
     from rollingkv_cli.bench.gguf import read_model
     from rollingkv_cli.console import usage_error
-    from rollingkv_cli.serve.serving import auto_tail_head_refusal
+    from rollingkv_cli.serve.launch import auto_tail_head_refusal
 
     info = read_model(model)
     why = auto_tail_head_refusal(info.head_dim_k, info.head_dim_v, ctkt == "auto", ctvt == "auto", ctk, ctv)

@@ -337,7 +337,7 @@ def print_report(console, r: dict) -> None:
     from rich.table import Table
 
     from rollingkv_cli.console import esc
-    from rollingkv_cli.serve.serving import describe_plan
+    from rollingkv_cli.serve.status import describe_plan
 
     m = r["memory"]
     t = Table(title=f"VRAM gate: GPU {r['gpu']['index']} ({esc(str(r['gpu']['name']))})", title_justify="left", show_header=False)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.serve.serving import SETTINGS, SettingError, check_setting
+from rollingkv_cli.serve.settings import SETTINGS, SettingError, check_setting
 
 
 class SettingType(click.ParamType):
-    """A serve flag checked by the same Setting as the config file's key (serving.SETTINGS): one validator."""
+    """A serve flag checked by the same Setting as the config file's key (settings.SETTINGS): one validator."""
 
     def __init__(self, key: str):
         self.key = key
@@ -93,8 +93,8 @@ def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra,
     path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import launch, settings
 
     explicit = {k for k in flags if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
-    settings = serving.resolve_settings(model_spec, flags, explicit, config_file, list(extra))
-    serving.serve(settings, print_args=print_args, quiet=quiet)
+    s = settings.resolve_settings(model_spec, flags, explicit, config_file, list(extra))
+    launch.serve(s, print_args=print_args, quiet=quiet)

@@ -392,9 +392,9 @@ def test_head_cells_with_a_fake_bench(capsys, fake_build, tmp_path, monkeypatch)
     """--head-fractions: per tail type and fraction f, N = round((1 - f) x n_head_kv) device KV heads per layer; the cell's
     tail bytes are the host heads of every attended cell, against the same floors as the window cells."""
     from rollingkv_cli import models
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import launch
 
-    monkeypatch.setattr(serving, "build_has_head_split", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_head_split", lambda lib: True)
     model = models.write_synthetic(tmp_path / "gqa.gguf", models.SynthSpec(layers=2, embd=256, heads=4, kv_heads=4, ff=256, vocab=300, ctx=4096))
     out = tmp_path / "heads.json"
     code, _, err = run_main(["bench", "tail", str(model), "-d", "1020", "-n", "4", "-r", "1", "--fractions", "0.5", "--tail-types", "f16,q8_0",

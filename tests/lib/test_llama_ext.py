@@ -101,7 +101,7 @@ def test_the_tail_types_are_the_librarys(cpu_build):
     from rollingkv_cli import kvtypes
     from rollingkv_cli.bench import arithmetic
     from rollingkv_cli.gate import common as gate_common
-    from rollingkv_cli.serve.serving import SETTINGS
+    from rollingkv_cli.serve.settings import SETTINGS
 
     assert kvtypes.library_tail_types(cpu_build.lib_dir) == kvtypes.TAIL_TYPES
     assert "iq4_nl" not in kvtypes.TAIL_TYPES and "iq4_nl" in kvtypes.WINDOW_TYPES

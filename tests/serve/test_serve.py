@@ -102,10 +102,10 @@ def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
 
 
 def test_vram_target_below_weights(capsys, demo_model, cpu_build, monkeypatch):
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import launch
 
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
-    monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_rolling_kv", lambda lib: True)
     code, _, err = run_main(["serve", "demo", "--vram-target", "10"], capsys)
     assert code == 1 and "below the model's weights" in err and "minimum" in err
 
@@ -193,13 +193,13 @@ def test_killed_server_is_reported(cpu_build, demo_model):
 # ---------------------------------------------------------------- GPU layers: the rolling KV, not --fit, makes room
 
 def _settings(tmp_path, **kw):
-    from rollingkv_cli.serve.serving import ServeSettings
+    from rollingkv_cli.serve.settings import ServeSettings
 
     return ServeSettings(model=tmp_path / "m.gguf", extra_args=kw.pop("extra_args", []), **kw)
 
 
 def test_gpu_layers_all_when_the_weights_fit(tmp_path):
-    from rollingkv_cli.serve.serving import GPU_LAYERS_HEADROOM_MIB, gpu_layers
+    from rollingkv_cli.serve.launch import GPU_LAYERS_HEADROOM_MIB, gpu_layers
 
     free = lambda: 80000  # noqa: E731
     args, note = gpu_layers(_settings(tmp_path), True, free_vram_mib=free, weights_mib=5564)
@@ -217,7 +217,7 @@ def test_gpu_layers_all_when_the_weights_fit(tmp_path):
 
 @pytest.mark.parametrize("case", ["cpu", "off", "ngl", "ngl=", "fit", "long"])
 def test_gpu_layers_left_alone(tmp_path, case):
-    from rollingkv_cli.serve.serving import gpu_layers
+    from rollingkv_cli.serve.launch import gpu_layers
 
     s = _settings(tmp_path, kv_residency_mode="off" if case == "off" else None,
                   extra_args={"ngl": ["-ngl", "20"], "ngl=": ["--n-gpu-layers=20"], "fit": ["-fit", "on"],
@@ -235,14 +235,14 @@ def test_print_args_cpu_build_has_no_gpu_layers(capsys, demo_model, cpu_build, m
 
 @pytest.mark.parametrize("text,want", [("auto", "auto"), (" AUTO ", "auto"), ("0", 0.0), ("0.25", 0.25), ("1", 1.0)])
 def test_tail_cpu_frac_setting(text, want):
-    from rollingkv_cli.serve.serving import check_setting
+    from rollingkv_cli.serve.settings import check_setting
 
     assert check_setting("kv_tail_cpu_frac", text, from_text=True) == want
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "half", True, "0.5", [0.5], float("nan")])
 def test_tail_cpu_frac_setting_from_the_config_refused(value):
-    from rollingkv_cli.serve.serving import SettingError, check_setting
+    from rollingkv_cli.serve.settings import SettingError, check_setting
 
     with pytest.raises(SettingError, match="must be auto or a fraction from 0 to 1"):
         check_setting("kv_tail_cpu_frac", value)
@@ -271,7 +271,7 @@ def hybrid_build(tmp_path, monkeypatch, isolated_cache):
     tail; .cuda / .tail_cpu switch what it is. A tiny model to serve."""
     from rollingkv_cli.lib import builder
     from rollingkv_cli import models
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import launch
 
     bdir = tmp_path / "hb0123"
     (bdir / "build" / "bin").mkdir(parents=True)
@@ -280,8 +280,8 @@ def hybrid_build(tmp_path, monkeypatch, isolated_cache):
     (bdir / "build" / "bin" / "llama-server").chmod(0o755)
     state = type("State", (), {"cuda": True, "tail_cpu": True, "dir": bdir})()
     monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"options": {"cuda": state.cuda}}))
-    monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
-    monkeypatch.setattr(serving, "build_has_tail_cpu", lambda lib: state.tail_cpu)
+    monkeypatch.setattr(launch, "build_has_rolling_kv", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_tail_cpu", lambda lib: state.tail_cpu)
     monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS", raising=False)
     monkeypatch.delenv("LLAMA_ARG_KV_TAIL_CPU_FRAC", raising=False)
     state.model = models.write_synthetic(tmp_path / "tiny.gguf", models.SynthSpec(layers=2, embd=128, heads=2, kv_heads=1, ff=256,
@@ -334,7 +334,8 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     assert "--cpu-attn-gbps" not in argv
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     # the notes serve prints (not with --print-args, which prints the command line only)
-    from rollingkv_cli.serve.serving import ServeSettings, resolve_cpu_attn
+    from rollingkv_cli.serve.launch import resolve_cpu_attn
+    from rollingkv_cli.serve.settings import ServeSettings
 
     def note(**kw):
         kw.setdefault("kv_tail_cpu_frac", "auto")
@@ -390,7 +391,7 @@ def test_a_build_before_the_hybrid_tail_refuses_the_flag(capsys, hybrid_build):
 
 
 def test_the_plan_shows_the_chosen_split():
-    from rollingkv_cli.serve.serving import describe_plan_details, describe_tail_cpu
+    from rollingkv_cli.serve.status import describe_plan_details, describe_tail_cpu
 
     assert describe_tail_cpu({"mode_chosen": "window"}) is None
     plan = {"split": True, "link": {"link_bw_gbps": 6.5, "mem_bw_gbps": 3000, "t_token_hybrid_ms": 12.345},
@@ -422,7 +423,7 @@ def test_the_plan_shows_the_chosen_split():
 def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
     """Issue 27 (17): the mode once, its reason without the mode again, no nested brackets, singulars, and no "on device"
     on a CPU build."""
-    from rollingkv_cli.serve.serving import describe_plan, describe_tail_cpu
+    from rollingkv_cli.serve.status import describe_plan, describe_tail_cpu
 
     line = describe_plan(plan, gpu=gpu)
     assert line == want
@@ -442,7 +443,7 @@ def _bracket_depth(text: str) -> int:
 def test_the_plan_details_nest_no_brackets():
     """Issue 27 (17): the library's sources have brackets of their own ("host memory bandwidth (the tail is in the same
     memory)", "measured: 256 MiB f16 tail, 15 threads"): the lines put them last, outside the figures' brackets."""
-    from rollingkv_cli.serve.serving import describe_plan_details
+    from rollingkv_cli.serve.status import describe_plan_details
 
     plan = {"split": True, "estimate": {"ms_per_token": 8.85, "t_resident_ms": 7.55, "t_tail_ms": 1.3},
             "link": {"mem_bw_gbps": 14, "link_bw_gbps": 13.6, "link_bw_source": "host memory bandwidth (the tail is in the same memory)"},
@@ -460,7 +461,7 @@ def test_the_plan_details_nest_no_brackets():
 def test_live_status_decode_rate_counts_the_running_requests():
     """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
     (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
-    from rollingkv_cli.serve.serving import LiveStatus
+    from rollingkv_cli.serve.status import LiveStatus
 
     class Srv:
         url = "http://127.0.0.1:1"
@@ -498,10 +499,10 @@ def test_live_status_decode_rate_counts_the_running_requests():
 def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypatch, cuda, args, refused):
     """Issue 27 (10): -ctk iq4_nl, which llama.cpp takes for an unsplit cache, made llama-server abort (GGML_ASSERT in the
     scheduler) once the cache split (an explicit window, a budget, auto on a GPU): refused before it starts, exit 2."""
-    from rollingkv_cli.serve import serving
+    from rollingkv_cli.serve import launch
 
-    monkeypatch.setattr(serving, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
-    monkeypatch.setattr(serving, "gpu_layers", lambda s, cuda: ([], None))
+    monkeypatch.setattr(launch, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
+    monkeypatch.setattr(launch, "gpu_layers", lambda s, cuda: ([], None))
     hybrid_build.cuda = cuda
     at = args.index("--") if "--" in args else len(args)
     code, out, err = run_main(["serve", str(hybrid_build.model), "-ctk", "iq4_nl", *args[:at], "--print-args", *args[at:]], capsys)
