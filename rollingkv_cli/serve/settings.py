@@ -170,7 +170,9 @@ def check_setting(key: str, value, from_text: bool = False):
     return SETTINGS[key].check(value, from_text)
 
 
-def _load_config(path: Path) -> dict:
+def load_config(path: Path) -> dict:
+    """The config file's settings by key (`-` read as `_`); its structure and keys checked here, each value where it is
+    used (config_value, from serve's click types)."""
     from rollingkv_cli.userinput import read_yaml
 
     data = read_yaml(path, "config file")
@@ -186,7 +188,8 @@ def _load_config(path: Path) -> dict:
     return data
 
 
-def _config_value(key: str, value, source: str):
+def config_value(key: str, value, source: str):
+    """A config file's value for key (YAML's type, not text), checked by the key's Setting; a usage error names the file and the key."""
     if value is None:
         return None
     if key == "extra_args":
@@ -203,34 +206,21 @@ def _config_value(key: str, value, source: str):
         usage_error(f"{source}: {key} {e}")
 
 
-def resolve_settings(model_spec: str | None, flags: dict, explicit: set[str], config_file: Path | None, extra: list[str]) -> ServeSettings:
-    """Flags (already checked by their click type, SettingType) over the config file (checked here by the same
-    Setting), then the checks across settings, which name where each value came from."""
+def resolve_settings(model_spec: str | None, merged: dict, where: dict[str, str], extra_args: list[str],
+                     extra_where: str) -> ServeSettings:
+    """The settings as click resolved them (each flag over its config file key: serve/cli.py; every value checked by its
+    Setting), `where` each came from (a flag, or the config file's key), then the checks across settings, which name it."""
     from rollingkv_cli import models
 
-    config = _load_config(config_file) if config_file else {}
-    source = f"config file {config_file}"
-    merged: dict = {}
-    where: dict[str, str] = {}
-    for key in _FLAG_KEYS:
-        if key in explicit or key not in config:
-            merged[key] = flags.get(key)
-            where[key] = SETTINGS[key].flag
-        else:
-            merged[key] = _config_value(key, config[key], source)
-            where[key] = f"{source}: {key}"
-    spec = model_spec or _config_value("model", config.get("model"), source)
-    extra_args = list(extra) if extra else _config_value("extra_args", config.get("extra_args", []), source)
-    extra_where = "after `--`" if extra else f"in {source}: extra_args"
-    _check_extra_args(extra_args or [], merged, where, extra_where)
-    _check_together(merged, where, unified=arg_given(extra_args or [], "--kv-unified") or arg_given(extra_args or [], "-kvu"))
-    if not spec:
+    _check_extra_args(extra_args, merged, where, extra_where)
+    _check_together(merged, where, unified=arg_given(extra_args, "--kv-unified") or arg_given(extra_args, "-kvu"))
+    if not model_spec:
         usage_error("no MODEL given", "pass a GGUF path or `demo`, or set `model:` in --config")
     # what splits on any build; serve checks auto on a GPU once it knows the build
     check_split_types({where["cache_type_k"]: merged["cache_type_k"], where["cache_type_v"]: merged["cache_type_v"]},
-                      *split_asked(merged, extra_args or []), cuda=False)
-    model = models.resolve_model(str(spec), log=note)
-    s = ServeSettings(model=model, extra_args=extra_args or [],
+                      *split_asked(merged, extra_args), cuda=False)
+    model = models.resolve_model(str(model_spec), log=note)
+    s = ServeSettings(model=model, extra_args=extra_args,
                       **{k: v for k, v in merged.items() if k not in ("host", "port", "slot_save")})
     s.host = merged.get("host") or DEFAULT_HOST
     s.port = DEFAULT_PORT if merged.get("port") is None else merged["port"]

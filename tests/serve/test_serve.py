@@ -85,6 +85,26 @@ def test_bad_config_is_refused(tmp_path, capsys, yaml_text, message, exit_code):
     assert code == exit_code and message in err
 
 
+def test_a_flag_wins_over_the_config_files_key_unread(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    """The file's values are only defaults (click's default_map): a key a flag overrides is never used, so never refused,
+    and a cross-setting error names where each value came from (the flag, or the file's key)."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: demo\nctx_size: lots\nparallel: 2\n")
+    code, out, err = run_main(["serve", "--config", str(cfg), "-c", "2048", "--print-args"], capsys)
+    assert code == 0, err
+    argv = shlex.split(out.strip().splitlines()[-1])
+    assert argv[argv.index("-c") + 1] == "2048" and argv[argv.index("-np") + 1] == "2"
+    code, _, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 2 and f"config file {cfg}: ctx_size must be an integer, not 'lots'" in err
+    cfg.write_text("model: demo\nparallel: 300\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "-c", "100", "-np", "200", "--print-args"], capsys)
+    assert code == 2 and "--ctx-size 100 has fewer cells than --parallel 200 has slots" in err
+    cfg.write_text("model: demo\nctx_size: 100\nparallel: 200\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "-np", "150", "--print-args"], capsys)
+    assert code == 2 and f"config file {cfg}: ctx_size 100 has fewer cells than --parallel 150 has slots" in err
+
+
 def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
     code, _, err = run_main(["serve", str(tmp_path / "nope.gguf")], capsys)
