@@ -627,12 +627,12 @@ def test_run_stdout_is_the_answer_alone(cpu_build, demo_model):
 def _guarded(body: str) -> subprocess.CompletedProcess:
     code = f"""
 import os, sys
-from rollingkv_cli.lib import llama_ext
+from rollingkv_cli.lib import child as lib_child
 from rollingkv_cli.console import RollingKVError, abort, print_error
 def child():
 {body}
 try:
-    llama_ext.run_isolated(child, "testing the guard")
+    lib_child.run_isolated(child, "testing the guard")
 except RollingKVError as e:
     print_error(e)
     sys.exit(e.code)

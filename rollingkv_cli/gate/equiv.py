@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 def runner_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "rollingkv_cli.gate.runner", *args]
+    from rollingkv_cli.lib.child import python_command
+
+    return python_command("rollingkv_cli.gate.runner", *args)
 
 
 def progress(console):
@@ -32,18 +32,16 @@ def progress(console):
 def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
     """Run one runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
     from rollingkv_cli.console import abort, console, log_panel
-    from rollingkv_cli.lib.procs import exit_parts, popen_tied
+    from rollingkv_cli.lib import child
+    from rollingkv_cli.lib.procs import exit_parts
 
-    env = dict(os.environ)
-    env.pop("LLAMA_CPP_LIB_PATH", None)  # the child sets it for the library it was given
-    env["PYTHONUNBUFFERED"] = "1"
     task = progress.add_task(label, total=total or None, stage="starting") if progress is not None else None
     error: dict | None = None
     tail: deque[str] = deque(maxlen=20)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, stdin=subprocess.DEVNULL)
+        proc = child.spawn(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
