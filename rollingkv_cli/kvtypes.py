@@ -15,6 +15,7 @@ from pathlib import Path
 
 TAIL_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 WINDOW_TYPES = TAIL_TYPES[:6] + ("iq4_nl",) + TAIL_TYPES[6:]
+FLOAT_TYPES = ("f32", "f16", "bf16")  # the rest are block-quantized (blocks of 32): already compact
 # not a type: the planner chooses the tail's type when the cache spills (-ctkt/-ctvt auto, rolling-KV API 7; lossy, so
 # only where asked for). Every option that takes a tail type takes TAIL_TYPE_CHOICES.
 TAIL_AUTO = "auto"

@@ -25,9 +25,10 @@ from collections import deque
 from pathlib import Path
 
 from rollingkv_cli.bench import arithmetic as bm
-from rollingkv_cli.bench.tail_grid import AUTO_CANDIDATES, LINK_PLACEHOLDER, TAIL_AUTO, TailConfig, build_cells
+from rollingkv_cli.bench.tail_grid import AUTO_CANDIDATES, LINK_PLACEHOLDER, TailConfig, build_cells
 from rollingkv_cli.bench.tail_report import cell_line
 from rollingkv_cli.console import abort, console, esc
+from rollingkv_cli.kvtypes import TAIL_AUTO
 
 SCHEMA = "rollingkv.bench.tail/1"
 STDERR_TAIL = 25

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.bench import arithmetic as bm
+from rollingkv_cli.kvtypes import TAIL_AUTO  # not a type: the planner's choice
 
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
@@ -17,7 +18,6 @@ DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
 # are the GPU-only ones (0)
 DEFAULT_CPU_FRACS: tuple = ("auto",)
 LINK_PLACEHOLDER = "MEASURED"  # in an auto cell's args (hybrid, tail type) until the run knows the link bandwidth the plan is given
-TAIL_AUTO = "auto"  # a tail type the planner chooses (kvtypes.TAIL_AUTO)
 AUTO_CANDIDATES = ("q8_0", "q4_0")  # what auto may choose under a float window
 DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is_interactive, log_panel, note, print_error,
                                    success, usage_error, warn)
-from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES
+from rollingkv_cli.kvtypes import FLOAT_TYPES, TAIL_AUTO, TAIL_TYPES, WINDOW_TYPES
 from rollingkv_cli.lib import paths
 from rollingkv_cli.serve.settings import (ServeSettings, SettingError, arg_given, arg_value, check_split_types, fraction_or_auto,
                                           split_asked)
@@ -65,7 +65,7 @@ def build_has_tail_auto(lib: Path) -> bool:
 def auto_tail_head_refusal(head_k: int, head_v: int, auto_k: bool, auto_v: bool, type_k: str, type_v: str) -> str | None:
     """Why a requested head split cannot take the tail types auto would choose (None: it can). Auto picks q8_0 or q4_0
     (blocks of 32 elements) for a wider window; a host head must hold whole blocks (the library refuses the same)."""
-    compact = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"}  # already compact: auto keeps the window's type
+    compact = set(WINDOW_TYPES) - set(FLOAT_TYPES)  # already compact: auto keeps the window's type
     for axis, on, head, window in (("K", auto_k, head_k, type_k), ("V", auto_v, head_v, type_v)):
         if on and window not in compact and head % 32 != 0:
             return (f"the head split's host heads ({axis} head size {head}) cannot take the q8_0/q4_0 tail that "
