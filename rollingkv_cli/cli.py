@@ -77,7 +77,7 @@ def main() -> None:
 
 
 def _internal_error(err: Exception) -> None:
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
     from rollingkv_cli.console import err_console, text
 
     if os.environ.get(paths.ENV_TRACEBACK, "").strip() not in ("", "0", "false", "no", "off"):

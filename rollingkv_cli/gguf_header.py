@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollingkv_cli import paths
+from rollingkv_cli.lib import paths
 from rollingkv_cli.console import abort
 
 GGUF_MAGIC = b"GGUF"
@@ -34,14 +34,14 @@ _HINT = "download or convert it again"
 def gguf_py_candidates() -> list[Path]:
     """gguf-py directories of llama.cpp trees we know of: $ROLLINGKV_LLAMA_CPP_SOURCE, the active build's
     source and private tree, the extracted pin in the cache (never downloads)."""
-    from rollingkv_cli import upstream
+    from rollingkv_cli.lib import upstream
 
     trees: list[Path] = []
     env = os.environ.get(paths.ENV_SOURCE_DIR)
     if env:
         trees.append(Path(env))
     try:
-        from rollingkv_cli import builder
+        from rollingkv_cli.lib import builder
 
         b = builder.active_build(required=False)
     except Exception:

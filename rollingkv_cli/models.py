@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rollingkv_cli import paths
+from rollingkv_cli.lib import paths
 from rollingkv_cli.console import abort, usage_error
 from rollingkv_cli.gguf_header import GGUF_MAGIC, unreadable
-from rollingkv_cli.upstream import sha256_file
+from rollingkv_cli.lib.upstream import sha256_file
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ if [ ! -e "$cuda_root/lib64/libcublas.so" ] && [ ! -e "$cuda_root/targets/x86_64
   cp "$d"/include/*.h "$cuda_root/include/" && cp -P "$d"/lib/lib*.so* "$cuda_root/lib64/"
   for l in "$cuda_root"/lib64/libcublas*.so.*; do ln -sf "$(basename "$l")" "${l%%.so.*}.so"; done
 fi
-PIN=$(python -c "from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)")
-SER=$(python -c "from rollingkv_cli import patchset; print(patchset.load_series().hash)")
+PIN=$(python -c "from rollingkv_cli.lib import upstream; print(upstream.PIN.llama_cpp_commit)")
+SER=$(python -c "from rollingkv_cli.lib import patchset; print(patchset.load_series().hash)")
 # the pinned tree with this checkout's series applied; a tree of another series is replaced (ccache, when installed,
 # keeps the rebuild to the files the series changed)
 if [ "$(cat "$B/series" 2>/dev/null)" != "$SER" ]; then

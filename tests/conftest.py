@@ -43,7 +43,7 @@ def fake_gguf(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def cpu_build():
     """The CPU build of the patched llama.cpp (built on demand; the same one `rollingkv build --no-cuda` makes)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     return builder.build(builder.BuildOptions(cuda=False), quiet=True, activate=False)
 
@@ -51,14 +51,14 @@ def cpu_build():
 @pytest.fixture(scope="session")
 def unpatched_build():
     """libllama of the pin WITHOUT our series: the reference for "off is bit-identical to upstream"."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     return builder.build(builder.BuildOptions(cuda=False, unpatched=True), quiet=True, activate=False)
 
 
 @pytest.fixture(scope="session")
 def pristine_tree():
-    from rollingkv_cli import upstream
+    from rollingkv_cli.lib import upstream
 
     return upstream.pristine_tree(log=lambda m: None)
 
@@ -75,7 +75,7 @@ def demo_model() -> Path:
 LIB_PRELUDE = """
 import ctypes, json, os, re
 from pathlib import Path
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
 logs = []
 _cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))

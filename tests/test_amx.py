@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from rollingkv_cli import hostinfo
+from rollingkv_cli.hw import hostinfo
 
 pytestmark = pytest.mark.build
 
@@ -57,7 +57,7 @@ def _logits(lib_dir, model, extra_bufts: bool) -> tuple[dict, str]:
     env.pop("LLAMA_CPP_LIB_PATH", None)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOGITS), str(model)], capture_output=True, text=True,
                           env=env, timeout=600)
-    from rollingkv_cli.procs import describe_exit
+    from rollingkv_cli.lib.procs import describe_exit
 
     assert proc.returncode == 0, f"the demo model through {'the AMX path' if extra_bufts else 'plain CPU buffers'}: " \
                                  f"{describe_exit(proc.returncode)}\n{proc.stderr[-3000:]}"

@@ -93,7 +93,7 @@ def _report(tmp: Path, **over) -> Path:
 @pytest.fixture
 def standin_build(monkeypatch, isolated_cache, tmp_path):
     """The active build: an empty libllama.so and a llama-server that dies by SIGILL at once."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     bdir = tmp_path / "build"
     bin_dir = bdir / "build" / "bin"
@@ -107,7 +107,7 @@ def standin_build(monkeypatch, isolated_cache, tmp_path):
 
 
 def _free_port() -> int:
-    from rollingkv_cli.server import free_port
+    from rollingkv_cli.serve.server import free_port
 
     return free_port()
 
@@ -372,12 +372,12 @@ def test_bad_input(name, capsys, isolated_cache, tmp_path, monkeypatch, fake_ggu
 
 def test_internal_error_is_one_line_with_a_way_to_the_traceback(capsys, isolated_cache, monkeypatch):
     """The last-resort net (no expected failure may rely on it)."""
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import settings
 
     def boom(*a, **k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(serving, "resolve_settings", boom)
+    monkeypatch.setattr(settings, "resolve_settings", boom)
     code, _, err = run_main(["serve", "demo"], capsys)
     assert code == 1 and err.splitlines()[0] == "internal error: ZeroDivisionError: a bug"
     assert "ROLLINGKV_TRACEBACK=1" in err
@@ -393,7 +393,7 @@ def _spawn_parent(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     code = ("import signal, sys, time\n"
             "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"  # as a supervisor would, even under nohup (which ignores it)
             f"sys.path.insert(0, {str(REPO)!r})\n"
-            "from rollingkv_cli.procs import popen_tied\n"
+            "from rollingkv_cli.lib.procs import popen_tied\n"
             "p = popen_tied(['sleep', '120'])\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(120)\n")
@@ -421,7 +421,7 @@ def test_tied_child_dies_with_its_parent(tmp_path, sig):
 
 def test_second_interrupt_still_kills():
     """Ctrl-C while stop_group waits on a child that ignores SIGTERM: it is killed and reaped, then the interrupt goes on."""
-    from rollingkv_cli.procs import popen_tied, stop_group
+    from rollingkv_cli.lib.procs import popen_tied, stop_group
 
     proc = popen_tied([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                        "print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
@@ -506,7 +506,7 @@ def test_serve_child_dies_with_the_supervisor(cpu_build, demo_model, sig):
                                        ("SIGSEGV", ["crash", "--no-repack"]),
                                        ("SIGKILL", ["out-of-memory"])])
 def test_describe_exit_names_the_signal(tmp_path, sig, words):
-    from rollingkv_cli.procs import describe_exit, popen_tied
+    from rollingkv_cli.lib.procs import describe_exit, popen_tied
 
     log = tmp_path / "child.log"
     with open(log, "w") as f:
@@ -522,7 +522,7 @@ def test_describe_exit_names_the_signal(tmp_path, sig, words):
 
 def test_server_process_reports_a_signal_death(tmp_path):
     from rollingkv_cli.console import RollingKVError
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!{sys.executable}\n" + _standin("SIGSEGV"))
@@ -569,14 +569,14 @@ def test_slot_save_is_off_unless_asked_and_warned_about(extra, warned, capsys, i
 
 
 def test_loopback_hosts():
-    from rollingkv_cli.serving import is_loopback
+    from rollingkv_cli.serve.launch import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("127.0.0.2")
     assert not is_loopback("0.0.0.0") and not is_loopback("no.such.host.invalid")
 
 
 def test_api_key_is_found_where_llama_server_reads_it(tmp_path, monkeypatch):
-    from rollingkv_cli.serving import api_key
+    from rollingkv_cli.serve.launch import api_key
 
     monkeypatch.delenv("LLAMA_API_KEY", raising=False)
     monkeypatch.delenv("LLAMA_ARG_API_KEY_FILE", raising=False)

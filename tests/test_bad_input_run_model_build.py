@@ -69,7 +69,7 @@ def _build_nothing_written(ctx: Ctx) -> list[Path]:
 
 
 def _needs_nvcc_without_gpu():
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     if not builder.nvcc_path():
         pytest.skip("no nvcc on this machine")
@@ -92,7 +92,7 @@ def build_source_missing(ctx: Ctx):
 
 
 def build_sdist_not_cached(ctx: Ctx):
-    from rollingkv_cli import builder, patchset
+    from rollingkv_cli.lib import builder, patchset
 
     bdir = builder.build_dir_for(builder.BuildOptions(), patchset.load_series())  # isolated_cache is offline, no sdist
     return ["build", "--no-cuda", "-q"], [bdir]
@@ -100,7 +100,7 @@ def build_sdist_not_cached(ctx: Ctx):
 
 def _fake_tree(ctx: Ctx, cmake: str) -> Path:
     """A tree that passes as llama.cpp with --allow-unpinned; the series is not applied (it is for the real tree)."""
-    from rollingkv_cli import patchset
+    from rollingkv_cli.lib import patchset
 
     tree = ctx.tmp / "llama.cpp"
     (tree / "include").mkdir(parents=True)
@@ -112,7 +112,7 @@ def _fake_tree(ctx: Ctx, cmake: str) -> Path:
 
 
 def build_configure_fails(ctx: Ctx):
-    from rollingkv_cli import builder, patchset
+    from rollingkv_cli.lib import builder, patchset
 
     tree = _fake_tree(ctx, 'cmake_minimum_required(VERSION 3.14)\nproject(fake NONE)\nmessage(FATAL_ERROR "rkv-test-boom")\n')
     bdir = builder.build_dir_for(builder.BuildOptions(source=str(tree.resolve()), pinned=False), patchset.load_series())
@@ -627,12 +627,12 @@ def test_run_stdout_is_the_answer_alone(cpu_build, demo_model):
 def _guarded(body: str) -> subprocess.CompletedProcess:
     code = f"""
 import os, sys
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import child as lib_child
 from rollingkv_cli.console import RollingKVError, abort, print_error
 def child():
 {body}
 try:
-    llama_ext.run_isolated(child, "testing the guard")
+    lib_child.run_isolated(child, "testing the guard")
 except RollingKVError as e:
     print_error(e)
     sys.exit(e.code)

@@ -53,7 +53,7 @@ def test_unknown_option_value(capsys):
 
 
 def test_cuda_without_nvcc(capsys, monkeypatch, isolated_cache):
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     monkeypatch.setattr(builder, "nvcc_path", lambda: None)
     code, _, err = run_main(["build", "--cuda"], capsys)
@@ -103,7 +103,7 @@ def test_info_without_build(capsys, isolated_cache):
 
 
 def test_cuda_arch_garbage(capsys, monkeypatch, isolated_cache):
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     monkeypatch.setattr(builder, "nvcc_path", lambda: "/usr/bin/true")
     code, _, err = run_main(["build", "--cuda", "--cuda-arch", "sm90; rm -rf /"], capsys)

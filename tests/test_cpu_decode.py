@@ -13,7 +13,7 @@ import pytest
 
 from rollingkv_cli.console import RollingKVError
 
-from rollingkv_cli import hostinfo
+from rollingkv_cli.hw import hostinfo
 
 pytestmark = pytest.mark.build
 
@@ -133,7 +133,7 @@ def test_the_pool_runs_on_the_processs_cpus_only(cpu_build):
 
 @pytest.mark.parametrize("raw", ["x", "-2", "1.5", "3x"])
 def test_a_bad_part_threads_variable_is_one_warning_line_and_the_default(cpu_build, raw):
-    """libllama reads $ROLLINGKV_CPU_PART_THREADS as the CLI does (rollingkv_cli.cpu_attn.part_threads): a value that is
+    """libllama reads $ROLLINGKV_CPU_PART_THREADS as the CLI does (rollingkv_cli.hw.cpu_attn.part_threads): a value that is
     not a whole number >= 0 is named in one line and the default is used (not atoi's reading of it)."""
     import os
 
@@ -147,7 +147,7 @@ def test_the_part_threads_are_capped_at_the_processs_cpus(cpu_build, monkeypatch
     """One meaning everywhere: N threads, at most the CPUs the process may use (the CLI's part_threads says the same)."""
     import os
 
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     n = len(os.sched_getaffinity(0))
     for raw, want in (("1", 1), ("0", max(1, n - 1)), ("5000", n)):

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.build]
 
 
 def _gpu_count() -> tuple[int, str]:
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import pcie
 
     try:
         return len(pcie.discover()), ""
@@ -43,7 +43,7 @@ def cuda_build(request):
     n, why = _gpu_count()
     if n == 0:
         pytest.skip(f"no NVIDIA GPU: {why}")
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.gate import common as gate_common
 
     refuse = pytest.fail if gpu_tests_asked_for(request.config.getoption("markexpr", "")) else pytest.skip
@@ -335,7 +335,7 @@ _HYBRID_AUTO = """
 import json, os
 import numpy as np
 from pathlib import Path
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
 llama_cpp.llama_backend_init()
 mp = llama_cpp.llama_model_default_params(); mp.n_gpu_layers = 99
@@ -413,7 +413,7 @@ def test_hybrid_model_server_two_slots_spilled(cuda_build, hybrid_models, tmp_pa
     import concurrent.futures
 
     from rollingkv_cli.gate.runner import synthetic_text
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     prompts = [synthetic_text(400 + 37 * i) for i in range(2)]
     answers, props = {}, {}

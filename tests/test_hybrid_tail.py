@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LIB_PRELUDE, assert_reference_resident, run_python
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 
 REPO = Path(__file__).resolve().parent.parent
 HEADER = REPO / "native" / "include" / "llama-rolling-kv.h"
@@ -57,7 +57,7 @@ print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.t
 @pytest.mark.build
 def test_the_calibration_measures_every_tail_type(cpu_build):
     """Through the Extension in-process, and through the child that `probe pcie` and `bench tail` use."""
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     r = run_python(_PRELUDE + """
 print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q4_0")}))
@@ -101,7 +101,7 @@ def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
     """/props has the plan's tail_cpu (auto requested by default). The log: llama-server's own line (patch 0011) gives the
     mode, cells, bytes and reason, not the CPU part; the planner's line on it ("rolling KV: CPU part of the tail: ...")
     is a libllama INFO line, which llama-server prints with -v only."""
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     base = ["-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "1024", "--kv-residency-mode", "window", "--kv-window-cells", "256"]
     plans, logs = {}, {}
@@ -161,7 +161,8 @@ def test_gate_equiv_with_a_cpu_part_stays_bit_identical_on_the_cpu(cpu_build, de
 @pytest.mark.gpu
 def test_probe_pcie_measures_the_cpu_attention(tmp_path):
     """On the GPU machine, with the active (CUDA) build: the CPU attention in the profile, > 0 for every tail type, cached."""
-    from rollingkv_cli import builder, pcie
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli.hw import pcie
 
     try:
         pcie.discover()

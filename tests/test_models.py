@@ -30,7 +30,7 @@ def test_synth_loads_and_gives_finite_logits(tmp_path, cpu_build, wtype):
         f"""
         import json, os, math
         from pathlib import Path
-        from rollingkv_cli import llama_ext
+        from rollingkv_cli.lib import llama_ext
         llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
         llm = llama_cpp.Llama(model_path={str(out)!r}, n_ctx=256, logits_all=True, verbose=False)
         llm.eval([1, 300, 301, 302, 7, 9])
@@ -106,7 +106,7 @@ def test_hybrid_synth_loads_and_decodes(tmp_path, cpu_build, arch):
         import json, math, os
         import numpy as np
         from pathlib import Path
-        from rollingkv_cli import llama_ext
+        from rollingkv_cli.lib import llama_ext
         llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
         llama_cpp.llama_backend_init()
         model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), llama_cpp.llama_model_default_params())

@@ -85,7 +85,7 @@ class Expect:
 _SIMULATE = """
 import json, os, sys
 from pathlib import Path
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
 out = {}
 for name, case in json.loads(os.environ["RKV_CASES"]).items():
@@ -450,17 +450,17 @@ def test_invalid_input(sim, name, message):
 
 
 def test_serve_prints_the_budget_and_the_estimate(sim):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import status
 
     far = sim["far"]
-    assert serving.describe_plan(far).startswith("residency: window")
-    lines = serving.describe_plan_details(far)
+    assert status.describe_plan(far).startswith("residency: window")
+    lines = status.describe_plan_details(far)
     assert lines[0].startswith("budget on GPU0: target 8000 MiB; weights 4500 + compute ~300 + other KV 0 + streaming ring 96 MiB")
     assert f"minimum target {far['budget']['min_target_mib']} MiB" in lines[0]
     assert lines[1].startswith(f"expected {far['estimate']['ms_per_token']:.2f} ms/token") and "25.0 GB/s" in lines[1]
-    assert "residency: resident" in serving.describe_plan(sim["fits"]) and len(serving.describe_plan_details(sim["fits"])) == 1
-    assert serving.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
-    recr = serving.describe_plan_details(sim["recurrent"])
+    assert "residency: resident" in status.describe_plan(sim["fits"]) and len(status.describe_plan_details(sim["fits"])) == 1
+    assert status.describe_plan_details({"mode_chosen": "off", "split": False}) == []  # an older build's plan
+    recr = status.describe_plan_details(sim["recurrent"])
     assert "+ other KV 2048 (recurrent state 2048) + streaming ring 96 MiB" in recr[0]
     assert recr[1].startswith("hybrid model: the attention layers' cache (32 layers) splits; the recurrent state (0 layers, 2048.0 MiB)")
 
@@ -542,7 +542,7 @@ def test_server_refuses_a_target_below_the_minimum(cpu_build, demo_model):
 
 
 def test_server_reports_the_budget_in_props(cpu_build, demo_model, tmp_path):
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     env = {**os.environ, "ROLLINGKV_SLOTS": "2"}
     with ServerProcess(cpu_build.artifact("llama-server"), ["-m", str(demo_model), "-t", "2", "-c", "8192", "-np", "1", "-fa", "on",
@@ -888,11 +888,11 @@ def test_auto_never_splits_mqa_by_head(sim):
 
 
 def test_serve_describes_a_head_plan(sim):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import status
 
-    d = serving.describe_plan(sim["head_budget"])
+    d = status.describe_plan(sim["head_budget"])
     assert d.startswith("residency: head") and "of 8 KV heads on the device" in d and "per layer" in d
-    lines = serving.describe_plan_details(sim["auto_tie"])
+    lines = status.describe_plan_details(sim["auto_tie"])
     assert any(line.startswith("auto: window") for line in lines)
 
 

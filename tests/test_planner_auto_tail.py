@@ -234,12 +234,12 @@ def test_head_split(sim):
 
 
 def test_serve_describes_the_choice(sim):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import status
 
-    line = serving.describe_tail_types(sim["big_tail"])
+    line = status.describe_tail_types(sim["big_tail"])
     assert line.startswith("tail types (asked auto/auto): K q4_0, V q4_0 — auto: K q4_0, V q4_0: the tail's link-only time")
-    assert serving.describe_tail_types(sim["big_tail_f16"]) is None
-    assert line in serving.describe_plan_details(sim["big_tail"])
+    assert status.describe_tail_types(sim["big_tail_f16"]) is None
+    assert line in status.describe_plan_details(sim["big_tail"])
 
 
 # ------------------------------------------------------------------------ the live planner on the CPU build
@@ -290,7 +290,7 @@ def test_live_cpu_refusals(live):
 
 
 def test_server_takes_auto_and_reports_it_in_props(cpu_build, demo_model, tmp_path):
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     with ServerProcess(cpu_build.artifact("llama-server"), ["-m", str(demo_model), "-t", "2", "-c", "4096", "-np", "1",
                                                             "-fa", "on", "--kv-window-cells", "256", "-ctkt", "auto", "-ctvt", "auto"],

@@ -183,7 +183,7 @@ print(json.dumps(res))
 
 
 def _server(cpu_build, demo_model, tmp_path, name, *args):
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     return ServerProcess(cpu_build.artifact("llama-server"),
                          ["-m", str(demo_model), "-fa", "on", "-t", "2", "--slot-save-path", str(tmp_path), *args],

@@ -92,7 +92,7 @@ def _default_out(model: Path) -> Path:
     """docs/perf/<date>-bench-tail-<model>/bench-tail.json: a new folder per run (-2, -3, ... when one exists), as
     docs/perf keeps one folder per record (its README.md discusses the raw files beside it). Created when the
     report is first written (a dry run creates nothing)."""
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
 
     base = paths.REPO_ROOT / "docs" / "perf"
     if not base.is_dir():
@@ -198,9 +198,10 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
     """
-    from rollingkv_cli import builder, models
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli import models
     from rollingkv_cli.bench import arithmetic, gguf
-    from rollingkv_cli.bench import plot as plotting, tail as tail_runs
+    from rollingkv_cli.bench import plot as plotting, tail as tail_runs, tail_grid, tail_report
     from rollingkv_cli.console import abort, console, esc, note, warn
 
     if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
@@ -233,24 +234,24 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
     cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
     if head_fractions:
-        from rollingkv_cli.serving import build_has_head_split
+        from rollingkv_cli.serve.launch import build_has_head_split
 
         if not build_has_head_split(build.lib_dir / "libllama.so"):
             abort(f"the build {build.dir} predates the head split (rolling-KV API 5): its llama-bench refuses head mode",
                   "rebuild with `rollingkv build`, or drop --head-fractions")
         if min(info.n_head_kv) < 2:
             abort(f"{model.name} has a layer with one KV head (MQA): it cannot split by head", "drop --head-fractions")
-    from rollingkv_cli.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.launch import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
-    cfg = tail_runs.TailConfig(
+    cfg = tail_grid.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
         cpu_fracs=cpu_fracs, head_fractions=head_fractions, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
-        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_runs.default_ring_bytes(),
+        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_grid.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
         pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
-    plans = {d: tail_runs.depth_plan(cfg, info, d) for d in depths}
+    plans = {d: tail_grid.depth_plan(cfg, info, d) for d in depths}
     doc = tail_runs.new_document(cfg, build, info, plans, vanilla_desc)
 
     console.print(f"model {esc(model.name)}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
@@ -275,7 +276,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         for i, c in enumerate(doc["cells"], 1):
             t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
                       f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-")
-        out_console = tail_runs.report_console()
+        out_console = tail_report.report_console()
         out_console.print(t)
         for i, c in enumerate(doc["cells"], 1):  # one line each, never wrapped or cut: they are for copying
             out_console.print(f"# {i}\n{c['command']}", markup=False, highlight=False, soft_wrap=True)
@@ -284,7 +285,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
 
     doc = tail_runs.run(cfg, doc, info, resume)
-    tail_runs.print_report(doc)
+    tail_report.print_report(doc)
     if cfg.plot:
         png = out.with_suffix(".png")
         if plotting.have_matplotlib():
@@ -308,7 +309,7 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     """The CPU fractions the hybrid cells run at: none on a CPU build (it attends the whole cache on the CPU already)
     or a build before the hybrid tail; --cpu-fracs given explicitly there is refused."""
     from rollingkv_cli.console import abort, warn
-    from rollingkv_cli.serving import build_has_tail_cpu
+    from rollingkv_cli.serve.launch import build_has_tail_cpu
 
     if not cpu_fracs:
         return []
@@ -377,7 +378,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
     `--` go to every llama-server (e.g. -- -t 2)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.bench import arithmetic as bm
     from rollingkv_cli.bench import gguf
     from rollingkv_cli.bench import load as lb
@@ -490,14 +491,14 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
 
 
 def _load_report(path: Path) -> dict:
-    from rollingkv_cli.bench import tail as tail_runs
+    from rollingkv_cli.bench import tail as tail_runs, tail_report
     from rollingkv_cli.console import abort
     from rollingkv_cli.userinput import read_json
 
     doc = read_json(path, "report")
     if not isinstance(doc, dict) or doc.get("schema") != tail_runs.SCHEMA:
         abort(f"{path} is not a `rollingkv bench tail` report", f"expected schema {tail_runs.SCHEMA}")
-    problem = tail_runs.report_problem(doc)
+    problem = tail_report.report_problem(doc)
     if problem:
         abort(f"{path} is a malformed `rollingkv bench tail` report: {problem}",
               "make a new one with `rollingkv bench tail`")
@@ -527,8 +528,8 @@ def plot(report: Path, output: Path | None) -> None:
 @click.argument("report", type=click.Path(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""
-    from rollingkv_cli.bench import tail as tail_runs
+    from rollingkv_cli.bench import tail as tail_runs, tail_report
 
     doc = _load_report(report)
     tail_runs.refresh(doc)
-    tail_runs.print_report(doc)
+    tail_report.print_report(doc)

@@ -254,7 +254,7 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
     """Start the cell's llama-server, run the schedule, stop it; the cell's record."""
     import os
 
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     args = ["-m", str(model), "-c", str(mix.n_slots * mix.ctx_per_slot), "-np", str(mix.n_slots), "-fa", "on",
             "--no-webui", *cell.args, *(extra or [])]

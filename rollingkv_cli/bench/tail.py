@@ -4,7 +4,8 @@ vanilla llama.cpp offers at the same depth, in one run (issue 4, item 5).
 One llama-bench process per cell (`-fa 1 -p 0 -n N -d DEPTH -r R -o json`), so that every cell has its own
 command line, wall time and timeout, and the JSON report is rewritten after every cell: a run cut short
 (a device-call limit, Ctrl-C) leaves every finished cell on disk, and `--resume` runs only what is missing.
-No click in here: the command is cli.py; the arithmetic is arithmetic.py.
+No click in here: the command is cli.py; the arithmetic is arithmetic.py, the grid of cells tail_grid.py, the report's
+printing and checking tail_report.py.
 """
 
 from __future__ import annotations
@@ -21,275 +22,16 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.bench import arithmetic as bm
+from rollingkv_cli.bench.tail_grid import AUTO_CANDIDATES, LINK_PLACEHOLDER, TailConfig, build_cells
+from rollingkv_cli.bench.tail_report import cell_line
 from rollingkv_cli.console import abort, console, esc
+from rollingkv_cli.kvtypes import TAIL_AUTO
 
 SCHEMA = "rollingkv.bench.tail/1"
-DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
-DEFAULT_MIXED_FRACTIONS = (0.5,)
-DEFAULT_TAIL_TYPES = ("f16", "q8_0", "q4_0")
-# the hybrid cells' CPU part (--kv-tail-cpu-frac): auto by default, the library's default (what users get); the window cells
-# are the GPU-only ones (0)
-DEFAULT_CPU_FRACS: tuple = ("auto",)
-LINK_PLACEHOLDER = "MEASURED"  # in an auto cell's args (hybrid, tail type) until the run knows the link bandwidth the plan is given
-TAIL_AUTO = "auto"  # a tail type the planner chooses (kvtypes.TAIL_AUTO)
-AUTO_CANDIDATES = ("q8_0", "q4_0")  # what auto may choose under a float window
-DEFAULT_RING_SLOTS, DEFAULT_RING_SLOT_MIB = 3, 32  # the CUDA op's defaults (ggml-rolling-kv-impl.h: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB)
 STDERR_TAIL = 25
-
-
-def default_ring_bytes() -> int:
-    """The CUDA op's slot ring: ROLLINGKV_SLOTS x ROLLINGKV_SLOT_MIB when set, else 3 x 32 MiB."""
-    from rollingkv_cli.userinput import native_knob
-
-    # the CUDA op reads the same variables: a value it would not take is refused (userinput.NATIVE_KNOBS), not guessed around
-    slots = native_knob("ROLLINGKV_SLOTS", DEFAULT_RING_SLOTS)
-    slot_mib = native_knob("ROLLINGKV_SLOT_MIB", DEFAULT_RING_SLOT_MIB)
-    return slots * slot_mib << 20
-
-
-@dataclass
-class TailConfig:
-    model: Path
-    bench: Path  # our llama-bench
-    build_dir: Path
-    backend: str  # "CUDA" | "CPU"
-    depths: list[int]
-    n_gen: int = 32
-    reps: int = 3
-    vanilla_reps: int = 3
-    tail_types: list[str] = field(default_factory=lambda: list(DEFAULT_TAIL_TYPES))
-    fractions: list[float] = field(default_factory=lambda: list(DEFAULT_FRACTIONS))
-    mixed_fractions: list[float] = field(default_factory=lambda: list(DEFAULT_MIXED_FRACTIONS))
-    cpu_fracs: list = field(default_factory=lambda: list(DEFAULT_CPU_FRACS))  # "auto" or 0 < F <= 1; [] = no hybrid cells
-    head_fractions: list[float] = field(default_factory=list)  # the head split's cells (share of the KV heads in host memory)
-    # the build has the hybrid tail: the window cells then pass --kv-tail-cpu-frac 0 (GPU only). Its default is 0 now,
-    # but builds of the series before that default changed took auto: the explicit 0 keeps them GPU-only too
-    hybrid_build: bool = False
-    window_type: str = "f16"
-    threads: int | None = None
-    ring_bytes: int = DEFAULT_RING_SLOTS * DEFAULT_RING_SLOT_MIB << 20
-    skip: tuple[str, ...] = ()  # auto | nkvo | ngl
-    vanilla_bench: Path | None = None  # an unpatched llama-bench; None: ours with --kv-residency-mode off
-    cell_timeout: float | None = None
-    time_budget: float | None = None
-    pcie_bw_gbps: float | None = None  # explicit: used instead of measuring
-    gpu: int = 0
-    out: Path = Path("bench-tail.json")
-    plot: bool = True
-
-    def to_json(self) -> dict:
-        return {
-            "depths": self.depths, "n_gen": self.n_gen, "reps": self.reps, "vanilla_reps": self.vanilla_reps,
-            "tail_types": self.tail_types, "fractions": self.fractions, "mixed_fractions": self.mixed_fractions,
-            "cpu_fracs": self.cpu_fracs, "head_fractions": self.head_fractions,
-            "window_type": self.window_type, "threads": self.threads, "slot_ring_bytes": self.ring_bytes,
-            "skip": list(self.skip), "cell_timeout_s": self.cell_timeout, "time_budget_s": self.time_budget,
-            "pcie_bw_gbps_explicit": self.pcie_bw_gbps, "gpu": self.gpu,
-        }
-
-
-# ------------------------------------------------------------------------------------------ the grid
-
-
-def _pct(f: float) -> str:
-    return f"{f * 100:.0f}%"
-
-
-def _cpu_arg(frac) -> str:
-    return "auto" if frac == "auto" else f"{frac:g}"
-
-
-def _cpu_label(frac) -> str:
-    return "auto" if frac == "auto" else _pct(frac)
-
-
-def depth_plan(cfg: TailConfig, model, depth: int) -> dict:
-    """kv_size, the 50%-tail window's VRAM budget and the vanilla -ngl that fits it, at one depth."""
-    kv = bm.kv_size(depth, cfg.n_gen)
-    w_half = bm.window_for_fraction(0.5, depth, cfg.n_gen)
-    shape = model.kv
-    wt = cfg.window_type
-    budget = bm.window_budget(model.weights, w_half, shape.row_bytes(wt, wt), cfg.ring_bytes)
-    kv_layer = [b * kv for b in shape.layer_row_bytes(wt, wt)]
-    n, dev = bm.choose_ngl(model.weights, kv_layer, budget["total_bytes"])
-    n_kv_mean = sum(bm.n_kv_at(p, kv) for p in range(depth, depth + cfg.n_gen)) / cfg.n_gen
-    return {
-        "kv_size": kv, "n_kv_decode_mean": n_kv_mean, "window_cells_50pct": w_half,
-        "budget": budget,
-        "ngl": {"n_gpu_layers": n, "device_bytes": dev, "kv_bytes_per_layer": kv_layer,
-                "all_fit": n > model.n_layer,
-                "rule": "the largest -ngl whose last-n blocks + their KV at kv_size (+ the output layer when n > n_layer) fit the budget"},
-    }
-
-
-def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
-    """Every cell of the run, in the order they run: per depth the baseline and the cells the targets need
-    first, then the rest of the fractions, then the slow vanilla cells (-ngl, then -nkvo last)."""
-    wt = cfg.window_type
-    cells: list[dict] = []
-    base = ["-fa", "1", "-p", "0", "-n", str(cfg.n_gen), "-o", "json", "--progress", "-ctk", wt, "-ctv", wt]
-    if cfg.threads:
-        base += ["-t", str(cfg.threads)]
-    vanilla_bin = cfg.vanilla_bench or cfg.bench
-    off = [] if cfg.vanilla_bench else ["--kv-residency-mode", "off"]
-
-    for depth in cfg.depths:
-        plan = plans[depth]
-        kv = plan["kv_size"]
-        row_all = model.kv.row_bytes(wt, wt)
-        n_kv_mean = plan["n_kv_decode_mean"]
-        d_cells: list[dict] = []
-
-        def cell(kind: str, label: str, binary: Path, extra: list[str], reps: int, **kw) -> dict:
-            args = [str(binary), "-m", str(cfg.model), "-d", str(depth), "-r", str(reps), *base, *extra]
-            c = {"id": "", "label": label, "kind": kind, "depth": depth, "n_gen": cfg.n_gen, "reps": reps, "kv_size": kv,
-                 "tail_type": None, "fractions": [], "window_cells": None, "tail_fraction": 0.0,
-                 "tail_cells_per_token": 0.0, "tail_bytes_per_token": 0.0, "host_kv_bytes_per_token": 0.0,
-                 "n_gpu_layers": 99, "binary": "vanilla" if binary == cfg.vanilla_bench else "rollingkv",
-                 "args": args, "command": shlex.join(args), "status": "pending"}
-            c.update(kw)
-            c["id"] = f"d{depth}/{kind}" + (f"/{c['tail_type']}/w{c['window_cells']}" if kind in ("window", "hybrid") else "")
-            if kind == "head":
-                c["id"] = f"d{depth}/head/{c['tail_type']}/h{c['device_heads']}"
-            if kind == "hybrid":
-                c["id"] += f"/cpu{_cpu_arg(c['cpu_frac'])}"
-            if kind == "vanilla_ngl":
-                c["id"] += f"/ngl{c['n_gpu_layers']}"
-            return c
-
-        d_cells.append(cell("resident", "resident (off, -ngl 99)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "off"], cfg.reps))
-
-        window_cells: dict[tuple[str, int], dict] = {}
-        for t in cfg.tail_types:
-            fracs = cfg.fractions if t == wt else cfg.mixed_fractions
-            for f in fracs:
-                if t != wt and f == 0.0:
-                    continue  # no tail: the window type's 0% cell covers it
-                w = bm.window_for_fraction(f, depth, cfg.n_gen)
-                key = (t, w)
-                if key in window_cells:
-                    window_cells[key]["fractions"].append(f)
-                    continue
-                tcells = bm.tail_cells_per_token(depth, cfg.n_gen, w)
-                gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
-                c = cell("window", "", cfg.bench,
-                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t, *gpu_only,
-                          *_auto_tail_link(cfg, t)], cfg.reps,
-                         tail_type=t, fractions=[f], window_cells=w, tail_fraction=bm.tail_fraction(w, depth, cfg.n_gen),
-                         tail_cells_per_token=tcells,
-                         # auto: the bytes of the type the plan chooses, known once the cell ran (fill_measurement)
-                         tail_bytes_per_token=0.0 if t == TAIL_AUTO else tcells * model.kv.row_bytes(t, t))
-                if t == TAIL_AUTO:
-                    c["command_key"] = c["command"]  # what --resume matches: the link placeholder, not the figure filled in
-                window_cells[key] = c
-        for c in window_cells.values():
-            req = "/".join(_pct(f) for f in c["fractions"])
-            c["label"] = f"window {c['tail_type']} {req} tail" + (" (= resident)" if c["window_cells"] >= kv else "")
-
-        def priority(c: dict) -> tuple:
-            fr = c["fractions"]
-            same = c["tail_type"] == wt
-            if same and 0.5 in fr:
-                return (0,)
-            if same and 1.0 in fr:
-                return (1,)
-            if c["tail_type"] == "q4_0" and 0.5 in fr:
-                return (2,)
-            if not same and 0.5 in fr:
-                return (3,)
-            return (4 if same else 5,)
-
-        ordered = sorted(window_cells.values(), key=priority)  # stable: the given order within a priority
-        head = [c for c in ordered if priority(c)[0] <= 3]
-        rest = [c for c in ordered if priority(c)[0] > 3]
-        d_cells += head
-        # the hybrid cells: each window cell with a tail again, part of its tail attended on the CPU; those the issue 16
-        # targets read first (CPU part auto, at 50% / 100%), in the window cells' order
-        hybrid = []
-        for w_cell in ordered:
-            if w_cell["window_cells"] >= kv:
-                continue  # no tail to split
-            for frac in cfg.cpu_fracs:
-                extra = ["--kv-tail-cpu-frac", _cpu_arg(frac)]
-                link = None
-                if frac == "auto":  # the plan's split depends on the link figure it is given: the one the floors use
-                    link = f"{cfg.pcie_bw_gbps:g}" if cfg.pcie_bw_gbps is not None else LINK_PLACEHOLDER
-                    extra += ["--pcie-bw-gbps", link]
-                t, w = w_cell["tail_type"], w_cell["window_cells"]
-                split = ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t]
-                if link is None:
-                    split += _auto_tail_link(cfg, t)
-                h = cell("hybrid", "", cfg.bench, split + extra, cfg.reps,
-                         **{k: w_cell[k] for k in ("tail_type", "window_cells", "tail_fraction", "tail_cells_per_token", "tail_bytes_per_token")},
-                         fractions=list(w_cell["fractions"]), cpu_frac=frac, cpu_frac_chosen=None,
-                         plan_link=None if link is None else {"gbps": cfg.pcie_bw_gbps, "source": "explicit" if cfg.pcie_bw_gbps is not None else "measured"})
-                h["label"] = w_cell["label"].replace("window ", "hybrid ", 1) + f", CPU {_cpu_label(frac)}"
-                h["command_key"] = h["command"]  # what --resume matches: the link placeholder, not the figure filled in
-                hybrid.append(h)
-        hybrid.sort(key=lambda c: (c["cpu_frac"] != "auto", priority(c)[0] > 1))
-        d_cells += hybrid
-        d_cells += head_cells(cfg, model, depth, cell)
-        if "auto" not in cfg.skip:
-            d_cells.append(cell("auto", "auto (0% tail when it fits)", cfg.bench, ["-ngl", "99", "--kv-residency-mode", "auto"], cfg.reps))
-        d_cells += rest
-        vkind = "unpatched" if cfg.vanilla_bench else "off"
-        if cfg.vanilla_bench:
-            d_cells.append(cell("vanilla_resident", "vanilla resident (unpatched, -ngl 99)", vanilla_bin, ["-ngl", "99"], cfg.vanilla_reps))
-        if "ngl" not in cfg.skip:
-            n = plan["ngl"]["n_gpu_layers"]
-            first = model.n_layer - min(n, model.n_layer)
-            host_rows = sum(model.kv.layer_row_bytes(wt, wt)[:first])
-            d_cells.append(cell("vanilla_ngl", f"vanilla -ngl {n} ({vkind})", vanilla_bin, ["-ngl", str(n), *off], cfg.vanilla_reps,
-                                n_gpu_layers=n, host_kv_bytes_per_token=n_kv_mean * host_rows))
-        if "nkvo" not in cfg.skip:
-            d_cells.append(cell("vanilla_nkvo", f"vanilla -nkvo 1 ({vkind})", vanilla_bin, ["-ngl", "99", "-nkvo", "1", *off], cfg.vanilla_reps,
-                                host_kv_bytes_per_token=n_kv_mean * row_all))
-        cells += d_cells
-    return cells
-
-
-def _auto_tail_link(cfg: TailConfig, tail_type: str) -> list[str]:
-    """An auto tail type's plan weighs the tail's link time against the resident time: give it the link figure the floors
-    use (the run's measurement fills LINK_PLACEHOLDER in, bind_link), as for the hybrid auto cells."""
-    if tail_type != TAIL_AUTO:
-        return []
-    return ["--pcie-bw-gbps", f"{cfg.pcie_bw_gbps:g}" if cfg.pcie_bw_gbps is not None else LINK_PLACEHOLDER]
-
-
-def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
-    """The head split's cells at a depth: for each tail type and --head-fractions f, N = round((1 - f) x n_head_kv) KV heads of
-    every layer on the device (the VRAM of the window cell at f, at full context), the others streamed from host memory for
-    every cell. None for a model with a single-KV-head layer (it cannot split by head)."""
-    if not cfg.head_fractions or min(model.n_head_kv) < 2:
-        return []
-    h_max = max(model.n_head_kv)
-    total = sum(model.n_head_kv)
-    cells, seen = [], {}
-    gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
-    for t in cfg.tail_types:
-        for f in cfg.head_fractions:
-            n = bm.device_heads_for_fraction(f, h_max)
-            if n >= h_max:
-                continue  # every head on the device: the resident cell
-            if (t, n) in seen:
-                seen[(t, n)]["fractions"].append(f)  # another fraction that rounds to the same heads: one cell for both
-                continue
-            host = sum(h - min(n, h) for h in model.n_head_kv)
-            c = cell("head", f"head {t} {_pct(host / total)} tail ({n} of {h_max} KV heads on the device)", cfg.bench,
-                     ["-ngl", "99", "--kv-residency-mode", "head", "--kv-device-heads", str(n), "-ctkt", t, "-ctvt", t, *gpu_only,
-                      *_auto_tail_link(cfg, t)],
-                     cfg.reps, tail_type=t, fractions=[f], device_heads=n, tail_fraction=host / total,
-                     tail_bytes_per_token=0.0 if t == TAIL_AUTO else  # auto: the chosen type's, once the cell ran
-                     bm.head_tail_bytes_per_token(model.n_head_kv, n, model.head_dim_k, model.head_dim_v, depth, cfg.n_gen, t, t))
-            if t == TAIL_AUTO:
-                c["command_key"] = c["command"]
-            seen[(t, n)] = c
-            cells.append(c)
-    return cells
 
 
 # ------------------------------------------------------------------------------------ one llama-bench
@@ -332,14 +74,14 @@ class CellRunner:
 
     @staticmethod
     def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-        from rollingkv_cli.procs import stop_group
+        from rollingkv_cli.lib.procs import stop_group
 
         stop_group(proc, grace)  # in our group: just it; a second Ctrl-C while it stops kills it at once
 
     def run(self, args: list[str], timeout: float | None) -> tuple[int | None, str, list[str], float, bool]:
         """(returncode, stdout, stderr tail, wall seconds, timed out)."""
         t0 = time.monotonic()
-        from rollingkv_cli.procs import popen_tied
+        from rollingkv_cli.lib.procs import popen_tied
 
         # a hybrid cell's CPU parts report their time and bandwidth at exit (a few clock reads per part): where its
         # decode time goes, kept in the report next to the figure
@@ -496,8 +238,8 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
 
 
 def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
-    """Pinned host-to-device GB/s for the floors, measured now (pcie.measure, 256 MiB copies); None without a GPU."""
-    from rollingkv_cli import pcie
+    """Pinned host-to-device GB/s for the floors, measured now (cudart.measure, 256 MiB copies); None without a GPU."""
+    from rollingkv_cli.hw import cudart, pcie
 
     if explicit is not None:
         return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
@@ -510,8 +252,8 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
         abort(f"--gpu {gpu_index}: no such GPU", f"NVML sees GPUs {', '.join(str(g.index) for g in gpus)}")
     try:
         with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({esc(gpu.name)})"):
-            entry = pcie.measure(gpu)
-    except (pcie.CudaUnavailable, pcie.MeasureError) as e:
+            entry = cudart.measure(gpu)
+    except (cudart.CudaUnavailable, cudart.MeasureError) as e:
         res = pcie.resolve_bandwidth(gpu_index, gpus=gpus)
         return {"gbps": res.gbps, "source": f"resolved ({res.tier})", "gpu": pcie.gpu_dict(gpu),
                 "note": f"measuring failed ({e}); using {res.gbps:g} GB/s: {res.detail}"}
@@ -523,7 +265,7 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
 def measure_cpu_attn(cfg: TailConfig) -> dict:
     """The CPU decode attention's GB/s per tail type of the hybrid cells, measured now at the CPU part's thread count
     (what the cells' llama-bench gives it, whatever -t) by the build's libllama (its calibration, in a child: cpu_attn.py); null with the reason when it cannot be."""
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     n = cpu_attn.part_threads()
     # auto: the types it may choose under an f16/bf16/f32 window (the q8_0 floor, q4_0), or the window's own
@@ -590,104 +332,6 @@ def refresh(doc: dict) -> None:
     doc["updated_at"] = _now()
 
 
-def _cpu_cell(c: dict) -> str:
-    """The CPU part of a cell: '-' (none), the fraction asked for, 'auto' with the chosen one where the bench reports it."""
-    if c["kind"] != "hybrid":
-        return "-"
-    chosen = c.get("cpu_frac_chosen")
-    if c.get("cpu_frac") == "auto":
-        return "auto" + (f" {_pct(chosen)}" if isinstance(chosen, (int, float)) else "")
-    return _pct(c["cpu_frac"]) if isinstance(c.get("cpu_frac"), (int, float)) else str(c.get("cpu_frac"))
-
-
-def _mb(b: float | None) -> str:
-    return "-" if b is None else f"{b / 1e6:.3g}"
-
-
-def _num(v: float | None, fmt: str = ".3g") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def cell_line(c: dict) -> str:
-    """One cell as console markup (its label and error are escaped: stderr lines hold brackets)."""
-    if c["status"] == "ok" and c.get("tail_type_chosen"):
-        c = dict(c, label=f"{c['label']} (chose {c['tail_type_chosen']})")
-    if c["status"] != "ok":
-        return f"{esc(str(c['label']))} at d={c['depth']}: [red]{esc(str(c['status']))}[/]" + (f" ({esc(str(c.get('error')))})" if c.get("error") else "")
-    s = f"{esc(str(c['label']))} at d={c['depth']}: [bold]{c['tokens_per_s']:.4g} tok/s[/] (±{c.get('stddev_ts', 0):.2g}), {c['ms_per_token']:.3g} ms/token"
-    if c.get("tail_bytes_per_token"):
-        s += f", tail {_mb(c['tail_bytes_per_token'])} MB/token"
-    if c.get("ratio_floor") is not None:
-        s += f", {c['ratio_floor']:.2f}x floor"
-    if c.get("ratio_hybrid") is not None:
-        s += f", {c['ratio_hybrid']:.2f}x hybrid floor"
-    return s + f" [dim]({c.get('wall_s', 0):.1f} s)[/]"
-
-
-def report_console():
-    """The console for wide tables: ours on a terminal or with $COLUMNS, else one 200 columns wide (a log file
-    or a device call's captured output would otherwise squeeze 12 columns into 80)."""
-    if console.is_terminal or os.environ.get("COLUMNS"):
-        return console
-    from rich.console import Console
-
-    return Console(width=200, highlight=False)
-
-
-def print_report(doc: dict) -> None:
-    from rich.table import Table
-
-    out = report_console()
-
-    for depth in doc["config"]["depths"]:
-        cells = [c for c in doc["cells"] if c["depth"] == depth]
-        dp = doc["depths"].get(str(depth), {})
-        tb = Table(title=esc(f"decode at depth {depth} (kv_size {dp.get('kv_size')}, n_gen {doc['config']['n_gen']}), {doc['build']['backend']}"),
-                   title_justify="left")
-        for col, just in (("cell", "left"), ("window", "right"), ("tail", "right"), ("CPU", "right"), ("tail MB/tok", "right"),
-                          ("tok/s", "right"), ("ms/tok", "right"), ("floor ms", "right"), ("x floor", "right"), ("stretch ms", "right"),
-                          ("x stretch", "right"), ("hybrid ms", "right"), ("x hybrid", "right"), ("wall s", "right"), ("status", "left")):
-            tb.add_column(col, justify=just)
-        for c in cells:
-            ok = c["status"] == "ok"
-            tb.add_row(
-                esc(str(c["label"]) + (f" (→{c['tail_type_chosen']})" if c.get("tail_type_chosen") else "")),
-                f"h{c['device_heads']}" if c["kind"] == "head" else "-" if c.get("window_cells") is None else str(c["window_cells"]),
-                _pct(c["tail_fraction"]) if c["kind"] in ("window", "hybrid", "head") else "-",
-                _cpu_cell(c),
-                _mb(c.get("tail_bytes_per_token")) if c["kind"] in ("window", "auto", "hybrid", "head") else "-",
-                f"{c['tokens_per_s']:.4g}" if ok else "-",
-                _num(c.get("ms_per_token")) if ok else "-",
-                _num(c.get("floor_ms")), _num(c.get("ratio_floor"), ".2f"),
-                _num(c.get("stretch_floor_ms")), _num(c.get("ratio_stretch"), ".2f"),
-                _num(c.get("hybrid_floor_ms")), _num(c.get("ratio_hybrid"), ".2f"),
-                _num(c.get("wall_s"), ".1f"),
-                {"ok": "[green]ok[/]", "pending": "[dim]pending[/]"}.get(c["status"], f"[red]{esc(str(c['status']))}[/]"),
-            )
-        out.print(tb)
-    bw = doc["bandwidth"]
-    out.print(f"bandwidth: {bw['gbps']:.4g} GB/s ({bw['source']}; {bw['note']})" if bw.get("gbps") is not None
-              else f"bandwidth: null ({bw['note']})", soft_wrap=True, markup=False)
-    ca = doc.get("cpu_attn") or {}
-    if isinstance(ca.get("gbps"), dict):
-        figures = ", ".join(f"{t} {_num(v, '.4g')}" for t, v in ca["gbps"].items())
-        split = ca.get("expected_auto_frac") or {}
-        out.print(f"CPU attention: {figures} GB/s on {ca.get('n_threads')} threads ({ca.get('source')})"
-                  + (f"; cpu / (cpu + link) = " + ", ".join(f"{t} {_pct(v)}" for t, v in split.items()) if split else ""),
-                  soft_wrap=True, markup=False)
-    elif any(c["kind"] == "hybrid" for c in doc["cells"]):
-        out.print(f"CPU attention: null ({ca.get('error') or ca.get('note')})", soft_wrap=True, markup=False)
-    tt = Table(title="issue 4 targets, and issue 16's for the hybrid cells (computed from the cells above)", title_justify="left")
-    for col in ("target", "depth", "value", "need", "status", "detail"):
-        tt.add_column(col)
-    for t in doc["targets"]:
-        style = {"met": "green", "not met": "red", "n/a": "dim", "info": "yellow"}[t["status"]]
-        detail = "; ".join(x for x in (t.get("detail"), t.get("note")) if x)
-        tt.add_row(esc(str(t["target"])), str(t["depth"]), _num(t["value"], ".3g"), esc(f"{t['op']} {t['threshold']:g}"), f"[{style}]{t['status']}[/]", esc(detail))
-    out.print(tt)
-    for n in doc.get("notes", []):
-        out.print(f"[dim]note:[/] {esc(str(n))}", soft_wrap=True)
-
 
 # ------------------------------------------------------------------------------------------ the run
 
@@ -730,66 +374,6 @@ def resume_cells(out: Path, doc: dict) -> int:
             n += 1
     return n
 
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-_CELL_OPTIONAL_NUMBERS = ("window_cells", "tail_fraction", "tail_bytes_per_token", "host_kv_bytes_per_token", "wall_s", "stddev_ts",
-                          "ms_per_token", "n_gpu_layers", "cpu_frac_chosen")
-
-
-def report_problem(doc) -> str | None:
-    """The first part of a `bench tail` report that `bench show`/`bench plot` could not use, or None.
-
-    A report is ours (its schema) but may be cut off, hand-edited or from a broken run: say what is wrong
-    instead of failing somewhere in the tables."""
-    if not isinstance(doc, dict):
-        return f"the top level is a {type(doc).__name__}, not an object"
-    for key, typ in (("config", dict), ("bandwidth", dict), ("cells", list), ("depths", dict), ("build", dict), ("model", dict)):
-        if not isinstance(doc.get(key), typ):
-            return f"'{key}' is missing or not {'an object' if typ is dict else 'a list'}"
-    cfg = doc["config"]
-    if not isinstance(cfg.get("depths"), list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in cfg["depths"]):
-        return "'config.depths' is not a list of integers"
-    if not isinstance(cfg.get("n_gen"), int) or not isinstance(cfg.get("window_type"), str):
-        return "'config.n_gen' or 'config.window_type' is missing"
-    if not isinstance(cfg.get("tail_types"), list) or not all(isinstance(t, str) for t in cfg["tail_types"]):
-        return "'config.tail_types' is not a list of type names"
-    gbps = doc["bandwidth"].get("gbps")
-    if gbps is not None and not (_is_num(gbps) and gbps > 0):
-        return f"'bandwidth.gbps' is {gbps!r}, not a positive number or null"
-    ca = doc.get("cpu_attn", {})
-    if not isinstance(ca, dict):
-        return "'cpu_attn' is not an object"
-    cg = ca.get("gbps")
-    if cg is not None and not (isinstance(cg, dict) and all(v is None or (_is_num(v) and v > 0) for v in cg.values())):
-        return f"'cpu_attn.gbps' is {cg!r}, not null or an object of positive numbers (or nulls) per tail type"
-    if not isinstance(doc.get("notes", []), list):
-        return "'notes' is not a list"
-    if not isinstance(doc["model"].get("path", ""), str):
-        return "'model.path' is not a string"
-    for i, c in enumerate(doc["cells"]):
-        where = f"cells[{i}]"
-        if not isinstance(c, dict):
-            return f"{where} is not an object"
-        for key, typ in (("label", str), ("status", str), ("kind", str)):
-            if not isinstance(c.get(key), typ):
-                return f"{where}.{key} is missing or not a string"
-        if not isinstance(c.get("depth"), int) or isinstance(c.get("depth"), bool):
-            return f"{where}.depth is missing or not an integer"
-        for key in _CELL_OPTIONAL_NUMBERS:
-            if c.get(key) is not None and not _is_num(c[key]):
-                return f"{where}.{key} is {c[key]!r}, not a number"
-        if c["kind"] in ("window", "hybrid", "head") and not _is_num(c.get("tail_fraction")):
-            return f"{where} is a {c['kind']} cell without a numeric tail_fraction"
-        if c["kind"] == "hybrid" and not (c.get("cpu_frac") == "auto" or _is_num(c.get("cpu_frac"))):
-            return f"{where}.cpu_frac is {c.get('cpu_frac')!r}, not auto or a number"
-        if c["status"] == "ok" and not (_is_num(c.get("tokens_per_s")) and c["tokens_per_s"] > 0 and _is_num(c.get("ms_per_token"))):
-            return f"{where} is 'ok' without positive tokens_per_s and ms_per_token"
-        if not isinstance(c.get("fractions", []), list) or not all(_is_num(f) for f in c.get("fractions", [])):
-            return f"{where}.fractions is not a list of numbers"
-    return None
 
 
 def new_document(cfg: TailConfig, build, model, plans: dict[int, dict], vanilla_desc: str) -> dict:
@@ -919,7 +503,7 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                 c["status"], c["error"] = "timeout", f"stopped after {wall:.0f} s ({limit})"
                 c["stderr_tail"] = err_tail
             elif rc != 0:
-                from rollingkv_cli.procs import describe_exit
+                from rollingkv_cli.lib.procs import describe_exit
 
                 how = "could not start" if rc is None else describe_exit(rc)
                 c["status"], c["error"] = "failed", f"llama-bench {how}: {err_tail[-1] if err_tail else ''} (stderr_tail in {cfg.out})"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.paths import ENV_SOURCE_DIR
+from rollingkv_cli.lib.paths import ENV_SOURCE_DIR
 
 
 @click.command()
@@ -26,7 +26,7 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
     The build goes into a directory keyed by (pin, patch series, options) with a manifest.json;
     building again with nothing changed is a no-op. The finished build becomes the active one.
     """
-    from rollingkv_cli import builder, patchset
+    from rollingkv_cli.lib import builder, patchset
     from rollingkv_cli.console import abort, note, success
 
     use_cuda, arch = builder.resolve_cuda(cuda, cuda_arch)

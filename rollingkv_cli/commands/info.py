@@ -16,7 +16,8 @@ def info(as_json: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from rollingkv_cli import builder, hostinfo, patchset, upstream
+    from rollingkv_cli.lib import builder, patchset, upstream
+    from rollingkv_cli.hw import hostinfo
     from rollingkv_cli.console import console, warn
 
     b = builder.active_build(required=True)

@@ -22,7 +22,7 @@ def patches() -> None:
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 def checkout(dest: Path) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
-    from rollingkv_cli import patchset, upstream
+    from rollingkv_cli.lib import patchset, upstream
     from rollingkv_cli.console import note, success
 
     series = patchset.load_series()
@@ -39,7 +39,7 @@ def export(src: Path, force: bool) -> None:
 
     Refuses when a native/ file was edited directly since SRC was checked out or last exported (it would be
     lost): copy it into SRC first, or pass --force."""
-    from rollingkv_cli import patchset
+    from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import success
 
     written = patchset.export(src, force=force)
@@ -51,7 +51,7 @@ def export(src: Path, force: bool) -> None:
 @click.argument("tree", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def apply_cmd(tree: Path) -> None:
     """Apply the series to a llama.cpp TREE in place (idempotent; refuses foreign changes)."""
-    from rollingkv_cli import patchset
+    from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import info, success
 
     done = patchset.apply_series(tree, log=lambda m: None)
@@ -66,7 +66,7 @@ def list_cmd() -> None:
     """Show the series: each patch, why it exists and the files it touches."""
     from rich.table import Table
 
-    from rollingkv_cli import patchset
+    from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import console
 
     series = patchset.load_series()

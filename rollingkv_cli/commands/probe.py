@@ -19,7 +19,7 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 def _triple(figures: dict | None) -> str:
     if not figures:
         return "-"
-    from rollingkv_cli.pcie import SIZES_MIB
+    from rollingkv_cli.hw.pcie import SIZES_MIB
 
     return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in SIZES_MIB)
 
@@ -52,8 +52,8 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
       3  no NVIDIA GPU found (no driver, no NVML, or no device); with --json
          the document is {"gpus": [], "error": "no NVIDIA GPU found"}
     """
-    from rollingkv_cli import paths
-    from rollingkv_cli import pcie as link
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.hw import cudart, pcie as link, profile
     from rollingkv_cli.console import abort, console, err_console, esc, note, warn
 
     if refresh and no_measure:
@@ -71,39 +71,39 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
         if not shown:
             abort(f"--gpu {gpu_index}: no such GPU", f"GPUs found: {', '.join(str(g.index) for g in gpus)}")
 
-    entries = link.load_profile()
+    entries = profile.load_profile()
     errors: dict[int, str] = {}
     if not no_measure:
         cuda_missing = False
         for g in shown:
-            if link.cached_measurement(g, entries) is not None and not refresh:
+            if profile.cached_measurement(g, entries) is not None and not refresh:
                 continue
             if cuda_missing:
                 errors[g.index] = "no CUDA runtime (libcudart) found"
                 continue
             try:
                 if as_json:
-                    m = link.measure(g)
+                    m = cudart.measure(g)
                 else:
                     with err_console.status(f"measuring GPU {g.index} ({esc(g.name)}): pinned copies of 1, 16, 256 MiB"):
-                        m = link.measure(g)
-            except link.CudaUnavailable as e:
+                        m = cudart.measure(g)
+            except cudart.CudaUnavailable as e:
                 cuda_missing = True
                 errors[g.index] = str(e)
                 warn(f"{e}: not measuring, theoretical figures only (install the CUDA runtime or set LD_LIBRARY_PATH)")
                 continue
-            except link.MeasureError as e:
+            except cudart.MeasureError as e:
                 errors[g.index] = str(e)
                 warn(f"GPU {g.index}: measuring failed: {e}")
                 continue
-            link.save_measurement(g, m)
-            entries = link.load_profile()
+            profile.save_measurement(g, m)
+            entries = profile.load_profile()
 
     cpu = _cpu_attn(refresh, no_measure, as_json, threads)
 
     rows = []
     for g in shown:
-        entry = link.cached_measurement(g, entries)
+        entry = profile.cached_measurement(g, entries)
         gen, width, loaded = link.effective_link(g, entry)
         res = link.resolve_bandwidth(g.index, gpus=gpus, entries=entries)
         rows.append((g, entry, loaded, link.is_downtrained(g, entry), res, gen, width))
@@ -136,7 +136,7 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
                 for g, entry, loaded, down, res, gen, width in rows
             ],
             "cpu_attn": cpu,
-            "profile": str(link.profile_path()),
+            "profile": str(profile.profile_path()),
             "efficiency": link.EFFICIENCY,
         }
         click.echo(json.dumps(doc, indent=2))
@@ -175,14 +175,14 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
                  "check the slot, riser and BIOS PCIe settings")
         note(f"GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})")
     _print_cpu_attn(cpu)
-    note(f"cache: {link.profile_path()}")
+    note(f"cache: {profile.profile_path()}")
 
 
 def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None) -> dict:
     """The CPU attention part of the profile at `threads` for the active build: cached, or measured now (a failure
     only warns, as a failed link measurement does). The JSON's cpu_attn object."""
-    from rollingkv_cli import builder, cpu_attn
-    from rollingkv_cli import pcie as link
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli.hw import cpu_attn, profile
     from rollingkv_cli.console import err_console, warn
 
     n = threads or cpu_attn.part_threads()
@@ -193,7 +193,7 @@ def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None)
         out["error"] = "no rollingkv build: the CPU attention is measured by its libllama (`rollingkv build`)"
         return out
     out["build"] = b.dir.name
-    entry = link.cached_cpu_attn(n, b.dir.name)
+    entry = profile.cached_cpu_attn(n, b.dir.name)
     source = "cached" if entry is not None else None
     if (entry is None or refresh) and not no_measure:
         try:
@@ -202,7 +202,7 @@ def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None)
             else:
                 with err_console.status(f"measuring the CPU decode attention on {n} threads (f16, q8_0, q4_0 tails of 256 MiB)"):
                     result = cpu_attn.measure(b.lib_dir, n)
-            entry, source = link.save_cpu_attn(n, b.dir.name, result), "measured now"
+            entry, source = profile.save_cpu_attn(n, b.dir.name, result), "measured now"
         except cpu_attn.Unavailable as e:
             out["error"] = e.message
             warn(f"CPU attention: {e.message}" + (": rebuild with `rollingkv build`" if e.kind == "no_function" else ""))

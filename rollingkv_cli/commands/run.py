@@ -30,7 +30,8 @@ def _temperature(ctx, param, value: float) -> float:
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature, verbose) -> None:
     """Answer PROMPT with MODEL (a GGUF path or `demo`), using the active build."""
-    from rollingkv_cli import llama_ext, models
+    from rollingkv_cli import models
+    from rollingkv_cli.lib import child
     from rollingkv_cli.console import err_console
 
     if (prompt is None) == (prompt_file is None):
@@ -40,14 +41,14 @@ def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature
 
     check_native_knobs()  # the library this loads reads them itself: refused here, not ignored or clamped there
     if model_spec == "demo":  # no build: said before the demo model is downloaded (94 MiB for nothing)
-        from rollingkv_cli import builder
+        from rollingkv_cli.lib import builder
 
         builder.active_build(required=True)
     path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
     if model_spec != "demo":  # the demo is verified by its sha256
         models.check_gguf(path, model_spec)
-    llama_ext.run_isolated(lambda: _answer(path, model_spec, text, max_tokens, ctx_size, seed, temperature, verbose),
-                           f"running {model_spec}", verbose)
+    child.run_isolated(lambda: _answer(path, model_spec, text, max_tokens, ctx_size, seed, temperature, verbose),
+                       f"running {model_spec}", verbose)
 
 
 def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
@@ -79,7 +80,7 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
     """In run_isolated's child: load, answer, print the answer alone on stdout."""
     import time
 
-    from rollingkv_cli import llama_ext
+    from rollingkv_cli.lib import llama_ext
     from rollingkv_cli.console import abort, err_console, esc
 
     llama_cpp, ext = llama_ext.load()

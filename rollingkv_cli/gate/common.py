@@ -1,7 +1,7 @@
 """What the gates share: exit codes, which build (library + llama-server) they run, logs, llama-server runs.
 
 `gate equiv` drives libllama through ctypes (gate/runner.py, one process per library); `gate needle` and
-`gate vram` drive llama-server processes (rollingkv_cli/server.py), the way users run the split cache.
+`gate vram` drive llama-server processes (rollingkv_cli/serve/server.py), the way users run the split cache.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class GateBuild:
 def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) -> GateBuild:
     """--build DIR (a `rollingkv build` directory), --lib-dir DIR (llama.cpp's build/bin of our series), or
     the active build ($ROLLINGKV_BUILD, else the one `rollingkv build` activated)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.userinput import check_native_knobs
 
     check_native_knobs()  # every gate runs the library: its own variables are checked first (userinput.NATIVE_KNOBS)
@@ -97,7 +97,7 @@ KEEP_RUN_LOGS = 20  # the newest runs' log folders kept under <cache>/gate
 def logs_dir() -> Path:
     """This run's own log folder, <cache>/gate/<time>-<pid> (concurrent gates shared fixed names like tokenize.log);
     the oldest beyond KEEP_RUN_LOGS are removed."""
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
 
     root = paths.cache_dir() / "gate"
     try:
@@ -203,8 +203,8 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
 
 def start_server(binary: Path, args: list[str], log_path: Path, timeout: float | None = None, env: dict | None = None):
     """A healthy ServerProcess, or a RollingKVError naming its log (the last log lines are printed)."""
-    from rollingkv_cli import paths
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.serve.server import ServerProcess
 
     timeout = timeout or paths.serve_start_timeout()  # a bad value refused before anything starts
     srv = ServerProcess(binary, args, log_path=log_path, env=env)
@@ -222,7 +222,7 @@ def start_server(binary: Path, args: list[str], log_path: Path, timeout: float |
 
 
 def print_log_tail(log_path: Path, n: int = 15) -> None:
-    from rollingkv_cli.builder import log_tail
+    from rollingkv_cli.lib.builder import log_tail
     from rollingkv_cli.console import log_panel
 
     log_panel(log_tail(log_path, n), f"last lines of {log_path}")
@@ -244,7 +244,7 @@ def request(srv, path: str, payload: dict | None = None, timeout: float = 3600.0
     except (urllib.error.URLError, OSError, ValueError) as e:
         if srv.alive():
             raise RollingKVError(f"llama-server did not answer {path}: {e}", f"see its log: {srv.log_path}") from None
-        from rollingkv_cli.procs import exit_parts
+        from rollingkv_cli.lib.procs import exit_parts
 
         what, advice = exit_parts(srv.proc.returncode if srv.proc else None, srv.log_path)
         raise RollingKVError(f"llama-server died during {path} ({what})", advice) from None

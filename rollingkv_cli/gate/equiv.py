@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 def runner_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "rollingkv_cli.gate.runner", *args]
+    from rollingkv_cli.lib.child import python_command
+
+    return python_command("rollingkv_cli.gate.runner", *args)
 
 
 def progress(console):
@@ -32,18 +32,16 @@ def progress(console):
 def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, progress=None, label: str = "", total: int = 0) -> dict:
     """Run one runner child: stdout is the protocol, stderr (llama.cpp's log) goes to log_path."""
     from rollingkv_cli.console import abort, console, log_panel
-    from rollingkv_cli.procs import exit_parts, popen_tied
+    from rollingkv_cli.lib import child
+    from rollingkv_cli.lib.procs import exit_parts
 
-    env = dict(os.environ)
-    env.pop("LLAMA_CPP_LIB_PATH", None)  # the child sets it for the library it was given
-    env["PYTHONUNBUFFERED"] = "1"
     task = progress.add_task(label, total=total or None, stage="starting") if progress is not None else None
     error: dict | None = None
     tail: deque[str] = deque(maxlen=20)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, stdin=subprocess.DEVNULL)
+        proc = child.spawn(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -70,7 +68,7 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
         hint = error.get("hint")
         abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
     if rc != 0 or not result_path.is_file():
-        from rollingkv_cli.builder import log_tail
+        from rollingkv_cli.lib.builder import log_tail
 
         log_panel(log_tail(log_path, 15).rstrip() or "\n".join(tail), f"last lines of {log_path}", console)
         what, advice = exit_parts(rc)
@@ -79,7 +77,7 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    from rollingkv_cli.procs import stop_group
+    from rollingkv_cli.lib.procs import stop_group
 
     stop_group(proc)
 
@@ -203,7 +201,7 @@ def check_auto_tail_heads(model: Path, ctk: str, ctv: str, ctkt: str | None, ctv
     a usage error before any run (the library refuses it too, when it plans)."""
     from rollingkv_cli.bench.gguf import read_model
     from rollingkv_cli.console import usage_error
-    from rollingkv_cli.serving import auto_tail_head_refusal
+    from rollingkv_cli.serve.launch import auto_tail_head_refusal
 
     info = read_model(model)
     why = auto_tail_head_refusal(info.head_dim_k, info.head_dim_v, ctkt == "auto", ctvt == "auto", ctk, ctv)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from rollingkv_cli.kvtypes import TAIL_AUTO  # not a type: the planner's choice
+
 DEFAULT_REAL_MARGIN_NATS = 0.5
 DEFAULT_MAX_FRAC_OVER_FLOOR = 0.05  # see over_floor
 FLOOR_QUANTILE = 0.99
@@ -158,7 +160,6 @@ class ThresholdsError(ValueError):
         self.hint = hint
 
 
-AUTO_TAIL = "auto"  # a tail type the planner chooses (kvtypes.TAIL_AUTO)
 
 
 def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str | None]) -> str:
@@ -168,7 +169,7 @@ def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str
     A q8_0 window with a q8_0 tail is 'same_type': the reference holds q8_0 too, so the split must be exact.
     bf16 counts as lossy (7 mantissa bits against f16's 10) and gets the 'quantized' bounds.
     """
-    if AUTO_TAIL in tail_types:
+    if TAIL_AUTO in tail_types:
         return "auto"
     for win, tail in zip(window_types, tail_types):
         t = tail or win

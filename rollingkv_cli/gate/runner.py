@@ -132,13 +132,13 @@ def is_rollingkv_lib(lib_dir: Path) -> bool:
 
 def load_bindings(lib_dir: Path):
     """(llama_cpp, Extension or None, info dict) with llama_cpp bound to lib_dir's libllama."""
-    from rollingkv_cli.llama_ext import preload_cxx_runtime
+    from rollingkv_cli.lib.llama_ext import preload_cxx_runtime
 
     preload_cxx_runtime()  # before the first load of any of the build's libraries (is_rollingkv_lib loads libllama)
     ours = is_rollingkv_lib(lib_dir)
     info: dict = {"lib": str(lib_dir / "libllama.so"), "rollingkv": ours}
     if ours:
-        from rollingkv_cli import llama_ext
+        from rollingkv_cli.lib import llama_ext
         from rollingkv_cli.console import RollingKVError
 
         try:
@@ -160,7 +160,7 @@ def load_bindings(lib_dir: Path):
     except Exception as e:  # ImportError, OSError, RuntimeError, AttributeError from a mismatched library
         raise RunnerError(f"llama_cpp could not load {lib_dir / 'libllama.so'}: {e}",
                           "the library must come from the llama.cpp commit llama-cpp-python 0.3.36 pins") from None
-    from rollingkv_cli.llama_ext import loaded_library_path
+    from rollingkv_cli.lib.llama_ext import loaded_library_path
 
     loaded = loaded_library_path(mod)
     if loaded is None or loaded.resolve() != (lib_dir / "libllama.so").resolve():
@@ -244,7 +244,7 @@ def _tokenize_text(llama_cpp, vocab, text: bytes) -> list[int]:
 
 def logits(args) -> dict:
     from rollingkv_cli.gate import metrics
-    from rollingkv_cli.llama_ext import GGML_TYPES
+    from rollingkv_cli.lib.llama_ext import GGML_TYPES
 
     t0 = time.perf_counter()
     lib_dir = resolve_lib_dir(args.lib_dir)

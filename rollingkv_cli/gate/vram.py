@@ -201,7 +201,7 @@ def verdict(stats: VramStats, target_mib: int, allowance_mib: int) -> tuple[str,
 
 
 def no_gpu_report(reason: str) -> dict:
-    from rollingkv_cli.pcie import NO_GPU_MESSAGE
+    from rollingkv_cli.hw.pcie import NO_GPU_MESSAGE
 
     return {"gate": "vram", "verdict": "no-gpu", "passed": False, "gpus": [], "error": NO_GPU_MESSAGE, "reason": reason}
 
@@ -241,9 +241,9 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from rollingkv_cli.gate import common as gc
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
     from rollingkv_cli.gate.runner import synthetic_text
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     t_start = time.time()
     binary = cfg.build.require_server()
@@ -337,7 +337,7 @@ def print_report(console, r: dict) -> None:
     from rich.table import Table
 
     from rollingkv_cli.console import esc
-    from rollingkv_cli.serving import describe_plan
+    from rollingkv_cli.serve.status import describe_plan
 
     m = r["memory"]
     t = Table(title=f"VRAM gate: GPU {r['gpu']['index']} ({esc(str(r['gpu']['name']))})", title_justify="left", show_header=False)

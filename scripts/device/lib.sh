@@ -55,10 +55,10 @@ unpack_src() {
     touch "$RKV_SRC/.rkv-unpacked"
   fi
   local pristine
-  pristine="$(python3 -c 'from rollingkv_cli import paths, upstream; print(paths.upstream_dir() / upstream.PIN.short)')" || return 1
+  pristine="$(python3 -c 'from rollingkv_cli.lib import paths, upstream; print(paths.upstream_dir() / upstream.PIN.short)')" || return 1
   if [ ! -f "$pristine/.rollingkv-extracted" ]; then
     rm -rf "$pristine" && mkdir -p "$(dirname "$pristine")" && cp -a "$RKV_SRC" "$pristine" && rm -f "$pristine/.rkv-unpacked"
-    python3 -c 'from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)' > "$pristine/.rollingkv-extracted"
+    python3 -c 'from rollingkv_cli.lib import upstream; print(upstream.PIN.llama_cpp_commit)' > "$pristine/.rollingkv-extracted"
   fi
 }
 

@@ -22,9 +22,9 @@ for a in "$@"; do
 done
 # shellcheck disable=SC1091
 . "${ROLLINGKV_VENV:-.venv}/bin/activate"
-pin="$(python -c 'from rollingkv_cli import upstream; print(upstream.PIN.llama_cpp_commit)')"
+pin="$(python -c 'from rollingkv_cli.lib import upstream; print(upstream.PIN.llama_cpp_commit)')"
 if [ "$(cat .device/src/pin 2>/dev/null)" != "$pin" ] || [ ! -f .device/src/llama.cpp.tgz ] || [ ! -f .device/src/pylib.tgz ]; then
-  tree="$(python -c 'from rollingkv_cli import upstream; print(upstream.pristine_tree(log=lambda m: None))')"
+  tree="$(python -c 'from rollingkv_cli.lib import upstream; print(upstream.pristine_tree(log=lambda m: None))')"
   mkdir -p .device/src
   tar -C "$tree" -czf .device/src/llama.cpp.tgz \
     --exclude='ggml/src/ggml-vulkan' --exclude='ggml/src/ggml-sycl' --exclude='ggml/src/ggml-cann' \

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rollingkv_cli import builder  # noqa: E402
-from rollingkv_cli.server import ServerProcess  # noqa: E402
+from rollingkv_cli.lib import builder  # noqa: E402
+from rollingkv_cli.serve.server import ServerProcess  # noqa: E402
 
 
 def _nvml_used_mib() -> list[int]:
@@ -57,7 +57,7 @@ def main() -> int:
     text = log.read_text(errors="replace")
     summary["log_backend_lines"] = [line for line in text.splitlines() if re.search(r"load_backend|offloaded|CUDA0 model buffer|using device CUDA", line)][:12]
     code = (
-        "import json; from pathlib import Path; from rollingkv_cli import llama_ext;"
+        "import json; from pathlib import Path; from rollingkv_cli.lib import llama_ext;"
         f"m, ext = llama_ext.load(Path({str(b.lib_dir)!r}));"
         "print(json.dumps({'gpu_offload': bool(m.llama_supports_gpu_offload()), 'info': ext.build_info()}))"
     )

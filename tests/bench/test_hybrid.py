@@ -13,7 +13,7 @@ import pytest
 
 from rollingkv_cli.bench import arithmetic as bm
 from test_cli import run_main
-from test_cpu_attn import _standin_lib
+from hw.test_cpu_attn import _standin_lib
 
 # resident 100 tok/s, a GPU-only split 50, a hybrid split 80; the chosen CPU share of an auto cell: 40 / (40 + link)
 FAKE_BENCH = r"""#!{python}
@@ -52,7 +52,7 @@ def cuda_build(tmp_path, monkeypatch, isolated_cache):
     (f16 10 GB/s per thread, q8_0 5, q4_0 unsupported). .api(3) makes a build whose library predates the hybrid tail
     the active one: another directory, as the command loads the library in-process to look for the calibration (a
     library overwritten in place under that mapping crashes the interpreter at exit)."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.bench import tail as bench_tail
 
     state = {"cuda": True, "dir": None}
@@ -106,7 +106,7 @@ def _run(capsys, tiny, out, *extra):
 
 def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")  # the CPU part's threads, whatever -t (here 3) says
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 3 threads: at most the process's CPUs
     out = tmp_path / "h.json"
@@ -204,10 +204,10 @@ def test_dry_run_commands_are_whole_lines(capsys, cuda_build, tiny, tmp_path, mo
 def test_hybrid_auto_cells_by_default(capsys, cuda_build, tiny, tmp_path):
     """The CPU part's default is auto (the library's): the default run measures what users get, an auto hybrid cell next to
     each GPU-only window cell with a tail (--kv-tail-cpu-frac 0), and the CPU attention calibrated in the run."""
-    from rollingkv_cli.bench import tail as bench_tail
+    from rollingkv_cli.bench import tail_grid
 
-    assert bench_tail.DEFAULT_CPU_FRACS == ("auto",) and bench_tail.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
-                                                                               depths=[1020]).cpu_fracs == ["auto"]
+    assert tail_grid.DEFAULT_CPU_FRACS == ("auto",) and tail_grid.TailConfig(model=tiny, bench=tiny, build_dir=tmp_path, backend="CUDA",
+                                                                              depths=[1020]).cpu_fracs == ["auto"]
     code, stdout, _ = _run(capsys, tiny, tmp_path / "d.json", "--dry-run")
     assert code == 0 and "--kv-tail-cpu-frac auto" in stdout and "MEASURED" in stdout
     out = tmp_path / "n.json"
@@ -276,7 +276,7 @@ def test_a_hybrid_cell_whose_cpu_part_never_ran_fails(capsys, cuda_build, tiny, 
     """Proof that the path ran: a hybrid cell that the plan gave a CPU share but whose process counted no CPU part (a
     build that streamed the whole tail) fails with the reason, instead of timing the GPU-only stream as the hybrid."""
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "3")
-    from rollingkv_cli import cpu_attn
+    from rollingkv_cli.hw import cpu_attn
 
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("FAKE_CPU_PART_RUNS", "0")

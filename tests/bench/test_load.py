@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rollingkv_cli.bench import load as lb
-from rollingkv_cli.serving import residency_line
+from rollingkv_cli.serve.status import residency_line
 
 
 def test_table_mix_stages():

@@ -109,7 +109,7 @@ def test_default_report_is_a_new_folder_per_run_in_docs_perf(monkeypatch, tmp_pa
     into docs/perf; nothing is created before the report is written."""
     import time
 
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
     from rollingkv_cli.bench import cli as bench_cli
 
     (tmp_path / "docs" / "perf").mkdir(parents=True)
@@ -123,7 +123,7 @@ def test_default_report_is_a_new_folder_per_run_in_docs_perf(monkeypatch, tmp_pa
 
 
 def test_vanilla_build_without_llama_bench(capsys, isolated_cache, fake_gguf, tmp_path, monkeypatch):
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.bench import arithmetic as bench_math
     from rollingkv_cli.bench import gguf as bench_gguf
 
@@ -184,7 +184,7 @@ print(json.dumps([{{"n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": ts, "stdd
 @pytest.fixture
 def fake_build(tmp_path, monkeypatch, isolated_cache):
     """Active build = a directory whose llama-bench is FAKE_BENCH: 100 tok/s resident, 50 tok/s split, -nkvo fails."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     bdir = tmp_path / "fakebuild"
     (bdir / "build" / "bin").mkdir(parents=True)
@@ -262,7 +262,7 @@ def _bench(cpu_build, *args, timeout=300) -> subprocess.CompletedProcess:
 
 
 def _has_gpu() -> bool:
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import pcie
 
     try:
         pcie.discover()
@@ -391,9 +391,10 @@ def test_read_model_counts_only_a_hybrid_models_attention_layers(tmp_path, arch)
 def test_head_cells_with_a_fake_bench(capsys, fake_build, tmp_path, monkeypatch):
     """--head-fractions: per tail type and fraction f, N = round((1 - f) x n_head_kv) device KV heads per layer; the cell's
     tail bytes are the host heads of every attended cell, against the same floors as the window cells."""
-    from rollingkv_cli import models, serving
+    from rollingkv_cli import models
+    from rollingkv_cli.serve import launch
 
-    monkeypatch.setattr(serving, "build_has_head_split", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_head_split", lambda lib: True)
     model = models.write_synthetic(tmp_path / "gqa.gguf", models.SynthSpec(layers=2, embd=256, heads=4, kv_heads=4, ff=256, vocab=300, ctx=4096))
     out = tmp_path / "heads.json"
     code, _, err = run_main(["bench", "tail", str(model), "-d", "1020", "-n", "4", "-r", "1", "--fractions", "0.5", "--tail-types", "f16,q8_0",

@@ -82,7 +82,7 @@ ThreadingHTTPServer((opt("--host", "127.0.0.1"), int(opt("--port"))), H).serve_f
 @pytest.fixture
 def fake_server_build(monkeypatch, isolated_cache, tmp_path):
     """The active build: an empty libllama.so and the fake llama-server; `cuda` as the test sets it."""
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     bdir = tmp_path / "build"
     bin_dir = bdir / "build" / "bin"

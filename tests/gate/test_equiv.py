@@ -101,7 +101,7 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
     the window, rows past it), bit-identical where the TV is 0; the candidate's plan has a window of state["window"] cells."""
     import numpy as np
 
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.gate import equiv as gate_equiv
 
     bdir = tmp_path / "build"

@@ -24,7 +24,7 @@ def runs(monkeypatch, isolated_cache, tmp_path):
     with a 256-cell window and the tail_cpu object of state["tail_cpu"]; the candidate's --residency JSON is kept."""
     import numpy as np
 
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.gate import equiv as gate_equiv
 
     bdir = tmp_path / "build"
@@ -74,7 +74,7 @@ def test_the_cpu_part_reaches_the_runner_and_the_report(capsys, runs, fake_gguf,
 
 def test_without_the_option_the_library_decides(capsys, runs, fake_gguf, tmp_path):
     """Not given: the runner's make_params leaves the library's default (auto in this series), and the report says so."""
-    from rollingkv_cli import llama_ext
+    from rollingkv_cli.lib import llama_ext
 
     runs["tail_cpu"] = None  # a build that reports no split
     code, stdout, err, r = _gate(capsys, fake_gguf, tmp_path)

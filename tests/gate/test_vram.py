@@ -167,7 +167,7 @@ def test_vram_without_a_gpu_exits_3(capsys, isolated_cache, monkeypatch, tmp_pat
 
 
 def test_vram_exit_code_matches_probe_pcie():
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import pcie
     from rollingkv_cli.gate import common as gate_common
 
     assert gate_common.EXIT_NO_GPU == pcie.EXIT_NO_GPU == 3
@@ -193,7 +193,7 @@ def test_vram_bad_input(capsys, fake_server_build, fake_gguf, monkeypatch, args,
 
 
 def _track_server_pids(monkeypatch) -> set[int]:
-    from rollingkv_cli.server import ServerProcess
+    from rollingkv_cli.serve.server import ServerProcess
 
     pids: set[int] = set()
     orig = ServerProcess.start

@@ -94,7 +94,8 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
 
     Exit status: 0 when every bound holds, 1 when one does not (or on an error), 2 on a usage error.
     """
-    from rollingkv_cli import __version__, models, paths
+    from rollingkv_cli import __version__, models
+    from rollingkv_cli.lib import paths
     from rollingkv_cli.gate import common, metrics
     from rollingkv_cli.gate import equiv as equiv_runs
     from rollingkv_cli.console import abort, console, esc, note, usage_error, warn
@@ -342,7 +343,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                       f"top-1 {equiv_runs.fmt(fs['top1_agreement'])}, real {equiv_runs.fmt(fs['real_frac'])}; "
                       f"bounds relaxed to {thresholds['order_factor']:g} x floor where looser{per_pos}[/]")
     equiv_runs.print_plan(console, cand_r.get("plan"))
-    from rollingkv_cli.serving import describe_tail_cpu, describe_tail_types
+    from rollingkv_cli.serve.status import describe_tail_cpu, describe_tail_types
 
     types_line = describe_tail_types(cand_r.get("plan"))
     if types_line:

@@ -65,7 +65,7 @@ def tail_cpu_frac(ctx, param, value):
     """--kv-tail-cpu-frac: auto or a share of the tail from 0 to 1, checked by serve's validator (one rule for every command)."""
     if value is None:
         return None
-    from rollingkv_cli.serving import SettingError, check_setting
+    from rollingkv_cli.serve.settings import SettingError, check_setting
 
     try:
         return check_setting("kv_tail_cpu_frac", value, from_text=True)

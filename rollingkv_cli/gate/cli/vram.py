@@ -51,7 +51,7 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
     from rollingkv_cli.gate import common
     from rollingkv_cli.gate import vram as vram_runs
     from rollingkv_cli.console import RollingKVError, abort, console, esc, note, usage_error
-    from rollingkv_cli.pcie import NO_GPU_MESSAGE
+    from rollingkv_cli.hw.pcie import NO_GPU_MESSAGE
 
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli import patchset, upstream
+from rollingkv_cli.lib import patchset, upstream
 from rollingkv_cli.console import RollingKVError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _dir_files(d: Path) -> dict[str, bytes]:
@@ -226,7 +226,7 @@ def test_a_series_hash_is_fixed_when_it_is_first_read(tmp_path):
     make the manifest claim a series the build was not made from (a later load sees the change)."""
     import shutil
 
-    from rollingkv_cli import paths
+    from rollingkv_cli.lib import paths
 
     patches, native = tmp_path / "patches", tmp_path / "native"
     shutil.copytree(paths.data_dir("patches"), patches)

@@ -48,7 +48,7 @@ def import_llama_cpp(lib_dir: Path) -> ModuleType:
             abort(f"llama_cpp could not load {lib_dir / 'libllama.so'}: {e}", "rebuild with `rollingkv build`; the bindings and the library must come from the same pin")
     loaded = loaded_library_path(mod)
     if loaded is None or loaded.resolve() != (lib_dir / "libllama.so").resolve():
-        abort(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}", "import rollingkv_cli.llama_ext before anything imports llama_cpp, in a fresh process")
+        abort(f"llama_cpp is bound to {loaded}, not to {lib_dir / 'libllama.so'}", "import rollingkv_cli.lib.llama_ext before anything imports llama_cpp, in a fresh process")
     if not hasattr(mod.llama_cpp._lib, _BUILD_INFO_SYMBOL):
         abort(f"{loaded} is not a rollingkv build (no {_BUILD_INFO_SYMBOL})", "build it with `rollingkv build`")
     return mod
@@ -378,13 +378,15 @@ def _context_params_type():
 def load(lib_dir: Path | None = None) -> tuple[ModuleType, Extension]:
     """(llama_cpp, our extension) bound to lib_dir or the active build."""
     if lib_dir is None:
-        from rollingkv_cli import builder
+        from rollingkv_cli.lib import builder
 
         b = builder.active_build(required=True)
         assert b is not None
         lib_dir = b.lib_dir
     mod = import_llama_cpp(lib_dir)
-    _install_abort_report(mod.llama_cpp._lib)
+    from rollingkv_cli.lib import child
+
+    child.install_abort_report(mod.llama_cpp._lib)  # in run_isolated's child: ggml's assertion comes back
     return mod, Extension(mod.llama_cpp._lib)
 
 
@@ -437,148 +439,3 @@ def open_model(llama_cpp_mod: ModuleType, path: Path, name: str, **kwargs):
                 abort(f"llama.cpp could not create a context of {kwargs.get('n_ctx')} tokens for {name}: {_reason(errors)}",
                       "lower -c/--ctx-size, or free memory")
             abort(f"llama.cpp could not load {name}: {_reason(errors)}", "the file is corrupt or not a model this build runs")
-
-
-_SIGNAL_HINT = "the model file is corrupt or has a shape this build cannot run; -v shows llama.cpp's log"
-
-
-def run_isolated(fn, what: str, verbose: bool = False) -> None:
-    """Run fn() (which drives llama.cpp) in a forked child and re-raise its failure here.
-
-    llama.cpp ends the process on some inputs (a GGML_ASSERT calls abort(), a corrupt tensor can segfault):
-    in a child that ends only the child, and the parent reports it as one line, with the assertion that fired.
-    fn's stdout and stderr are the command's own; its RollingKVError, interrupt or exit status come back here."""
-    import json
-    import signal
-
-    if not hasattr(os, "fork"):
-        fn()
-        return
-    child: list[int] = []
-
-    def forward(signum, frame):  # the child unwinds and reports; we wait for it (never an orphan)
-        if child:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child[0], signum)
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    r, w = os.pipe()
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # before fork: no gap
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        _child(fn, w, verbose)  # never returns
-    child.append(pid)
-    os.close(w)
-    try:
-        with os.fdopen(r, "rb") as f:
-            report = f.read()
-        _, status = os.waitpid(pid, 0)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    msgs = [json.loads(line) for line in report.decode(errors="replace").splitlines() if line.startswith("{")]
-    if os.WIFSIGNALED(status):
-        from rollingkv_cli.console import err_console
-
-        err_console.show_cursor(True)  # a spinner of the child may have hidden it
-        sig = signal.Signals(os.WTERMSIG(status)).name
-        asserted = next((m["text"] for m in msgs if m.get("kind") == "ggml_abort"), None)
-        abort(f"llama.cpp {'aborted' if asserted else f'crashed ({sig})'} while {what}" + (f": {asserted}" if asserted else ""),
-              _SIGNAL_HINT)
-    result = next((m for m in msgs if m.get("kind") != "ggml_abort"), None)
-    code = os.waitstatus_to_exitcode(status)
-    if result is None:
-        if code:
-            sys.exit(code)
-        return
-    kind = result["kind"]
-    if kind == "error":
-        abort(result["message"], result.get("hint"), result.get("code", 1))
-    if kind == "interrupt":
-        raise KeyboardInterrupt
-    if kind == "exit":
-        sys.exit(result["code"])
-    import builtins
-
-    exc = getattr(builtins, result["type"], None)
-    exc = exc if isinstance(exc, type) and issubclass(exc, Exception) else RuntimeError
-    raise exc(result["message"])  # an unexpected failure: cli.main reports it as such
-
-
-def _child(fn, w: int, verbose: bool) -> None:
-    import json
-    import signal
-    import traceback
-
-    from rollingkv_cli.console import RollingKVError
-
-    def send(msg: dict) -> None:
-        try:
-            os.write(w, (json.dumps(msg) + "\n").encode())
-        except OSError:
-            pass
-
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def interrupted_once(signum, frame):  # Ctrl-C reaches us from the terminal and from the parent: one is enough
-        for s in stops:
-            signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    for s in stops:
-        signal.signal(s, interrupted_once)
-    if not verbose:
-        os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # no gdb attach on an assert: we report the assertion
-    global _abort_report
-    _abort_report = lambda text: send({"kind": "ggml_abort", "text": text})  # noqa: E731
-    mod = sys.modules.get("llama_cpp")
-    if mod is not None:
-        _install_abort_report(mod.llama_cpp._lib)
-    code = 0
-    try:
-        fn()
-    except RollingKVError as e:
-        code = e.code
-        send({"kind": "error", "message": e.message, "hint": e.hint, "code": e.code})
-    except KeyboardInterrupt:
-        code = 130
-        send({"kind": "interrupt"})
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        send({"kind": "exit", "code": code})
-    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it for cli.main
-        code = 1
-        if verbose:
-            traceback.print_exc()
-        send({"kind": "other", "type": type(e).__name__, "message": str(e)})
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
-                pass
-        os._exit(code)
-
-
-_abort_report = None  # set in a run_isolated child: where ggml's assertion text goes
-_abort_callback = None  # the ctypes callback must outlive every call into ggml
-
-
-def _install_abort_report(lib: ctypes.CDLL) -> None:
-    """ggml_set_abort_callback: ggml hands the failed assertion to us just before it calls abort()."""
-    global _abort_callback
-    if _abort_report is None or _abort_callback is not None:
-        return
-    base = Path(getattr(lib, "_name", "") or ".").parent / "libggml-base.so"
-    try:
-        setter = (ctypes.CDLL(str(base)) if base.is_file() else lib).ggml_set_abort_callback
-    except (OSError, AttributeError):
-        return
-    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-    report = _abort_report
-    _abort_callback = proto(lambda msg: report((msg or b"").decode(errors="replace")))
-    setter.restype = ctypes.c_void_p
-    setter.argtypes = [proto]
-    setter(_abort_callback)

@@ -10,7 +10,7 @@ import ctypes
 
 import pytest
 
-from rollingkv_cli import llama_ext
+from rollingkv_cli.lib import llama_ext
 from rollingkv_cli.console import RollingKVError
 
 

@@ -1,4 +1,4 @@
-"""`rollingkv probe pcie` and rollingkv_cli.pcie without a GPU: NVML, sysfs and the CUDA runtime are faked."""
+"""`rollingkv probe pcie` and rollingkv_cli.hw.pcie without a GPU: NVML, sysfs and the CUDA runtime are faked."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli import pcie
+from rollingkv_cli.hw import pcie, cudart, profile
 from rollingkv_cli.console import RollingKVError
 from test_cli import run_main
 
@@ -66,9 +66,9 @@ def env(monkeypatch, isolated_cache, tmp_path):
     monkeypatch.delenv("ROLLINGKV_PCIE_BW_GBPS", raising=False)
 
     def no_cudart():
-        raise pcie.CudaUnavailable("no CUDA runtime (libcudart) found")
+        raise cudart.CudaUnavailable("no CUDA runtime (libcudart) found")
 
-    monkeypatch.setattr(pcie, "load_cudart", no_cudart)
+    monkeypatch.setattr(cudart, "load_cudart", no_cudart)
 
     def install(gpus=None, init_error=None):
         monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(gpus, init_error))
@@ -313,7 +313,7 @@ def test_resolution_order(env, monkeypatch, capsys):
     res = pcie.resolve_bandwidth(0)
     assert res.tier == "theoretical" and res.gbps == pytest.approx(31.508 * 0.85, abs=1e-3)
     # 2: the measured cache beats it
-    pcie.save_measurement(g, fake_entry(g, h2d256=24.25))
+    profile.save_measurement(g, fake_entry(g, h2d256=24.25))
     gbps, tier, _ = pcie.resolve_bandwidth(0)
     assert (gbps, tier) == (24.25, "measured")
     # a cache made under another driver does not count
@@ -372,10 +372,10 @@ def test_bad_env_refused_by_cli(env, capsys, monkeypatch, bad):
 @pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"entries": {"k": {"h2d": "fast"}}}), "\xff\xfe"])
 def test_corrupt_cache_moved_aside(env, capsys, content):
     env([link(5, 16)])
-    p = pcie.profile_path()
+    p = profile.profile_path()
     p.parent.mkdir(parents=True)
     p.write_text(content)
-    assert pcie.load_profile() == {}
+    assert profile.load_profile() == {}
     assert not p.exists()
     aside = list(p.parent.glob("profile.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == content  # kept, not lost
@@ -387,8 +387,8 @@ def test_corrupt_cache_moved_aside(env, capsys, content):
 def test_corrupt_cache_cli_remeasures(env, capsys, monkeypatch):
     env([link(5, 16)])
     calls = []
-    monkeypatch.setattr(pcie, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=55.25))
-    p = pcie.profile_path()
+    monkeypatch.setattr(cudart, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=55.25))
+    p = profile.profile_path()
     p.parent.mkdir(parents=True)
     p.write_text('{"entries": ')
     code, out, err = run_main(["probe", "pcie", "--json"], capsys)
@@ -402,11 +402,11 @@ def test_corrupt_cache_cli_remeasures(env, capsys, monkeypatch):
 def test_cache_reused_and_refresh(env, capsys, monkeypatch):
     env([link(5, 16, uuid="GPU-a"), link(4, 16, uuid="GPU-b", bus="00000000:5E:00.0")])
     calls = []
-    monkeypatch.setattr(pcie, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=50.0 + g.index))
+    monkeypatch.setattr(cudart, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=50.0 + g.index))
     code, out, _ = run_main(["probe", "pcie", "--json"], capsys)
     assert code == 0 and calls == [0, 1]
     assert [d["resolved"]["gbps"] for d in json.loads(out)["gpus"]] == [50.0, 51.0]
-    data = json.loads(pcie.profile_path().read_text())
+    data = json.loads(profile.profile_path().read_text())
     assert set(data["entries"]) == {"GPU-a|580.159.04", "GPU-b|580.159.04"}
     assert all(e["measured_at"] for e in data["entries"].values())
     run_main(["probe", "pcie", "--json"], capsys)
@@ -425,15 +425,15 @@ def test_cache_reused_and_refresh(env, capsys, monkeypatch):
 def test_slot_change_invalidates_cache(env):
     env([link(5, 16, uuid="GPU-a")])
     (g,) = pcie.discover()
-    pcie.save_measurement(g, fake_entry(g, pci_bus_id="00000000:AF:00.0"))
-    assert pcie.cached_measurement(g) is None
+    profile.save_measurement(g, fake_entry(g, pci_bus_id="00000000:AF:00.0"))
+    assert profile.cached_measurement(g) is None
 
 
 def test_no_cudart_warns_and_shows_theoretical(env, capsys):
     env([link(5, 16)])
     code, out, err = run_main(["probe", "pcie"], capsys)
     assert code == 0 and "no CUDA runtime" in err and "theoretical" in out
-    assert not pcie.profile_path().exists()
+    assert not profile.profile_path().exists()
 
 
 # ------------------------------------------------------------------------------------ measurement
@@ -453,7 +453,7 @@ class FakeCudart:
 
     def check(self, err, what):
         if err:
-            raise pcie.MeasureError(f"{what} failed ({err})")
+            raise cudart.MeasureError(f"{what} failed ({err})")
 
     def version(self):
         return "13.0"
@@ -527,20 +527,20 @@ def test_measure_arithmetic_and_cleanup(env, monkeypatch):
     env([link(5, 16, bus=BUS)])
     (g,) = pcie.discover()
     rt = FakeCudart(h2d_gbps=25.0, d2h_gbps=20.0)
-    monkeypatch.setattr(pcie, "_touch", lambda host, n: None)
+    monkeypatch.setattr(cudart, "_touch", lambda host, n: None)
     seen = []
 
     def reader(index):
         seen.append(rt.inflight)  # read while the burst is in flight
         return 5, 16
 
-    m = pcie.measure(g, link_reader=reader, rt=rt)
+    m = cudart.measure(g, link_reader=reader, rt=rt)
     assert m["h2d"] == {"1": 25.0, "16": 25.0, "256": 25.0}
     assert m["d2h"] == {"1": 20.0, "16": 20.0, "256": 20.0}
-    assert seen and seen[0] == pcie._LOAD_BURST
+    assert seen and seen[0] == cudart._LOAD_BURST
     assert m["link_under_load"] == {"gen": 5, "width": 16} and m["uuid"] == g.uuid
     assert rt.live == set()  # everything freed
-    pcie.save_measurement(g, m)
+    profile.save_measurement(g, m)
     assert pcie.resolve_bandwidth(0)[:2] == (25.0, "measured")
 
 
@@ -549,16 +549,16 @@ def test_measure_failure_frees_and_raises(env, monkeypatch):
     (g,) = pcie.discover()
     rt = FakeCudart()
     rt.cudaMalloc = lambda ref, n: 2  # cudaErrorMemoryAllocation
-    monkeypatch.setattr(pcie, "_touch", lambda host, n: None)
-    with pytest.raises(pcie.MeasureError, match="cudaMalloc"):
-        pcie.measure(g, rt=rt)
+    monkeypatch.setattr(cudart, "_touch", lambda host, n: None)
+    with pytest.raises(cudart.MeasureError, match="cudaMalloc"):
+        cudart.measure(g, rt=rt)
     assert rt.live == set()
 
 
 def test_load_cudart_none_found(monkeypatch):
-    monkeypatch.setattr(pcie, "cudart_candidates", lambda: ["/nonexistent/libcudart.so.99"])
-    with pytest.raises(pcie.CudaUnavailable):
-        pcie.load_cudart()
+    monkeypatch.setattr(cudart, "cudart_candidates", lambda: ["/nonexistent/libcudart.so.99"])
+    with pytest.raises(cudart.CudaUnavailable):
+        cudart.load_cudart()
 
 
 def test_load_cudart_not_a_runtime(monkeypatch):
@@ -567,9 +567,9 @@ def test_load_cudart_not_a_runtime(monkeypatch):
     libc = ctypes.util.find_library("c")
     if not libc:
         pytest.skip("no libc to load")
-    monkeypatch.setattr(pcie, "cudart_candidates", lambda: [libc])
-    with pytest.raises(pcie.MeasureError, match="not a CUDA runtime"):
-        pcie.load_cudart()
+    monkeypatch.setattr(cudart, "cudart_candidates", lambda: [libc])
+    with pytest.raises(cudart.MeasureError, match="not a CUDA runtime"):
+        cudart.load_cudart()
 
 
 def test_cudart_candidates_dedupe(monkeypatch, tmp_path):
@@ -581,7 +581,7 @@ def test_cudart_candidates_dedupe(monkeypatch, tmp_path):
     (lib / "libcudart.so").symlink_to("libcudart.so.13")
     (lib / "libcudart.so.12.8.90").write_bytes(b"")
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
-    c = pcie.cudart_candidates()
+    c = cudart.cudart_candidates()
     assert c[:3] == ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
     mine = [Path(x).name for x in c if x.startswith(str(lib))]
     assert mine == ["libcudart.so.13.0.96", "libcudart.so.12.8.90"]

@@ -1,5 +1,5 @@
 """The CPU attention part of the per-machine profile, without a real build: the calibration child (cpu_attn.py) on a
-stand-in libllama compiled here, its failures as one line, the cache next to the link figures (pcie.py), and
+stand-in libllama compiled here, its failures as one line, the cache next to the link figures (profile.py), and
 `rollingkv probe pcie` measuring, caching, re-measuring with --refresh and showing it (NVML faked as in
 test_pcie.py). The real library's calibration: tests/test_hybrid_tail.py."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli import cpu_attn, pcie
+from rollingkv_cli.hw import cpu_attn, pcie, profile
 from test_cli import run_main
-from test_pcie import env, link  # noqa: F401  (the fixture: an isolated cache, a fake NVML, no CUDA runtime)
+from hw.test_pcie import env, link  # noqa: F401  (the fixture: an isolated cache, a fake NVML, no CUDA runtime)
 
 STANDIN = r"""
 const char * llama_rolling_kv_build_info(void) { return "rollingkv api=API pin=stand-in series=0"; }
@@ -113,32 +113,32 @@ RESULT = {"gbps": {"f16": 64.9, "q8_0": 36.8, "q4_0": 16.4}, "errors": {}, "buil
 def test_cache_per_threads_and_build_beside_the_link(env):  # noqa: F811
     env([link(5, 16)])
     (g,) = pcie.discover()
-    from test_pcie import fake_entry
+    from hw.test_pcie import fake_entry
 
-    pcie.save_measurement(g, fake_entry(g, h2d256=53.5))
-    e = pcie.save_cpu_attn(15, "buildA", RESULT)
+    profile.save_measurement(g, fake_entry(g, h2d256=53.5))
+    e = profile.save_cpu_attn(15, "buildA", RESULT)
     assert e["n_threads"] == 15 and e["build"] == "buildA" and e["gbps"]["f16"] == 64.9 and e["measured_at"]
-    assert pcie.cached_cpu_attn(15, "buildA") == e
-    assert pcie.cached_cpu_attn(8, "buildA") is None and pcie.cached_cpu_attn(15, "buildB") is None
+    assert profile.cached_cpu_attn(15, "buildA") == e
+    assert profile.cached_cpu_attn(8, "buildA") is None and profile.cached_cpu_attn(15, "buildB") is None
     # both parts survive each other's writes
-    pcie.save_measurement(g, fake_entry(g, h2d256=54.0))
-    assert pcie.cached_cpu_attn(15, "buildA") == e
-    assert pcie.cached_measurement(g)["h2d"]["256"] == 54.0
-    data = json.loads(pcie.profile_path().read_text())
+    profile.save_measurement(g, fake_entry(g, h2d256=54.0))
+    assert profile.cached_cpu_attn(15, "buildA") == e
+    assert profile.cached_measurement(g)["h2d"]["256"] == 54.0
+    data = json.loads(profile.profile_path().read_text())
     assert set(data) == {"version", "entries", "cpu_attn"} and len(data["cpu_attn"]) == 1
-    assert pcie.cpu_attn_gbps_for("q8_0", 15, "buildA") == (36.8, pytest.approx(pcie.cpu_attn_gbps_for("q8_0", 15, "buildA")[1]))
-    assert pcie.cpu_attn_gbps_for(None, 15, "buildA")[0] == 64.9  # llama.cpp's default K type: f16
-    gbps, why = pcie.cpu_attn_gbps_for("f16", 4, "buildA")
+    assert profile.cpu_attn_gbps_for("q8_0", 15, "buildA") == (36.8, pytest.approx(profile.cpu_attn_gbps_for("q8_0", 15, "buildA")[1]))
+    assert profile.cpu_attn_gbps_for(None, 15, "buildA")[0] == 64.9  # llama.cpp's default K type: f16
+    gbps, why = profile.cpu_attn_gbps_for("f16", 4, "buildA")
     assert gbps is None and "4 threads" in why and "probe pcie" in why
 
 
 def test_an_unsupported_type_is_not_a_figure(env):  # noqa: F811
     env([link(5, 16)])
-    pcie.save_cpu_attn(4, "b", {"gbps": {"f16": 20.0, "q4_0": None}, "errors": {"q4_0": "no q4_0"}})
-    gbps, why = pcie.cpu_attn_gbps_for("q4_0", 4, "b")
+    profile.save_cpu_attn(4, "b", {"gbps": {"f16": 20.0, "q4_0": None}, "errors": {"q4_0": "no q4_0"}})
+    gbps, why = profile.cpu_attn_gbps_for("q4_0", 4, "b")
     assert gbps is None and "no q4_0" in why
     with pytest.raises(ValueError, match="no usable"):
-        pcie.save_cpu_attn(4, "b", {"gbps": {"f16": None}, "errors": {}})
+        profile.save_cpu_attn(4, "b", {"gbps": {"f16": None}, "errors": {}})
 
 
 @pytest.mark.parametrize("bad", [{"gbps": {"f16": "fast"}, "n_threads": 4, "measured_at": "t"},
@@ -147,13 +147,13 @@ def test_an_unsupported_type_is_not_a_figure(env):  # noqa: F811
 def test_a_malformed_cpu_entry_is_dropped_not_the_link(env, capsys, bad):  # noqa: F811
     env([link(5, 16)])
     (g,) = pcie.discover()
-    from test_pcie import fake_entry
+    from hw.test_pcie import fake_entry
 
-    p = pcie.profile_path()
+    p = profile.profile_path()
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({"version": 1, "entries": {g.cache_key(): fake_entry(g)}, "cpu_attn": {"k": bad}}))
-    assert pcie.cached_measurement(g) is not None  # the link figures are kept
-    assert pcie.load_profile() and not list(p.parent.glob("profile.json.corrupt-*"))
+    assert profile.cached_measurement(g) is not None  # the link figures are kept
+    assert profile.load_profile() and not list(p.parent.glob("profile.json.corrupt-*"))
     assert "malformed CPU attention entries (k)" in capsys.readouterr().err
 
 
@@ -162,7 +162,7 @@ def test_a_malformed_cpu_entry_is_dropped_not_the_link(env, capsys, bad):  # noq
 
 @pytest.fixture
 def fake_build(monkeypatch, tmp_path):
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     b = builder.Build(tmp_path / "b1234", {"pin": "x", "series_hash": "y", "options": {"cuda": True}})
     monkeypatch.setattr(builder, "active_build", lambda required=True: b)
@@ -208,7 +208,7 @@ def test_probe_measures_caches_and_refreshes(env, capsys, monkeypatch, fake_buil
 
 
 def test_probe_without_a_build_or_with_an_old_one(env, capsys, monkeypatch):  # noqa: F811
-    from rollingkv_cli import builder
+    from rollingkv_cli.lib import builder
 
     env([link(5, 16)])
     calls = _measuring(monkeypatch)
@@ -220,7 +220,7 @@ def test_probe_without_a_build_or_with_an_old_one(env, capsys, monkeypatch):  # 
     code, out, err = run_main(["probe", "pcie", "--json"], capsys)
     c = json.loads(out)["cpu_attn"]
     assert code == 0 and "predates the hybrid tail" in c["error"] and "rebuild with `rollingkv build`" in err
-    assert not (pcie.profile_path().exists() and json.loads(pcie.profile_path().read_text()).get("cpu_attn"))
+    assert not (profile.profile_path().exists() and json.loads(profile.profile_path().read_text()).get("cpu_attn"))
 
 
 def test_probe_without_a_gpu_measures_nothing(env, capsys, monkeypatch, fake_build):  # noqa: F811

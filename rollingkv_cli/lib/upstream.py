@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollingkv_cli import paths
+from rollingkv_cli.lib import paths
 from rollingkv_cli.console import abort
 
 

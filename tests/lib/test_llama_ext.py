@@ -16,7 +16,7 @@ def test_import_llama_cpp_loads_our_library(cpu_build):
         """
         import json, os
         from pathlib import Path
-        from rollingkv_cli import llama_ext
+        from rollingkv_cli.lib import llama_ext
         llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
         print(json.dumps({"loaded": str(llama_ext.loaded_library_path(llama_cpp)), "info": ext.build_info(),
                           "api": ext.api_version(), "abi": ext.abi_mismatches(llama_cpp)}))
@@ -34,7 +34,7 @@ def _load(lib_dir) -> "subprocess.CompletedProcess":
     import subprocess
     import sys
 
-    code = f"from rollingkv_cli import llama_ext; llama_ext.load(__import__('pathlib').Path({str(lib_dir)!r}))"
+    code = f"from rollingkv_cli.lib import llama_ext; llama_ext.load(__import__('pathlib').Path({str(lib_dir)!r}))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
@@ -64,7 +64,7 @@ def test_demo_model_gives_finite_logits(cpu_build, demo_model):
         f"""
         import json, os, math
         from pathlib import Path
-        from rollingkv_cli import llama_ext
+        from rollingkv_cli.lib import llama_ext
         llama_cpp, ext = llama_ext.load(Path(os.environ["RKV_TEST_LIB_DIR"]))
         llm = llama_cpp.Llama(model_path={str(demo_model)!r}, n_ctx=512, logits_all=True, verbose=False, flash_attn=True)
         toks = llm.tokenize(b"The capital of France is")
@@ -101,7 +101,7 @@ def test_the_tail_types_are_the_librarys(cpu_build):
     from rollingkv_cli import kvtypes
     from rollingkv_cli.bench import arithmetic
     from rollingkv_cli.gate import common as gate_common
-    from rollingkv_cli.serving import SETTINGS
+    from rollingkv_cli.serve.settings import SETTINGS
 
     assert kvtypes.library_tail_types(cpu_build.lib_dir) == kvtypes.TAIL_TYPES
     assert "iq4_nl" not in kvtypes.TAIL_TYPES and "iq4_nl" in kvtypes.WINDOW_TYPES
@@ -110,7 +110,7 @@ def test_the_tail_types_are_the_librarys(cpu_build):
     assert SETTINGS["cache_type_k_tail"].choices == SETTINGS["cache_type_v_tail"].choices == kvtypes.TAIL_TYPE_CHOICES
     assert tuple(gate_common.CACHE_TYPES) == kvtypes.TAIL_TYPES and set(arithmetic.CACHE_TYPES) == set(kvtypes.TAIL_TYPES)
     assert tuple(gate_common.TAIL_CHOICES) == kvtypes.TAIL_TYPE_CHOICES
-    cli_md = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "cli.md").read_text()
+    cli_md = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md").read_text()
     assert f"T, a cache type: {', '.join(kvtypes.TAIL_TYPES)}" in cli_md
 
 

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from rollingkv_cli.server import free_port
+from rollingkv_cli.serve.server import free_port
 
 pytestmark = [pytest.mark.build, pytest.mark.slow]
 

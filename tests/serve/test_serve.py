@@ -85,6 +85,26 @@ def test_bad_config_is_refused(tmp_path, capsys, yaml_text, message, exit_code):
     assert code == exit_code and message in err
 
 
+def test_a_flag_wins_over_the_config_files_key_unread(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    """The file's values are only defaults (click's default_map): a key a flag overrides is never used, so never refused,
+    and a cross-setting error names where each value came from (the flag, or the file's key)."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: demo\nctx_size: lots\nparallel: 2\n")
+    code, out, err = run_main(["serve", "--config", str(cfg), "-c", "2048", "--print-args"], capsys)
+    assert code == 0, err
+    argv = shlex.split(out.strip().splitlines()[-1])
+    assert argv[argv.index("-c") + 1] == "2048" and argv[argv.index("-np") + 1] == "2"
+    code, _, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 2 and f"config file {cfg}: ctx_size must be an integer, not 'lots'" in err
+    cfg.write_text("model: demo\nparallel: 300\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "-c", "100", "-np", "200", "--print-args"], capsys)
+    assert code == 2 and "--ctx-size 100 has fewer cells than --parallel 200 has slots" in err
+    cfg.write_text("model: demo\nctx_size: 100\nparallel: 200\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "-np", "150", "--print-args"], capsys)
+    assert code == 2 and f"config file {cfg}: ctx_size 100 has fewer cells than --parallel 150 has slots" in err
+
+
 def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
     code, _, err = run_main(["serve", str(tmp_path / "nope.gguf")], capsys)
@@ -102,10 +122,10 @@ def test_bad_input(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
 
 
 def test_vram_target_below_weights(capsys, demo_model, cpu_build, monkeypatch):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import launch
 
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
-    monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_rolling_kv", lambda lib: True)
     code, _, err = run_main(["serve", "demo", "--vram-target", "10"], capsys)
     assert code == 1 and "below the model's weights" in err and "minimum" in err
 
@@ -160,7 +180,7 @@ def _server_pids(port) -> list[int]:
 
 @pytest.mark.build
 def test_sigterm_stops_everything(cpu_build, demo_model):
-    from rollingkv_cli.server import free_port
+    from rollingkv_cli.serve.server import free_port
 
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
@@ -177,7 +197,7 @@ def test_sigterm_stops_everything(cpu_build, demo_model):
 
 @pytest.mark.build
 def test_killed_server_is_reported(cpu_build, demo_model):
-    from rollingkv_cli.server import free_port
+    from rollingkv_cli.serve.server import free_port
 
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
@@ -193,13 +213,13 @@ def test_killed_server_is_reported(cpu_build, demo_model):
 # ---------------------------------------------------------------- GPU layers: the rolling KV, not --fit, makes room
 
 def _settings(tmp_path, **kw):
-    from rollingkv_cli.serving import ServeSettings
+    from rollingkv_cli.serve.settings import ServeSettings
 
     return ServeSettings(model=tmp_path / "m.gguf", extra_args=kw.pop("extra_args", []), **kw)
 
 
 def test_gpu_layers_all_when_the_weights_fit(tmp_path):
-    from rollingkv_cli.serving import GPU_LAYERS_HEADROOM_MIB, gpu_layers
+    from rollingkv_cli.serve.launch import GPU_LAYERS_HEADROOM_MIB, gpu_layers
 
     free = lambda: 80000  # noqa: E731
     args, note = gpu_layers(_settings(tmp_path), True, free_vram_mib=free, weights_mib=5564)
@@ -217,7 +237,7 @@ def test_gpu_layers_all_when_the_weights_fit(tmp_path):
 
 @pytest.mark.parametrize("case", ["cpu", "off", "ngl", "ngl=", "fit", "long"])
 def test_gpu_layers_left_alone(tmp_path, case):
-    from rollingkv_cli.serving import gpu_layers
+    from rollingkv_cli.serve.launch import gpu_layers
 
     s = _settings(tmp_path, kv_residency_mode="off" if case == "off" else None,
                   extra_args={"ngl": ["-ngl", "20"], "ngl=": ["--n-gpu-layers=20"], "fit": ["-fit", "on"],
@@ -235,14 +255,14 @@ def test_print_args_cpu_build_has_no_gpu_layers(capsys, demo_model, cpu_build, m
 
 @pytest.mark.parametrize("text,want", [("auto", "auto"), (" AUTO ", "auto"), ("0", 0.0), ("0.25", 0.25), ("1", 1.0)])
 def test_tail_cpu_frac_setting(text, want):
-    from rollingkv_cli.serving import check_setting
+    from rollingkv_cli.serve.settings import check_setting
 
     assert check_setting("kv_tail_cpu_frac", text, from_text=True) == want
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "half", True, "0.5", [0.5], float("nan")])
 def test_tail_cpu_frac_setting_from_the_config_refused(value):
-    from rollingkv_cli.serving import SettingError, check_setting
+    from rollingkv_cli.serve.settings import SettingError, check_setting
 
     with pytest.raises(SettingError, match="must be auto or a fraction from 0 to 1"):
         check_setting("kv_tail_cpu_frac", value)
@@ -269,7 +289,9 @@ def test_bad_tail_cpu_frac_exits_2(tmp_path, capsys, isolated_cache, args, yaml_
 def hybrid_build(tmp_path, monkeypatch, isolated_cache):
     """A stand-in active build (llama-server and libllama.so files) whose library has the rolling KV and the hybrid
     tail; .cuda / .tail_cpu switch what it is. A tiny model to serve."""
-    from rollingkv_cli import builder, models, serving
+    from rollingkv_cli.lib import builder
+    from rollingkv_cli import models
+    from rollingkv_cli.serve import launch
 
     bdir = tmp_path / "hb0123"
     (bdir / "build" / "bin").mkdir(parents=True)
@@ -278,8 +300,8 @@ def hybrid_build(tmp_path, monkeypatch, isolated_cache):
     (bdir / "build" / "bin" / "llama-server").chmod(0o755)
     state = type("State", (), {"cuda": True, "tail_cpu": True, "dir": bdir})()
     monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"options": {"cuda": state.cuda}}))
-    monkeypatch.setattr(serving, "build_has_rolling_kv", lambda lib: True)
-    monkeypatch.setattr(serving, "build_has_tail_cpu", lambda lib: state.tail_cpu)
+    monkeypatch.setattr(launch, "build_has_rolling_kv", lambda lib: True)
+    monkeypatch.setattr(launch, "build_has_tail_cpu", lambda lib: state.tail_cpu)
     monkeypatch.delenv("LLAMA_ARG_CPU_ATTN_GBPS", raising=False)
     monkeypatch.delenv("LLAMA_ARG_KV_TAIL_CPU_FRAC", raising=False)
     state.model = models.write_synthetic(tmp_path / "tiny.gguf", models.SynthSpec(layers=2, embd=128, heads=2, kv_heads=1, ff=256,
@@ -297,12 +319,12 @@ def _argv(capsys, *args):
 
 def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     """The figure of the CPU part's thread count ($ROLLINGKV_CPU_PART_THREADS here: 6), whatever llama-server's -t says."""
-    from rollingkv_cli import cpu_attn, pcie
+    from rollingkv_cli.hw import cpu_attn, profile
 
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     monkeypatch.setattr(cpu_attn.os, "sched_getaffinity", lambda pid: set(range(16)))  # 6 threads: at most the process's CPUs
     m = str(hybrid_build.model)
-    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
+    profile.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
     argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "auto" and argv[argv.index("--cpu-attn-gbps") + 1] == "40.5"
     assert argv[argv.index("--pcie-bw-gbps") + 1] == "25" and argv[-8:-4] == ["-ngl", "99", "-t", "6"]
@@ -332,7 +354,8 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     assert "--cpu-attn-gbps" not in argv
     monkeypatch.setenv("ROLLINGKV_CPU_PART_THREADS", "6")
     # the notes serve prints (not with --print-args, which prints the command line only)
-    from rollingkv_cli.serving import ServeSettings, resolve_cpu_attn
+    from rollingkv_cli.serve.launch import resolve_cpu_attn
+    from rollingkv_cli.serve.settings import ServeSettings
 
     def note(**kw):
         kw.setdefault("kv_tail_cpu_frac", "auto")
@@ -356,10 +379,10 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
 
 
 def test_cpu_attn_left_out(capsys, hybrid_build, monkeypatch):
-    from rollingkv_cli import pcie
+    from rollingkv_cli.hw import profile
 
     m = str(hybrid_build.model)
-    pcie.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5}, "errors": {}})
+    profile.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5}, "errors": {}})
     base = ["--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6"]
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0", *base)  # no CPU part: nothing to plan it with
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0" and "--cpu-attn-gbps" not in argv
@@ -388,7 +411,7 @@ def test_a_build_before_the_hybrid_tail_refuses_the_flag(capsys, hybrid_build):
 
 
 def test_the_plan_shows_the_chosen_split():
-    from rollingkv_cli.serving import describe_plan_details, describe_tail_cpu
+    from rollingkv_cli.serve.status import describe_plan_details, describe_tail_cpu
 
     assert describe_tail_cpu({"mode_chosen": "window"}) is None
     plan = {"split": True, "link": {"link_bw_gbps": 6.5, "mem_bw_gbps": 3000, "t_token_hybrid_ms": 12.345},
@@ -420,7 +443,7 @@ def test_the_plan_shows_the_chosen_split():
 def test_the_residency_line_says_each_thing_once(plan, gpu, want, unwanted):
     """Issue 27 (17): the mode once, its reason without the mode again, no nested brackets, singulars, and no "on device"
     on a CPU build."""
-    from rollingkv_cli.serving import describe_plan, describe_tail_cpu
+    from rollingkv_cli.serve.status import describe_plan, describe_tail_cpu
 
     line = describe_plan(plan, gpu=gpu)
     assert line == want
@@ -440,7 +463,7 @@ def _bracket_depth(text: str) -> int:
 def test_the_plan_details_nest_no_brackets():
     """Issue 27 (17): the library's sources have brackets of their own ("host memory bandwidth (the tail is in the same
     memory)", "measured: 256 MiB f16 tail, 15 threads"): the lines put them last, outside the figures' brackets."""
-    from rollingkv_cli.serving import describe_plan_details
+    from rollingkv_cli.serve.status import describe_plan_details
 
     plan = {"split": True, "estimate": {"ms_per_token": 8.85, "t_resident_ms": 7.55, "t_tail_ms": 1.3},
             "link": {"mem_bw_gbps": 14, "link_bw_gbps": 13.6, "link_bw_source": "host memory bandwidth (the tail is in the same memory)"},
@@ -458,7 +481,7 @@ def test_the_plan_details_nest_no_brackets():
 def test_live_status_decode_rate_counts_the_running_requests():
     """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
     (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
-    from rollingkv_cli.serving import LiveStatus
+    from rollingkv_cli.serve.status import LiveStatus
 
     class Srv:
         url = "http://127.0.0.1:1"
@@ -496,10 +519,10 @@ def test_live_status_decode_rate_counts_the_running_requests():
 def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypatch, cuda, args, refused):
     """Issue 27 (10): -ctk iq4_nl, which llama.cpp takes for an unsplit cache, made llama-server abort (GGML_ASSERT in the
     scheduler) once the cache split (an explicit window, a budget, auto on a GPU): refused before it starts, exit 2."""
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import launch
 
-    monkeypatch.setattr(serving, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
-    monkeypatch.setattr(serving, "gpu_layers", lambda s, cuda: ([], None))
+    monkeypatch.setattr(launch, "_resolve_bandwidth", lambda s, cuda: (None, "test"))
+    monkeypatch.setattr(launch, "gpu_layers", lambda s, cuda: ([], None))
     hybrid_build.cuda = cuda
     at = args.index("--") if "--" in args else len(args)
     code, out, err = run_main(["serve", str(hybrid_build.model), "-ctk", "iq4_nl", *args[:at], "--print-args", *args[at:]], capsys)

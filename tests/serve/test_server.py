@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rollingkv_cli.server import ServerProcess, port_in_use
+from rollingkv_cli.serve.server import ServerProcess, port_in_use
 from rollingkv_cli.console import RollingKVError
 
 pytestmark = pytest.mark.build

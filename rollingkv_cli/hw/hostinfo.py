@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,56 +58,57 @@ class BackendInfo:
         return [k for k, v in self.features.items() if v not in ("0", "")]
 
 
-_PROBE = r"""
-import ctypes, json, sys
-d = sys.argv[1]
-try:
-    ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
-except OSError:
-    pass
-ggml = ctypes.CDLL(d + "/libggml.so", mode=ctypes.RTLD_GLOBAL)
-base = ctypes.CDLL(d + "/libggml-base.so", mode=ctypes.RTLD_GLOBAL)
-ggml.ggml_backend_load_all_from_path(d.encode())  # backends built as modules; a no-op otherwise
-llama = ctypes.CDLL(d + "/libllama.so")
-llama.llama_print_system_info.restype = ctypes.c_char_p
-info = llama.llama_print_system_info().decode(errors="replace")
-P = ctypes.c_void_p
-ggml.ggml_backend_dev_by_type.restype = P
-ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-base.ggml_backend_dev_backend_reg.restype = P
-base.ggml_backend_dev_backend_reg.argtypes = [P]
-base.ggml_backend_reg_get_proc_address.restype = P
-base.ggml_backend_reg_get_proc_address.argtypes = [P, ctypes.c_char_p]
-base.ggml_backend_buft_name.restype = ctypes.c_char_p
-base.ggml_backend_buft_name.argtypes = [P]
-bufts = []
-dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-if dev:
-    fn = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
-    if fn:
-        arr = ctypes.CFUNCTYPE(ctypes.POINTER(P), P)(fn)(dev)
-        i = 0
-        while arr and arr[i]:
-            bufts.append(base.ggml_backend_buft_name(arr[i]).decode())
-            i += 1
-print(json.dumps({"system_info": info, "extra_buffer_types": bufts}))
-"""
-
-
 def backend_info(lib_dir: Path, timeout: float = 60) -> BackendInfo:
-    from rollingkv_cli.procs import describe_exit
+    """What the build in lib_dir's libraries say about the CPU backend, asked in a child (lib/child.py)."""
+    from rollingkv_cli.lib import child
+    from rollingkv_cli.lib.procs import describe_exit
 
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, str(lib_dir)], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+        rc, out, err = child.run(child.python_command("rollingkv_cli.hw.hostinfo", lib_dir), timeout)
+    except child.Timeout:
         return BackendInfo(error=f"loading the libraries in {lib_dir} took over {timeout:.0f} s")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        last = (proc.stderr.strip().splitlines() or [""])[-1]
-        return BackendInfo(error=f"loading the libraries in {lib_dir} failed: {describe_exit(proc.returncode)}"
+    data = child.last_json(out)
+    if rc != 0 or data is None:
+        last = (err.strip().splitlines() or [""])[-1]
+        return BackendInfo(error=f"loading the libraries in {lib_dir} failed: {describe_exit(rc)}"
                            + (f" ({last})" if last else ""))
-    data = json.loads(lines[-1])
     return BackendInfo(parse_system_info(data["system_info"]), data["extra_buffer_types"], data["system_info"])
+
+
+def _probe(d: str) -> dict:
+    """The child side: load the build's libraries (backends built as modules too) and ask ggml's CPU device."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass
+    ggml = ctypes.CDLL(d + "/libggml.so", mode=ctypes.RTLD_GLOBAL)
+    base = ctypes.CDLL(d + "/libggml-base.so", mode=ctypes.RTLD_GLOBAL)
+    ggml.ggml_backend_load_all_from_path(d.encode())  # backends built as modules; a no-op otherwise
+    llama = ctypes.CDLL(d + "/libllama.so")
+    llama.llama_print_system_info.restype = ctypes.c_char_p
+    info = llama.llama_print_system_info().decode(errors="replace")
+    P = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.restype = P
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    base.ggml_backend_dev_backend_reg.restype = P
+    base.ggml_backend_dev_backend_reg.argtypes = [P]
+    base.ggml_backend_reg_get_proc_address.restype = P
+    base.ggml_backend_reg_get_proc_address.argtypes = [P, ctypes.c_char_p]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [P]
+    bufts = []
+    dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if dev:
+        fn = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+        if fn:
+            arr = ctypes.CFUNCTYPE(ctypes.POINTER(P), P)(fn)(dev)
+            i = 0
+            while arr and arr[i]:
+                bufts.append(base.ggml_backend_buft_name(arr[i]).decode())
+                i += 1
+    return {"system_info": info, "extra_buffer_types": bufts}
 
 
 def parse_system_info(text: str) -> dict[str, str]:
@@ -120,3 +119,9 @@ def parse_system_info(text: str) -> dict[str, str]:
         if eq and name.strip():
             features[name.strip()] = value.strip()
     return features
+
+
+if __name__ == "__main__":  # python -m rollingkv_cli.hw.hostinfo LIB_DIR (backend_info's child)
+    from rollingkv_cli.lib.child import reply
+
+    reply(_probe(sys.argv[1]))

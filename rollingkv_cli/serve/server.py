@@ -98,7 +98,7 @@ class ServerProcess:
             self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
             self._log_file.flush()
         out = self._log_file if self._log_file else subprocess.DEVNULL
-        from rollingkv_cli.procs import popen_tied
+        from rollingkv_cli.lib.procs import popen_tied
 
         # own process group: a signal to us never half-kills it, and we can take the group down; tied: it
         # dies with us even when we are SIGKILLed or lose the terminal
@@ -113,7 +113,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is None or self.proc.poll() is not None:
-                from rollingkv_cli.procs import exit_parts
+                from rollingkv_cli.lib.procs import exit_parts
 
                 what, advice = exit_parts(None if self.proc is None else self.proc.returncode, self.log_path)
                 raise RollingKVError(f"llama-server exited during start-up ({what})", advice)
@@ -138,7 +138,7 @@ class ServerProcess:
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the whole group."""
-        from rollingkv_cli.procs import stop_group
+        from rollingkv_cli.lib.procs import stop_group
 
         if self.proc is None:
             return None

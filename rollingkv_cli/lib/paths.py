@@ -15,7 +15,7 @@ ENV_SERVE_START_TIMEOUT = "ROLLINGKV_SERVE_START_TIMEOUT"  # seconds llama-serve
 ENV_TRACEBACK = "ROLLINGKV_TRACEBACK"  # show the full traceback of an internal error
 ENV_CPU_PART_THREADS = "ROLLINGKV_CPU_PART_THREADS"  # threads of the hybrid tail's CPU part (libllama reads it too)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 _usable: set[Path] = set()
@@ -79,7 +79,7 @@ def data_dir(name: str) -> Path:
     in_repo = REPO_ROOT / name
     if in_repo.is_dir():
         return in_repo
-    return Path(__file__).resolve().parent / "_data" / name
+    return Path(__file__).resolve().parent.parent / "_data" / name
 
 
 def pcie_bw_env() -> float | None:

@@ -6,32 +6,64 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.serving import SETTINGS, SettingError, check_setting
+from rollingkv_cli.serve.settings import SETTINGS, SettingError, check_setting, config_value, load_config
+
+CONFIG = "rollingkv.serve.config"  # ctx.meta: the --config file's path and its extra_args, once read
+DefaultMap = click.core.ParameterSource.DEFAULT_MAP
+
+
+def _config_source(ctx: click.Context) -> str:
+    return f"config file {ctx.meta[CONFIG]['path']}"
 
 
 class SettingType(click.ParamType):
-    """A serve flag checked by the same Setting as the config file's key (serving.SETTINGS): one validator."""
+    """A serve setting checked by the same Setting as the config file's key (settings.SETTINGS): one validator. A value
+    from the command line is text; one from the config file (click's default_map: see _read_config) is YAML's, checked
+    as such, and its error names the file and the key."""
 
     def __init__(self, key: str):
         self.key = key
-        self.setting = SETTINGS[key]
-        self.name = {"int": "integer", "float": "float", "choice": "choice", "str": "text",
-                     "fraction_or_auto": "fraction or auto"}[self.setting.kind]
+        self.setting = SETTINGS.get(key)
+        self.name = {"int": "integer", "float": "float", "choice": "choice", "str": "text", "bool": "boolean",
+                     "fraction_or_auto": "fraction or auto", None: "text"}[self.setting.kind if self.setting else None]
 
     def get_metavar(self, param, ctx=None) -> str | None:
-        if self.setting.choices:
+        if self.setting and self.setting.choices:
             return "[" + "|".join(self.setting.choices) + "]"
-        if self.setting.kind == "fraction_or_auto":
+        if self.setting and self.setting.kind == "fraction_or_auto":
             return "F|auto"
         return None
 
     def convert(self, value, param, ctx):
-        if not isinstance(value, str):
+        if ctx is not None and param is not None and ctx.get_parameter_source(param.name) == DefaultMap:
+            return config_value(self.key, value, _config_source(ctx))
+        if not isinstance(value, str) or self.setting is None:
             return value  # a default, or a value click already converted
         try:
             return check_setting(self.key, value, from_text=True)
         except SettingError as e:
             self.fail(str(e), param, ctx)
+
+
+def _read_config(ctx: click.Context, param, path: Path | None) -> Path | None:
+    """--config (eager: read before any other parameter): the file's settings become the command's defaults (click's
+    default_map), so that a flag given wins over the file's key, and a key left to the file is converted and checked by
+    its parameter's type (SettingType). Its extra_args go to llama-server unless arguments follow `--` (_extra)."""
+    if path is None or ctx.resilient_parsing:
+        return path
+    config = load_config(path)
+    ctx.meta[CONFIG] = {"path": path, "extra_args": config.pop("extra_args", None)}
+    ctx.default_map = {**(ctx.default_map or {}), **{("model_spec" if k == "model" else k): v for k, v in config.items()}}
+    return path
+
+
+def _extra(ctx: click.Context, param, value: tuple[str, ...]) -> tuple[list[str], str]:
+    """(llama-server's own arguments, where they came from): those after `--`, else the config file's extra_args (not
+    through default_map: click would split a string there and refuse a non-list in its own words)."""
+    if value or CONFIG not in ctx.meta:
+        return list(value), "after `--`"
+    source = _config_source(ctx)
+    return config_value("extra_args", ctx.meta[CONFIG]["extra_args"] or [], source) or [], f"in {source}: extra_args"
 
 
 def _setting(*decls: str, key: str, **kw):
@@ -51,7 +83,7 @@ class _ServeCommand(click.Command):
 
 
 @click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False})
-@click.argument("model_spec", metavar="MODEL", required=False)
+@click.argument("model_spec", metavar="MODEL", required=False, type=SettingType("model"))
 @_setting("--kv-residency-mode", key="kv_residency_mode",
           help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "
                "less), window, head (each layer's first KV heads on the device, the others in host memory), off.")
@@ -75,16 +107,17 @@ class _ServeCommand(click.Command):
                "(the whole tail).")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
-@click.option("--slot-save", "slot_save", is_flag=True, default=False,
+@click.option("--slot-save", "slot_save", is_flag=True, default=False, type=SettingType("slot_save"),
               help="Turn on llama-server's slot save/restore (--slot-save-path CACHE/slots). Off by default: with it ANY client "
                    "that reaches the server can write KV cache files (each as large as a slot's cache) into that folder and "
                    "read them back (POST /slots/N?action=save|restore); use it only with an API key or on loopback.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML file with the same keys as these flags (flags win).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), is_eager=True, callback=_read_config, expose_value=False,
+              help="YAML file with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
-@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED, callback=_extra)
 @click.pass_context
-def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra, **flags) -> None:
+def serve(ctx: click.Context, model_spec, print_args, quiet, extra, **flags) -> None:
     """Run the patched llama-server (OpenAI-compatible API) on MODEL (a GGUF path or `demo`).
 
     Arguments after `--` go to llama-server unchanged (one that contradicts serve's own, such as --port or
@@ -93,8 +126,11 @@ def serve(ctx: click.Context, model_spec, config_file, print_args, quiet, extra,
     path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import launch, settings
 
-    explicit = {k for k in flags if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
-    settings = serving.resolve_settings(model_spec, flags, explicit, config_file, list(extra))
-    serving.serve(settings, print_args=print_args, quiet=quiet)
+    def where(key: str) -> str:  # a flag's name, or the config file's key it came from
+        return f"{_config_source(ctx)}: {key}" if ctx.get_parameter_source(key) == DefaultMap else SETTINGS[key].flag
+
+    extra_args, extra_where = extra
+    s = settings.resolve_settings(model_spec, flags, {k: where(k) for k in flags}, extra_args, extra_where)
+    launch.serve(s, print_args=print_args, quiet=quiet)

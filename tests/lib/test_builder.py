@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollingkv_cli import builder, patchset
+from rollingkv_cli.lib import builder, patchset
 
 
 

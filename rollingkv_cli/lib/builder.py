@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollingkv_cli import paths, patchset, upstream
+from rollingkv_cli.lib import paths, patchset, upstream
 from rollingkv_cli.console import abort, console, log_panel, note
 
 MANIFEST = "manifest.json"
@@ -252,7 +252,7 @@ def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -
     """Run a command, append its output to log_file, advance the progress bar from ninja's [n/N]."""
     log_file.write(f"$ {' '.join(cmd)}\n")
     log_file.flush()
-    from rollingkv_cli.procs import popen_tied
+    from rollingkv_cli.lib.procs import popen_tied
 
     # tied to us: a closed terminal or a killed `rollingkv build` never leaves ninja and the compilers running
     proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
@@ -272,7 +272,7 @@ def _run_logged(cmd: list[str], log_file, env: dict, progress=None, task=None) -
     except BaseException:
         log_file.flush()
         # Ctrl-C or anything else: take ninja and the compilers down with us, never orphan them.
-        from rollingkv_cli.procs import stop_group
+        from rollingkv_cli.lib.procs import stop_group
 
         stop_group(proc)
         raise
@@ -387,7 +387,7 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, sourc
         progress.update(task, description="compiling")
         rc = _run_logged(["cmake", "--build", str(cmake_dir), "-j", str(jobs), "--target", *targets], lf, env, progress, task)
         if rc != 0:
-            from rollingkv_cli.procs import describe_exit
+            from rollingkv_cli.lib.procs import describe_exit
 
             _fail(f"build failed ({describe_exit(rc)})" if rc < 0 else "build failed", log_path)
     artifacts = artifacts_for(targets)

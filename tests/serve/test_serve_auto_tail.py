@@ -69,16 +69,17 @@ def test_a_head_split_whose_heads_cannot_take_the_type(capsys, build_env, tmp_pa
 
 
 def test_a_build_before_auto_is_refused(capsys, build_env, monkeypatch):
-    from rollingkv_cli import serving
+    from rollingkv_cli.serve import launch
 
-    monkeypatch.setattr(serving, "build_has_tail_auto", lambda lib: False)
+    monkeypatch.setattr(launch, "build_has_tail_auto", lambda lib: False)
     code, _, err = run_main(["serve", "demo", "-ctvt", "auto", "--print-args"], capsys)
     assert code == 1 and "-ctvt auto: the active build" in err and "API 7" in err
 
 
 def test_the_cpu_attention_figure_is_left_to_the_plan(demo_model):
     """The CPU part's figure depends on the tail's K type, which auto chooses only when it plans: llama-server measures it."""
-    from rollingkv_cli.serving import ServeSettings, resolve_cpu_attn
+    from rollingkv_cli.serve.launch import resolve_cpu_attn
+    from rollingkv_cli.serve.settings import ServeSettings
 
     s = ServeSettings(model=demo_model, cache_type_k_tail="auto", kv_tail_cpu_frac="auto")
     gbps, text = resolve_cpu_attn(s, True, "key", True)

@@ -4,24 +4,22 @@ libllama measures it (`llama_rolling_kv_measure_cpu_attn_gbps(n_threads, type)`:
 attention reads over a ~256 MiB tail of that type); this module runs that calibration in a child process, so that
 the CLI never loads libllama itself (a library that crashes or aborts ends only the child, which is reported):
 
-    python -m rollingkv_cli.cpu_attn --lib-dir DIR --threads N [--types f16,q8_0,q4_0]
+    python -m rollingkv_cli.hw.cpu_attn --lib-dir DIR --threads N [--types f16,q8_0,q4_0]
 
 prints one JSON line (`{"gbps": {type: GB/s or null}, "errors": {type: why}, ...}` or `{"error": ..., "kind": ...}`).
-The cache of these figures is the per-machine profile (pcie.py); `rollingkv probe pcie` measures and shows them.
+The cache of these figures is the per-machine profile (profile.py); `rollingkv probe pcie` measures and shows them.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from rollingkv_cli.llama_ext import CPU_ATTN_TYPES, MEASURE_CPU_ATTN_SYMBOL
+from rollingkv_cli.lib.llama_ext import CPU_ATTN_TYPES, MEASURE_CPU_ATTN_SYMBOL
 
 MEASURE_TIMEOUT_S = 300.0  # three ~256 MiB calibrations take seconds; a stuck child is stopped after this
 
@@ -42,7 +40,7 @@ def part_threads() -> int:
     caps it. Not llama-server's -t: its default is a heuristic for matrix work on the CPU (4 on the H200 host's 16
     cores), and the part, bound by memory bandwidth, needs more (docs/design/hybrid-tail.md). A bad value: one line, exit 1
     (libllama itself warns in one line and takes the default)."""
-    from rollingkv_cli.paths import ENV_CPU_PART_THREADS
+    from rollingkv_cli.lib.paths import ENV_CPU_PART_THREADS
     from rollingkv_cli.userinput import native_knob
 
     n = native_knob(ENV_CPU_PART_THREADS)  # above libllama's 1024: refused, not clamped
@@ -60,37 +58,25 @@ def part_threads() -> int:
 def measure(lib_dir: Path, n_threads: int, types: tuple[str, ...] = CPU_ATTN_TYPES, timeout: float = MEASURE_TIMEOUT_S) -> dict:
     """Run the calibration of every type in a child: {"gbps": {type: float | None}, "errors": {type: str}, "n_threads",
     "lib", "build_info", "api_version", "seconds"}. Unavailable when the child cannot measure at all."""
-    from rollingkv_cli.procs import describe_exit, popen_tied, stop_group
+    from rollingkv_cli.lib import child as lib_child
+    from rollingkv_cli.lib.procs import describe_exit
 
     bad = [t for t in types if t not in CPU_ATTN_TYPES]
     if bad or not types:
         raise ValueError(f"CPU attention types must be among {', '.join(CPU_ATTN_TYPES)}, not {', '.join(bad) or 'none'}")
-    cmd = [sys.executable, "-m", "rollingkv_cli.cpu_attn", "--lib-dir", str(lib_dir), "--threads", str(int(n_threads)),
-           "--types", ",".join(types)]
-    env = dict(os.environ)
-    env.pop("LLAMA_CPP_LIB_PATH", None)
-    proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
-                      stdin=subprocess.DEVNULL)
+    cmd = lib_child.python_command("rollingkv_cli.hw.cpu_attn", "--lib-dir", lib_dir, "--threads", int(n_threads), "--types", ",".join(types))
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop_group(proc)
+        rc, out, err = lib_child.run(cmd, timeout)
+    except lib_child.Timeout:
         raise Unavailable(f"the CPU attention calibration took over {timeout:.0f} s and was stopped") from None
-    except BaseException:
-        stop_group(proc)
-        raise
-    return parse_child_output(proc.returncode, out, err, describe_exit)
+    return parse_child_output(rc, out, err, describe_exit)
 
 
 def parse_child_output(rc: int | None, out: str, err: str, describe_exit=None) -> dict:
     """The child's JSON line as the result, or Unavailable saying why there is none."""
-    lines = [line for line in (out or "").splitlines() if line.startswith("{")]
-    doc = None
-    if lines:
-        try:
-            doc = json.loads(lines[-1])
-        except json.JSONDecodeError:
-            doc = None
+    from rollingkv_cli.lib.child import last_json
+
+    doc = last_json(out)
     if isinstance(doc, dict) and doc.get("error"):
         raise Unavailable(str(doc["error"]), str(doc.get("kind") or "failed"))
     if rc != 0 or not isinstance(doc, dict) or not isinstance(doc.get("gbps"), dict):
@@ -104,7 +90,7 @@ def parse_child_output(rc: int | None, out: str, err: str, describe_exit=None) -
 
 
 def _load(lib_dir: Path) -> ctypes.CDLL:
-    from rollingkv_cli.llama_ext import preload_cxx_runtime
+    from rollingkv_cli.lib.llama_ext import preload_cxx_runtime
 
     preload_cxx_runtime()
     try:
@@ -120,7 +106,7 @@ def _load(lib_dir: Path) -> ctypes.CDLL:
 
 
 def child(lib_dir: Path, n_threads: int, types: list[str]) -> dict:
-    from rollingkv_cli.llama_ext import API_TAIL_CPU, measure_cpu_attn_gbps
+    from rollingkv_cli.lib.llama_ext import API_TAIL_CPU, measure_cpu_attn_gbps
 
     if not (lib_dir / "libllama.so").is_file():
         return {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
@@ -156,7 +142,9 @@ def child(lib_dir: Path, n_threads: int, types: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.cpu_attn", description=__doc__.split("\n\n")[0])
+    from rollingkv_cli.lib.child import reply
+
+    ap = argparse.ArgumentParser(prog="python -m rollingkv_cli.hw.cpu_attn", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib-dir", required=True, type=Path)
     ap.add_argument("--threads", required=True, type=int)
     ap.add_argument("--types", default=",".join(CPU_ATTN_TYPES))
@@ -164,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     types = [t for t in (x.strip() for x in a.types.split(",")) if t]
     bad = [t for t in types if t not in CPU_ATTN_TYPES]
     if bad or not types or a.threads < 1:
-        print(json.dumps({"error": f"bad arguments: types {a.types!r}, threads {a.threads}", "kind": "failed"}), flush=True)
+        reply({"error": f"bad arguments: types {a.types!r}, threads {a.threads}", "kind": "failed"})
         return 2
-    print(json.dumps(child(a.lib_dir.resolve(), a.threads, types)), flush=True)
+    reply(child(a.lib_dir.resolve(), a.threads, types))
     return 0
 
 
