@@ -42,14 +42,14 @@ cmake -S "$B/src" -B "$B/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHAR
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCUDA_cuda_driver_LIBRARY=/tmp/cudastub/libcuda.so -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
   "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -Wl,--no-as-needed" -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"
-ninja -C "$B/build" -j "$(nproc)" llama llama-server llama-bench test-rolling-kv-ops test-rolling-kv-cpu-decode
+ninja -C "$B/build" -j "$(nproc)" llama llama-server llama-bench llama-batched-bench test-rolling-kv-ops test-rolling-kv-cpu-decode
 python - "$B" "$PIN" "$SER" <<'PY'
 import json, sys, time
 b, pin, ser = sys.argv[1:]
 json.dump({"pin": pin, "series_hash": ser, "source": "cross-built on the dev VM (scripts/cross-build-cuda.sh)",
            "options": {"cuda": True, "cuda_arch": "90", "backend_dl": False, "toolchain": "gcc", "source": None,
                        "pinned": True, "unpatched": False},
-           "artifacts": ["libllama.so", "llama-server", "llama-bench", "test-rolling-kv-ops", "test-rolling-kv-cpu-decode"], "cuda_arch": "90",
+           "artifacts": ["libllama.so", "llama-server", "llama-bench", "llama-batched-bench", "test-rolling-kv-ops", "test-rolling-kv-cpu-decode"], "cuda_arch": "90",
            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, open(f"{b}/manifest.json", "w"), indent=2)
 PY
 mkdir -p .device/prebuilt

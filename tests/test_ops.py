@@ -58,3 +58,30 @@ def test_unknown_backend_skips_cleanly(cpu_build):
     proc, summary = _run(cpu_build.artifact("test-rolling-kv-ops"), "-b", "NoSuchBackend0", "--quick")
     assert proc.returncode == 0
     assert summary and summary[-1].strip() == "0 passed, 0 failed"
+
+
+def test_the_cpu_share_becomes_256_aligned_cells_once(cpu_build):
+    """ggml_rkv_tail_cpu_cells, the one rounding of a share into the cells the op carries (issue 29, 4): the streamed part
+    keeps a multiple of 256 cells, the nearest one, and the ends are exact."""
+    import ctypes
+
+    base = ctypes.CDLL(str(cpu_build.lib_dir / "libggml-base.so"))
+    cells = base.ggml_rkv_tail_cpu_cells
+    cells.restype, cells.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_float]
+    for n_tail in (0, 1, 255, 256, 257, 700, 768, 4096, 16384 + 100):
+        for frac in (0.0, 0.01, 0.25, 0.37, 0.5, 0.99, 1.0):
+            n = cells(n_tail, frac)
+            assert 0 <= n <= n_tail, (n_tail, frac, n)
+            assert n in (0, n_tail) or (n_tail - n) % 256 == 0, (n_tail, frac, n)
+            want_stream = min(n_tail, int((1 - frac) * n_tail / 256 + 0.5) * 256) if 0 < frac < 1 else (0 if frac >= 1 else n_tail)
+            assert n == n_tail - want_stream, (n_tail, frac, n, want_stream)
+    assert cells(1000, 0.0) == 0 and cells(1000, 1.0) == 1000 and cells(16384, 0.5) == 8192
+
+
+def test_op_takes_the_cpu_cells_on_every_case(cpu_build):
+    """The op carries an integer cell count (256-aligned or the whole tail) that its setter checks: every case of the
+    matrix builds with a CPU share (the CPU backend attends the whole tail itself, so the outputs are unchanged)."""
+    proc, summary = _run(cpu_build.artifact("test-rolling-kv-ops"), "-b", "CPU", "-t", "2", "--quick", "--tail-cpu-frac", "0.37")
+    assert summary, proc.stdout[-3000:] + proc.stderr[-3000:]
+    passed, failed = map(int, re.findall(r"\d+", summary[-1]))
+    assert proc.returncode == 0 and failed == 0 and passed >= 100, proc.stdout[-3000:]

@@ -161,6 +161,12 @@ def _cases() -> dict:
     c["hyb_unknown_cpu"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1)
     c["hyb_measured"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1, pcie_bw_gbps=0, cpu_attn_measured_gbps=40.0,
                             link_measured_gbps=6.5)
+    # the per-layer terms measured on the device (a slow host hand-off, a fast one), against the constants
+    c["hyb_calib_slow"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=-1, layer_decode_measured_ms=0.02,
+                              cpu_part_latency_measured_ms=0.5)
+    c["hyb_calib_fast"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=-1, layer_decode_measured_ms=0.02,
+                              cpu_part_latency_measured_ms=0.01)
+    c["hyb_calib_fixed"] = fig(**hyb, tail_cpu_frac=0.5, layer_decode_measured_ms=0.02, cpu_part_latency_measured_ms=0.5)
     c["hyb_fast_cpu_no_gain"] = fig(**{**hyb, "cpu_attn_gbps": 0.5}, tail_cpu_frac=-1, pcie_bw_gbps=53.5)
     c["hyb_q4_1"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, type_k_tail="q4_1", type_v_tail="q4_1")
     c["hyb_host"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, host_memory=True)
@@ -602,16 +608,18 @@ CPU_PART_LATENCY_MS = 0.09  # LLAMA_RKV_CPU_PART_LATENCY_MS, per split layer (th
 LAYER_DECODE_MS = 0.06      # LLAMA_RKV_LAYER_DECODE_MS, per split layer (the H200's resident decode beyond its bytes)
 
 
-def _best_share(p: dict, cpu_gbps: float, link_gbps: float, scale: float = 1.0) -> float:
+def _best_share(p: dict, cpu_gbps: float, link_gbps: float, scale: float = 1.0, layer_ms: float = LAYER_DECODE_MS,
+                latency_ms: float = CPU_PART_LATENCY_MS) -> float:
     """The documented model (llama-kv-residency.h): f in steps of 1/64 minimizing
-    max(t_res + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %. scale: the tail in
-    use over the full context's (auto chooses again as the tail grows)."""
+    max(t_res + n_layer x layer + f x tail/cpu + n_layer x latency, (1 - f) x tail/link); none when that gains < 3 %.
+    scale: the tail in use over the full context's (auto chooses again as the tail grows); layer_ms, latency_ms: the
+    per-layer terms (measured on the device, else the planner's constants)."""
     est = p["estimate"]
     n_layer = sum(1 for layer in p["layers"] if layer["split"])
-    t_res, tail = est["t_resident_ms"] + n_layer * LAYER_DECODE_MS, scale * est["tail_bytes_per_token"]
+    t_res, tail = est["t_resident_ms"] + n_layer * layer_ms, scale * est["tail_bytes_per_token"]
 
     def t(f):
-        return max(t_res + f * tail / (cpu_gbps * 1e9) * 1e3 + (n_layer * CPU_PART_LATENCY_MS if f > 0 else 0.0),
+        return max(t_res + f * tail / (cpu_gbps * 1e9) * 1e3 + (n_layer * latency_ms if f > 0 else 0.0),
                    (1 - f) * tail / (link_gbps * 1e9) * 1e3)
     best = min((i / 64 for i in range(65)), key=lambda f: (t(f), f))
     return 0.0 if t(best) > 0.97 * t(0.0) else best
@@ -698,6 +706,30 @@ def test_auto_measures_what_the_request_leaves_out(sim):
     assert tc["cpu_attn_source"] == "given (measured)" and tc["cpu_attn_gbps"] == pytest.approx(40.0)
     assert p["link"]["link_bw_gbps"] == pytest.approx(6.5) and p["link"]["link_bw_source"] == "given (measured)"
     assert tc["frac"] == pytest.approx(sim["hyb_auto_6.5"]["tail_cpu"]["frac"])
+
+
+def test_auto_measures_the_per_layer_terms_where_it_runs(sim):
+    """Issue 26, 4: auto's time model takes a decode layer's cost beyond its bytes and a CPU part's hand-off as the
+    device measures them (plan-simulate gives what the probes would), shows them and their source in the plan, and its
+    share follows them: a slow hand-off leaves less of the tail to the CPU than a fast one. Without a measurement (a
+    backend without the probe), the constants, said to be the H200's."""
+    slow, fast = sim["hyb_calib_slow"], sim["hyb_calib_fast"]
+    for p, latency in ((slow, 0.5), (fast, 0.01)):
+        tc = p["tail_cpu"]
+        assert tc["layer_decode_ms"] == pytest.approx(0.02) and tc["cpu_part_latency_ms"] == pytest.approx(latency)
+        assert tc["layer_decode_source"] == tc["cpu_part_latency_source"] == "given (measured)"
+        assert tc["frac"] == pytest.approx(_best_share(p, 40.0, 25.0, layer_ms=0.02, latency_ms=latency), abs=1e-6)
+        assert f"{latency:.3f} ms per CPU part" in tc["reason"] and "0.020 ms of decode beyond its bytes" in tc["reason"]
+    assert 0 < slow["tail_cpu"]["frac"] < fast["tail_cpu"]["frac"]
+    # the constants where nothing was measured, and said so
+    tc = sim["hyb_auto_25"]["tail_cpu"]
+    assert tc["layer_decode_ms"] == pytest.approx(LAYER_DECODE_MS) and tc["cpu_part_latency_ms"] == pytest.approx(CPU_PART_LATENCY_MS)
+    assert tc["layer_decode_source"].startswith("assumed: the H200's") and tc["cpu_part_latency_source"].startswith("assumed")
+    # a requested share measures nothing (auto only): the constants
+    fixed = sim["hyb_calib_fixed"]["tail_cpu"]
+    assert fixed["frac"] == pytest.approx(0.5) and fixed["cpu_part_latency_ms"] == pytest.approx(CPU_PART_LATENCY_MS)
+    # no split, no CPU part: no terms
+    assert sim["hyb_off"]["tail_cpu"]["layer_decode_ms"] is None and sim["hyb_off"]["tail_cpu"]["cpu_part_latency_ms"] is None
 
 
 def test_auto_takes_none_when_the_cpu_is_too_slow_to_gain(sim):

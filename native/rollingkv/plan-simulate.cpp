@@ -16,7 +16,8 @@
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
 // reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, -1 = auto; 0: off),
 // cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
-// hybrid tail's calibrations would give; <= 0: none), head_k and head_v (128), n_threads (0), refuse (a reason the
+// hybrid tail's calibrations would give; <= 0: none), layer_decode_measured_ms and cpu_part_latency_measured_ms (what
+// the device's per-layer probes would give; < 0: none, the planner's constants), head_k and head_v (128), n_threads (0), refuse (a reason the
 // cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
 // other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order), device_heads (the
 // request's, 0), n_head_kv (a number, or a list with one per layer whose K/V rows are then n_head_kv x head_k/head_v
@@ -238,6 +239,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.n_threads = (int32_t) r.count("n_threads", 0);
     const double cpu_attn_measured = r.num("cpu_attn_measured_gbps", -1.0); // what a calibration would give
     const double link_measured     = r.num("link_measured_gbps", -1.0);     // what a pinned-copy measurement would give
+    const double layer_measured    = r.num("layer_decode_measured_ms", -1.0);    // what the device's layer probe would give
+    const double latency_measured  = r.num("cpu_part_latency_measured_ms", -1.0); // what its backend's CPU-part probe would
 
     st.kv_size  = (uint32_t) r.count("kv_size", 0, true);
     st.n_stream = (uint32_t) r.count("n_stream", 1);
@@ -499,6 +502,12 @@ static std::string rkv_plan_simulate(const char * json_in) {
     }
     if (link_measured > 0.0) {
         di.measure_link = [link_measured](std::string * how) { *how = "given (measured)"; return link_measured; };
+    }
+    if (layer_measured >= 0.0) {
+        di.measure_layer_decode = [layer_measured](std::string * how) { *how = "given (measured)"; return layer_measured; };
+    }
+    if (latency_measured >= 0.0) {
+        di.measure_cpu_part_latency = [latency_measured](std::string * how) { *how = "given (measured)"; return latency_measured; };
     }
     if (!op_unsupported.empty() && !host_memory) {
         di.tail_op_unsupported = [op_unsupported, dev_name](ggml_type tk, ggml_type tv, bool) -> std::string {

@@ -112,9 +112,13 @@ uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
 }
 
 llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full) const {
+    // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
+    const auto cpu_cells = [this](uint32_t n_tail) {
+        return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
+    };
     llama_rkv_attn_layout lay;
-    lay.n_win         = rkv_head ? 0 : rkv_wc;
-    lay.tail_cpu_frac = rkv_tail_cpu_frac(n_kv);
+    lay.n_win          = rkv_head ? 0 : rkv_wc;
+    lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
 
     const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
     if (rkv_elastic) {
@@ -128,7 +132,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
             lay.win_cells.push_back(w);
             lay.win_row0.push_back(rkv_pool.base[strm]);
             lay.tail_row0.push_back(w - rkv_tail_first);
-            lay.cpu_frac.push_back(rkv_tail_cpu_frac_cells(n_s > w ? n_s - w : 0));
+            lay.cpu_cells.push_back(cpu_cells(n_s > w ? n_s - w : 0));
         }
         return lay;
     }
@@ -140,7 +144,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
     for (uint32_t s = 0; s < ns; ++s) {
         const uint32_t n_s = full ? n_kv : std::min(n_kv, rkv_stream_n_kv(sinfo.s0 + s));
         lay.n_kv.push_back(n_s);
-        lay.cpu_frac.push_back(rkv_tail_cpu_frac(n_s));
+        lay.cpu_cells.push_back(cpu_cells(rkv_head ? n_s : n_s > rkv_wc ? n_s - rkv_wc : 0));
     }
     return lay;
 }
@@ -233,9 +237,9 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
         const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
         GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
         const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
-        const float    frac   = lay.n_kv.empty() ? lay.tail_cpu_frac : lay.cpu_frac[s];
+        const uint32_t n_cpu  = std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
         tail     += n_tail;
-        stream   += streamed ? n_tail - ggml_rkv_tail_cpu_cells(n_tail, frac) : 0;
+        stream   += streamed ? n_tail - n_cpu : 0;
         occupied += host;
     }
 

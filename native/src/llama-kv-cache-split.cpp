@@ -312,11 +312,6 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
-float llama_kv_cache::rkv_tail_cpu_frac(uint32_t n_kv) const {
-    // the tail a graph attends: the host heads of every cell (head split), the cells past the (static) window
-    return rkv_tail_cpu_frac_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
-}
-
 float llama_kv_cache::rkv_tail_cpu_frac_cells(uint32_t n_tail) const {
     return rkv_cpu ? llama_rkv_tail_cpu_frac_at(*rkv_cpu, n_tail) : 0.0f;
 }

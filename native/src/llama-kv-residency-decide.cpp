@@ -129,6 +129,10 @@ static bool llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_
         }
         LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac, st.tail_cpu_reason.c_str(),
                 st.t_token_hybrid_ms >= 0.0 ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
+        if (st.layer_decode_ms >= 0.0) {
+            LLAMA_LOG_INFO("%s: rolling KV: per layer, decode beyond its bytes %.3f ms (%s); a CPU part %.3f ms (%s)\n", __func__,
+                    st.layer_decode_ms, st.layer_decode_source.c_str(), st.cpu_part_latency_ms, st.cpu_part_latency_source.c_str());
+        }
         if (!st.auto_reason.empty()) {
             LLAMA_LOG_INFO("%s: rolling KV: %s\n", __func__, st.auto_reason.c_str());
         }

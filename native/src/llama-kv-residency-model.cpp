@@ -353,6 +353,34 @@ uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m) {
     return 0;
 }
 
+// the hybrid tail's per-layer terms: given (plan-simulate), measured on the device when auto chooses a share (measure),
+// else the constants measured once on the H200 (llama-kv-residency.h)
+static void llama_rkv_plan_layer_terms(llama_rkv_state & st, const llama_rkv_decide_in & in, bool measure) {
+    const auto term = [measure](double & v, std::string & source, const std::function<double(std::string *)> & fn,
+            double fallback, const char * why_fallback) {
+        // given (plan-simulate: "given"), measured already, or no measurement asked for now: as it is; an assumed figure
+        // is measured once a share is chosen
+        const bool assumed = source.rfind("assumed", 0) == 0;
+        if (v >= 0.0 && (!assumed || !measure)) {
+            return;
+        }
+        std::string how;
+        if (measure && fn) {
+            v = fn(&how);
+        }
+        if (!(v >= 0.0)) {
+            v = fallback;
+            source = std::string(why_fallback) + (how.empty() ? "" : " (" + how + ")");
+        } else {
+            source = how;
+        }
+    };
+    term(st.layer_decode_ms, st.layer_decode_source, in.measure_layer_decode, LLAMA_RKV_LAYER_DECODE_MS,
+            "assumed: the H200's figure (LLAMA_RKV_LAYER_DECODE_MS)");
+    term(st.cpu_part_latency_ms, st.cpu_part_latency_source, in.measure_cpu_part_latency, LLAMA_RKV_CPU_PART_LATENCY_MS,
+            "assumed: the H200's figure (LLAMA_RKV_CPU_PART_LATENCY_MS)");
+}
+
 void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     st.tail_cpu_frac     = 0.0f;
     st.t_token_hybrid_ms = -1.0;
@@ -403,10 +431,11 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     }
 
     const bool known = st.cpu_attn_gbps > 0.0 && st.link_bw_gbps > 0.0;
-    const double t_res  = std::max(0.0, st.t_resident_ms) + n_layer*LLAMA_RKV_LAYER_DECODE_MS;
+    llama_rkv_plan_layer_terms(st, in, req < 0.0f && known);
+    const double t_res  = std::max(0.0, st.t_resident_ms) + n_layer*st.layer_decode_ms;
     const double t_link = known ? st.est_tail_bytes/(st.link_bw_gbps*1e9)*1e3 : 0.0;
     const double t_cpu  = known ? st.est_tail_bytes/(st.cpu_attn_gbps*1e9)*1e3 : 0.0;
-    const double latency = n_layer*LLAMA_RKV_CPU_PART_LATENCY_MS;
+    const double latency = n_layer*st.cpu_part_latency_ms;
 
     if (req > 0.0f) {
         st.tail_cpu_frac   = std::min(1.0f, req);
@@ -418,7 +447,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         return;
     } else {
         const double best_f = llama_rkv_tail_cpu_best(t_res, t_link, t_cpu, latency);
-        char buf[256];
+        char buf[384];
         if (best_f == 0.0) {
             snprintf(buf, sizeof(buf), "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
                     st.link_bw_gbps, st.cpu_attn_gbps);
@@ -428,8 +457,9 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         st.tail_cpu_frac = (float) best_f;
         st.tail_cpu = { st.tail_cpu_frac, true, t_res, t_link, t_cpu, latency, st.tail_cells };
         snprintf(buf, sizeof(buf), "auto: %.0f %% of each tail on the CPU at full context (link %.1f GB/s, CPU attention %.1f GB/s, "
-                "%d threads), chosen again as the tail grows: none below %u cells", 100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps,
-                st.n_threads, llama_rkv_tail_cpu_from_cells(st.tail_cpu));
+                "%d threads, per layer %.3f ms of decode beyond its bytes and %.3f ms per CPU part), chosen again as the tail "
+                "grows: none below %u cells", 100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps, st.n_threads, st.layer_decode_ms,
+                st.cpu_part_latency_ms, llama_rkv_tail_cpu_from_cells(st.tail_cpu));
         st.tail_cpu_reason = buf;
     }
     if (known) {

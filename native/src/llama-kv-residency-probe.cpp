@@ -7,6 +7,7 @@
 #include "llama-model.h"
 #include "llama-rolling-kv-graph.h"
 
+#include "ggml-alloc.h"
 #include "ggml-cpp.h"
 #include "ggml-rolling-kv.h"
 
@@ -15,6 +16,8 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <string>
+#include <vector>
 
 // the copy that measures the device memory bandwidth: large enough to leave the caches of any device behind,
 // small enough to fit next to the weights (a smaller one is tried when it does not)
@@ -282,5 +285,102 @@ double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
         *desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
                 std::to_string(LLAMA_RKV_BW_REPS);
         return size/(best_us*1e-6)/1e9;
+    });
+}
+
+// One decode layer's time beyond reading its bytes, on the device that holds layer il: the layer's own weight matrices,
+// each multiplied by one token's activations (what a decode step does with them), then LLAMA_RKV_LAYER_SMALL_KERNELS
+// small kernels (the norms, RoPE, the cache writes, the residual adds, the GLU between them), best of a few runs of one
+// graph on the device's backend; minus the matrices' bytes at the device memory bandwidth the planner uses for
+// t_resident. Once per process per (model, layer).
+double llama_rkv_measure_layer_decode_ms(const llama_model & model, int il, ggml_backend_dev_t dev, double mem_bw_gbps,
+        std::string * how) {
+    static llama_rkv_measured_once<std::pair<const llama_model *, int>> once;
+    return once.get({ &model, il }, how, [&model, il, dev, mem_bw_gbps](std::string * desc) {
+        *desc = "not measured";
+        if (!dev || !(mem_bw_gbps > 0.0)) {
+            *desc = "not measured: no device memory bandwidth";
+            return -1.0;
+        }
+        const std::string prefix = "blk." + std::to_string(il) + ".";
+        std::vector<ggml_tensor *> weights;
+        size_t bytes = 0;
+        for (const auto & [name, t] : model.tensors_by_name) {
+            if (name.rfind(prefix, 0) != 0 || ggml_n_dims(t) != 2 || !t->buffer || t->ne[1] < 64) {
+                continue;
+            }
+            ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(t->buffer);
+            if (ggml_backend_buft_get_device(buft) != dev) {
+                continue; // the layer's matrices on another device (or repacked/host copies)
+            }
+            weights.push_back(t);
+            bytes += ggml_nbytes(t);
+        }
+        if (weights.empty()) {
+            *desc = "not measured: layer " + std::to_string(il) + " has no weight matrices on " + ggml_backend_dev_name(dev);
+            return -1.0;
+        }
+        ggml_backend_ptr be { ggml_backend_dev_init(dev, nullptr) };
+        if (!be) {
+            *desc = std::string("not measured: cannot start a backend on ") + ggml_backend_dev_name(dev);
+            return -1.0;
+        }
+        const size_t n_nodes = 4*weights.size() + 4*LLAMA_RKV_LAYER_SMALL_KERNELS + 16;
+        ggml_init_params params = { ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+        ggml_context_ptr ctx { ggml_init(params) };
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), n_nodes, false);
+        std::vector<ggml_tensor *> inputs;
+        for (ggml_tensor * w : weights) {
+            ggml_tensor * x = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, w->ne[0]);
+            ggml_set_input(x);
+            inputs.push_back(x);
+            ggml_build_forward_expand(gf, ggml_mul_mat(ctx.get(), w, x));
+        }
+        ggml_tensor * cur = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_F32, 4096);
+        ggml_set_input(cur);
+        inputs.push_back(cur);
+        for (int i = 0; i < LLAMA_RKV_LAYER_SMALL_KERNELS; ++i) {
+            cur = ggml_scale(ctx.get(), cur, 0.5f);
+        }
+        ggml_build_forward_expand(gf, cur);
+
+        ggml_gallocr_ptr galloc { ggml_gallocr_new(ggml_backend_get_default_buffer_type(be.get())) };
+        if (!ggml_gallocr_alloc_graph(galloc.get(), gf)) {
+            *desc = std::string("not measured: no memory for one token's activations on ") + ggml_backend_dev_name(dev);
+            return -1.0;
+        }
+        for (ggml_tensor * x : inputs) {
+            ggml_backend_tensor_memset(x, 0, 0, ggml_nbytes(x));
+        }
+        for (int i = 0; i < 3; ++i) { // warm: kernels loaded, a CUDA graph captured as a decode's is
+            ggml_backend_graph_compute(be.get(), gf);
+        }
+        const int64_t best_us = llama_rkv_best_us([&](int) { ggml_backend_graph_compute(be.get(), gf); });
+        const double t_ms     = best_us*1e-3;
+        const double bytes_ms = bytes/(mem_bw_gbps*1e9)*1e3;
+        char tmp[256];
+        snprintf(tmp, sizeof(tmp), "measured: layer %d's %zu matrices (%.1f MiB) and %d small kernels on %s in %.3f ms, "
+                "their bytes %.3f ms at %.0f GB/s, best of %d", il, weights.size(), llama_rkv_mib(bytes),
+                LLAMA_RKV_LAYER_SMALL_KERNELS, ggml_backend_dev_name(dev), t_ms, bytes_ms, mem_bw_gbps, LLAMA_RKV_BW_REPS);
+        *desc = tmp;
+        return std::max(0.0, t_ms - bytes_ms);
+    });
+}
+
+// what a CPU part costs a decode layer beyond its attention, measured by the device's backend when it can
+// (GGML_RKV_CPU_PART_LATENCY_PROC), once per process per device
+double llama_rkv_measure_cpu_part_latency_ms(ggml_backend_dev_t dev, std::string * how) {
+    static llama_rkv_measured_once<ggml_backend_dev_t> once;
+    return once.get(dev, how, [dev](std::string * desc) {
+        ggml_backend_reg_t reg = llama_rkv_dev_is_gpu(dev) ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        auto fn = reg ? (ggml_backend_rkv_cpu_part_latency_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_LATENCY_PROC) : nullptr;
+        if (!fn) {
+            *desc = "not measured: the device's backend has no CPU-part probe";
+            return -1.0;
+        }
+        char tmp[256] = "";
+        const double ms = fn(dev, tmp, sizeof(tmp));
+        *desc = tmp;
+        return ms;
     });
 }

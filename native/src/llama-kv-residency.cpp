@@ -210,7 +210,7 @@ static void llama_rkv_budget_devs(llama_rkv_state & st, const llama_rkv_cache_de
 // the measurers the decision calls when it needs a figure: the first budgeted device's memory bandwidth (host memory's
 // on a machine without GPU) and, on a GPU, the CPU part's attention bandwidth and the link's
 static void llama_rkv_set_measurers(llama_rkv_state & st, const std::vector<const llama_rkv_layer_group *> & groups,
-        llama_rkv_decide_in & in) {
+        llama_rkv_decide_in & in, const llama_model & model) {
     ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     ggml_backend_dev_t bw_dev = in.host_memory ? cpu_dev : (groups.empty() ? nullptr : groups[0]->dev);
     in.measure = [bw_dev](std::string * how) {
@@ -228,6 +228,21 @@ static void llama_rkv_set_measurers(llama_rkv_state & st, const std::vector<cons
         };
         in.measure_link = [bw_dev](std::string * how) {
             return llama_rkv_measure_link_bw(bw_dev, how);
+        };
+        // the hybrid tail's per-layer terms on this device: its first layer's decode, a CPU part's hand-off
+        int il_dev = -1;
+        for (uint32_t il = 0; il < model.hparams.n_layer() && il_dev < 0; ++il) {
+            il_dev = model.dev_layer((int) il) == bw_dev ? (int) il : -1;
+        }
+        in.measure_layer_decode = [&model, il_dev, bw_dev, &st](std::string * how) {
+            if (il_dev < 0) {
+                *how = "not measured: no layer on the device";
+                return -1.0;
+            }
+            return llama_rkv_measure_layer_decode_ms(model, il_dev, bw_dev, st.mem_bw_gbps, how);
+        };
+        in.measure_cpu_part_latency = [bw_dev](std::string * how) {
+            return llama_rkv_measure_cpu_part_latency_ms(bw_dev, how);
         };
     }
 }
@@ -254,7 +269,7 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
         const auto groups = llama_rkv_budget_groups(desc, in);
         llama_rkv_probe_ops(st, desc, groups, may_head, type_k_tail, type_v_tail, in);
         llama_rkv_budget_devs(st, desc, model, groups, in);
-        llama_rkv_set_measurers(st, groups, in);
+        llama_rkv_set_measurers(st, groups, in, model);
     }
 
     // auto tail types: whether the devices run the streaming op with a candidate's types

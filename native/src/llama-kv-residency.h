@@ -100,15 +100,21 @@ static const size_t   LLAMA_RKV_VRAM_RESERVE = 1024*LLAMA_RKV_MIB;
 // n_kv grows in steps of 256 cells (llama_kv_cache::get_n_kv) and the GPU kernels split the parts at
 // 256-cell boundaries: a window of a multiple of 256 cells keeps whole n_kv steps on one side
 static const uint32_t LLAMA_RKV_WINDOW_ALIGN = 256;
-// per split layer and token, what the CPU part costs beyond its attention: Q and the mask to the host, the
-// stream-ordered host function, the pool's start and merge, the result back. Measured on the H200 (docs/perf/
-// 2026-12-03-h200-hybrid-tail, the latency probe: a 256-cell CPU part per layer costs 96 us of decode time per layer)
+// per split layer and token, what the CPU part costs beyond its attention: Q and the mask to the host, the hand-off,
+// the pool's start and merge, the result back. Measured at plan time by the device's backend
+// (llama_rkv_measure_cpu_part_latency_ms); this figure, the H200's with the first hand-off (docs/perf/
+// 2026-12-03-h200-hybrid-tail: 96 us per layer), only where the backend cannot measure it
 static const double   LLAMA_RKV_CPU_PART_LATENCY_MS = 0.09;
-// per layer and token, what a GPU's decode takes beyond reading its bytes (kernel launches, small kernels): the hybrid
-// tail's model adds it to t_resident, since a CPU part waits for its layer's query and the merge for it. The H200 decodes
-// the synthetic 28-layer model resident in 3.45 ms where its bytes take 1.77 ms at the measured 3948 GB/s: 0.06 ms a
-// layer (docs/perf/2026-12-03-h200-head-split). Without it the model thought a q4_0 tail's CPU part free and auto lost 23 %.
+// per layer and token, what a GPU's decode takes beyond reading its bytes (kernel launches, small kernels, matrices
+// too small for the memory's peak): the hybrid tail's model adds it to t_resident, since a CPU part waits for its
+// layer's query and the merge for it. Measured at plan time on the layer's device (llama_rkv_measure_layer_decode_ms);
+// this figure, the H200's for the synthetic 28-layer model (3.45 ms resident where its bytes take 1.77 ms: docs/perf/
+// 2026-12-03-h200-head-split), only where it cannot be. Without it the model thought a q4_0 tail's CPU part free and
+// auto lost 23 %.
 static const double   LLAMA_RKV_LAYER_DECODE_MS = 0.06;
+// the small kernels of a llama-type decode layer besides its matrix products (norms, RoPE, the K/V writes, residual
+// adds, the GLU, the attention's own), which the layer probe launches after the layer's matrices
+static const int      LLAMA_RKV_LAYER_SMALL_KERNELS = 12;
 // auto tail types: q4_0 where the tail's link-only time at the floor types exceeds this multiple of the resident time, i.e.
 // where the link would still dominate the token (q4_0 then saves at least 0.47/2 = 23 % of it over q8_0)
 static const double   LLAMA_RKV_AUTO_TAIL_Q4_RATIO = 1.0;
@@ -192,7 +198,7 @@ struct llama_rkv_tail_cpu {
     double   t_res_ms   = 0.0;   // the model's terms at full context
     double   t_link_ms  = 0.0;
     double   t_cpu_ms   = 0.0;
-    double   latency_ms = 0.0;   // n_layer x LLAMA_RKV_CPU_PART_LATENCY_MS
+    double   latency_ms = 0.0;   // n_layer x the CPU part's latency per layer (measured, else LLAMA_RKV_CPU_PART_LATENCY_MS)
     uint32_t tail_cells = 0;     // per stream, at full context
 };
 
@@ -308,6 +314,10 @@ struct llama_rkv_state {
     double      cpu_attn_gbps    = -1.0;  // the CPU part's attention bandwidth for the tail types
     std::string cpu_attn_source  = "none";
     double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
+    double      layer_decode_ms  = -1.0;  // a decode layer's time beyond its bytes (< 0: not used yet)
+    std::string layer_decode_source;
+    double      cpu_part_latency_ms = -1.0; // a CPU part's cost to its layer beyond its attention (< 0: not used yet)
+    std::string cpu_part_latency_source;
     llama_rkv_tail_cpu tail_cpu;          // what a cache keeps of it (llama_rkv_plan_tail_cpu)
 
     // the head split (head mode; auto compares it with the window)
@@ -463,6 +473,10 @@ struct llama_rkv_decide_in {
     // called only for an auto split on a GPU (unset: unknown)
     std::function<double(std::string *)> measure_cpu_attn;
     std::function<double(std::string *)> measure_link;
+    // and the per-layer figures of its time model (llama_rkv_measure_layer_decode_ms, _cpu_part_latency_ms; unset or
+    // < 0: the constants above)
+    std::function<double(std::string *)> measure_layer_decode;
+    std::function<double(std::string *)> measure_cpu_part_latency;
     // auto tail types: why a device cannot run the streaming op with these tail types ("": it can; unset: every device can)
     std::function<std::string(ggml_type type_k_tail, ggml_type type_v_tail, bool head)> tail_op_unsupported;
 };
@@ -490,6 +504,15 @@ bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev);
 // the CPU part's attention bandwidth for a tail type on n_threads threads (<= 0: ggml_rkv_get_cpu_threads), once per
 // process for each (ggml_rkv_cpu_attn_measure_gbps)
 double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how);
+
+// a decode layer's time beyond reading its bytes on dev (the layer il's weight matrices times one token, and the small
+// kernels), in ms at the memory bandwidth mem_bw_gbps; < 0: not measured (how says why). Once per process per layer
+double llama_rkv_measure_layer_decode_ms(const llama_model & model, int il, ggml_backend_dev_t dev, double mem_bw_gbps,
+        std::string * how);
+
+// a CPU part's cost to its decode layer beyond its attention on dev, by its backend (GGML_RKV_CPU_PART_LATENCY_PROC);
+// < 0: the backend cannot measure it. Once per process per device
+double llama_rkv_measure_cpu_part_latency_ms(ggml_backend_dev_t dev, std::string * how);
 
 // bytes read from device memory and streamed over the link per token at n_kv cells of every stream, for a window of wc
 // cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence

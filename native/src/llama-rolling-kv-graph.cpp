@@ -7,7 +7,7 @@
 
 static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
         ggml_tensor * k_tail, ggml_tensor * v_tail, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale,
-        float max_alibi_bias, float logit_softcap, float tail_cpu_frac, int32_t ref_streams) {
+        float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams) {
     q = ggml_permute(ctx, q, 0, 2, 1, 3);
     if (k) {
         k = ggml_permute(ctx, k, 0, 2, 1, 3);
@@ -22,7 +22,10 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
 
     ggml_streaming_flash_attn_add_sinks(cur, sinks);
     ggml_streaming_flash_attn_set_prec(cur, GGML_PREC_F32);
-    ggml_streaming_flash_attn_set_tail_cpu_frac(cur, tail_cpu_frac);
+    // the CPU part takes decode-sized batches only (GGML_RKV_CPU_PART_MAX_Q rows per stream): a prompt's ubatch streams
+    // its whole tail, decided here rather than dropped by the backend
+    const bool rows_ok = q->ne[1] <= GGML_RKV_CPU_PART_MAX_Q;
+    ggml_streaming_flash_attn_set_tail_cpu_cells(cur, k_tail && rows_ok ? std::min<int64_t>(tail_cpu_cells, k_tail->ne[1]) : 0);
     ggml_streaming_flash_attn_set_ref_streams(cur, ref_streams);
     return cur;
 }
@@ -66,11 +69,11 @@ ggml_tensor * llama_rkv_build_attn_mha(
     if (layout.n_kv.empty()) {
         q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
         ggml_tensor * cur = llama_rkv_attn_op(ctx, q, k, v, k_tail, v_tail, kq_mask, sinks, kq_scale, max_alibi_bias,
-                logit_softcap, layout.tail_cpu_frac, 0);
+                logit_softcap, layout.tail_cpu_cells, 0);
         return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     }
 
-    GGML_ASSERT((int64_t) layout.n_kv.size() == n_stream && layout.cpu_frac.size() == layout.n_kv.size());
+    GGML_ASSERT((int64_t) layout.n_kv.size() == n_stream && layout.cpu_cells.size() == layout.n_kv.size());
     GGML_ASSERT(kq_mask && kq_mask->ne[3] == n_stream);
 
     const int64_t n_tok = q->ne[2]/n_stream; // the tokens of a stream are consecutive
@@ -97,7 +100,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
                 kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], s*kq_mask->nb[3]);
 
         outs.push_back(llama_rkv_attn_op(ctx, qs, ks, vs, kt, vt, ms, sinks, kq_scale, max_alibi_bias, logit_softcap,
-                kt ? layout.cpu_frac[s] : 0.0f, (int32_t) n_stream));
+                kt ? layout.cpu_cells[s] : 0, (int32_t) n_stream));
     }
     // [DV, n_head, n_tok, 1] per stream -> [DV, n_head, n_tok*n_stream]: the rows of the one-op output, stream-major
     ggml_tensor * cur = llama_rkv_concat_tokens(ctx, std::move(outs));

@@ -11,10 +11,10 @@
 // its own cells: stream s attends cells [0, n_kv[s]) (window [0, min(n_kv[s], n_win)), tail [n_win, n_kv[s])), so a
 // short sequence beside a long one neither streams nor attends the long one's cell count.
 struct llama_rkv_attn_layout {
-    float tail_cpu_frac = 0.0f;     // one op: the share of the tail attended on the CPU
+    uint32_t tail_cpu_cells = 0;    // one op: the tail's cells attended on the CPU (ggml_rkv_tail_cpu_cells: 256-aligned)
     uint32_t n_win = 0;             // window cells per stream (0: a head split, where every cell is tail)
     std::vector<uint32_t> n_kv;     // one op per stream: the cells each attends
-    std::vector<float> cpu_frac;    // and the CPU share of each one's tail
+    std::vector<uint32_t> cpu_cells; // and the cells of each one's tail attended on the CPU
     // elastic windows (llama-kv-window-pool.h; pool true): the window view is the whole pool ([D, n_head_kv, rows, 1]) and
     // the tail view every row of each stream; stream s's window is win_cells[s] cells from pool row win_row0[s], its tail
     // cells [win_cells[s], n_kv[s]) from row tail_row0[s] of its tail slab

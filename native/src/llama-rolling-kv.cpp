@@ -102,6 +102,11 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
     res += ",\"cpu_attn_gbps\":" + (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
+    // the time model's per-layer terms, and where each came from (null: the share needed none)
+    res += ",\"layer_decode_ms\":" + (st->layer_decode_ms >= 0.0 ? llama_rkv_json_num(st->layer_decode_ms) : std::string("null"));
+    res += ",\"layer_decode_source\":" + llama_rkv_json_str(st->layer_decode_source);
+    res += ",\"cpu_part_latency_ms\":" + (st->cpu_part_latency_ms >= 0.0 ? llama_rkv_json_num(st->cpu_part_latency_ms) : std::string("null"));
+    res += ",\"cpu_part_latency_source\":" + llama_rkv_json_str(st->cpu_part_latency_source);
     res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
     return res;
 }

@@ -310,6 +310,12 @@ static bool           g_expect_perturbed = false; // --expect-perturbed (ROLLING
 static bool           g_tail_live = false;        // the case's tail holds a key some query row does not mask
 static ggml_backend_t g_cpu_backend = nullptr;
 
+// --tail-cpu-frac as the cells of op's tail the CPU attends, rounded once as llama's planner rounds a share
+static void set_cpu_share(ggml_tensor * op) {
+    const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    ggml_streaming_flash_attn_set_tail_cpu_cells(op, ggml_rkv_tail_cpu_cells(kt ? kt->ne[1] : 0, g_tail_cpu_frac));
+}
+
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
 
@@ -454,7 +460,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
     ggml_streaming_flash_attn_add_sinks(out, sk);
     ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
-    ggml_streaming_flash_attn_set_tail_cpu_frac(out, g_tail_cpu_frac);
+    set_cpu_share(out);
 
     ggml_tensor * ref = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
     ggml_flash_attn_ext_add_sinks(ref, sk);
@@ -495,7 +501,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         out_b = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
         ggml_streaming_flash_attn_add_sinks(out_b, sk);
         ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
-        ggml_streaming_flash_attn_set_tail_cpu_frac(out_b, g_tail_cpu_frac);
+        set_cpu_share(out_b);
         ref_b = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
         ggml_flash_attn_ext_add_sinks(ref_b, sk);
         ggml_prec_set_acc(ref_b, GGML_PREC_F32);
@@ -993,7 +999,7 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
             m, scale, 0.0f, c.softcap);
     ggml_streaming_flash_attn_add_sinks(b, sk ? ggml_view_1d(ctx, sk, n_head - hq, hq*sk->nb[0]) : nullptr);
     ggml_streaming_flash_attn_set_prec(b, GGML_PREC_F32);
-    ggml_streaming_flash_attn_set_tail_cpu_frac(b, g_tail_cpu_frac);
+    set_cpu_share(b);
 
     // as llama_rkv_build_attn_heads: [DV*heads, n_q*ne3] each, concatenated by head
     ggml_tensor * out = ggml_concat(ctx, ggml_reshape_2d(ctx, a, D*hq, n_q*ne3), ggml_reshape_2d(ctx, b, D*(n_head - hq), n_q*ne3), 0);

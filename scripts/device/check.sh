@@ -10,6 +10,12 @@
 #   cpu-decode-bench    the CPU part's attention bench on 15 threads (f16, q8_0, q4_0) against a read scan and ggml's
 #   hybrid-cells        llama-bench decode at 16384, 50% and ~100% f16 tail, CPU part 0 / auto / HYBRID_FRACS (synthetic model)
 #   handoff-cells       llama-bench decode, the CPU part handed off by host function vs mapped flag (ROLLINGKV_CPU_PART_HANDOFF)
+#   calib-cells         llama-bench -v decode: resident, auto at a 50% f16 tail and a full spill, with the planner's measured
+#                       per-layer terms (its plan lines in $OUT/decode.jsonl)
+#   slow-link-cells     a 50% f16 tail on a simulated 25 and 6.5 GB/s link (ROLLINGKV_SIMULATE_LINK_SLOWDOWN), CPU share
+#                       0 / 0.25 / 0.5 / 0.75 / auto
+#   batched-cells       llama-batched-bench, 4 sequences at 16384 with 50% tails: resident, CPU part 0 / 0.5 / auto
+#   resident-pool-cells decode at 65536 (fits): off against auto, twice in alternation
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
 #   bench-load          rollingkv bench load on the synthetic model ($LOAD_ARGS; default the table mix) into $OUT/bench-load.json
@@ -47,6 +53,10 @@ while [ $# -gt 0 ]; do
     cpu-decode-bench) cpu_decode_bench ;;
     hybrid-cells) hybrid_cells ;;
     handoff-cells) handoff_cells ;;
+    calib-cells) calib_cells ;;
+    slow-link-cells) slow_link_cells ;;
+    batched-cells) batched_cells ;;
+    resident-pool-cells) resident_pool_cells ;;
     gpu-tests) gpu_tests ;;
     decode-cells) decode_cells ;;
     bench-load) bench_load ;;

@@ -175,10 +175,13 @@ r = json.load(sys.stdin)[0]
 stats = [l.strip() for l in open(sys.argv[2], errors='replace') if l.startswith('rolling KV: CPU part:')]
 runs = next((int(m.group(1)) for m in (re.match(r'rolling KV: CPU part: (\\d+) runs', l) for l in stats) if m), 0)
 gap = next((float(m.group(1)) for m in (re.search(r'next one.s start [0-9.]+ us \\(p50 ([0-9.]+)\\)', l) for l in stats) if m), None)
+# with -v: the planner's lines (its per-layer terms, measured or assumed, and the share it chose)
+plan = [l.strip().split('rolling KV: ', 1)[1] for l in open(sys.argv[2], errors='replace')
+        if 'rolling KV: per layer' in l or 'rolling KV: CPU part of the tail' in l]
 chosen = r.get('kv_tail_cpu_frac_chosen')
 rec = {'label': sys.argv[1], 'ms': round(1000 / r['avg_ts'], 3), 'tok_s': r['avg_ts'], 'sd_ts': r['stddev_ts'],
        'samples_ms': [round(1000 / x, 2) for x in r['samples_ts']], 'cpu_frac_chosen': chosen, 'cpu_part_runs': runs,
-       'gap_p50_us': gap, 'cpu_part_stats': stats}
+       'gap_p50_us': gap, 'cpu_part_stats': stats, 'plan': plan}
 print(json.dumps(rec))
 # the path ran: a cell whose plan gave the CPU a share and that ran no CPU part timed the GPU-only stream
 if chosen not in (None, '') and float(chosen) > 0 and runs == 0:
@@ -259,6 +262,72 @@ hybrid_cells() {
     for f in ${HYBRID_FRACS:-0.25 0.4 0.5}; do
       decode_cell "w$w cpu $f" -- --kv-residency-mode window --kv-window-cells "$w" --kv-tail-cpu-frac "$f" || rc=1
     done
+  done
+  return $rc
+}
+
+# calib_cells: the planner's per-layer terms measured on this device (issue 26, 4): auto at a 50% f16 tail and at a full
+# spill (-v: the plan's lines), beside the resident decode whose time beyond its bytes the layer probe estimates
+calib_cells() {
+  local rc=0 kv=$(( ${D:-16384} + ${N:-32} ))
+  decode_cell "resident" -- --kv-residency-mode off -v || rc=1
+  decode_cell "w$(( kv / 2 / 256 * 256 )) cpu auto" -- --kv-residency-mode window --kv-window-cells $(( kv / 2 / 256 * 256 )) \
+    --kv-tail-cpu-frac auto -v || rc=1
+  decode_cell "w256 cpu auto" -- --kv-residency-mode window --kv-window-cells 256 --kv-tail-cpu-frac auto -v || rc=1
+  return $rc
+}
+
+# slow_link_cells: a host with a slower link (ROLLINGKV_SIMULATE_LINK_SLOWDOWN: 2.2 = PCIe 4.0 x16 at 25 GB/s, 8.5 = 3.0 x8
+# at 6.5 GB/s of a 55 GB/s link; --pcie-bw-gbps tells the planner): a 50% f16 tail at fixed CPU shares and auto
+slow_link_cells() {
+  local pair x link f rc=0 kv=$(( ${D:-16384} + ${N:-32} ))
+  local w=$(( kv / 2 / 256 * 256 ))
+  for pair in ${SLOW_LINKS:-2.2:25 8.5:6.5}; do
+    x=${pair%%:*} link=${pair##*:}
+    for f in ${SLOW_FRACS:-0 0.25 0.5 0.75 auto}; do
+      R=${R:-2} decode_cell "link $link w$w cpu $f" ROLLINGKV_SIMULATE_LINK_SLOWDOWN="$x" -- --kv-residency-mode window \
+        --kv-window-cells "$w" --kv-tail-cpu-frac "$f" --pcie-bw-gbps "$link" -v || rc=1
+    done
+  done
+  return $rc
+}
+
+# batched_cells: 4 sequences of 16384 tokens decoding together (llama-batched-bench, 4 streams), each with a 50% f16 tail:
+# the CPU part (0.5, auto) against GPU only, and the resident decode; $OUT/batched.jsonl
+batched_cells() {
+  local cell rc=0 npp=${NPP:-16384} npl=${NPL:-4}
+  local ctx=$(( (npp + 64) * npl )) w=$(( (npp + 64) / 2 / 256 * 256 ))
+  synth_model
+  for cell in "resident:--kv-residency-mode off" "cpu 0:--kv-residency-mode window --kv-window-cells $w --kv-tail-cpu-frac 0" \
+              "cpu 0.5:--kv-residency-mode window --kv-window-cells $w --kv-tail-cpu-frac 0.5" \
+              "cpu auto:--kv-residency-mode window --kv-window-cells $w --kv-tail-cpu-frac auto"; do
+    # shellcheck disable=SC2086
+    ROLLINGKV_CPU_PART_STATS=1 timeout 300 "$B/build/bin/llama-batched-bench" -m "$SYNTH" -fa on -ngl 99 -c "$ctx" -b 2048 -ub 512 \
+      -npp "$npp" -ntg 32 -npl "$npl" --output-format jsonl ${cell#*:} > /tmp/bb.out 2>/tmp/bb.err || rc=1
+    python3 - "${cell%%:*}" <<'PY' | tee -a "$OUT/batched.jsonl" || rc=1
+import json, re, sys
+rows = [json.loads(l) for l in open('/tmp/bb.out') if l.startswith('{')]
+err = open('/tmp/bb.err', errors='replace').read()
+runs = next((int(m.group(1)) for m in [re.search(r'rolling KV: CPU part: (\d+) runs', err)] if m), 0)
+rec = {'label': sys.argv[1], 'rows': rows, 'cpu_part_runs': runs,
+       'plan': [l.split('rolling KV: ', 1)[1] for l in err.splitlines() if 'CPU part of the tail' in l or 'KV residency:' in l]}
+print(json.dumps(rec))
+if not rows:
+    print('FAILED: no rows; stderr tail: ' + err[-1500:], file=sys.stderr); sys.exit(1)
+if sys.argv[1] == 'cpu 0.5' and runs == 0:
+    print('FAILED: cpu 0.5 ran no CPU part', file=sys.stderr); sys.exit(1)
+PY
+  done
+  return $rc
+}
+
+# resident_pool_cells: a cache that fits (65536 cells), auto (resident, the CPU part's machinery present) against off, twice
+# in alternation (issue 26: auto when it fits measured 0.955x of vanilla once)
+resident_pool_cells() {
+  local rc=0 i
+  for i in 1 2; do
+    D=${POOL_D:-65536} decode_cell "off $i" -- --kv-residency-mode off || rc=1
+    D=${POOL_D:-65536} decode_cell "auto $i" -- --kv-residency-mode auto -v || rc=1
   done
   return $rc
 }

@@ -22,7 +22,7 @@
 //   result   : [DV, n_head, n_q, ne3] f32 (same as ggml_flash_attn_ext)
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
-// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, f32 tail_cpu_frac, i32 ref_streams
+// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
 // documented in one place: ggml/src/ggml-rolling-kv-impl.h.
@@ -66,13 +66,15 @@ extern "C" {
     // number of window cells (k_window->ne[1], or 0 when the window is empty)
     GGML_API int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a);
 
-    // The hybrid tail: the share of a streamed host tail that a GPU backend attends on the CPU, directly from the
-    // pinned host rows, while it streams the rest (see ggml_rkv_tail_cpu_cells). 0 (the default): none; 1: the whole
-    // tail. A hint, never a change of the result: a backend that cannot use it for a batch (more than
-    // GGML_RKV_CPU_PART_MAX_Q query rows per stream, a tail type the CPU part does not read, a device tail, the CPU
-    // backend itself) streams or attends the whole tail as before, and the parts merge exactly either way.
-    GGML_API void  ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float frac);
-    GGML_API float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a);
+    // The hybrid tail: the cells at the far end of a streamed host tail that a GPU backend attends on the CPU, directly
+    // from the pinned host rows, while it streams the rest. Decided once, by whoever builds the graph (llama's planner:
+    // ggml_rkv_tail_cpu_cells turns its share into cells): 0 (the default) or n_tail (the whole tail on the CPU), or a
+    // count that leaves the streamed part [0, n_tail - n) a multiple of 256 cells (the streamed chunks' alignment); the
+    // setter refuses anything else. A hint, never a change of the result: a backend that cannot use it for a batch
+    // (more than GGML_RKV_CPU_PART_MAX_Q query rows per stream, a tail type the CPU part does not read, a device tail,
+    // the CPU backend itself) streams or attends the whole tail as before, and the parts merge exactly either way.
+    GGML_API void    ggml_streaming_flash_attn_set_tail_cpu_cells(struct ggml_tensor * a, int64_t n_cells);
+    GGML_API int64_t ggml_streaming_flash_attn_get_tail_cpu_cells(const struct ggml_tensor * a);
 
     // A batch of several streams may attend as one op per stream, each over its own occupied cells (a stream's
     // cells past its own are all masked for it): ref_streams is the batch's stream count, so that a backend picks
@@ -83,8 +85,9 @@ extern "C" {
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 
-    // cells at the far end of an n_tail-cell tail that the CPU attends for frac: the streamed part [0, n_tail - n)
-    // keeps a multiple of 256 cells (the streamed chunks' alignment), rounded to the nearest
+    // cells at the far end of an n_tail-cell tail that the CPU attends for a share frac: the streamed part
+    // [0, n_tail - n) keeps a multiple of 256 cells (the streamed chunks' alignment), rounded to the nearest. The one
+    // rounding of a share into cells (ggml_streaming_flash_attn_set_tail_cpu_cells takes its result)
     GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
 
     // threads of the CPU part (process-wide: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use but one),
@@ -140,6 +143,13 @@ extern "C" {
     // pinned tail. NULL: not possible here (the caller allocates from that buffer type as before).
     typedef ggml_backend_buffer_t (*ggml_backend_rkv_host_buffer_alloc_t)(ggml_backend_dev_t dev, size_t size);
 #define GGML_RKV_HOST_ALLOC_PROC "ggml_backend_rkv_host_buffer_alloc"
+
+    // What a CPU part of a hybrid tail costs a decode layer on this device beyond its attention, measured here (llama's
+    // planner weighs it against what the part saves): the hand-off of the part's inputs to the host, the host's thread
+    // pool on a part of 256 cells, the result back and the device's wait, the way a captured decode graph runs them.
+    // ms per part (< 0: not measured), and a line saying how into how[how_size].
+    typedef double (*ggml_backend_rkv_cpu_part_latency_t)(ggml_backend_dev_t dev, char * how, size_t how_size);
+#define GGML_RKV_CPU_PART_LATENCY_PROC "ggml_backend_rkv_cpu_part_latency"
 
 #ifdef __cplusplus
 }

@@ -41,6 +41,13 @@
 //                                       time and the K+V bandwidth while they ran (rolling-kv-cpu-part.cpp): where a
 //                                       hybrid decode's time goes, next to the token time llama-bench reports.
 //
+//   ROLLINGKV_SIMULATE_LINK_SLOWDOWN=x  a benchmark aid (x >= 1, default 1): every host-tail copy of the CUDA op is
+//                                       repeated so that the link moves x times fewer tail bytes per second (55 / x
+//                                       GB/s on a PCIe 5.0 x16 host: x = 2.2 for a PCIe 4.0 x16 link, 8.5 for 3.0 x8),
+//                                       while the CPU part of a hybrid tail reads host memory at its own speed: what a
+//                                       host with a slower link gives, measured on a faster one (with --pcie-bw-gbps
+//                                       telling the planner the simulated link). One warning line when set.
+//
 // Test hooks (exact outputs unless stated; the tests set them, users have no reason to):
 //   ROLLINGKV_DEBUG_PERTURB_TAIL=x      every tail key's attention score (after scale, softcap and mask) is multiplied
 //                                       by (1 + x) before the softmax, on the CPU and the CUDA forward alike (x > -1).
@@ -83,6 +90,7 @@ struct ggml_rkv_knobs {
 
     // diagnostics
     bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS
+    double  link_slowdown;    // ROLLINGKV_SIMULATE_LINK_SLOWDOWN; 1: off
 
     // test hooks
     float   perturb_tail;     // ROLLINGKV_DEBUG_PERTURB_TAIL; 0: off

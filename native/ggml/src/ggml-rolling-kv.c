@@ -6,6 +6,7 @@
 #include "ggml-threading.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -75,7 +76,7 @@ struct ggml_tensor * ggml_streaming_flash_attn(
     ggml_set_op_params_f32(result, 2, logit_softcap);
     ggml_set_op_params_i32(result, 3, (int32_t) GGML_PREC_DEFAULT);
     ggml_set_op_params_i32(result, 4, (int32_t) n_win);
-    ggml_set_op_params_f32(result, 5, 0.0f); // tail_cpu_frac
+    ggml_set_op_params_i32(result, 5, 0);    // tail_cpu_cells
     ggml_set_op_params_i32(result, 6, 0);    // ref_streams
 
     result->op = GGML_OP_STREAMING_FLASH_ATTN;
@@ -117,15 +118,20 @@ int64_t ggml_streaming_flash_attn_get_n_win(const struct ggml_tensor * a) {
     return ggml_get_op_params_i32(a, 4);
 }
 
-void ggml_streaming_flash_attn_set_tail_cpu_frac(struct ggml_tensor * a, float frac) {
+void ggml_streaming_flash_attn_set_tail_cpu_cells(struct ggml_tensor * a, int64_t n_cells) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
-    GGML_ASSERT(frac >= 0.0f && frac <= 1.0f && "streaming_flash_attn: tail_cpu_frac must be in [0, 1]");
-    ggml_set_op_params_f32(a, 5, frac);
+    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const int64_t n_tail = kt ? kt->ne[1] : 0;
+    GGML_ASSERT(n_cells >= 0 && n_cells <= n_tail && n_cells <= INT32_MAX &&
+            "streaming_flash_attn: tail_cpu_cells must be in [0, the tail's cells]");
+    GGML_ASSERT((n_cells == 0 || n_cells == n_tail || (n_tail - n_cells) % 256 == 0) &&
+            "streaming_flash_attn: tail_cpu_cells must leave the streamed part a multiple of 256 cells (ggml_rkv_tail_cpu_cells)");
+    ggml_set_op_params_i32(a, 5, (int32_t) n_cells);
 }
 
-float ggml_streaming_flash_attn_get_tail_cpu_frac(const struct ggml_tensor * a) {
+int64_t ggml_streaming_flash_attn_get_tail_cpu_cells(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
-    return ggml_get_op_params_f32(a, 5);
+    return ggml_get_op_params_i32(a, 5);
 }
 
 void ggml_streaming_flash_attn_set_ref_streams(struct ggml_tensor * a, int32_t n_streams) {
@@ -272,6 +278,19 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
     }
 
     k.cpu_part_stats = ggml_rkv_env_int("ROLLINGKV_CPU_PART_STATS", 0, 0, 1) == 1;
+    {
+        const char * v = ggml_rkv_env("ROLLINGKV_SIMULATE_LINK_SLOWDOWN");
+        char * end = NULL;
+        const double x = v ? strtod(v, &end) : 1.0;
+        k.link_slowdown = 1.0;
+        if (v && (end == v || *end != '\0' || !(x >= 1.0 && x <= 100.0))) {
+            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s is not a number from 1 to 100: the link is not slowed\n", v);
+        } else if (v && x > 1.0) {
+            k.link_slowdown = x;
+            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s: every host-tail copy is repeated to simulate a link %.2fx slower "
+                          "(a benchmark aid: unset it for real use)\n", v, x);
+        }
+    }
 
     {
         const char * v = ggml_rkv_env("ROLLINGKV_DEBUG_PERTURB_TAIL");

@@ -219,26 +219,30 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
     const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt   = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
     const ggml_tensor * mask = op->src[GGML_STREAMING_FA_SRC_MASK];
-    const float frac = ggml_streaming_flash_attn_get_tail_cpu_frac(op);
-    if (!(frac > 0.0f) || !kt || !vt || kt->ne[1] == 0 || !ggml_cuda_rkv_is_host(kt) || !ggml_cuda_rkv_is_host(vt)) {
+    const int64_t n_cpu = ggml_streaming_flash_attn_get_tail_cpu_cells(op); // decided by the graph's builder, aligned
+    if (n_cpu <= 0 || !kt || !vt || kt->ne[1] == 0 || !ggml_cuda_rkv_is_host(kt) || !ggml_cuda_rkv_is_host(vt)) {
         return 0;
     }
+    // guards for a graph built without llama's planner (which asks for a CPU part only where these hold): the whole
+    // tail streams, said once
+    const char * why = nullptr;
     if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q) {
-        // the planned limit (a batch of more rows, a prompt's, would make the part compute-bound on the CPU): said once
+        why = "more query rows per stream than GGML_RKV_CPU_PART_MAX_Q";
+    } else if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) || q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
+        why = "a query layout the CPU part does not read";
+    } else if (!ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0])) {
+        why = "tail types or head sizes the CPU part does not read";
+    } else if (mask && mask->ne[2] != 1) {
+        why = "a mask with per-head planes";
+    }
+    if (why) {
         static std::atomic<bool> said{false};
         if (!said.exchange(true)) {
-            GGML_LOG_INFO("rolling KV: the CPU part of a hybrid tail takes batches of up to %d query rows per stream "
-                          "(GGML_RKV_CPU_PART_MAX_Q); a batch of %lld rows (prompt processing) streams its whole tail\n",
-                          GGML_RKV_CPU_PART_MAX_Q, (long long) q->ne[1]);
+            GGML_LOG_WARN("rolling KV: a hybrid tail's CPU part was asked for an op with %s: it streams its whole tail\n", why);
         }
         return 0;
     }
-    if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
-            !ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
-            q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
-        return 0;
-    }
-    return ggml_rkv_tail_cpu_cells(kt->ne[1], frac);
+    return std::min(n_cpu, kt->ne[1]);
 #else
     GGML_UNUSED(op);
     return 0;
@@ -464,4 +468,100 @@ void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx) {
     }
 #endif
     CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0));
+}
+
+double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t how_size) {
+#if RKV_HYBRID
+    int device = -1;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    for (size_t i = 0; i < ggml_backend_reg_dev_count(reg); ++i) {
+        device = ggml_backend_reg_dev_get(reg, i) == dev ? (int) i : device;
+    }
+    if (device < 0) {
+        snprintf(how, how_size, "not measured: not a device of this backend");
+        return -1.0;
+    }
+    ggml_cuda_set_device(device);
+
+    // N parts of 256 cells of one f16 KV head of 128 (the least a layer hands over), one after another as a decode's
+    // layers hand theirs over: stage Q into mapped memory, ring the part's bell, wait for it, in one captured graph
+    constexpr int N = 64, D = 128, CELLS = 256, REPS = 5;
+    const size_t kv_bytes  = (size_t) CELLS*D*sizeof(uint16_t);
+    const size_t off_q     = 2*kv_bytes;
+    const size_t off_out   = off_q + 1024;
+    const size_t off_job   = off_out + 1024;
+    char * host = nullptr;
+    float * q_dev = nullptr;
+    CUDA_CHECK(cudaMallocHost((void **) &host, off_job + sizeof(rkv_cpu_part_job)));
+    memset(host, 0, off_job + sizeof(rkv_cpu_part_job));
+    CUDA_CHECK(cudaMalloc((void **) &q_dev, D*sizeof(float)));
+    CUDA_CHECK(cudaMemset(q_dev, 0, D*sizeof(float)));
+
+    rkv_cpu_part_job j;
+    memset(&j, 0, sizeof(j));
+    j.n_head = 1; j.n_head_kv = 1; j.D = D; j.DV = D; j.k_type = GGML_TYPE_F16; j.v_type = GGML_TYPE_F16;
+    j.n_q = 1; j.n_stream = 1; j.n_cells = CELLS;
+    j.q = (const uint8_t *) (host + off_q); j.q_nb1 = D*sizeof(float); j.q_nb3 = D*sizeof(float);
+    j.k = (const uint8_t *) host;            j.k_nb1 = D*sizeof(uint16_t); j.k_nb2 = kv_bytes; j.k_nb3 = kv_bytes;
+    j.v = (const uint8_t *) host + kv_bytes; j.v_nb1 = D*sizeof(uint16_t); j.v_nb2 = kv_bytes; j.v_nb3 = kv_bytes;
+    j.scale = 1.0f; j.o = (float *) (host + off_out); j.lse = (float *) (host + off_out + D*sizeof(float));
+    rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
+
+    rkv_cpu_part_prepare(0);
+    auto agent = std::make_unique<rkv_agent>();
+    agent->start();
+    agent->n_bells.store(N, std::memory_order_release);
+
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    for (int k = 0; k < N; ++k) {
+        rkv_stage_inputs<<<1, 128, 0, s>>>(q_dev, D, nullptr, 0, 0, 0, 0, 1, 1, (float *) (host + off_q), nullptr, j, job_host);
+        rkv_ring_bell<<<1, 1, 0, s>>>(&agent->bells[k], job_host);
+        rkv_wait_bell<<<1, 1, 0, s>>>(&agent->bells[k]);
+    }
+    CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    float best_ms = 1e30f;
+    const uint64_t runs0 = rkv_cpu_part_runs();
+    for (int r = 0; r < REPS + 1; ++r) { // the first: warm (the pool's threads, the graph's upload)
+        agent->expect(N);
+        CUDA_CHECK(cudaEventRecord(e0, s));
+        CUDA_CHECK(cudaGraphLaunch(exec, s));
+        CUDA_CHECK(cudaEventRecord(e1, s));
+        CUDA_CHECK(cudaStreamSynchronize(s));
+        float ms = 0.0f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r > 0) {
+            best_ms = std::min(best_ms, ms);
+        }
+    }
+    const uint64_t runs = rkv_cpu_part_runs() - runs0;
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    CUDA_CHECK(cudaStreamDestroy(s));
+    CUDA_CHECK(cudaFree(q_dev));
+    agent.reset(); // joined before the staging its jobs point into goes
+    CUDA_CHECK(cudaFreeHost(host));
+
+    if (runs != (uint64_t) N*(REPS + 1)) {
+        snprintf(how, how_size, "not measured: %llu of %d CPU parts ran", (unsigned long long) runs, N*(REPS + 1));
+        return -1.0;
+    }
+    const double per_part = best_ms/N;
+    snprintf(how, how_size, "measured: %d captured hand-offs of a 256-cell part on CUDA%d (%d threads), %.1f us each, best of %d",
+            N, device, ggml_rkv_get_cpu_threads(), per_part*1e3, REPS);
+    return per_part;
+#else
+    GGML_UNUSED(dev);
+    snprintf(how, how_size, "not measured: no CPU part on this backend");
+    return -1.0;
+#endif // RKV_HYBRID
 }

@@ -37,7 +37,7 @@ void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
 void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& h, int n_cpu_parts);
 
 // cells of op's host tail that the CPU attends (its far end), 0 when op has no CPU part: a pinned-host tail, a
-// tail_cpu_frac > 0, at most GGML_RKV_CPU_PART_MAX_Q query rows per stream, K/V types and head sizes the CPU part
+// tail_cpu_cells > 0, at most GGML_RKV_CPU_PART_MAX_Q query rows per stream, K/V types and head sizes the CPU part
 // reads, Q heads contiguous, a mask that does not vary per head
 int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op);
 

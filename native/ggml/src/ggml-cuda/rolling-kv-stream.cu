@@ -223,6 +223,23 @@ static size_t rkv_slot_v_offset(const ggml_tensor * kt, int64_t n) {
     return GGML_PAD(n*kt->nb[1]*kt->ne[3], 256);
 }
 
+// ROLLINGKV_SIMULATE_LINK_SLOWDOWN=x: the chunk's copies again, (x - 1) times their bytes (the same rows into the same
+// slot, so the outputs do not change), before its slot is marked ready: a link x times slower for the copies, the
+// CPU part reading host memory at its own speed, as on a host with a slower PCIe link
+static void rkv_simulate_slow_link(cudaStream_t cs, char * slot, char * v_slot, const ggml_tensor * kt, const ggml_tensor * vt,
+        const rkv_fifo_chunk & ch, int64_t n3) {
+    const double extra = rkv_knobs().link_slowdown - 1.0;
+    for (double left = extra; left > 0.0; left -= 1.0) {
+        const int64_t n = std::min<int64_t>(ch.n, (int64_t) (std::min(1.0, left)*ch.n + 0.5));
+        for (int64_t i3 = 0; i3 < n3 && n > 0; ++i3) {
+            CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
+                n*kt->nb[1], cudaMemcpyHostToDevice, cs));
+            CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
+                n*vt->nb[1], cudaMemcpyHostToDevice, cs));
+        }
+    }
+}
+
 // copy chunk i of a plan into its slot on the copy stream cs and record `done` (the slot's copy_done by default)
 static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
         const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i, cudaEvent_t done = nullptr) {
@@ -244,6 +261,7 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
+    rkv_simulate_slow_link(cs, slot, v_slot, kt, vt, ch, n3);
     ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
     CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }

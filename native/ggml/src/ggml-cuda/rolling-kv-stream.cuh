@@ -68,6 +68,11 @@ void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t 
 // (rolling-kv-host.cu); nullptr where that is not possible
 ggml_backend_buffer_t ggml_cuda_rkv_host_buffer_alloc(ggml_backend_dev_t dev, size_t size);
 
+// the registry's GGML_RKV_CPU_PART_LATENCY_PROC (ggml-rolling-kv.h): what a CPU part costs its decode layer beyond its
+// attention on dev, measured through the flag hand-off in a captured graph (rolling-kv-hybrid.cu; ms per part, < 0: not
+// measured)
+double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t how_size);
+
 bool ggml_cuda_rkv_is_host(const ggml_tensor * t);          // t (or what it views) lives in a host buffer
 bool ggml_cuda_rkv_rows_contiguous(const ggml_tensor * t);  // cells of one stream are one contiguous byte range
 bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op);    // op's tail is in host memory and has cells to stream (the
