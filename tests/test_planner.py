@@ -163,10 +163,10 @@ def _cases() -> dict:
                             link_measured_gbps=6.5)
     # the per-layer terms measured on the device (a slow host hand-off, a fast one), against the constants
     c["hyb_calib_slow"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=-1, layer_decode_measured_ms=0.02,
-                              cpu_part_latency_measured_ms=0.5)
+                              cpu_part_latency_measured_ms=20.0)
     c["hyb_calib_fast"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=-1, layer_decode_measured_ms=0.02,
                               cpu_part_latency_measured_ms=0.01)
-    c["hyb_calib_fixed"] = fig(**hyb, tail_cpu_frac=0.5, layer_decode_measured_ms=0.02, cpu_part_latency_measured_ms=0.5)
+    c["hyb_calib_fixed"] = fig(**hyb, tail_cpu_frac=0.5, layer_decode_measured_ms=0.02, cpu_part_latency_measured_ms=20.0)
     c["hyb_fast_cpu_no_gain"] = fig(**{**hyb, "cpu_attn_gbps": 0.5}, tail_cpu_frac=-1, pcie_bw_gbps=53.5)
     c["hyb_q4_1"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, type_k_tail="q4_1", type_v_tail="q4_1")
     c["hyb_host"] = fig(**hyb, tail_cpu_frac=-1, pcie_bw_gbps=6.5, host_memory=True)
@@ -714,7 +714,7 @@ def test_auto_measures_the_per_layer_terms_where_it_runs(sim):
     share follows them: a slow hand-off leaves less of the tail to the CPU than a fast one. Without a measurement (a
     backend without the probe), the constants, said to be the H200's."""
     slow, fast = sim["hyb_calib_slow"], sim["hyb_calib_fast"]
-    for p, latency in ((slow, 0.5), (fast, 0.01)):
+    for p, latency in ((slow, 20.0), (fast, 0.01)):
         tc = p["tail_cpu"]
         assert tc["layer_decode_ms"] == pytest.approx(0.02) and tc["cpu_part_latency_ms"] == pytest.approx(latency)
         assert tc["layer_decode_source"] == tc["cpu_part_latency_source"] == "given (measured)"
