@@ -177,3 +177,21 @@ def test_probe_pcie_measures_the_cpu_attention(tmp_path):
     assert c["error"] is None and c["source"] == "measured now" and all(c["gbps"][t] > 1.0 for t in ("f16", "q8_0", "q4_0"))
     proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "probe", "pcie", "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert json.loads(proc.stdout)["cpu_attn"]["source"] == "cached"
+
+
+@pytest.mark.build
+def test_batched_bench_honours_the_residency_flags(cpu_build, demo_model):
+    """llama-batched-bench parses the common flags but created its context with llama_init_from_model: the residency
+    flags were accepted and ignored (patch 0020). Several sequences decoding together now run on the split they ask for,
+    and on the resident cache without them."""
+    exe = cpu_build.artifact("llama-batched-bench")
+    assert exe.exists(), "llama-batched-bench is one of the build's targets"
+    base = [str(exe), "-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "2304", "-b", "512", "-ub", "256",
+            "-npp", "512", "-ntg", "4", "-npl", "2", "--output-format", "jsonl"]
+    split = subprocess.run(base + ["--kv-residency-mode", "window", "--kv-window-cells", "256"], capture_output=True, text=True, timeout=600)
+    assert split.returncode == 0, split.stderr[-2000:]
+    assert "rolling KV: split, window 256 cells" in split.stderr, split.stderr[-3000:]
+    rows = [json.loads(line) for line in split.stdout.splitlines() if line.startswith("{")]
+    assert rows and rows[0]["pl"] == 2 and rows[0]["speed_tg"] > 0
+    off = subprocess.run(base + ["--kv-residency-mode", "off"], capture_output=True, text=True, timeout=600)
+    assert off.returncode == 0 and "rolling KV: split" not in off.stderr, off.stderr[-2000:]

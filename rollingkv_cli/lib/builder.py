@@ -20,7 +20,7 @@ from rollingkv_cli.lib import paths, patchset, upstream
 from rollingkv_cli.console import abort, console, log_panel, note
 
 MANIFEST = "manifest.json"
-BASE_TARGETS = ("llama", "llama-server", "llama-bench")
+BASE_TARGETS = ("llama", "llama-server", "llama-bench", "llama-batched-bench")
 OP_TEST_TARGET = "test-rolling-kv-ops"
 CPU_DECODE_TEST_TARGET = "test-rolling-kv-cpu-decode"  # the hybrid tail's CPU attention: check and bench
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)$")

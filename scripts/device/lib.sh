@@ -304,7 +304,7 @@ batched_cells() {
     # shellcheck disable=SC2086
     ROLLINGKV_CPU_PART_STATS=1 timeout 300 "$B/build/bin/llama-batched-bench" -m "$SYNTH" -fa on -ngl 99 -c "$ctx" -b 2048 -ub 512 \
       -npp "$npp" -ntg 32 -npl "$npl" --output-format jsonl ${cell#*:} > /tmp/bb.out 2>/tmp/bb.err || rc=1
-    python3 - "${cell%%:*}" <<'PY' | tee -a "$OUT/batched.jsonl" || rc=1
+    python3 - "${cell%%:*}" > /tmp/bb.rec <<'PY' || rc=1
 import json, re, sys
 rows = [json.loads(l) for l in open('/tmp/bb.out') if l.startswith('{')]
 err = open('/tmp/bb.err', errors='replace').read()
@@ -317,6 +317,7 @@ if not rows:
 if sys.argv[1] == 'cpu 0.5' and runs == 0:
     print('FAILED: cpu 0.5 ran no CPU part', file=sys.stderr); sys.exit(1)
 PY
+    tee -a "$OUT/batched.jsonl" < /tmp/bb.rec
   done
   return $rc
 }
