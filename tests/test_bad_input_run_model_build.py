@@ -491,7 +491,7 @@ def test_configure_failure_keeps_its_log(tmp_path, isolated_cache, monkeypatch, 
 def test_failed_compile_keeps_its_tree_and_says_where_the_log_is(tmp_path, isolated_cache, monkeypatch, capsys):
     """Past configure, a failure keeps the directory (a rerun resumes) and the error names its build.log."""
     cmake = "cmake_minimum_required(VERSION 3.14)\nproject(fake NONE)\n" + "".join(
-        f"add_custom_target({t} COMMAND false)\n" for t in ("llama", "llama-server", "llama-bench"))
+        f"add_custom_target({t} COMMAND false)\n" for t in ("llama", "llama-server", "llama-bench", "llama-batched-bench"))
     tree = _fake_tree(Ctx(tmp=tmp_path, cache=isolated_cache, monkeypatch=monkeypatch), cmake)
     code, _, err = run_main(["build", "--no-cuda", "-q", "--source", str(tree), "--allow-unpinned"], capsys)
     assert code == 1 and "build failed" in err and "resumes" in err

@@ -154,6 +154,20 @@ def hybrid_floors(t_resident_s: float, tail_bytes: float, link_bytes_per_s: floa
     return floors(t_resident_s, tail_bytes, link_bytes_per_s + cpu_bytes_per_s)
 
 
+def hybrid_dependent_floor(t_resident_s: float, tail_bytes: float, link_bytes_per_s: float, cpu_bytes_per_s: float) -> tuple[float, float]:
+    """(floor, share) of a single sequence's decode when the CPU attends a share f of the tail: its part waits for its
+    layer's query, so the CPU's attention adds to the resident work while the link's copies run ahead across layers,
+    min over f of max(t_res + f x bytes/cpu, (1 - f) x bytes/link). The overlapped hybrid floor assumes the CPU part
+    overlaps the resident work too, which the query's dependency forbids (docs/design/hybrid-tail.md)."""
+    if cpu_bytes_per_s <= 0 or link_bytes_per_s <= 0:
+        raise ValueError("hybrid floors need a positive link and CPU attention bandwidth")
+    t_link, t_cpu = tail_bytes / link_bytes_per_s, tail_bytes / cpu_bytes_per_s
+    if t_link <= t_resident_s:
+        return t_resident_s, 0.0
+    f = (t_link - t_resident_s) / (t_cpu + t_link)
+    return t_resident_s + f * t_cpu, f
+
+
 def cpu_share(link_gbps: float, cpu_gbps: float) -> float:
     """The share of the tail bytes on the CPU that makes both parts end together: cpu / (cpu + link) (the planner's
     starting point, before its per-layer latency and 256-cell rounding; docs/design/hybrid-tail.md)."""

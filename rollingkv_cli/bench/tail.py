@@ -199,7 +199,8 @@ def fill_measurement(cell: dict, row: dict, model) -> None:
 
 
 _FLOOR_KEYS = ("t_resident_ms", "floor_ms", "stretch_floor_ms", "ratio_floor", "ratio_stretch",
-               "cpu_attn_gbps", "hybrid_serial_floor_ms", "hybrid_floor_ms", "ratio_hybrid_serial", "ratio_hybrid")
+               "cpu_attn_gbps", "hybrid_serial_floor_ms", "hybrid_floor_ms", "ratio_hybrid_serial", "ratio_hybrid",
+               "hybrid_dependent_floor_ms", "hybrid_dependent_share", "ratio_hybrid_dependent")
 
 
 def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = None) -> None:
@@ -232,6 +233,10 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
             c["hybrid_floor_ms"] = h_over * 1e3
             c["ratio_hybrid_serial"] = t / h_serial
             c["ratio_hybrid"] = t / h_over
+            h_dep, share = bm.hybrid_dependent_floor(t_res, c.get("tail_bytes_per_token") or 0.0, gbps * 1e9, cpu * 1e9)
+            c["hybrid_dependent_floor_ms"] = h_dep * 1e3
+            c["hybrid_dependent_share"] = share
+            c["ratio_hybrid_dependent"] = t / h_dep
 
 
 # ------------------------------------------------------------------------------------------ bandwidth

@@ -42,6 +42,8 @@ def cell_line(c: dict) -> str:
         s += f", {c['ratio_floor']:.2f}x floor"
     if c.get("ratio_hybrid") is not None:
         s += f", {c['ratio_hybrid']:.2f}x hybrid floor"
+    if c.get("ratio_hybrid_dependent") is not None:
+        s += f", {c['ratio_hybrid_dependent']:.2f}x its floor after the query"
     return s + f" [dim]({c.get('wall_s', 0):.1f} s)[/]"
 
 

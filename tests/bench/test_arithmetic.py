@@ -185,3 +185,17 @@ def test_hybrid_targets_met_and_not_met():
     assert t["hybrid_full_vs_floor"]["status"] == "info" and "16384 and 65536" in t["hybrid_full_vs_floor"]["note"]
     t = {x["target"]: x for x in bm.evaluate_targets(cells(16384, 0.4, 35.0, 25.0, 35.0), [16384], "f16", None)}
     assert t["hybrid_full_vs_floor"]["status"] == "n/a" and "floors skipped" in t["hybrid_full_vs_floor"]["note"]
+
+
+def test_the_hybrid_floor_after_the_query():
+    """A single sequence's CPU part waits for its layer's query: the floor is min over f of max(t_res + f tail/cpu,
+    (1 - f) tail/link), between the overlapped floor and the serial one; the H100 figures of docs/perf 2026-12-06."""
+    t_res, tail, link, cpu = 3.96e-3, 943e6, 55.5e9, 63.6e9
+    dep, f = bm.hybrid_dependent_floor(t_res, tail, link, cpu)
+    grid = min((i / 100000 for i in range(100001)), key=lambda x: max(t_res + x * tail / cpu, (1 - x) * tail / link))
+    assert f == pytest.approx(grid, abs=1e-4) and dep == pytest.approx(max(t_res + grid * tail / cpu, (1 - grid) * tail / link), rel=1e-4)
+    serial, over = bm.hybrid_floors(t_res, tail, link, cpu)
+    assert over < dep < serial and dep == pytest.approx(10.03e-3, rel=5e-3)
+    assert bm.hybrid_dependent_floor(0.05, tail, link, cpu) == (0.05, 0.0)  # the link alone keeps up: no CPU part
+    with pytest.raises(ValueError):
+        bm.hybrid_dependent_floor(t_res, tail, 0, cpu)

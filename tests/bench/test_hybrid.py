@@ -147,6 +147,14 @@ def test_hybrid_cells_floors_and_targets(capsys, cuda_build, tiny, tmp_path, mon
     assert auto["hybrid_floor_ms"] == pytest.approx(h_over * 1e3) and auto["hybrid_serial_floor_ms"] == pytest.approx(h_serial * 1e3)
     assert auto["ratio_hybrid"] == pytest.approx(t / h_over) and auto["ratio_hybrid_serial"] == pytest.approx(t / h_serial)
     assert auto["ratio_floor"] == pytest.approx(t / (t_res + tail / 20e9)) and auto["cpu_attn_gbps"] == 30.0
+    # the floor a single sequence can reach: the CPU part after its layer's query (serial with the resident work), the
+    # copies ahead across layers: min over f of max(t_res + f tail/cpu, (1 - f) tail/link), brute-forced here
+    grid = [i / 10000 for i in range(10001)]
+    f_best = min(grid, key=lambda f: max(t_res + f * tail / 30e9, (1 - f) * tail / 20e9))
+    dep = max(t_res + f_best * tail / 30e9, (1 - f_best) * tail / 20e9)
+    assert auto["hybrid_dependent_floor_ms"] == pytest.approx(dep * 1e3, rel=1e-3)
+    assert auto["hybrid_dependent_share"] == pytest.approx(f_best, abs=2e-4)
+    assert h_over <= dep <= h_serial and auto["ratio_hybrid_dependent"] == pytest.approx(t / dep, rel=1e-3)
     q8 = by["d1020/hybrid/q8_0/w512/cpuauto"]
     assert q8["hybrid_floor_ms"] == pytest.approx(max(t_res, (1024 - 512) * ROW["q8_0"] / 35e9) * 1e3)
     q4 = by["d1020/hybrid/q4_0/w512/cpuauto"]
