@@ -303,14 +303,16 @@ batched_cells() {
               "cpu auto:--kv-residency-mode window --kv-window-cells $w --kv-tail-cpu-frac auto"; do
     # shellcheck disable=SC2086
     ROLLINGKV_CPU_PART_STATS=1 timeout 300 "$B/build/bin/llama-batched-bench" -m "$SYNTH" -fa on -ngl 99 -c "$ctx" -b 2048 -ub 512 \
-      -npp "$npp" -ntg 32 -npl "$npl" --output-format jsonl ${cell#*:} > /tmp/bb.out 2>/tmp/bb.err || rc=1
+      -npp "$npp" -ntg 32 -npl "$npl" --output-format jsonl -v ${cell#*:} > /tmp/bb.out 2>/tmp/bb.err || rc=1
     python3 - "${cell%%:*}" > /tmp/bb.rec <<'PY' || rc=1
 import json, re, sys
 rows = [json.loads(l) for l in open('/tmp/bb.out') if l.startswith('{')]
 err = open('/tmp/bb.err', errors='replace').read()
 runs = next((int(m.group(1)) for m in [re.search(r'rolling KV: CPU part: (\d+) runs', err)] if m), 0)
 rec = {'label': sys.argv[1], 'rows': rows, 'cpu_part_runs': runs,
-       'plan': [l.split('rolling KV: ', 1)[1] for l in err.splitlines() if 'CPU part of the tail' in l or 'KV residency:' in l]}
+       'cpu_part_stats': [l.strip() for l in err.splitlines() if l.startswith('rolling KV: CPU part:')],
+       'plan': [l.split('rolling KV: ', 1)[1] for l in err.splitlines()
+                if 'rolling KV: CPU part of the tail' in l or 'rolling KV: per layer' in l or 'rolling KV: split' in l]}
 print(json.dumps(rec))
 if not rows:
     print('FAILED: no rows; stderr tail: ' + err[-1500:], file=sys.stderr); sys.exit(1)
