@@ -203,7 +203,8 @@ struct rkv_bufs {
     ggml_cuda_pool_alloc<float> lse_acc;
     ggml_cuda_pool_alloc<float> lse_tmp;
     ggml_cuda_pool_alloc<float> O_tmp;
-    const float * cpu_out = nullptr;     // the CPU part's output rows, then its LSEs (pinned host memory, read in place)
+    ggml_cuda_rkv_cpu_part cpu;          // the CPU part: its output rows, then its LSEs (pinned host memory, read in
+                                         // place), and what the merge waits for
     explicit rkv_bufs(ggml_cuda_pool & pool) : lse_acc(pool), lse_tmp(pool), O_tmp(pool) {}
 };
 
@@ -472,7 +473,7 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
     const int ic = f.host_tail && i >= f.p_chunk && i < f.p_chunk + f.ts.n_chunks() ? i - f.p_chunk : -1; // chunk index, or < 0
 
     if (p.cpu) {
-        ggml_cuda_rkv_cpu_part_wait(ctx); // the host's result is on the device
+        ggml_cuda_rkv_cpu_part_wait(ctx, b.cpu); // the host's result is on the device
         return;
     }
     if (ic >= 0) {
@@ -552,8 +553,8 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
     float       * O_acc   = (float *) f.dst->data;
     const bool    last    = i == (int) f.parts.size() - 1;
     // the part's output and LSE: the CPU part's buffer, else the kernel's
-    const float * O_p     = f.parts[i].cpu ? b.cpu_out : b.O_tmp.ptr;
-    const float * lse_p   = f.parts[i].cpu ? b.cpu_out + f.nrows*f.DV : i == 0 ? b.lse_acc.ptr : b.lse_tmp.ptr;
+    const float * O_p     = f.parts[i].cpu ? b.cpu.out : b.O_tmp.ptr;
+    const float * lse_p   = f.parts[i].cpu ? b.cpu.out + f.nrows*f.DV : i == 0 ? b.lse_acc.ptr : b.lse_tmp.ptr;
 
     if (i == 0) {
         if (pp.direct && !last) {
@@ -620,7 +621,7 @@ void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor
     // the CPU part first: it runs on the host while the device attends the window and the streamed chunks
     if (f.n_cpu > 0) {
         const rkv_part & p = f.parts.back();
-        b.cpu_out = ggml_cuda_rkv_cpu_part_launch(ctx, f.dst, p.n, p.col0);
+        b.cpu = ggml_cuda_rkv_cpu_part_launch(ctx, f.dst, p.n, p.col0);
     }
     if (f.host_tail) {
         ggml_cuda_rkv_tail_start(ctx, f.ts);

@@ -7,6 +7,7 @@
 #include "../ggml-rolling-kv-impl.h"
 #include "../rolling-kv-cpu-part.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -163,9 +164,11 @@ struct ggml_cuda_rkv_hybrid {
     std::vector<char *>      retired;  // staging that grew: a captured graph may still copy through it
     int next = 0;                      // CPU parts issued in the graph being evaluated
     cudaEvent_t ev_fork = nullptr;
-    cudaEvent_t ev_done = nullptr;     // host function: the CPU part issued last (what the compute stream waits for)
-    rkv_bell *  bell_done = nullptr;   // flag: the bell of the CPU part issued last
     std::unique_ptr<rkv_agent> agent;  // flag: made with the first graph that has CPU parts
+    // the graph being evaluated: the later members of each group, by its first op, and the parts handed over ahead of
+    // their ops
+    std::unordered_map<const ggml_tensor *, std::vector<const ggml_tensor *>> group_rest;
+    std::unordered_map<const ggml_tensor *, ggml_cuda_rkv_cpu_part>         ahead;
     // the ALiBi slopes (times the test hook's factor) per (heads, max_bias, factor): what a job's slope points to, never
     // changed once made (a replayed graph's job points to it); as many as the model's distinct layer shapes
     std::unordered_map<std::string, std::unique_ptr<std::vector<float>>> slopes;
@@ -195,12 +198,40 @@ static ggml_cuda_rkv_hybrid & rkv_hybrid_make(ggml_cuda_rkv_hybrid *& hp) {
     return *hp;
 }
 
-void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, int n_cpu_parts) {
+// the roots a group's ops share: one layer's query, one layer's tail
+static const ggml_tensor * rkv_root(const ggml_tensor * t) {
+    return t && t->view_src ? t->view_src : t;
+}
+
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, const std::vector<const ggml_tensor *> & cpu_ops) {
+    const int n_cpu_parts = (int) std::count_if(cpu_ops.begin(), cpu_ops.end(), [](const ggml_tensor * t) { return t != nullptr; });
     if (hp) {
         hp->next = 0;
+        hp->group_rest.clear();
+        hp->ahead.clear();
+    }
+    if (n_cpu_parts == 0) {
+        return;
+    }
+    ggml_cuda_rkv_hybrid & g = rkv_hybrid_make(hp);
+    const int n = (int) cpu_ops.size();
+    for (int i = 0; i < n;) {
+        const ggml_tensor * first = cpu_ops[i];
+        if (!first) {
+            ++i;
+            continue;
+        }
+        int j = i + 1;
+        while (j < n && cpu_ops[j] &&
+                rkv_root(cpu_ops[j]->src[GGML_STREAMING_FA_SRC_Q]) == rkv_root(first->src[GGML_STREAMING_FA_SRC_Q]) &&
+                rkv_root(cpu_ops[j]->src[GGML_STREAMING_FA_SRC_K_TAIL]) == rkv_root(first->src[GGML_STREAMING_FA_SRC_K_TAIL])) {
+            g.group_rest[first].push_back(cpu_ops[j]);
+            ++j;
+        }
+        i = j;
     }
 #if RKV_HYBRID
-    if (n_cpu_parts > 0 && !ggml_rkv_get_knobs()->cpu_part_host_fn) {
+    if (!ggml_rkv_get_knobs()->cpu_part_host_fn) {
         ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(hp);
         if (!h.agent) {
             h.agent = std::make_unique<rkv_agent>();
@@ -208,8 +239,6 @@ void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, int n_cpu_part
         }
         h.agent->expect(n_cpu_parts); // the agent spins from here until it has served them
     }
-#else
-    GGML_UNUSED(n_cpu_parts);
 #endif
 }
 
@@ -340,8 +369,9 @@ static std::vector<float> rkv_slopes(int n_head, float max_bias, float mul) {
 }
 #endif // RKV_HYBRID
 
-const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
 #if RKV_HYBRID
+// hand op's CPU part over: stage its inputs, ring its bell (or queue the host function) on the CPU-part stream
+static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
     const ggml_tensor * q    = op->src[GGML_STREAMING_FA_SRC_Q];
     const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt   = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
@@ -434,6 +464,9 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     }
     // the bell when the graph's plan started the agent (a part past the bells, or one the plan did not count, takes
     // the host function)
+    ggml_cuda_rkv_cpu_part part;
+    part.out  = (const float *) (host + off_out); // the merge reads the result where the host wrote it (mapped memory)
+    part.done = st.done;
     if (h.agent && k < RKV_MAX_BELLS) {
         rkv_bell * bell = &h.agent->bells[k];
         int n = h.agent->n_bells.load(std::memory_order_relaxed);
@@ -441,33 +474,61 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
         rkv_ring_bell<<<1, 1, 0, cs>>>(bell, job_host);
         CUDA_CHECK(cudaGetLastError());
         CUDA_CHECK(cudaEventRecord(st.done, cs)); // the fork joins the compute stream again (a capture requires it)
-        h.bell_done = bell;
-        h.ev_done   = st.done;
+        part.bell = bell;
     } else {
         CUDA_CHECK(cudaLaunchHostFunc(cs, rkv_cpu_part_host, job_host));
         CUDA_CHECK(cudaEventRecord(st.done, cs));
-        h.ev_done   = st.done;
-        h.bell_done = nullptr;
     }
-    return (const float *) (host + off_out); // the merge reads the result where the host wrote it (mapped memory)
+    return part;
+}
+
+// a group member's CPU part: its cells and first mask column as its own forward finds them (rolling-kv-fa.cu)
+static void rkv_cpu_part_span(const ggml_tensor * op, int64_t & n_cpu, int64_t & col0) {
+    const ggml_tensor * kw = op->src[GGML_STREAMING_FA_SRC_K_WIN];
+    const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    n_cpu = ggml_cuda_rkv_tail_cpu_cells(op);
+    col0  = (kw ? kw->ne[1] : 0) + kt->ne[1] - n_cpu;
+}
+#endif // RKV_HYBRID
+
+ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
+#if RKV_HYBRID
+    ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(ggml_cuda_rkv_hybrid_of(ctx));
+    auto it = h.ahead.find(op);
+    if (it != h.ahead.end()) {
+        const ggml_cuda_rkv_cpu_part part = it->second; // handed over by the group's first op
+        h.ahead.erase(it);
+        return part;
+    }
+    const ggml_cuda_rkv_cpu_part part = rkv_cpu_part_issue(ctx, op, n_cpu, col0);
+    // the group's later ops: their queries and this step's tail rows exist already (one layer's), so the host attends
+    // their parts next, while the device attends this op's window and chunks
+    auto g = h.group_rest.find(op);
+    if (g != h.group_rest.end()) {
+        for (const ggml_tensor * m : g->second) {
+            int64_t m_cpu = 0, m_col0 = 0;
+            rkv_cpu_part_span(m, m_cpu, m_col0);
+            if (m_cpu > 0) {
+                h.ahead[m] = rkv_cpu_part_issue(ctx, m, m_cpu, m_col0);
+            }
+        }
+    }
+    return part;
 #else
     GGML_UNUSED(ctx); GGML_UNUSED(op); GGML_UNUSED(n_cpu); GGML_UNUSED(col0);
     GGML_ABORT("rolling-KV: no CPU part on this backend");
 #endif // RKV_HYBRID
 }
 
-void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx) {
-    ggml_cuda_rkv_hybrid * h = ggml_cuda_rkv_hybrid_of(ctx);
-    GGML_ASSERT(h && h->ev_done);
+void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx, const ggml_cuda_rkv_cpu_part & part) {
+    GGML_ASSERT(part.done);
+    CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), part.done, 0)); // the join (a bell was rung long before)
 #if RKV_HYBRID
-    if (h->bell_done) {
-        CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0)); // the join: the bell was rung long before
-        rkv_wait_bell<<<1, 1, 0, ctx.stream()>>>(h->bell_done);
+    if (part.bell) {
+        rkv_wait_bell<<<1, 1, 0, ctx.stream()>>>((rkv_bell *) part.bell);
         CUDA_CHECK(cudaGetLastError());
-        return;
     }
 #endif
-    CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), h->ev_done, 0));
 }
 
 double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t how_size) {

@@ -32,9 +32,23 @@ static_assert(GGML_CUDA_RKV_CPU_STREAM > 3, "the rolling-KV CPU-part stream must
 struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, which carries the jobs, slopes, events)
 void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
 
-// before a graph is evaluated (eager or captured, and before a replay): its CPU parts take staging buffers from the
-// first again; n_cpu_parts > 0 (the graph's count) starts the agent that serves the bells, or tells it to expect them
-void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& h, int n_cpu_parts);
+#include <vector>
+
+// before a graph is evaluated (eager or captured, and before a replay), with the graph's ops that have a CPU part in
+// graph order, nullptr where the graph writes a streamed tail between two of them: its CPU parts take staging buffers
+// from the first again; a part starts the agent that serves the bells, or tells it to expect them. Ops of a run that
+// read one query and one tail with no write between them (the per-stream ops of a layer) are a group whose first op
+// hands over every member's part, so that the host attends the streams back to back while the device attends theirs
+void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& h, const std::vector<const ggml_tensor *> & cpu_ops);
+
+// a CPU part handed over: where its result will be (pinned host memory the device reads in place once
+// ggml_cuda_rkv_cpu_part_wait has ordered it: [rows][DV] floats, then [rows] LSEs, rows = DV-rows of dst), and what
+// the compute stream waits for (the part's bell, or none with the host function; the event that joins its stream)
+struct ggml_cuda_rkv_cpu_part {
+    const float * out  = nullptr;
+    void *        bell = nullptr;
+    cudaEvent_t   done = nullptr;
+};
 
 // cells of op's host tail that the CPU attends (its far end), 0 when op has no CPU part: a pinned-host tail, a
 // tail_cpu_cells > 0, at most GGML_RKV_CPU_PART_MAX_Q query rows per stream, K/V types and head sizes the CPU part
@@ -44,9 +58,8 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op);
 // the cells of op's host tail that stream through the device: the tail minus its CPU part
 int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op);
 
-// issue op's CPU part over its last n_cpu tail cells (first mask column col0) on the CPU-part stream; returns where its
-// result will be, in pinned host memory the device reads in place once ggml_cuda_rkv_cpu_part_wait has ordered it:
-// [rows][DV] floats, then [rows] LSEs (rows = DV-rows of dst)
-const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0);
-// the compute stream waits for the CPU part issued last
-void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx);
+// op's CPU part over its last n_cpu tail cells (first mask column col0): handed over on the CPU-part stream now, or
+// already by the first op of its group; the first op of a group hands over the later members' parts too
+ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0);
+// the compute stream waits for this CPU part
+void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx, const ggml_cuda_rkv_cpu_part & part);

@@ -335,13 +335,15 @@ static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t,
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (r) {
-        ggml_cuda_rkv_hybrid_graph_begin(r->hybrid, 0);
         r->fifo.clear();
         r->ops.clear();
         r->next_copy = 0;
         r->n_pre     = 0;
     }
     if (RKV_LAB(no_runahead)) {
+        if (r) {
+            ggml_cuda_rkv_hybrid_graph_begin(r->hybrid, {});
+        }
         return; // lab A/B: every op streams its own tail only (copies overlap that op's attention, not other layers)
     }
 
@@ -350,17 +352,20 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     std::vector<std::pair<const ggml_tensor *, const ggml_tensor *>> writes; // (root written, set_rows node)
     const size_t slot_bytes = rkv_knobs().ring_slot_bytes;
     size_t need = 0;
-    int n_cpu_parts = 0; // ops with a CPU part: the agent that serves them spins while the graph runs
+    std::vector<const ggml_tensor *> cpu_ops; // ops with a CPU part (nullptr: a tail write between two), in order
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(cgraph)); ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(cgraph), i);
         if ((node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
             continue;
         }
         if (node->op == GGML_OP_STREAMING_FLASH_ATTN && ggml_cuda_rkv_tail_cpu_cells(node) > 0) {
-            n_cpu_parts++;
+            cpu_ops.push_back(node);
         }
         if (node->op == GGML_OP_SET_ROWS && ggml_is_streamed(node)) {
             writes.push_back({ node->view_src ? node->view_src : node, node });
+            if (!cpu_ops.empty() && cpu_ops.back()) {
+                cpu_ops.push_back(nullptr); // a part handed over ahead must not miss these rows
+            }
             continue;
         }
         if (node->op != GGML_OP_STREAMING_FLASH_ATTN || !ggml_cuda_rkv_streams_tail(node)) {
@@ -376,8 +381,9 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
             if (w.first == vroot) ops.back().writes_v.push_back(w.second);
         }
     }
-    if (n_cpu_parts > 0) {
-        ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid_of(ctx), n_cpu_parts);
+    // once per graph, after the scan (it also resets the staging index of a graph with no CPU part)
+    if (r || !cpu_ops.empty()) {
+        ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid_of(ctx), cpu_ops);
     }
     if (ops.empty()) {
         return;
