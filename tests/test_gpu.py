@@ -479,3 +479,19 @@ def test_elastic_windows_on_the_gpu_within_the_order_floor(cuda_build, synth_mod
     print(f"elastic vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
     assert floor > 0 and tv <= 2 * floor, (tv, floor)
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= (floor_run.argmax(-1) == ref.argmax(-1)).mean() - 0.05
+
+
+def test_elastic_windows_with_cpu_parts_on_the_gpu_within_the_order_floor(cuda_build, synth_model, tmp_path):
+    """Four streams decoding together with a CPU part each: the first op of a layer hands over every stream's part
+    (rolling-kv-hybrid.cu, the group), each stream's merge waits for its own. The logits within 2x the resident run's own
+    distance to itself at another ubatch size; the parts ran (counted on the device's host)."""
+    import numpy as np
+
+    _, ref = _elastic_load(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"))
+    _, floor_run = _elastic_load(cuda_build, synth_model, tmp_path, "floor", dict(mode="off"), ubatch=128)
+    r, got = _elastic_load(cuda_build, synth_model, tmp_path, "hybrid", dict(mode="window", window_cells=256, tail_cpu_frac=0.5))
+    assert r["stats"][-1]["cpu_part_runs"] > 0, r["stats"][-1]
+    assert np.isfinite(got).all() and got.shape == ref.shape
+    tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
+    print(f"hybrid elastic vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
+    assert floor > 0 and tv <= 2 * floor, (tv, floor)
