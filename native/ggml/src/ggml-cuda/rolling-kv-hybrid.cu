@@ -5,7 +5,7 @@
 
 #include "ggml-rolling-kv.h"
 #include "../ggml-rolling-kv-impl.h"
-#include "../rolling-kv-cpu-part.h"
+#include "../ggml-cpu/rolling-kv-cpu-part.h" // struct rkv_cpu_part_job only: the functions come from the CPU backend
 
 #include <atomic>
 #include <chrono>
@@ -34,6 +34,42 @@
 #endif
 
 namespace {
+
+// The CPU part's functions, asked of the CPU backend's registry (GGML_RKV_CPU_PART_*_PROC, ggml-rolling-kv.h): this
+// backend links no CPU code (the CPU backend may be a module). Resolved once the CPU backend is registered; a CPU
+// backend without them: no CPU part is planned, said once.
+struct rkv_cpu_procs {
+    ggml_rkv_cpu_part_run_t       run       = nullptr;
+    ggml_rkv_cpu_part_prepare_t   prepare   = nullptr;
+    ggml_rkv_cpu_part_supported_t supported = nullptr;
+};
+
+const rkv_cpu_procs * rkv_cpu() {
+    static std::mutex m;
+    static rkv_cpu_procs procs;
+    static std::atomic<int> state{0}; // 0: not asked (no CPU backend registered yet), 1: found, 2: missing
+    const int st = state.load(std::memory_order_acquire);
+    if (st != 0) {
+        return st == 1 ? &procs : nullptr;
+    }
+    ggml_backend_reg_t reg = ggml_rkv_cpu_backend_reg();
+    if (!reg) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lk(m);
+    if (state.load(std::memory_order_relaxed) == 0) {
+        procs.run       = (ggml_rkv_cpu_part_run_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUN_PROC);
+        procs.prepare   = (ggml_rkv_cpu_part_prepare_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_PREPARE_PROC);
+        procs.supported = (ggml_rkv_cpu_part_supported_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_SUPPORTED_PROC);
+        const bool ok = procs.run && procs.prepare && procs.supported;
+        if (!ok) {
+            GGML_LOG_INFO("rolling KV: the CPU backend does not offer the hybrid tail's CPU part (%s): no CPU part is planned\n",
+                          GGML_RKV_CPU_PART_RUN_PROC);
+        }
+        state.store(ok ? 1 : 2, std::memory_order_release);
+    }
+    return state.load(std::memory_order_relaxed) == 1 ? &procs : nullptr;
+}
 
 // pinned host staging of one CPU part: Q | mask columns | output rows | LSEs
 struct rkv_staging {
@@ -92,7 +128,7 @@ struct rkv_agent {
             }
             const rkv_cpu_part_job * job = __atomic_load_n(&b.job, __ATOMIC_ACQUIRE);
             __atomic_store_n(&b.req, 0u, __ATOMIC_RELAXED);
-            rkv_cpu_part_run(*job);
+            rkv_cpu()->run(job); // a part was launched: the CPU backend offers it
             __atomic_store_n(&b.done, 1u, __ATOMIC_RELEASE); // after the part's output and LSE (x86: stores in order)
             pending.fetch_sub(1, std::memory_order_relaxed);
             served = true;
@@ -234,7 +270,7 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
         return 0;
     }
     if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) ||
-            !ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
+            !rkv_cpu() || !rkv_cpu()->supported(kt->type, vt->type, kt->ne[0], vt->ne[0]) || (mask && mask->ne[2] != 1) ||
             q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
         return 0;
     }
@@ -318,7 +354,7 @@ static __global__ void rkv_wait_bell(rkv_bell * bell) {
 }
 
 static void CUDART_CB rkv_cpu_part_host(void * data) {
-    rkv_cpu_part_run(*(const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
+    rkv_cpu()->run((const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
 }
 
 // the ALiBi slope of each head, as ggml_flash_attn_ext computes it (1 without ALiBi), times the test hook's factor
@@ -414,7 +450,7 @@ const float * ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, con
     }
     rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
 
-    rkv_cpu_part_prepare(0); // the pool's workers start here, not on CUDA's callback thread
+    rkv_cpu()->prepare(0); // the pool's workers start here, not on CUDA's callback thread (a part is planned: offered)
 
     cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_RKV_CPU_STREAM);
     CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
