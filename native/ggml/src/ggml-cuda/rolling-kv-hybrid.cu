@@ -44,7 +44,7 @@ struct rkv_cpu_procs {
     ggml_rkv_cpu_part_supported_t supported = nullptr;
 };
 
-const rkv_cpu_procs * rkv_cpu() {
+static const rkv_cpu_procs * rkv_cpu() {
     static std::mutex m;
     static rkv_cpu_procs procs;
     static std::atomic<int> state{0}; // 0: not asked (no CPU backend registered yet), 1: found, 2: missing
