@@ -1,4 +1,5 @@
-"""The hybrid tail's CPU decode attention (native/ggml/src/rolling-kv-cpu-decode.*), through its test binary.
+"""The hybrid tail's CPU decode attention (native/ggml/src/ggml-cpu/rolling-kv-cpu-decode.*: the CPU
+backend's, which the binary reaches through its registry), through its test binary.
 
 Every instruction-set path this CPU has must run and match attention in double precision; a path is reported
 "not available" only when /proc/cpuinfo lacks its features, so nothing passes because a feature is absent."""

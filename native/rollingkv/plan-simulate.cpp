@@ -561,6 +561,11 @@ RKV_SIM_API int32_t rollingkv_plan_simulate(const char * json_in, char * buf, si
     if (!json_in) {
         return -1;
     }
+#ifdef GGML_BACKEND_DL
+    // the CPU part's functions (whether a tail type has one) are the CPU backend's: a build of modules loads it first
+    static const bool loaded = [] { ggml_backend_load_all(); return true; }();
+    (void) loaded;
+#endif
     const std::string s = rkv_plan_simulate(json_in);
     if (buf && buf_size > 0) {
         const size_t n = std::min(s.size(), buf_size - 1);

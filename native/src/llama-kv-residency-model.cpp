@@ -405,7 +405,11 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         st.tail_cpu_reason = "off (tail_cpu_frac 0)";
         return;
     }
-    if (!ggml_rkv_cpu_part_supported(st.type_k_tail, st.type_v_tail, st.head_k, st.head_v)) {
+    if (!llama_rkv_cpu_part_available()) {
+        st.tail_cpu_reason = "the CPU backend offers no CPU part";
+        return;
+    }
+    if (!llama_rkv_cpu_part_supported(st.type_k_tail, st.type_v_tail, st.head_k, st.head_v)) {
         char buf[200];
         snprintf(buf, sizeof(buf), "the CPU part reads f16, q8_0 and q4_0 tails with head sizes that are multiples of 32, not K %s / V %s",
                 ggml_type_name(st.type_k_tail), ggml_type_name(st.type_v_tail));

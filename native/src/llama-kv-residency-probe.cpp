@@ -247,14 +247,46 @@ double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
     });
 }
 
+// the CPU part's functions (llama-kv-residency.h): the CPU backend's registry, asked by name at each call (a few string
+// compares: the calls are per context or per request, and the backends of a GGML_BACKEND_DL build may be loaded after
+// libllama's first question)
+static void * llama_rkv_cpu_proc(const char * name) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    return reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+}
+
+bool llama_rkv_cpu_part_available() {
+    return llama_rkv_cpu_proc(GGML_RKV_CPU_PART_RUN_PROC) != nullptr;
+}
+
+int llama_rkv_cpu_threads() {
+    auto fn = (ggml_rkv_get_cpu_threads_t) llama_rkv_cpu_proc(GGML_RKV_GET_CPU_THREADS_PROC);
+    return fn ? fn() : 0;
+}
+
+uint64_t llama_rkv_cpu_part_runs() {
+    auto fn = (ggml_rkv_cpu_part_runs_t) llama_rkv_cpu_proc(GGML_RKV_CPU_PART_RUNS_PROC);
+    return fn ? fn() : 0;
+}
+
+bool llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK, int64_t DV) {
+    auto fn = (ggml_rkv_cpu_part_supported_t) llama_rkv_cpu_proc(GGML_RKV_CPU_PART_SUPPORTED_PROC);
+    return fn && fn(type_k, type_v, DK, DV);
+}
+
+double llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes) {
+    auto fn = (ggml_rkv_cpu_attn_measure_gbps_t) llama_rkv_cpu_proc(GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC);
+    return fn ? fn(n_threads, type, bytes) : -1.0;
+}
+
 // the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
 // process for each
 double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how) {
     static llama_rkv_measured_once<std::pair<int, int>> once;
-    const int nt = n_threads > 0 ? n_threads : ggml_rkv_get_cpu_threads();
+    const int nt = n_threads > 0 ? n_threads : llama_rkv_cpu_threads();
     return once.get({ nt, (int) type }, how, [nt, type](std::string * desc) {
         *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads";
-        return ggml_rkv_cpu_attn_measure_gbps(nt, type, 0);
+        return llama_rkv_cpu_attn_measure_gbps(nt, type, 0);
     });
 }
 

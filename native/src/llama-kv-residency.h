@@ -501,7 +501,17 @@ uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in);
 // a GPU or an integrated GPU (not the CPU, not null)
 bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev);
 
-// the CPU part's attention bandwidth for a tail type on n_threads threads (<= 0: ggml_rkv_get_cpu_threads), once per
+// The hybrid tail's CPU part lives in the CPU backend: libllama asks the CPU backend's registry for its functions by name
+// (GGML_RKV_CPU_*_PROC, ggml-rolling-kv.h), one lookup for all of them (llama-kv-residency-probe.cpp): it links no CPU
+// code, and the CPU backend may be a module. Without them (no CPU backend registered yet, or one without the CPU part)
+// there is no CPU part: not available, 0 threads, 0 runs, nothing supported, a bandwidth of -1.
+bool     llama_rkv_cpu_part_available();
+int      llama_rkv_cpu_threads();        // ggml_rkv_get_cpu_threads
+uint64_t llama_rkv_cpu_part_runs();      // ggml_rkv_cpu_part_runs
+bool     llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK, int64_t DV);
+double   llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes);
+
+// the CPU part's attention bandwidth for a tail type on n_threads threads (<= 0: llama_rkv_cpu_threads), once per
 // process for each (ggml_rkv_cpu_attn_measure_gbps)
 double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how);
 

@@ -101,7 +101,7 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
     res += ",\"from_tail_cells\":" + (from_cells > 0 ? std::to_string(from_cells) : std::string("null"));
     res += ",\"cpu_attn_gbps\":" + (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
-    res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : ggml_rkv_get_cpu_threads());
+    res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : llama_rkv_cpu_threads());
     // the time model's per-layer terms, and where each came from (null: the share needed none)
     res += ",\"layer_decode_ms\":" + (st->layer_decode_ms >= 0.0 ? llama_rkv_json_num(st->layer_decode_ms) : std::string("null"));
     res += ",\"layer_decode_source\":" + llama_rkv_json_str(st->layer_decode_source);
@@ -467,9 +467,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
         st->kv_unified = params.kv_unified;
         st->swa_full   = params.swa_full;
     }
-    // the CPU part of a hybrid tail decodes on threads of its own (ggml_rkv_get_cpu_threads: not the context's -t,
+    // the CPU part of a hybrid tail decodes on threads of its own (llama_rkv_cpu_threads: not the context's -t,
     // whose default suits matrix work, not a memory-bound scan)
-    st->n_threads = ggml_rkv_get_cpu_threads();
+    st->n_threads = llama_rkv_cpu_threads();
 
     llama_rkv_set_pending(st);
 
@@ -528,7 +528,7 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
     const bool split = st && llama_rkv_is_split(*st);
     std::string res = std::string("{\"split\":") + (split ? "true" : "false");
     // process-wide, every backend: a hybrid tail's CPU parts that ran (a share planned and none run is a GPU-only run)
-    res += ",\"cpu_part_runs\":" + std::to_string(ggml_rkv_cpu_part_runs());
+    res += ",\"cpu_part_runs\":" + std::to_string(llama_rkv_cpu_part_runs());
     if (st && st->live) {
         const llama_rkv_live & lv = *st->live;
         std::lock_guard<std::mutex> lock(lv.mtx);
@@ -594,5 +594,5 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
 }
 
 double llama_rolling_kv_measure_cpu_attn_gbps(int32_t n_threads, enum ggml_type type) {
-    return ggml_rkv_cpu_attn_measure_gbps(n_threads, type, 0);
+    return llama_rkv_cpu_attn_measure_gbps(n_threads, type, 0);
 }

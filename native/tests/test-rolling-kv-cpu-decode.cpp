@@ -1,12 +1,18 @@
-// rolling-KV: the CPU decode attention of a hybrid tail (ggml/src/rolling-kv-cpu-decode.h), checked and timed
+// rolling-KV: the CPU decode attention of a hybrid tail (ggml/src/ggml-cpu/rolling-kv-cpu-decode.h), checked and timed
 //
-//   test-rolling-kv-cpu-decode [--isa avx512vnni|avx512|avx2|scalar]
+// The kernel and its pool are the CPU backend's code: this test reaches them through the CPU backend's registry by name
+// (ggml_rkv_cpu_get_proc_address, rolling-kv-cpu-part.h), so it runs the backend as built, also when the backends are
+// modules (GGML_BACKEND_DL). Compiled with RKV_CPU_DECODE_STANDALONE (scripts/check-neon.sh: cross-compiled for AArch64
+// with the kernel's sources and ggml-base, run under emulation) it calls them directly and has no --bench.
+//
+//   test-rolling-kv-cpu-decode [--isa avx512vnni|avx512|avx2|neon-dotprod|neon|scalar]
 //       every case (K/V types f16, q8_0, q4_0 in all pairs; head sizes 64, 128, 256; GQA ratios 1, 3, 4, 8;
 //       masks with holes and a fully masked row, the masked cells' rows all NaN; ALiBi; softcap; uneven and empty cell
 //       ranges merged) against attention in double precision over the same (dequantised) rows; each ISA this CPU has,
 //       or the one named. With a quantized K the kernel takes integer dot products with the query quantized per block
 //       of 32 (int8 and an f32 scale); the reference quantizes the query the same way and scores the dequantised query.
-//       Prints one line per failing case and "N passed, M failed"; exit 1 on failure.
+//       Prints the path this CPU takes ("default isa: NAME"), one line per failing case and "N passed, M failed"; exit 1
+//       on failure.
 //       --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison bites
 //       (X = 1e-4 must fail every case with a visible cell).
 //   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R] [--rows R]
@@ -48,6 +54,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <pthread.h>
@@ -56,6 +63,53 @@
 #include <atomic>
 
 namespace {
+
+// the CPU part's functions: the CPU backend's, by name (or, standalone, these very functions)
+struct cpu_api {
+    decltype(&::rkv_cpu_decode_part_floats) rkv_cpu_decode_part_floats;
+    decltype(&::rkv_cpu_decode_range)       rkv_cpu_decode_range;
+    decltype(&::rkv_cpu_decode_merge)       rkv_cpu_decode_merge;
+    decltype(&::rkv_cpu_decode_isa)         rkv_cpu_decode_isa;
+    decltype(&::rkv_cpu_decode_force_isa)   rkv_cpu_decode_force_isa;
+    decltype(&::rkv_cpu_decode_read_scan)   rkv_cpu_decode_read_scan;
+    decltype(&::rkv_cpu_part_run)           rkv_cpu_part_run;
+    decltype(&::rkv_cpu_pool_run)           rkv_cpu_pool_run;
+    decltype(&::rkv_cpu_pool_sleepers)      rkv_cpu_pool_sleepers;
+    ggml_rkv_get_cpu_threads_t              get_cpu_threads;
+};
+cpu_api A;
+
+// false (and a line on stderr) when the CPU backend lacks one of them
+bool api_init() {
+#ifdef RKV_CPU_DECODE_STANDALONE
+    A = { &::rkv_cpu_decode_part_floats, &::rkv_cpu_decode_range, &::rkv_cpu_decode_merge, &::rkv_cpu_decode_isa,
+          &::rkv_cpu_decode_force_isa, &::rkv_cpu_decode_read_scan, &::rkv_cpu_part_run, &::rkv_cpu_pool_run,
+          &::rkv_cpu_pool_sleepers, (ggml_rkv_get_cpu_threads_t) ggml_rkv_cpu_get_proc_address(GGML_RKV_GET_CPU_THREADS_PROC) };
+    return true;
+#else
+    ggml_backend_load_all();  // a no-op unless the backends are modules
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    bool ok = reg != nullptr;
+    auto get = [&](auto & fn, const char * name) {
+        fn = reg ? (std::remove_reference_t<decltype(fn)>) ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+        if (!fn) {
+            fprintf(stderr, "the CPU backend does not offer %s\n", name);
+            ok = false;
+        }
+    };
+    get(A.rkv_cpu_decode_part_floats, "rkv_cpu_decode_part_floats");
+    get(A.rkv_cpu_decode_range, "rkv_cpu_decode_range");
+    get(A.rkv_cpu_decode_merge, "rkv_cpu_decode_merge");
+    get(A.rkv_cpu_decode_isa, "rkv_cpu_decode_isa");
+    get(A.rkv_cpu_decode_force_isa, "rkv_cpu_decode_force_isa");
+    get(A.rkv_cpu_decode_read_scan, "rkv_cpu_decode_read_scan");
+    get(A.rkv_cpu_part_run, "rkv_cpu_part_run");
+    get(A.rkv_cpu_pool_run, "rkv_cpu_pool_run");
+    get(A.rkv_cpu_pool_sleepers, "rkv_cpu_pool_sleepers");
+    get(A.get_cpu_threads, GGML_RKV_GET_CPU_THREADS_PROC);
+    return ok;
+#endif
+}
 
 size_t row_bytes(ggml_type t, int n) { return ggml_row_size(t, n); }
 
@@ -161,13 +215,13 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     p.n_rows = n_direct; p.q = qj.data(); p.q_row = (size_t) c.n_head * D;
     p.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; p.mask_row = (size_t) c.n;
 
-    const size_t pf = rkv_cpu_decode_part_floats(p);
+    const size_t pf = A.rkv_cpu_decode_part_floats(p);
     std::vector<float> parts(pf * c.parts), o((size_t) n_direct * c.n_head * DV), lse((size_t) n_direct * c.n_head);
     std::vector<int64_t> b(c.parts + 1);
     for (int i = 0; i <= c.parts; ++i) b[i] = c.n * i / c.parts;
     if (c.parts >= 3) b[2] = b[1];  // range 1 empty, range 2 covers its cells
-    for (int i = 0; i < c.parts; ++i) rkv_cpu_decode_range(p, b[i], b[i + 1], parts.data() + i * pf);
-    rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
+    for (int i = 0; i < c.parts; ++i) A.rkv_cpu_decode_range(p, b[i], b[i + 1], parts.data() + i * pf);
+    A.rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
 
     // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in order),
     // several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row 0 as
@@ -186,15 +240,15 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     j.n_threads = 1 + (int) (c.n % 7);  // 1..7 threads: several chunkings
     std::vector<float> oj((size_t) n_q * c.n_head * DV), lsej((size_t) n_q * c.n_head), oj2(oj.size()), lsej2(lsej.size());
     j.o = oj.data(); j.lse = lsej.data();
-    rkv_cpu_part_run(j);
+    A.rkv_cpu_part_run(j);
     j.o = oj2.data(); j.lse = lsej2.data();
-    rkv_cpu_part_run(j);
+    A.rkv_cpu_part_run(j);
     int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
     // the rows as streams of one row each (the same K/V for every stream, mask plane s for stream s): each row's
     // arithmetic does not depend on the rows walked beside it, so the bits are the same
     j.n_stream = n_q; j.n_q = 1; j.q_nb3 = j.q_nb1; j.k_nb3 = 0; j.v_nb3 = 0; j.n_mask_planes = n_q;
     j.o = oj2.data(); j.lse = lsej2.data();
-    rkv_cpu_part_run(j);
+    A.rkv_cpu_part_run(j);
     bad += memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
 
     // attention in double precision over the same (dequantised) rows for one query row; err of (o, lse) against it
@@ -268,7 +322,7 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
 int check(const std::vector<std::string> & isas) {
     int passed = 0, failed = 0;
     for (const std::string & isa : isas) {
-        if (!rkv_cpu_decode_force_isa(isa.c_str())) {
+        if (!A.rkv_cpu_decode_force_isa(isa.c_str())) {
             printf("isa %s: not available on this CPU\n", isa.c_str());
             continue;
         }
@@ -323,7 +377,7 @@ int pool_stress(double seconds, int max_threads) {
                 if (ith < 0 || ith >= nth) wrong++;
                 else calls[ith]++;
             };
-            rkv_cpu_pool_run(nth, fn);
+            A.rkv_cpu_pool_run(nth, fn);
             for (int i = 0; i < max_threads; ++i) {
                 if (calls[i].load() != (i < nth ? 1 : 0)) wrong++;
             }
@@ -340,12 +394,12 @@ int pool_stress(double seconds, int max_threads) {
 // (their spinning before they slept; on a loaded machine less than the spin's wall time). One JSON line.
 int pool_idle(int n) {
     const std::function<void(int)> noop = [](int) {};
-    for (int i = 0; i < 3; ++i) rkv_cpu_pool_run(n, noop);
+    for (int i = 0; i < 3; ++i) A.rkv_cpu_pool_run(n, noop);
     timespec a, b;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
-    printf("{\"threads\": %d, \"asleep\": %d, \"idle_cpu_ms\": %.3f}\n", n, rkv_cpu_pool_sleepers(),
+    printf("{\"threads\": %d, \"asleep\": %d, \"idle_cpu_ms\": %.3f}\n", n, A.rkv_cpu_pool_sleepers(),
            ((b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9) * 1e3);
     return 0;
 }
@@ -373,16 +427,17 @@ int pool_affinity(int n) {
             for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &s)) l += (l.empty() ? "" : ",") + std::to_string(c);
             sets[ith] = "[" + l + "]";
         };
-        rkv_cpu_pool_run(n, fn);
+        A.rkv_cpu_pool_run(n, fn);
     });
     spawner.join();
     std::string all;
     for (int i = 1; i < n; ++i) all += (i > 1 ? "," : "") + sets[i];
-    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc), ggml_rkv_get_cpu_threads(),
+    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc), A.get_cpu_threads(),
            all.c_str());
     return 0;
 }
 
+#ifndef RKV_CPU_DECODE_STANDALONE
 // the first GPU device, if any (the pinned and registered allocations, the copies beside the attention)
 ggml_backend_dev_t gpu_device() {
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
@@ -566,7 +621,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         }
         return b;
     };
-    printf("cpu-decode bench: isa %s, %d threads, %d layers x %lld cells, %s K+V: %.3f GB per token\n", rkv_cpu_decode_isa(), T,
+    printf("cpu-decode bench: isa %s, %d threads, %d layers x %lld cells, %s K+V: %.3f GB per token\n", A.rkv_cpu_decode_isa(), T,
            layers, (long long) n, ggml_type_name(type), gb);
     if (beside) {
         cb.start();
@@ -621,7 +676,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
         p.scale = 1.0f / sqrtf((float) D);
         p.n_rows = R; p.q_row = (size_t) D * n_head;
-        const size_t pf = rkv_cpu_decode_part_floats(p);
+        const size_t pf = A.rkv_cpu_decode_part_floats(p);
         std::vector<float> parts(pf * T), o((size_t) R * n_head * D), lse((size_t) R * n_head);
         std::vector<uint8_t> sink(64 * T);
 
@@ -630,8 +685,8 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                 rkv_cpu_decode_params pl = p;
                 pl.k = (const uint8_t *) K[l]->data;
                 pl.v = (const uint8_t *) V[l]->data;
-                rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
-                rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
+                A.rkv_cpu_pool_run(T, [&](int t) { A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                A.rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
             }
         };
         // the rows one by one (a walk of the cells per row, as the CPU part attended them before issue 26)
@@ -643,8 +698,8 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                     pl.v = (const uint8_t *) V[l]->data;
                     pl.n_rows = 1;
                     pl.q = p.q + (size_t) r * p.q_row;
-                    rkv_cpu_pool_run(T, [&](int t) { rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
-                    rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D, lse.data() + (size_t) r * n_head);
+                    A.rkv_cpu_pool_run(T, [&](int t) { A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                    A.rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D, lse.data() + (size_t) r * n_head);
                 }
             }
         };
@@ -654,7 +709,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             bufs.push_back((const uint8_t *) V[l]->data);
         }
         auto read_scan = [&] {
-            rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
+            A.rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) A.rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
         };
         const double hs = huge_share(reg.p, reg.n);
         const double t_att = best(attention), t_scan = best(read_scan), t_apart = R > 1 ? best(attention_apart) : t_att;
@@ -679,7 +734,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         if (ia == 0) {
             std::vector<uint8_t> dst(layer_bytes / 2 / T * T + 4096);
             auto copy = [&] {
-                rkv_cpu_pool_run(T, [&](int t) {
+                A.rkv_cpu_pool_run(T, [&](int t) {
                     const size_t chunk = nb1 * n / T, off = chunk * t;
                     for (int l = 0; l < layers; ++l) {
                         memcpy(dst.data() + chunk * t, (const uint8_t *) K[l]->data + off, chunk);
@@ -708,7 +763,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": \"%s\", \"huge_share\": %.3f, "
                "\"gb\": %.6f, \"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f, "
                "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f, \"rows\": %d, \"rows_apart_ms\": %.4f}\n",
-               rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3,
+               A.rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3,
                t_copy * 1e3, t_vanilla * 1e3, t_beside * 1e3, link_beside, R, t_apart * 1e3);
         fflush(stdout);
         ggml_backend_buffer_free(wrap);
@@ -718,6 +773,7 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
     ggml_backend_free(be);
     return 0;
 }
+#endif // RKV_CPU_DECODE_STANDALONE
 
 } // namespace
 
@@ -769,12 +825,16 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "-t, --layers, --reps, --rows must be >= 1 and --cells >= 16\n");
         return 2;
     }
+    if (!api_init()) {
+        return 1;
+    }
+    const std::string default_isa = A.rkv_cpu_decode_isa();  // the path this CPU takes, before any --isa
     for (const std::string & isa : isas) {
-        if (isa != "avx512vnni" && isa != "avx512" && isa != "avx2" && isa != "scalar") {
-            fprintf(stderr, "--isa: avx512vnni, avx512, avx2 or scalar, not %s\n", isa.c_str());
+        if (isa != "avx512vnni" && isa != "avx512" && isa != "avx2" && isa != "neon-dotprod" && isa != "neon" && isa != "scalar") {
+            fprintf(stderr, "--isa: avx512vnni, avx512, avx2, neon-dotprod, neon or scalar, not %s\n", isa.c_str());
             return 2;
         }
-        if (!rkv_cpu_decode_force_isa(isa.c_str())) {
+        if (!A.rkv_cpu_decode_force_isa(isa.c_str())) {
             fprintf(stderr, "isa %s is not available on this CPU\n", isa.c_str());
             return 2;
         }
@@ -788,9 +848,12 @@ int main(int argc, char ** argv) {
     if (idle_n > 0) {
         return pool_idle(idle_n);
     }
-    ggml_backend_load_all();  // a no-op unless the backends are modules
     if (do_bench) {
-        if (!isas.empty()) rkv_cpu_decode_force_isa(isas[0].c_str());
+#ifdef RKV_CPU_DECODE_STANDALONE
+        fprintf(stderr, "--bench: not in a standalone build (no backends)\n");
+        return 2;
+#else
+        if (!isas.empty()) A.rkv_cpu_decode_force_isa(isas[0].c_str());
         if (allocs.empty()) allocs = {"cpu"};
         for (const std::string & a : allocs) {
             if (a != "cpu" && a != "cudahost" && a != "thp" && a != "tail") {
@@ -799,7 +862,16 @@ int main(int argc, char ** argv) {
             }
         }
         return bench(T, layers, cells, type, reps, allocs, beside, rows);
+#endif
     }
-    if (isas.empty()) isas = {"avx512vnni", "avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
+    printf("default isa: %s\n", default_isa.c_str());
+    if (isas.empty()) {
+#if defined(__x86_64__) || defined(__i386__)
+        isas = {"avx512vnni", "avx512", "avx2", "scalar"};  // each this CPU has; the others are reported
+#else
+        isas = {default_isa, "scalar"};  // the compiled path (NEON on AArch64), and the scalar one
+        if (isas[0] == "scalar") isas.pop_back();
+#endif
+    }
     return check(isas);
 }

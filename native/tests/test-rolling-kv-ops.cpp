@@ -56,7 +56,6 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-rolling-kv.h"
-#include "rolling-kv-cpu-part.h" // rkv_cpu_part_runs: which cases a backend attended partly on the CPU
 
 #include <algorithm>
 #include <chrono>
@@ -1164,6 +1163,15 @@ static std::vector<head_case> make_head_cases(bool quick) {
     return cases;
 }
 
+// CPU parts run so far (which cases a backend attended partly on the CPU): the CPU backend's count, through its registry
+static uint64_t cpu_part_runs() {
+    static const ggml_rkv_cpu_part_runs_t fn = [] {
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        return reg ? (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUNS_PROC) : nullptr;
+    }();
+    return fn ? fn() : 0;
+}
+
 int main(int argc, char ** argv) {
     std::string backend_name = "CPU";
     bool quick   = false;
@@ -1267,11 +1275,11 @@ int main(int argc, char ** argv) {
         double err = 0.0, thr = 0.0;
         const auto t0 = std::chrono::steady_clock::now();
         g_extra.clear();
-        const uint64_t cpu_runs = rkv_cpu_part_runs();
+        const uint64_t cpu_runs = cpu_part_runs();
         const result r = heads ? run_head_case(backend, is_cpu, hcases[i], rng, &err, &thr)
                                : run_case(backend, is_cpu, cases[i], rng, verbose, &err, &thr);
-        if (rkv_cpu_part_runs() != cpu_runs) {
-            g_extra += " cpu-part=" + std::to_string(rkv_cpu_part_runs() - cpu_runs); // op evaluations with a CPU part
+        if (cpu_part_runs() != cpu_runs) {
+            g_extra += " cpu-part=" + std::to_string(cpu_part_runs() - cpu_runs); // op evaluations with a CPU part
         }
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (r == RES_SKIP) {

@@ -90,19 +90,41 @@ extern "C" {
     // rounding of a share into cells (ggml_streaming_flash_attn_set_tail_cpu_cells takes its result)
     GGML_API int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac);
 
+    // The CPU part of a hybrid tail lives in the CPU backend (ggml-cpu/rolling-kv-cpu-part.cpp). Other backends and
+    // libllama reach it through the CPU backend's registry, never by symbol (backends may be modules, GGML_BACKEND_DL):
+    // ggml_backend_reg_get_proc_address(the CPU backend's registry, NAME) for the names below; NULL where the CPU
+    // backend lacks one (then: no CPU part). A backend, which links ggml-base only (the registry lookups are libggml's),
+    // takes the CPU backend's registry from ggml_rkv_cpu_backend_reg().
+
     // threads of the CPU part (process-wide: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use but one),
     // at most the CPUs of the process's affinity (taskset, numactl), on which its threads run. The thread that runs a
     // part is one of them.
-    GGML_API int  ggml_rkv_get_cpu_threads(void);
+    typedef int (*ggml_rkv_get_cpu_threads_t)(void);
+#define GGML_RKV_GET_CPU_THREADS_PROC "ggml_rkv_get_cpu_threads"
     // CPU parts run so far in this process, by every backend (the proof that a hybrid tail's CPU part ran)
-    GGML_API uint64_t ggml_rkv_cpu_part_runs(void);
-
+    typedef uint64_t (*ggml_rkv_cpu_part_runs_t)(void);
+#define GGML_RKV_CPU_PART_RUNS_PROC "ggml_rkv_cpu_part_runs"
     // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a
     // synthetic tail of `bytes` bytes (0: 256 MiB) of type `type` (f16, q8_0, q4_0 for K and V) on n_threads
-    // threads (<= 0: ggml_rkv_get_cpu_threads()); best of a few runs. < 0: the type is not one the CPU part reads.
-    GGML_API double ggml_rkv_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes);
+    // threads (<= 0: the CPU part's); best of a few runs. < 0: the type is not one the CPU part reads.
+    typedef double (*ggml_rkv_cpu_attn_measure_gbps_t)(int n_threads, enum ggml_type type, size_t bytes);
+#define GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC "ggml_rkv_cpu_attn_measure_gbps"
     // whether the CPU part reads these K/V types and head sizes
-    GGML_API bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV);
+    typedef bool (*ggml_rkv_cpu_part_supported_t)(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV);
+#define GGML_RKV_CPU_PART_SUPPORTED_PROC "ggml_rkv_cpu_part_supported"
+    // a GPU backend's part (struct rkv_cpu_part_job, ggml/src/ggml-cpu/rolling-kv-cpu-part.h): run it on the part's
+    // pool, the calling thread one of its workers; and make the pool's threads for n_threads (<= 0: the part's) now, on
+    // the calling thread (not a GPU runtime's callback thread)
+    struct rkv_cpu_part_job;
+    typedef void (*ggml_rkv_cpu_part_run_t)(const struct rkv_cpu_part_job * job);
+#define GGML_RKV_CPU_PART_RUN_PROC "ggml_rkv_cpu_part_run"
+    typedef void (*ggml_rkv_cpu_part_prepare_t)(int n_threads);
+#define GGML_RKV_CPU_PART_PREPARE_PROC "ggml_rkv_cpu_part_prepare"
+
+    // the CPU backend's registry, which it records when it is made (ggml_backend_cpu_reg); NULL before that. Backends
+    // unloaded (ggml_backend_unload) must not be asked afterwards.
+    GGML_API void               ggml_rkv_set_cpu_backend_reg(ggml_backend_reg_t reg);
+    GGML_API ggml_backend_reg_t ggml_rkv_cpu_backend_reg(void);
 
     // The K/V types of the op's parts, and so the types a rolling-KV tail may use: f32, f16, bf16, q8_0, q4_0,
     // q4_1, q5_0, q5_1. Every backend that runs the op falls back to the CPU forward (which reads all of them)

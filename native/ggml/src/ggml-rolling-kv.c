@@ -330,3 +330,19 @@ const struct ggml_rkv_knobs * ggml_rkv_get_knobs(void) {
     ggml_critical_section_end();
     return &knobs;
 }
+
+// the CPU backend's registry (ggml-rolling-kv.h): the CPU part's functions are asked of it by name
+static ggml_backend_reg_t g_rkv_cpu_reg = NULL;
+
+void ggml_rkv_set_cpu_backend_reg(ggml_backend_reg_t reg) {
+    ggml_critical_section_start();
+    g_rkv_cpu_reg = reg;
+    ggml_critical_section_end();
+}
+
+ggml_backend_reg_t ggml_rkv_cpu_backend_reg(void) {
+    ggml_critical_section_start();
+    ggml_backend_reg_t reg = g_rkv_cpu_reg;
+    ggml_critical_section_end();
+    return reg;
+}

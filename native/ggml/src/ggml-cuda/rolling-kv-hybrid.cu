@@ -5,7 +5,7 @@
 
 #include "ggml-rolling-kv.h"
 #include "../ggml-rolling-kv-impl.h"
-#include "../rolling-kv-cpu-part.h"
+#include "../ggml-cpu/rolling-kv-cpu-part.h" // struct rkv_cpu_part_job only: the functions come from the CPU backend
 
 #include <algorithm>
 #include <atomic>
@@ -35,6 +35,46 @@
 #endif
 
 namespace {
+
+// The CPU part's functions, asked of the CPU backend's registry (GGML_RKV_CPU_PART_*_PROC, ggml-rolling-kv.h): this
+// backend links no CPU code (the CPU backend may be a module). Resolved once the CPU backend is registered; a CPU
+// backend without them: no CPU part is planned, said once.
+struct rkv_cpu_procs {
+    ggml_rkv_cpu_part_run_t       run       = nullptr;
+    ggml_rkv_cpu_part_prepare_t   prepare   = nullptr;
+    ggml_rkv_cpu_part_supported_t supported = nullptr;
+    ggml_rkv_cpu_part_runs_t      runs      = nullptr; // the latency probe: its parts ran
+    ggml_rkv_get_cpu_threads_t    threads   = nullptr;
+};
+
+static const rkv_cpu_procs * rkv_cpu() {
+    static std::mutex m;
+    static rkv_cpu_procs procs;
+    static std::atomic<int> state{0}; // 0: not asked (no CPU backend registered yet), 1: found, 2: missing
+    const int st = state.load(std::memory_order_acquire);
+    if (st != 0) {
+        return st == 1 ? &procs : nullptr;
+    }
+    ggml_backend_reg_t reg = ggml_rkv_cpu_backend_reg();
+    if (!reg) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lk(m);
+    if (state.load(std::memory_order_relaxed) == 0) {
+        procs.run       = (ggml_rkv_cpu_part_run_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUN_PROC);
+        procs.prepare   = (ggml_rkv_cpu_part_prepare_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_PREPARE_PROC);
+        procs.supported = (ggml_rkv_cpu_part_supported_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_SUPPORTED_PROC);
+        procs.runs      = (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUNS_PROC);
+        procs.threads   = (ggml_rkv_get_cpu_threads_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_GET_CPU_THREADS_PROC);
+        const bool ok = procs.run && procs.prepare && procs.supported && procs.runs && procs.threads;
+        if (!ok) {
+            GGML_LOG_INFO("rolling KV: the CPU backend does not offer the hybrid tail's CPU part (%s): no CPU part is planned\n",
+                          GGML_RKV_CPU_PART_RUN_PROC);
+        }
+        state.store(ok ? 1 : 2, std::memory_order_release);
+    }
+    return state.load(std::memory_order_relaxed) == 1 ? &procs : nullptr;
+}
 
 // pinned host staging of one CPU part: Q | mask columns | output rows | LSEs
 struct rkv_staging {
@@ -93,7 +133,7 @@ struct rkv_agent {
             }
             const rkv_cpu_part_job * job = __atomic_load_n(&b.job, __ATOMIC_ACQUIRE);
             __atomic_store_n(&b.req, 0u, __ATOMIC_RELAXED);
-            rkv_cpu_part_run(*job);
+            rkv_cpu()->run(job); // a part was launched: the CPU backend offers it
             __atomic_store_n(&b.done, 1u, __ATOMIC_RELEASE); // after the part's output and LSE (x86: stores in order)
             pending.fetch_sub(1, std::memory_order_relaxed);
             served = true;
@@ -259,8 +299,8 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
         why = "more query rows per stream than GGML_RKV_CPU_PART_MAX_Q";
     } else if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) || q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
         why = "a query layout the CPU part does not read";
-    } else if (!ggml_rkv_cpu_part_supported(kt->type, vt->type, kt->ne[0], vt->ne[0])) {
-        why = "tail types or head sizes the CPU part does not read";
+    } else if (!rkv_cpu() || !rkv_cpu()->supported(kt->type, vt->type, kt->ne[0], vt->ne[0])) {
+        why = "tail types or head sizes the CPU part does not read (or no CPU backend offers the CPU part)";
     } else if (mask && mask->ne[2] != 1) {
         why = "a mask with per-head planes";
     }
@@ -351,7 +391,7 @@ static __global__ void rkv_wait_bell(rkv_bell * bell) {
 }
 
 static void CUDART_CB rkv_cpu_part_host(void * data) {
-    rkv_cpu_part_run(*(const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
+    rkv_cpu()->run((const rkv_cpu_part_job *) data); // the job the staging kernel wrote before it, in stream order
 }
 
 // the ALiBi slope of each head, as ggml_flash_attn_ext computes it (1 without ALiBi), times the test hook's factor
@@ -448,7 +488,7 @@ static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx
     }
     rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
 
-    rkv_cpu_part_prepare(0); // the pool's workers start here, not on CUDA's callback thread
+    rkv_cpu()->prepare(0); // the pool's workers start here, not on CUDA's callback thread (a part is planned: offered)
 
     cudaStream_t cs = ctx.stream(ctx.device, GGML_CUDA_RKV_CPU_STREAM);
     CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
@@ -568,7 +608,12 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     j.scale = 1.0f; j.o = (float *) (host + off_out); j.lse = (float *) (host + off_out + D*sizeof(float));
     rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
 
-    rkv_cpu_part_prepare(0);
+    const rkv_cpu_procs * cpu = rkv_cpu();
+    if (!cpu) {
+        snprintf(how, how_size, "not measured: the CPU backend offers no CPU part");
+        return -1.0;
+    }
+    cpu->prepare(0);
     auto agent = std::make_unique<rkv_agent>();
     agent->start();
     agent->n_bells.store(N, std::memory_order_release);
@@ -589,7 +634,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
     float best_ms = 1e30f;
-    const uint64_t runs0 = rkv_cpu_part_runs();
+    const uint64_t runs0 = cpu->runs();
     for (int r = 0; r < REPS + 1; ++r) { // the first: warm (the pool's threads, the graph's upload)
         agent->expect(N);
         CUDA_CHECK(cudaEventRecord(e0, s));
@@ -602,7 +647,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
             best_ms = std::min(best_ms, ms);
         }
     }
-    const uint64_t runs = rkv_cpu_part_runs() - runs0;
+    const uint64_t runs = cpu->runs() - runs0;
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
     CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -618,7 +663,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     }
     const double per_part = best_ms/N;
     snprintf(how, how_size, "measured: %d captured hand-offs of a 256-cell part on CUDA%d (%d threads), %.1f us each, best of %d",
-            N, device, ggml_rkv_get_cpu_threads(), per_part*1e3, REPS);
+            N, device, cpu->threads(), per_part*1e3, REPS);
     return per_part;
 #else
     GGML_UNUSED(dev);

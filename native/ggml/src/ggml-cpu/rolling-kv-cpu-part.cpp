@@ -1,5 +1,6 @@
-// rolling-KV: the CPU part of a hybrid tail on a pool of host threads (see rolling-kv-cpu-part.h), and the
-// calibration of its bandwidth (ggml_rkv_cpu_attn_measure_gbps, ggml-rolling-kv.h).
+// rolling-KV: the CPU part of a hybrid tail on a pool of host threads (see rolling-kv-cpu-part.h), the calibration
+// of its bandwidth (ggml_rkv_cpu_attn_measure_gbps, ggml-rolling-kv.h), and the names the CPU backend's registry
+// answers for them (ggml_rkv_cpu_get_proc_address).
 
 #include "rolling-kv-cpu-part.h"
 
@@ -29,9 +30,11 @@
 #include <unistd.h>
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64) || defined(_M_IX86)
 #include <immintrin.h>
 static inline void rkv_pause() { _mm_pause(); }
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+static inline void rkv_pause() { __asm__ __volatile__("yield" ::: "memory"); }
 #else
 static inline void rkv_pause() { std::this_thread::yield(); }
 #endif
@@ -299,8 +302,10 @@ uint64_t rkv_cpu_part_runs(void) {
     return g_runs.load();
 }
 
+static int proc_get_cpu_threads(void);
+
 static int rkv_pool_threads(int n_threads) {
-    return n_threads > 0 ? part_threads(n_threads) : ggml_rkv_get_cpu_threads();
+    return n_threads > 0 ? part_threads(n_threads) : proc_get_cpu_threads();
 }
 
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn) {
@@ -447,27 +452,73 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
 }
 
 //
-// the C API (ggml-rolling-kv.h)
+// the functions the CPU backend's registry answers (ggml-rolling-kv.h: GGML_RKV_CPU_*_PROC)
 //
 
-extern "C" uint64_t ggml_rkv_cpu_part_runs(void) {
+static uint64_t proc_cpu_part_runs(void) {
     return rkv_cpu_part_runs();
 }
 
-extern "C" int ggml_rkv_get_cpu_threads(void) {
+static int proc_get_cpu_threads(void) {
     // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
     static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
     return part_threads(knob);
 }
 
-extern "C" bool ggml_rkv_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {
+static bool proc_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {
     return DK <= INT32_MAX && DV <= INT32_MAX && rkv_cpu_decode_supported((int) type_k, (int) type_v, (int) DK, (int) DV);
 }
 
-extern "C" double ggml_rkv_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes) {
+static void proc_cpu_part_run(const struct rkv_cpu_part_job * job) {
+    rkv_cpu_part_run(*job);
+}
+
+static void proc_cpu_part_prepare(int n_threads) {
+    rkv_cpu_part_prepare(n_threads);
+}
+
+static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes);
+
+void * ggml_rkv_cpu_get_proc_address(const char * name) {
+    // typed through the typedefs of ggml-rolling-kv.h and the declarations of the headers: a change of signature does
+    // not compile
+    static const ggml_rkv_get_cpu_threads_t       threads  = proc_get_cpu_threads;
+    static const ggml_rkv_cpu_part_runs_t         runs     = proc_cpu_part_runs;
+    static const ggml_rkv_cpu_attn_measure_gbps_t gbps     = proc_cpu_attn_measure_gbps;
+    static const ggml_rkv_cpu_part_supported_t    supp     = proc_cpu_part_supported;
+    static const ggml_rkv_cpu_part_run_t          run      = proc_cpu_part_run;
+    static const ggml_rkv_cpu_part_prepare_t      prepare  = proc_cpu_part_prepare;
+    struct entry { const char * name; void * fn; };
+    static const entry table[] = {
+        { GGML_RKV_GET_CPU_THREADS_PROC,       (void *) threads },
+        { GGML_RKV_CPU_PART_RUNS_PROC,         (void *) runs },
+        { GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC, (void *) gbps },
+        { GGML_RKV_CPU_PART_SUPPORTED_PROC,    (void *) supp },
+        { GGML_RKV_CPU_PART_RUN_PROC,          (void *) run },
+        { GGML_RKV_CPU_PART_PREPARE_PROC,      (void *) prepare },
+        // test-rolling-kv-cpu-decode's
+        { "rkv_cpu_decode_part_floats",        (void *) &rkv_cpu_decode_part_floats },
+        { "rkv_cpu_decode_range",              (void *) &rkv_cpu_decode_range },
+        { "rkv_cpu_decode_merge",              (void *) &rkv_cpu_decode_merge },
+        { "rkv_cpu_decode_isa",                (void *) &rkv_cpu_decode_isa },
+        { "rkv_cpu_decode_force_isa",          (void *) &rkv_cpu_decode_force_isa },
+        { "rkv_cpu_decode_read_scan",          (void *) &rkv_cpu_decode_read_scan },
+        { "rkv_cpu_part_run",                  (void *) &rkv_cpu_part_run },
+        { "rkv_cpu_pool_run",                  (void *) &rkv_cpu_pool_run },
+        { "rkv_cpu_pool_sleepers",             (void *) &rkv_cpu_pool_sleepers },
+    };
+    for (const entry & e : table) {
+        if (strcmp(name, e.name) == 0) {
+            return e.fn;
+        }
+    }
+    return nullptr;
+}
+
+static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes) {
     // a Llama-like layer: head size 128, 8 KV heads, 4 query heads per KV head, one decode row
     const int D = 128, n_head_kv = 8, n_head = 32;
-    if (!ggml_rkv_cpu_part_supported(type, type, D, D)) {
+    if (!proc_cpu_part_supported(type, type, D, D)) {
         return -1.0;
     }
     if (bytes == 0) {

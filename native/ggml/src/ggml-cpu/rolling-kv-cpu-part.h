@@ -1,5 +1,10 @@
 // rolling-KV: the CPU part of a hybrid tail, run on a pool of host threads (rolling-kv-cpu-part.cpp).
 //
+// Part of the CPU backend (ggml-cpu). Other backends and libllama never call these functions by symbol (the backends
+// may be modules, GGML_BACKEND_DL): the CPU backend's registry answers their names (ggml_rkv_cpu_get_proc_address,
+// below, through ggml_backend_reg_get_proc_address; GGML_RKV_CPU_*_PROC in ggml-rolling-kv.h), and a GPU backend
+// includes this header for struct rkv_cpu_part_job alone.
+//
 // A GPU backend that streams a pinned-host tail may leave the tail's far end to the CPU (ggml_rkv_tail_cpu_cells,
 // ggml-rolling-kv.h): its Q and mask columns come to the host with small copies, this attends the part's cells for
 // every query row of every stream, the rows of a stream in one walk of the cells (groups of RKV_CPU_DECODE_MAX_ROWS),
@@ -64,3 +69,11 @@ void rkv_cpu_part_prepare(int n_threads);
 
 // jobs run so far in this process (the op test shows which cases a backend attended partly on the CPU)
 uint64_t rkv_cpu_part_runs(void);
+
+// The CPU part's functions by name, for the CPU backend's ggml_backend_reg_get_proc_address (ggml-cpu.cpp): the
+// public ones (GGML_RKV_CPU_*_PROC, ggml-rolling-kv.h: ggml_rkv_get_cpu_threads, ggml_rkv_cpu_part_runs,
+// ggml_rkv_cpu_attn_measure_gbps, ggml_rkv_cpu_part_supported, ggml_rkv_cpu_part_run, ggml_rkv_cpu_part_prepare), and
+// for test-rolling-kv-cpu-decode, which runs the backend's own code through them, the functions of this header and of
+// rolling-kv-cpu-decode.h under their own names ("rkv_cpu_decode_range", ..., typed as declared here). NULL: no such
+// name.
+void * ggml_rkv_cpu_get_proc_address(const char * name);

@@ -9,8 +9,12 @@
 // activations for its q8_0/q4_0 dot products), then scaled by the two blocks' scales; the AVX-512 path takes 16
 // cells at once (their K bytes transposed so that each 32-bit lane is a cell, VNNI vpdpbusd where the CPU has it).
 // A quantized V is widened to f32 with its block scale folded into the softmax weights (Q4_0's -8 in the
-// widening); the weighted sums are accumulated in f32. The AVX-512 (with and without VNNI) and AVX2 paths are
-// compiled into every build and chosen at run time; a scalar path runs anywhere.
+// widening); the weighted sums are accumulated in f32. On x86-64 (GCC, clang) the AVX-512 (with and without VNNI) and
+// AVX2 paths are compiled into every build and chosen at run time; on AArch64 the NEON path (vdotq_s32 where the
+// compiler targets the dot-product extension) as ggml-cpu is compiled; a scalar path runs anywhere.
+//
+// Part of the CPU backend (ggml-cpu); other backends and libllama reach what they need of it (rolling-kv-cpu-part.h)
+// through the CPU backend's registry, never by symbol (ggml-rolling-kv.h, GGML_RKV_CPU_*_PROC).
 //
 // The result is what the other parts of the op merge with: the normalised output and the per-row LSE
 // (-inf for a row whose cells are all masked; its output is then 0). Sinks are not applied here: the
@@ -64,11 +68,11 @@ void rkv_cpu_decode_merge(const rkv_cpu_decode_params & p, const float * parts, 
 // parallel
 void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse);
 
-// which path rkv_cpu_decode_range takes on this CPU: "avx512vnni", "avx512", "avx2" or "scalar"
+// which path rkv_cpu_decode_range takes on this CPU: "avx512vnni", "avx512", "avx2", "neon-dotprod", "neon" or "scalar"
 const char * rkv_cpu_decode_isa(void);
 
-// test hooks: take the named path ("avx512vnni", "avx512", "avx2", "scalar") from now on (false: this CPU lacks
-// it); a memory-bound read of the bytes [ith/nth, (ith+1)/nth) of each buffer with the same instruction set, the
+// test hooks: take the named path (one of those) from now on (false: not compiled here, or this CPU lacks it); a
+// memory-bound read of the bytes [ith/nth, (ith+1)/nth) of each buffer with the same instruction set, the
 // speed the attention is measured against
 bool rkv_cpu_decode_force_isa(const char * name);
 uint64_t rkv_cpu_decode_read_scan(const uint8_t * const * bufs, int n_bufs, size_t bytes_each, int ith, int nth);

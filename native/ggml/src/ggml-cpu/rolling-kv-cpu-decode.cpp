@@ -1,24 +1,46 @@
 // rolling-KV: CPU decode attention for the CPU part of a hybrid tail (see rolling-kv-cpu-decode.h).
 //
-// The kernel body (rolling-kv-cpu-decode-impl.inc) is compiled four times, for AVX-512 with VNNI, AVX-512
-// (F/BW/VL/DQ), AVX2+FMA+F16C and plain C++, each time over a 16-lane f32 vector type of that instruction
-// set and that set's integer dot product of quantized K with the quantized query; the CPU's own features
-// pick one at run time, so one build runs on any x86-64 CPU (and elsewhere on the scalar path). Only the
-// functions below carry the instruction set (target pragmas): nothing needs -m flags.
+// The kernel body (rolling-kv-cpu-decode-impl.inc) is compiled once per instruction set, each time over a 16-lane f32
+// vector type of that set and that set's integer dot product of quantized K with the quantized query:
+//   x86-64: AVX-512 with VNNI, AVX-512 (F/BW/VL/DQ), AVX2+FMA+F16C and plain C++;
+//   AArch64: NEON (the integer dot by vdotq_s32 where the compiler targets the dot-product extension, else vmull/vpadal);
+//   elsewhere: plain C++.
+//
+// Where the paths are picked. This file is part of the CPU backend (ggml-cpu), which ggml compiles per instruction set
+// (GGML_NATIVE, or one library per variant with GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS), and on ARM (and with MSVC)
+// that compile-time choice is the one taken: the paths whose ISA macros the compiler defines are built, and the best of
+// them runs. On x86-64 with GCC or clang, though, every x86 path is compiled into every build, each function of a path
+// with its instruction set (target pragmas: nothing needs -m flags), and the CPU's own features pick one at run time
+// (RKV_X86_DISPATCH). The reason is the CUDA build: the GPU hosts' CPUs have AVX-512 with VNNI, but our CUDA builds
+// compile ggml-cpu for AVX2 only (scripts/cross-build-cuda.sh: GGML_NATIVE=OFF, a binary for any x86-64 host), and the
+// AVX-512/VNNI path is what makes the hybrid tail pay there (the CPU part is memory-bound only when its quantized dot
+// products keep up with the memory). MSVC has no per-function target, so it builds the compile-time paths only.
+//
+// f16 values come through ggml-cpu's conversion (GGML_CPU_FP16_TO_FP32, simd-mappings.h) on the scalar and NEON paths
+// and through F16C conversions on the x86 vector paths (their own target: GGML_CPU_FP16_TO_FP32 follows the
+// backend's compile flags, which may lack F16C).
 
 #include "rolling-kv-cpu-decode.h"
 
+#include "ggml-cpu-impl.h"
+#include "simd-mappings.h"
+
 #include <algorithm>
-#include <alloca.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64) || defined(_M_IX86)
 #include <immintrin.h>
-#define RKV_X86 1
+#if defined(__GNUC__) || defined(__clang__)
+#include <cpuid.h>
+// run-time pick among the x86 paths, all compiled (see above)
+#define RKV_X86_DISPATCH 1
+#define RKV_HAS_AVX2 1
+#define RKV_HAS_AVX512 1
+#define RKV_HAS_AVX512VNNI 1
 // a region of functions compiled for an instruction set (GCC: target pragmas; clang: the attribute on each function)
 #define RKV_STR(x) #x
 #if defined(__clang__)
@@ -28,6 +50,48 @@
 #define RKV_TARGET_BEGIN(t) _Pragma("GCC push_options") _Pragma(RKV_STR(GCC target(t)))
 #define RKV_TARGET_END _Pragma("GCC pop_options")
 #endif
+#define RKV_VINLINE static inline __attribute__((always_inline))
+#else
+// MSVC and others: the paths the compile flags allow, the best one taken
+#if defined(__AVX2__)
+#define RKV_HAS_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define RKV_HAS_AVX512 1
+#if defined(__AVX512VNNI__)
+#define RKV_HAS_AVX512VNNI 1
+#endif
+#endif
+#define RKV_TARGET_BEGIN(t)
+#define RKV_TARGET_END
+#if defined(_MSC_VER)
+#define RKV_VINLINE static __forceinline
+#else
+#define RKV_VINLINE static inline
+#endif
+#endif
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define RKV_HAS_NEON 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define RKV_NEON_NAME "neon-dotprod"
+#else
+#define RKV_NEON_NAME "neon"
+#endif
+#endif
+
+// a software prefetch where the compiler has one (a hint: nothing else depends on it)
+#if defined(__GNUC__) || defined(__clang__)
+#define RKV_PREFETCH(p) __builtin_prefetch((p))
+#define RKV_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#elif defined(_M_X64) || defined(_M_IX86)
+#define RKV_PREFETCH(p) _mm_prefetch((const char *) (p), _MM_HINT_T0)
+#define RKV_PREFETCH_L2(p) _mm_prefetch((const char *) (p), _MM_HINT_T1)
+#else
+#define RKV_PREFETCH(p) ((void) (p))
+#define RKV_PREFETCH_L2(p) ((void) (p))
 #endif
 
 namespace {
@@ -36,28 +100,17 @@ constexpr int RKV_TYPE_F16  = 1;  // ggml_type values (ggml.h)
 constexpr int RKV_TYPE_Q4_0 = 2;
 constexpr int RKV_TYPE_Q8_0 = 8;
 
-inline float rkv_f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
-    uint32_t exp  = (h >> 10) & 0x1f;
-    uint32_t mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else {  // subnormal
-        exp = 113;
-        while (!(mant & 0x400)) {
-            mant <<= 1;
-            --exp;
-        }
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+// one f16 to f32 with ggml-cpu's conversion
+inline float rkv_f16_to_f32(uint16_t h) { return GGML_CPU_FP16_TO_FP32((ggml_fp16_t) h); }
+
+// the scratch of one walk (rkv_cpu_decode_range): per calling thread, grown, never shrunk (its size follows the rows,
+// heads and head sizes of the calls; a walk does not call another)
+uint8_t * walk_scratch(size_t bytes) {
+    static thread_local std::vector<uint8_t> buf;
+    if (buf.size() < bytes) {
+        buf.resize(bytes);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return buf.data();
 }
 
 // Cephes' expf polynomial on [-ln2/2, ln2/2]; inputs here are <= 0 (score minus running max), and
@@ -98,8 +151,8 @@ static inline void hmax16x16(const float * m, float * out) {
 static inline V16 vexp(V16 a) { for (float & x : a.v) x = x < EXP_LO ? 0.0f : expf(x); return a; }
 static inline V16 from_f16(const uint16_t * p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = rkv_f16_to_f32(p[i]); return r; }
 static inline float f16s(uint16_t h) { return rkv_f16_to_f32(h); }
-static inline void prefetch(const void * p) { __builtin_prefetch(p); }
-static inline void prefetch_l2(const void * p) { __builtin_prefetch(p, 0, 2); }
+static inline void prefetch(const void * p) { RKV_PREFETCH(p); }
+static inline void prefetch_l2(const void * p) { RKV_PREFETCH_L2(p); }
 // out[i] = the 2 bytes at p + i*stride for i < n, 0 for n <= i < 16
 static inline void gather16_u16(const uint8_t * p, size_t stride, int n, uint16_t * out) {
     for (int i = 0; i < 16; ++i) {
@@ -163,9 +216,11 @@ static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t 
 #undef RKV_NS
 } // namespace rkv_scalar
 
-#ifdef RKV_X86
+#if defined(RKV_HAS_AVX2)
 // ---------------------------------------------------------------- AVX2 + FMA + F16C
 RKV_TARGET_BEGIN("avx2,fma,f16c")
+// one f16 to f32 (the F16C form every x86 compiler has)
+static inline float rkv_cvtsh_ss(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 namespace rkv_avx2 {
 struct V16 { __m256 a, b; };
 static inline V16 zero() { return { _mm256_setzero_ps(), _mm256_setzero_ps() }; }
@@ -215,7 +270,7 @@ static inline V16 vexp(V16 x) { return { exp8(x.a), exp8(x.b) }; }
 static inline V16 from_f16(const uint16_t * p) {
     return { _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 8))) };
 }
-static inline float f16s(uint16_t h) { return _cvtsh_ss(h); }
+static inline float f16s(uint16_t h) { return rkv_cvtsh_ss(h); }
 static inline void prefetch(const void * p) { _mm_prefetch((const char *) p, _MM_HINT_T0); }
 static inline void prefetch_l2(const void * p) { _mm_prefetch((const char *) p, _MM_HINT_T1); }
 static inline void gather16_u16(const uint8_t * p, size_t stride, int n, uint16_t * out) {
@@ -279,7 +334,7 @@ static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t 
                 k = _mm256_set_m128i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m), e), _mm_sub_epi8(_mm_and_si128(x, m), e));
             }
             const __m256i u = _mm256_abs_epi8(k);
-            const float dk = _cvtsh_ss(dkh[b * 16 + i]);
+            const float dk = rkv_cvtsh_ss(dkh[b * 16 + i]);
             for (int j = 0; j < G; ++j) {
                 const __m256i qj = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *) (q + (size_t) j * D + 32 * b)), k);
                 const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qj), ones));
@@ -311,10 +366,11 @@ static uint64_t read_scan_avx2(const uint8_t * const * bufs, int n_bufs, size_t 
     return (uint64_t) _mm256_extract_epi64(_mm256_or_si256(a, b), 0);
 }
 RKV_TARGET_END
+#endif // RKV_HAS_AVX2
 
+#if defined(RKV_HAS_AVX512)
 // ---------------------------------------------------------------- AVX-512 (F, BW, VL, DQ): the f32 vector and the K loads
 // (always inlined: the VNNI variant below uses them too, from its own target)
-#define RKV_VINLINE static inline __attribute__((always_inline))
 RKV_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace rkv_avx512_vec {
 struct V16 { __m512 a; };
@@ -370,7 +426,7 @@ RKV_VINLINE V16 vexp(V16 v) {
     return { _mm512_maskz_mul_ps((__mmask16) ~under, y, _mm512_castsi512_ps(e)) };
 }
 RKV_VINLINE V16 from_f16(const uint16_t * p) { return { _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p)) }; }
-RKV_VINLINE float f16s(uint16_t h) { return _cvtsh_ss(h); }
+RKV_VINLINE float f16s(uint16_t h) { return rkv_cvtsh_ss(h); }
 RKV_VINLINE void prefetch(const void * p) { _mm_prefetch((const char *) p, _MM_HINT_T0); }
 RKV_VINLINE void prefetch_l2(const void * p) { _mm_prefetch((const char *) p, _MM_HINT_T1); }
 // out[i] = the 2 bytes at p + i*stride for i < n, 0 for n <= i < 16 (scalar loads: a vector gather is slower on
@@ -485,7 +541,6 @@ RKV_VINLINE void kscores_t(const uint8_t * const * rows, int nblk, const int8_t 
     for (int j = 0; j < G; ++j) _mm512_storeu_ps(out + j * 16, s[j]);
 }
 } // namespace rkv_avx512_vec
-#undef RKV_VINLINE
 
 // AVX-512 without VNNI: the dot by maddubs/madd; Q8_0 as magnitudes against the query with K's signs (pair sums
 // <= 2 * 128 * 127: no saturation), Q4_0's nibbles 0..15 (the -8 through corr) summed in 16 bits over a block
@@ -521,7 +576,9 @@ static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t 
 #undef RKV_NS
 } // namespace rkv_avx512
 RKV_TARGET_END
+#endif // RKV_HAS_AVX512
 
+#if defined(RKV_HAS_AVX512VNNI)
 // ---------------------------------------------------------------- AVX-512 with VNNI: the dot by vpdpbusd
 RKV_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace rkv_avx512vnni {
@@ -547,14 +604,210 @@ static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t 
 #undef RKV_NS
 } // namespace rkv_avx512vnni
 RKV_TARGET_END
-#endif // RKV_X86
+#endif // RKV_HAS_AVX512VNNI
+
+#if defined(RKV_HAS_NEON)
+// ---------------------------------------------------------------- AArch64 NEON
+// The f32 vector is four float32x4_t. f16 rows widen to f32 (vcvt_f32_f16) and are dotted and accumulated in f32, as
+// on every other path (vfmaq_f16 would accumulate in f16: another result, outside the reference's tolerance). A
+// quantized K is dotted in integers: vdotq_s32 with the dot-product extension (__ARM_FEATURE_DOTPROD: armv8.2-a+dotprod
+// and later), else widening multiplies (vmull_s8) summed pairwise into 32 bits (vpadalq_s16).
+namespace rkv_neon {
+struct V16 { float32x4_t v[4]; };
+static inline V16 zero() { const float32x4_t z = vdupq_n_f32(0.0f); return { { z, z, z, z } }; }
+static inline V16 set1(float a) { const float32x4_t x = vdupq_n_f32(a); return { { x, x, x, x } }; }
+static inline V16 load(const float * p) { return { { vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12) } }; }
+static inline void store(float * p, V16 a) { vst1q_f32(p, a.v[0]); vst1q_f32(p + 4, a.v[1]); vst1q_f32(p + 8, a.v[2]); vst1q_f32(p + 12, a.v[3]); }
+static inline V16 fmadd(V16 a, V16 b, V16 c) {
+    for (int i = 0; i < 4; ++i) c.v[i] = vfmaq_f32(c.v[i], a.v[i], b.v[i]);
+    return c;
+}
+static inline V16 mul(V16 a, V16 b) {
+    for (int i = 0; i < 4; ++i) a.v[i] = vmulq_f32(a.v[i], b.v[i]);
+    return a;
+}
+static inline float hsum(V16 a) { return vaddvq_f32(vaddq_f32(vaddq_f32(a.v[0], a.v[1]), vaddq_f32(a.v[2], a.v[3]))); }
+static inline float hmax(V16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.v[0], a.v[1]), vmaxq_f32(a.v[2], a.v[3]))); }
+static inline V16 vmax(V16 a, V16 b) {
+    for (int i = 0; i < 4; ++i) a.v[i] = vmaxq_f32(a.v[i], b.v[i]);
+    return a;
+}
+// out[i] = the sum (the max) of the 16 floats m[16i..16i+16): pairwise reductions, four rows per vector
+static inline void hsum16x16(const float * m, float * out) {
+    for (int i = 0; i < 16; i += 4) {
+        float32x4_t r[4];
+        for (int k = 0; k < 4; ++k) {
+            const float * x = m + 16 * (i + k);
+            r[k] = vaddq_f32(vaddq_f32(vld1q_f32(x), vld1q_f32(x + 4)), vaddq_f32(vld1q_f32(x + 8), vld1q_f32(x + 12)));
+        }
+        vst1q_f32(out + i, vpaddq_f32(vpaddq_f32(r[0], r[1]), vpaddq_f32(r[2], r[3])));
+    }
+}
+static inline void hmax16x16(const float * m, float * out) {
+    for (int i = 0; i < 16; i += 4) {
+        float32x4_t r[4];
+        for (int k = 0; k < 4; ++k) {
+            const float * x = m + 16 * (i + k);
+            r[k] = vmaxq_f32(vmaxq_f32(vld1q_f32(x), vld1q_f32(x + 4)), vmaxq_f32(vld1q_f32(x + 8), vld1q_f32(x + 12)));
+        }
+        vst1q_f32(out + i, vpmaxq_f32(vpmaxq_f32(r[0], r[1]), vpmaxq_f32(r[2], r[3])));
+    }
+}
+// the x86 paths' Cephes exp, four lanes at a time (round to nearest even as they do)
+static inline float32x4_t exp4(float32x4_t x) {
+    const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(EXP_LO));
+    x = vmaxq_f32(x, vdupq_n_f32(EXP_LO));
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(LOG2E)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(C1));
+    r = vfmsq_f32(r, n, vdupq_n_f32(C2));
+    float32x4_t y = vdupq_n_f32(P0);
+    y = vfmaq_f32(vdupq_n_f32(P1), y, r);
+    y = vfmaq_f32(vdupq_n_f32(P2), y, r);
+    y = vfmaq_f32(vdupq_n_f32(P3), y, r);
+    y = vfmaq_f32(vdupq_n_f32(P4), y, r);
+    y = vfmaq_f32(vdupq_n_f32(P5), y, r);
+    y = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0f)), y, vmulq_f32(r, r));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    const float32x4_t v = vmulq_f32(y, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), under));
+}
+static inline V16 vexp(V16 a) {
+    for (int i = 0; i < 4; ++i) a.v[i] = exp4(a.v[i]);
+    return a;
+}
+static inline float32x4_t f16x4(const uint16_t * p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline V16 from_f16(const uint16_t * p) { return { { f16x4(p), f16x4(p + 4), f16x4(p + 8), f16x4(p + 12) } }; }
+static inline float f16s(uint16_t h) { return rkv_f16_to_f32(h); }
+static inline void prefetch(const void * p) { RKV_PREFETCH(p); }
+static inline void prefetch_l2(const void * p) { RKV_PREFETCH_L2(p); }
+static inline void gather16_u16(const uint8_t * p, size_t stride, int n, uint16_t * out) {
+    for (int i = 0; i < 16; ++i) {
+        out[i] = 0;
+        if (i < n) memcpy(&out[i], p + i * stride, 2);
+    }
+}
+// 16 int8 to 16 f32
+static inline V16 s8x16_to_f32(int8x16_t b) {
+    const int16x8_t l = vmovl_s8(vget_low_s8(b)), h = vmovl_s8(vget_high_s8(b));
+    return { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(l))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(l))),
+               vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))) } };
+}
+static inline void vblock_q8(const uint8_t * qs, V16 & lo, V16 & hi) {
+    lo = s8x16_to_f32(vld1q_s8((const int8_t *) qs));
+    hi = s8x16_to_f32(vld1q_s8((const int8_t *) qs + 16));
+}
+// a Q4_0 block's 32 values (nibble - 8): the low nibbles are values 0..15, the high ones 16..31
+static inline void q4_unpack(const uint8_t * qs, int8x16_t & lo, int8x16_t & hi) {
+    const uint8x16_t b = vld1q_u8(qs);
+    const int8x16_t e = vdupq_n_s8(8);
+    lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0f))), e);
+    hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), e);
+}
+static inline void vblock_q4(const uint8_t * qs, V16 & lo, V16 & hi) {
+    int8x16_t l, h;
+    q4_unpack(qs, l, h);
+    lo = s8x16_to_f32(l);
+    hi = s8x16_to_f32(h);
+}
+static inline float quant32(const float * x, int8_t * q) {
+    float32x4_t v[8];
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; ++i) {
+        v[i] = vld1q_f32(x + 4 * i);
+        m = vmaxq_f32(m, vabsq_f32(v[i]));
+    }
+    const float d = vmaxvq_f32(m) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 8; i += 2) {  // to nearest, ties to even (fcvtns), as the other paths
+        const int32x4_t a = vcvtnq_s32_f32(vmulq_n_f32(v[i], id)), b = vcvtnq_s32_f32(vmulq_n_f32(v[i + 1], id));
+        vst1_s8(q + 4 * i, vqmovn_s16(vcombine_s16(vqmovn_s32(a), vqmovn_s32(b))));
+    }
+    return d;
+}
+constexpr int Q8_OFF = 0, Q4_OFF = 0;  // signed K values (Q4_0: nibble - 8) against the signed query
+// the integer dot of 32 K values (two vectors) with 32 query values
+static inline int32_t idot32(int8x16_t k0, int8x16_t k1, const int8_t * q) {
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), k0, q0), k1, q1));
+#else
+    // products <= 128 * 127: a pair of them fits in 16 bits
+    const int16x8_t a = vmlal_s8(vmull_s8(vget_low_s8(k0), vget_low_s8(q0)), vget_high_s8(k0), vget_high_s8(q0));
+    const int16x8_t b = vmlal_s8(vmull_s8(vget_low_s8(k1), vget_low_s8(q1)), vget_high_s8(k1), vget_high_s8(q1));
+    return vaddvq_s32(vpadalq_s16(vpaddlq_s16(a), b));
+#endif
+}
+// the raw scores of 16 cells for G heads (see the scalar path): per cell and block the K values are loaded once and
+// dotted with each head's query block in integers, then scaled in f32
+template <int T, int G>
+static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t * q, int D, const int32_t * corr, const float * dq,
+                           const uint16_t * dkh, float * out) {
+    constexpr int bb = T == RKV_TYPE_Q8_0 ? 34 : 18;
+    for (int i = 0; i < 16; ++i) {
+        float s[G];
+        for (int j = 0; j < G; ++j) s[j] = 0.0f;
+        for (int b = 0; b < nblk; ++b) {
+            const uint8_t * qs = rows[i] + b * bb + 2;
+            int8x16_t k0, k1;
+            if (T == RKV_TYPE_Q8_0) {
+                k0 = vld1q_s8((const int8_t *) qs);
+                k1 = vld1q_s8((const int8_t *) qs + 16);
+            } else {
+                q4_unpack(qs, k0, k1);
+            }
+            const float dk = rkv_f16_to_f32(dkh[b * 16 + i]);
+            for (int j = 0; j < G; ++j) {
+                const int32_t dot = idot32(k0, k1, q + (size_t) j * D + 32 * b) + corr[j * nblk + b];
+                s[j] += (float) dot * (dk * dq[j * nblk + b]);
+            }
+        }
+        for (int j = 0; j < G; ++j) out[j * 16 + i] = s[j];
+    }
+}
+#define RKV_NS impl
+#include "rolling-kv-cpu-decode-impl.inc"
+#undef RKV_NS
+
+// a memory-bound read of [c0, c1) of every buffer: four 16-byte loads per line, OR-reduced
+static uint64_t read_scan(const uint8_t * const * bufs, int n_bufs, size_t c0, size_t c1) {
+    uint8x16_t a = vdupq_n_u8(0), b = a, c = a, d = a;
+    for (int k = 0; k < n_bufs; ++k) {
+        for (size_t i = c0; i < c1; i += 64) {
+            a = vorrq_u8(a, vld1q_u8(bufs[k] + i));
+            b = vorrq_u8(b, vld1q_u8(bufs[k] + i + 16));
+            c = vorrq_u8(c, vld1q_u8(bufs[k] + i + 32));
+            d = vorrq_u8(d, vld1q_u8(bufs[k] + i + 48));
+        }
+    }
+    return vgetq_lane_u64(vreinterpretq_u64_u8(vorrq_u8(vorrq_u8(a, b), vorrq_u8(c, d))), 0);
+}
+} // namespace rkv_neon
+#endif // RKV_HAS_NEON
 
 namespace {
 
-enum class isa { scalar, avx2, avx512, avx512vnni };  // each one needs the ones before it
+// the paths; on x86 each one needs the ones before it
+enum class isa { scalar, avx2, avx512, avx512vnni, neon };
 
+constexpr bool compiled(isa i) {
+    return i == isa::scalar
+#if defined(RKV_HAS_AVX2)
+        || i == isa::avx2
+#endif
+#if defined(RKV_HAS_AVX512)
+        || i == isa::avx512
+#endif
+#if defined(RKV_HAS_AVX512VNNI)
+        || i == isa::avx512vnni
+#endif
+#if defined(RKV_HAS_NEON)
+        || i == isa::neon
+#endif
+        ;
+}
+
+// the best path compiled here that this CPU runs
 isa detect() {
-#ifdef RKV_X86
+#if defined(RKV_X86_DISPATCH)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq")) {
@@ -565,8 +818,18 @@ isa detect() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
         return isa::avx2;
     }
-#endif
     return isa::scalar;
+#elif defined(RKV_HAS_NEON)
+    return isa::neon;  // the backend was compiled for this CPU's features (ggml-cpu's own ISA choice)
+#elif defined(RKV_HAS_AVX512VNNI)
+    return isa::avx512vnni;
+#elif defined(RKV_HAS_AVX512)
+    return isa::avx512;
+#elif defined(RKV_HAS_AVX2)
+    return isa::avx2;
+#else
+    return isa::scalar;
+#endif
 }
 
 isa & selected_isa() {
@@ -576,29 +839,47 @@ isa & selected_isa() {
 
 isa selected() { return selected_isa(); }
 
+const char * isa_name(isa i) {
+    switch (i) {
+        case isa::avx512vnni: return "avx512vnni";
+        case isa::avx512:     return "avx512";
+        case isa::avx2:       return "avx2";
+#if defined(RKV_HAS_NEON)
+        case isa::neon:       return RKV_NEON_NAME;
+#endif
+        default:              return "scalar";
+    }
+}
+
 } // namespace
 
 bool rkv_cpu_decode_force_isa(const char * name) {
     const isa best = detect();
-    isa want;
-    if (strcmp(name, "avx512vnni") == 0) want = isa::avx512vnni;
-    else if (strcmp(name, "avx512") == 0) want = isa::avx512;
-    else if (strcmp(name, "avx2") == 0) want = isa::avx2;
-    else if (strcmp(name, "scalar") == 0) want = isa::scalar;
-    else return false;
-    if ((int) want > (int) best) {
-        return false;  // the CPU lacks it
+    for (isa want : { isa::scalar, isa::avx2, isa::avx512, isa::avx512vnni, isa::neon }) {
+        if (!compiled(want) || strcmp(name, isa_name(want)) != 0) {
+            continue;
+        }
+        // scalar runs anywhere, the best path here does; on x86 also the paths below it (each needs the ones before it)
+        if (want != isa::scalar && want != best && (best == isa::neon || (int) want > (int) best)) {
+            return false;  // the CPU lacks it
+        }
+        selected_isa() = want;
+        return true;
     }
-    selected_isa() = want;
-    return true;
+    return false;
 }
 
 uint64_t rkv_cpu_decode_read_scan(const uint8_t * const * bufs, int n_bufs, size_t bytes_each, int ith, int nth) {
     const size_t c0 = bytes_each * ith / nth / 64 * 64, c1 = bytes_each * (ith + 1) / nth / 64 * 64;
     uint64_t acc = 0;
-#ifdef RKV_X86
+#if defined(RKV_HAS_AVX2)
     if (selected() != isa::scalar) {
         return read_scan_avx2(bufs, n_bufs, c0, c1);
+    }
+#endif
+#if defined(RKV_HAS_NEON)
+    if (selected() == isa::neon) {
+        return rkv_neon::read_scan(bufs, n_bufs, c0, c1);
     }
 #endif
     for (int b = 0; b < n_bufs; ++b) {
@@ -640,22 +921,24 @@ void rkv_cpu_decode_range(const rkv_cpu_decode_params & p, int64_t c0, int64_t c
 
 static void range_walk(const rkv_cpu_decode_params & p, int64_t c0, int64_t c1, float * part) {
     switch (selected()) {
-#ifdef RKV_X86
+#if defined(RKV_HAS_AVX512VNNI)
         case isa::avx512vnni: rkv_avx512vnni::impl::range(p, c0, c1, part); return;
-        case isa::avx512: rkv_avx512::impl::range(p, c0, c1, part); return;
-        case isa::avx2:   rkv_avx2::impl::range(p, c0, c1, part); return;
 #endif
-        default:          rkv_scalar::rkv_scalar_impl::range(p, c0, c1, part); return;
+#if defined(RKV_HAS_AVX512)
+        case isa::avx512:     rkv_avx512::impl::range(p, c0, c1, part); return;
+#endif
+#if defined(RKV_HAS_AVX2)
+        case isa::avx2:       rkv_avx2::impl::range(p, c0, c1, part); return;
+#endif
+#if defined(RKV_HAS_NEON)
+        case isa::neon:       rkv_neon::impl::range(p, c0, c1, part); return;
+#endif
+        default:              rkv_scalar::rkv_scalar_impl::range(p, c0, c1, part); return;
     }
 }
 
 const char * rkv_cpu_decode_isa(void) {
-    switch (selected()) {
-        case isa::avx512vnni: return "avx512vnni";
-        case isa::avx512: return "avx512";
-        case isa::avx2:   return "avx2";
-        default:          return "scalar";
-    }
+    return isa_name(selected());
 }
 
 void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse) {
