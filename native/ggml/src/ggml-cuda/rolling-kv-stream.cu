@@ -2,7 +2,6 @@
 
 #include "rolling-kv-stream.cuh"
 #include "rolling-kv-hybrid.cuh"
-#include "rolling-kv-profile.cuh"
 
 #include "ggml-rolling-kv.h"
 
@@ -29,13 +28,6 @@ static const ggml_rkv_knobs & rkv_knobs() {
 #define RKV_PRELAUNCH 0
 #else
 #define RKV_PRELAUNCH 1
-#endif
-
-// lab switches: compiled only with -DROLLINGKV_DEBUG=ON
-#ifdef ROLLINGKV_DEBUG
-#define RKV_LAB(field) (rkv_knobs().field)
-#else
-#define RKV_LAB(field) false
 #endif
 
 struct ggml_cuda_rkv_ring {
@@ -69,7 +61,6 @@ static cudaStream_t rkv_copy_stream(ggml_backend_cuda_context & ctx) {
 }
 
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
-    ggml_cuda_rkv_prof_free(ctx);
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (!r) {
         return;
@@ -233,9 +224,7 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
     }
     char * slot   = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + rkv_slot_v_offset(kt, ch.n);
-    // lab speed probe ROLLINGKV_DEBUG_SKIP_COPY (wrong outputs): no copies, the events stay
-    const int64_t n3 = RKV_LAB(skip_copy) ? 0 : kt->ne[3];
-    ggml_cuda_rkv_prof_copy(ctx, cs, 0);
+    const int64_t n3 = kt->ne[3];
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
             ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
@@ -244,7 +233,6 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
         CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
-    ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
     CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }
 
@@ -323,9 +311,6 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         r->next_copy = 0;
         r->n_pre     = 0;
     }
-    if (RKV_LAB(no_runahead)) {
-        return; // lab A/B: every op streams its own tail only (copies overlap that op's attention, not other layers)
-    }
 
     std::vector<rkv_fifo_op>    ops;
     std::vector<rkv_fifo_chunk> fifo;
@@ -371,7 +356,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     // Copy the first chunks now, before the graph is launched, after everything already on the compute stream (a
     // previous graph may still read the slots). Exact for the run-ahead's reason: rows this graph writes before an
     // op are copied again into its slots from the host tail before the attention (writes_k/writes_v, rkv_refresh).
-    if (RKV_PRELAUNCH && !RKV_LAB(no_prelaunch)) {
+    if (RKV_PRELAUNCH) {
         r->n_pre = std::min<int>(r->n_slots, (int) r->fifo.size());
         cudaStream_t cs = rkv_copy_stream(ctx);
         CUDA_CHECK(cudaEventRecord(r->ev_pre, ctx.stream()));
@@ -472,7 +457,6 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     } else {
         CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->copy_done[g % ts.ring->n_slots], 0));
     }
-    ggml_cuda_rkv_prof_mark(ctx, "rkv wait for chunk copy");
     // rows written by this graph after the chunk may have been copied: take them again from the host tail
     for (const ggml_tensor * w : o.writes_k) {
         rkv_refresh(stream, (char *) ts.slot_k[ic].data, ts.k, w, (*ts.fifo)[g]);
@@ -480,7 +464,6 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     for (const ggml_tensor * w : o.writes_v) {
         rkv_refresh(stream, (char *) ts.slot_v[ic].data, ts.v, w, (*ts.fifo)[g]);
     }
-    ggml_cuda_rkv_prof_mark(ctx, "rkv refresh written rows");
 }
 
 void ggml_cuda_rkv_tail_release(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int ic) {
