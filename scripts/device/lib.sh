@@ -161,7 +161,8 @@ gpu_tests() {
 # llama-bench -fa 1 -p 0 -n $N -d $D -r $R -ngl 99 (N 32, D 16384, R 3 unless set); one JSON line, also in
 # $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, 4 slots" ROLLINGKV_SLOTS=4 -- --kv-residency-mode window \
 #   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
-# (the ROLLINGKV_DEBUG_* lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH, exist only in -DROLLINGKV_DEBUG=ON builds)
+# (the lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH or ROLLINGKV_DEBUG_PROFILE, exist only in lab builds:
+#  `pick_build cuda --lab`, i.e. `rollingkv build --lab`, which applies patches/lab/ and native-lab/)
 decode_cell() {
   local label=$1 envs=(ROLLINGKV_CPU_PART_STATS=1) err; shift
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
