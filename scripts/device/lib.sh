@@ -6,7 +6,7 @@
 #   come back; /tmp/rkv-out elsewhere); step() prints a section header;
 # - exports the environment the carried tree needs: the cache in /tmp/rkv-cache (kept while the machine is warm),
 #   offline, the packed llama_cpp bindings and the tree's gguf-py on PYTHONPATH;
-# - with .device/series carried (pack.sh --series): runs in /tmp/rkv-tree, a copy of the tree with native/ and patches/
+# - with .device/series carried (pack.sh --series): runs in /tmp/rkv-tree, a copy of the tree with native/, native-lab/ and patches/
 #   as committed at HEAD, so uncommitted work in progress never reaches a device build (the tree itself is unchanged);
 # - with .device/model1, then .device/model2 carried in two back-to-back calls (pack.sh --model): the demo model's
 #   halves, kept in /tmp and joined into the cache when the second arrives.
@@ -23,7 +23,7 @@ if [ -f "$DEV/series/series.tgz" ]; then
   RKV_ROOT=/tmp/rkv-tree
   rm -rf "$RKV_ROOT" && mkdir -p "$RKV_ROOT" || exit 1
   tar -C "$RKV_CHECKOUT" --exclude=./.device --exclude=./.git --exclude=./.venv -cf - . | tar -C "$RKV_ROOT" -xf - || exit 1
-  rm -rf "$RKV_ROOT/native" "$RKV_ROOT/patches" && tar -C "$RKV_ROOT" -xzf "$DEV/series/series.tgz" || exit 1
+  rm -rf "$RKV_ROOT/native" "$RKV_ROOT/native-lab" "$RKV_ROOT/patches" && tar -C "$RKV_ROOT" -xzf "$DEV/series/series.tgz" || exit 1
   echo "series of commit $(cat "$DEV/series/commit" 2>/dev/null): running in $RKV_ROOT"
 fi
 cd "$RKV_ROOT" || exit 1
