@@ -215,7 +215,7 @@ static size_t rkv_slot_v_offset(const ggml_tensor * kt, int64_t n) {
 }
 
 // copy chunk i of a plan into its slot on the copy stream cs and record `done` (the slot's copy_done by default)
-static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
+static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
         const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i, cudaEvent_t done = nullptr) {
     const int s = i % r.n_slots;
     if (i >= r.n_slots) {
@@ -236,10 +236,10 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
     CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }
 
-static void rkv_issue_chunk(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int i) {
+static void rkv_issue_chunk(ggml_cuda_rkv_tail_stream & ts, int i) {
     const rkv_fifo_chunk & ch = (*ts.fifo)[i];
     const ggml_tensor * node = (*ts.ops)[ch.op].node;
-    rkv_issue_copy(ctx, *ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+    rkv_issue_copy(*ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
 }
 
 //
@@ -363,7 +363,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         CUDA_CHECK(cudaStreamWaitEvent(cs, r->ev_pre, 0));
         for (int i = 0; i < r->n_pre; ++i) {
             const ggml_tensor * node = r->ops[r->fifo[i].op].node;
-            rkv_issue_copy(ctx, *r, cs, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL],
+            rkv_issue_copy(*r, cs, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL],
                 r->fifo[i], i, r->pre_done[i]);
         }
     }
@@ -438,7 +438,7 @@ void ggml_cuda_rkv_tail_start(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tai
         CUDA_CHECK(cudaStreamWaitEvent(ts.cstream, ts.ring->ev_fork, 0));
         *ts.next_copy = ts.n_pre;
         while (*ts.next_copy < (int) ts.fifo->size() && *ts.next_copy < ts.ring->n_slots) {
-            rkv_issue_chunk(ctx, ts, (*ts.next_copy)++);
+            rkv_issue_chunk(ts, (*ts.next_copy)++);
         }
     }
 }
@@ -472,7 +472,7 @@ void ggml_cuda_rkv_tail_release(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_t
     const int g = (*ts.ops)[ts.op_idx].first + ic;
     CUDA_CHECK(cudaEventRecord(ts.ring->slot_free[g % ts.ring->n_slots], ctx.stream()));
     while (*ts.next_copy < (int) ts.fifo->size() && *ts.next_copy <= g + ts.ring->n_slots) {
-        rkv_issue_chunk(ctx, ts, (*ts.next_copy)++);
+        rkv_issue_chunk(ts, (*ts.next_copy)++);
     }
 }
 
