@@ -83,16 +83,22 @@ inline enum ggml_type llama_rolling_kv_arg_tail_type(const std::string & value) 
     return type;
 }
 
+// a float that is the whole of value (std::stof, nothing left over): true and *v set, else false; the callers check
+// the bounds and word the message
+inline bool llama_rolling_kv_arg_parse_float(const std::string & value, float * v) {
+    size_t pos = 0;
+    try {
+        *v = std::stof(value, &pos);
+    } catch (const std::exception &) {
+        return false;
+    }
+    return !value.empty() && pos == value.size();
+}
+
 // a number >= 0 (--pcie-bw-gbps, --cpu-attn-gbps; 0: unknown); flag names it in the message
 inline float llama_rolling_kv_arg_gbps(const std::string & value, const char * flag) {
-    size_t pos = 0;
     float v = 0.0f;
-    try {
-        v = std::stof(value, &pos);
-    } catch (const std::exception &) {
-        pos = 0;
-    }
-    if (pos != value.size() || value.empty() || !(v >= 0.0f)) {
+    if (!llama_rolling_kv_arg_parse_float(value, &v) || !(v >= 0.0f)) {
         throw std::invalid_argument(std::string(flag) + " must be a number >= 0, got " + value);
     }
     return v;
@@ -103,14 +109,8 @@ inline float llama_rolling_kv_arg_tail_cpu_frac(const std::string & value) {
     if (value == "auto") {
         return -1.0f;
     }
-    size_t pos = 0;
     float v = 0.0f;
-    try {
-        v = std::stof(value, &pos);
-    } catch (const std::exception &) {
-        pos = 0;
-    }
-    if (pos != value.size() || value.empty() || !(v >= 0.0f && v <= 1.0f)) {
+    if (!llama_rolling_kv_arg_parse_float(value, &v) || !(v >= 0.0f && v <= 1.0f)) {
         throw std::invalid_argument("--kv-tail-cpu-frac must be auto or a number in [0, 1], got " + value);
     }
     return v;

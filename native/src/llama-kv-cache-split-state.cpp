@@ -117,6 +117,36 @@ static void llama_rkv_write_heads(llama_io_write_i & io, ggml_tensor * dev, ggml
     }
 }
 
+// one layer's K or V of a window split (window win, tail tail; cells [0, wc) of the stream in the window, at win_off(c)
+// and tail_off(c)): its type (or the mixed marker and both types), then the rows of every range
+template <typename F, typename G>
+static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
+        const std::vector<std::pair<uint32_t, uint32_t>> & ranges, F win_off, G tail_off) {
+    const bool mixed = win->type != tail->type;
+
+    if (!mixed) {
+        const int32_t  type_i   = (int32_t) win->type;
+        const uint64_t size_row = win->nb[1];
+        io.write(&type_i, sizeof(type_i));
+        io.write(&size_row, sizeof(size_row));
+    } else {
+        const int32_t  marker = LLAMA_RKV_STATE_MIXED;
+        const int32_t  type_w = (int32_t) win->type;
+        const int32_t  type_t = (int32_t) tail->type;
+        const uint64_t row_w  = win->nb[1];
+        const uint64_t row_t  = tail->nb[1];
+        io.write(&marker, sizeof(marker));
+        io.write(&type_w, sizeof(type_w));
+        io.write(&type_t, sizeof(type_t));
+        io.write(&row_w,  sizeof(row_w));
+        io.write(&row_t,  sizeof(row_t));
+    }
+
+    for (const auto & range : ranges) {
+        llama_rkv_write_rows(io, win, tail, wc, range.first, range.second, mixed, win_off, tail_off);
+    }
+}
+
 void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
     const uint32_t v_trans = this->v_trans ? 1 : 0;
     const uint32_t n_layer = layers.size();
@@ -124,6 +154,7 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
     io.write(&v_trans, sizeof(v_trans));
     io.write(&n_layer, sizeof(n_layer));
 
+    const uint32_t strm = cr.strm;
     for (int kv = 0; kv < 2; ++kv) {
         for (const auto & layer : layers) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -131,35 +162,10 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
             if (!win) {
                 continue;
             }
-
             if (rkv_head) {
-                llama_rkv_write_heads(io, win, tail, cr.strm, cr.data);
-                continue;
-            }
-
-            const bool mixed = win->type != tail->type;
-
-            if (!mixed) {
-                const int32_t  type_i   = (int32_t) win->type;
-                const uint64_t size_row = win->nb[1];
-                io.write(&type_i, sizeof(type_i));
-                io.write(&size_row, sizeof(size_row));
+                llama_rkv_write_heads(io, win, tail, strm, cr.data);
             } else {
-                const int32_t  marker = LLAMA_RKV_STATE_MIXED;
-                const int32_t  type_w = (int32_t) win->type;
-                const int32_t  type_t = (int32_t) tail->type;
-                const uint64_t row_w  = win->nb[1];
-                const uint64_t row_t  = tail->nb[1];
-                io.write(&marker, sizeof(marker));
-                io.write(&type_w, sizeof(type_w));
-                io.write(&type_t, sizeof(type_t));
-                io.write(&row_w,  sizeof(row_w));
-                io.write(&row_t,  sizeof(row_t));
-            }
-
-            const uint32_t strm = cr.strm;
-            for (const auto & range : cr.data) {
-                llama_rkv_write_rows(io, win, tail, rkv_win_cells(strm), range.first, range.second, mixed,
+                llama_rkv_write_window(io, win, tail, rkv_win_cells(strm), cr.data,
                         [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             }
         }
@@ -448,6 +454,99 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
     return ok;
 }
 
+// cell_count rows of one layer's K or V from the state into a window split's window win and tail tail (cells [0, wc) of
+// the stream in the window, at win_off(c) and tail_off(c)), at destination cells idxs: an unsplit state or a window
+// split's mixed one, converted through f32 where the types differ; a head split's state with two types is refused
+template <typename F, typename G>
+static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc, uint32_t cell_count,
+        const std::vector<uint32_t> & idxs, int32_t il, const char * what, F win_off, G tail_off) {
+    const int64_t n_embd = win->ne[0];
+
+    std::vector<uint8_t> buf_src;
+    std::vector<uint8_t> buf_dst;
+
+    llama_rkv_state_layout layout;
+    const std::string err = llama_rkv_read_layout(io, n_embd, il, what, layout);
+    if (!err.empty()) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, err.c_str());
+        return false;
+    }
+    if (layout.kind == llama_rkv_state_layout::HEADS) {
+        LLAMA_LOG_ERROR("%s: the state was saved by a cache split by KV head with two %s types (device and host): a window "
+                "split cannot read it; load it into a head split, or save it with one type (-ctkt/-ctvt as -ctk/-ctv)\n",
+                __func__, what);
+        return false;
+    }
+    const bool      mixed = layout.kind == llama_rkv_state_layout::WINDOW;
+    const ggml_type src_w = layout.sa;
+    const ggml_type src_t = layout.sb;
+
+    for (ggml_type src : { src_w, src_t }) {
+        for (ggml_type dst : { win->type, tail->type }) {
+            if (!llama_rkv_convertible(src, dst)) {
+                LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
+                        __func__, what, ggml_type_name(src), ggml_type_name(dst), il);
+                return false;
+            }
+        }
+    }
+
+    // place source rows [i0, i0 + n) of type src into the destination cells idxs[i0 ...]
+    auto place = [&](uint32_t i0, uint32_t n, ggml_type src) -> bool {
+        const size_t row_src = ggml_row_size(src, n_embd);
+        uint32_t i = i0;
+        while (i < i0 + n) {
+            const uint32_t c0      = idxs[i];
+            const bool     in_tail = c0 >= wc;
+            ggml_tensor *  dst_t   = in_tail ? tail : win;
+
+            // extend the run while the destination cells stay consecutive in the same region
+            uint32_t j = i + 1;
+            while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= wc) == in_tail) {
+                ++j;
+            }
+            const uint32_t n_run = j - i;
+            const size_t   off   = in_tail ? tail_off(c0) : win_off(c0);
+
+            if (src == dst_t->type) {
+                io.read_tensor(dst_t, off, n_run*row_src);
+            } else {
+                buf_src.resize(n_run*row_src);
+                buf_dst.resize(n_run*dst_t->nb[1]);
+                io.read(buf_src.data(), buf_src.size());
+                if (!llama_rkv_convert_rows(src, dst_t->type, buf_src.data(), buf_dst.data(), n_run, n_embd)) {
+                    return false;
+                }
+                ggml_backend_tensor_set(dst_t, buf_dst.data(), off, buf_dst.size());
+            }
+            i = j;
+        }
+        return true;
+    };
+
+    if (!mixed) {
+        if (!place(0, cell_count, src_w)) {
+            return false;
+        }
+    } else {
+        uint32_t done = 0;
+        while (done < cell_count) {
+            uint32_t n_w, n_t;
+            io.read(&n_w, sizeof(n_w));
+            io.read(&n_t, sizeof(n_t));
+            if (n_w + n_t == 0 || done + n_w + n_t > cell_count) {
+                LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, il);
+                return false;
+            }
+            if (!place(done, n_w, src_w) || !place(done + n_w, n_t, src_t)) {
+                return false;
+            }
+            done += n_w + n_t;
+        }
+    }
+    return true;
+}
+
 bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
     uint32_t v_trans_ref;
     uint32_t n_layer;
@@ -470,9 +569,6 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
 
     const auto & idxs = sinfo.idxs[0];
 
-    std::vector<uint8_t> buf_src;
-    std::vector<uint8_t> buf_dst;
-
     for (int kv = 0; kv < 2; ++kv) {
         for (const auto & layer : layers) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -480,123 +576,13 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
             if (!win) {
                 continue;
             }
-
-            const int64_t n_embd = win->ne[0];
-            const char *  what   = kv == 0 ? "key" : "value";
-
-            if (rkv_head) {
-                if (!llama_rkv_read_heads(io, win, tail, strm, cell_count, idxs, layer.il, what)) {
-                    return false;
-                }
-                continue;
-            }
-
-            int32_t type_i;
-            io.read(&type_i, sizeof(type_i));
-
-            if (type_i == LLAMA_RKV_STATE_HEADS) {
-                LLAMA_LOG_ERROR("%s: the state was saved by a cache split by KV head with two %s types (device and host): a window "
-                        "split cannot read it; load it into a head split, or save it with one type (-ctkt/-ctvt as -ctk/-ctv)\n",
-                        __func__, what);
+            const char * what = kv == 0 ? "key" : "value";
+            const bool ok = rkv_head
+                ? llama_rkv_read_heads(io, win, tail, strm, cell_count, idxs, layer.il, what)
+                : llama_rkv_read_window(io, win, tail, rkv_win_cells(strm), cell_count, idxs, layer.il, what,
+                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
+            if (!ok) {
                 return false;
-            }
-
-            const bool mixed = type_i == LLAMA_RKV_STATE_MIXED;
-
-            ggml_type src_w;
-            ggml_type src_t;
-            if (!mixed) {
-                if (type_i < 0 || type_i >= GGML_TYPE_COUNT) {
-                    LLAMA_LOG_ERROR("%s: invalid %s type %d in the state (layer %d)\n", __func__, what, type_i, layer.il);
-                    return false;
-                }
-                uint64_t size_row_ref;
-                io.read(&size_row_ref, sizeof(size_row_ref));
-                src_w = src_t = (ggml_type) type_i;
-                if (size_row_ref != ggml_row_size(src_w, n_embd)) {
-                    LLAMA_LOG_ERROR("%s: mismatched %s row size (%zu != %zu, layer %d)\n", __func__, what,
-                            ggml_row_size(src_w, n_embd), (size_t) size_row_ref, layer.il);
-                    return false;
-                }
-            } else {
-                int32_t tw, tt;
-                uint64_t rw, rt;
-                io.read(&tw, sizeof(tw));
-                io.read(&tt, sizeof(tt));
-                io.read(&rw, sizeof(rw));
-                io.read(&rt, sizeof(rt));
-                if (tw < 0 || tw >= GGML_TYPE_COUNT || tt < 0 || tt >= GGML_TYPE_COUNT ||
-                        rw != ggml_row_size((ggml_type) tw, n_embd) || rt != ggml_row_size((ggml_type) tt, n_embd)) {
-                    LLAMA_LOG_ERROR("%s: invalid rolling-KV %s layout in the state (layer %d)\n", __func__, what, layer.il);
-                    return false;
-                }
-                src_w = (ggml_type) tw;
-                src_t = (ggml_type) tt;
-            }
-
-            for (ggml_type src : { src_w, src_t }) {
-                for (ggml_type dst : { win->type, tail->type }) {
-                    if (!llama_rkv_convertible(src, dst)) {
-                        LLAMA_LOG_ERROR("%s: the state's %s type %s cannot be converted to this cache's %s (layer %d)\n",
-                                __func__, what, ggml_type_name(src), ggml_type_name(dst), layer.il);
-                        return false;
-                    }
-                }
-            }
-
-            // place source rows [i0, i0 + n) of type src into the destination cells idxs[i0 ...]
-            auto place = [&](uint32_t i0, uint32_t n, ggml_type src) -> bool {
-                const size_t row_src = ggml_row_size(src, n_embd);
-                uint32_t i = i0;
-                const uint32_t wc = rkv_win_cells(strm);
-                while (i < i0 + n) {
-                    const uint32_t c0      = idxs[i];
-                    const bool     in_tail = c0 >= wc;
-                    ggml_tensor *  dst_t   = in_tail ? tail : win;
-
-                    // extend the run while the destination cells stay consecutive in the same region
-                    uint32_t j = i + 1;
-                    while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= wc) == in_tail) {
-                        ++j;
-                    }
-                    const uint32_t n_run = j - i;
-                    const size_t   off   = in_tail ? rkv_tail_off(dst_t, strm, c0) : rkv_win_off(dst_t, strm, c0);
-
-                    if (src == dst_t->type) {
-                        io.read_tensor(dst_t, off, n_run*row_src);
-                    } else {
-                        buf_src.resize(n_run*row_src);
-                        buf_dst.resize(n_run*dst_t->nb[1]);
-                        io.read(buf_src.data(), buf_src.size());
-                        if (!llama_rkv_convert_rows(src, dst_t->type, buf_src.data(), buf_dst.data(), n_run, n_embd)) {
-                            return false;
-                        }
-                        ggml_backend_tensor_set(dst_t, buf_dst.data(), off, buf_dst.size());
-                    }
-                    i = j;
-                }
-                return true;
-            };
-
-            if (!mixed) {
-                if (!place(0, cell_count, src_w)) {
-                    return false;
-                }
-            } else {
-                uint32_t done = 0;
-                while (done < cell_count) {
-                    uint32_t n_w, n_t;
-                    io.read(&n_w, sizeof(n_w));
-                    io.read(&n_t, sizeof(n_t));
-                    if (n_w + n_t == 0 || done + n_w + n_t > cell_count) {
-                        LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, layer.il);
-                        return false;
-                    }
-                    if (!place(done, n_w, src_w) || !place(done + n_w, n_t, src_t)) {
-                        return false;
-                    }
-                    done += n_w + n_t;
-                }
             }
         }
     }

@@ -35,35 +35,22 @@
 //
 
 
-uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
-        const layer_filter_cb & filter, const layer_share_cb & share) {
-    if (st.resolved) {
-        return 0;
-    }
-
-    llama_rkv_cache_desc desc;
-    desc.kv_size          = kv_size;
-    desc.n_stream         = n_stream;
-    desc.type_k           = type_k;
-    desc.type_v           = type_v;
-    desc.v_trans          = v_trans;
-    desc.offload          = offload;
-    desc.refuse           = nullptr;
-    desc.row_bytes_window = 0;
-    desc.row_bytes_tail   = 0;
-
-    const ggml_type type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? type_k : st.req.type_k_tail;
-    const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? type_v : st.req.type_v_tail;
-
-    auto group_of = [&](ggml_backend_dev_t dev) -> llama_rkv_layer_group * {
-        for (auto & g : desc.groups) {
-            if (g.dev == dev) {
-                return &g;
-            }
+// the group of the layers on device dev (null: none yet)
+static llama_rkv_layer_group * llama_rkv_group_of(llama_rkv_cache_desc & desc, ggml_backend_dev_t dev) {
+    for (auto & g : desc.groups) {
+        if (g.dev == dev) {
+            return &g;
         }
-        return nullptr;
-    };
+    }
+    return nullptr;
+}
 
+// what the planner needs of each layer this cache holds: its device, its row bytes in the window and the tail, the
+// layer groups per device and the head split's per-layer figures; refuses (desc.refuse, desc.refuse_head) the tail
+// and head cuts the types' blocks do not allow
+static void llama_rkv_describe_layers(llama_rkv_cache_desc & desc, const llama_model & model, const llama_hparams & hparams,
+        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool offload,
+        const llama_kv_cache::layer_filter_cb & filter) {
     for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
         if (!hparams.has_kv(il) || (filter && !filter(il))) {
             continue;
@@ -95,7 +82,7 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         desc.row_bytes_window += row_w;
         desc.row_bytes_tail   += row_t;
 
-        llama_rkv_layer_group * g = group_of(dev);
+        llama_rkv_layer_group * g = llama_rkv_group_of(desc, dev);
         if (!g) {
             desc.groups.emplace_back();
             g = &desc.groups.back();
@@ -125,7 +112,13 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         g->conv_cell_bytes = std::max(g->conv_cell_bytes,
                 (type_k != GGML_TYPE_F16 ? (size_t) n_embd_k_gqa*2 : 0) + (type_v != GGML_TYPE_F16 ? (size_t) n_embd_v_gqa*2 : 0));
     }
+}
 
+// the caches that never split but share the window's devices: an iSWA model's SWA cache (sized as llama_kv_cache_iswa
+// sizes it) and a hybrid model's recurrent state
+static void llama_rkv_count_other_caches(llama_rkv_cache_desc & desc, const llama_rkv_state & st, const llama_model & model,
+        const llama_hparams & hparams, llama_swa_type swa_type, uint32_t kv_size, uint32_t n_stream, ggml_type type_k,
+        ggml_type type_v, bool offload) {
     // the base cache of an iSWA model: its SWA cache is created right after this one, stays whole on the device,
     // and must fit next to the window (sized as llama_kv_cache_iswa sizes it)
     if (swa_type == LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_NONE && !desc.groups.empty()) {
@@ -137,7 +130,7 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
             if (!hparams.has_kv(il) || !hparams.is_swa(il)) {
                 continue;
             }
-            if (llama_rkv_layer_group * g = group_of(offload ? model.dev_layer(il) : nullptr)) {
+            if (llama_rkv_layer_group * g = llama_rkv_group_of(desc, offload ? model.dev_layer(il) : nullptr)) {
                 g->other_kv  += (size_t) size_swa*n_stream*(ggml_row_size(type_k, hparams.n_embd_k_gqa(il)) +
                                                             ggml_row_size(type_v, hparams.n_embd_v_gqa(il)));
                 g->n_kv_other = size_swa;
@@ -148,14 +141,17 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     // the attention cache of a hybrid model: its recurrent state (recorded by llama_rkv_note_recurrent before this cache
     // was constructed) stays whole on its device, next to the window
     for (const auto & [dev, bytes] : st.recurrent_bytes) {
-        if (llama_rkv_layer_group * g = group_of(dev)) {
+        if (llama_rkv_layer_group * g = llama_rkv_group_of(desc, dev)) {
             g->other_kv  += bytes;
             g->recurrent += bytes;
         }
     }
+}
 
-    // eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the
-    // split-aware build_attn paths only
+// eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the split-aware
+// build_attn paths only (desc.refuse, desc.refuse_head)
+static void llama_rkv_check_eligible(llama_rkv_cache_desc & desc, const llama_model & model, const llama_hparams & hparams,
+        llama_swa_type swa_type, ggml_type type_k, ggml_type type_v, bool v_trans, bool shared) {
     if (!ggml_rkv_tail_type_supported(type_k) || !ggml_rkv_tail_type_supported(type_v)) {
         // the split's parts, the window included, are attended by the streaming op, which takes these types only
         // (a window of another type, e.g. iq4_nl, made the scheduler abort after start-up)
@@ -167,7 +163,7 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         desc.refuse = "MLA cache (K only): the split is not supported";
     } else if (swa_type != LLAMA_SWA_TYPE_NONE) {
         desc.refuse = "SWA cache: stays whole on the device";
-    } else if (other || share) {
+    } else if (shared) {
         desc.refuse = "the cache shares cells or layers with another cache";
     } else if (v_trans && hparams.is_n_embd_v_gqa_variable()) {
         desc.refuse = "variable V embedding size with a transposed V cache";
@@ -180,6 +176,55 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         desc.refuse_head = "ALiBi: a head's slope depends on its index and the head count, which the attention over a subset of "
                            "the heads is not told";
     }
+}
+
+// the plan's one log line (two with several streams' windows), as the function func
+static void llama_rkv_log_plan(const char * func, const llama_rkv_state & st, uint32_t wc, bool head, bool elastic,
+        uint32_t kv_size, uint32_t n_stream, ggml_type type_k, ggml_type type_v) {
+    if (wc) {
+        LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "
+                "K %s/%s, V %s/%s (window/tail): %s\n", func, wc, kv_size - wc, n_stream,
+                ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
+                st.reason.c_str());
+        if (elastic) {
+            LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", func, n_stream*wc);
+        } else if (n_stream > 1) {
+            LLAMA_LOG_INFO("%s: rolling KV: static windows (%s)\n", func, st.windows_reason.c_str());
+        }
+    } else if (head) {
+        LLAMA_LOG_INFO("%s: rolling KV: split by head, %s (%u streams), K %s/%s, V %s/%s (device/host): %s\n", func,
+                llama_rkv_heads_summary(st).c_str(), n_stream, ggml_type_name(type_k), ggml_type_name(st.type_k_tail),
+                ggml_type_name(type_v), ggml_type_name(st.type_v_tail), st.reason.c_str());
+    } else {
+        LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", func, st.reason.c_str());
+    }
+}
+
+uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
+        const layer_filter_cb & filter, const layer_share_cb & share) {
+    if (st.resolved) {
+        return 0;
+    }
+
+    llama_rkv_cache_desc desc;
+    desc.kv_size          = kv_size;
+    desc.n_stream         = n_stream;
+    desc.type_k           = type_k;
+    desc.type_v           = type_v;
+    desc.v_trans          = v_trans;
+    desc.offload          = offload;
+    desc.refuse           = nullptr;
+    desc.row_bytes_window = 0;
+    desc.row_bytes_tail   = 0;
+
+    const ggml_type type_k_tail = st.req.type_k_tail == GGML_TYPE_COUNT ? type_k : st.req.type_k_tail;
+    const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? type_v : st.req.type_v_tail;
+
+    llama_rkv_describe_layers(desc, model, hparams, type_k, type_v, type_k_tail, type_v_tail, offload, filter);
+
+    llama_rkv_count_other_caches(desc, st, model, hparams, swa_type, kv_size, n_stream, type_k, type_v, offload);
+
+    llama_rkv_check_eligible(desc, model, hparams, swa_type, type_k, type_v, v_trans, other || share);
 
     const uint32_t wc = llama_rkv_plan_cache(st, desc, model);
 
@@ -216,23 +261,7 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         }
     }
 
-    if (wc) {
-        LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "
-                "K %s/%s, V %s/%s (window/tail): %s\n", __func__, wc, kv_size - wc, n_stream,
-                ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
-                st.reason.c_str());
-        if (rkv_elastic) {
-            LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", __func__, n_stream*wc);
-        } else if (n_stream > 1) {
-            LLAMA_LOG_INFO("%s: rolling KV: static windows (%s)\n", __func__, st.windows_reason.c_str());
-        }
-    } else if (rkv_head) {
-        LLAMA_LOG_INFO("%s: rolling KV: split by head, %s (%u streams), K %s/%s, V %s/%s (device/host): %s\n", __func__,
-                llama_rkv_heads_summary(st).c_str(), n_stream, ggml_type_name(type_k), ggml_type_name(st.type_k_tail),
-                ggml_type_name(type_v), ggml_type_name(st.type_v_tail), st.reason.c_str());
-    } else {
-        LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", __func__, st.reason.c_str());
-    }
+    llama_rkv_log_plan(__func__, st, wc, rkv_head, rkv_elastic, kv_size, n_stream, type_k, type_v);
 
     return wc;
 }

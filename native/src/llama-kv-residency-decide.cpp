@@ -348,6 +348,47 @@ static bool llama_rkv_auto_compare(llama_rkv_state & st, const llama_rkv_decide_
     return head;
 }
 
+// a window or head split sized by the budget (auto or window mode, no explicit window): resident when the whole cache
+// fits, else the window (or, in auto, the head split where it is cheaper) that fits the budget of target MiB (0: the free VRAM)
+static uint32_t llama_rkv_decide_budgeted(llama_rkv_state & st, const llama_rkv_decide_in & in, int64_t target) {
+    const auto & req = st.req;
+
+    st.budgeted = true;
+    const uint32_t wc = llama_rkv_plan_budget(st);
+    const bool fits = wc == 0 && st.error.empty();
+
+    // auto: the head split is the other candidate where this cache can split by head
+    const bool head = !fits && req.mode == LLAMA_KV_RESIDENCY_AUTO && llama_rkv_auto_compare(st, in, wc);
+
+    if (!in.quiet) {
+        llama_rkv_log_budget(st);
+    }
+    if (!st.error.empty()) {
+        return llama_rkv_resident(st, st.error);
+    }
+    if (fits) {
+        return llama_rkv_resident_fits(st, target);
+    }
+
+    if (head) {
+        llama_rkv_choose_head(st, std::string("auto: the most KV heads per layer that fit the ") +
+                (target > 0 ? "vram_target" : "free VRAM") + " budget");
+        if (!llama_rkv_finish_split(st, in)) {
+            return llama_rkv_resident(st, st.error);
+        }
+        return 0;
+    }
+
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s: window of %u cells, the largest multiple of %u that fits the %s budget",
+            llama_rkv_mode_name(req.mode), wc, LLAMA_RKV_WINDOW_ALIGN, target > 0 ? "vram_target" : "free VRAM");
+    llama_rkv_choose_window(st, wc, buf);
+    if (!llama_rkv_finish_split(st, in)) {
+        return llama_rkv_resident(st, st.error);
+    }
+    return wc;
+}
+
 static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     const auto & req = st.req;
 
@@ -429,40 +470,7 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
         return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a window in host memory)");
     }
 
-    st.budgeted = true;
-    const uint32_t wc = llama_rkv_plan_budget(st);
-    const bool fits = wc == 0 && st.error.empty();
-
-    // auto: the head split is the other candidate where this cache can split by head
-    const bool head = !fits && req.mode == LLAMA_KV_RESIDENCY_AUTO && llama_rkv_auto_compare(st, in, wc);
-
-    if (!in.quiet) {
-        llama_rkv_log_budget(st);
-    }
-    if (!st.error.empty()) {
-        return llama_rkv_resident(st, st.error);
-    }
-    if (fits) {
-        return llama_rkv_resident_fits(st, target);
-    }
-
-    if (head) {
-        llama_rkv_choose_head(st, std::string("auto: the most KV heads per layer that fit the ") +
-                (target > 0 ? "vram_target" : "free VRAM") + " budget");
-        if (!llama_rkv_finish_split(st, in)) {
-            return llama_rkv_resident(st, st.error);
-        }
-        return 0;
-    }
-
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s: window of %u cells, the largest multiple of %u that fits the %s budget",
-            llama_rkv_mode_name(req.mode), wc, LLAMA_RKV_WINDOW_ALIGN, target > 0 ? "vram_target" : "free VRAM");
-    llama_rkv_choose_window(st, wc, buf);
-    if (!llama_rkv_finish_split(st, in)) {
-        return llama_rkv_resident(st, st.error);
-    }
-    return wc;
+    return llama_rkv_decide_budgeted(st, in, target);
 }
 
 uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in) {

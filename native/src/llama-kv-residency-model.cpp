@@ -542,28 +542,14 @@ void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv) {
     }
 }
 
-bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in & in) {
-    st.tail_auto_t_res_ms  = -1.0;
-    st.tail_auto_t_link_ms = -1.0;
-
-    const ggml_type req_k = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
-    const ggml_type req_v = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
-
-    if (!st.tail_auto_k && !st.tail_auto_v) {
-        st.type_k_tail = req_k;
-        st.type_v_tail = req_v;
-        st.tail_types_reason = st.req.type_k_tail == GGML_TYPE_COUNT && st.req.type_v_tail == GGML_TYPE_COUNT ?
-            "the window's types (none requested)" : "requested";
-        return true;
-    }
-
-    const bool head           = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+// auto tail types: the floor of each auto axis (fk, fv), where every layer takes it; an explicit axis keeps its type
+// (req_k, req_v). An axis whose floor does not divide the rows (or heads) or that the op refuses keeps the window's type,
+// said in notes; false (st.error) where a requested head split cannot take it
+static bool llama_rkv_auto_tail_floors(llama_rkv_state & st, const llama_rkv_decide_in & in, bool head, ggml_type req_k,
+        ggml_type req_v, ggml_type & fk, ggml_type & fv, std::string & notes) {
     const bool head_requested = st.req.mode == LLAMA_KV_RESIDENCY_HEAD || st.req.device_heads > 0;
-    std::string notes;
-
-    // the floor of each auto axis, where every layer takes it; an explicit axis keeps its type
-    ggml_type fk = st.tail_auto_k ? llama_rkv_auto_tail_floor(st.type_k) : req_k;
-    ggml_type fv = st.tail_auto_v ? llama_rkv_auto_tail_floor(st.type_v) : req_v;
+    fk = st.tail_auto_k ? llama_rkv_auto_tail_floor(st.type_k) : req_k;
+    fv = st.tail_auto_v ? llama_rkv_auto_tail_floor(st.type_v) : req_v;
     for (const bool is_v : { false, true }) {
         ggml_type & f = is_v ? fv : fk;
         const ggml_type window = is_v ? st.type_v : st.type_k;
@@ -591,15 +577,21 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
             fv = st.tail_auto_v ? st.type_v : req_v;
         }
     }
+    return true;
+}
 
-    // the link-only time of the split's tail at the floor types against the time of what the device reads
+// auto tail types: the link-only time of the split's tail at the types fk/fv (st.tail_auto_t_link_ms) against the time
+// of what the device reads (st.tail_auto_t_res_ms), both per token at full context; false when the bandwidths are not
+// known (link_how: where the link's came from, or why it is unknown)
+static bool llama_rkv_auto_tail_times(llama_rkv_state & st, const llama_rkv_decide_in & in, bool head, ggml_type fk, ggml_type fv,
+        std::string & link_how) {
     llama_rkv_retype_tail(st, fk, fv);
     double dev_bytes = 0.0, tail_bytes = 0.0;
     llama_rkv_token_bytes(st, head, st.window_cells, st.kv_size, dev_bytes, tail_bytes);
 
     llama_rkv_link_source(st);
     double link_bw = st.link_bw_gbps;
-    std::string link_how = st.link_bw_source;
+    link_how = st.link_bw_source;
     if (link_bw <= 0.0 && in.measure_link) {
         link_bw = in.measure_link(&link_how);
     }
@@ -608,6 +600,34 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
         st.tail_auto_t_res_ms  = dev_bytes/(st.mem_bw_gbps*1e9)*1e3;
         st.tail_auto_t_link_ms = tail_bytes/(link_bw*1e9)*1e3;
     }
+    return known;
+}
+
+bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in & in) {
+    st.tail_auto_t_res_ms  = -1.0;
+    st.tail_auto_t_link_ms = -1.0;
+
+    const ggml_type req_k = st.req.type_k_tail == GGML_TYPE_COUNT ? st.type_k : st.req.type_k_tail;
+    const ggml_type req_v = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
+
+    if (!st.tail_auto_k && !st.tail_auto_v) {
+        st.type_k_tail = req_k;
+        st.type_v_tail = req_v;
+        st.tail_types_reason = st.req.type_k_tail == GGML_TYPE_COUNT && st.req.type_v_tail == GGML_TYPE_COUNT ?
+            "the window's types (none requested)" : "requested";
+        return true;
+    }
+
+    const bool head = st.chosen == LLAMA_KV_RESIDENCY_HEAD;
+    std::string notes;
+
+    ggml_type fk, fv;
+    if (!llama_rkv_auto_tail_floors(st, in, head, req_k, req_v, fk, fv, notes)) {
+        return false;
+    }
+
+    std::string link_how;
+    const bool known = llama_rkv_auto_tail_times(st, in, head, fk, fv, link_how);
 
     ggml_type ck = fk, cv = fv;
     char buf[512];

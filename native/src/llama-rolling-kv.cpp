@@ -392,6 +392,47 @@ const char * llama_rolling_kv_last_error(void) {
     return g_rkv_last_error.c_str();
 }
 
+// the shared state the cache constructor plans with for this request (mode off: the upstream cache, the plan only
+// reports it), with what the constructor cannot see resolved as llama_context resolves it
+static std::shared_ptr<llama_rkv_state> llama_rkv_make_state(const llama_rolling_kv_params & req, const llama_model * model,
+        const llama_context_params & params) {
+    auto st = std::make_shared<llama_rkv_state>();
+    st->req = req;
+    llama_rkv_take_auto_tail(*st); // the cache describes itself at the window's types; the planner chooses the tail's
+
+    // what the cache constructor cannot see, resolved as llama_context resolves it (causal models: the batch is
+    // capped by the context), for the compute buffer estimate and the size of an iSWA model's SWA cache
+    if (model) {
+        const uint32_t n_ctx   = params.n_ctx == 0 ? (uint32_t) std::max<int32_t>(0, llama_model_n_ctx_train(model)) : params.n_ctx;
+        const uint32_t n_batch = n_ctx > 0 ? std::min(n_ctx, params.n_batch) : params.n_batch;
+        st->n_ctx      = n_ctx;
+        st->n_ubatch   = std::min(n_batch, params.n_ubatch == 0 ? params.n_batch : params.n_ubatch);
+        st->n_seq_max  = std::max<uint32_t>(1, params.n_seq_max);
+        st->kv_unified = params.kv_unified;
+        st->swa_full   = params.swa_full;
+    }
+    // the CPU part of a hybrid tail decodes on threads of its own (ggml_rkv_get_cpu_threads: not the context's -t,
+    // whose default suits matrix work, not a memory-bound scan)
+    st->n_threads = llama_rkv_cpu_threads();
+
+    return st;
+}
+
+// a context whose memory never saw the request (no cache that splits) reports a resident plan, as the function func
+static void llama_rkv_resolve_unsplit(llama_context * ctx, const llama_rolling_kv_params & req, const char * func) {
+    auto & st = ctx->get_cparams().rkv;
+    if (st && !st->resolved) {
+        st->resolved = true;
+        st->chosen   = LLAMA_KV_RESIDENCY_OFF;
+        st->eligible = req.mode == LLAMA_KV_RESIDENCY_OFF;
+        st->reason   = req.mode == LLAMA_KV_RESIDENCY_OFF
+            ? "mode off: the upstream resident cache"
+            : "this model's memory (recurrent only, hybrid with sliding-window or indexer layers, sparse-attention or no KV "
+              "cache) does not support the split: resident";
+        LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", func, st->reason.c_str());
+    }
+}
+
 struct llama_context * llama_init_from_model_rolling_kv(
         struct llama_model * model,
         struct llama_context_params params,
@@ -452,24 +493,7 @@ struct llama_context * llama_init_from_model_rolling_kv(
     }
 
     // the cache constructor plans with this request (mode off: the upstream cache, the plan only reports it)
-    auto st = std::make_shared<llama_rkv_state>();
-    st->req = req;
-    llama_rkv_take_auto_tail(*st); // the cache describes itself at the window's types; the planner chooses the tail's
-
-    // what the cache constructor cannot see, resolved as llama_context resolves it (causal models: the batch is
-    // capped by the context), for the compute buffer estimate and the size of an iSWA model's SWA cache
-    if (model) {
-        const uint32_t n_ctx   = params.n_ctx == 0 ? (uint32_t) std::max<int32_t>(0, llama_model_n_ctx_train(model)) : params.n_ctx;
-        const uint32_t n_batch = n_ctx > 0 ? std::min(n_ctx, params.n_batch) : params.n_batch;
-        st->n_ctx      = n_ctx;
-        st->n_ubatch   = std::min(n_batch, params.n_ubatch == 0 ? params.n_batch : params.n_ubatch);
-        st->n_seq_max  = std::max<uint32_t>(1, params.n_seq_max);
-        st->kv_unified = params.kv_unified;
-        st->swa_full   = params.swa_full;
-    }
-    // the CPU part of a hybrid tail decodes on threads of its own (llama_rkv_cpu_threads: not the context's -t,
-    // whose default suits matrix work, not a memory-bound scan)
-    st->n_threads = llama_rkv_cpu_threads();
+    auto st = llama_rkv_make_state(req, model, params);
 
     llama_rkv_set_pending(st);
 
@@ -487,19 +511,7 @@ struct llama_context * llama_init_from_model_rolling_kv(
         return nullptr;
     }
 
-    {
-        auto & st = ctx->get_cparams().rkv;
-        if (st && !st->resolved) {
-            st->resolved = true;
-            st->chosen   = LLAMA_KV_RESIDENCY_OFF;
-            st->eligible = req.mode == LLAMA_KV_RESIDENCY_OFF;
-            st->reason   = req.mode == LLAMA_KV_RESIDENCY_OFF
-                ? "mode off: the upstream resident cache"
-                : "this model's memory (recurrent only, hybrid with sliding-window or indexer layers, sparse-attention or no KV "
-                  "cache) does not support the split: resident";
-            LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", __func__, st->reason.c_str());
-        }
-    }
+    llama_rkv_resolve_unsplit(ctx, req, __func__);
 
     return ctx;
 }

@@ -17,16 +17,17 @@ from rollingkv_cli.lib.paths import ENV_SOURCE_DIR
 @click.option("--source", type=click.Path(file_okay=False, path_type=Path), envvar=ENV_SOURCE_DIR, help=f"A local llama.cpp tree instead of the pinned sdist [env: {ENV_SOURCE_DIR}].")
 @click.option("--allow-unpinned", is_flag=True, help="Accept a --source tree at another commit than the pin.")
 @click.option("--unpatched", is_flag=True, help="Build libllama of the pin with only the upstream fixes (patches/upstream-fixes/), none of our series: the reference for `gate equiv --reference lib:DIR`; never becomes the active build.")
+@click.option("--lab", is_flag=True, help="Apply the lab series on top (patches/lab/, native-lab/: the GPU timeline profile, speed probes, A/B switches); its own build directory, never the product's.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), help="Parallel compile jobs (default: all cores).")
 @click.option("--print-dir", is_flag=True, help="Print the build directory for these options and exit (it must be built).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatched, jobs, print_dir, quiet) -> None:
+def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatched, lab, jobs, print_dir, quiet) -> None:
     """Build the patched llama.cpp (libllama, llama-server, llama-bench, the op tests).
 
     The build goes into a directory keyed by (pin, patch series, options) with a manifest.json;
     building again with nothing changed is a no-op. The finished build becomes the active one.
     """
-    from rollingkv_cli.lib import builder, patchset
+    from rollingkv_cli.lib import builder
     from rollingkv_cli.console import abort, note, success
 
     use_cuda, arch = builder.resolve_cuda(cuda, cuda_arch)
@@ -35,8 +36,11 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
     opts = builder.BuildOptions(
         cuda=use_cuda, cuda_arch=arch, backend_dl=backend_dl, toolchain=toolchain,
         source=str(source.expanduser().resolve()) if source else None, pinned=not allow_unpinned, unpatched=unpatched,
+        lab=lab,
     )
-    series = builder.reference_series() if unpatched else patchset.load_series()
+    if unpatched and lab:
+        abort("--lab and --unpatched exclude each other", "the reference build applies the upstream fixes alone; drop one of them")
+    series = builder.series_for(opts)
     if print_dir:
         bdir = builder.build_dir_for(opts, series)
         if builder.Build.load(bdir) is None:
@@ -45,7 +49,7 @@ def build(cuda, cuda_arch, backend_dl, toolchain, source, allow_unpinned, unpatc
         return
     existing = builder.Build.load(builder.build_dir_for(opts, series))
     b = builder.build(opts, series, jobs=jobs, quiet=quiet)
-    kind = ("CUDA " + str(arch) if use_cuda else "CPU") + (" unpatched" if unpatched else "")
+    kind = ("CUDA " + str(arch) if use_cuda else "CPU") + (" unpatched" if unpatched else "") + (" lab" if lab else "")
     if existing is not None:
         success(f"up to date: {kind} build {b.dir}")
     else:

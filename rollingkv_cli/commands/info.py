@@ -22,7 +22,8 @@ def info(as_json: bool) -> None:
 
     b = builder.active_build(required=True)
     assert b is not None
-    current = patchset.load_series().hash
+    lab = bool(b.manifest.get("lab"))
+    current = patchset.load_series(lab=lab).hash  # a lab build is stale against the lab series, not the product's
     stale = b.manifest.get("series_hash") != current
     cpu = hostinfo.backend_info(b.lib_dir)
     host = {"cpu_model": hostinfo.cpu_model(), "cpu_flags": sorted(set(hostinfo.KERNEL_FLAGS) & hostinfo.cpu_flags()),
@@ -43,7 +44,8 @@ def info(as_json: bool) -> None:
     row("build", str(b.dir))
     row("llama.cpp", f"{m.get('pin', '?')[:12]} ({m.get('source')})")
     row("bindings", m.get("bindings", upstream.PIN.bindings_package))
-    row("series", f"{m.get('series_hash', '?')[:12]} ({len(m.get('patches', {}))} patches, {len(m.get('native_files', []))} native files)")
+    row("series", f"{m.get('series_hash', '?')[:12]} ({len(m.get('patches', {}))} patches, {len(m.get('native_files', []))} native files)"
+        + (f"; LAB build: + {len(m.get('lab_native_files', []))} lab native files (not the product)" if lab else ""))
     row("backend", ("CUDA " + str(m.get("cuda_arch"))) if opts.get("cuda") else "CPU")
     row("backends as modules", "yes" if opts.get("backend_dl") else "no")
     row("toolchain", opts.get("toolchain", "gcc"))
@@ -58,4 +60,4 @@ def info(as_json: bool) -> None:
         row("weight buffer types", ", ".join(cpu.extra_buffer_types) or "none (plain CPU buffers)")
     console.print(t)
     if stale:
-        warn("the patch series changed since this build: run `rollingkv build`")
+        warn(f"the patch series changed since this build: run `rollingkv build{' --lab' if lab else ''}`")

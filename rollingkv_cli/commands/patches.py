@@ -15,20 +15,23 @@ def patches() -> None:
     rollingkv patches checkout DIR   git work tree at the pin, a commit per patch
     (edit, commit: one commit per hook, its message saying why)
     rollingkv patches export DIR     regenerate patches/ and native/ from it
+    (--lab: the lab series too, patches/lab/ and native-lab/, on top)
     """
 
 
 @patches.command()
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
-def checkout(dest: Path) -> None:
+@click.option("--lab", is_flag=True, help="Add the lab series on top: a commit of native-lab/ (tag rollingkv-lab-native), then a commit per lab patch.")
+def checkout(dest: Path, lab: bool) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
     from rollingkv_cli.lib import patchset, upstream
     from rollingkv_cli.console import note, success
 
-    series = patchset.load_series()
+    series = patchset.load_series(lab=lab)
     pristine = upstream.pristine_tree(log=note)
     patchset.checkout(dest, pristine, series)
-    success(f"{dest}: llama.cpp {upstream.PIN.short} + {len(series.native_files)} native files + {len(series.patches)} patches")
+    extra = f" + lab: {len(series.lab_native_files)} native files + {len(series.lab_patches)} patches" if lab else ""
+    success(f"{dest}: llama.cpp {upstream.PIN.short} + {len(series.native_files)} native files + {len(series.patches)} patches{extra}")
 
 
 @patches.command()
@@ -37,24 +40,27 @@ def checkout(dest: Path) -> None:
 def export(src: Path, force: bool) -> None:
     """Regenerate patches/ (format-patch, stable names) and native/ from a checkout SRC.
 
+    A lab checkout (`checkout --lab`) also regenerates patches/lab/ and native-lab/; any other leaves them as they are.
     Refuses when a native/ file was edited directly since SRC was checked out or last exported (it would be
     lost): copy it into SRC first, or pass --force."""
     from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import success
 
     written = patchset.export(src, force=force)
-    series = patchset.load_series()
-    success(f"exported {len(written)} patches and {len(series.native_files)} native files (series {series.hash[:12]})")
+    series = patchset.load_series(lab=True)
+    lab = f", lab {len(series.lab_patches)} patches and {len(series.lab_native_files)} native files (lab series {series.hash[:12]})"
+    success(f"exported {len(written)} patches and {len(series.native_files)} native files (series {patchset.load_series().hash[:12]}){lab}")
 
 
 @patches.command("apply")
 @click.argument("tree", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def apply_cmd(tree: Path) -> None:
+@click.option("--lab", is_flag=True, help="Apply the lab series on top (patches/lab/, native-lab/).")
+def apply_cmd(tree: Path, lab: bool) -> None:
     """Apply the series to a llama.cpp TREE in place (idempotent; refuses foreign changes)."""
     from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import info, success
 
-    done = patchset.apply_series(tree, log=lambda m: None)
+    done = patchset.apply_series(tree, patchset.load_series(lab=lab), log=lambda m: None)
     if done:
         success(f"applied to {tree}: " + ", ".join(done))
     else:
@@ -69,13 +75,13 @@ def list_cmd() -> None:
     from rollingkv_cli.lib import patchset
     from rollingkv_cli.console import console
 
-    series = patchset.load_series()
-    table = Table(title=f"patch series {series.hash[:12]}")
+    series = patchset.load_series(lab=True)
+    table = Table(title=f"patch series {patchset.load_series().hash[:12]} (lab series {series.hash[:12]})")
     table.add_column("patch")
     table.add_column("purpose")
     table.add_column("files")
-    for p in series.patches:
+    for p in (*series.patches, *series.lab_patches):
         subject, why, files = patchset.describe_patch(p)
-        table.add_row(p.name, subject, "\n".join(files))
+        table.add_row(("lab/" if p in series.lab_patches else "") + p.name, subject, "\n".join(files))
     console.print(table)
     console.print(f"{len(series.native_files)} native files under native/")

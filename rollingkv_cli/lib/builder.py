@@ -35,11 +35,13 @@ class BuildOptions:
     source: str | None = None  # a local tree; None = the pinned sdist
     pinned: bool = True
     unpatched: bool = False  # the pin with only the upstream fixes (a reference for equivalence gates); libllama only
+    lab: bool = False  # the lab series on top of ours (patches/lab/, native-lab/): instruments the product never contains
 
     def key(self, series_hash: str) -> str:
         options = asdict(self)
-        if not options["unpatched"]:
-            del options["unpatched"]  # options added later stay out of the key at their default: old builds keep their keys
+        for added_later in ("unpatched", "lab"):
+            if not options[added_later]:
+                del options[added_later]  # options added later stay out of the key at their default: old builds keep their keys
         h = hashlib.sha256()
         h.update(json.dumps({"pin": upstream.PIN.llama_cpp_commit, "series": series_hash, "options": options}, sort_keys=True).encode())
         return h.hexdigest()[:16]
@@ -140,6 +142,8 @@ def _check_cuda_arch(cuda_arch: str | None, caps: list[str]) -> None:
 
 def validate_options(opts: BuildOptions) -> None:
     """Everything about opts that can be refused without writing anything (also for callers that skip resolve_cuda)."""
+    if opts.unpatched and opts.lab:
+        abort("--lab and --unpatched exclude each other", "the reference build applies the upstream fixes alone; drop one of them")
     if opts.cuda:
         if not nvcc_path():
             abort("--cuda needs nvcc, and none was found on PATH, in CUDACXX or /usr/local/cuda/bin", "install the CUDA toolkit or build with --no-cuda")
@@ -291,6 +295,11 @@ def log_tail(log_path: Path, n: int = 30) -> str:
         return ""
 
 
+def series_for(opts: BuildOptions) -> patchset.Series:
+    """What a build with these options applies: the upstream fixes alone (--unpatched), our series, or ours and the lab's."""
+    return reference_series() if opts.unpatched else patchset.load_series(lab=opts.lab)
+
+
 def build_dir_for(opts: BuildOptions, series: patchset.Series) -> Path:
     return paths.builds_dir() / opts.key(series.hash)
 
@@ -302,7 +311,11 @@ def reference_series() -> patchset.Series:
 
 def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int | None = None, quiet: bool = False,
           activate: bool = True) -> Build:
-    series = reference_series() if opts.unpatched else (series or patchset.load_series())
+    if opts.unpatched and opts.lab:
+        validate_options(opts)  # refuses
+    series = reference_series() if opts.unpatched else (series or patchset.load_series(lab=opts.lab))
+    if series.lab != opts.lab:
+        raise ValueError(f"a {'lab' if opts.lab else 'product'} build needs a {'lab' if opts.lab else 'product'} series")
     check_toolchain(opts)
     bdir = build_dir_for(opts, series)
     existing = Build.load(bdir)
@@ -402,6 +415,8 @@ def _build_locked(opts: BuildOptions, series: patchset.Series, bdir: Path, sourc
         "series_hash": series.hash,
         "patches": series.patch_hashes(),
         "native_files": list(series.native_files),
+        "lab": series.lab,
+        **({"lab_native_files": list(series.lab_native_files)} if series.lab else {}),
         "options": asdict(opts),
         "cmake_flags": flags,
         "cuda_arch": opts.cuda_arch,

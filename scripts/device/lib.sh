@@ -6,7 +6,7 @@
 #   come back; /tmp/rkv-out elsewhere); step() prints a section header;
 # - exports the environment the carried tree needs: the cache in /tmp/rkv-cache (kept while the machine is warm),
 #   offline, the packed llama_cpp bindings and the tree's gguf-py on PYTHONPATH;
-# - with .device/series carried (pack.sh --series): runs in /tmp/rkv-tree, a copy of the tree with native/ and patches/
+# - with .device/series carried (pack.sh --series): runs in /tmp/rkv-tree, a copy of the tree with native/, native-lab/ and patches/
 #   as committed at HEAD, so uncommitted work in progress never reaches a device build (the tree itself is unchanged);
 # - with .device/model1, then .device/model2 carried in two back-to-back calls (pack.sh --model): the demo model's
 #   halves, kept in /tmp and joined into the cache when the second arrives.
@@ -23,7 +23,7 @@ if [ -f "$DEV/series/series.tgz" ]; then
   RKV_ROOT=/tmp/rkv-tree
   rm -rf "$RKV_ROOT" && mkdir -p "$RKV_ROOT" || exit 1
   tar -C "$RKV_CHECKOUT" --exclude=./.device --exclude=./.git --exclude=./.venv -cf - . | tar -C "$RKV_ROOT" -xf - || exit 1
-  rm -rf "$RKV_ROOT/native" "$RKV_ROOT/patches" && tar -C "$RKV_ROOT" -xzf "$DEV/series/series.tgz" || exit 1
+  rm -rf "$RKV_ROOT/native" "$RKV_ROOT/native-lab" "$RKV_ROOT/patches" && tar -C "$RKV_ROOT" -xzf "$DEV/series/series.tgz" || exit 1
   echo "series of commit $(cat "$DEV/series/commit" 2>/dev/null): running in $RKV_ROOT"
 fi
 cd "$RKV_ROOT" || exit 1
@@ -161,7 +161,8 @@ gpu_tests() {
 # llama-bench -fa 1 -p 0 -n $N -d $D -r $R -ngl 99 (N 32, D 16384, R 3 unless set); one JSON line, also in
 # $OUT/decode.jsonl. E.g. decode_cell "q4_0 50%, 4 slots" ROLLINGKV_SLOTS=4 -- --kv-residency-mode window \
 #   --kv-window-cells 8192 -ctkt q4_0 -ctvt q4_0
-# (the ROLLINGKV_DEBUG_* lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH, exist only in -DROLLINGKV_DEBUG=ON builds)
+# (the lab switches, e.g. ROLLINGKV_DEBUG_NO_PRELAUNCH or ROLLINGKV_DEBUG_PROFILE, exist only in lab builds:
+#  `pick_build cuda --lab`, i.e. `rollingkv build --lab`, which applies patches/lab/ and native-lab/)
 decode_cell() {
   local label=$1 envs=(ROLLINGKV_CPU_PART_STATS=1) err; shift
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done

@@ -4,7 +4,7 @@
 #   scripts/device/pack.sh             .device/src: the pinned llama.cpp tree, trimmed (no other GPU backends, docs,
 #                                      models; ~8 MiB), and the pure-Python llama_cpp bindings with their pure-Python
 #                                      deps; made again only when the pin changed
-#   scripts/device/pack.sh --series    also .device/series: native/ and patches/ as committed at HEAD, which the
+#   scripts/device/pack.sh --series    also .device/series: native/, native-lab/ and patches/ as committed at HEAD, which the
 #                                      device scripts put in place of the working copy's (uncommitted edits stay here)
 #   scripts/device/pack.sh --model     also .device/model1 and .device/model2: the demo GGUF in two halves (~47 MiB
 #                                      each), one per call, under the per-call transfer limit
@@ -39,10 +39,10 @@ if [ "$(cat .device/src/pin 2>/dev/null)" != "$pin" ] || [ ! -f .device/src/llam
 fi
 if [ $series = 1 ]; then
   mkdir -p .device/series
-  git archive --format=tar.gz -o .device/series/series.tgz HEAD native patches
+  git archive --format=tar.gz -o .device/series/series.tgz HEAD native native-lab patches
   git rev-parse --short HEAD > .device/series/commit
-  if ! git diff --quiet HEAD -- native patches; then
-    echo "note: native/ or patches/ have uncommitted changes; .device/series holds HEAD ($(cat .device/series/commit))"
+  if ! git diff --quiet HEAD -- native native-lab patches; then
+    echo "note: native/, native-lab/ or patches/ have uncommitted changes; .device/series holds HEAD ($(cat .device/series/commit))"
   fi
 fi
 if [ $model = 1 ]; then

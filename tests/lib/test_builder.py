@@ -38,6 +38,24 @@ def test_keys_differ_by_options_and_series():
     assert a != builder.BuildOptions(cuda=True, cuda_arch="90").key(s)
     assert a != builder.BuildOptions(cuda=False, backend_dl=True).key(s)
     assert a != builder.BuildOptions(cuda=False).key("0" * 64)
+    # a lab build: its own key even before its series hash differs, and no old key moves
+    assert a != builder.BuildOptions(cuda=False, lab=True).key(s)
+    import hashlib
+    from dataclasses import asdict
+
+    from rollingkv_cli.lib import upstream
+
+    before_lab = {k: v for k, v in asdict(builder.BuildOptions(cuda=False)).items() if k not in ("unpatched", "lab")}
+    assert a == hashlib.sha256(json.dumps({"pin": upstream.PIN.llama_cpp_commit, "series": s, "options": before_lab},
+                                          sort_keys=True).encode()).hexdigest()[:16]
+    assert builder.series_for(builder.BuildOptions(lab=True)).hash == patchset.load_series(lab=True).hash != s
+
+
+def test_lab_and_unpatched_are_refused_together():
+    from rollingkv_cli.console import RollingKVError
+
+    with pytest.raises(RollingKVError, match="exclude each other"):
+        builder.validate_options(builder.BuildOptions(unpatched=True, lab=True))
 
 
 @pytest.mark.build

@@ -47,8 +47,11 @@ def test_checkout_export_round_trip_is_byte_identical(tmp_path, pristine_tree):
     assert len(log.splitlines()) == 2 + len(series.fixes) + len(series.patches)
     out_patches, out_native = tmp_path / "patches", tmp_path / "native"
     out_patches.mkdir()
+    # the lab series is not in a product checkout: its export leaves patches/lab/ and native-lab/ as they are
+    shutil.copytree(series.patches_dir / patchset.LAB_SUBDIR, out_patches / patchset.LAB_SUBDIR)
+    shutil.copytree(series.lab_native_dir, tmp_path / patchset.LAB_NATIVE)
     patchset.export(co, (out_patches, out_native))
-    assert _dir_files(out_patches) == _dir_files(series.patches_dir)  # upstream-fixes/ included
+    assert _dir_files(out_patches) == _dir_files(series.patches_dir)  # upstream-fixes/ and lab/ included
     assert _dir_files(out_native) == _dir_files(series.native_dir)
 
 
@@ -82,6 +85,72 @@ def test_reference_tree_gets_the_fixes_only_and_then_the_full_series(tmp_path, p
     rest = patchset.apply_series(tree, series, log=lambda m: None)
     assert len(rest) == len(series.native_files) + len(series.patches)
     assert patchset.apply_series(tree, series, log=lambda m: None) == []
+
+
+def test_lab_series_applies_on_top_and_twice_is_a_no_op(tmp_path, pristine_tree):
+    """`build --lab`: the lab's whole files and hooks after the product series, on a pristine tree or on a product tree."""
+    lab = patchset.load_series(lab=True)
+    assert lab.lab and lab.lab_patches and lab.lab_native_files
+    fresh = tmp_path / "fresh"
+    shutil.copytree(pristine_tree, fresh)
+    done = patchset.apply_series(fresh, lab, log=lambda m: None)
+    assert len(done) == len(lab.fixes) + len(lab.native_files) + len(lab.patches) + len(lab.lab_native_files) + len(lab.lab_patches)
+    assert done[-len(lab.lab_patches):] == [f"lab patch {p.name}" for p in lab.lab_patches]
+    for rel in lab.lab_native_files:
+        assert (fresh / rel).read_bytes() == (lab.lab_native_dir / rel).read_bytes()
+    snapshot = _dir_files(fresh / "ggml" / "src")
+    assert patchset.apply_series(fresh, lab, log=lambda m: None) == []
+    assert _dir_files(fresh / "ggml" / "src") == snapshot
+    # on a tree that has the product series: the lab's part only, and the same tree as applying both at once
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    patchset.apply_series(tree, patchset.load_series(), log=lambda m: None)
+    rest = patchset.apply_series(tree, lab, log=lambda m: None)
+    assert rest == [f"lab native {r}" for r in lab.lab_native_files] + [f"lab patch {p.name}" for p in lab.lab_patches]
+    assert patchset.apply_series(tree, lab, log=lambda m: None) == []
+    assert _dir_files(tree / "ggml" / "src") == snapshot
+
+
+def test_a_product_tree_has_no_lab_file_nor_probe_and_the_hashes_differ(tmp_path, pristine_tree):
+    product, lab = patchset.load_series(), patchset.load_series(lab=True)
+    assert not product.lab and not product.lab_patches and not product.lab_native_files
+    assert product.hash != lab.hash
+    assert set(product.patch_hashes()) < set(lab.patch_hashes())
+    assert all(k.startswith("lab/") for k in set(lab.patch_hashes()) - set(product.patch_hashes()))
+    # a lab series whose lab part is empty still hashes apart from the product (never one build directory for both)
+    assert product.hash != patchset.Series(product.patches, product.native_files, product.patches_dir, product.native_dir,
+                                           product.fixes, lab=True).hash
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree)
+    patchset.apply_series(tree, product, log=lambda m: None)
+    for rel in lab.lab_native_files:
+        assert not (tree / rel).exists(), f"{rel} is a lab file"
+    cuda = {p.name: p.read_text() for p in (tree / "ggml" / "src" / "ggml-cuda").glob("*.cu*")}
+    for name, text in cuda.items():
+        for probe in ("rolling-kv-profile", "ggml_cuda_rkv_prof_", "ggml_cuda_rkv_lab", "ROLLINGKV_DEBUG_SKIP", "ROLLINGKV_DEBUG_NO_",
+                      "ROLLINGKV_DEBUG_PROFILE"):
+            assert probe not in text, f"{name} holds {probe}: lab code in the product"
+    assert "ROLLINGKV_DEBUG" not in (tree / "ggml" / "CMakeLists.txt").read_text()
+
+
+def test_lab_checkout_export_round_trip_is_byte_identical(tmp_path, pristine_tree):
+    lab = patchset.load_series(lab=True)
+    co = tmp_path / "co"
+    patchset.checkout(co, pristine_tree, lab)
+    tags = subprocess.run(["git", "-C", str(co), "tag"], capture_output=True, text=True, check=True).stdout.split()
+    assert patchset.LAB_TAG in tags
+    out_patches, out_native = tmp_path / "patches", tmp_path / "native"
+    out_patches.mkdir()
+    patchset.export(co, (out_patches, out_native))
+    assert _dir_files(out_patches) == _dir_files(lab.patches_dir)  # upstream-fixes/ and lab/ included
+    assert _dir_files(out_native) == _dir_files(lab.native_dir)  # as the product has them, not as the lab edits them
+    assert _dir_files(tmp_path / patchset.LAB_NATIVE) == _dir_files(lab.lab_native_dir)
+    # a product checkout's export leaves the lab series alone
+    co2 = tmp_path / "co2"
+    patchset.checkout(co2, pristine_tree)
+    patchset.export(co2, (out_patches, out_native))
+    assert _dir_files(out_patches / patchset.LAB_SUBDIR) == _dir_files(lab.patches_dir / patchset.LAB_SUBDIR)
+    assert _dir_files(tmp_path / patchset.LAB_NATIVE) == _dir_files(lab.lab_native_dir)
 
 
 def test_apply_to_a_directory_that_is_not_llama_cpp_writes_nothing(tmp_path, runner):

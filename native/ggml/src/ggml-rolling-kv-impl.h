@@ -58,14 +58,8 @@
 //                                       of as few as the slots hold: many chunks, slot reuse and copies running ahead
 //                                       across ops on the op test's small tails. 0 (default): off.
 //
-// Lab switches, compiled only with the CMake option -DROLLINGKV_DEBUG=ON (ROLLINGKV_DEBUG defined; default OFF: the
-// fields stay 0 and every use compiles to nothing):
-//   ROLLINGKV_DEBUG_SKIP_COPY=1         speed probe, WRONG outputs: issue no tail copies (the attention reads stale slots)
-//   ROLLINGKV_DEBUG_SKIP_TAIL_ATTN=1    speed probe, WRONG outputs: copy the tail but attend over none of its chunks
-//   ROLLINGKV_DEBUG_NO_RUNAHEAD=1       A/B: each op streams only its own tail (no copy plan across the graph's ops)
-//   ROLLINGKV_DEBUG_NO_PRELAUNCH=1      A/B: no tail copies before a graph is launched, all are forked inside it
-//   ROLLINGKV_DEBUG_PROFILE=1           the GPU timeline profile (ggml-cuda/rolling-kv-profile.cu, hooks of patch 0018)
-//   ROLLINGKV_DEBUG_PROFILE_HOLD_US=N   how long the profile holds an eager graph on the GPU (default 20000)
+// The lab switches (speed probes, A/B switches, the GPU timeline profile) are not here: they exist only in a lab build
+// (`rollingkv build --lab`: patches/lab/, native-lab/ggml/src/ggml-cuda/rolling-kv-lab.cuh).
 
 #include "ggml.h"
 
@@ -95,14 +89,6 @@ struct ggml_rkv_knobs {
     // test hooks
     float   perturb_tail;     // ROLLINGKV_DEBUG_PERTURB_TAIL; 0: off
     int64_t chunk_cells;      // ROLLINGKV_DEBUG_CHUNK_CELLS; 0: off
-
-    // lab switches (ROLLINGKV_DEBUG builds only; false/0 otherwise)
-    bool    skip_copy;        // ROLLINGKV_DEBUG_SKIP_COPY
-    bool    skip_tail_attn;   // ROLLINGKV_DEBUG_SKIP_TAIL_ATTN
-    bool    no_runahead;      // ROLLINGKV_DEBUG_NO_RUNAHEAD
-    bool    no_prelaunch;     // ROLLINGKV_DEBUG_NO_PRELAUNCH
-    bool    profile;          // ROLLINGKV_DEBUG_PROFILE
-    int64_t profile_hold_us;  // ROLLINGKV_DEBUG_PROFILE_HOLD_US
 };
 
 // the knobs of this process, read from the environment on the first call (thread-safe)

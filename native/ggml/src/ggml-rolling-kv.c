@@ -303,18 +303,6 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
     }
     k.chunk_cells = ggml_rkv_env_int("ROLLINGKV_DEBUG_CHUNK_CELLS", 0, 0, 1 << 30);
 
-#ifdef ROLLINGKV_DEBUG
-    k.skip_copy       = ggml_rkv_env_int("ROLLINGKV_DEBUG_SKIP_COPY",      0, 0, 1) == 1;
-    k.skip_tail_attn  = ggml_rkv_env_int("ROLLINGKV_DEBUG_SKIP_TAIL_ATTN", 0, 0, 1) == 1;
-    k.no_runahead     = ggml_rkv_env_int("ROLLINGKV_DEBUG_NO_RUNAHEAD",    0, 0, 1) == 1;
-    k.no_prelaunch    = ggml_rkv_env_int("ROLLINGKV_DEBUG_NO_PRELAUNCH",   0, 0, 1) == 1;
-    k.profile         = ggml_rkv_env_int("ROLLINGKV_DEBUG_PROFILE",        0, 0, 1) == 1;
-    k.profile_hold_us = ggml_rkv_env_int("ROLLINGKV_DEBUG_PROFILE_HOLD_US", 20000, 0, 10000000);
-    if (k.profile_hold_us <= 0) {
-        k.profile_hold_us = 20000;
-    }
-#endif
-
     return k;
 }
 

@@ -46,7 +46,6 @@
 #include "rolling-kv-fa.cuh"
 #include "rolling-kv-stream.cuh"
 #include "rolling-kv-hybrid.cuh"
-#include "rolling-kv-profile.cuh"
 
 #include "fattn-common.cuh"
 #include "fattn.cuh"
@@ -516,17 +515,7 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
     if (!pp.direct) {
         pp.shadow.data = b.O_tmp.ptr;
     }
-    ggml_cuda_rkv_prof_mark(ctx, "rkv mask/pad");
-#ifdef ROLLINGKV_DEBUG
-    // lab speed probe ROLLINGKV_DEBUG_SKIP_TAIL_ATTN (wrong outputs): the chunks are copied, never attended
-    static const bool skip_tail_attn = ggml_rkv_get_knobs()->skip_tail_attn;
-    if (!(ic >= 0 && skip_tail_attn)) {
-        ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
-    }
-#else
     ggml_cuda_flash_attn_ext(ctx, &pp.shadow);
-#endif // ROLLINGKV_DEBUG
-    ggml_cuda_rkv_prof_mark(ctx, ic >= 0 ? "rkv FA chunk" : i == 0 ? "rkv FA window" : "rkv FA device tail");
 
     if (ic >= 0) {
         ggml_cuda_rkv_tail_release(ctx, f.ts, ic);
@@ -575,7 +564,6 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
         rkv_merge<false, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
     }
     CUDA_CHECK(cudaGetLastError());
-    ggml_cuda_rkv_prof_mark(ctx, "rkv merge");
 }
 
 void ggml_cuda_streaming_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {

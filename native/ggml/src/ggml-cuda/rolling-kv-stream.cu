@@ -2,7 +2,6 @@
 
 #include "rolling-kv-stream.cuh"
 #include "rolling-kv-hybrid.cuh"
-#include "rolling-kv-profile.cuh"
 
 #include "ggml-rolling-kv.h"
 
@@ -29,13 +28,6 @@ static const ggml_rkv_knobs & rkv_knobs() {
 #define RKV_PRELAUNCH 0
 #else
 #define RKV_PRELAUNCH 1
-#endif
-
-// lab switches: compiled only with -DROLLINGKV_DEBUG=ON
-#ifdef ROLLINGKV_DEBUG
-#define RKV_LAB(field) (rkv_knobs().field)
-#else
-#define RKV_LAB(field) false
 #endif
 
 struct ggml_cuda_rkv_ring {
@@ -69,7 +61,6 @@ static cudaStream_t rkv_copy_stream(ggml_backend_cuda_context & ctx) {
 }
 
 void ggml_cuda_rkv_free(ggml_backend_cuda_context & ctx) {
-    ggml_cuda_rkv_prof_free(ctx);
     ggml_cuda_rkv_ring * r = ctx.rkv_ring;
     if (!r) {
         return;
@@ -241,7 +232,7 @@ static void rkv_simulate_slow_link(cudaStream_t cs, char * slot, char * v_slot, 
 }
 
 // copy chunk i of a plan into its slot on the copy stream cs and record `done` (the slot's copy_done by default)
-static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
+static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_tensor * kt,
         const ggml_tensor * vt, const rkv_fifo_chunk & ch, int i, cudaEvent_t done = nullptr) {
     const int s = i % r.n_slots;
     if (i >= r.n_slots) {
@@ -250,9 +241,7 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
     }
     char * slot   = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + rkv_slot_v_offset(kt, ch.n);
-    // lab speed probe ROLLINGKV_DEBUG_SKIP_COPY (wrong outputs): no copies, the events stay
-    const int64_t n3 = RKV_LAB(skip_copy) ? 0 : kt->ne[3];
-    ggml_cuda_rkv_prof_copy(ctx, cs, 0);
+    const int64_t n3 = kt->ne[3];
     for (int64_t i3 = 0; i3 < n3; ++i3) {
         CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
             ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
@@ -262,14 +251,13 @@ static void rkv_issue_copy(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_ring &
             ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
     }
     rkv_simulate_slow_link(cs, slot, v_slot, kt, vt, ch, n3);
-    ggml_cuda_rkv_prof_copy(ctx, cs, std::max<size_t>(1, (size_t) (n3*ch.n*(kt->nb[1] + vt->nb[1]))));
     CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }
 
-static void rkv_issue_chunk(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int i) {
+static void rkv_issue_chunk(ggml_cuda_rkv_tail_stream & ts, int i) {
     const rkv_fifo_chunk & ch = (*ts.fifo)[i];
     const ggml_tensor * node = (*ts.ops)[ch.op].node;
-    rkv_issue_copy(ctx, *ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+    rkv_issue_copy(*ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
 }
 
 //
@@ -340,12 +328,6 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         r->next_copy = 0;
         r->n_pre     = 0;
     }
-    if (RKV_LAB(no_runahead)) {
-        if (r) {
-            ggml_cuda_rkv_hybrid_graph_begin(r->hybrid, {});
-        }
-        return; // lab A/B: every op streams its own tail only (copies overlap that op's attention, not other layers)
-    }
 
     std::vector<rkv_fifo_op>    ops;
     std::vector<rkv_fifo_chunk> fifo;
@@ -395,14 +377,14 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
     // Copy the first chunks now, before the graph is launched, after everything already on the compute stream (a
     // previous graph may still read the slots). Exact for the run-ahead's reason: rows this graph writes before an
     // op are copied again into its slots from the host tail before the attention (writes_k/writes_v, rkv_refresh).
-    if (RKV_PRELAUNCH && !RKV_LAB(no_prelaunch)) {
+    if (RKV_PRELAUNCH) {
         r->n_pre = std::min<int>(r->n_slots, (int) r->fifo.size());
         cudaStream_t cs = rkv_copy_stream(ctx);
         CUDA_CHECK(cudaEventRecord(r->ev_pre, ctx.stream()));
         CUDA_CHECK(cudaStreamWaitEvent(cs, r->ev_pre, 0));
         for (int i = 0; i < r->n_pre; ++i) {
             const ggml_tensor * node = r->ops[r->fifo[i].op].node;
-            rkv_issue_copy(ctx, *r, cs, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL],
+            rkv_issue_copy(*r, cs, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL],
                 r->fifo[i], i, r->pre_done[i]);
         }
     }
@@ -477,7 +459,7 @@ void ggml_cuda_rkv_tail_start(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tai
         CUDA_CHECK(cudaStreamWaitEvent(ts.cstream, ts.ring->ev_fork, 0));
         *ts.next_copy = ts.n_pre;
         while (*ts.next_copy < (int) ts.fifo->size() && *ts.next_copy < ts.ring->n_slots) {
-            rkv_issue_chunk(ctx, ts, (*ts.next_copy)++);
+            rkv_issue_chunk(ts, (*ts.next_copy)++);
         }
     }
 }
@@ -496,7 +478,6 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     } else {
         CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->copy_done[g % ts.ring->n_slots], 0));
     }
-    ggml_cuda_rkv_prof_mark(ctx, "rkv wait for chunk copy");
     // rows written by this graph after the chunk may have been copied: take them again from the host tail
     for (const ggml_tensor * w : o.writes_k) {
         rkv_refresh(stream, (char *) ts.slot_k[ic].data, ts.k, w, (*ts.fifo)[g]);
@@ -504,7 +485,6 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     for (const ggml_tensor * w : o.writes_v) {
         rkv_refresh(stream, (char *) ts.slot_v[ic].data, ts.v, w, (*ts.fifo)[g]);
     }
-    ggml_cuda_rkv_prof_mark(ctx, "rkv refresh written rows");
 }
 
 void ggml_cuda_rkv_tail_release(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int ic) {
@@ -513,7 +493,7 @@ void ggml_cuda_rkv_tail_release(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_t
     const int g = (*ts.ops)[ts.op_idx].first + ic;
     CUDA_CHECK(cudaEventRecord(ts.ring->slot_free[g % ts.ring->n_slots], ctx.stream()));
     while (*ts.next_copy < (int) ts.fifo->size() && *ts.next_copy <= g + ts.ring->n_slots) {
-        rkv_issue_chunk(ctx, ts, (*ts.next_copy)++);
+        rkv_issue_chunk(ts, (*ts.next_copy)++);
     }
 }
 

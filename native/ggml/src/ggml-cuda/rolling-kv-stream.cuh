@@ -56,9 +56,8 @@ struct ggml_cuda_rkv_hybrid;
 ggml_cuda_rkv_hybrid *& ggml_cuda_rkv_hybrid_of(ggml_backend_cuda_context & ctx);
 
 // before a graph is evaluated (eagerly or captured): plan the copies of all its host tails as one FIFO, so that the
-// copy stream runs ahead across layers, and copy its first chunks (ROLLINGKV_DEBUG builds:
-// ROLLINGKV_DEBUG_NO_RUNAHEAD=1, each op streams only its own tail; ROLLINGKV_DEBUG_NO_PRELAUNCH=1, no copies before
-// the launch)
+// copy stream runs ahead across layers, and copy its first chunks (the lab series' A/B switches turn either off:
+// native-lab/ggml/src/ggml-cuda/rolling-kv-lab.cuh)
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
 // the registry's GGML_RKV_DEV_BUDGET_PROC (ggml-rolling-kv.h): the ring this backend allocates and its runtime's memory

@@ -1,8 +1,7 @@
-// rolling-KV: GPU timeline profile of graph evaluations (a lab instrument: ROLLINGKV_DEBUG builds only)
+// rolling-KV: GPU timeline profile of graph evaluations (a lab instrument: the lab series only, `rollingkv build --lab`)
 //
-// Compiled only with the CMake option -DROLLINGKV_DEBUG=ON, on CUDA (it reads the %globaltimer register, which HIP and
-// MUSA do not have); otherwise every function below is an empty inline and the hooks of patch 0018 compile to nothing.
-// With ROLLINGKV_DEBUG_PROFILE=1 (ggml-rolling-kv-impl.h):
+// Compiled on CUDA (it reads the %globaltimer register, which HIP and MUSA do not have); there every function below is
+// an empty inline and the lab's profile hooks compile to nothing. With ROLLINGKV_DEBUG_PROFILE=1 (rolling-kv-lab.cuh):
 //
 // Where does a decode token's time go when the tail streams? With GGML_CUDA_DISABLE_GRAPHS=1, each graph is held on
 // the GPU by a spin kernel (ROLLINGKV_DEBUG_PROFILE_HOLD_US, 20000 by default) while the host enqueues every node with a
@@ -15,7 +14,7 @@
 
 #include "common.cuh"
 
-#if defined(ROLLINGKV_DEBUG) && !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 #define GGML_CUDA_RKV_PROFILE
 #endif
 

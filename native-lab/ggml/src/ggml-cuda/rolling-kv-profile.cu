@@ -1,12 +1,13 @@
-// rolling-KV: GPU timeline profile of graph evaluations (ROLLINGKV_DEBUG builds, ROLLINGKV_DEBUG_PROFILE=1; see
+// rolling-KV: GPU timeline profile of graph evaluations (the lab series, ROLLINGKV_DEBUG_PROFILE=1; see
 // rolling-kv-profile.cuh)
 
 #include "rolling-kv-profile.cuh"
 
 #ifdef GGML_CUDA_RKV_PROFILE
 
+#include "rolling-kv-lab.cuh"
+
 #include "ggml-rolling-kv.h"
-#include "../ggml-rolling-kv-impl.h"
 
 #include <algorithm>
 #include <chrono>
@@ -145,7 +146,7 @@ static __global__ void rkv_prof_hold(const unsigned long long ns) {
 }
 
 bool ggml_cuda_rkv_prof_enabled() {
-    static const bool on = ggml_rkv_get_knobs()->profile;
+    static const bool on = ggml_cuda_rkv_lab().profile;
     return on;
 }
 
@@ -162,7 +163,7 @@ void ggml_cuda_rkv_prof_graph_begin(ggml_backend_cuda_context & ctx, const ggml_
 
     p.key = rkv_prof_key(cgraph);
 
-    static const unsigned long long hold_ns = 1000ull*(unsigned long long) ggml_rkv_get_knobs()->profile_hold_us;
+    static const unsigned long long hold_ns = 1000ull*(unsigned long long) ggml_cuda_rkv_lab().profile_hold_us;
     p.t_begin = std::chrono::steady_clock::now();
     rkv_prof_hold<<<1, 1, 0, ctx.stream()>>>(hold_ns);
     CUDA_CHECK(cudaGetLastError());
@@ -235,7 +236,7 @@ void ggml_cuda_rkv_prof_graph_end(ggml_backend_cuda_context & ctx) {
     }
     const double enq = rkv_ms(t_enq - p.t_begin);
     g.enqueue_ms += enq;
-    static const double hold_ms = ggml_rkv_get_knobs()->profile_hold_us/1000.0;
+    static const double hold_ms = ggml_cuda_rkv_lab().profile_hold_us/1000.0;
     if (enq > hold_ms) {
         g.host_bound++;
     }
