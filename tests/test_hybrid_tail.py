@@ -182,7 +182,7 @@ def test_probe_pcie_measures_the_cpu_attention(tmp_path):
 @pytest.mark.build
 def test_batched_bench_honours_the_residency_flags(cpu_build, demo_model):
     """llama-batched-bench parses the common flags but created its context with llama_init_from_model: the residency
-    flags were accepted and ignored (patch 0020). Several sequences decoding together now run on the split they ask for,
+    flags were accepted and ignored (hook 0019). Several sequences decoding together now run on the split they ask for,
     and on the resident cache without them."""
     exe = cpu_build.artifact("llama-batched-bench")
     assert exe.exists(), "llama-batched-bench is one of the build's targets"
