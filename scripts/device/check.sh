@@ -16,6 +16,7 @@
 #                       0 / 0.25 / 0.5 / 0.75 / auto
 #   batched-cells       llama-batched-bench, 4 sequences at 16384 with 50% tails: resident, CPU part 0 / 0.5 / auto
 #   resident-pool-cells decode at 65536 (fits): off against auto, twice in alternation
+#   deep-cells          decode at 65536: resident, a 50% f16 tail and a full spill with the CPU part at auto
 #   gpu-tests           pytest -m gpu tests/test_gpu.py
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
 #   bench-load          rollingkv bench load on the synthetic model ($LOAD_ARGS; default the table mix) into $OUT/bench-load.json
@@ -57,6 +58,7 @@ while [ $# -gt 0 ]; do
     slow-link-cells) slow_link_cells ;;
     batched-cells) batched_cells ;;
     resident-pool-cells) resident_pool_cells ;;
+    deep-cells) deep_cells ;;
     gpu-tests) gpu_tests ;;
     decode-cells) decode_cells ;;
     bench-load) bench_load ;;

@@ -325,6 +325,18 @@ PY
   return $rc
 }
 
+# deep_cells: the hybrid tail at depth $DEEP_D (65536): a 50% f16 tail and a full spill, CPU part auto, with the resident
+# cell of the same depth for the floors (R=2 unless set)
+deep_cells() {
+  local rc=0 d=${DEEP_D:-65536}
+  local kv=$(( d + ${N:-32} ))
+  D=$d R=${R:-2} decode_cell "d$d resident" -- --kv-residency-mode off || rc=1
+  D=$d R=${R:-2} decode_cell "d$d w$(( kv / 2 / 256 * 256 )) cpu auto" -- --kv-residency-mode window \
+    --kv-window-cells $(( kv / 2 / 256 * 256 )) --kv-tail-cpu-frac auto -v || rc=1
+  D=$d R=${R:-2} decode_cell "d$d w256 cpu auto" -- --kv-residency-mode window --kv-window-cells 256 --kv-tail-cpu-frac auto -v || rc=1
+  return $rc
+}
+
 # resident_pool_cells: a cache that fits (65536 cells), auto (resident, the CPU part's machinery present) against off, twice
 # in alternation (issue 26: auto when it fits measured 0.955x of vanilla once)
 resident_pool_cells() {
