@@ -186,12 +186,13 @@ def test_batched_bench_honours_the_residency_flags(cpu_build, demo_model):
     and on the resident cache without them."""
     exe = cpu_build.artifact("llama-batched-bench")
     assert exe.exists(), "llama-batched-bench is one of the build's targets"
-    base = [str(exe), "-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "2304", "-b", "512", "-ub", "256",
-            "-npp", "512", "-ntg", "4", "-npl", "2", "--output-format", "jsonl"]
+    # -v: libllama's INFO lines (the plan's "rolling KV: ..." lines) are printed only in verbose mode
+    base = [str(exe), "-m", str(demo_model), "-fa", "on", "-t", "2", "-c", "2048", "-b", "512", "-ub", "256",
+            "-npp", "512", "-ntg", "4", "-npl", "2", "--output-format", "jsonl", "-v"]
     split = subprocess.run(base + ["--kv-residency-mode", "window", "--kv-window-cells", "256"], capture_output=True, text=True, timeout=600)
     assert split.returncode == 0, split.stderr[-2000:]
-    assert "rolling KV: split, window 256 cells" in split.stderr, split.stderr[-3000:]
+    assert "rolling KV: split, window 256 cells + tail 768 cells per stream (2 streams)" in split.stderr, split.stderr[-3000:]
     rows = [json.loads(line) for line in split.stdout.splitlines() if line.startswith("{")]
     assert rows and rows[0]["pl"] == 2 and rows[0]["speed_tg"] > 0
     off = subprocess.run(base + ["--kv-residency-mode", "off"], capture_output=True, text=True, timeout=600)
-    assert off.returncode == 0 and "rolling KV: split" not in off.stderr, off.stderr[-2000:]
+    assert off.returncode == 0 and "rolling KV: resident" in off.stderr and "rolling KV: split" not in off.stderr, off.stderr[-2000:]
