@@ -353,26 +353,19 @@ uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m) {
     return 0;
 }
 
-// the hybrid tail's per-layer terms: given (plan-simulate), measured on the device when auto chooses a share (measure),
-// else the constants measured once on the H200 (llama-kv-residency.h)
+// the hybrid tail's per-layer terms: measured on the device when auto chooses a share (measure; plan-simulate's measurers
+// give what the probes would), else the constants measured once on the H200 (llama-kv-residency.h). The measurers keep
+// their figures for the process, so a later plan asks them again at no cost
 static void llama_rkv_plan_layer_terms(llama_rkv_state & st, const llama_rkv_decide_in & in, bool measure) {
     const auto term = [measure](double & v, std::string & source, const std::function<double(std::string *)> & fn,
             double fallback, const char * why_fallback) {
-        // given (plan-simulate: "given"), measured already, or no measurement asked for now: as it is; an assumed figure
-        // is measured once a share is chosen
-        const bool assumed = source.rfind("assumed", 0) == 0;
-        if (v >= 0.0 && (!assumed || !measure)) {
-            return;
-        }
         std::string how;
-        if (measure && fn) {
-            v = fn(&how);
-        }
-        if (!(v >= 0.0)) {
-            v = fallback;
-            source = std::string(why_fallback) + (how.empty() ? "" : " (" + how + ")");
-        } else {
+        v = measure && fn ? fn(&how) : -1.0;
+        if (v >= 0.0) {
             source = how;
+        } else {
+            v      = fallback;
+            source = std::string(why_fallback) + (how.empty() ? "" : " (" + how + ")");
         }
     };
     term(st.layer_decode_ms, st.layer_decode_source, in.measure_layer_decode, LLAMA_RKV_LAYER_DECODE_MS,
@@ -385,6 +378,8 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     st.tail_cpu_frac     = 0.0f;
     st.t_token_hybrid_ms = -1.0;
     st.tail_cpu          = llama_rkv_tail_cpu{};
+    st.layer_decode_ms     = -1.0; // the time model's terms: null where no share is modelled
+    st.cpu_part_latency_ms = -1.0;
     const float req = st.req.tail_cpu_frac;
 
     bool host_memory = st.devs.empty();
