@@ -65,11 +65,12 @@ static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, in
             ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], t->nb[2]*sinfo.s0);
 }
 
-ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
-    const int32_t ikv = map_layer_ids.at(il);
+// the tail view of one layer's K or V tail t (rows of n_embd_head per KV head) that a graph at n_kv cells attends
+ggml_tensor * llama_kv_cache::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, uint32_t n_embd_head, uint32_t n_kv,
+        const slot_info & sinfo) const {
     if (rkv_head) {
         // every cell of the host heads (none: the layer is whole on the device)
-        return layers[ikv].k_tail ? llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo) : nullptr;
+        return t ? llama_rkv_tail_view(ctx, t, n_embd_head, n_kv, sinfo) : nullptr;
     }
     if (rkv_elastic) {
         // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
@@ -77,31 +78,20 @@ ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uin
         if (rkv_elastic_whole(n_kv, sinfo)) {
             return nullptr;
         }
-        return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), get_size(), sinfo);
+        return llama_rkv_tail_view(ctx, t, n_embd_head, get_size(), sinfo);
     }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
     }
-    return llama_rkv_tail_view(ctx, layers[ikv].k_tail, hparams.n_embd_head_k(il), n_kv - rkv_wc, sinfo);
+    return llama_rkv_tail_view(ctx, t, n_embd_head, n_kv - rkv_wc, sinfo);
+}
+
+ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+    return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo);
 }
 
 ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
-    const int32_t ikv = map_layer_ids.at(il);
-    if (rkv_head) {
-        return layers[ikv].v_tail ? llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo) : nullptr;
-    }
-    if (rkv_elastic) {
-        // every row of the ubatch's streams (the per-stream attention takes each one's tail cells); none when every
-        // stream is within its window
-        if (rkv_elastic_whole(n_kv, sinfo)) {
-            return nullptr;
-        }
-        return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), get_size(), sinfo);
-    }
-    if (!rkv_wc || n_kv <= rkv_wc) {
-        return nullptr;
-    }
-    return llama_rkv_tail_view(ctx, layers[ikv].v_tail, hparams.n_embd_head_v(il), n_kv - rkv_wc, sinfo);
+    return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo);
 }
 
 uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
