@@ -59,6 +59,13 @@ static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_
     }
 }
 
+// the header of whole rows of one type, as upstream's state writes it (its type, then its row size)
+static void llama_rkv_write_rows_header(llama_io_write_i & io, ggml_type type, uint64_t size_row) {
+    const int32_t type_i = (int32_t) type;
+    io.write(&type_i, sizeof(type_i));
+    io.write(&size_row, sizeof(size_row));
+}
+
 // a head split's rows [from, to) of stream strm: the device part's and the host part's (tail may be null: a layer whole
 // on the device), as whole rows (same type: the bytes of an unsplit cache) or part after part (two types)
 static void llama_rkv_write_heads(llama_io_write_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm,
@@ -68,10 +75,7 @@ static void llama_rkv_write_heads(llama_io_write_i & io, ggml_tensor * dev, ggml
     const size_t row_h = host ? host->nb[1] : 0;
 
     if (!mixed) {
-        const int32_t  type_i   = (int32_t) dev->type;
-        const uint64_t size_row = row_d + row_h;
-        io.write(&type_i, sizeof(type_i));
-        io.write(&size_row, sizeof(size_row));
+        llama_rkv_write_rows_header(io, dev->type, row_d + row_h);
     } else {
         const int32_t  marker = LLAMA_RKV_STATE_HEADS;
         const int32_t  type_d = (int32_t) dev->type;
@@ -125,10 +129,7 @@ static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggm
     const bool mixed = win->type != tail->type;
 
     if (!mixed) {
-        const int32_t  type_i   = (int32_t) win->type;
-        const uint64_t size_row = win->nb[1];
-        io.write(&type_i, sizeof(type_i));
-        io.write(&size_row, sizeof(size_row));
+        llama_rkv_write_rows_header(io, win->type, win->nb[1]);
     } else {
         const int32_t  marker = LLAMA_RKV_STATE_MIXED;
         const int32_t  type_w = (int32_t) win->type;
