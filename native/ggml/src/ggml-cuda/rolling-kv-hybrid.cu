@@ -272,12 +272,11 @@ void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, const std::vec
     }
 #if RKV_HYBRID
     if (!ggml_rkv_get_knobs()->cpu_part_host_fn) {
-        ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(hp);
-        if (!h.agent) {
-            h.agent = std::make_unique<rkv_agent>();
-            h.agent->start();
+        if (!g.agent) {
+            g.agent = std::make_unique<rkv_agent>();
+            g.agent->start();
         }
-        h.agent->expect(n_cpu_parts); // the agent spins from here until it has served them
+        g.agent->expect(n_cpu_parts); // the agent spins from here until it has served them
     }
 #endif
 }

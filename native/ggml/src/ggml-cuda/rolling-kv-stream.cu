@@ -214,19 +214,28 @@ static size_t rkv_slot_v_offset(const ggml_tensor * kt, int64_t n) {
     return GGML_PAD(n*kt->nb[1]*kt->ne[3], 256);
 }
 
+// the first n cells of chunk ch of every stream (of n3) into its slot: K rows into slot, V rows into v_slot
+static void rkv_copy_cells(cudaStream_t cs, char * slot, char * v_slot, const ggml_tensor * kt, const ggml_tensor * vt,
+        const rkv_fifo_chunk & ch, int64_t n3, int64_t n) {
+    for (int64_t i3 = 0; i3 < n3; ++i3) {
+        CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
+            n*kt->nb[1], cudaMemcpyHostToDevice, cs));
+    }
+    for (int64_t i3 = 0; i3 < n3; ++i3) {
+        CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
+            n*vt->nb[1], cudaMemcpyHostToDevice, cs));
+    }
+}
+
 // ROLLINGKV_SIMULATE_LINK_SLOWDOWN=x: the chunk's copies again, (x - 1) times their bytes (the same rows into the same
 // slot, so the outputs do not change), before its slot is marked ready: a link x times slower for the copies, the
 // CPU part reading host memory at its own speed, as on a host with a slower PCIe link
 static void rkv_simulate_slow_link(cudaStream_t cs, char * slot, char * v_slot, const ggml_tensor * kt, const ggml_tensor * vt,
         const rkv_fifo_chunk & ch, int64_t n3) {
-    const double extra = rkv_knobs().link_slowdown - 1.0;
-    for (double left = extra; left > 0.0; left -= 1.0) {
+    for (double left = rkv_knobs().link_slowdown - 1.0; left > 0.0; left -= 1.0) {
         const int64_t n = std::min<int64_t>(ch.n, (int64_t) (std::min(1.0, left)*ch.n + 0.5));
-        for (int64_t i3 = 0; i3 < n3 && n > 0; ++i3) {
-            CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
-                n*kt->nb[1], cudaMemcpyHostToDevice, cs));
-            CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
-                n*vt->nb[1], cudaMemcpyHostToDevice, cs));
+        if (n > 0) {
+            rkv_copy_cells(cs, slot, v_slot, kt, vt, ch, n3, n);
         }
     }
 }
@@ -242,14 +251,7 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
     char * slot   = r.base + (size_t) s*r.slot_bytes;
     char * v_slot = slot + rkv_slot_v_offset(kt, ch.n);
     const int64_t n3 = kt->ne[3];
-    for (int64_t i3 = 0; i3 < n3; ++i3) {
-        CUDA_CHECK(cudaMemcpyAsync(slot + i3*ch.n*kt->nb[1], (const char *) kt->data + i3*kt->nb[3] + ch.c0*kt->nb[1],
-            ch.n*kt->nb[1], cudaMemcpyHostToDevice, cs));
-    }
-    for (int64_t i3 = 0; i3 < n3; ++i3) {
-        CUDA_CHECK(cudaMemcpyAsync(v_slot + i3*ch.n*vt->nb[1], (const char *) vt->data + i3*vt->nb[3] + ch.c0*vt->nb[1],
-            ch.n*vt->nb[1], cudaMemcpyHostToDevice, cs));
-    }
+    rkv_copy_cells(cs, slot, v_slot, kt, vt, ch, n3, ch.n);
     rkv_simulate_slow_link(cs, slot, v_slot, kt, vt, ch, n3);
     CUDA_CHECK(cudaEventRecord(done ? done : r.copy_done[s], cs));
 }
