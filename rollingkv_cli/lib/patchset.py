@@ -169,26 +169,24 @@ def apply_series(tree: Path, series: Series | None = None, log=print) -> list[st
     lab_todo = [] if lab_in else _pending(tree, series.lab_patches, [*(series.fixes if fixes_todo else ()), *hooks_todo], "lab patch",
                                           overlay=overlay, may_be_in=False)
     done: list[str] = []
-    for patch in fixes_todo:
-        _git(["apply", "--whitespace=nowarn", str(patch)], tree)
-        done.append(f"upstream fix {patch.name}")
-        log(f"applied upstream fix {patch.name}")
-    for rel in native_todo:
-        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(series.native_dir / rel, tree / rel)
-        done.append(f"native {rel}")
-    for patch in hooks_todo:
-        _git(["apply", "--whitespace=nowarn", str(patch)], tree)
-        done.append(f"patch {patch.name}")
-        log(f"applied {patch.name}")
-    for rel in lab_native_todo:
-        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(series.lab_native_dir / rel, tree / rel)
-        done.append(f"lab native {rel}")
-    for patch in lab_todo:
-        _git(["apply", "--whitespace=nowarn", str(patch)], tree)
-        done.append(f"lab patch {patch.name}")
-        log(f"applied lab/{patch.name}")
+
+    def apply(patches: list[Path], what: str, shown: str) -> None:
+        for patch in patches:
+            _git(["apply", "--whitespace=nowarn", str(patch)], tree)
+            done.append(f"{what} {patch.name}")
+            log(f"applied {shown}{patch.name}")
+
+    def copy(src_dir: Path, rels: list[str], what: str) -> None:
+        for rel in rels:
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src_dir / rel, tree / rel)
+            done.append(f"{what} {rel}")
+
+    apply(fixes_todo, "upstream fix", "upstream fix ")
+    copy(series.native_dir, native_todo, "native")
+    apply(hooks_todo, "patch", "")
+    copy(series.lab_native_dir, lab_native_todo, "lab native")
+    apply(lab_todo, "lab patch", "lab/")
     return done
 
 
