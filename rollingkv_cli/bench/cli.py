@@ -327,14 +327,22 @@ def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
     return cpu_fracs
 
 
-LOAD_CELLS = ["split", "static", "one-op", "resident", "vanilla"]
+LOAD_CELLS = ["default", "split", "static", "one-op", "resident", "default-resident", "vanilla"]
+LOAD_CELLS_DEFAULT = ["default", "split", "resident", "default-resident", "vanilla"]
 
 
 def _load_cells(ctx, param, value: str):
     out = _names(value, LOAD_CELLS, "cell")
-    if "split" not in out:
-        raise click.BadParameter("the cells must include split (the others are compared with it)")
+    if "split" not in out and "default" not in out:
+        raise click.BadParameter("the cells must include split or default (the others are compared with them)")
     return out
+
+
+def _range(ctx, param, value):
+    lo, hi = value
+    if lo < 1 or hi < lo:
+        raise click.BadParameter(f"{lo} {hi} is not a range: give LOW HIGH with 1 <= LOW <= HIGH")
+    return value
 
 
 def _ramp_levels(ctx, param, value: str):
@@ -349,9 +357,10 @@ def _ramp_levels(ctx, param, value: str):
 
 @bench.command()
 @click.argument("model_spec", metavar="MODEL")
-@click.option("--mix", "mix_name", type=click.Choice(["table", "ramp"]), default="table", show_default=True,
+@click.option("--mix", "mix_name", type=click.Choice(["table", "ramp", "random"]), default="table", show_default=True,
               help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
-                   "ramp: clients 1 -> max -> 1 (--ramp).")
+                   "ramp: clients 1 -> max -> 1 (--ramp); random: --requests arriving at random (--arrival-mean, "
+                   "--prompt-range, --gen-range, --seed).")
 @click.option("-np", "--slots", "n_slots", type=int, callback=_positive, default=4, show_default=True, help="Server slots (-np).")
 @click.option("--ctx-per-slot", type=int, callback=_positive, default=None, help="Context of each slot (-c is slots x this).  [default: the mix's longest request + 256]")
 @click.option("--window-cells", type=int, callback=_positive, default=None, help="The split cells' window per slot (--kv-window-cells).")
@@ -361,10 +370,20 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--shorts", "n_short", type=int, callback=_positive, default=3, show_default=True, help="table: short requests per stage.")
 @click.option("--ramp", "ramp_levels", default="1,2,4,8,4,2,1", show_default=True, callback=_ramp_levels, help="ramp: clients per stage.")
 @click.option("--ramp-size", "ramp_sizes", type=(int, int), default=(8000, 64), show_default=True, metavar="PROMPT GEN", help="ramp: each request (+-25%).")
-@click.option("--cells", "cell_names", default=",".join(LOAD_CELLS), show_default=True, callback=_load_cells,
-              help="Servers to run the mix on: split (elastic windows), static (--kv-windows static), one-op (static "
-                   "windows and one op over all streams: the layout before), resident (--kv-residency-mode off), vanilla "
-                   "(-ngl at the split cell's peak VRAM; GPU only).")
+@click.option("--requests", "n_requests", type=int, callback=_positive, default=16, show_default=True,
+              help="random: requests in the mix.")
+@click.option("--arrival-mean", type=click.FloatRange(min=0.0, min_open=True), default=1.5, show_default=True, metavar="S",
+              help="random: mean seconds between arrivals (exponential gaps).")
+@click.option("--prompt-range", type=(int, int), default=(300, 24000), show_default=True, callback=_range,
+              metavar="LOW HIGH", help="random: prompt tokens, uniform.")
+@click.option("--gen-range", type=(int, int), default=(64, 200), show_default=True, callback=_range,
+              metavar="LOW HIGH", help="random: tokens generated, uniform.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random: the draw (kept in the report).")
+@click.option("--cells", "cell_names", default=",".join(LOAD_CELLS_DEFAULT), show_default=True, callback=_load_cells,
+              help="Servers to run the mix on: default (llama-server's own layout, no -np: 4 slots on one unified "
+                   "cache, split), split (-np slots, elastic windows), static (--kv-windows static), one-op (static "
+                   "windows and one op over all streams: the layout before), resident (-np, --kv-residency-mode off), "
+                   "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
@@ -373,7 +392,8 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
-         ramp_sizes, cell_names, vanilla_ngl, gpu_index, request_timeout, json_out, dry_run, server_args) -> None:
+         ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, cell_names, vanilla_ngl, gpu_index,
+         request_timeout, json_out, dry_run, server_args) -> None:
     """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
@@ -401,6 +421,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                                      f"{n_short + 1} slots", param_hint="-np")
         mix = lb.table_mix(*long_sizes, *short_sizes, n_short, n_slots, ctx_per_slot)
         window = window_cells or (None if vram_target else bm.pad(short_sizes[0] + short_sizes[1]))
+    elif mix_name == "random":
+        ctx_per_slot = ctx_per_slot or bm.pad(prompt_range[1] + gen_range[1] + 256)
+        mix = lb.random_mix(n_requests, arrival_mean, prompt_range, gen_range, n_slots, ctx_per_slot, seed)
+        window = window_cells or (None if vram_target else bm.pad(ctx_per_slot * 3 // 8))
     else:
         ctx_per_slot = ctx_per_slot or bm.pad(int(ramp_sizes[0] * 1.25) + int(ramp_sizes[1] * 1.25) + 256)
         if max(ramp_levels) > n_slots:
@@ -424,7 +448,15 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
         gpu_name = None
     ngl = ["-ngl", "99"] if gpu is not None else []
     split_flags = ["--kv-residency-mode", "window", *(["--kv-window-cells", str(window)] if window else ["--vram-target", str(vram_target)])]
+    # the default layout's one stream holds every slot: the same device cells as n_slots windows
+    default_flags = ["--kv-residency-mode", "window",
+                     *(["--kv-window-cells", str(window * n_slots)] if window else ["--vram-target", str(vram_target)])]
     cells = {
+        "default": lb.Cell("default", [*default_flags, *ngl], slots_flag=False,
+                           what="llama-server's default layout (no -np: 4 slots on one unified cache), split; each "
+                                "ubatch reads only its sequences' tail blocks"),
+        "default-resident": lb.Cell("default-resident", ["--kv-residency-mode", "off", *ngl], slots_flag=False,
+                                    what="llama-server's default layout, upstream's cache whole on the device"),
         "split": lb.Cell("split", [*split_flags, *ngl],
                          what="the split cache: elastic windows (one pool of the slots' device cells), one op per stream"),
         "static": lb.Cell("static", [*split_flags, "--kv-windows", "static", *ngl],
@@ -432,7 +464,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
         "one-op": lb.Cell("one-op", [*split_flags, "--kv-windows", "static", *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
                           what="static windows and one op over all streams at the longest one's cells (the layout before)"),
         "resident": lb.Cell("resident", ["--kv-residency-mode", "off", *ngl], what="upstream's cache, whole on the device"),
-        "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], what="upstream with -ngl at the split cell's VRAM"),
+        # with the default cell, vanilla takes its layout (no -np) and its VRAM; else -np and the split cell's
+        "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], slots_flag="default" not in cell_names,
+                           what="upstream with -ngl at the " + ("default" if "default" in cell_names else "split") +
+                                " cell's VRAM"),
     }
     todo = [cells[c] for c in cell_names]
     if "vanilla" in cell_names and gpu is None:
@@ -446,9 +481,11 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                   f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)
     if dry_run:
         for st in mix.stages:
-            console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" for r in st.reqs), soft_wrap=True)
+            console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" + (f" at {r.at_s:g}s" if st.arrivals else "")
+                                                          for r in st.reqs), soft_wrap=True)
         for c in todo:
-            console.print(f"  {c.name}: llama-server -c {n_slots * ctx_per_slot} -np {n_slots} -fa on {' '.join(c.args)} "
+            np_flag = f"-np {n_slots} " if c.slots_flag else ""
+            console.print(f"  {c.name}: llama-server -c {n_slots * ctx_per_slot} {np_flag}-fa on {' '.join(c.args)} "
                           f"{' '.join(server_args)}" + (f"  ({' '.join(f'{k}={v}' for k, v in c.env.items())})" if c.env else ""),
                           soft_wrap=True)
         return
@@ -464,7 +501,8 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                       TimeElapsedColumn(), console=console, transient=True) as prog:
             for c in todo:
                 if c.name == "vanilla":
-                    split = next((x for x in doc["cells"] if x["name"] == "split"), None)
+                    split = next((x for x in doc["cells"] if x["name"] == "default"), None) or \
+                        next((x for x in doc["cells"] if x["name"] == "split"), None)
                     n = vanilla_ngl
                     if n is None:
                         peak = (split or {}).get("vram_peak_mib")
@@ -474,7 +512,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                         info = gguf.read_model(model)
                         kv_layer = [b * n_slots * ctx_per_slot for b in info.kv.layer_row_bytes("f16", "f16")]
                         n, _ = bm.choose_ngl(info.weights, kv_layer, int(peak * lb.MIB))
-                    c = lb.Cell("vanilla", [*c.args, "-ngl", str(n)], what=f"{c.what} (-ngl {n})")
+                    c = lb.Cell("vanilla", [*c.args, "-ngl", str(n)], what=f"{c.what} (-ngl {n})", slots_flag=c.slots_flag)
                 task = prog.add_task(f"{c.name}", total=n_req)
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))

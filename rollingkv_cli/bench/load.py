@@ -26,6 +26,7 @@ class Req:
     prompt: int      # prompt tokens
     gen: int         # tokens generated (ignore_eos: exactly this many)
     seed: int
+    at_s: float = 0.0  # a stage of arrivals: when it starts, seconds after the stage's start
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Stage:
     name: str
     reqs: list[Req]
     after_first_token: str | None = None  # a request of the same stage started first
+    arrivals: bool = False                # each request starts at its own at_s (a random-arrival mix)
 
 
 @dataclass
@@ -44,10 +46,11 @@ class Mix:
     n_slots: int
     ctx_per_slot: int
     stages: list[Stage] = field(default_factory=list)
+    seed: int | None = None  # what drew a random mix (the report keeps it: the same seed, the same schedule)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "n_slots": self.n_slots, "ctx_per_slot": self.ctx_per_slot,
-                "stages": [{"name": s.name, "after_first_token": s.after_first_token,
+        return {"name": self.name, "n_slots": self.n_slots, "ctx_per_slot": self.ctx_per_slot, "seed": self.seed,
+                "stages": [{"name": s.name, "after_first_token": s.after_first_token, "arrivals": s.arrivals,
                             "requests": [r.__dict__ for r in s.reqs]} for s in self.stages]}
 
 
@@ -79,6 +82,21 @@ def ramp_mix(levels: list[int], prompt: int, gen: int, n_slots: int, ctx_per_slo
                     max(4, int(gen * rng.uniform(0.75, 1.25))), 1000 * i + j) for j in range(k)]
         stages.append(Stage(f"{k} clients", reqs))
     return Mix("ramp", n_slots, ctx_per_slot, stages)
+
+
+def random_mix(n_req: int, mean_gap_s: float, prompt_range: tuple[int, int], gen_range: tuple[int, int], n_slots: int,
+               ctx_per_slot: int, seed: int) -> Mix:
+    """Requests arriving at random (a Poisson process: exponential gaps of mean mean_gap_s), prompts and generated
+    lengths uniform in their ranges, all drawn from `seed`; a request whose slot is busy waits in the server's queue,
+    as a real client's would."""
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for i in range(n_req):
+        if i:
+            t += rng.expovariate(1.0 / mean_gap_s)
+        reqs.append(Req(f"r{i:02d}", "client", "random", rng.randint(*prompt_range), rng.randint(*gen_range), 5000 + i,
+                        at_s=round(t, 3)))
+    return Mix("random", n_slots, ctx_per_slot, [Stage("random arrivals", reqs, arrivals=True)], seed=seed)
 
 
 # ------------------------------------------------------------------------------------------ one request
@@ -187,6 +205,14 @@ def run_schedule(url: str, mix: Mix, timeout: float, on_done=None) -> list[dict]
 
         first = [r for r in st.reqs if r.name == st.after_first_token]
         rest = [r for r in st.reqs if r.name != st.after_first_token]
+        if st.arrivals:
+            t0 = time.monotonic()
+            for r in sorted(st.reqs, key=lambda q: q.at_s):
+                time.sleep(max(0.0, t0 + r.at_s - time.monotonic()))
+                t = threading.Thread(target=go, args=(r,), daemon=True)
+                t.start()
+                threads.append(t)
+            rest = []
         if first:
             ev = threading.Event()
             t = threading.Thread(target=go, args=(first[0], ev), daemon=True)
@@ -243,10 +269,11 @@ def summarize_stats(samples: list[dict]) -> dict:
 
 @dataclass
 class Cell:
-    name: str            # "split", "one-op", "resident", "vanilla"
+    name: str            # "split", "one-op", "resident", "vanilla", "default", "default-resident"
     args: list[str]      # llama-server flags beyond the model, context and slots
     env: dict = field(default_factory=dict)
     what: str = ""
+    slots_flag: bool = True  # pass -np (False: llama-server's default, 4 slots on one unified cache)
 
 
 def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, timeout: float, gpu=None,
@@ -256,7 +283,8 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
 
     from rollingkv_cli.serve.server import ServerProcess
 
-    args = ["-m", str(model), "-c", str(mix.n_slots * mix.ctx_per_slot), "-np", str(mix.n_slots), "-fa", "on",
+    slots = ["-np", str(mix.n_slots)] if cell.slots_flag else []
+    args = ["-m", str(model), "-c", str(mix.n_slots * mix.ctx_per_slot), *slots, "-fa", "on",
             "--no-webui", *cell.args, *(extra or [])]
     rec: dict = {"name": cell.name, "what": cell.what, "args": args, "env": cell.env}
     srv = ServerProcess(binary, args, log_path=log_dir / f"{cell.name}.log", env={**os.environ, **cell.env})
@@ -286,6 +314,7 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
     rec["seconds"] = time.monotonic() - t0
     reqs = rec.get("requests") or []
     rec["phases"] = phase_summary(reqs)
+    rec["percentiles"] = request_percentiles(reqs)
     rec["aggregate_tps"] = aggregate_tps(reqs)
     rec["requests"] = strip_token_times(reqs)
     return rec
@@ -343,6 +372,26 @@ def phase_summary(requests: list[dict]) -> dict:
         d["tps_max"] = max(tps) if tps else None
         d["ttft_p50_s"] = tt[len(tt) // 2] if tt else None
     return out
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) of xs by linear interpolation between closest ranks; None for no values."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def request_percentiles(requests: list[dict]) -> dict:
+    """Over the cell's finished requests: time to first token p50/p90 and each request's decode speed p10/p50 (its
+    tokens after the first, from their arrival times)."""
+    ok = [r for r in requests if r.get("status") == "ok"]
+    ttft = [r.get("ttft_s") for r in ok]
+    tps = [rate(r.get("token_t") or []) for r in ok]
+    return {"n": len(ok), "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
+            "decode_tps_p10": percentile(tps, 0.1), "decode_tps_p50": percentile(tps, 0.5)}
 
 
 def strip_token_times(requests: list[dict]) -> list[dict]:
@@ -423,9 +472,28 @@ def evaluate_targets(doc: dict) -> list[dict]:
         n_req = sum(len(st["requests"]) for st in doc["mix"]["stages"])
         done = sum(1 for r in split.get("requests") or [] if r.get("status") == "ok")
         add("ramp_all_complete", done / n_req if n_req else None, ">=", 1.0, "requests of the ramp completed (split cell)")
-    if split and doc.get("vram_target_mib") and split.get("vram_peak_mib"):
-        add("vram_within_target", split["vram_peak_mib"] - doc["vram_target_mib"], "<=", 200.0,
-            "the split cell's NVML peak - --vram-target, MiB")
+    default = cells.get("default")
+    if doc["mix"]["name"] == "random" and default:
+        pd = default.get("percentiles") or {}
+        res = cells.get("default-resident") or cells.get("resident")
+        pr = (res or {}).get("percentiles") or {}
+        if res:
+            a, b = pd.get("ttft_p50_s"), pr.get("ttft_p50_s")
+            add("default_ttft_vs_resident", a / b if a and b else None, "<=", 1.3,
+                f"time to first token p50: the default server (unified cache, split) / {res['name']}")
+        if split and default.get("aggregate_tps") and split.get("aggregate_tps"):
+            add("default_aggregate_vs_np", default["aggregate_tps"] / split["aggregate_tps"], ">=", 1.0,
+                "aggregate tok/s: the default server / -np slots with elastic windows")
+        n_req = sum(len(st["requests"]) for st in doc["mix"]["stages"])
+        add("default_all_complete", pd.get("n", 0) / n_req if n_req else None, ">=", 1.0,
+            "requests of the mix completed (default cell)")
+    for cell, name in ((split, "vram_within_target"), (default, "vram_within_target (default)")):
+        if cell and doc.get("vram_target_mib") and cell.get("vram_peak_mib"):
+            add(name, cell["vram_peak_mib"] - doc["vram_target_mib"], "<=", 200.0,
+                f"the {cell['name']} cell's NVML peak - --vram-target, MiB")
+    if default and default.get("stats", {}).get("worst_step"):
+        add("excess_blocks (default)", default["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
+            "default cell, worst sampled step: (tail bytes attended - occupied), in blocks of 256 cells of every layer")
     if split and split.get("stats", {}).get("worst_step"):
         add("excess_blocks", split["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
             "worst sampled step: (tail bytes attended - occupied) per stream, in blocks of 256 cells of every layer")
@@ -457,7 +525,10 @@ def print_report(doc: dict) -> None:
             row.append("-" if not p else f"{fmt(p['tps_min'])}-{fmt(p['tps_max'])} ({fmt(p['ttft_p50_s'], '.2f')})"
                        + (f" {p['errors']} err" if p["errors"] else ""))
         t.add_row(*row)
+    pct = lambda c, k, spec=".2f": fmt((c.get("percentiles") or {}).get(k), spec)  # noqa: E731
     for label, fn in (("aggregate tok/s", lambda c: fmt(c.get("aggregate_tps"))),
+                      ("TTFT p50 / p90 s", lambda c: f"{pct(c, 'ttft_p50_s')} / {pct(c, 'ttft_p90_s')}"),
+                      ("decode tok/s p10 / p50", lambda c: f"{pct(c, 'decode_tps_p10', '.1f')} / {pct(c, 'decode_tps_p50', '.1f')}"),
                       ("peak VRAM MiB", lambda c: fmt(c.get("vram_peak_mib"), ".0f")),
                       ("peak host MiB", lambda c: fmt(c.get("host_peak_mib"), ".0f")),
                       ("tail attended / occupied", lambda c: fmt((c.get("stats") or {}).get("attended_over_occupied"), ".2f")),

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -168,3 +169,102 @@ def test_short_table_mix_on_cpu(cpu_build, demo_model, tmp_path):
     targets = {t["target"] for t in doc["targets"]}
     assert {"short_beside_vs_long", "long_beside_vs_static"} <= targets
     assert "decode tok/s" in r.stdout
+
+
+def test_random_mix_is_seeded_poisson_arrivals():
+    mix = lb.random_mix(200, 1.5, (300, 24000), (64, 200), 4, 24576, seed=7)
+    st = mix.stages[0]
+    assert st.arrivals and len(st.reqs) == 200 and mix.seed == 7 and mix.to_json()["seed"] == 7
+    at = [r.at_s for r in st.reqs]
+    assert at[0] == 0 and at == sorted(at)
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    # exponential gaps of mean 1.5 s: the sample mean of 199 within ~4 standard errors (1.5/sqrt(199) ~ 0.11)
+    assert abs(sum(gaps) / len(gaps) - 1.5) < 0.45, sum(gaps) / len(gaps)
+    assert all(300 <= r.prompt <= 24000 and 64 <= r.gen <= 200 for r in st.reqs)
+    assert lb.random_mix(200, 1.5, (300, 24000), (64, 200), 4, 24576, seed=7).to_json() == mix.to_json()
+    assert lb.random_mix(200, 1.5, (300, 24000), (64, 200), 4, 24576, seed=8).to_json() != mix.to_json()
+
+
+def test_a_stage_of_arrivals_starts_each_request_at_its_time(monkeypatch):
+    """run_schedule starts a request of an arrivals stage at its at_s, not all at once (nor one after another's end)."""
+    started: dict[str, float] = {}
+
+    def fake_request(url, r, timeout, ev=None):
+        started[r.name] = time.monotonic()
+        time.sleep(0.3)  # longer than the gaps: a serial schedule would start them 0.3 s apart
+        return {"name": r.name, "status": "ok"}
+
+    monkeypatch.setattr(lb, "run_request", fake_request)
+    reqs = [lb.Req(f"r{i}", "client", "random", 10, 2, i, at_s=0.1 * i) for i in range(4)]
+    t0 = time.monotonic()
+    out = lb.run_schedule("http://x", lb.Mix("random", 4, 64, [lb.Stage("s", reqs, arrivals=True)]), timeout=10)
+    assert sorted(r["name"] for r in out) == ["r0", "r1", "r2", "r3"]
+    for i in range(4):
+        assert started[f"r{i}"] - t0 == pytest.approx(0.1 * i, abs=0.08), started
+
+
+def test_request_percentiles():
+    reqs = [{"status": "ok", "ttft_s": t, "token_t": [0.0, 1.0 / v, 2.0 / v, 3.0 / v]} for t, v in
+            ((1.0, 10.0), (2.0, 20.0), (3.0, 30.0), (4.0, 40.0), (5.0, 50.0))] + [{"status": "error"}]
+    p = lb.request_percentiles(reqs)
+    assert p["n"] == 5 and p["ttft_p50_s"] == pytest.approx(3.0) and p["ttft_p90_s"] == pytest.approx(4.6)
+    assert p["decode_tps_p50"] == pytest.approx(30.0) and p["decode_tps_p10"] == pytest.approx(14.0)
+    assert lb.percentile([], 0.5) is None
+
+
+def test_random_mix_targets_compare_the_default_server():
+    def cell(name, ttft, agg, n=3, vram=None):
+        return {"name": name, "status": "ok", "percentiles": {"n": n, "ttft_p50_s": ttft}, "aggregate_tps": agg,
+                "vram_peak_mib": vram, "stats": {}}
+
+    doc = {"mix": lb.random_mix(3, 1.0, (10, 20), (2, 3), 4, 64, 0).to_json(), "vram_target_mib": 9000,
+           "cells": [cell("default", 1.2, 60.0, vram=9150.0), cell("split", 2.0, 50.0), cell("default-resident", 1.0, 70.0)]}
+    t = {x["target"]: x for x in lb.evaluate_targets(doc)}
+    assert t["default_ttft_vs_resident"]["value"] == pytest.approx(1.2) and t["default_ttft_vs_resident"]["verdict"] == "met"
+    assert t["default_aggregate_vs_np"]["value"] == pytest.approx(1.2) and t["default_aggregate_vs_np"]["verdict"] == "met"
+    assert t["default_all_complete"]["verdict"] == "met"
+    assert t["vram_within_target (default)"]["value"] == pytest.approx(150.0)
+    doc["cells"][0]["percentiles"]["ttft_p50_s"] = 1.5
+    doc["cells"][0]["percentiles"]["n"] = 2
+    t = {x["target"]: x for x in lb.evaluate_targets(doc)}
+    assert t["default_ttft_vs_resident"]["verdict"] == "missed" and t["default_all_complete"]["verdict"] == "missed"
+
+
+def test_dry_run_shows_the_default_layout_without_np(cpu_build, demo_model):
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--mix", "random",
+                        "--requests", "3", "--seed", "5", "--prompt-range", "100", "200", "--gen-range", "4", "8",
+                        "--window-cells", "256", "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = {ln.split(":")[0].strip(): ln for ln in r.stdout.splitlines() if "llama-server" in ln}
+    assert "-np" not in lines["default"] and "--kv-window-cells 1024" in lines["default"]  # 4 slots' windows in one stream
+    assert "-np 4" in lines["split"] and "--kv-window-cells 256" in lines["split"]
+    assert "-np" not in lines["default-resident"] and "--kv-residency-mode off" in lines["default-resident"]
+    assert "r00" in r.stdout and " at 0s" in r.stdout
+
+
+@pytest.mark.build
+@pytest.mark.slow
+def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path):
+    """The default server (no -np: 4 slots, one unified cache) split by window under random arrivals, beside the
+    resident default server: every request completes, the cache is one stream, and the steps read less of the tail than
+    one op over every sequence's cells would (the tail runs), never more than the occupied tail plus a block."""
+    out = tmp_path / "bench-load.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--mix", "random",
+                        "--requests", "6", "--arrival-mean", "0.3", "--prompt-range", "200", "900", "--gen-range", "8", "16",
+                        "--seed", "3", "--window-cells", "128", "--cells", "default,default-resident", "--json", str(out),
+                        "--", "-t", "2"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["mix"]["seed"] == 3 and [c["name"] for c in doc["cells"]] == ["default", "default-resident"]
+    default, resident = doc["cells"]
+    for c in (default, resident):
+        assert c["status"] == "ok" and c["percentiles"]["n"] == 6 and "-np" not in c["args"]
+        assert all(q["predicted_n"] == q["gen"] and q["ttft_s"] > 0 for q in c["requests"])
+    assert default["plan"]["split"] and default["plan"]["n_stream"] == 1 and default["plan"]["window_cells"] == 512
+    assert not resident["plan"]["split"]
+    st = default["stats"]
+    assert st["split"] and st["steps"] > 0
+    assert st["worst_step"]["excess_blocks_per_stream"] <= 1.0  # read <= occupied + a block, at every sampled step
+    assert "TTFT p50 / p90 s" in r.stdout
