@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import reprlib
 import stat
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,46 @@ def read_json(path: Path | str, what: str) -> Any:
         abort(f"{what} {path} is not usable JSON: nested too deeply")
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as an error line shows it: its repr, cut short. A config value may be huge (a YAML alias bomb's repr is
+    gigabytes, and the error message once built it all): reprlib walks a few items of a few levels only."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 2, 3, 3, 3, 3
+    r.maxstring = r.maxother = r.maxlong = limit
+    s = r.repr(value)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+class _AliasFound(Exception):
+    def __init__(self, event):
+        super().__init__(event.anchor)
+        self.event = event
+
+
+def _loader():
+    """yaml.SafeLoader that refuses aliases (`*name`): a few nested anchors (`b: [*a, *a, ...]`) make a value of
+    billions of items that anything walking it (a check, an error message) expands."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise _AliasFound(self.peek_event())
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
 def read_yaml(path: Path | str, what: str) -> Any:
     import yaml
 
     text = read_text(path, what)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader, less aliases)
+    except _AliasFound as e:
+        mark = e.event.start_mark
+        abort(f"{what} {path} uses a YAML alias (*{shown(e.event.anchor, 30)[1:-1]}, line {mark.line + 1}, column {mark.column + 1}), "
+              "which rollingkv does not expand", "write the value out in full")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import abort, note, usage_error
+from rollingkv_cli.userinput import shown  # a config value in a message: cut short
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
@@ -64,19 +65,19 @@ class Setting:
         if self.kind == "choice":
             v = str(value) if from_text else value
             if v not in self.choices:
-                raise SettingError(f"{value!r} is not one of {', '.join(self.choices)}")
+                raise SettingError(f"{shown(value)} is not one of {', '.join(self.choices)}")
             return v
         if self.kind == "fraction_or_auto":
             return fraction_or_auto(value, from_text)
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
-            raise SettingError(f"must be true or false, not {value!r}")
+            raise SettingError(f"must be true or false, not {shown(value)}")
         if self.kind == "str":
             if from_text:
                 value = str(value)
             if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
-                raise SettingError(f"must be a host name or address, not {value!r}")
+                raise SettingError(f"must be a host name or address, not {shown(value)}")
             return value
         if self.kind == "int":
             v = _as_int(value, from_text)
@@ -84,9 +85,9 @@ class Setting:
             v = _as_float(value, from_text)
         positive = self.kind == "float" and self.lo == 0  # an exclusive bound: a positive number
         if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
-            raise SettingError(f"must be {self._range()}, not {value if from_text else repr(value)}")
+            raise SettingError(f"must be {self._range()}, not {value if from_text else shown(value)}")
         if self.cap is not None and v > self.cap:
-            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else repr(value)}")
+            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else shown(value)}")
         return v
 
     def _range(self) -> str:
@@ -104,14 +105,14 @@ def fraction_or_auto(value, from_text: bool) -> float | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if not from_text and isinstance(value, str):
-        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value!r}")
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {shown(value)}")
     try:
         v = _as_float(value, from_text)
     except SettingError:
-        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value if from_text else repr(value)}") from None
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value if from_text else shown(value)}") from None
     if not 0.0 <= v <= 1.0:
         raise SettingError(f"must be auto or a fraction from 0 to 1 (0: no CPU part, 1: the whole tail on the CPU), "
-                           f"not {value if from_text else repr(value)}")
+                           f"not {value if from_text else shown(value)}")
     return v
 
 
@@ -120,9 +121,9 @@ def _as_int(value, from_text: bool) -> int:
         try:
             return int(str(value).strip(), 10)
         except ValueError:
-            raise SettingError(f"{value!r} is not an integer") from None
+            raise SettingError(f"{shown(value)} is not an integer") from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingError(f"must be an integer, not {value!r}")
+        raise SettingError(f"must be an integer, not {shown(value)}")
     return value
 
 
@@ -131,13 +132,13 @@ def _as_float(value, from_text: bool) -> float:
         try:
             v = float(str(value).strip())
         except ValueError:
-            raise SettingError(f"{value!r} is not a number") from None
+            raise SettingError(f"{shown(value)} is not a number") from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingError(f"must be a number, not {value!r}")
+        raise SettingError(f"must be a number, not {shown(value)}")
     else:
         v = float(value)
     if not math.isfinite(v):
-        raise SettingError(f"must be a finite number, not {value!r}")
+        raise SettingError(f"must be a finite number, not {shown(value)}")
     return v
 
 
@@ -198,7 +199,7 @@ def config_value(key: str, value, source: str):
         return [str(a) for a in value]
     if key == "model":
         if not isinstance(value, str) or not value.strip():
-            usage_error(f"{source}: model must be a GGUF path or `demo`, not {value!r}")
+            usage_error(f"{source}: model must be a GGUF path or `demo`, not {shown(value)}")
         return value
     try:
         return check_setting(key, value)
