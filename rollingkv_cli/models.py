@@ -79,7 +79,9 @@ def fetch_demo(log=print) -> Path:
 
 
 def resolve_model(spec: str, log=print) -> Path:
-    """'demo' or a path to a GGUF file; clear errors for anything else."""
+    """'demo' or a path to a GGUF file that llama.cpp can load as far as its header tells (check_gguf: truncation,
+    corrupt fields, hyperparameters it would abort on); clear errors for anything else. Every command that takes a
+    model resolves it here, before any child (llama-server, llama-bench, a gate's runner) starts."""
     if spec == "demo":
         return fetch_demo(log)
     p = Path(spec).expanduser()
@@ -105,6 +107,7 @@ def resolve_model(spec: str, log=print) -> Path:
         unreadable(spec, e)
     if magic != GGUF_MAGIC:
         abort(f"{spec} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
+    check_gguf(p, spec)
     return p.resolve()
 
 
