@@ -388,6 +388,16 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
 
     if window_cells and vram_target:
         raise click.UsageError("give --window-cells or --vram-target, not both")
+    from rollingkv_cli.serve.settings import check_server_args
+
+    # what each cell sets itself (serve's check: the address and the model are bench load's too)
+    check_server_args(list(server_args), "after `--`", "bench load", {
+        **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
+        **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
+        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn"), "the cell's own settings (--cells)"),
+        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --window-cells/--vram-target"),
+        **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
+    })
     model = resolve_model(model_spec)
     build = builder.active_build()
     binary = build.artifact("llama-server")
