@@ -247,6 +247,11 @@ ROWS = {
     # issue 39: a hint that led to another error (`serve --model demo` suggested `-- --model demo`, which serve refuses)
     "39-serve-model-option": Row(["serve", "--model", "demo"], 2,
                                  ["No such option '--model': the model is serve's MODEL argument (rollingkv serve MODEL [serve options]"]),
+    # issue 39 (12): a path that cannot be the directory asked for (internal error: NotADirectoryError / FileNotFoundError)
+    "39-12-patches-checkout-dev-null": Row(["patches", "checkout", "/dev/null"], 1,
+                                           ["cannot use checkout directory /dev/null: it is a device, not a directory"]),
+    "39-12-patches-checkout-in-proc": Row(["patches", "checkout", "/proc/x"], 1,
+                                          ["cannot use checkout directory /proc/x: /proc is not on a disk (a pseudo filesystem"]),
     # issue 27 (15): messages that point the right way
     "15-run-demo-without-a-build": Row(["run", "demo", "-p", "hi"], 1, ["no rollingkv build yet"], hint=["rollingkv build"]),
     "15-model-symlink-loop": Row(["run", "{tmp}/loop.gguf", "-p", "hi"], 1, ["loop.gguf is a loop of symbolic links"],

@@ -244,6 +244,10 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     from rollingkv_cli.serve.launch import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
+    if not dry_run:  # said now, not after the first cell
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(out, "report")
     cfg = tail_grid.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
@@ -451,6 +455,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     out = json_out or _default_out(model).with_name("bench-load.json")
     if json_out is None:
         out = out.parent.with_name(out.parent.name.replace("bench-tail", "bench-load")) / "bench-load.json"
+    if not dry_run:  # said now, not after the first cell
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(out, "report")
     console.print(f"bench load: {mix.name} mix on {model.name}, -np {n_slots} x {ctx_per_slot} cells, "
                   f"{'window ' + str(window) if window else 'vram target ' + str(vram_target) + ' MiB'}; "
                   f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)

@@ -26,7 +26,9 @@ def checkout(dest: Path, lab: bool) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
     from rollingkv_cli.lib import patchset, upstream
     from rollingkv_cli.console import note, success
+    from rollingkv_cli.userinput import check_output_dir
 
+    check_output_dir(dest, "checkout directory")  # before the pin's tree is fetched or extracted
     series = patchset.load_series(lab=lab)
     pristine = upstream.pristine_tree(log=note)
     patchset.checkout(dest, pristine, series)

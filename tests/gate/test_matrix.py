@@ -41,9 +41,8 @@ def test_usage_errors(capsys, isolated_cache, args, match):
     assert code == 2 and match in err
 
 
-def test_bad_lib_dir(capsys, isolated_cache, tmp_path):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
-    code, _, err = run_main(["gate", "matrix", "--model", str(tmp_path / "m.gguf"), "--lib-dir", str(tmp_path)], capsys)
+def test_bad_lib_dir(capsys, isolated_cache, tmp_path, fake_gguf):
+    code, _, err = run_main(["gate", "matrix", "--model", str(fake_gguf), "--lib-dir", str(tmp_path)], capsys)
     assert code == 1 and "no libllama.so" in err and "Traceback" not in err
 
 

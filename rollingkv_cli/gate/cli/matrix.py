@@ -75,6 +75,10 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     if needle:
         build.require_server()
     tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
+    if work_dir:
+        from rollingkv_cli.userinput import check_output_dir
+
+        check_output_dir(tmp_root, "--work-dir")
     try:
         tmp_root.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -57,6 +57,10 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
         raise click.UsageError("give --build or --lib-dir, not both")
     if prompt_tokens is not None and prompt_tokens + n_predict > n_ctx:
         usage_error(f"--prompt-tokens {prompt_tokens} + --n-predict {n_predict} exceed --ctx {n_ctx}", "raise --ctx or shorten the run")
+    if json_out is not None:  # said now, not after the run
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(json_out, "report")
     # the GPU first: without one nothing else matters (and the answer is the same as probe pcie's)
     try:
         nvml = vram_runs.nvml_module()
