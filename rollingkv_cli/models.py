@@ -475,6 +475,8 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
     check_room(out, nbytes)
     if log is not None:
         log(f"writing {out}: {human_bytes(nbytes)}")
+    if progress is not None:  # the total, before the tensors are made (a bar of "0/?" for as long otherwise)
+        progress(0, nbytes)
     shapes = _synth_tensors(spec)
     largest = max(int(np.prod(s)) for _, s, kind in shapes if kind == "w")
     rng = np.random.default_rng(spec.seed)

@@ -222,3 +222,14 @@ def test_every_command_checks_the_model_before_a_child_starts(command, bad, tmp_
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 1 and len(errors) == 1 and expect in errors[0], out + err
     assert not (tmp_path / "out").exists()
+
+
+def test_synth_progress_knows_its_total_before_the_tensors_are_made(tmp_path):
+    """issue 39: `model synth` showed "0/? bytes" while it made the tensors (seconds to minutes): the first progress
+    report is 0 of the whole size, before the temporary file exists. Seen failing before the fix: the first report came
+    from the size watcher, once the file was being written (here: the final one, the file complete)."""
+    spec = models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300, ctx=1024)
+    calls = []
+    models.write_synthetic(tmp_path / "s.gguf", spec,
+                           progress=lambda done, total: calls.append((done, total, bool(list(tmp_path.glob("s.gguf.*.part"))))))
+    assert calls[0] == (0, models.synth_nbytes(spec), False)

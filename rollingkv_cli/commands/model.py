@@ -74,17 +74,24 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
                             conv_kernel=conv_kernel)
     spec.validate()
     models.check_out(out)  # absent or a regular file (never a device, a FIFO, a link)
+    parent = out.absolute().parent
+    if not parent.is_dir():  # `model synth /nonexistent_dir/x.gguf` made /nonexistent_dir, silently
+        what = "is not a directory" if parent.exists() else "does not exist"
+        abort(f"cannot write {out}: its directory {parent} {what}", f"create it first (mkdir -p {parent}), or write elsewhere")
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
+    nbytes = models.synth_nbytes(spec)
+    models.check_room(out, nbytes)  # one line when the disk has not the room, before a word of progress
+    console.print(f"writing {out}: {models.human_bytes(nbytes)}", markup=False, soft_wrap=True)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    # GiB as the "writing OUT: N GiB" line above says it
+    # GiB as the "writing OUT: N GiB" line above says it; the total from the start (it said "0/? bytes" while the
+    # tensors were being made, before the file grew)
     bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
-    task = bar.add_task(esc(out.name), total=None)
+    task = bar.add_task(esc(out.name), total=nbytes)
     with _sigterm_raises(), bar:
-        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True),
-                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+        models.write_synthetic(out, spec, progress=lambda done, total: bar.update(task, completed=done, total=total))
     n_attn = len(spec.attention_layers)
     kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
     layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""
