@@ -45,6 +45,7 @@ def fetch_demo(log=print) -> Path:
     target = demo_path()
     if target.is_file() and target.stat().st_size == DEMO.size:
         return target  # verified when it was written; size guards against truncation
+    paths.cache_dir()  # it must be written: a cache we can write, or one line
     if paths.offline():
         abort(f"the demo model is not cached and {paths.ENV_OFFLINE} is set", f"put {DEMO.filename} in {target.parent}")
     target.parent.mkdir(parents=True, exist_ok=True)
