@@ -14,7 +14,7 @@ CACHE_TYPES = list(TAIL_TYPES)
 SKIPPABLE = ["auto", "ngl", "nkvo"]
 
 
-@click.group()
+@click.group(short_help="Decode speed against the PCIe floor; load tests.")
 def bench() -> None:
     """Measure decode speed of the split KV cache against its PCIe floor and vanilla llama.cpp."""
 
@@ -117,7 +117,7 @@ def _vanilla_bench(d: Path) -> Path:
           "build llama.cpp at the pin with its llama-bench target, or drop --vanilla-build to use our build with --kv-residency-mode off")
 
 
-@bench.command()
+@bench.command(short_help="Decode speed against the PCIe floor and vanilla.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-d", "--depth", "depths", type=int, multiple=True, callback=_positive, default=(16384,), show_default=True,
               help="Context depth before the timed tokens (repeat for several).")
@@ -351,7 +351,7 @@ def _ramp_levels(ctx, param, value: str):
     return levels
 
 
-@bench.command()
+@bench.command(short_help="A server under a mixed load of concurrent clients.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--mix", "mix_name", type=click.Choice(["table", "ramp"]), default="table", show_default=True,
               help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
@@ -523,7 +523,7 @@ def _load_report(path: Path) -> dict:
     return doc
 
 
-@bench.command()
+@bench.command(short_help="Draw the PNG of a bench tail report.")
 @click.argument("report", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
@@ -542,7 +542,7 @@ def plot(report: Path, output: Path | None) -> None:
     success(f"plot: {out}")
 
 
-@bench.command()
+@bench.command(short_help="Print a bench tail report's tables again.")
 @click.argument("report", type=click.Path(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""

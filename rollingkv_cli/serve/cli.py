@@ -87,7 +87,8 @@ class _ServeCommand(click.Command):
             raise
 
 
-@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False})
+@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False},
+               short_help="llama-server (OpenAI API) with the KV split as needed.")
 @click.argument("model_spec", metavar="MODEL", required=False, type=SettingType("model"))
 @_setting("--kv-residency-mode", key="kv_residency_mode",
           help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "

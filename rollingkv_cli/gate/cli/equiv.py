@@ -17,7 +17,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL
 MODES = ["window", "head", "auto", "off"]
 
 
-@click.command()
+@click.command(short_help="Split vs resident logits, teacher-forced.")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--prompt-file", type=click.Path(path_type=Path),
               help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")

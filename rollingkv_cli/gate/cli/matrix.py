@@ -13,7 +13,7 @@ from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_opt
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
-@click.command()
+@click.command(short_help="gate equiv over tail types x windows, and the needle.")
 @click.option("--model", "model_spec", default="demo", show_default=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--tokens", "n_tokens", type=int, callback=positive, default=1024, show_default=True,
               help="Synthetic tokens decoded teacher-forced per equivalence cell.")

@@ -12,7 +12,7 @@ from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fr
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
-@click.command()
+@click.command(short_help="A number hidden in the tail: split answers as resident.")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")

@@ -11,7 +11,7 @@ from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ng
 from rollingkv_cli.gate.common import EXIT_FAIL
 
 
-@click.command()
+@click.command(short_help="The peak VRAM stays within --vram-target (NVIDIA).")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--vram-target", type=int, callback=positive, required=True, metavar="MiB",
               help="The device memory budget given to llama-server (--vram-target), checked against the process's peak.")
