@@ -60,8 +60,8 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
 
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
     or failed write leaves nothing behind (no OUT.*.part, a name of each run's own). OUT must be absent or a
-    regular file (a device, FIFO or link is refused). A shape llama.cpp cannot run is refused before anything
-    is written (exit 2)."""
+    regular file (a device, FIFO or link is refused), in a directory that exists. A shape llama.cpp cannot run
+    is refused before anything is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
 
