@@ -14,6 +14,29 @@ from rollingkv_cli.console import RollingKVError, print_error
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def _never_break_inside_a_word() -> None:
+    """click wraps help text with textwrap, which breaks after hyphens: option names came out as `--kv-` /
+    `window-cells` on two lines. Its wrapper (click._textwrap.TextWrapper, looked up at each wrap) breaks at spaces only
+    from here on."""
+    from click import _textwrap
+
+    base = _textwrap.TextWrapper
+    if getattr(base, "rollingkv", False):
+        return
+
+    class TextWrapper(base):
+        rollingkv = True
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("break_on_hyphens", False)  # a word longer than a line (a path) is still cut
+            super().__init__(*args, **kwargs)
+
+    _textwrap.TextWrapper = TextWrapper
+
+
+_never_break_inside_a_word()
+
+
 @click.group(context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, "--version", prog_name="rollingkv")
 def rollingkv() -> None:

@@ -15,8 +15,18 @@ from rich.console import Console
 from rich.markup import escape as esc  # noqa: F401  (re-exported: f"[dim]{esc(path)}[/]")
 from rich.text import Text
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+def _console(stderr: bool = False) -> Console:
+    """Rich's console, except that output to a file or a pipe is never hard-wrapped: rich wraps at 80 columns when it
+    does not write to a terminal, and redirected output came out cut mid-phrase ("K/V" / "f16/f16"). Tables and panels
+    keep their width."""
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal:
+        c.soft_wrap = True
+    return c
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 # Exit status of a bad setting: a value out of range or of the wrong kind, or settings that contradict each
 # other, whether from a flag or from a config file, as far as the settings alone tell. 2 because click already
@@ -87,7 +97,8 @@ def log_panel(body: str, title: str, target: Console | None = None) -> None:
 
     body = body.rstrip()
     if body:
-        (target or err_console).print(Panel(Text(body), title=Text(title), title_align="center", border_style="red"))
+        # wrapped inside the box even where the console does not hard-wrap (a file, a pipe): cropped otherwise
+        (target or err_console).print(Panel(Text(body), title=Text(title), title_align="center", border_style="red"), soft_wrap=False)
 
 
 def is_interactive() -> bool:

@@ -45,6 +45,7 @@ def fetch_demo(log=print) -> Path:
     target = demo_path()
     if target.is_file() and target.stat().st_size == DEMO.size:
         return target  # verified when it was written; size guards against truncation
+    paths.cache_dir()  # it must be written: a cache we can write, or one line
     if paths.offline():
         abort(f"the demo model is not cached and {paths.ENV_OFFLINE} is set", f"put {DEMO.filename} in {target.parent}")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,9 @@ def fetch_demo(log=print) -> Path:
 
 
 def resolve_model(spec: str, log=print) -> Path:
-    """'demo' or a path to a GGUF file; clear errors for anything else."""
+    """'demo' or a path to a GGUF file that llama.cpp can load as far as its header tells (check_gguf: truncation,
+    corrupt fields, hyperparameters it would abort on); clear errors for anything else. Every command that takes a
+    model resolves it here, before any child (llama-server, llama-bench, a gate's runner) starts."""
     if spec == "demo":
         return fetch_demo(log)
     p = Path(spec).expanduser()
@@ -105,6 +108,7 @@ def resolve_model(spec: str, log=print) -> Path:
         unreadable(spec, e)
     if magic != GGUF_MAGIC:
         abort(f"{spec} is not a GGUF file (bad magic)", "convert it with llama.cpp's convert_hf_to_gguf.py")
+    check_gguf(p, spec)
     return p.resolve()
 
 
@@ -383,6 +387,8 @@ def synth_nbytes(spec: SynthSpec) -> int:
 
 
 def human_bytes(n: int) -> str:
+    if n >= 2**40:
+        return f"{n / 2**40:.1f} TiB"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
@@ -470,6 +476,8 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
     check_room(out, nbytes)
     if log is not None:
         log(f"writing {out}: {human_bytes(nbytes)}")
+    if progress is not None:  # the total, before the tensors are made (a bar of "0/?" for as long otherwise)
+        progress(0, nbytes)
     shapes = _synth_tensors(spec)
     largest = max(int(np.prod(s)) for _, s, kind in shapes if kind == "w")
     rng = np.random.default_rng(spec.seed)

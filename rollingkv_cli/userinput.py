@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import reprlib
 import stat
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,46 @@ def read_json(path: Path | str, what: str) -> Any:
         abort(f"{what} {path} is not usable JSON: nested too deeply")
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as an error line shows it: its repr, cut short. A config value may be huge (a YAML alias bomb's repr is
+    gigabytes, and the error message once built it all): reprlib walks a few items of a few levels only."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 2, 3, 3, 3, 3
+    r.maxstring = r.maxother = r.maxlong = limit
+    s = r.repr(value)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+class _AliasFound(Exception):
+    def __init__(self, event):
+        super().__init__(event.anchor)
+        self.event = event
+
+
+def _loader():
+    """yaml.SafeLoader that refuses aliases (`*name`): a few nested anchors (`b: [*a, *a, ...]`) make a value of
+    billions of items that anything walking it (a check, an error message) expands."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise _AliasFound(self.peek_event())
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
 def read_yaml(path: Path | str, what: str) -> Any:
     import yaml
 
     text = read_text(path, what)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader, less aliases)
+    except _AliasFound as e:
+        mark = e.event.start_mark
+        abort(f"{what} {path} uses a YAML alias (*{shown(e.event.anchor, 30)[1:-1]}, line {mark.line + 1}, column {mark.column + 1}), "
+              "which rollingkv does not expand", "write the value out in full")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -110,6 +145,81 @@ def read_yaml(path: Path | str, what: str) -> Any:
 def read_data(path: Path | str, what: str) -> Any:
     """JSON for a .json file, else YAML (which reads JSON too)."""
     return read_json(path, what) if Path(path).suffix.lower() == ".json" else read_yaml(path, what)
+
+
+# ------------------------------------------------------------------ files we write
+
+def check_output_file(path: Path | str, what: str) -> None:
+    """Before a run, that `path` can take the file it will write: absent, in a directory we may write into (or that can
+    be made), or a regular file we may replace. A device, FIFO, socket or directory is refused (`--json /dev/full` ran
+    the whole gate, then failed, and a companion file was made in /dev), and so is a place that cannot be written (a
+    read-only filesystem, no permission, a part of the path that is a file). Nothing is created here."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        abort(f"cannot write {what} {p}: a part of the path is a file, not a directory", "check the path")
+    except OSError as e:
+        abort(f"cannot write {what} {p}: {e.strerror or e}", "check the path")
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            abort(f"cannot write {what} {p}: it is {_kind(st.st_mode)}, not a regular file",
+                  "give the path of a new file, or of a regular file to replace")
+        where = p
+    else:
+        where = p.absolute().parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            abort(f"cannot write {what} {p}: {where} is a file, not a directory", "check the path")
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        abort(f"cannot write {what} {p}: {where} is on a read-only filesystem", "write it to another directory")
+    if not os.access(where, os.W_OK | (0 if st is not None else os.X_OK)):
+        abort(f"cannot write {what} {p}: permission denied ({where})", "check its permissions (ls -ld), or write it elsewhere")
+
+
+def check_output_dir(path: Path | str, what: str) -> None:
+    """Before a run, that `path` can be (or be made) a directory to write into: an existing directory, or absent under
+    one. A file or device in its place, a part of the path that is a file, a pseudo filesystem (/proc, /sys: `gate equiv
+    --work-dir /proc` ended in "internal error: FileNotFoundError"), a read-only filesystem or no permission: one line
+    naming the path. Nothing is created here."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        abort(f"cannot use {what} {p}: a part of the path is a file, not a directory", "check the path")
+    except OSError as e:
+        abort(f"cannot use {what} {p}: {e.strerror or e}", "check the path")
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            abort(f"cannot use {what} {p}: it is {'a file' if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)}, not a directory",
+                  "give the path of a directory (new or existing)")
+        where = p
+    else:
+        where = p.absolute().parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            abort(f"cannot use {what} {p}: {where} is a file, not a directory", "check the path")
+    try:
+        vfs = os.statvfs(where)
+    except OSError:
+        vfs = None
+    if vfs is not None and vfs.f_blocks == 0:
+        abort(f"cannot use {what} {p}: {where} is not on a disk (a pseudo filesystem such as /proc or /sys)",
+              "give a directory on a disk, e.g. under /tmp or your home")
+    if vfs is not None and vfs.f_flag & os.ST_RDONLY:
+        abort(f"cannot use {what} {p}: {where} is on a read-only filesystem", "give a directory on a writable filesystem")
+    if not os.access(where, os.W_OK | os.X_OK):
+        abort(f"cannot use {what} {p}: permission denied ({where})", "check its permissions (ls -ld), or give another directory")
 
 
 # ------------------------------------------------------------------ environment variables

@@ -34,9 +34,12 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def fake_gguf(tmp_path) -> Path:
-    """A file with the GGUF magic and nothing else: passes "is it a GGUF" checks, fails any real load."""
+    """A GGUF v3 header with no keys and no tensors (and zeros after it): passes the header checks every command makes
+    (models.resolve_model), fails any real load."""
+    import struct
+
     p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + b"\0" * 60)
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"\0" * 40)
     return p
 
 

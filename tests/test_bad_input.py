@@ -228,6 +228,30 @@ ROWS = {
     "9-setting-twice": Row(["serve", "demo", "-c", "2048", "--print-args", "--", "-c", "4096"], 2, ["-c after `--` clashes with --ctx-size"]),
     "9-config-extra-args-port": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2, ["--port in config file", "extra_args clashes"],
                                     files={"c.yaml": "model: demo\nextra_args: ['--port', '9999']\n"}),
+    # issue 39 (4): bench load's arguments after `--` checked as serve's (it accepted --port, then ran for long)
+    "39-4-bench-load-port-after-dashes": Row(["bench", "load", "{gguf}", "--dry-run", "--", "--port", "1234"], 2,
+                                             ["--port after `--` clashes with bench load, which runs each llama-server on a free loopback port"]),
+    "39-4-bench-load-model-after-dashes": Row(["bench", "load", "{gguf}", "--dry-run", "--", "-m", "{gguf}"], 2, ["-m after `--` clashes with bench load's MODEL"]),
+    "39-4-bench-load-slots-after-dashes": Row(["bench", "load", "{gguf}", "--dry-run", "--", "-np", "2"], 2, ["-np after `--` clashes with bench load's -np/--slots"]),
+    # issue 39 (16): the residency flags' values after `--` (llama-server started, loaded, then failed in a log box)
+    "39-16-kv-windows-bogus": Row(["serve", "demo", "--print-args", "--", "--kv-windows", "bogus"], 2,
+                                  ["--kv-windows after `--`: 'bogus' is not one of elastic, static"]),
+    "39-16-window-cells-negative": Row(["serve", "demo", "--print-args", "--", "--kv-window-cells=-3"], 2,
+                                       ["--kv-window-cells after `--` must be an integer of at least 0, not -3"]),
+    "39-16-tail-type-without-a-value": Row(["serve", "demo", "--print-args", "--", "-ctkt"], 2, ["-ctkt after `--` has no value"]),
+    "39-16-config-extra-args-mode": Row(["serve", "--config", "{tmp}/c.yaml", "--print-args"], 2,
+                                        ["--kv-residency-mode in config file", "extra_args: 'sideways' is not one of auto, window, head, off"],
+                                        files={"c.yaml": "model: demo\nextra_args: ['--kv-residency-mode', 'sideways']\n"}),
+    "39-16-bench-load-cpu-frac": Row(["bench", "load", "{gguf}", "--dry-run", "--", "--kv-tail-cpu-frac", "2"], 2,
+                                     ["--kv-tail-cpu-frac after `--` must be auto or a fraction from 0 to 1"]),
+    # issue 39: a hint that led to another error (`serve --model demo` suggested `-- --model demo`, which serve refuses)
+    "39-serve-model-option": Row(["serve", "--model", "demo"], 2,
+                                 ["No such option '--model': the model is serve's MODEL argument (rollingkv serve MODEL [serve options]"]),
+    # issue 39 (12): a path that cannot be the directory asked for (internal error: NotADirectoryError / FileNotFoundError)
+    "39-12-patches-checkout-dev-null": Row(["patches", "checkout", "/dev/null"], 1,
+                                           ["cannot use checkout directory /dev/null: it is a device, not a directory"]),
+    "39-12-patches-checkout-in-proc": Row(["patches", "checkout", "/proc/x"], 1,
+                                          ["cannot use checkout directory /proc/x: /proc is not on a disk (a pseudo filesystem"]),
     # issue 27 (15): messages that point the right way
     "15-run-demo-without-a-build": Row(["run", "demo", "-p", "hi"], 1, ["no rollingkv build yet"], hint=["rollingkv build"]),
     "15-model-symlink-loop": Row(["run", "{tmp}/loop.gguf", "-p", "hi"], 1, ["loop.gguf is a loop of symbolic links"],

@@ -385,6 +385,12 @@ def synth_parent_is_a_file(ctx: Ctx):
     return _synth(out="afile/m.gguf")(ctx)
 
 
+def synth_parent_missing(ctx: Ctx):
+    """issue 39: 13. `model synth /nonexistent_dir/x.gguf` made /nonexistent_dir, silently (seen before the fix: exit 0,
+    the folder and the model written)."""
+    return _synth(out="nodir/deeper/m.gguf")(ctx)[0], [ctx.tmp / "nodir"]
+
+
 def gate_window_past_the_context(ctx: Ctx):
     """The same usage error as gate needle's (exit 2), though found only once the text is tokenized (issue 27: 14)."""
     return ["gate", "equiv", "--model", str(ctx.demo), "--synthetic-tokens", "300", "--kv-window-cells", "99999", "--threads", "2",
@@ -437,7 +443,8 @@ ROWS = {
     "synth OUT is a FIFO (--force)": Row(synth_out_is_a_fifo, "m.gguf is a FIFO, not a regular file"),
     "synth OUT is a symbolic link (--force)": Row(synth_out_is_a_symlink, "m.gguf is a symbolic link, not a regular file"),
     "synth vocab of a billion": Row(synth_vocab_huge, "writing m.gguf needs"),
-    "synth parent is a file": Row(synth_parent_is_a_file, "could not write"),
+    "synth parent is a file": Row(synth_parent_is_a_file, "afile is not a directory"),
+    "synth parent missing": Row(synth_parent_missing, "nodir/deeper does not exist"),
     "synth on a read-only filesystem": Row(synth_read_only, "is on a read-only filesystem: m.gguf cannot be written there"),
     "gate equiv window past the context": Row(gate_window_past_the_context, "--kv-window-cells 99999 must be smaller than the context (768)",
                                               code=2, proc=True, needs_build=True),

@@ -187,3 +187,34 @@ def test_help_fits_80_columns(monkeypatch):
         out = CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=80).output
         long += [f"{' '.join(path)}: {line}" for line in out.splitlines() if len(line) > 80]
     assert not long, "\n".join(long)
+
+
+def _helps(monkeypatch):
+    from click.testing import CliRunner
+
+    from test_docs import _commands
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for path, _ in _commands(rollingkv):
+        yield " ".join(path) or "rollingkv", CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=80).output
+
+
+def test_command_lists_give_whole_phrases(monkeypatch):
+    """issue 39: `rollingkv --help` cut every description ("... against its PCIe..."): each command has a short_help
+    that fits. Seen failing before the fix: 9 of the root's 9 commands and most subcommands ended in "..."."""
+    cut = []
+    for name, out in _helps(monkeypatch):
+        listing = out.split("Commands:", 1)[1] if "Commands:" in out else ""
+        cut += [f"{name}: {line}" for line in listing.splitlines() if line.rstrip().endswith("...")]
+    assert not cut, "\n".join(cut)
+
+
+def test_help_never_breaks_inside_a_word(monkeypatch):
+    """issue 39: help text broke option names at their hyphens (`--kv-` / `window-cells`). Seen failing before the fix:
+    gate equiv's help alone had 4 lines ending in a word and a hyphen ("floating-", "llama-", ...)."""
+    import re
+
+    broken = []
+    for name, out in _helps(monkeypatch):
+        broken += [f"{name}: {line}" for line in out.splitlines() if re.search(r"\w-$", line)]
+    assert not broken, "\n".join(broken)

@@ -144,3 +144,30 @@ def test_relative_links_point_at_existing_files(md: Path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(REPO)})")
     assert not broken, f"broken links in {md.relative_to(REPO)}: {broken}"
+
+
+_OPTION_ROW = re.compile(r"^\|\s*`(--[\w-]+)[^|]*\|(.*)\|\s*$")
+_DEFAULT = re.compile(r"\(default:? ([^()]*?)\)")
+
+
+def test_the_defaults_in_the_option_tables_are_the_codes():
+    """An option table row of docs/reference/cli.md that says "(default X)" for an option whose --help shows its default
+    says the same X (the text before a ';' or ', '). issue 39: gate matrix's --tail-types was documented without the
+    `auto` its default holds. Seen failing before the fix on that row (f16,q8_0,q4_0 against f16,q8_0,q4_0,auto)."""
+    sections = _sections(CLI_DOC.read_text(encoding="utf-8"))
+    wrong, checked = [], 0
+    for path, cmd in _commands(rollingkv):
+        params = {f: p for p in cmd.params if isinstance(p, click.Option) for f in p.opts if f.startswith("--")}
+        for line in _section_of(path, sections).splitlines() if path else []:
+            m = _OPTION_ROW.match(line)
+            d = _DEFAULT.search(m.group(2)) if m else None
+            p = params.get(m.group(1)) if m else None
+            if d is None or p is None or not p.show_default or p.default is None or isinstance(p.default, bool):
+                continue
+            code = ",".join(map(str, p.default)) if isinstance(p.default, (tuple, list)) else str(p.default)
+            doc = re.split(r";|, ", d.group(1))[0].strip().strip("`")
+            checked += 1
+            if doc != code:
+                wrong.append(f"{' '.join(path)} {m.group(1)}: the doc says {doc}, the code {code}")
+    assert checked >= 20, checked  # the rows this reads are there
+    assert not wrong, "\n".join(wrong)

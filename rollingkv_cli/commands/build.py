@@ -9,7 +9,7 @@ import click
 from rollingkv_cli.lib.paths import ENV_SOURCE_DIR
 
 
-@click.command()
+@click.command(short_help="Build the patched llama.cpp (a no-op when built).")
 @click.option("--cuda/--no-cuda", default=None, help="Build the CUDA backend. Default: only when nvcc and an NVIDIA GPU are both present.")
 @click.option("--cuda-arch", metavar="ARCHS", help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 or 86;90). Default: the GPUs' compute capability via NVML, else native.")
 @click.option("--backend-dl", is_flag=True, help="Build ggml backends as runtime-loaded modules (llamafile-style: CUDA in its own shared object).")

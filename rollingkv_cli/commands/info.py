@@ -7,7 +7,7 @@ import json
 import click
 
 
-@click.command()
+@click.command(short_help="The active build and the host CPU it runs on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest and the host's CPU facts as JSON.")
 def info(as_json: bool) -> None:
     """Show the active build (pin, patch series, options, artifacts) and the host CPU: its model, and the

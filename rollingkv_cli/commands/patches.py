@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 
-@click.group()
+@click.group(short_help="Work on the patch series against the pin.")
 def patches() -> None:
     """Work on the patch series against the pinned llama.cpp.
 
@@ -19,14 +19,16 @@ def patches() -> None:
     """
 
 
-@patches.command()
+@patches.command(short_help="A git work tree at the pin, a commit per patch.")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--lab", is_flag=True, help="Add the lab series on top: a commit of native-lab/ (tag rollingkv-lab-native), then a commit per lab patch.")
 def checkout(dest: Path, lab: bool) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
     from rollingkv_cli.lib import patchset, upstream
     from rollingkv_cli.console import note, success
+    from rollingkv_cli.userinput import check_output_dir
 
+    check_output_dir(dest, "checkout directory")  # before the pin's tree is fetched or extracted
     series = patchset.load_series(lab=lab)
     pristine = upstream.pristine_tree(log=note)
     patchset.checkout(dest, pristine, series)
@@ -34,7 +36,7 @@ def checkout(dest: Path, lab: bool) -> None:
     success(f"{dest}: llama.cpp {upstream.PIN.short} + {len(series.native_files)} native files + {len(series.patches)} patches{extra}")
 
 
-@patches.command()
+@patches.command(short_help="Regenerate patches/ and native/ from a checkout.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite native/ files that changed since SRC last synced with native/.")
 def export(src: Path, force: bool) -> None:
@@ -52,7 +54,7 @@ def export(src: Path, force: bool) -> None:
     success(f"exported {len(written)} patches and {len(series.native_files)} native files (series {patchset.load_series().hash[:12]}){lab}")
 
 
-@patches.command("apply")
+@patches.command("apply", short_help="Apply the series to a llama.cpp tree in place.")
 @click.argument("tree", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--lab", is_flag=True, help="Apply the lab series on top (patches/lab/, native-lab/).")
 def apply_cmd(tree: Path, lab: bool) -> None:
@@ -67,7 +69,7 @@ def apply_cmd(tree: Path, lab: bool) -> None:
         info(f"{tree}: the series is already applied (nothing to do)")
 
 
-@patches.command("list")
+@patches.command("list", short_help="Each patch, why it exists, what it touches.")
 def list_cmd() -> None:
     """Show the series: each patch, why it exists and the files it touches."""
     from rich.table import Table

@@ -7,7 +7,7 @@ import json
 import click
 
 
-@click.group()
+@click.group(short_help="Inspect the hardware that rollingkv plans with.")
 def probe() -> None:
     """Inspect the hardware that rollingkv plans with."""
 
@@ -24,7 +24,7 @@ def _triple(figures: dict | None) -> str:
     return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in SIZES_MIB)
 
 
-@probe.command()
+@probe.command(short_help="Each GPU's PCIe link and its measured speed.")
 @click.option("--refresh", is_flag=True, help="Measure again even where a cached measurement exists.")
 @click.option("--no-measure", is_flag=True, help="Never measure: NVML/sysfs link data and cached measurements only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")

@@ -19,7 +19,7 @@ def _temperature(ctx, param, value: float) -> float:
     return value
 
 
-@click.command()
+@click.command(short_help="Answer one prompt with MODEL on the active build.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-p", "--prompt", help="The user message.")
 @click.option("-f", "--prompt-file", type=click.Path(path_type=Path), help="Read the user message from a file (UTF-8 text).")
@@ -45,8 +45,6 @@ def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature
 
         builder.active_build(required=True)
     path = models.resolve_model(model_spec, log=lambda m: err_console.print(m, style="dim", markup=False, soft_wrap=True))
-    if model_spec != "demo":  # the demo is verified by its sha256
-        models.check_gguf(path, model_spec)
     child.run_isolated(lambda: _answer(path, model_spec, text, max_tokens, ctx_size, seed, temperature, verbose),
                        f"running {model_spec}", verbose)
 

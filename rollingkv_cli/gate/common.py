@@ -154,8 +154,12 @@ def work_dir(root: Path, prefix: str):
     gone = remove_stale_work_dirs(root, prefix)
     if gone:
         note(f"removed {len(gone)} work folder(s) of gates that were killed: {', '.join(str(g) for g in gone)}")
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=root) as td:
-        (Path(td) / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=root)
+        (Path(tmp.name) / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    except OSError as e:
+        abort(f"cannot make a work folder in {root}: {e.strerror or e}", "point --work-dir at a writable directory on a disk")
+    with tmp as td:
         yield td
 
 

@@ -22,6 +22,64 @@ def runner_cmd(args: list[str]) -> list[str]:
     return python_command("rollingkv_cli.gate.runner", *args)
 
 
+def positions_path(json_out: Path) -> Path:
+    """The per-position file beside a report: OUT.positions.npz, without OUT's .json (`--json jj/run.v1` and `run.v2`
+    both wrote run.positions.npz, so the first report named the second's data)."""
+    stem = json_out.name[:-5] if json_out.name.lower().endswith(".json") else json_out.name
+    return json_out.with_name(stem + ".positions.npz")
+
+
+def mem_available() -> int | None:
+    """The host's MemAvailable (/proc/meminfo), bytes; None where it is not known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_room(model: Path, n_tokens: int, n_ctx: int, ctk: str, ctv: str, work_root: Path, logits_copies: int, what: str,
+               kv_on_host: bool) -> None:
+    """Refuse, before anything is tokenized, a run the host cannot hold (--synthetic-tokens 100000000: 50 s of silence,
+    then std::bad_alloc in the tokenize child): the reference logits (n_tokens x n_vocab x 4 bytes, per copy) against
+    the work folder's free disk, and, on the CPU, the cache of n_ctx cells at -ctk/-ctv against MemAvailable. The sizes
+    come from the GGUF header; what a header does not say is not counted. `what` names the setting to lower."""
+    import shutil
+
+    from rollingkv_cli.console import abort
+    from rollingkv_cli.gguf_header import read_header
+    from rollingkv_cli.models import human_bytes
+
+    h = read_header(model)
+    arch = h.get("general.architecture")
+    vocab = h.get("tokenizer.ggml.tokens")
+    n_vocab = len(vocab) if isinstance(vocab, list) else h.get(f"{arch}.vocab_size")
+    if isinstance(n_vocab, int) and n_vocab > 0:
+        need = n_tokens * n_vocab * 4 * logits_copies
+        try:
+            free = shutil.disk_usage(work_root).free
+        except OSError:
+            free = None
+        if free is not None and need > free - (64 << 20):
+            abort(f"{what}: the reference logits alone would be {human_bytes(need)} ({n_tokens} tokens x {n_vocab} vocabulary x 4 bytes"
+                  f"{f' x {logits_copies}' if logits_copies > 1 else ''}), and {work_root} has {human_bytes(free)} free",
+                  "decode fewer tokens, or point --work-dir at a larger disk")
+    if not kv_on_host:
+        return
+    try:
+        from rollingkv_cli.bench.gguf import read_model
+
+        kv = read_model(model).kv.row_bytes(ctk, ctv) * n_ctx
+    except Exception:  # a shape the header does not give whole (the runner says what is wrong): not counted
+        return
+    avail = mem_available()
+    if avail is not None and kv > avail:
+        abort(f"{what}: the KV cache of {n_ctx} cells ({ctk}/{ctv}) alone would take {human_bytes(kv)} of memory, and the host "
+              f"has {human_bytes(avail)} available", "decode fewer tokens")
+
+
 def progress(console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

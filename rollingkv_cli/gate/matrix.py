@@ -78,6 +78,35 @@ def default_name(backend: str) -> str:
     return f"{time.strftime('%Y-%m-%d')}-{host}-{backend}"
 
 
+def report_place(out_dir: Path | None, name: str | None, backend: str, force: bool = False) -> tuple[Path, str]:
+    """Where the reports go, before the run. Default: the checkout's docs/gates when run inside the rollingkv repository
+    (the records live there), else the current directory with a name that says what it is (gate matrix wrote
+    ./docs/gates/ into whatever directory it ran in). A report is never overwritten silently: a default name that is
+    taken gets -2, -3, ...; an explicit --name that is taken is refused unless --force. The place is checked as any
+    output (userinput.check_output_dir / check_output_file)."""
+    from rollingkv_cli.console import abort
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.userinput import check_output_dir, check_output_file
+
+    repo_gates = paths.REPO_ROOT / "docs" / "gates"
+    in_repo = (paths.REPO_ROOT / "pyproject.toml").is_file() and repo_gates.is_dir() and Path.cwd().resolve().is_relative_to(paths.REPO_ROOT)
+    if out_dir is None:
+        out_dir = repo_gates if in_repo else Path.cwd()
+    check_output_dir(out_dir, "--out")
+    taken = lambda n: (out_dir / f"{n}.json").exists() or (out_dir / f"{n}.md").exists()  # noqa: E731
+    if name is None:
+        base = default_name(backend) if out_dir.resolve() == repo_gates.resolve() else f"gate-matrix-{default_name(backend)}"
+        name, k = base, 1
+        while taken(name):
+            k += 1
+            name = f"{base}-{k}"
+    elif taken(name) and not force:
+        abort(f"{out_dir / name}.json or .md exists: gate matrix does not overwrite a report", "pass --force to replace it, or give another --name")
+    for suffix in (".json", ".md"):
+        check_output_file(out_dir / f"{name}{suffix}", "report")
+    return out_dir, name
+
+
 def equiv_command(cfg: MatrixConfig, n_ctx: int, window: int, tail: str, ctk: str = WINDOW_TYPE, baseline: bool = False) -> str:
     parts = ["rollingkv", "gate", "equiv", "--model", cfg.model_spec, "--synthetic-tokens", str(cfg.tokens), "--ctx", str(n_ctx),
              "--kv-window-cells", str(window)]

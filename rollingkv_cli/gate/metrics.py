@@ -210,18 +210,20 @@ def default_thresholds(profile: str) -> dict[str, float | None]:
 
 
 def _validate_overrides(d: Any, where: str) -> dict[str, float | None]:
+    from rollingkv_cli.userinput import shown  # a value in a message: cut short
+
     if not isinstance(d, dict):
         raise ThresholdsError(f"{where}: expected a mapping of threshold names to numbers")
     out: dict[str, float | None] = {}
     known = set(CHECKS) | PARAM_KEYS
     for k, v in d.items():
         if k not in known:
-            raise ThresholdsError(f"{where}: unknown key {k!r} (known: {', '.join(sorted(known))})")
+            raise ThresholdsError(f"{where}: unknown key {shown(k)} (known: {', '.join(sorted(known))})")
         if v is None and k in CHECKS:
             out[k] = None  # null disables a check
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-            raise ThresholdsError(f"{where}: {k} must be a finite number{' or null' if k in CHECKS else ''}, not {v!r}")
+            raise ThresholdsError(f"{where}: {k} must be a finite number{' or null' if k in CHECKS else ''}, not {shown(v)}")
         if float(v) < 0:
             raise ThresholdsError(f"{where}: {k} must be >= 0, not {v}")
         if k in UNIT_KEYS and float(v) > 1:

@@ -23,7 +23,7 @@ PROFILE_VERSION = 1
 
 
 def profile_path() -> Path:
-    return paths.cache_dir() / "pcie" / "profile.json"
+    return paths.cache_dir(write=False) / "pcie" / "profile.json"
 
 
 def _valid_entry(e) -> bool:
@@ -100,6 +100,7 @@ def _warn_once(text: str) -> None:
 
 
 def _write_doc(doc: dict) -> Path:
+    paths.cache_dir()  # a cache we can write, or one line
     p = profile_path()
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + f".tmp{os.getpid()}")

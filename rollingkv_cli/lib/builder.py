@@ -329,6 +329,7 @@ def build(opts: BuildOptions, series: patchset.Series | None = None, jobs: int |
     # a local tree is checked here; the sdist is fetched and extracted under the lock (one extraction at a time)
     local = opts.source or os.environ.get(paths.ENV_SOURCE_DIR)
     source = upstream.resolve_source(Path(local), allow_unpinned=not opts.pinned, log=log)[0] if local else None
+    paths.cache_dir()  # a cache we can write, or one line
     fresh = not bdir.exists()
     bdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -442,6 +443,12 @@ def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `r
 
 def set_active(bdir: Path) -> None:
     f = paths.active_build_file()
+    try:
+        if Path(f.read_text().strip()).resolve() == bdir.resolve():
+            return  # already active: nothing to write (a read-only cache serves a no-op build)
+    except OSError:
+        pass
+    paths.cache_dir()  # a cache we can write, or one line
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
     tmp.write_text(str(bdir) + "\n")

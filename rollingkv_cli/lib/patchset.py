@@ -309,6 +309,9 @@ def checkout(dest: Path, pristine: Path, series: Series | None = None) -> None:
     """A git work tree at the pin: base commit, native commit, then one commit per patch. Checked for room first; on any
     failure what was written is removed (dest itself when this made it), and the error is one line."""
     series = series or load_series()
+    from rollingkv_cli.userinput import check_output_dir
+
+    check_output_dir(dest, "checkout directory")  # a device, a file, /proc: one line, not NotADirectoryError
     if dest.exists() and any(dest.iterdir()):
         abort(f"{dest} exists and is not empty", "choose a new directory")
     _check_room_for_checkout(dest, pristine)

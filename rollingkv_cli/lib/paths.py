@@ -21,14 +21,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _usable: set[Path] = set()
 
 
-def cache_dir() -> Path:
-    """The cache root, created if missing; a one-line error when it is a file or cannot be written."""
+def cache_dir(write: bool = True) -> Path:
+    """The cache root. To write there (write=True): created if missing, and a one-line error when it is a file or cannot
+    be written (a read-only filesystem: the command must write, and says so). To read (write=False: the active build, a
+    cached model, the PCIe profile): only a file in its place is refused, nothing is created, a read-only cache serves
+    (it refused `rollingkv info` and every other command)."""
     explicit = os.environ.get(ENV_CACHE_DIR)
     if explicit:
         p = Path(explicit).expanduser()
     else:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         p = Path(base) / "rollingkv"
+    if not write:
+        if p.exists() and not p.is_dir():
+            _check_cache_dir(p, explicit)  # the one line for a file in its place
+        return p
     if p not in _usable:
         _check_cache_dir(p, explicit)
         _usable.add(p)
@@ -44,6 +51,12 @@ def _check_cache_dir(p: Path, explicit: str | None) -> None:
     if p.exists() and not p.is_dir():
         abort(f"{what} is a file, not a directory", hint)
     try:
+        read_only = p.is_dir() and bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        abort(f"{what} is on a read-only filesystem, and this command writes there (builds, logs, downloads)", hint)
+    try:
         p.mkdir(parents=True, exist_ok=True)
     except NotADirectoryError:
         abort(f"{what} cannot be created: a part of the path is a file", hint)
@@ -53,25 +66,26 @@ def _check_cache_dir(p: Path, explicit: str | None) -> None:
         abort(f"{what} is not writable", hint)
 
 
+# the paths below are for reading and writing alike: whoever writes there calls cache_dir() first (write=True)
 def sdist_dir() -> Path:
-    return cache_dir() / "sdist"
+    return cache_dir(write=False) / "sdist"
 
 
 def upstream_dir() -> Path:
     """Pristine extracted upstream trees, one per pin."""
-    return cache_dir() / "upstream"
+    return cache_dir(write=False) / "upstream"
 
 
 def builds_dir() -> Path:
-    return cache_dir() / "builds"
+    return cache_dir(write=False) / "builds"
 
 
 def models_dir() -> Path:
-    return cache_dir() / "models"
+    return cache_dir(write=False) / "models"
 
 
 def active_build_file() -> Path:
-    return cache_dir() / "active-build"
+    return cache_dir(write=False) / "active-build"
 
 
 def data_dir(name: str) -> Path:

@@ -120,6 +120,7 @@ def fetch_sdist(log=print) -> Path:
             f"{PIN.sdist_filename} is not cached and {paths.ENV_OFFLINE} is set",
             f"put the file in {target.parent} or pass --source DIR with a llama.cpp tree at {PIN.short}",
         )
+    paths.cache_dir()  # a cache we can write, or one line
     target.parent.mkdir(parents=True, exist_ok=True)
     log(f"downloading {PIN.bindings_package}=={PIN.bindings_version} sdist (pinned llama.cpp {PIN.short})")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -151,6 +152,7 @@ def pristine_tree(log=print) -> Path:
     if (dest / ".rollingkv-extracted").is_file():
         return dest
     sdist = fetch_sdist(log)
+    paths.cache_dir()  # a cache we can write, or one line
     log(f"extracting vendor/llama.cpp from {sdist.name}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".extract-"))

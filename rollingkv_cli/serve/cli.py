@@ -77,12 +77,18 @@ class _ServeCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as e:
-            e.message = (f"{e.message.rstrip('.')}: llama-server's own options go after `--`, unchanged "
-                         f"(rollingkv serve MODEL [serve options] -- {e.option_name} ...)")
+            if e.option_name in ("-m", "--model"):  # after `--` it would be refused too: the model is MODEL
+                e.message = (f"{e.message.rstrip('.')}: the model is serve's MODEL argument "
+                             f"(rollingkv serve MODEL [serve options], MODEL a GGUF path or `demo`)")
+                e.possibilities = []  # not "Did you mean '--help'?"
+            else:
+                e.message = (f"{e.message.rstrip('.')}: llama-server's own options go after `--`, unchanged "
+                             f"(rollingkv serve MODEL [serve options] -- {e.option_name} ...)")
             raise
 
 
-@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False})
+@click.command(cls=_ServeCommand, context_settings={"ignore_unknown_options": False},
+               short_help="llama-server (OpenAI API) with the KV split as needed.")
 @click.argument("model_spec", metavar="MODEL", required=False, type=SettingType("model"))
 @_setting("--kv-residency-mode", key="kv_residency_mode",
           help="KV residency: auto (default: a split only where the KV does not fit, by window unless the head split costs "

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import abort, note, usage_error
+from rollingkv_cli.userinput import shown  # a config value in a message: cut short
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 
 RESIDENCY_MODES = ("auto", "window", "head", "off")
@@ -64,19 +65,19 @@ class Setting:
         if self.kind == "choice":
             v = str(value) if from_text else value
             if v not in self.choices:
-                raise SettingError(f"{value!r} is not one of {', '.join(self.choices)}")
+                raise SettingError(f"{shown(value)} is not one of {', '.join(self.choices)}")
             return v
         if self.kind == "fraction_or_auto":
             return fraction_or_auto(value, from_text)
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
-            raise SettingError(f"must be true or false, not {value!r}")
+            raise SettingError(f"must be true or false, not {shown(value)}")
         if self.kind == "str":
             if from_text:
                 value = str(value)
             if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
-                raise SettingError(f"must be a host name or address, not {value!r}")
+                raise SettingError(f"must be a host name or address, not {shown(value)}")
             return value
         if self.kind == "int":
             v = _as_int(value, from_text)
@@ -84,9 +85,9 @@ class Setting:
             v = _as_float(value, from_text)
         positive = self.kind == "float" and self.lo == 0  # an exclusive bound: a positive number
         if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
-            raise SettingError(f"must be {self._range()}, not {value if from_text else repr(value)}")
+            raise SettingError(f"must be {self._range()}, not {value if from_text else shown(value)}")
         if self.cap is not None and v > self.cap:
-            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else repr(value)}")
+            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else shown(value)}")
         return v
 
     def _range(self) -> str:
@@ -104,14 +105,14 @@ def fraction_or_auto(value, from_text: bool) -> float | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if not from_text and isinstance(value, str):
-        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value!r}")
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {shown(value)}")
     try:
         v = _as_float(value, from_text)
     except SettingError:
-        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value if from_text else repr(value)}") from None
+        raise SettingError(f"must be auto or a fraction from 0 to 1, not {value if from_text else shown(value)}") from None
     if not 0.0 <= v <= 1.0:
         raise SettingError(f"must be auto or a fraction from 0 to 1 (0: no CPU part, 1: the whole tail on the CPU), "
-                           f"not {value if from_text else repr(value)}")
+                           f"not {value if from_text else shown(value)}")
     return v
 
 
@@ -120,9 +121,9 @@ def _as_int(value, from_text: bool) -> int:
         try:
             return int(str(value).strip(), 10)
         except ValueError:
-            raise SettingError(f"{value!r} is not an integer") from None
+            raise SettingError(f"{shown(value)} is not an integer") from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingError(f"must be an integer, not {value!r}")
+        raise SettingError(f"must be an integer, not {shown(value)}")
     return value
 
 
@@ -131,13 +132,13 @@ def _as_float(value, from_text: bool) -> float:
         try:
             v = float(str(value).strip())
         except ValueError:
-            raise SettingError(f"{value!r} is not a number") from None
+            raise SettingError(f"{shown(value)} is not a number") from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingError(f"must be a number, not {value!r}")
+        raise SettingError(f"must be a number, not {shown(value)}")
     else:
         v = float(value)
     if not math.isfinite(v):
-        raise SettingError(f"must be a finite number, not {value!r}")
+        raise SettingError(f"must be a finite number, not {shown(value)}")
     return v
 
 
@@ -198,7 +199,7 @@ def config_value(key: str, value, source: str):
         return [str(a) for a in value]
     if key == "model":
         if not isinstance(value, str) or not value.strip():
-            usage_error(f"{source}: model must be a GGUF path or `demo`, not {value!r}")
+            usage_error(f"{source}: model must be a GGUF path or `demo`, not {shown(value)}")
         return value
     try:
         return check_setting(key, value)
@@ -236,19 +237,64 @@ _LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--paralle
                 "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "slot_save": ("--slot-save-path",)}
 
 
+def _arg_name(a: str) -> str:
+    return a.split("=", 1)[0] if a.startswith("--") else a
+
+
+# llama-server's residency flags and serve's own settings, given to llama-server after `--`: their values are known, so
+# a bad one is refused before the server starts (it started, loaded the model, then exited with a log box). llama-server
+# takes 0 for "the planner decides" where serve's own flags take a count.
+_PASSTHROUGH_VALUES: dict[str, Setting] = {
+    **{f: SETTINGS[k] for k, fs in _LLAMA_FLAGS.items() if k != "slot_save" for f in fs},
+    "--kv-window-cells": Setting("kv_window_cells", "int", lo=0, cap=INT32_MAX),
+    "--kv-device-heads": Setting("kv_device_heads", "int", lo=0, cap=INT32_MAX),
+    "--vram-target": Setting("vram_target", "int", lo=0, cap=MAX_VRAM_TARGET_MIB),
+    "--kv-windows": Setting("kv_windows", "choice", choices=("elastic", "static")),  # llama_ext.WINDOW_POLICIES
+}
+
+
+def check_server_args(extra: list[str], extra_where: str, command: str, owned: dict[str, str] | None = None) -> None:
+    """llama-server's arguments that a command passes on unchanged (serve's and bench load's after `--`): the address
+    and the model are the command's own (it binds, checks and reports them), so are the flags in owned (flag -> what
+    sets it), and the residency flags' values must be ones llama-server takes. Usage errors, before any server starts."""
+    for i, a in enumerate(extra):
+        name = _arg_name(a)
+        if name in ("--host", "--port"):
+            if command == "serve":
+                usage_error(f"{name} {extra_where} clashes with serve's own {name} (serve binds, checks and reports that address)",
+                            f"give it to serve before `--`: rollingkv serve MODEL {name} VALUE")
+            usage_error(f"{name} {extra_where} clashes with {command}, which runs each llama-server on a free loopback port",
+                        f"leave {name} out")
+        if name in ("-m", "--model"):
+            usage_error(f"{name} {extra_where} clashes with {command}'s MODEL (it checks and reports the model it loads)",
+                        f"give the model as {command}'s MODEL argument (a GGUF path or `demo`)")
+        if owned and name in owned:
+            usage_error(f"{name} {extra_where} clashes with {owned[name]}: llama-server would take only one of them",
+                        "leave it out")
+        setting = _PASSTHROUGH_VALUES.get(name)
+        if setting is None:
+            continue
+        if a.startswith("--") and "=" in a:
+            value = a.split("=", 1)[1]
+        elif i + 1 < len(extra):
+            value = extra[i + 1]
+        else:
+            usage_error(f"{name} {extra_where} has no value", f"give it one: {name} VALUE")
+        try:
+            setting.check(value, from_text=True)
+        except SettingError as e:
+            usage_error(f"{name} {extra_where} {e}" if str(e).startswith("must") else f"{name} {extra_where}: {e}",
+                        "llama-server would refuse it after loading the model")
+
+
 def _check_extra_args(extra: list[str], merged: dict, where: dict[str, str], extra_where: str) -> None:
     """llama-server's arguments after `--` go unchanged, so none may contradict what serve passes itself: serve binds
     --host/--port and loads MODEL (what it checks and reports), and a setting given both ways would leave one of the
     two ignored. Usage errors, naming both."""
+    check_server_args(extra, extra_where, "serve")
     owner = {f: k for k, fs in _LLAMA_FLAGS.items() for f in fs}
     for a in extra:
-        name = a.split("=", 1)[0] if a.startswith("--") else a
-        if name in ("--host", "--port"):
-            usage_error(f"{name} {extra_where} clashes with serve's own {name} (serve binds, checks and reports that address)",
-                        f"give it to serve before `--`: rollingkv serve MODEL {name} VALUE")
-        if name in ("-m", "--model"):
-            usage_error(f"{name} {extra_where} clashes with serve's MODEL (serve checks and reports the model it loads)",
-                        "give the model as serve's MODEL argument (a GGUF path or `demo`)")
+        name = _arg_name(a)
         key = owner.get(name)
         if key is not None and merged.get(key) not in (None, False):
             usage_error(f"{name} {extra_where} clashes with {where[key]}: llama-server would take only one of them",

@@ -693,3 +693,62 @@ def test_each_gate_run_logs_into_a_folder_of_its_own(isolated_cache):
 
     a, b = common.logs_dir(), common.logs_dir()
     assert a != b and a.parent == b.parent == isolated_cache / "gate"
+
+
+# ---------------------------------------------------------------- what the run writes, checked before it (issue 39)
+
+@pytest.mark.parametrize("where", ["a link to /dev/full", "under a file"])
+def test_a_report_that_cannot_be_written_is_refused_before_the_run(where, capsys, fake_runs, fake_gguf, tmp_path):
+    """issue 39: 6. Seen failing before the fix: tokenize, reference and candidate ran, then "cannot write", and the
+    positions file had been written beside the link (with /dev/full itself: /dev/full.positions.npz in /dev)."""
+    if where == "a link to /dev/full":
+        out = tmp_path / "r.json"
+        out.symlink_to("/dev/full")
+        expect = f"cannot write report {out}: it is a device, not a regular file"
+    else:
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "r.json"
+        expect = f"cannot write report {out}: a part of the path is a file, not a directory"
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
+    assert code == 1 and expect in _one_error(err)
+    assert fake_runs["calls"] == [], "nothing ran"
+    assert not list(tmp_path.glob("*.npz")), "nothing written beside it"
+
+
+def test_each_report_names_its_own_positions_file(capsys, fake_runs, fake_gguf, tmp_path):
+    """issue 39: 7. OUT.positions.npz, OUT without .json. Seen failing before the fix: `--json jj/run.v1` and `run.v2`
+    both wrote jj/run.positions.npz, and the first report named the second's data."""
+    jj = tmp_path / "jj"
+    for name, positions in (("run.v1", "run.v1.positions.npz"), ("run.v2", "run.v2.positions.npz"), ("gate.json", "gate.positions.npz")):
+        code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(jj / name)], capsys)
+        assert code == 0, err
+        assert json.loads((jj / name).read_text())["positions_file"] == str(jj / positions)
+    assert sorted(p.name for p in jj.glob("*.npz")) == ["gate.positions.npz", "run.v1.positions.npz", "run.v2.positions.npz"]
+
+
+def test_synthetic_tokens_the_disk_cannot_hold_are_refused_before_tokenizing(capsys, fake_runs, demo_model):
+    """issue 39: 8. Seen failing before the fix: the (here faked) runs went ahead; for real, the tokenize child took 50 s
+    and 7.2 GB, then died of std::bad_alloc."""
+    code, _, err = run_main(["gate", "equiv", "--model", str(demo_model), "--synthetic-tokens", "100000000"], capsys)
+    assert code == 1 and fake_runs["calls"] == []
+    assert ("--synthetic-tokens 100000000: the reference logits alone would be 17.9 TiB (100000000 tokens x 49152 vocabulary "
+            "x 4 bytes)") in _one_error(err)
+
+
+def test_synthetic_tokens_whose_cache_the_memory_cannot_hold_are_refused(capsys, fake_runs, demo_model, tmp_path, monkeypatch):
+    """issue 39: 8, the memory side (the cache of the context on the CPU against MemAvailable, here 1 MiB). Seen failing
+    before the fix: the runs went ahead."""
+    from rollingkv_cli.gate import equiv as gate_equiv
+
+    monkeypatch.setattr(gate_equiv, "mem_available", lambda: 1 << 20)
+    code, _, err = run_main(["gate", "equiv", "--model", str(demo_model), "--synthetic-tokens", "2048", "--work-dir", str(tmp_path)], capsys)
+    assert code == 1 and fake_runs["calls"] == []
+    # the demo model: 30 layers x 3 KV heads x 64 x (K + V) x 2 bytes = 23040 bytes a cell, 2304 cells
+    assert "the KV cache of 2304 cells (f16/f16) alone would take 50.6 MiB of memory, and the host has 1.0 MiB available" in _one_error(err)
+
+
+def test_a_work_dir_on_a_pseudo_filesystem_is_one_line(capsys, fake_runs, fake_gguf):
+    """issue 39: 12. Seen failing before the fix: "internal error: FileNotFoundError"."""
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--work-dir", "/proc"], capsys)
+    assert code == 1 and fake_runs["calls"] == []
+    assert "cannot use --work-dir /proc: /proc is not on a disk" in _one_error(err)

@@ -41,9 +41,8 @@ def test_usage_errors(capsys, isolated_cache, args, match):
     assert code == 2 and match in err
 
 
-def test_bad_lib_dir(capsys, isolated_cache, tmp_path):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
-    code, _, err = run_main(["gate", "matrix", "--model", str(tmp_path / "m.gguf"), "--lib-dir", str(tmp_path)], capsys)
+def test_bad_lib_dir(capsys, isolated_cache, tmp_path, fake_gguf):
+    code, _, err = run_main(["gate", "matrix", "--model", str(fake_gguf), "--lib-dir", str(tmp_path)], capsys)
     assert code == 1 and "no libllama.so" in err and "Traceback" not in err
 
 
@@ -226,3 +225,50 @@ def test_matrix_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
     r = json.loads((out / "bad.json").read_text())
     assert r["verdict"] == "fail" and r["failed_cells"] == ["f16@0.5"] and "max_mean_tv" in r["cells"][0]["failed_checks"]
     assert (out / "bad.md").read_text().startswith("# Gate matrix: FAIL")
+
+
+@pytest.fixture
+def faked_matrix(monkeypatch, isolated_cache, tmp_path):
+    """An active build (an empty libllama.so) and a matrix run that returns the CPU record in docs/gates: what happens
+    around the run (where the report goes) without decoding anything."""
+    from rollingkv_cli.gate import matrix as gm
+    from rollingkv_cli.lib import builder
+
+    bdir = tmp_path / "build"
+    (bdir / "build" / "bin").mkdir(parents=True)
+    (bdir / "build" / "bin" / "libllama.so").write_bytes(b"")
+    monkeypatch.setattr(builder, "active_build", lambda required=True: builder.Build(bdir, {"pin": "x", "series_hash": "y", "options": {}}))
+    record = json.loads((REPO / "docs" / "gates" / "2026-11-30-vm-cpu.json").read_text())
+    monkeypatch.setattr(gm, "run", lambda cfg, console, logs, work: record)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def test_outside_the_repository_the_report_lands_here_and_is_never_overwritten(faked_matrix, fake_gguf, capsys):
+    """issue 39: gate matrix wrote ./docs/gates/ into whatever directory it ran in and replaced that day's report. Seen
+    failing before the fix: the first run made elsewhere/docs/gates/<date>-<host>-cpu.json, the second overwrote it."""
+    from rollingkv_cli.gate import matrix as gm
+
+    base = f"gate-matrix-{gm.default_name('cpu')}"
+    args = ["gate", "matrix", "--model", str(fake_gguf), "--no-needle"]
+    for expect in (base, f"{base}-2"):
+        code, _, err = run_main(args, capsys)
+        assert code == 0, err
+        assert (faked_matrix / f"{expect}.json").is_file() and (faked_matrix / f"{expect}.md").is_file()
+    assert not (faked_matrix / "docs").exists()
+    code, _, err = run_main([*args, "--name", base], capsys)  # an explicit name that is taken: refused before the run
+    assert code == 1 and "gate matrix does not overwrite a report" in err and "--force" in err
+    code, _, err = run_main([*args, "--name", base, "--force"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in faked_matrix.iterdir()) == sorted(f"{n}.{s}" for n in (base, f"{base}-2") for s in ("json", "md"))
+
+
+def test_inside_the_repository_the_report_goes_to_docs_gates(monkeypatch):
+    """The records' place stays the default where they belong (the checkout; scripts/gate-matrix.sh runs there)."""
+    from rollingkv_cli.gate import matrix as gm
+
+    monkeypatch.chdir(REPO / "rollingkv_cli")
+    out, name = gm.report_place(None, None, "cpu")
+    assert out == REPO / "docs" / "gates" and name.startswith(gm.default_name("cpu"))

@@ -10,7 +10,7 @@ from rollingkv_cli.gate.cli.needle import needle
 from rollingkv_cli.gate.cli.vram import vram
 
 
-@click.group()
+@click.group(short_help="Check the split cache against the resident run.")
 def gate() -> None:
     """Check the split KV cache against the fully resident run.
 

@@ -17,7 +17,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL
 MODES = ["window", "head", "auto", "off"]
 
 
-@click.command()
+@click.command(short_help="Split vs resident logits, teacher-forced.")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--prompt-file", type=click.Path(path_type=Path),
               help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")
@@ -155,6 +155,11 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
 
         read_text(prompt_file, "prompt file")  # readable UTF-8 text, said here rather than by the runner
     pcie_bw = paths.pcie_bw_env() if mode != "off" else None
+    if json_out is not None:  # said now, not after the run
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(json_out, "report")
+        check_output_file(equiv_runs.positions_path(json_out), "positions file")
 
     model_path = models.resolve_model(model_spec, log=note)
     if auto_axes and (mode == "head" or kv_device_heads is not None):
@@ -192,10 +197,17 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     ref_residency = {"mode": "off"} if ref_kind == "resident" else None
 
     tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
+    if work_dir:
+        from rollingkv_cli.userinput import check_output_dir
+
+        check_output_dir(tmp_root, "--work-dir")
     try:
         tmp_root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    if synthetic_tokens is not None:  # a file's count is known once tokenized (checked again then, below)
+        equiv_runs.check_room(model_path, synthetic_tokens, n_ctx or -(-synthetic_tokens // 256) * 256 + 256, ctk, ctv, tmp_root,
+                              2 if tail_baseline else 1, f"--synthetic-tokens {synthetic_tokens}", kv_on_host=on_cpu)
     logs_dir = common.logs_dir()
     results: dict[str, dict] = {}
     baseline_how = None
@@ -292,7 +304,7 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
                                                                    control_th["order_factor"])
         positions_file = None
         if json_out is not None:
-            positions_file = json_out.with_suffix(".positions.npz")
+            positions_file = equiv_runs.positions_path(json_out)
             try:
                 positions_file.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(positions_tmp, positions_file)

@@ -13,7 +13,7 @@ from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_opt
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
-@click.command()
+@click.command(short_help="gate equiv over tail types x windows, and the needle.")
 @click.option("--model", "model_spec", default="demo", show_default=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--tokens", "n_tokens", type=int, callback=positive, default=1024, show_default=True,
               help="Synthetic tokens decoded teacher-forced per equivalence cell.")
@@ -37,13 +37,17 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode.")
 @ngl_option()
 @build_options
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs/gates"), show_default=True,
-              help="Where NAME.json and NAME.md go.")
-@click.option("--name", default=None, help="Report file name.  [default: <date>-<host>-<backend>]")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where NAME.json and NAME.md go.  [default: the checkout's docs/gates when run inside the rollingkv "
+                   "repository, else the current directory]")
+@click.option("--name", default=None,
+              help="Report file name.  [default: <date>-<host>-<backend> in docs/gates, gate-matrix-<date>-<host>-<backend> "
+                   "elsewhere; -2, -3, ... added when that report exists]")
+@click.option("--force", is_flag=True, help="Replace the reports NAME.json and NAME.md of an explicit --name if they exist.")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits are kept during the run.  [default: the temp dir]")
 def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle_filler_tokens, needle_depths, thresholds_file,
-           tolerance, order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, work_dir) -> None:
+           tolerance, order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, force, work_dir) -> None:
     """The gates over tail types x split points: one JSON report and a markdown table.
 
     Per tail type T and split S: the f16-window + T-tail cache with a window of S x the sequence against
@@ -75,10 +79,15 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     if needle:
         build.require_server()
     tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
+    if work_dir:
+        from rollingkv_cli.userinput import check_output_dir
+
+        check_output_dir(tmp_root, "--work-dir")
     try:
         tmp_root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    out_dir, name = matrix_runs.report_place(out_dir, name, matrix_runs.backend_label(build, n_gpu_layers), force)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -91,7 +100,6 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
                                    threads=threads or os.cpu_count() or 1, n_batch=n_batch,
                                    n_gpu_layers=n_gpu_layers, argv=_argv_after("matrix"))
     r = matrix_runs.run(cfg, console, common.logs_dir(), tmp_root)
-    name = name or matrix_runs.default_name(r["backend"])
     jp, mp = matrix_runs.write_outputs(r, out_dir, name)
     _print_matrix(console, r)
     note(f"report: {jp}\ntable:  {mp}")

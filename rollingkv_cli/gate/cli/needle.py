@@ -12,7 +12,7 @@ from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fr
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
-@click.command()
+@click.command(short_help="A number hidden in the tail: split answers as resident.")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")
@@ -77,6 +77,10 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
     if kv_window_cells is None and vram_target is None and kv_device_heads is None:
         kv_window_cells = 256
     depths = depths or (0.5, 0.85)
+    if json_out is not None:  # said now, not after the run
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(json_out, "report")
     model_path = models.resolve_model(model_spec, log=note)
     build = common.resolve_build(build_dir, lib_dir)
     cfg = needle_runs.NeedleConfig(model=model_path, build=build, filler_tokens=filler_tokens, depths=tuple(depths), seed=seed,

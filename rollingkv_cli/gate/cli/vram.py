@@ -11,7 +11,7 @@ from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ng
 from rollingkv_cli.gate.common import EXIT_FAIL
 
 
-@click.command()
+@click.command(short_help="The peak VRAM stays within --vram-target (NVIDIA).")
 @click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
 @click.option("--vram-target", type=int, callback=positive, required=True, metavar="MiB",
               help="The device memory budget given to llama-server (--vram-target), checked against the process's peak.")
@@ -57,6 +57,10 @@ def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, mo
         raise click.UsageError("give --build or --lib-dir, not both")
     if prompt_tokens is not None and prompt_tokens + n_predict > n_ctx:
         usage_error(f"--prompt-tokens {prompt_tokens} + --n-predict {n_predict} exceed --ctx {n_ctx}", "raise --ctx or shorten the run")
+    if json_out is not None:  # said now, not after the run
+        from rollingkv_cli.userinput import check_output_file
+
+        check_output_file(json_out, "report")
     # the GPU first: without one nothing else matters (and the answer is the same as probe pcie's)
     try:
         nvml = vram_runs.nvml_module()
