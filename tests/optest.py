@@ -86,28 +86,39 @@ def flags(desc: str) -> set[str]:
     return set(desc.split("mask=", 1)[1].split()[1:])
 
 
-def live_tail_keys(desc: str) -> int:
-    """Tail cells [split, n_kv) that some query row attends, by the op test's mask (run_case): padded columns
-    (the last min(5, n_kv/4)), causal, holes (40 cells from n_kv/3, and split +- 3), rows (i % 4 == 1 fully masked,
-    == 2 window masked, == 3 tail masked)."""
+def live_tail_keys(desc: str, lo: int | None = None, hi: int | None = None) -> int:
+    """Tail cells [split, n_kv) (or only those in [lo, hi)) that some query row attends, by the op test's mask
+    (run_case): padded columns (the last min(5, n_kv/4)), causal, holes (40 cells from n_kv/3, and split +- 3), rows
+    (i % 4 == 1 fully masked, == 2 window masked, == 3 tail masked)."""
     n_kv, n_q, s = field(desc, "n_kv"), field(desc, "n_q"), field(desc, "split")
     mask = re.search(r"mask=(\w+)", desc).group(1)
-    if s >= n_kv:
+    j0, j1 = max(s, lo if lo is not None else s), min(n_kv, hi if hi is not None else n_kv)
+    if j0 >= j1:
         return 0
     if mask == "none":
-        return n_kv - s
-    n_valid = n_kv - min(5, n_kv // 4)
+        return j1 - j0
+    n_valid = min(j1, n_kv - min(5, n_kv // 4))
     keys = set()
     for i in range(n_q):
         if mask == "rows" and i % 4 in (1, 3):
             continue
-        for j in range(s, n_valid):
+        for j in range(j0, n_valid):
             if j > n_valid - n_q + i:
                 break
             if mask in ("holes", "rows") and (n_kv // 3 <= j < n_kv // 3 + 40 or s - 3 <= j < s + 3):
                 continue
             keys.add(j)
     return len(keys)
+
+
+def dropped_run_keys(desc: str) -> int:
+    """--runs-wrong: the keys some query row attends in the run the op test leaves out of a case's tail runs (block 1 of
+    the tail, cells [split + 256, split + 512)). Only a tail of five blocks or more has a run left after it (blocks 0, 2
+    and 3 are hidden, block 4 on is the other run): a shorter one keeps its whole tail."""
+    n_kv, s = field(desc, "n_kv"), field(desc, "split")
+    if n_kv - s <= 4 * 256:
+        return 0
+    return live_tail_keys(desc, s + 256, s + 512)
 
 
 def mixed(desc: str) -> bool:

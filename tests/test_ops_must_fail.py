@@ -21,7 +21,7 @@ import subprocess
 import pytest
 
 import optest
-from optest import live_tail_keys, mixed as _mixed
+from optest import dropped_run_keys, live_tail_keys, mixed as _mixed
 
 pytestmark = pytest.mark.build
 
@@ -166,3 +166,48 @@ def test_head_split_op_cases_fail_perturbed(head_runs):
     cases, out = head_runs["1e-4"]
     assert cases.keys() == base.keys()
     assert not any(ok for _, ok in cases.values()), out[-3000:]
+
+
+# ------------------------------------------------------------------------ tail runs (--runs, --runs-wrong)
+
+
+def _run_runs(binary, flag: str) -> tuple[dict[int, tuple[str, bool, str]], str]:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
+    proc = subprocess.run([str(binary), "-b", "CPU", "-t", "2", flag], capture_output=True, text=True, timeout=900, env=env)
+    run = optest.parse(proc.stdout)
+    optest.check_complete(run)
+    return {i: (c.desc, bool(c.ok), c.line) for i, c in run.cases.items() if not c.skipped}, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def runs_runs(cpu_build):
+    binary = cpu_build.artifact("test-rolling-kv-ops")
+    return {flag: _run_runs(binary, flag) for flag in ("--runs", "--runs-wrong")}
+
+
+def test_tail_runs_are_bit_identical(runs_runs):
+    """--runs: the mask hides tail blocks 0, 2 and 3 from every row and the op reads only the other blocks (its tail
+    runs): every case passes against ggml_flash_attn_ext over the whole K/V, bit-identically for one type, none
+    skipped; the run cases cover decode (split-KV), small batches and the tiled path, quantized and mixed types."""
+    cases, out = runs_runs["--runs"]
+    run = optest.parse(out)
+    assert all(ok for _, ok, _ in cases.values()) and run.n_skipped == 0, out[-3000:]
+    with_runs = {i: d for i, (d, _, line) in cases.items() if re.search(r" runs=[12] ", line)}
+    assert len(with_runs) >= 60, len(with_runs)
+    assert all("bitexact" in cases[i][2] for i, d in with_runs.items() if not _mixed(d)), out[-3000:]
+    n_q = {optest.field(d, "n_q") for d in with_runs.values()}
+    assert {1, 7, 64} <= n_q and any(_mixed(d) for d in with_runs.values())
+
+
+def test_a_key_left_out_of_the_runs_is_caught(runs_runs):
+    """--runs-wrong: the first run (tail block 1) is also left out of the runs while its keys stay visible; exactly the
+    cases where some row sees one of those keys fail (computed here from the case line), every other case passes."""
+    cases, out = runs_runs["--runs-wrong"]
+    base, _ = runs_runs["--runs"]
+    assert cases.keys() == base.keys()
+    must_fail = {i for i, (d, _, _) in cases.items() if dropped_run_keys(d)}
+    # the comparison failed where the op test's self-check says "caught"; a case that passed says "no live tail"
+    caught = {i for i, (_, _, line) in cases.items() if line.endswith(optest.CAUGHT)}
+    assert caught == must_fail, (sorted(caught - must_fail)[:10], sorted(must_fail - caught)[:10])
+    assert all(ok for _, ok, _ in cases.values()), out[-3000:]  # and nothing else went the wrong way
+    assert len(must_fail) >= 50

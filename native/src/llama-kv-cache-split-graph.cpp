@@ -101,7 +101,63 @@ uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
     return std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1(), n_pad_cur)));
 }
 
-llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full) const {
+// The tail blocks (256 cells from the tail's first cell) of one stream that a ubatch reads: those holding a cell of one of
+// its sequences. Every other cell is masked for each of its queries (another sequence's, or empty), so leaving those
+// blocks out changes no result: as runs of blocks, at most GGML_RKV_MAX_TAIL_RUNS of them (the closest runs are joined,
+// reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps,
+// so that the kernels' paths and chunking stay those of the whole key range, at the cost of one block).
+static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv, const llama_ubatch & ubatch,
+        std::vector<uint32_t> & first, std::vector<uint32_t> & n) {
+    first.clear();
+    n.clear();
+    if (n_kv <= tail0 || ubatch.n_seqs_unq == 0) {
+        return;
+    }
+    const uint32_t n_tail = n_kv - tail0;
+    const uint32_t block  = 256;
+    llama_kv_cells::seq_set_t seqs; // the ubatch's sequences
+    for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
+        seqs.set(ubatch.seq_id_unq[s]);
+    }
+    std::vector<std::pair<uint32_t, uint32_t>> runs; // [first, end) in tail cells
+    for (uint32_t b0 = 0; b0 < n_tail; b0 += block) {
+        const uint32_t b1 = std::min(n_tail, b0 + block);
+        bool read = false;
+        for (uint32_t i = tail0 + b0; i < tail0 + b1 && !read; ++i) {
+            read = (cells.seq_get_all(i) & seqs).any(); // an empty cell holds no sequence
+        }
+        if (!read) {
+            continue;
+        }
+        if (!runs.empty() && runs.back().second == b0) {
+            runs.back().second = b1;
+        } else {
+            runs.push_back({ b0, b1 });
+        }
+    }
+    if (runs.empty()) {
+        runs.push_back({ 0, std::min(n_tail, block) });
+    }
+    while (runs.size() > GGML_RKV_MAX_TAIL_RUNS) {
+        size_t j = 0; // join the runs with the smallest gap
+        for (size_t k = 1; k + 1 < runs.size(); ++k) {
+            if (runs[k + 1].first - runs[k].second < runs[j + 1].first - runs[j].second) {
+                j = k;
+            }
+        }
+        runs[j].second = runs[j + 1].second;
+        runs.erase(runs.begin() + j + 1);
+    }
+    if (runs.size() == 1 && runs[0].first == 0 && runs[0].second == n_tail) {
+        return;
+    }
+    for (const auto & r : runs) {
+        first.push_back(r.first);
+        n.push_back(r.second - r.first);
+    }
+}
+
+llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full, const llama_ubatch * ubatch) const {
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
     const auto cpu_cells = [this](uint32_t n_tail) {
         return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
@@ -125,6 +181,10 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
             lay.cpu_cells.push_back(cpu_cells(n_s > w ? n_s - w : 0));
         }
         return lay;
+    }
+    if (rkv_split() && ns == 1 && !full && ubatch) {
+        // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
+        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, lay.run_first, lay.run_n);
     }
     if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
         return lay;
@@ -150,22 +210,37 @@ llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs
     if (rkv_graph_cells.size() >= 16) {
         rkv_graph_cells.erase(rkv_graph_cells.begin());
     }
-    rkv_graph_cells.push_back({ k_idxs, {}, rkv_pool.epoch, false });
+    rkv_graph_cells.push_back({ k_idxs, {}, {}, rkv_pool.epoch, false });
     return rkv_graph_cells.back();
 }
 
-void llama_kv_cache::rkv_note_graph(const ggml_tensor * k_idxs, const llama_rkv_attn_layout & layout) const {
-    llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
-    e.n_kv       = layout.n_kv;
-    e.epoch      = rkv_pool.epoch;
-    e.per_stream = true;
+// the one op's tail runs as (first, n) pairs
+static std::vector<uint32_t> llama_rkv_runs_of(const llama_rkv_attn_layout & layout) {
+    std::vector<uint32_t> runs;
+    for (size_t r = 0; r < layout.run_first.size(); ++r) {
+        runs.push_back(layout.run_first[r]);
+        runs.push_back(layout.run_n[r]);
+    }
+    return runs;
 }
 
-bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full) const {
+llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo,
+        bool full, const llama_ubatch * ubatch) const {
+    llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
+    e.n_kv       = lay.n_kv;
+    e.runs       = llama_rkv_runs_of(lay);
+    e.epoch      = rkv_pool.epoch;
+    e.per_stream = true;
+    return lay;
+}
+
+bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full,
+        const llama_ubatch * ubatch) const {
     if (!rkv_split()) {
         return true;
     }
-    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full);
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
     for (const auto & e : rkv_graph_cells) {
         if (e.k_idxs != k_idxs) {
             continue;
@@ -175,7 +250,7 @@ bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, co
             return false;
         }
         if (e.per_stream) {
-            return e.n_kv == lay.n_kv;
+            return e.n_kv == lay.n_kv && e.runs == llama_rkv_runs_of(lay);
         }
         break;
     }
@@ -186,7 +261,7 @@ bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, co
     return lay.n_kv.empty() || n_kv <= lay.n_win;
 }
 
-void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
+void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch & ubatch) const {
     if (!rkv_live) {
         return;
     }
@@ -205,7 +280,7 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         n_kv = std::max(n_kv, rkv_stream_n_kv(sinfo.strm[s]));
     }
-    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false);
+    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false, &ubatch);
 
     uint64_t tail = 0, stream = 0, occupied = 0;
     std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
@@ -228,14 +303,52 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
         GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
         const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
         const uint32_t n_cpu  = std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
-        tail     += n_tail;
-        stream   += streamed ? n_tail - n_cpu : 0;
+        // the tail's cells the op reads (its runs: the ubatch's sequences' blocks) and, of those, the ones that stream
+        // (not in the CPU part)
+        uint32_t n_read = n_tail, n_stream = n_tail - n_cpu;
+        if (!lay.run_first.empty()) {
+            n_read = n_stream = 0;
+            for (size_t r = 0; r < lay.run_first.size(); ++r) {
+                const uint32_t r0 = lay.run_first[r], r1 = r0 + lay.run_n[r];
+                n_read   += r1 - r0;
+                n_stream += r1 > r0 && std::min(r1, n_tail - n_cpu) > r0 ? std::min(r1, n_tail - n_cpu) - r0 : 0;
+            }
+        }
+        tail     += n_read;
+        stream   += streamed ? n_stream : 0;
         occupied += host;
+    }
+
+    // one stream holding several sequences (a unified cache): where each sequence's cells are
+    std::vector<uint32_t> seq_dev, seq_tail;
+    if (n_stream == 1 && n_seq_max > 1) {
+        seq_dev.assign(n_seq_max, 0);
+        seq_tail.assign(n_seq_max, 0);
+        const auto & cells = v_cells[0];
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(0);
+        for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
+            if (cells.is_empty(i)) {
+                continue;
+            }
+            auto & to = i < wc ? seq_dev : seq_tail;
+            if (cells.seq_count(i) == 1) {
+                to[cells.seq_get(i)] += 1;
+                continue;
+            }
+            for (uint32_t s = 0; s < n_seq_max; ++s) {
+                to[s] += cells.seq_has(i, (llama_seq_id) s) ? 1 : 0;
+            }
+        }
+        if (rkv_head) {
+            seq_dev = seq_tail; // every cell's device heads and host heads
+        }
     }
 
     std::lock_guard<std::mutex> lock(rkv_live->mtx);
     llama_rkv_live & lv = *rkv_live;
     lv.block_bytes = 256*cell_bytes;
+    lv.seq_device_cells = std::move(seq_dev);
+    lv.seq_tail_cells   = std::move(seq_tail);
     if (lv.device_cells.size() < n_stream) {
         lv.device_cells.resize(n_stream, 0);
         lv.tail_cells.resize(n_stream, 0);
@@ -254,6 +367,7 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo) const {
     lv.steps += 1;
     lv.last_streams        = sinfo.n_stream();
     lv.last_per_stream_ops = lay.n_kv.empty() ? 0 : (uint32_t) lay.n_kv.size();
+    lv.last_tail_runs      = (uint32_t) lay.run_first.size();
     lv.last_tail_bytes     = tail*cell_bytes;
     lv.last_streamed_bytes = stream*cell_bytes;
     lv.last_occupied_bytes = occupied*cell_bytes;
@@ -339,7 +453,7 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
     rkv_idx_views[idxs] = { win, tail };
 
     // a graph built now holds the windows of now (elastic windows: rkv_can_reuse compares them)
-    rkv_graph_note(idxs) = { idxs, {}, rkv_pool.epoch, false };
+    rkv_graph_note(idxs) = { idxs, {}, {}, rkv_pool.epoch, false };
 
     return idxs;
 }
@@ -452,13 +566,17 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
 }
 
 llama_rkv_attn_layout llama_kv_cache_context::rkv_attn_layout(const ggml_tensor * k_idxs) const {
-    llama_rkv_attn_layout lay = kv->rkv_attn_layout(n_kv, sinfos[i_cur], rkv_full);
-    kv->rkv_note_graph(k_idxs, lay);
-    return lay;
+    // once per graph: every layer attends the same cells (the runs scan the stream's cells)
+    if (rkv_layout_ubatch != i_cur || rkv_layout_k_idxs != k_idxs) {
+        rkv_layout = kv->rkv_graph_layout(k_idxs, n_kv, sinfos[i_cur], rkv_full, ubatches.empty() ? nullptr : &ubatches[i_cur]);
+        rkv_layout_ubatch = i_cur;
+        rkv_layout_k_idxs = k_idxs;
+    }
+    return rkv_layout;
 }
 
 bool llama_kv_cache_context::rkv_can_reuse(const ggml_tensor * k_idxs) const {
-    return kv->rkv_can_reuse(k_idxs, n_kv, sinfos[i_cur], rkv_full);
+    return kv->rkv_can_reuse(k_idxs, n_kv, sinfos[i_cur], rkv_full, ubatches.empty() ? nullptr : &ubatches[i_cur]);
 }
 
 bool llama_kv_cache_context::rkv_is_head_split() const {

@@ -269,6 +269,23 @@ uint64_t llama_rkv_cpu_part_runs() {
     return fn ? fn() : 0;
 }
 
+llama_rkv_plan_bytes llama_rkv_streamed_plan_bytes() {
+    llama_rkv_plan_bytes out;
+    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+        auto fn = (ggml_backend_rkv_streamed_bytes_t) ggml_backend_reg_get_proc_address(ggml_backend_reg_get(i),
+                GGML_RKV_STREAMED_BYTES_PROC);
+        if (fn) {
+            uint64_t total = 0, last = 0, plans = 0;
+            fn(&total, &last, &plans);
+            out.available = true;
+            out.total += total;
+            out.last   = plans > 0 ? last : out.last;
+            out.plans += plans;
+        }
+    }
+    return out;
+}
+
 bool llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK, int64_t DV) {
     auto fn = (ggml_rkv_cpu_part_supported_t) llama_rkv_cpu_proc(GGML_RKV_CPU_PART_SUPPORTED_PROC);
     return fn && fn(type_k, type_v, DK, DV);

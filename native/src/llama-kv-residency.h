@@ -230,6 +230,11 @@ struct llama_rkv_live {
     // per stream, as of its last ubatch: cells in use on the device (window) and in host memory (tail)
     std::vector<uint32_t> device_cells;
     std::vector<uint32_t> tail_cells;
+    // one stream (a unified cache: every sequence in it), as of its last ubatch: each sequence's cells on the device and
+    // in the tail (a cell shared by sequences counts for each), and the runs of tail cells the ubatch read
+    std::vector<uint32_t> seq_device_cells;
+    std::vector<uint32_t> seq_tail_cells;
+    uint32_t last_tail_runs = 0; // 0: the whole tail
     // elastic windows: each stream's window (cells it may keep on the device), and the moves so far, in cells (one row of
     // every split layer's K and V) and bytes, and the time the ubatches waited for them
     std::vector<uint32_t> window_cells;
@@ -508,6 +513,12 @@ bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev);
 bool     llama_rkv_cpu_part_available();
 int      llama_rkv_cpu_threads();        // ggml_rkv_get_cpu_threads
 uint64_t llama_rkv_cpu_part_runs();      // ggml_rkv_cpu_part_runs
+// what the GPU backends' copy plans streamed (GGML_RKV_STREAMED_BYTES_PROC), summed over the backends that count it
+struct llama_rkv_plan_bytes {
+    bool     available = false; // some backend counts them (none: a CPU build)
+    uint64_t total = 0, last = 0, plans = 0;
+};
+llama_rkv_plan_bytes llama_rkv_streamed_plan_bytes();
 bool     llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK, int64_t DV);
 double   llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes);
 

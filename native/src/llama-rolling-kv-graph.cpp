@@ -7,7 +7,8 @@
 
 static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
         ggml_tensor * k_tail, ggml_tensor * v_tail, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale,
-        float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams) {
+        float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams,
+        const llama_rkv_attn_layout * runs = nullptr) {
     q = ggml_permute(ctx, q, 0, 2, 1, 3);
     if (k) {
         k = ggml_permute(ctx, k, 0, 2, 1, 3);
@@ -27,6 +28,16 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
     const bool rows_ok = q->ne[1] <= GGML_RKV_CPU_PART_MAX_Q;
     ggml_streaming_flash_attn_set_tail_cpu_cells(cur, k_tail && rows_ok ? std::min<int64_t>(tail_cpu_cells, k_tail->ne[1]) : 0);
     ggml_streaming_flash_attn_set_ref_streams(cur, ref_streams);
+    if (k_tail && runs && !runs->run_first.empty()) {
+        const int n_runs = (int) runs->run_first.size();
+        GGML_ASSERT(n_runs <= GGML_RKV_MAX_TAIL_RUNS && runs->run_n.size() == runs->run_first.size());
+        int32_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
+        for (int r = 0; r < n_runs; ++r) {
+            first[r] = (int32_t) runs->run_first[r];
+            n[r]     = (int32_t) runs->run_n[r];
+        }
+        ggml_streaming_flash_attn_set_tail_runs(cur, n_runs, first, n);
+    }
     return cur;
 }
 
@@ -69,7 +80,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
     if (layout.n_kv.empty()) {
         q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
         ggml_tensor * cur = llama_rkv_attn_op(ctx, q, k, v, k_tail, v_tail, kq_mask, sinks, kq_scale, max_alibi_bias,
-                logit_softcap, layout.tail_cpu_cells, 0);
+                logit_softcap, layout.tail_cpu_cells, 0, &layout);
         return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     }
 

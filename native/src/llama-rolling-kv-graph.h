@@ -22,6 +22,11 @@ struct llama_rkv_attn_layout {
     std::vector<uint32_t> win_cells;
     std::vector<uint32_t> win_row0;
     std::vector<uint32_t> tail_row0;
+    // one op over one stream (a unified cache's): the runs of tail cells [run_first[r], run_first[r] + run_n[r]) that
+    // the ubatch's sequences read (ggml_streaming_flash_attn_set_tail_runs; empty: the whole tail). The other tail
+    // blocks hold only other sequences' cells, or none: masked for every query, neither streamed nor attended
+    std::vector<uint32_t> run_first;
+    std::vector<uint32_t> run_n;
 };
 
 // test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
@@ -34,6 +39,7 @@ bool llama_rkv_one_op_streams();
 struct llama_rkv_graph_note {
     const ggml_tensor * k_idxs = nullptr;
     std::vector<uint32_t> n_kv;    // the per-stream layout's cells (per_stream: built through the split's attention)
+    std::vector<uint32_t> runs;    // the one op's tail runs, (first, n) pairs (llama_rkv_attn_layout::run_first/run_n)
     uint64_t epoch = 0;            // llama_rkv_window_pool::epoch when built
     bool per_stream = false;
 };

@@ -541,6 +541,13 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
     std::string res = std::string("{\"split\":") + (split ? "true" : "false");
     // process-wide, every backend: a hybrid tail's CPU parts that ran (a share planned and none run is a GPU-only run)
     res += ",\"cpu_part_runs\":" + std::to_string(llama_rkv_cpu_part_runs());
+    // process-wide: the bytes the GPU backends' copy plans put on the link (counted where the copies are planned,
+    // beside the cache's own account of each step below); absent without a backend that streams
+    const llama_rkv_plan_bytes pb = llama_rkv_streamed_plan_bytes();
+    if (pb.available) {
+        res += ",\"plan_streamed\":{\"bytes\":" + std::to_string(pb.total) + ",\"last_bytes\":" + std::to_string(pb.last) +
+               ",\"plans\":" + std::to_string(pb.plans) + "}";
+    }
     if (st && st->live) {
         const llama_rkv_live & lv = *st->live;
         std::lock_guard<std::mutex> lock(lv.mtx);
@@ -548,11 +555,11 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
         snprintf(tmp, sizeof(tmp),
                 ",\"window_cells\":%u,\"n_stream\":%u,\"steps\":%" PRIu64 ",\"tail_bytes_total\":%" PRIu64
                 ",\"streamed_bytes_total\":%" PRIu64 ",\"occupied_bytes_total\":%" PRIu64
-                ",\"last\":{\"streams\":%u,\"per_stream_ops\":%u,\"tail_bytes\":%" PRIu64 ",\"streamed_bytes\":%" PRIu64
-                ",\"occupied_bytes\":%" PRIu64 "},\"block_bytes\":%" PRIu64,
+                ",\"last\":{\"streams\":%u,\"per_stream_ops\":%u,\"tail_runs\":%u,\"tail_bytes\":%" PRIu64
+                ",\"streamed_bytes\":%" PRIu64 ",\"occupied_bytes\":%" PRIu64 "},\"block_bytes\":%" PRIu64,
                 st->window_cells, st->n_stream, lv.steps, lv.tail_bytes, lv.streamed_bytes, lv.occupied_bytes,
-                lv.last_streams, lv.last_per_stream_ops, lv.last_tail_bytes, lv.last_streamed_bytes, lv.last_occupied_bytes,
-                lv.block_bytes);
+                lv.last_streams, lv.last_per_stream_ops, lv.last_tail_runs, lv.last_tail_bytes, lv.last_streamed_bytes,
+                lv.last_occupied_bytes, lv.block_bytes);
         res += tmp;
         snprintf(tmp, sizeof(tmp),
                 ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64 ",\"promoted_cells\":%" PRIu64
@@ -566,6 +573,19 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
                     lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u,
                     s < lv.window_cells.size() ? lv.window_cells[s] : st->window_cells);
             res += tmp;
+        }
+        res += "]";
+        // a unified cache: each sequence (llama-server's slot id) that holds cells
+        res += ",\"seqs\":[";
+        bool first = true;
+        for (size_t s = 0; s < lv.seq_device_cells.size(); ++s) {
+            const uint32_t dev = lv.seq_device_cells[s], tail = s < lv.seq_tail_cells.size() ? lv.seq_tail_cells[s] : 0u;
+            if (dev == 0 && tail == 0) {
+                continue;
+            }
+            snprintf(tmp, sizeof(tmp), "%s{\"seq\":%zu,\"device_cells\":%u,\"tail_cells\":%u}", first ? "" : ",", s, dev, tail);
+            res += tmp;
+            first = false;
         }
         res += "]";
     }

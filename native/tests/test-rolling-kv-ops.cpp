@@ -308,6 +308,52 @@ static bool           g_exact_check = false;
 static bool           g_expect_perturbed = false; // --expect-perturbed (ROLLINGKV_DEBUG_PERTURB_TAIL set)
 static bool           g_tail_live = false;        // the case's tail holds a key some query row does not mask
 static ggml_backend_t g_cpu_backend = nullptr;
+// --runs: tail runs (ggml_streaming_flash_attn_set_tail_runs) on cases whose tail has at least two 256-cell blocks: the
+// mask hides blocks 0, 2 and 3 of the tail from every row and the runs name the others, so the op must equal the
+// reference over the whole K/V. --runs-wrong also leaves the first run's block out of the runs while its keys stay
+// visible: exactly the cases where a query row sees one of them must fail.
+static int            g_runs = 0; // 0 off, 1 --runs, 2 --runs-wrong
+static bool           g_runs_on_case = false; // this case attends with runs
+
+// bytes the GPU backends' copy plans streamed so far (GGML_RKV_STREAMED_BYTES_PROC), 0 where none counts them
+static uint64_t plan_streamed_bytes() {
+    uint64_t sum = 0;
+    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+        auto fn = (ggml_backend_rkv_streamed_bytes_t) ggml_backend_reg_get_proc_address(ggml_backend_reg_get(i), GGML_RKV_STREAMED_BYTES_PROC);
+        if (fn) {
+            uint64_t total = 0, last = 0, plans = 0;
+            fn(&total, &last, &plans);
+            sum += total;
+        }
+    }
+    return sum;
+}
+
+// the tail runs of a case with --runs: blocks of 256 cells of the n_tail-cell tail, blocks 0, 2 and 3 left out (and,
+// wrong, the first run too); returns the cells [c0, c1) of the dropped run (none: c0 == c1)
+static std::pair<int64_t, int64_t> case_runs(int64_t n_tail, bool wrong, std::vector<int32_t> & first, std::vector<int32_t> & n,
+        std::vector<std::pair<int64_t, int64_t>> & hidden) {
+    first.clear(); n.clear(); hidden.clear();
+    const int64_t nb = (n_tail + 255)/256;
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t c0 = 256*b, c1 = std::min(n_tail, c0 + 256);
+        if (b == 0 || b == 2 || b == 3) {
+            hidden.push_back({ c0, c1 });
+        } else if (!first.empty() && first.back() + n.back() == c0) {
+            n.back() += (int32_t) (c1 - c0);
+        } else {
+            first.push_back((int32_t) c0);
+            n.push_back((int32_t) (c1 - c0));
+        }
+    }
+    std::pair<int64_t, int64_t> dropped = { 0, 0 };
+    if (wrong && !first.empty()) {
+        dropped = { first[0], first[0] + n[0] };
+        first.erase(first.begin());
+        n.erase(n.begin());
+    }
+    return dropped;
+}
 
 // --tail-cpu-frac as the cells of op's tail the CPU attends, rounded once as llama's planner rounds a share
 static void set_cpu_share(ggml_tensor * op) {
@@ -366,6 +412,26 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
     }
 
+    std::vector<int32_t> run_first, run_n;
+    std::pair<int64_t, int64_t> run_dropped = { 0, 0 };
+    g_runs_on_case = g_runs > 0 && !hm.empty() && n_kv - s >= 512;
+    if (g_runs_on_case) {
+        std::vector<std::pair<int64_t, int64_t>> hidden;
+        run_dropped = case_runs(n_kv - s, g_runs == 2, run_first, run_n, hidden);
+        for (const auto & h : hidden) {
+            for (int64_t i = 0; i < n_q_pad; ++i) {
+                for (int64_t j = s + h.first; j < s + h.second; ++j) {
+                    hm[i*n_kv + j] = ggml_fp32_to_fp16(-INFINITY);
+                }
+            }
+        }
+        // an empty run list means the whole tail: the wrong case with nothing left would not leave anything out
+        g_runs_on_case = !run_first.empty();
+        char b[96];
+        snprintf(b, sizeof(b), " runs=%zu", run_first.size());
+        g_extra += b;
+    }
+
     // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
     // attention) writes 0 there, but ggml's CUDA flash attention writes 0/0 = NaN when there are no
     // sinks. Such reference values are taken as 0; any other non-finite reference value still fails.
@@ -373,6 +439,16 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     for (int64_t i = 0; i < n_q && !g_tail_live; ++i) {
         for (int64_t j = s; j < n_kv && !g_tail_live; ++j) {
             g_tail_live = hm.empty() || ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY;
+        }
+    }
+
+    if (g_runs == 2) {
+        // the verdict turns on the dropped run alone: a visible key there must make the case fail
+        g_tail_live = false;
+        for (int64_t i = 0; g_runs_on_case && i < n_q && !g_tail_live; ++i) {
+            for (int64_t j = s + run_dropped.first; j < s + run_dropped.second && !g_tail_live; ++j) {
+                g_tail_live = ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY;
+            }
         }
     }
 
@@ -460,6 +536,9 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_streaming_flash_attn_add_sinks(out, sk);
     ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
     set_cpu_share(out);
+    if (g_runs_on_case) {
+        ggml_streaming_flash_attn_set_tail_runs(out, (int) run_first.size(), run_first.data(), run_n.data());
+    }
 
     ggml_tensor * ref = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
     ggml_flash_attn_ext_add_sinks(ref, sk);
@@ -501,6 +580,9 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         ggml_streaming_flash_attn_add_sinks(out_b, sk);
         ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
         set_cpu_share(out_b);
+        if (g_runs_on_case) {
+            ggml_streaming_flash_attn_set_tail_runs(out_b, (int) run_first.size(), run_first.data(), run_n.data());
+        }
         ref_b = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
         ggml_flash_attn_ext_add_sinks(ref_b, sk);
         ggml_prec_set_acc(ref_b, GGML_PREC_F32);
@@ -591,8 +673,35 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 ggml_backend_tensor_set(w_k, wk.data(), 0, ggml_nbytes(w_k));
                 ggml_backend_tensor_set(w_v, wv.data(), 0, ggml_nbytes(w_v));
             }
+            const uint64_t streamed0 = plan_streamed_bytes();
             const ggml_status st = ggml_backend_sched_graph_compute(sched, gf);
             GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+            if (kvs_host.size() >= 2) {
+                // the copy plan's own count against what the ops read: each op's read tail cells less its CPU part
+                // (the runs' cells when set), K and V rows of every stream
+                const uint64_t got = plan_streamed_bytes() - streamed0;
+                uint64_t want = 0;
+                for (const ggml_tensor * op : { out, out_b }) {
+                    if (!op) continue;
+                    const int64_t n_cpu = ggml_streaming_flash_attn_get_tail_cpu_cells(op);
+                    const int64_t n_tail = kt->ne[1];
+                    int64_t cells = 0;
+                    int32_t rf[GGML_RKV_MAX_TAIL_RUNS], rn[GGML_RKV_MAX_TAIL_RUNS];
+                    const int nr = ggml_streaming_flash_attn_get_tail_runs(op, rf, rn);
+                    if (nr == 0) {
+                        cells = n_tail - n_cpu;
+                    }
+                    for (int r = 0; r < nr; ++r) {
+                        cells += std::max<int64_t>(0, std::min<int64_t>(rf[r] + rn[r], n_tail - n_cpu) - rf[r]);
+                    }
+                    want += (uint64_t) cells*(kt->nb[1] + vt->nb[1])*(uint64_t) kt->ne[3];
+                }
+                // the proc is the CUDA backend's: absent (0 counted) only where no GPU backend streams
+                if (got != want && !(got == 0 && plan_streamed_bytes() == 0)) {
+                    g_extra += " STREAMED " + std::to_string(got) + " bytes, the ops read " + std::to_string(want);
+                    sched_ok = false;
+                }
+            }
             const int    n_splits = ggml_backend_sched_get_n_splits(sched);
             const size_t dev_buf  = ggml_backend_sched_get_buffer_size(sched, backend);
             if (n_splits != 1 || dev_buf != 0) {
@@ -775,6 +884,28 @@ static std::vector<test_case> make_cases(bool quick) {
         // make sure every head dim / gqa appears at least once in quick mode
         for (int64_t D : { 64, 256 }) for (int64_t gqa : { 1, 4, 8 }) {
             cases.push_back(mk(D, 2, gqa, n_kv, 7, 255, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true));
+        }
+    }
+
+    if (g_runs) {
+        // tails of five and six blocks (the mask hides blocks 0, 2 and 3: two runs, the last ending with the tail, a
+        // partial block once): decode, small and prefill-sized (tiled) batches, every mask, sinks, softcap, ALiBi,
+        // quantized and mixed types, two streams
+        const int64_t n_kv_r = 1536;
+        for (ggml_type t : { F16, Q8, Q4 }) {
+            for (int64_t s : { (int64_t) 0, (int64_t) 256, (int64_t) 300 }) {
+                for (int64_t n_q : { 1, 7, 64 }) {
+                    cases.push_back(mk(128, 2, 4, n_kv_r, n_q, s, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, (s % 2) == 0));
+                    cases.push_back(mk(64, 2, 2, n_kv_r, n_q, s, t, t, MASK_ROWS, true, 0.0f, 0.0f, false));
+                    if (!quick) {
+                        cases.push_back(mk(128, 2, 4, n_kv_r, n_q, s, t, t, MASK_HOLES, false, 0.0f, 30.0f, true));
+                        cases.push_back(mk(64, 3, 4, n_kv_r, n_q, s, t, t, MASK_HOLES, false, 8.0f, 0.0f, false));
+                    }
+                }
+                cases.push_back(mk(128, 2, 4, n_kv_r, 7, s, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true, t, t)); // mixed
+                cases.push_back(mk(64, 1, 2, n_kv_r, 7, s, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT,
+                        GGML_TYPE_COUNT, 2)); // ne3 = 2
+            }
         }
     }
 
@@ -1206,8 +1337,12 @@ int main(int argc, char ** argv) {
             g_expect_perturbed = true;
         } else if (a == "--heads") {
             heads = true;
+        } else if (a == "--runs") {
+            g_runs = 1;
+        } else if (a == "--runs-wrong") {
+            g_runs = 2;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed] [--heads]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed] [--heads] [--runs|--runs-wrong]\n", argv[0]);
             return 2;
         }
     }
@@ -1289,8 +1424,9 @@ int main(int argc, char ** argv) {
         }
         const char * verdict = r == RES_PASS ? "OK" : "FAIL";
         bool as_expected = r == RES_PASS;
-        if (g_expect_perturbed) {
-            // the self-check: a live tail must make the case fail, and nothing else may
+        if (g_expect_perturbed || g_runs == 2) {
+            // the self-check: a live tail (--runs-wrong: a visible key left out of the runs) must make the case fail,
+            // and nothing else may
             as_expected = (r == RES_FAIL) == g_tail_live;
             verdict = as_expected ? (g_tail_live ? "OK (fails: perturbed tail)" : "OK (no live tail)")
                                   : (g_tail_live ? "FAIL (perturbed tail not detected)" : "FAIL (no live tail, yet failed)");

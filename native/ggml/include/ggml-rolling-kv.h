@@ -22,7 +22,8 @@
 //   result   : [DV, n_head, n_q, ne3] f32 (same as ggml_flash_attn_ext)
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
-// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams
+// op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams,
+//            i32 n_tail_runs, then (i32 first cell, i32 cells) for each of at most GGML_RKV_MAX_TAIL_RUNS runs
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
 // documented in one place: ggml/src/ggml-rolling-kv-impl.h.
@@ -82,6 +83,19 @@ extern "C" {
     // the multi-stream one) and a resident run of the same batch stays the reference bit for bit. 0: this op's own.
     GGML_API void    ggml_streaming_flash_attn_set_ref_streams(struct ggml_tensor * a, int32_t n_streams);
     GGML_API int32_t ggml_streaming_flash_attn_get_ref_streams(const struct ggml_tensor * a);
+
+    // The tail cells the op reads: runs of cells [first, first + n) of the tail, sorted and apart. A tail cell outside
+    // every run must be masked for every query row of the op (a unified cache's cells of sequences that are not in the
+    // batch, or holes): it is then neither attended nor, by a GPU backend, streamed. Every backend treats such a cell
+    // as masked, so a run list that leaves out a cell some row can see changes the result (the CPU forward is the
+    // reference). Starts are multiples of 256 (the streamed chunks' alignment), as are lengths except that of a run
+    // ending at the tail's end. 0 runs (the default): the whole tail. Needs a mask.
+#define GGML_RKV_MAX_TAIL_RUNS 4
+    GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n);
+    // the runs into first/n (GGML_RKV_MAX_TAIL_RUNS each); returns their count (0: the whole tail)
+    GGML_API int  ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n);
+    // the tail cells the op reads (the runs' cells, or the whole tail)
+    GGML_API int64_t ggml_streaming_flash_attn_tail_read_cells(const struct ggml_tensor * a);
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 
@@ -165,6 +179,12 @@ extern "C" {
     // pinned tail. NULL: not possible here (the caller allocates from that buffer type as before).
     typedef ggml_backend_buffer_t (*ggml_backend_rkv_host_buffer_alloc_t)(ggml_backend_dev_t dev, size_t size);
 #define GGML_RKV_HOST_ALLOC_PROC "ggml_backend_rkv_host_buffer_alloc"
+
+    // What a GPU backend's copy plans put on the link for streamed tails, counted where the copies are planned (each
+    // graph evaluation's plan, a replayed captured graph's too), process-wide: the bytes of all plans, those of the
+    // latest plan that streamed, and the number of plans that streamed. For the stats beside the cache's own account.
+    typedef void (*ggml_backend_rkv_streamed_bytes_t)(uint64_t * total, uint64_t * last, uint64_t * plans);
+#define GGML_RKV_STREAMED_BYTES_PROC "ggml_backend_rkv_streamed_bytes"
 
     // What a CPU part of a hybrid tail costs a decode layer on this device beyond its attention, measured here (llama's
     // planner weighs it against what the part saves): the hand-off of the part's inputs to the host, the host's thread

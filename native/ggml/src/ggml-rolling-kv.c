@@ -78,6 +78,7 @@ struct ggml_tensor * ggml_streaming_flash_attn(
     ggml_set_op_params_i32(result, 4, (int32_t) n_win);
     ggml_set_op_params_i32(result, 5, 0);    // tail_cpu_cells
     ggml_set_op_params_i32(result, 6, 0);    // ref_streams
+    ggml_set_op_params_i32(result, 7, 0);    // n_tail_runs: the whole tail
 
     result->op = GGML_OP_STREAMING_FLASH_ATTN;
     result->src[GGML_STREAMING_FA_SRC_Q]      = q;
@@ -143,6 +144,51 @@ void ggml_streaming_flash_attn_set_ref_streams(struct ggml_tensor * a, int32_t n
 int32_t ggml_streaming_flash_attn_get_ref_streams(const struct ggml_tensor * a) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     return ggml_get_op_params_i32(a, 6);
+}
+
+void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    GGML_ASSERT(n_runs >= 0 && n_runs <= GGML_RKV_MAX_TAIL_RUNS && "streaming_flash_attn: too many tail runs");
+    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const int64_t n_tail = kt ? kt->ne[1] : 0;
+    GGML_ASSERT((n_runs == 0 || a->src[GGML_STREAMING_FA_SRC_MASK]) && "streaming_flash_attn: tail runs need a mask");
+    int64_t end = 0;
+    for (int i = 0; i < n_runs; ++i) {
+        GGML_ASSERT(first[i] >= end && n[i] > 0 && first[i] + (int64_t) n[i] <= n_tail &&
+                "streaming_flash_attn: tail runs must be sorted, apart, non-empty and within the tail");
+        GGML_ASSERT(first[i] % 256 == 0 && (n[i] % 256 == 0 || first[i] + (int64_t) n[i] == n_tail) &&
+                "streaming_flash_attn: tail runs start at a multiple of 256 cells and are multiples of 256 cells long, but for one at the tail's end");
+        end = first[i] + (int64_t) n[i] + 1; // apart: adjacent runs are one run
+    }
+    ggml_set_op_params_i32(a, 7, n_runs);
+    for (int i = 0; i < GGML_RKV_MAX_TAIL_RUNS; ++i) {
+        ggml_set_op_params_i32(a, 8 + 2*i, i < n_runs ? first[i] : 0);
+        ggml_set_op_params_i32(a, 9 + 2*i, i < n_runs ? n[i]     : 0);
+    }
+}
+
+int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    const int n_runs = ggml_get_op_params_i32(a, 7);
+    for (int i = 0; i < n_runs; ++i) {
+        first[i] = ggml_get_op_params_i32(a, 8 + 2*i);
+        n[i]     = ggml_get_op_params_i32(a, 9 + 2*i);
+    }
+    return n_runs;
+}
+
+int64_t ggml_streaming_flash_attn_tail_read_cells(const struct ggml_tensor * a) {
+    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    int32_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
+    const int n_runs = ggml_streaming_flash_attn_get_tail_runs(a, first, n);
+    if (n_runs == 0) {
+        return kt ? kt->ne[1] : 0;
+    }
+    int64_t cells = 0;
+    for (int i = 0; i < n_runs; ++i) {
+        cells += n[i];
+    }
+    return cells;
 }
 
 int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac) {

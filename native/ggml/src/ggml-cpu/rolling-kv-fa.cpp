@@ -126,7 +126,27 @@ struct sfa_ctx {
 
     bool  perturb_tail;   // debug: ROLLINGKV_DEBUG_PERTURB_TAIL set
     float perturb_mul;    // 1 + x
+
+    // the tail keys the op reads (ggml_streaming_flash_attn_set_tail_runs): [run_lo[r], run_hi[r]) in absolute key
+    // indices; a tail key outside them is masked for every row. 0 runs: every tail key is read
+    int     n_runs;
+    int64_t run_lo[GGML_RKV_MAX_TAIL_RUNS];
+    int64_t run_hi[GGML_RKV_MAX_TAIL_RUNS];
 };
+
+// a tail key outside the op's runs: treated as masked (-inf) for every row, as a GPU backend that neither streams nor
+// attends it computes
+static inline bool sfa_unread(const sfa_ctx & c, int64_t ic) {
+    if (c.n_runs == 0 || ic < c.n_win) {
+        return false;
+    }
+    for (int r = 0; r < c.n_runs; ++r) {
+        if (ic >= c.run_lo[r] && ic < c.run_hi[r]) {
+            return false;
+        }
+    }
+    return true;
+}
 
 // per (head, stream) row pointers of both parts: the virtual concatenation's key accessor
 struct sfa_rows {
@@ -279,6 +299,7 @@ static void sfa_one_chunk(
 
             const bool  perturb     = ip == 1 && c.perturb_tail;
             const float perturb_mul = c.perturb_mul;
+            const bool  runs        = ip == 1 && c.n_runs > 0;
 
             const char  * kb   = rows.kb[ip];
             const char  * vb   = rows.vb[ip];
@@ -288,7 +309,7 @@ static void sfa_one_chunk(
 
             for (int64_t ic = lo[ip]; ic < hi[ip]; ++ic) {
                 const float mv = mp ? slope*GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
-                if (mv == -INFINITY) {
+                if (mv == -INFINITY || (runs && sfa_unread(c, ic))) {
                     continue;
                 }
 
@@ -557,6 +578,15 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
 
     c.n_win = n_win;
     c.nek1  = c.part[0].n + c.part[1].n;
+
+    {
+        int32_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
+        c.n_runs = c.part[1].n > 0 ? ggml_streaming_flash_attn_get_tail_runs(dst, first, n) : 0;
+        for (int r = 0; r < c.n_runs; ++r) {
+            c.run_lo[r] = n_win + first[r];
+            c.run_hi[r] = n_win + first[r] + n[r];
+        }
+    }
     c.DK    = DK;
     c.DV    = DV;
 

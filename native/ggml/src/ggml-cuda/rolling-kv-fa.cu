@@ -186,6 +186,7 @@ struct rkv_fwd {
     int     n_head = 0;
 
     std::vector<rkv_part> parts;
+    ggml_tensor run_k[GGML_RKV_MAX_TAIL_RUNS], run_v[GGML_RKV_MAX_TAIL_RUNS]; // a device tail's runs (tail runs set)
     int  p_chunk     = 0;     // parts [p_chunk, p_chunk + ts.n_chunks()) are the chunks of the streamed host tail
     bool host_tail   = false; // the tail streams (some of its cells go through the ring)
     int64_t n_cpu    = 0;     // cells of the tail's CPU part (the last part), 0: none
@@ -331,7 +332,9 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
         // size thresholds). The stock dispatch must run each on a kernel that writes the LSE the merge reads: TILE
         // writes none (head sizes 40 and 72 on every GPU; small batches before Turing and on AMD). A padded part
         // (see the top of the file) is padded only for VEC. The scheduler then runs the op on the CPU.
-        const bool streamed = host_k;
+        // (a device tail with runs is attended as parts of whole blocks too, the last one ending with the tail)
+        int32_t rf[GGML_RKV_MAX_TAIL_RUNS], rn[GGML_RKV_MAX_TAIL_RUNS];
+        const bool streamed = host_k || (parts[i].tail && ggml_streaming_flash_attn_get_tail_runs(op, rf, rn) > 0);
         for (const int64_t n : { parts[i].n, streamed ? (int64_t) FATTN_KQ_STRIDE : parts[i].n }) {
             ggml_tensor k = *parts[i].k;
             ggml_tensor v = *parts[i].v;
@@ -366,8 +369,23 @@ static void rkv_collect(ggml_backend_cuda_context & ctx, rkv_fwd & f) {
     const bool host = nseg > 0 && seg[nseg - 1].tail && ggml_cuda_rkv_is_host(seg[nseg - 1].k);
     f.n_cpu     = host ? ggml_cuda_rkv_tail_cpu_cells(f.dst) : 0;
     f.host_tail = host && ggml_cuda_rkv_streams_tail(f.dst);
+    int32_t rf[GGML_RKV_MAX_TAIL_RUNS], rn[GGML_RKV_MAX_TAIL_RUNS];
+    const int n_runs = nseg > 0 && seg[nseg - 1].tail ? ggml_streaming_flash_attn_get_tail_runs(f.dst, rf, rn) : 0;
     for (int i = 0; i < nseg - (host ? 1 : 0); ++i) {
-        f.parts.push_back(seg[i]);
+        if (!seg[i].tail || n_runs == 0) {
+            f.parts.push_back(seg[i]);
+            continue;
+        }
+        // a device tail with runs: each run one part (the cells outside them are masked for every row)
+        for (int r = 0; r < n_runs; ++r) {
+            for (ggml_tensor * h : { &f.run_k[r], &f.run_v[r] }) {
+                const ggml_tensor * src = h == &f.run_k[r] ? seg[i].k : seg[i].v;
+                ggml_cuda_rkv_detached_header(*h, src);
+                h->ne[1] = rn[r];
+                h->data  = (char *) src->data + (size_t) rf[r]*src->nb[1];
+            }
+            f.parts.push_back({ &f.run_k[r], &f.run_v[r], rn[r], seg[i].col0 + rf[r], true });
+        }
     }
     f.p_chunk = (int) f.parts.size();
     if (f.host_tail) {

@@ -317,9 +317,40 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
 #endif // RKV_HYBRID
 }
 
-int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
+int64_t ggml_cuda_rkv_tail_stream_end(const ggml_tensor * op) {
     const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     return kt ? kt->ne[1] - ggml_cuda_rkv_tail_cpu_cells(op) : 0;
+}
+
+int ggml_cuda_rkv_tail_stream_runs(const ggml_tensor * op, int64_t * first, int64_t * n) {
+    const int64_t end = ggml_cuda_rkv_tail_stream_end(op);
+    int32_t rf[GGML_RKV_MAX_TAIL_RUNS], rn[GGML_RKV_MAX_TAIL_RUNS];
+    const int n_runs = ggml_streaming_flash_attn_get_tail_runs(op, rf, rn);
+    if (n_runs == 0) {
+        first[0] = 0;
+        n[0]     = end;
+        return end > 0 ? 1 : 0;
+    }
+    int k = 0;
+    for (int r = 0; r < n_runs; ++r) {
+        const int64_t lo = rf[r];
+        const int64_t hi = std::min<int64_t>(end, (int64_t) rf[r] + rn[r]);
+        if (hi > lo) {
+            first[k] = lo;
+            n[k]     = hi - lo;
+            ++k;
+        }
+    }
+    return k;
+}
+
+int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
+    int64_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
+    int64_t cells = 0;
+    for (int r = 0, nr = ggml_cuda_rkv_tail_stream_runs(op, first, n); r < nr; ++r) {
+        cells += n[r];
+    }
+    return cells;
 }
 
 #if RKV_HYBRID

@@ -55,7 +55,14 @@ struct ggml_cuda_rkv_cpu_part {
 // reads, Q heads contiguous, a mask that does not vary per head
 int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op);
 
-// the cells of op's host tail that stream through the device: the tail minus its CPU part
+// the end of op's host tail part that streams through the device: [0, end) is the tail minus its CPU part
+int64_t ggml_cuda_rkv_tail_stream_end(const ggml_tensor * op);
+
+// the runs of cells of that part the op reads (ggml_streaming_flash_attn_set_tail_runs; all of it without runs), into
+// first/n (GGML_RKV_MAX_TAIL_RUNS each): only these stream. Returns their count
+int ggml_cuda_rkv_tail_stream_runs(const ggml_tensor * op, int64_t * first, int64_t * n);
+
+// the cells of op's host tail that stream through the device: its runs' cells within the tail minus its CPU part
 int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op);
 
 // op's CPU part over its last n_cpu tail cells (first mask column col0): handed over on the CPU-part stream now, or

@@ -5,7 +5,9 @@
 
 #include "ggml-rolling-kv.h"
 
+#include <atomic>
 #include <climits>
+#include <cstring>
 
 static_assert(GGML_CUDA_RKV_CHUNK_ALIGN == 256, "chunks are multiples of the vector kernel's KV stride (FATTN_KQ_STRIDE)");
 
@@ -133,6 +135,52 @@ void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t 
     ggml_cuda_rkv_dev_budget_of(row_k_tail, row_v_tail, n_stream, out);
 }
 
+// the bytes the copy plans put on the link (GGML_RKV_STREAMED_BYTES_PROC)
+static std::atomic<uint64_t> g_rkv_plan_bytes_total{0};
+static std::atomic<uint64_t> g_rkv_plan_bytes_last{0};
+static std::atomic<uint64_t> g_rkv_plans{0};
+
+static uint64_t rkv_chunk_bytes(const ggml_tensor * kt, const ggml_tensor * vt, const rkv_fifo_chunk & ch) {
+    return (uint64_t) ch.n*(kt->nb[1] + vt->nb[1])*(uint64_t) kt->ne[3]; // as rkv_copy_cells copies them
+}
+
+// a plan about to be issued: count its bytes
+static void rkv_count_plan(const std::vector<rkv_fifo_op> & ops, const std::vector<rkv_fifo_chunk> & fifo) {
+    uint64_t bytes = 0;
+    for (const rkv_fifo_chunk & ch : fifo) {
+        const ggml_tensor * node = ops[ch.op].node;
+        bytes += rkv_chunk_bytes(node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch);
+    }
+    if (bytes > 0) {
+        g_rkv_plan_bytes_total += bytes;
+        g_rkv_plan_bytes_last   = bytes;
+        g_rkv_plans            += 1;
+    }
+}
+
+static void rkv_streamed_bytes(uint64_t * total, uint64_t * last, uint64_t * plans) {
+    *total = g_rkv_plan_bytes_total.load();
+    *last  = g_rkv_plan_bytes_last.load();
+    *plans = g_rkv_plans.load();
+}
+
+void * ggml_cuda_rkv_get_proc_address(const char * name) {
+    if (strcmp(name, GGML_RKV_DEV_BUDGET_PROC) == 0) {
+        return (void *) ggml_cuda_rkv_dev_budget;
+    }
+    if (strcmp(name, GGML_RKV_HOST_ALLOC_PROC) == 0) {
+        return (void *) ggml_cuda_rkv_host_buffer_alloc;
+    }
+    if (strcmp(name, GGML_RKV_CPU_PART_LATENCY_PROC) == 0) {
+        return (void *) ggml_cuda_rkv_cpu_part_latency;
+    }
+    if (strcmp(name, GGML_RKV_STREAMED_BYTES_PROC) == 0) {
+        static const ggml_backend_rkv_streamed_bytes_t fn = rkv_streamed_bytes;
+        return (void *) fn;
+    }
+    return nullptr;
+}
+
 bool ggml_cuda_rkv_is_host(const ggml_tensor * t) {
     const ggml_tensor * root = t->view_src ? t->view_src : t;
     return root->buffer && ggml_backend_buffer_is_host(root->buffer);
@@ -175,14 +223,14 @@ static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, i
     return std::min<int64_t>(n, n_stream);
 }
 
-// the chunks of a tail's streamed cells [0, n_tail): as few as the slot allows, of balanced sizes (a multiple of 256
-// except the last)
-static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_tail, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
-    const int64_t n_max  = rkv_chunk_cells(kt, vt, n_tail, slot_bytes);
-    const int64_t n_ch   = (n_tail + n_max - 1)/n_max;
-    const int64_t n_c    = std::min<int64_t>(n_max, GGML_PAD((n_tail + n_ch - 1)/n_ch, GGML_CUDA_RKV_CHUNK_ALIGN));
-    for (int64_t c0 = 0; c0 < n_tail; c0 += n_c) {
-        out.push_back({ op, c0, std::min(n_c, n_tail - c0) });
+// the chunks of a run of a tail's streamed cells [first, first + n): as few as the slot allows, of balanced sizes (a
+// multiple of 256 except the last)
+static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int64_t first, int64_t n_run, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
+    const int64_t n_max  = rkv_chunk_cells(kt, vt, n_run, slot_bytes);
+    const int64_t n_ch   = (n_run + n_max - 1)/n_max;
+    const int64_t n_c    = std::min<int64_t>(n_max, GGML_PAD((n_run + n_ch - 1)/n_ch, GGML_CUDA_RKV_CHUNK_ALIGN));
+    for (int64_t c0 = 0; c0 < n_run; c0 += n_c) {
+        out.push_back({ op, first + c0, std::min(n_c, n_run - c0) });
     }
 }
 
@@ -194,10 +242,20 @@ static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::ve
     rkv_fifo_op o;
     o.node  = node;
     o.first = (int) fifo.size();
-    rkv_make_chunks(kt, vt, ggml_cuda_rkv_tail_stream_cells(node), slot_bytes, (int) ops.size(), fifo);
+    // only the runs of cells the op reads: a unified cache's cells of sequences outside the batch never cross the link
+    int64_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
+    const int n_runs = ggml_cuda_rkv_tail_stream_runs(node, first, n);
+    for (int r = 0; r < n_runs; ++r) {
+        rkv_make_chunks(kt, vt, first[r], n[r], slot_bytes, (int) ops.size(), fifo);
+    }
     o.count = (int) fifo.size() - o.first;
+    GGML_ASSERT(o.count > 0 && "rolling-KV: a planned host tail with no cells to stream");
+    size_t need = 0;
+    for (int c = o.first; c < (int) fifo.size(); ++c) {
+        need = std::max(need, ggml_cuda_rkv_slot_need(kt->nb[1], vt->nb[1], kt->ne[3], fifo[c].n));
+    }
     ops.push_back(std::move(o));
-    return ggml_cuda_rkv_slot_need(kt->nb[1], vt->nb[1], kt->ne[3], fifo[ops.back().first].n);
+    return need;
 }
 
 // slot header: the tail view's layout, cells [0, n) of each stream packed per stream
@@ -373,6 +431,7 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
         return;
     }
     r = &rkv_ring(ctx, need); // outside any capture: this runs before the graph is captured or replayed
+    rkv_count_plan(ops, fifo);
     r->fifo = std::move(fifo);
     r->ops  = std::move(ops);
 
@@ -422,6 +481,7 @@ void ggml_cuda_rkv_tail_begin(ggml_backend_cuda_context & ctx, const ggml_tensor
         // the ring's slots and events are shared: an op outside the graph's plan must not stream while it runs
         GGML_ASSERT((!ctx.rkv_ring || ctx.rkv_ring->ops.empty()) && "rolling-KV: a host-tail op outside the graph's copy plan");
         ts.ring      = &rkv_ring(ctx, rkv_plan_tail(dst, rkv_knobs().ring_slot_bytes, ts.local_fifo, ts.local_ops));
+        rkv_count_plan(ts.local_ops, ts.local_fifo);
         ts.fifo      = &ts.local_fifo;
         ts.ops       = &ts.local_ops;
         ts.next_copy = &ts.local_next;

@@ -60,6 +60,10 @@ ggml_cuda_rkv_hybrid *& ggml_cuda_rkv_hybrid_of(ggml_backend_cuda_context & ctx)
 // native-lab/ggml/src/ggml-cuda/rolling-kv-lab.cuh)
 void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
+// the registry's rolling-KV procs (GGML_RKV_*_PROC of ggml-rolling-kv.h that this backend answers), nullptr for any
+// other name
+void * ggml_cuda_rkv_get_proc_address(const char * name);
+
 // the registry's GGML_RKV_DEV_BUDGET_PROC (ggml-rolling-kv.h): the ring this backend allocates and its runtime's memory
 void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out);
 
