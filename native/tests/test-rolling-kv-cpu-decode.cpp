@@ -36,6 +36,10 @@
 //   test-rolling-kv-cpu-decode --pool-idle N
 //       the pool between tasks: the workers asleep 100 ms after a task on N threads and the CPU time the process spent
 //       meanwhile (the workers' bounded spin before they sleep). One JSON line.
+//   test-rolling-kv-cpu-decode --part-counts
+//       the CPU backend's counts of the parts run (GGML_RKV_CPU_PART_RUNS_PROC, GGML_RKV_CPU_PART_CALIB_RUNS_PROC) before
+//       and after the planner's calibration of the CPU attention (GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC), an op's part and
+//       a part flagged calib. One JSON line.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -401,6 +405,50 @@ int pool_idle(int n) {
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
     printf("{\"threads\": %d, \"asleep\": %d, \"idle_cpu_ms\": %.3f}\n", n, A.rkv_cpu_pool_sleepers(),
            ((b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9) * 1e3);
+    return 0;
+}
+
+// a proc of the CPU backend by name (standalone: this binary's own)
+void * cpu_proc(const char * name) {
+#ifdef RKV_CPU_DECODE_STANDALONE
+    return ggml_rkv_cpu_get_proc_address(name);
+#else
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    return reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+#endif
+}
+
+int part_counts() {
+    auto runs  = (ggml_rkv_cpu_part_runs_t) cpu_proc(GGML_RKV_CPU_PART_RUNS_PROC);
+    auto calib = (ggml_rkv_cpu_part_runs_t) cpu_proc(GGML_RKV_CPU_PART_CALIB_RUNS_PROC);
+    auto gbps  = (ggml_rkv_cpu_attn_measure_gbps_t) cpu_proc(GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC);
+    if (!runs || !calib || !gbps) {
+        fprintf(stderr, "the CPU backend does not offer the part counts or the calibration\n");
+        return 1;
+    }
+    const uint64_t r0 = runs(), c0 = calib();
+    gbps(2, GGML_TYPE_F16, 4u << 20); // the planner's calibration, on a 4 MiB tail
+    const uint64_t r1 = runs(), c1 = calib();
+    // one op's part of 256 f16 cells, one head of 64, and the same flagged calib
+    const int D = 64, n = 256;
+    std::vector<ggml_fp16_t> kv((size_t) 2 * n * D, ggml_fp32_to_fp16(0.01f));
+    std::vector<float> q(D, 0.01f), o(D), lse(1);
+    rkv_cpu_part_job j{};
+    j.n_head = 1; j.n_head_kv = 1; j.D = D; j.DV = D; j.k_type = GGML_TYPE_F16; j.v_type = GGML_TYPE_F16;
+    j.n_q = 1; j.n_stream = 1; j.n_cells = n;
+    j.q = (const uint8_t *) q.data(); j.q_nb1 = D * sizeof(float); j.q_nb3 = j.q_nb1;
+    j.k = (const uint8_t *) kv.data();           j.k_nb1 = D * sizeof(ggml_fp16_t); j.k_nb2 = (size_t) n * j.k_nb1; j.k_nb3 = j.k_nb2;
+    j.v = (const uint8_t *) (kv.data() + n * D); j.v_nb1 = j.k_nb1; j.v_nb2 = j.k_nb2; j.v_nb3 = j.k_nb3;
+    j.n_mask_planes = 1; j.scale = 0.125f; j.o = o.data(); j.lse = lse.data(); j.n_threads = 2;
+    A.rkv_cpu_part_run(j);
+    const uint64_t r2 = runs(), c2 = calib();
+    j.calib = 1;
+    A.rkv_cpu_part_run(j);
+    const uint64_t r3 = runs(), c3 = calib();
+    printf("{\"calibration\": {\"runs\": %llu, \"calib_runs\": %llu}, \"op_part\": {\"runs\": %llu, \"calib_runs\": %llu}, "
+           "\"calib_part\": {\"runs\": %llu, \"calib_runs\": %llu}}\n",
+           (unsigned long long) (r1 - r0), (unsigned long long) (c1 - c0), (unsigned long long) (r2 - r1),
+           (unsigned long long) (c2 - c1), (unsigned long long) (r3 - r2), (unsigned long long) (c3 - c2));
     return 0;
 }
 
@@ -786,6 +834,7 @@ int main(int argc, char ** argv) {
     bool beside = false;
     double stress_s = 0;
     int affinity_n = 0, idle_n = 0, rows = 1;
+    bool part_counts_mode = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -810,6 +859,7 @@ int main(int argc, char ** argv) {
         else if (a == "--pool-stress") stress_s = atof(next());
         else if (a == "--pool-affinity") affinity_n = atoi(next());
         else if (a == "--pool-idle") idle_n = atoi(next());
+        else if (a == "--part-counts") part_counts_mode = true;
         else if (a == "--isa") isas.push_back(next());
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
@@ -817,7 +867,7 @@ int main(int argc, char ** argv) {
             type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N | --pool-idle N\n", argv[0]);
+            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N | --pool-idle N | --part-counts\n", argv[0]);
             return 2;
         }
     }
@@ -847,6 +897,9 @@ int main(int argc, char ** argv) {
     }
     if (idle_n > 0) {
         return pool_idle(idle_n);
+    }
+    if (part_counts_mode) {
+        return part_counts();
     }
     if (do_bench) {
 #ifdef RKV_CPU_DECODE_STANDALONE

@@ -115,9 +115,11 @@ extern "C" {
     // part is one of them.
     typedef int (*ggml_rkv_get_cpu_threads_t)(void);
 #define GGML_RKV_GET_CPU_THREADS_PROC "ggml_rkv_get_cpu_threads"
-    // CPU parts run so far in this process, by every backend (the proof that a hybrid tail's CPU part ran)
+    // CPU parts of ops run so far in this process, by every backend (the proof that a hybrid tail's CPU part ran); the
+    // planner's calibration and a backend's latency probe run parts of their own, counted apart (a job's calib flag)
     typedef uint64_t (*ggml_rkv_cpu_part_runs_t)(void);
 #define GGML_RKV_CPU_PART_RUNS_PROC "ggml_rkv_cpu_part_runs"
+#define GGML_RKV_CPU_PART_CALIB_RUNS_PROC "ggml_rkv_cpu_part_calib_runs"
     // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a
     // synthetic tail of `bytes` bytes (0: 256 MiB) of type `type` (f16, q8_0, q4_0 for K and V) on n_threads
     // threads (<= 0: the CPU part's); best of a few runs. < 0: the type is not one the CPU part reads.

@@ -42,6 +42,7 @@ static inline void rkv_pause() { std::this_thread::yield(); }
 namespace {
 
 std::atomic<uint64_t> g_runs{0};
+std::atomic<uint64_t> g_calib_runs{0};
 std::atomic<uint64_t> g_sleeps{0}; // the pool's workers that slept between tasks (the spin ran out)
 
 // ROLLINGKV_CPU_PART_STATS: per part, its wall time (from the call to the merged result), how late its threads
@@ -302,6 +303,10 @@ uint64_t rkv_cpu_part_runs(void) {
     return g_runs.load();
 }
 
+uint64_t rkv_cpu_part_calib_runs(void) {
+    return g_calib_runs.load();
+}
+
 static int proc_get_cpu_threads(void);
 
 static int rkv_pool_threads(int n_threads) {
@@ -341,8 +346,8 @@ static float * part_buffer(size_t n_floats) {
 // result.
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     using clock = std::chrono::steady_clock;
-    g_runs.fetch_add(1, std::memory_order_relaxed);
-    const bool stats = stats_on();
+    (job.calib ? g_calib_runs : g_runs).fetch_add(1, std::memory_order_relaxed);
+    const bool stats = !job.calib && stats_on();
     const clock::time_point t_start = stats ? clock::now() : clock::time_point();
     const int64_t n_rows = job.n_stream*job.n_q;
     rkv_cpu_decode_params base = {};
@@ -459,6 +464,10 @@ static uint64_t proc_cpu_part_runs(void) {
     return rkv_cpu_part_runs();
 }
 
+static uint64_t proc_cpu_part_calib_runs(void) {
+    return rkv_cpu_part_calib_runs();
+}
+
 static int proc_get_cpu_threads(void) {
     // the knob once: ggml_rkv_get_knobs takes ggml's critical section, and this runs at every part's launch and start
     static const int knob = ggml_rkv_get_knobs()->cpu_part_threads;
@@ -484,6 +493,7 @@ void * ggml_rkv_cpu_get_proc_address(const char * name) {
     // not compile
     static const ggml_rkv_get_cpu_threads_t       threads  = proc_get_cpu_threads;
     static const ggml_rkv_cpu_part_runs_t         runs     = proc_cpu_part_runs;
+    static const ggml_rkv_cpu_part_runs_t         calib    = proc_cpu_part_calib_runs;
     static const ggml_rkv_cpu_attn_measure_gbps_t gbps     = proc_cpu_attn_measure_gbps;
     static const ggml_rkv_cpu_part_supported_t    supp     = proc_cpu_part_supported;
     static const ggml_rkv_cpu_part_run_t          run      = proc_cpu_part_run;
@@ -492,6 +502,7 @@ void * ggml_rkv_cpu_get_proc_address(const char * name) {
     static const entry table[] = {
         { GGML_RKV_GET_CPU_THREADS_PROC,       (void *) threads },
         { GGML_RKV_CPU_PART_RUNS_PROC,         (void *) runs },
+        { GGML_RKV_CPU_PART_CALIB_RUNS_PROC,   (void *) calib },
         { GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC, (void *) gbps },
         { GGML_RKV_CPU_PART_SUPPORTED_PROC,    (void *) supp },
         { GGML_RKV_CPU_PART_RUN_PROC,          (void *) run },
@@ -563,6 +574,7 @@ static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, siz
     job.scale = 1.0f/sqrtf((float) D); job.softcap = 0.0f;
     job.o = o.data(); job.lse = lse.data();
     job.n_threads = n_threads;
+    job.calib = 1;
 
     double best = 1e30;
     for (int rep = 0; rep < 4; ++rep) { // the first run wakes the pool and warms the TLB

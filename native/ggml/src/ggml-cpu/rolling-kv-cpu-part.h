@@ -51,6 +51,7 @@ struct rkv_cpu_part_job {
     float * lse;
 
     int n_threads;  // <= 0: ggml_rkv_get_cpu_threads()
+    int calib;      // a calibration or probe part, not an op's: counted apart, left out of the statistics
 };
 
 // run the job on the process's pool (one job at a time; the calling thread is one of the workers)
@@ -67,8 +68,10 @@ int rkv_cpu_pool_sleepers(void);
 // backend calls it where it issues a CPU part, so that the workers do not start from its runtime's callback thread
 void rkv_cpu_part_prepare(int n_threads);
 
-// jobs run so far in this process (the op test shows which cases a backend attended partly on the CPU)
+// ops' jobs run so far in this process (the op test shows which cases a backend attended partly on the CPU), and the
+// calibration and probe jobs
 uint64_t rkv_cpu_part_runs(void);
+uint64_t rkv_cpu_part_calib_runs(void);
 
 // The CPU part's functions by name, for the CPU backend's ggml_backend_reg_get_proc_address (ggml-cpu.cpp): the
 // public ones (GGML_RKV_CPU_*_PROC, ggml-rolling-kv.h: ggml_rkv_get_cpu_threads, ggml_rkv_cpu_part_runs,

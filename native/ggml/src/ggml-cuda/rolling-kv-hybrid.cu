@@ -43,7 +43,7 @@ struct rkv_cpu_procs {
     ggml_rkv_cpu_part_run_t       run       = nullptr;
     ggml_rkv_cpu_part_prepare_t   prepare   = nullptr;
     ggml_rkv_cpu_part_supported_t supported = nullptr;
-    ggml_rkv_cpu_part_runs_t      runs      = nullptr; // the latency probe: its parts ran
+    ggml_rkv_cpu_part_runs_t      calib_runs = nullptr; // the latency probe: its parts ran
     ggml_rkv_get_cpu_threads_t    threads   = nullptr;
 };
 
@@ -64,9 +64,9 @@ static const rkv_cpu_procs * rkv_cpu() {
         procs.run       = (ggml_rkv_cpu_part_run_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUN_PROC);
         procs.prepare   = (ggml_rkv_cpu_part_prepare_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_PREPARE_PROC);
         procs.supported = (ggml_rkv_cpu_part_supported_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_SUPPORTED_PROC);
-        procs.runs      = (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUNS_PROC);
+        procs.calib_runs = (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_CALIB_RUNS_PROC);
         procs.threads   = (ggml_rkv_get_cpu_threads_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_GET_CPU_THREADS_PROC);
-        const bool ok = procs.run && procs.prepare && procs.supported && procs.runs && procs.threads;
+        const bool ok = procs.run && procs.prepare && procs.supported && procs.calib_runs && procs.threads;
         if (!ok) {
             GGML_LOG_INFO("rolling KV: the CPU backend does not offer the hybrid tail's CPU part (%s): no CPU part is planned\n",
                           GGML_RKV_CPU_PART_RUN_PROC);
@@ -635,6 +635,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     j.q = (const uint8_t *) (host + off_q); j.q_nb1 = D*sizeof(float); j.q_nb3 = D*sizeof(float);
     j.k = (const uint8_t *) host;            j.k_nb1 = D*sizeof(uint16_t); j.k_nb2 = kv_bytes; j.k_nb3 = kv_bytes;
     j.v = (const uint8_t *) host + kv_bytes; j.v_nb1 = D*sizeof(uint16_t); j.v_nb2 = kv_bytes; j.v_nb3 = kv_bytes;
+    j.calib = 1; // the probe's parts are not an op's (ggml_rkv_cpu_part_runs counts those)
     j.scale = 1.0f; j.o = (float *) (host + off_out); j.lse = (float *) (host + off_out + D*sizeof(float));
     rkv_cpu_part_job * job_host = (rkv_cpu_part_job *) (host + off_job);
 
@@ -664,7 +665,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
     float best_ms = 1e30f;
-    const uint64_t runs0 = cpu->runs();
+    const uint64_t runs0 = cpu->calib_runs();
     for (int r = 0; r < REPS + 1; ++r) { // the first: warm (the pool's threads, the graph's upload)
         agent->expect(N);
         CUDA_CHECK(cudaEventRecord(e0, s));
@@ -677,7 +678,7 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
             best_ms = std::min(best_ms, ms);
         }
     }
-    const uint64_t runs = cpu->runs() - runs0;
+    const uint64_t runs = cpu->calib_runs() - runs0;
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
     CUDA_CHECK(cudaGraphExecDestroy(exec));
