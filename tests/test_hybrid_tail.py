@@ -183,7 +183,14 @@ def test_probe_pcie_measures_the_cpu_attention(tmp_path):
 def test_batched_bench_honours_the_residency_flags(cpu_build, demo_model):
     """llama-batched-bench parses the common flags but created its context with llama_init_from_model: the residency
     flags were accepted and ignored (hook 0019). Several sequences decoding together now run on the split they ask for,
-    and on the resident cache without them."""
+    and on the resident cache without them.
+
+    Why a log line: the tool's only outputs are its timing table (or --output-format jsonl rows: pp, tg, pl, n_kv, times
+    and speeds; n_kv is the context asked for, the same split or not), and its context's plan is not returned anywhere
+    else (no /props, no JSON, no API call in the tool; adding one is a native change). libllama's plan line, printed by
+    the planner from the same plan /props returns (-v prints libllama's INFO lines), is the one observable of the split
+    here; the test pins its numbers (window and tail cells per stream, the stream count) and that the resident run prints
+    the resident line and no split one. Seen failing on the hook-less tool (the flags ignored: "rolling KV: resident")."""
     exe = cpu_build.artifact("llama-batched-bench")
     assert exe.exists(), "llama-batched-bench is one of the build's targets"
     # -v: libllama's INFO lines (the plan's "rolling KV: ..." lines) are printed only in verbose mode

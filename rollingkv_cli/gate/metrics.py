@@ -75,14 +75,21 @@ PROFILES: dict[str, dict[str, float | None]] = {
     # the resident cache of the window's type over the positions that read the tail (auto_thresholds): the mean and
     # 99th-percentile TV and the top-1 agreement, and the needle retrieved wherever the resident run retrieves it (gate
     # equiv runs it). These are the bounds of a 4-5-bit tail (auto chose q4_0); AUTO_8BIT those of a tail of 8 bits or
-    # more. Measured on the demo model, the most sensitive model here, on the CPU (docs/design/auto-tail-types.md): a q4_0
-    # tail read by 1536 positions (2048 tokens, window 512) mean TV 0.106, p99 0.60, top-1 0.926; a q8_0 tail 0.012, 0.068,
-    # 0.985 there and up to 0.030, 0.083, 0.948 read by 96-288 positions (gate matrix's CI size, 384 tokens). The bounds
-    # leave about 1.6-2x that room; a wrong merge falls outside (every tail score x 2, ROLLINGKV_DEBUG_PERTURB_TAIL=1:
-    # mean TV 0.47, p99 0.99, top-1 0.54), and so does a tail scored 25 % off behind a q8_0 choice (0.108, 0.47, 0.89).
+    # more. Each is set from the type's own measured loss on the demo model (the most sensitive model here), on the CPU,
+    # over 3 texts x 512/1024/2048 tokens (windows 256/256/512) plus the tests' own runs (scripts/measure-auto-tail-loss.py;
+    # the table in docs/design/auto-tail-types.md), at a stated margin above the worst measured value:
+    #   mean TV: the worst + 2 x its spread (sample SD) between texts of one length;
+    #   p99 TV (the ~3rd-16th worst position: noisier): 1.3 x the worst;
+    #   top-1: the worst disagreement + 2 binomial SDs at the fewest positions measured (256; 96 for q8_0, gate matrix).
+    # q4_0 (9 runs): worst mean TV 0.136 (SD 0.011) -> 0.16; worst p99 0.613 -> 0.8; worst top-1 0.832 (256 positions,
+    # SD 0.023) -> 0.78. A merge that scores the tail 25 % off behind q4_0 (ROLLINGKV_DEBUG_PERTURB_TAIL=0.25) measured
+    # mean TV 0.167-0.224 and fails (tests/gate/test_equiv.py, end to end); 10 % off (0.124-0.142) is inside a correct
+    # q4_0 tail's own spread on this model and cannot be told from it by these metrics (the q8_0 bounds catch it).
+    # The bounds before (0.2 / 0.8 / 0.85, round numbers) failed a correct q4_0 tail here (top-1 0.832 < 0.85), so a
+    # failure told nothing, and held one scored 25 % off within their mean TV (0.187 < 0.2).
     "auto": {
-        "max_mean_tv": 0.2,
-        "min_top1_agreement": 0.85,
+        "max_mean_tv": 0.16,
+        "min_top1_agreement": 0.78,
         "max_real_frac": None,
         "max_max_tv": None,
         "max_p99_tv": 0.8,
@@ -178,8 +185,11 @@ def profile_for(window_types: tuple[str, str], tail_types: tuple[str | None, str
     return "same_type"
 
 
-# the auto profile's bounds where every tail type auto chose keeps 8 bits or more (q8_0, or a float type)
-AUTO_8BIT = {"max_mean_tv": 0.05, "max_p99_tv": 0.25, "min_top1_agreement": 0.92}
+# the auto profile's bounds where every tail type auto chose keeps 8 bits or more (q8_0, or a float type), by the rule
+# above: q8_0 (8 runs and gate matrix's CI rows) worst mean TV 0.030 (spread <= 0.004) -> 0.04; worst p99 0.083 -> 0.11;
+# worst top-1 0.943-0.948 (96 positions in gate matrix, SD 0.023) -> 0.90. A tail scored 10 % off behind q8_0 measured
+# p99 0.20-0.25 and mean TV 0.033-0.060, 25 % off 0.41-0.56 and 0.075-0.127: both fail.
+AUTO_8BIT = {"max_mean_tv": 0.04, "max_p99_tv": 0.11, "min_top1_agreement": 0.90}
 WIDE_TAIL_TYPES = {"q8_0", "f16", "bf16", "f32"}
 
 

@@ -17,7 +17,7 @@
 #   batched-cells       llama-batched-bench, 4 sequences at 16384 with 50% tails: resident, CPU part 0 / 0.5 / auto
 #   resident-pool-cells decode at 65536 (fits): off against auto, twice in alternation
 #   deep-cells          decode at 65536: resident, a 50% f16 tail and a full spill with the CPU part at auto
-#   gpu-tests           pytest -m gpu tests/test_gpu.py
+#   gpu-tests           pytest -m gpu tests/ (every gpu-marked test); counts in $OUT/gpu-tests.json
 #   decode-cells        llama-bench decode at 16384: resident, 50% f16 tail, 50% q4_0 tail (synthetic 28-layer model)
 #   bench-load          rollingkv bench load on the synthetic model ($LOAD_ARGS; default the table mix) into $OUT/bench-load.json
 #   serve-without-ngl   rollingkv serve on a KV that does not fit --vram-target 9000, without -ngl

@@ -149,12 +149,32 @@ run_pytest() {
   timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest -q -rs -p no:cacheprovider "$@"
 }
 
-# gpu_tests: the GPU test suite (pytest -m gpu: the op on CUDA0, the pinned-host tail, both perturbed (exactly the
-# live-tail cases fail), probe pcie, gate equiv within the order floor and failing on a perturbed tail, four
-# parallel sequences)
+# gpu_tests: every gpu-marked test of the repo (pytest -m gpu tests/: tests/test_gpu.py's op on CUDA0, the pinned-host
+# tail, both perturbed (exactly the live-tail cases fail), probe pcie, gate equiv within the order floor and failing on a
+# perturbed tail, four parallel sequences; tests/test_hybrid_tail.py's probe of the CPU attention; any gpu test added
+# anywhere under tests/: tests/test_device_scripts.py fails when this command misses one). Prints how many ran, passed,
+# failed and skipped, and writes them to $OUT/gpu-tests.json (the per-test record: $OUT/gpu-tests.xml).
 gpu_tests() {
-  timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider 2>&1 | tail -15
-  return "${PIPESTATUS[0]}"
+  local rc
+  rm -f "$OUT/gpu-tests.xml" "$OUT/gpu-tests.json"
+  timeout 480 python3 -m pytest -q -m gpu tests/ -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -25
+  rc=${PIPESTATUS[0]}
+  python3 - "$OUT/gpu-tests.xml" "$OUT/gpu-tests.json" <<'PY' || rc=1
+import json, sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError) as e:
+    print(f"gpu tests: no JUnit record ({e}): nothing counted"); sys.exit(1)
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+c = {"collected": n["tests"], "ran": n["tests"] - n["skipped"], "passed": n["tests"] - n["skipped"] - n["failures"] - n["errors"],
+     "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"],
+     "modules": sorted({tc.get("classname", "") for s in suites for tc in s.iter("testcase")})}
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+print(f"gpu tests: {c['ran']} ran, {c['passed']} passed, {c['failed']} failed, {c['errors']} errors, {c['skipped']} skipped "
+      f"(of {c['collected']} selected, from {', '.join(c['modules'])})")
+PY
+  return "$rc"
 }
 
 # decode_cell LABEL [ENV=VALUE...] -- [llama-bench args...]: decode speed of one cell on the synthetic model,

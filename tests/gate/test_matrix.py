@@ -194,8 +194,8 @@ def test_matrix_ci_sizes_every_cell_passes(cpu_build, demo_model, tmp_path):
         assert c["plan"]["split"] and c["plan"]["window_cells"] == c["window_cells"]
         if c["tail"] == "auto":  # the planner's type (a short tail of the demo model on the CPU: the q8_0 floor), the auto bounds
             assert c["tail_types_chosen"]["k"] == c["tail_types_chosen"]["v"] == "q8_0" and c["profile"] == "auto"
-            assert c["thresholds"]["positions"] == "tail" and c["thresholds"]["max_mean_tv"] == 0.05
-            assert 0 < c["metrics"]["tail"]["mean_tv"] <= 0.05 and c["metrics"]["tail"]["p99_tv"] <= 0.25
+            assert c["thresholds"]["positions"] == "tail" and c["thresholds"]["max_mean_tv"] == 0.04
+            assert 0 < c["metrics"]["tail"]["mean_tv"] <= 0.04 and c["metrics"]["tail"]["p99_tv"] <= 0.11
             assert "--no-needle" in c["command"] and "-ctkt auto" in c["command"]
         elif c["tail"] == "f16":  # the split of a same-type cache is exact
             assert c["metrics"]["mean_tv"] == 0.0 and c["metrics"]["bitwise_equal_rows"] == 384
@@ -211,7 +211,7 @@ def test_matrix_ci_sizes_every_cell_passes(cpu_build, demo_model, tmp_path):
     assert nd["verdict"] == "pass" and nd["plan"]["window_cells"] == 128
     assert all(p["needle_in_tail"] and p["identical"] and p["reference_retrieved"] for p in nd["placements"])
     assert md.startswith("# Gate matrix: PASS") and "| `q4_0` |" in md and "## Needle: PASS" in md
-    assert "| `auto` | ✓ → `q8_0`/`q8_0`: tail TV" in md and "top-1 ≥ 0.92 (auto)" in md
+    assert "| `auto` | ✓ → `q8_0`/`q8_0`: tail TV" in md and "top-1 ≥ 0.9 (auto)" in md
 
 
 @pytest.mark.build
