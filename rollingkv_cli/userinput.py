@@ -304,7 +304,24 @@ def native_knob(name: str, default: int | None = None) -> int | None:
     return v
 
 
+# The must-fail controls' switch, read by the library as a float (ggml_rkv_knobs): every tail score times (1 + x), so x
+# must be a number above -1; the library read "abc" as 0 (off, silently) and took -2 (scores of the wrong sign).
+ENV_PERTURB_TAIL = "ROLLINGKV_DEBUG_PERTURB_TAIL"
+
+
+def perturb_tail() -> float | None:
+    """ROLLINGKV_DEBUG_PERTURB_TAIL as the library takes it; None when unset; any other value: one line, exit 1."""
+    example = "a number above -1 such as 0.1 (a test switch that makes a split's outputs wrong on purpose)"
+    v = env_float(ENV_PERTURB_TAIL, None, example=example)
+    if v is not None and not v > -1.0:
+        abort(f"${ENV_PERTURB_TAIL}={os.environ[ENV_PERTURB_TAIL]!r} must be above -1 (every tail score is multiplied by "
+              "1 + x)", _unset_hint(ENV_PERTURB_TAIL, example))
+    return v
+
+
 def check_native_knobs() -> None:
-    """Every knob of NATIVE_KNOBS that is set, checked (before a command loads the library or starts llama-server)."""
+    """Every knob of NATIVE_KNOBS that is set, and the perturbation switch, checked (before a command loads the library
+    or starts llama-server or llama-bench)."""
     for name in NATIVE_KNOBS:
         native_knob(name)
+    perturb_tail()

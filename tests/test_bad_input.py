@@ -315,6 +315,19 @@ ROWS = {
                                              env={"ROLLINGKV_RUNTIME_MIB": "abc"}, build=True),
     "13-slots-too-many-bench": Row(["bench", "tail", "{gguf}", "--dry-run"], 1, ["$ROLLINGKV_SLOTS='9'", "more than the library takes (8)"],
                                    env={"ROLLINGKV_SLOTS": "9"}),
+    # issue 39 (11): the must-fail controls' switch, which the library read as 0 ("abc") or took below -1 (every tail
+    # score flipped): refused before anything loads the library or starts a child
+    "39-11-perturb-below-minus-one-serve": Row(["serve", "{gguf}", "--port", "0", "-q"], 1,
+                                               ["$ROLLINGKV_DEBUG_PERTURB_TAIL='-2'", "must be above -1"],
+                                               env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "-2"}, build=True),
+    "39-11-perturb-not-a-number-run": Row(["run", "{gguf}", "-p", "hi"], 1, ["$ROLLINGKV_DEBUG_PERTURB_TAIL='abc'", "is not a number"],
+                                          env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "abc"}),
+    "39-11-perturb-minus-one-bench-load": Row(["bench", "load", "{gguf}", "--dry-run"], 1,
+                                              ["$ROLLINGKV_DEBUG_PERTURB_TAIL='-1'", "must be above -1"],
+                                              env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "-1"}),
+    "39-11-perturb-not-a-number-gate": Row(["gate", "equiv", "--model", "{gguf}"], 1,
+                                           ["$ROLLINGKV_DEBUG_PERTURB_TAIL='1e-3x'", "is not a number"],
+                                           env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "1e-3x"}),
     # issue 27 (4): only regular files are read, and only so much of them (a device or a FIFO hung or ate memory)
     "4-run-prompt-file-dev-zero": Row(["run", "{gguf}", "-f", "/dev/zero"], 1, ["prompt file /dev/zero", "a device, not a regular file"]),
     "4-run-prompt-file-fifo": Row(["run", "{gguf}", "-f", "{tmp}/fifo"], 1, ["prompt file {tmp}/fifo", "a FIFO (named pipe), not a regular file"],

@@ -204,6 +204,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     from rollingkv_cli.bench import plot as plotting, tail as tail_runs, tail_grid, tail_report
     from rollingkv_cli.console import abort, console, esc, note, warn
 
+    from rollingkv_cli.userinput import check_native_knobs
+
+    check_native_knobs()  # llama-bench's library reads them itself: refused here, not ignored or misread there
     if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
         raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
     if not any(t == window_type for t in tail_types) and not mixed_fractions:
@@ -413,7 +416,9 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     if window_cells and vram_target:
         raise click.UsageError("give --window-cells or --vram-target, not both")
     from rollingkv_cli.serve.settings import check_server_args
+    from rollingkv_cli.userinput import check_native_knobs
 
+    check_native_knobs()  # the servers' library reads them itself: refused here, not ignored or misread there
     # what each cell sets itself (serve's check: the address and the model are bench load's too)
     check_server_args(list(server_args), "after `--`", "bench load", {
         **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
