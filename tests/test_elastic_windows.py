@@ -119,6 +119,12 @@ def test_windows_follow_the_load(elastic):
     idle = [win(i)[2] for i in range(len(stats))]
     assert min(idle[17:-4]) < idle[16], idle  # demoted while idle
     assert stats[-1]["slots"][2]["device_cells"] == 0 and stats[-1]["slots"][2]["tail_cells"] > 0
+    # the per-slot counters follow the pool at every step, for the slots of the step and the others alike: a slot's
+    # cells on the device fit its window, and all of them the pool (issue 39: 10; an idle slot demoted for another's
+    # ubatch kept its old count, 339 device cells each for two slots of a 512-cell pool, until its own next step)
+    for i, st in enumerate(stats):
+        assert all(sl["device_cells"] <= sl["window_cells"] for sl in st["slots"]), (i, st["slots"])
+        assert sum(sl["device_cells"] for sl in st["slots"]) <= st["pool_cells"], (i, st["slots"])
 
 
 def test_static_windows_equal_resident_too(cpu_build, demo_model, tmp_path, resident):

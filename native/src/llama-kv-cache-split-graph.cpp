@@ -282,10 +282,8 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     }
     const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, false, &ubatch);
 
-    uint64_t tail = 0, stream = 0, occupied = 0;
-    std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
-    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
-        const uint32_t strm = sinfo.strm[s];
+    // a stream's cells in use on the device (its window) and in host memory (its tail)
+    const auto count_cells = [this](uint32_t strm) -> std::pair<uint32_t, uint32_t> {
         const auto & cells = v_cells[strm];
         const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
         uint32_t dev = 0, host = 0;
@@ -294,10 +292,17 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
                 (i < wc ? dev : host) += 1;
             }
         }
-        if (rkv_head) {
-            dev = host; // every cell's device heads and host heads
-        }
-        cells_of.push_back({ strm, { dev, host } });
+        return { rkv_head ? host : dev, host }; // head split: every cell's device heads and host heads
+    };
+
+    uint64_t tail = 0, stream = 0, occupied = 0;
+    std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        const uint32_t strm = sinfo.strm[s];
+        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
+        const auto dh = count_cells(strm);
+        const uint32_t host = dh.second;
+        cells_of.push_back({ strm, dh });
 
         const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
         GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
@@ -305,18 +310,26 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
         const uint32_t n_cpu  = std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
         // the tail's cells the op reads (its runs: the ubatch's sequences' blocks) and, of those, the ones that stream
         // (not in the CPU part)
-        uint32_t n_read = n_tail, n_stream = n_tail - n_cpu;
+        uint32_t n_read = n_tail, n_streamed = n_tail - n_cpu;
         if (!lay.run_first.empty()) {
-            n_read = n_stream = 0;
+            n_read = n_streamed = 0;
             for (size_t r = 0; r < lay.run_first.size(); ++r) {
                 const uint32_t r0 = lay.run_first[r], r1 = r0 + lay.run_n[r];
-                n_read   += r1 - r0;
-                n_stream += r1 > r0 && std::min(r1, n_tail - n_cpu) > r0 ? std::min(r1, n_tail - n_cpu) - r0 : 0;
+                n_read     += r1 - r0;
+                n_streamed += std::min(r1, n_tail - n_cpu) > r0 ? std::min(r1, n_tail - n_cpu) - r0 : 0;
             }
         }
         tail     += n_read;
-        stream   += streamed ? n_stream : 0;
+        stream   += streamed ? n_streamed : 0;
         occupied += host;
+    }
+    if (rkv_elastic) {
+        // the moves before this ubatch may have demoted or relocated streams outside it: their counts follow the pool
+        for (uint32_t strm = 0; strm < n_stream; ++strm) {
+            if (std::none_of(cells_of.begin(), cells_of.end(), [strm](const auto & c) { return c.first == strm; })) {
+                cells_of.push_back({ strm, count_cells(strm) });
+            }
+        }
     }
 
     // one stream holding several sequences (a unified cache): where each sequence's cells are
