@@ -123,6 +123,24 @@ def test_op_streams_a_pinned_host_tail(cuda_build):
     assert sum(optest.live_tail_keys(c.desc) > 0 for c in _ran(run).values()) > 50  # streamed tails that were read
 
 
+def test_op_on_cuda_perturbed_in_the_cpu_part_fails(cuda_build):
+    """The must-fail that reaches the hybrid tail's CPU part on CUDA (issue 36: 2): the whole pinned-host tail attended
+    on the CPU (--tail-cpu-frac 1) with every tail score x 2. Exactly the live-tail cases that ran fail, and the CPU part
+    ran in them (their lines count its parts, `cpu-part=N`: the ops' own parts, not the calibration's): a build whose
+    CPU part never ran, or ran without the perturbation, would pass the perturbed cases on the streamed tail or the
+    unperturbed CPU attention. The device script's hybrid-op-tests check did this outside pytest."""
+    run = _op_test(cuda_build, "--quick", "--tail-host", "--tail-cpu-frac", "1", "--expect-perturbed", perturb="1")
+    _check_skips(run, tail_host=True)
+    ran = _ran(run)
+    must = {i for i, c in ran.items() if optest.live_tail_keys(c.desc) and not optest.tile_only(c.desc)}
+    caught = {i for i, c in ran.items() if c.verdict == optest.CAUGHT}
+    assert caught == must, {"live tail, not caught": [ran[i].line for i in sorted(must - caught)][:10]}
+    in_cpu = {i for i in caught if "cpu-part=" in ran[i].line}
+    # the CPU part reads f16, q8_0 and q4_0 tails of contiguous queries (the full matrix: 88 of its 309 caught cases ran
+    # one, docs/perf/2026-12-06-h100-hybrid-calibration)
+    assert len(in_cpu) >= 5, (len(in_cpu), len(caught))
+
+
 @pytest.mark.parametrize("tail_host", [False, True], ids=["device-tail", "pinned-host-tail"])
 def test_op_on_cuda_perturbed_fails_exactly_the_live_tail_cases(cuda_build, tail_host):
     """The must-fail of the CUDA merge: with ROLLINGKV_DEBUG_PERTURB_TAIL=1 (every tail score x 2, in the CUDA forward's
