@@ -5,6 +5,7 @@ status of status.py)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from rollingkv_cli.console import (RollingKVError, abort, console, esc, info, is
 from rollingkv_cli.kvtypes import FLOAT_TYPES, TAIL_AUTO, TAIL_TYPES, WINDOW_TYPES
 from rollingkv_cli.lib import paths
 from rollingkv_cli.serve.settings import (ServeSettings, SettingError, arg_given, arg_value, check_split_types, fraction_or_auto,
-                                          split_asked)
+                                          may_split, split_asked)
 from rollingkv_cli.serve.status import LiveStatus, describe_plan, describe_plan_details, vram_mib
 
 
@@ -136,12 +137,25 @@ def model_alias(model: Path) -> str:
     return model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
 
 
+def prompt_cache_args(s: ServeSettings, may_split_cache: bool) -> list[str]:
+    """llama-server's RAM prompt cache off (`--cache-ram 0`) when the cache may split, unless the user set it (after
+    `--` or LLAMA_ARG_CACHE_RAM). At every new task it copies each idle slot's state into RAM through state IO (and, in
+    the unified cache of llama-server's default, clears the slot): for a split cache a copy of a tail that already lives
+    in host memory. On an H100 it cost the split default server 40 % of its time to first token under random arrivals
+    (docs/perf/2026-12-06-h100-unified-tail-runs); without it an idle slot keeps its cells, which its next request
+    reuses, and the other slots' ubatches do not read them (the op's tail runs)."""
+    if not may_split_cache or arg_given(s.extra_args, "--cache-ram") or arg_given(s.extra_args, "-cram") \
+            or os.environ.get("LLAMA_ARG_CACHE_RAM") is not None:
+        return []
+    return ["--cache-ram", "0"]
+
+
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
-                        cpu_attn_gbps: float | None = None) -> list[str]:
+                        cpu_attn_gbps: float | None = None, may_split_cache: bool = False) -> list[str]:
     # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
     # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
     # client's request: only with --slot-save.
-    args = ["-m", str(s.model), "-fa", "on", "--metrics"]
+    args = ["-m", str(s.model), "-fa", "on", "--metrics", *prompt_cache_args(s, may_split_cache)]
     if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a")):
         args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
     if s.slot_save:
@@ -348,7 +362,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
-    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps), host=s.host, port=port,
+    may_split_cache = may_split(*split_asked(vars(s), s.extra_args), cuda=cuda) and build_has_rolling_kv(b.lib_dir / "libllama.so")
+    srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps, may_split_cache), host=s.host, port=port,
                         log_path=log_path, api_key=key)
     if print_args:
         print(shlex.join(srv.command))
