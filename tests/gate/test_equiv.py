@@ -693,3 +693,53 @@ def test_each_gate_run_logs_into_a_folder_of_its_own(isolated_cache):
 
     a, b = common.logs_dir(), common.logs_dir()
     assert a != b and a.parent == b.parent == isolated_cache / "gate"
+
+
+# ---------------------------------------------------------------- signals: the runner dies with us, the work folder goes
+
+def _spawn_gate(cpu_build, work: Path, n_tokens: int = 4096, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    return subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", "--model", "demo", "--synthetic-tokens",
+                             str(n_tokens), "--threads", "2", "--kv-window-cells", "256", "--work-dir", str(work),
+                             "--json", str(work.parent / "r.json"), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _decoding_runner(proc: subprocess.Popen) -> int | None:
+    """The runner child while it decodes (its command line has --tokens; the tokenizer's has --tokens-out)."""
+    from proctree import cmdline, descendants
+
+    for pid in sorted(descendants(proc.pid)):
+        args = cmdline(pid)
+        if "rollingkv_cli.gate.runner" in args and "--tokens" in args:
+            return pid
+    return None
+
+
+@pytest.mark.build
+def test_sigkill_of_the_gate_takes_its_runner_down(cpu_build, demo_model, tmp_path):
+    """SIGKILL of `gate equiv` while its runner decodes: the runner (and anything below it) is gone within 2 s. It passed
+    on the code before this test (the runner is tied through procs.popen_tied); it was seen failing with the tie removed
+    (popen_tied without its preexec_fn: the runner, re-parented, decoded its whole batch of 4096 tokens, until its next
+    line to the closed pipe ended it)."""
+    from proctree import cpu_seconds, descendants, kill_all, wait_for, wait_gone
+
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _spawn_gate(cpu_build, work, 4096, "--n-batch", "4096")  # one long llama_decode: no line written for seconds
+    kids: set[int] = set()
+    try:
+        runner = wait_for(lambda: _decoding_runner(proc), 120, "the reference run to start")
+        wait_for(lambda: cpu_seconds(runner) > 1.0, 120, "the reference run to decode")  # past loading: in its one batch
+        kids = descendants(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, 2.0)
+        assert not left, f"still running 2 s after the gate was SIGKILLed: {sorted(left)}"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+

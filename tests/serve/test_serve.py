@@ -530,3 +530,58 @@ def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypat
         assert code == 2 and "--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl" in err and "--kv-residency-mode off" in err, err
     else:
         assert code == 0 and "-ctk iq4_nl" in out, err
+
+
+# ---------------------------------------------------------------- children die with the CLI, even under SIGKILL
+
+def _stream_request(port: int, n_words: int, n_predict: int = 64) -> socket.socket:
+    """A streaming /completion sent on a socket that is never read: the client of a long prefill."""
+    import json
+
+    body = json.dumps({"prompt": "word " * n_words, "n_predict": n_predict, "stream": True, "cache_prompt": False}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def _processing(port: int) -> bool:
+    import json
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/slots", timeout=2) as r:
+            return any(s.get("is_processing") for s in json.loads(r.read().decode()))
+    except OSError:
+        return False
+
+
+@pytest.mark.build
+def test_sigkill_of_serve_takes_llama_server_down_mid_prefill(cpu_build, demo_model):
+    """SIGKILL of `rollingkv serve` while llama-server prefills a long streaming request: every process serve started is
+    gone within 2 s. Seen failing before the fix (issue 39 row 3): the parent-death signal was SIGTERM, which llama-server
+    takes as a graceful stop that waits for the running batch, so it lived on (re-parented) until its prefill ended."""
+    from proctree import descendants, kill_all, wait_for, wait_gone
+    from rollingkv_cli.serve.server import free_port
+
+    port = free_port()
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "-q", "-c", "8192", "--port", str(port),
+                             "--", "-t", "2", "-b", "8192", "-ub", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    kids: set[int] = set()
+    try:
+        _wait_serving(proc)
+        client = _stream_request(port, 7000)
+        wait_for(lambda: _processing(port), 60, "the request to start")
+        kids = descendants(proc.pid)
+        assert kids, "serve started no process"
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, 2.0)
+        assert not left, f"still running 2 s after serve was SIGKILLed: {sorted(left)}"
+        client.close()
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
