@@ -743,3 +743,37 @@ def test_sigkill_of_the_gate_takes_its_runner_down(cpu_build, demo_model, tmp_pa
             proc.kill()
         proc.communicate()
 
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_every_stop_signal_removes_the_work_folder(cpu_build, demo_model, tmp_path, sig):
+    """SIGINT, SIGTERM or SIGHUP while the reference run decodes: the runner is stopped, the work folder (the reference
+    logits) removed, and the gate exits 128 + the signal's number with one line naming it. Seen failing before the fix
+    (issue 39 row 5): SIGTERM and SIGHUP killed the CLI where it stood (exit -15 / -1), leaving the work folder and an
+    orphaned runner; only SIGINT cleaned up, and it exited 130 with the line `aborted`."""
+    import signal
+
+    from proctree import descendants, kill_all, wait_for, wait_gone
+
+    signum = getattr(signal, sig)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _spawn_gate(cpu_build, work)
+    kids: set[int] = set()
+    try:
+        wait_for(lambda: _decoding_runner(proc), 120, "the reference run to start decoding")
+        assert [p.name for p in work.iterdir()], "the gate made its work folder"
+        kids = descendants(proc.pid)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, (proc.returncode, out, err)
+        assert list(work.iterdir()) == [], "the work folder is removed"
+        assert not wait_gone(kids, 2.0), "no child outlives the gate"
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert "Traceback" not in err and len(lines) == 1 and sig in lines[0], err
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

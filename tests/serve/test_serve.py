@@ -179,19 +179,23 @@ def _server_pids(port) -> list[int]:
 
 
 @pytest.mark.build
-def test_sigterm_stops_everything(cpu_build, demo_model):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_stops_everything_and_exits_with_its_status(cpu_build, demo_model, sig):
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP stop llama-server and exit 128 + the signal's number (130, 143, 129), the
+    shell's convention, saying which signal. Seen failing before the fix: each exited 0, as after a clean stop."""
     from rollingkv_cli.serve.server import free_port
 
+    signum = getattr(signal, sig)
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
     head = _wait_serving(proc)
     _wait_health(port, proc)
     assert _server_pids(port)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=60)
     out = head + out
-    assert proc.returncode == 0, out
-    assert "llama-server stopped" in out and "log: " in out
+    assert proc.returncode == 128 + signum, out
+    assert f"llama-server stopped ({sig})" in out and "log: " in out and "Traceback" not in out
     assert _server_pids(port) == [], "no orphaned llama-server"
 
 
