@@ -137,7 +137,7 @@ def describe_plan_details(plan: dict | None) -> list[str]:
         mib = lambda b: f"{(b or 0) / 2**20:.0f}"  # noqa: E731
         for d in budget["devices"]:
             head = (f"target {budget['vram_target_mib']} MiB" if budget.get("vram_target_mib")
-                    else f"free {mib(d.get('free_bytes'))} MiB - reserve {mib(budget.get('reserve_bytes'))} MiB")
+                    else f"{_free_memory(d, mib)} - reserve {mib(budget.get('reserve_bytes'))} MiB")
             recr = f" (recurrent state {mib(d['recurrent_bytes'])})" if d.get("recurrent_bytes") else ""
             lines.append(f"budget on {d.get('name', '?')}: {head}; weights {mib(d.get('weights_bytes'))} + compute ~{mib(d.get('compute_bytes'))}"
                          f" + other KV {mib(d.get('other_kv_bytes'))}{recr} + streaming ring {mib(d.get('ring_bytes'))} MiB;"
@@ -168,6 +168,19 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     if line:
         lines.append(line)
     return lines
+
+
+def _free_memory(d: dict, mib) -> str:
+    """A budgeted device's free memory as a phrase. Host memory (a CPU build's device): the kernel's MemAvailable, named so,
+    read now: ggml's CPU device reports MemTotal as its free memory (24105 MiB where 21927 were available)."""
+    if d.get("host_memory"):
+        from rollingkv_cli.hw.hostinfo import mem_available_bytes
+
+        avail = mem_available_bytes()
+        if avail is not None:
+            return f"MemAvailable {mib(avail)} MiB"
+        return f"MemTotal {mib(d.get('free_bytes'))} MiB (MemAvailable unknown)"
+    return f"free {mib(d.get('free_bytes'))} MiB"
 
 
 def describe_tail_types(plan: dict | None) -> str | None:

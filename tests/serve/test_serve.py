@@ -482,6 +482,28 @@ def test_the_plan_details_nest_no_brackets():
     assert all(_bracket_depth(line) <= 1 for line in no_estimate), no_estimate
 
 
+@pytest.mark.parametrize("meminfo, want", [
+    ("MemTotal:       24683520 kB\nMemFree:         1000000 kB\nMemAvailable:   22453248 kB\n", "MemAvailable 21927 MiB"),
+    ("MemTotal:       24683520 kB\n", "MemTotal 24105 MiB (MemAvailable unknown)"),
+], ids=["available", "no-MemAvailable"])
+def test_the_host_memory_budget_says_memavailable(tmp_path, monkeypatch, meminfo, want):
+    """Issue 39 (14): a CPU build's budget line said "free 24105 MiB", which is MemTotal (ggml's CPU device reports it as
+    free); it says the kernel's MemAvailable, named as such (MemTotal, named, where the kernel gives no MemAvailable). Seen
+    failing before the fix: the line read "budget on host memory: free 24105 MiB - reserve 1024 MiB"."""
+    from rollingkv_cli.hw import hostinfo
+    from rollingkv_cli.serve.status import describe_plan_details
+
+    (tmp_path / "meminfo").write_text(meminfo)
+    monkeypatch.setattr(hostinfo, "MEMINFO", tmp_path / "meminfo")
+    dev = {"name": "host memory", "host_memory": True, "free_bytes": 24683520 * 1024, "weights_bytes": 92 << 20}
+    plan = {"split": True, "budget": {"vram_target_mib": 0, "reserve_bytes": 1 << 30, "devices": [dev]}}
+    line = describe_plan_details(plan)[0]
+    assert line.startswith(f"budget on host memory: {want} - reserve 1024 MiB;"), line
+    assert "free 24105" not in line
+    gpu = {**dev, "name": "CUDA0", "host_memory": False}  # a GPU's free memory is the driver's own figure: unchanged
+    assert describe_plan_details({**plan, "budget": {**plan["budget"], "devices": [gpu]}})[0].startswith("budget on CUDA0: free 24105 MiB")
+
+
 def test_live_status_decode_rate_counts_the_running_requests():
     """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
     (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
