@@ -354,6 +354,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS - 1)  # with this run's log: the newest KEEP_RUN_LOGS, as the gates
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")

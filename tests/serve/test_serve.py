@@ -611,3 +611,33 @@ def test_sigkill_of_serve_takes_llama_server_down_mid_prefill(cpu_build, demo_mo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.build
+def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_path):
+    """Issue 39: serve's logs (<cache>/logs/serve-<time>-<port>.log) were never pruned; now the newest KEEP_RUN_LOGS runs'
+    stay, this one's included, as the gates' (one function, paths.prune_run_logs), and other files are left alone. Seen
+    failing before the fix: all 25 old logs were still there."""
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.serve.server import free_port
+
+    logs = tmp_path / "cache" / "logs"
+    logs.mkdir(parents=True)
+    old = [logs / f"serve-202601{d:02d}-120000-8080.log" for d in range(1, 26)]
+    for f in old:
+        f.write_text("old\n")
+    (logs / "notes.txt").write_text("mine\n")
+    port = free_port()
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", str(demo_model), "-q", "-c", "2048", "--port", str(port),
+                             "--", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _wait_serving(proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    kept = sorted(p.name for p in logs.iterdir())
+    assert len([n for n in kept if n.startswith("serve-")]) == paths.KEEP_RUN_LOGS and "notes.txt" in kept, kept
+    assert kept[-1].startswith("serve-2026") and f"-{port}.log" in kept[-1], kept  # this run's log is among them
+    assert [f.exists() for f in old] == [False] * 6 + [True] * 19
