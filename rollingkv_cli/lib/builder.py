@@ -441,21 +441,45 @@ def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `r
 
 
 def set_active(bdir: Path) -> None:
+    """Point the cache's active-build file at bdir: relative to the cache root when bdir lies inside it (so that a copy
+    of the whole cache, `cp -a`, uses its own copy of the build), else absolute."""
     f = paths.active_build_file()
     f.parent.mkdir(parents=True, exist_ok=True)
+    root = paths.cache_dir()
+    try:
+        where = Path(os.path.abspath(bdir)).relative_to(os.path.abspath(root))
+    except ValueError:
+        where = Path(os.path.abspath(bdir))
     tmp = f.with_suffix(".tmp")
-    tmp.write_text(str(bdir) + "\n")
+    tmp.write_text(str(where) + "\n")
     os.replace(tmp, f)
+
+
+def _active_pointer() -> Path | None:
+    """Where the active-build file points: a relative path from the cache root; an absolute one as written. An absolute
+    one written before pointers were relative, into another cache's builds/ (this cache is a copy of it), means this
+    cache's build of the same name when it has one."""
+    try:
+        text = paths.active_build_file().read_text().strip()
+    except OSError:
+        return None
+    if not text:
+        return None
+    root = paths.cache_dir()
+    where = Path(text)
+    if not where.is_absolute():
+        return root / where
+    own = root / "builds" / where.name
+    if where.parent.name == "builds" and where.parent.parent != root and (own / MANIFEST).is_file():
+        return own
+    return where
 
 
 def active_build(required: bool = True) -> Build | None:
     env = os.environ.get(paths.ENV_BUILD_DIR)
     where = Path(env) if env else None
     if where is None:
-        try:
-            where = Path(paths.active_build_file().read_text().strip())
-        except OSError:
-            where = None
+        where = _active_pointer()
     b = Build.load(where) if where else None
     if b is None and required:
         if env:

@@ -103,3 +103,40 @@ def test_cmake_flags(tmp_path, opts, present, absent):
     if opts.backend_dl:
         assert f"-DGGML_BACKEND_DIR={tmp_path / 'build' / 'bin'}" in flags
 
+
+
+def _fake_build(d: Path) -> Path:
+    (d / "build" / "bin").mkdir(parents=True)
+    (d / "manifest.json").write_text('{"artifacts": []}')
+    return d
+
+
+def test_a_copied_cache_uses_its_own_copy_of_the_active_build(tmp_path, monkeypatch):
+    """Issue 39: `cp -a` of the cache with ROLLINGKV_CACHE_DIR at the copy still used the original's build (the pointer
+    was absolute). The pointer is relative to the cache root now when the build lies inside it; an absolute one of an
+    older version into another cache's builds/ means the copy's build of that name; a build outside the cache stays
+    absolute. Seen failing before the fix: the copy's active build was <orig>/builds/abc."""
+    import shutil
+
+    from rollingkv_cli.lib import builder, paths
+
+    monkeypatch.delenv("ROLLINGKV_BUILD", raising=False)
+    orig = tmp_path / "orig"
+    bdir = _fake_build(orig / "builds" / "abc")
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(orig))
+    builder.set_active(bdir)
+    assert (orig / "active-build").read_text().strip() == "builds/abc"
+    assert builder.active_build().dir == bdir
+    shutil.copytree(orig, tmp_path / "copy", symlinks=True)
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path / "copy"))
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+
+    (tmp_path / "copy" / "active-build").write_text(f"{bdir}\n")  # an older version's absolute pointer, copied
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    shutil.rmtree(tmp_path / "copy" / "builds" / "abc")  # the copy lacks it: the original's, as written
+    assert builder.active_build().dir == bdir
+
+    outside = _fake_build(tmp_path / "elsewhere" / "mybuild")
+    builder.set_active(outside)
+    assert paths.active_build_file().read_text().strip() == str(outside)
+    assert builder.active_build().dir == outside
