@@ -137,9 +137,9 @@ def model_alias(model: Path) -> str:
 
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
                         cpu_attn_gbps: float | None = None) -> list[str]:
-    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
-    # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
-    # client's request: only with --slot-save.
+    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (for
+    # scrapers such as Prometheus; no prompt or answer text; serve's live status never reads it: each read resets its
+    # per-interval gauges). Slot save/restore writes files into slot_dir on any client's request: only with --slot-save.
     args = ["-m", str(s.model), "-fa", "on", "--metrics"]
     if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a")):
         args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
@@ -241,7 +241,7 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
 
 def api_key(extra_args: list[str]) -> str | None:
     """The API key llama-server will require (--api-key or --api-key-file after `--`, else $LLAMA_API_KEY, as llama-server
-    reads them): serve's own requests (/props, /metrics) send it. None: the server is open to whoever reaches it."""
+    reads them): serve's own requests (/props, /slots) send it. None: the server is open to whoever reaches it."""
     import os
 
     text = arg_value(extra_args, "--api-key")

@@ -505,33 +505,92 @@ def test_the_host_memory_budget_says_memavailable(tmp_path, monkeypatch, meminfo
 
 
 def test_live_status_decode_rate_counts_the_running_requests():
-    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
-    (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
+    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far.
+    Issue 39 (9): without /metrics: the running requests from /slots, the ended ones from llama-server's log (a slot clears
+    its counts when its request ends), or, where the log never says, what a sample saw."""
     from rollingkv_cli.serve.status import LiveStatus
 
     class Srv:
         url = "http://127.0.0.1:1"
+        log_path = None
 
-    def slots(*decoded):
-        return [{"id": i, "is_processing": busy, "next_token": [{"n_decoded": n}]} for i, (n, busy) in enumerate(decoded)]
+    def slots(*tasks):  # (task id, generated, prompt processed) per slot; None: an idle slot (cleared)
+        return [{"id": i, "is_processing": True, "id_task": t[0], "n_prompt_tokens_processed": t[2], "next_token": [{"n_decoded": t[1]}]}
+                if t else {"id": i, "is_processing": False} for i, t in enumerate(tasks)]
 
     st = LiveStatus(Srv(), started=0.0, plan=None, gpu=False, vram=lambda: [])
-    m = {"tokens_predicted_total": 0, "predicted_tokens_seconds": 0.0, "requests_processing": 2}
-    st.sample(now=0.0, metrics=m, slots=slots((10, True), (20, True)))
-    assert st.decode_rate() is None and st.tokens_generated() == 30
-    st.sample(now=2.0, metrics=m, slots=slots((30, True), (40, True)))
-    assert st.decode_rate() == 20.0 and st.tokens_generated() == 70
+    st.sample(now=0.0, slots=slots(None, None))
+    assert st.tokens_generated() == 0 and st.prompt_tokens() == 0 and st.decode_rate() is None
+    st.sample(now=1.0, slots=slots((1, 10, 100), (2, 20, 200)))
+    assert st.tokens_generated() == 30 and st.prompt_tokens() == 300
+    st.sample(now=3.0, slots=slots((1, 30, 100), (2, 40, 200)))
+    assert st.decode_rate() == 70 / 3 and st.tokens_generated() == 70
     rows = dict(st.rows())
-    assert rows["decode"] == "20.0 tok/s over the last 5 s, 70 tokens generated" and rows["requests"].startswith("2 in flight")
-    # the first request ends with 35 tokens: counted once, in the total, not again as a slot's
-    m2 = {"tokens_predicted_total": 35, "requests_processing": 1}
-    st.sample(now=3.0, metrics=m2, slots=slots((35, False), (50, True)))
-    assert st.tokens_generated() == 85 and st.decode_rate() == (85 - 30) / 3
+    assert rows["decode"] == "23.3 tok/s over the last 5 s, 70 tokens generated" and rows["requests"] == "2 in flight of 2 slots"
+    assert rows["prompt"] == "100.0 tok/s over the last 5 s, 300 tokens read"
+    # the first request ends with 35 tokens: its slot is cleared, the log says 35 (the sample saw 30), counted once
+    st.sample(now=4.0, slots=slots(None, (2, 50, 200)), ended={1: [100, 35]})
+    assert st.tokens_generated() == 85 and st.in_flight() == 1
+    # a new one on the freed slot; the second one ends and the log does not say (a quieter log level): after GRACE_S
+    # seconds it counts with the 60 tokens a sample saw, and once only when the log says after all
+    st.sample(now=5.0, slots=slots((3, 5, 64), (2, 60, 200)))
+    assert st.tokens_generated() == 35 + 5 + 60 and st.prompt_tokens() == 100 + 64 + 200
+    st.sample(now=6.0, slots=None)  # /slots did not answer (a long prefill holds its queue): nothing ends
+    st.sample(now=12.0, slots=None)
+    assert st.tokens_generated() == 100
+    st.sample(now=13.0, slots=slots((3, 9, 64), None))
+    assert st.tokens_generated() == 35 + 9 + 60
+    st.sample(now=14.0, slots=slots(None, None), ended={2: [200, 64], 3: [64, 9]})
+    assert st.tokens_generated() == 35 + 9 + 64 and st.prompt_tokens() == 100 + 64 + 200
     # idle for longer than the window: the rate falls to 0
-    for t in (4.0, 6.0, 9.0):
-        st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
-    assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
+    for t in (15.0, 17.0, 20.0):
+        st.sample(now=t, slots=slots(None, None), ended={})
+    assert st.decode_rate() == 0.0 and "generated 108 tokens" in st.line()
     assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"
+
+
+def test_the_task_log_reads_each_ended_request_once(tmp_path):
+    """TaskLog: llama-server's print_timing lines, read on from where it stopped, a half-written line at the next read."""
+    from rollingkv_cli.serve.status import TaskLog
+
+    log = tmp_path / "serve.log"
+    log.write_text("main: server is listening\n"
+                   "0.10.582.658 I slot print_timing: id  3 | task 2 | prompt eval time =     197.01 ms /     4 tokens (   49.25 ms per token)\n"
+                   "0.10.582.689 I slot print_timing: id  3 | task 2 |        eval time =    2978.74 ms /    24 tokens (  129.51 ms per token)\n"
+                   "0.10.582.689 I slot print_timing: id  3 | task 2 |       total time =    3175.75 ms /    28 tokens\n"
+                   "0.11.000.000 I slot print_timing: id  0 | task 7 | prompt eval time =     10.00 ms /   512 tokens")
+    tl = TaskLog(log)
+    assert tl.read() == {2: [4, 24]}
+    with open(log, "a") as f:
+        f.write(" (   1.00 ms per token)\n0.11.000.001 I slot print_timing: id  0 | task 7 |        eval time =  5.00 ms /     1 tokens\n")
+    assert tl.read() == {7: [512, 1]} and tl.read() == {}
+    assert TaskLog(None).read() == {} and TaskLog(tmp_path / "missing").read() == {}
+
+
+def test_live_status_reads_the_split_from_props_stats():
+    """The KV now row from /props' rolling_kv_stats, as residency_line says it from the /metrics lines of the same figures."""
+    from rollingkv_cli.serve.status import LiveStatus, residency_from_stats, residency_line
+
+    stats = {"split": True, "slots": [{"stream": 0, "device_cells": 256, "tail_cells": 700, "window_cells": 768},
+                                      {"stream": 1, "device_cells": 0, "tail_cells": 0, "window_cells": 256}],
+             "last": {"tail_bytes": 20 << 20, "occupied_bytes": 10 << 20, "streamed_bytes": 0},
+             "moves": {"promoted_cells": 512, "demoted_cells": 256}}
+    text = "\n".join(["llamacpp:rolling_kv_last_tail_bytes 20971520", "llamacpp:rolling_kv_last_occupied_bytes 10485760",
+                      "llamacpp:rolling_kv_last_streamed_bytes 0", "llamacpp:rolling_kv_promoted_cells_total 512",
+                      "llamacpp:rolling_kv_demoted_cells_total 256"]
+                     + [f'llamacpp:rolling_kv_slot_{k}_cells{{slot="{d["stream"]}"}} {d[k + "_cells"]}'
+                        for d in stats["slots"] for k in ("device", "tail", "window")])
+    line = residency_from_stats(stats)
+    assert line == residency_line(text)
+    assert "0: 256+700 (window 768)" in line and "moved 512 cells to the device, 256 to the tail" in line
+    assert residency_from_stats({"split": False}) is None and residency_from_stats(None) is None
+
+    class Srv:
+        url = "http://127.0.0.1:1"
+
+    st = LiveStatus(Srv(), started=0.0, plan={"split": True, "mode_chosen": "window"}, gpu=False, vram=lambda: [])
+    st.sample(now=0.0, slots=[], stats=stats)
+    assert dict(st.rows())["KV now"] == line
 
 
 @pytest.mark.parametrize("cuda, args, refused", [
@@ -641,3 +700,41 @@ def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_
     assert len([n for n in kept if n.startswith("serve-")]) == paths.KEEP_RUN_LOGS and "notes.txt" in kept, kept
     assert kept[-1].startswith("serve-2026") and f"-{port}.log" in kept[-1], kept  # this run's log is among them
     assert [f.exists() for f in old] == [False] * 6 + [True] * 19
+
+
+@pytest.mark.build
+def test_the_live_status_leaves_the_metrics_to_other_readers(cpu_build, demo_model):
+    """Issue 39 (9): with the live status on (no -q), an outside scraper's first /metrics read after a request still has
+    the request's rates: serve's status poll (once a second) reads /slots and /props, never /metrics, whose every read
+    resets llama-server's per-interval gauges. Seen failing before the fix: the scraper read predicted_tokens_seconds 0
+    and prompt_tokens_seconds 0, serve's poll having read (and reset) them first."""
+    import json
+
+    from rollingkv_cli.serve.server import free_port
+    from rollingkv_cli.serve.status import parse_metrics
+
+    port = free_port()
+    proc = _spawn_serve(cpu_build, port)  # stdout is a pipe: the plain status line, sampled every second
+    try:
+        _wait_serving(proc)
+        body = json.dumps({"prompt": "Once upon a time", "n_predict": 24, "ignore_eos": True, "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["tokens_predicted"] == 24
+        seen = []
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("in flight 0, generated 24 tokens") for line in seen):  # serve polled after its end
+            assert time.monotonic() < deadline, "serve's status never showed the request's tokens:\n" + "".join(seen)
+            line = proc.stdout.readline()
+            assert line, "serve exited:\n" + "".join(seen)
+            seen.append(line)
+        # a second poll after that one, for good measure: the line changes each second while the rate's window moves on
+        assert proc.stdout.readline()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            m = parse_metrics(r.read().decode())
+        assert m["tokens_predicted_total"] == 24
+        assert m["predicted_tokens_seconds"] > 0 and m["prompt_tokens_seconds"] > 0, m
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert _server_pids(port) == []
