@@ -212,3 +212,36 @@ def test_sigkill_of_bench_load_takes_its_server_down_mid_prefill(cpu_build, demo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.build
+def test_sigterm_of_bench_load_writes_the_report_and_exits_143(cpu_build, demo_model, tmp_path):
+    """SIGTERM (an outer `timeout`) mid-run: the cell's llama-server is stopped, the report keeps the cells measured so
+    far, and bench load exits 143 with one line naming the signal. Seen failing before the fix: it exited 0, as a run
+    that completed."""
+    import signal
+
+    from proctree import descendant_running, descendants, kill_all, wait_for, wait_gone
+
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    out = tmp_path / "bench-load.json"
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "2000", "8",
+                             "--short", "64", "8", "--shorts", "1", "-np", "2", "--window-cells", "256", "--cells", "split",
+                             "--json", str(out), "--", "-t", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    kids: set[int] = set()
+    try:
+        srv = wait_for(lambda: descendant_running(proc.pid, "llama-server"), 120, "the cell's llama-server")
+        wait_for(lambda: _slot_busy(srv), 120, "the first request")
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+        assert "stopped by SIGTERM" in stderr + stdout and "Traceback" not in stderr
+        assert json.loads(out.read_text())["cells"] == []  # the one cell did not finish
+        assert not wait_gone(kids, 2.0), "no child outlives bench load"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
