@@ -441,24 +441,20 @@ def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `r
 
 
 def set_active(bdir: Path) -> None:
-    """Point the cache's active-build file at bdir: relative to the cache root when bdir lies inside it (so that a copy
-    of the whole cache, `cp -a`, uses its own copy of the build), else absolute."""
+    """Point the cache's active-build file at bdir. The path is written absolute, as every version of rollingkv reads it
+    (a cache may be shared by several); _active_pointer resolves it inside a copy of the cache."""
     f = paths.active_build_file()
     f.parent.mkdir(parents=True, exist_ok=True)
-    root = paths.cache_dir()
-    try:
-        where = Path(os.path.abspath(bdir)).relative_to(os.path.abspath(root))
-    except ValueError:
-        where = Path(os.path.abspath(bdir))
     tmp = f.with_suffix(".tmp")
-    tmp.write_text(str(where) + "\n")
+    tmp.write_text(str(Path(os.path.abspath(bdir))) + "\n")
     os.replace(tmp, f)
 
 
 def _active_pointer() -> Path | None:
-    """Where the active-build file points: a relative path from the cache root; an absolute one as written. An absolute
-    one written before pointers were relative, into another cache's builds/ (this cache is a copy of it), means this
-    cache's build of the same name when it has one."""
+    """The build the active-build file means, resolved relative to this cache's root when it lies inside a cache: a path
+    <some cache>/builds/NAME means this cache's builds/NAME when this cache has that build (a copy of the cache, `cp -a`,
+    or a moved one, uses its own copy, not the original's); a relative path is taken from the cache root; any other
+    path as written."""
     try:
         text = paths.active_build_file().read_text().strip()
     except OSError:
@@ -470,7 +466,7 @@ def _active_pointer() -> Path | None:
     if not where.is_absolute():
         return root / where
     own = root / "builds" / where.name
-    if where.parent.name == "builds" and where.parent.parent != root and (own / MANIFEST).is_file():
+    if where.parent.name == "builds" and where != own and (own / MANIFEST).is_file():
         return own
     return where
 

@@ -113,9 +113,10 @@ def _fake_build(d: Path) -> Path:
 
 def test_a_copied_cache_uses_its_own_copy_of_the_active_build(tmp_path, monkeypatch):
     """Issue 39: `cp -a` of the cache with ROLLINGKV_CACHE_DIR at the copy still used the original's build (the pointer
-    was absolute). The pointer is relative to the cache root now when the build lies inside it; an absolute one of an
-    older version into another cache's builds/ means the copy's build of that name; a build outside the cache stays
-    absolute. Seen failing before the fix: the copy's active build was <orig>/builds/abc."""
+    is absolute). The pointer into a cache's builds/ resolves relative to this cache's root now, where the copy has the
+    build; the file keeps its absolute form (older versions sharing a cache read it); a relative one is read from the
+    root; a build outside the cache stays as written. Seen failing before the fix: the copy's active build was
+    <orig>/builds/abc."""
     import shutil
 
     from rollingkv_cli.lib import builder, paths
@@ -125,14 +126,17 @@ def test_a_copied_cache_uses_its_own_copy_of_the_active_build(tmp_path, monkeypa
     bdir = _fake_build(orig / "builds" / "abc")
     monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(orig))
     builder.set_active(bdir)
-    assert (orig / "active-build").read_text().strip() == "builds/abc"
+    assert (orig / "active-build").read_text().strip() == str(bdir)
     assert builder.active_build().dir == bdir
     shutil.copytree(orig, tmp_path / "copy", symlinks=True)
     monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path / "copy"))
     assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
-
-    (tmp_path / "copy" / "active-build").write_text(f"{bdir}\n")  # an older version's absolute pointer, copied
+    shutil.move(str(orig), str(tmp_path / "gone"))  # the original moved away: the copy does not care
     assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    (tmp_path / "copy" / "active-build").write_text("builds/abc\n")
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    shutil.move(str(tmp_path / "gone"), str(orig))
+    (tmp_path / "copy" / "active-build").write_text(f"{bdir}\n")
     shutil.rmtree(tmp_path / "copy" / "builds" / "abc")  # the copy lacks it: the original's, as written
     assert builder.active_build().dir == bdir
 
