@@ -707,7 +707,9 @@ def test_the_live_status_leaves_the_metrics_to_other_readers(cpu_build, demo_mod
     """Issue 39 (9): with the live status on (no -q), an outside scraper's first /metrics read after a request still has
     the request's rates: serve's status poll (once a second) reads /slots and /props, never /metrics, whose every read
     resets llama-server's per-interval gauges. Seen failing before the fix: the scraper read predicted_tokens_seconds 0
-    and prompt_tokens_seconds 0, serve's poll having read (and reset) them first."""
+    and prompt_tokens_seconds 0, serve's poll having read (and reset) them first. (A first version of the new status,
+    which lost a request's tokens when its slot cleared them, never showed the line waited for: the wait has a
+    deadline.)"""
     import json
 
     from rollingkv_cli.serve.server import free_port
@@ -721,15 +723,20 @@ def test_the_live_status_leaves_the_metrics_to_other_readers(cpu_build, demo_mod
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             assert json.loads(r.read())["tokens_predicted"] == 24
+        import queue
+        import threading
+
+        lines: queue.Queue = queue.Queue()  # serve's lines, read by a thread: a wait for the next one has a deadline
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
         seen = []
         deadline = time.monotonic() + 60
         while not any(line.startswith("in flight 0, generated 24 tokens") for line in seen):  # serve polled after its end
-            assert time.monotonic() < deadline, "serve's status never showed the request's tokens:\n" + "".join(seen)
-            line = proc.stdout.readline()
-            assert line, "serve exited:\n" + "".join(seen)
-            seen.append(line)
+            try:
+                seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError("serve's status never showed the request's tokens:\n" + "".join(seen)) from None
         # a second poll after that one, for good measure: the line changes each second while the rate's window moves on
-        assert proc.stdout.readline()
+        assert lines.get(timeout=30)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             m = parse_metrics(r.read().decode())
         assert m["tokens_predicted_total"] == 24
