@@ -72,20 +72,19 @@ _register()
 
 
 def main() -> None:
+    from rollingkv_cli.lib.procs import stop_signals_raise
+
     try:
-        rv = rollingkv.main(standalone_mode=False)
+        with stop_signals_raise():  # SIGTERM and SIGHUP unwind as Ctrl-C does: every command cleans up after each
+            rv = rollingkv.main(standalone_mode=False)
         # without standalone mode click hands ctx.exit(code) back as a return value
         if isinstance(rv, int) and rv != 0:
             sys.exit(rv)
     except RollingKVError as err:
         print_error(err)
         sys.exit(err.code)
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt) as err:  # click wraps an interrupt in its Abort
+        _stopped(err)
     except click.ClickException as err:
         err.show()
         sys.exit(err.exit_code)
@@ -97,6 +96,19 @@ def main() -> None:
         sys.exit(1)
     except Exception as err:  # the last resort: every expected failure is a RollingKVError with its own message
         _internal_error(err)
+
+
+def _stopped(err: BaseException) -> None:
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) after the command cleaned up: one line naming it, and the shell's
+    status for it, 128 + its number (130, 143, 129). An Abort without a signal (click's prompt ended) says so, 130."""
+    from rollingkv_cli.lib.procs import signal_name, stop_signum
+
+    signum = stop_signum(err)
+    if signum is None:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    print("interrupted (SIGINT)" if signum == 2 else f"stopped by {signal_name(signum)}", file=sys.stderr)
+    sys.exit(128 + signum)
 
 
 def _internal_error(err: Exception) -> None:

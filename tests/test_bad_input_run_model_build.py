@@ -688,7 +688,8 @@ def test_run_isolated_survives_the_child(body, code, out, err):
 @pytest.mark.build
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model, sig):
-    """The signal reaches the child that runs llama.cpp; the command exits 130 and no process of it is left."""
+    """The signal reaches the child that runs llama.cpp; the command exits 128 + its number (130 for SIGINT, 143 for
+    SIGTERM: it said 130 for both before issue 39) and no process of it is left."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Write a very long story about a dragon and a lighthouse.")
     err_path = tmp_path / "stderr.txt"
@@ -711,7 +712,7 @@ def test_run_interrupted_leaves_nothing_running(tmp_path, cpu_build, demo_model,
                 proc.kill()
                 proc.wait()
     err = err_path.read_text()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
     # the child may take a moment to be reaped after the command exited: poll with a deadline (a sleep of 0.2 s was the
     # synchronisation); one still there 10 s on, while a 4000-token generation would run for minutes, outlived it

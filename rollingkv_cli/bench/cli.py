@@ -519,6 +519,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     n_req = sum(len(st.reqs) for st in mix.stages)
+    stopped = 0
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
@@ -541,12 +542,17 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                                   on_done=lambda r, t=task: prog.advance(t))
                 doc["cells"].append(rec)
                 tail_runs.write_json(out, doc)
-    except KeyboardInterrupt:
-        warn("interrupted: the report keeps the cells measured so far")
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the running cell's server is stopped (run_cell's finally)
+        from rollingkv_cli.lib.procs import signal_name, stop_signum
+
+        stopped = stop_signum(e) or 2
+        warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)}: the report keeps the cells measured so far")
     doc["targets"] = lb.evaluate_targets(doc)
     tail_runs.write_json(out, doc)
     lb.print_report(doc)
     success(f"report: {out}")
+    if stopped:
+        raise SystemExit(128 + stopped)  # the signal's status, after the report (the line above said which)
     if any(c.get("status") != "ok" for c in doc["cells"]):
         raise click.exceptions.Exit(1)
 

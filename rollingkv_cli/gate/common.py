@@ -91,12 +91,9 @@ def resolve_build(build_dir: Path | None = None, lib_dir: Path | None = None) ->
     return GateBuild(b.lib_dir, server if server.is_file() else None, cuda, b.dir, b.manifest)
 
 
-KEEP_RUN_LOGS = 20  # the newest runs' log folders kept under <cache>/gate
-
-
 def logs_dir() -> Path:
     """This run's own log folder, <cache>/gate/<time>-<pid> (concurrent gates shared fixed names like tokenize.log);
-    the oldest beyond KEEP_RUN_LOGS are removed."""
+    the oldest beyond paths.KEEP_RUN_LOGS are removed (paths.prune_run_logs, as serve's logs)."""
     from rollingkv_cli.lib import paths
 
     root = paths.cache_dir() / "gate"
@@ -105,9 +102,7 @@ def logs_dir() -> Path:
         d = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-", dir=root))
     except OSError:
         return Path(tempfile.mkdtemp(prefix="rollingkv-gate-logs-"))
-    runs = sorted((p for p in root.iterdir() if p.is_dir() and p.name[:8].isdigit()), key=lambda p: p.name)
-    for old in runs[:-KEEP_RUN_LOGS]:
-        shutil.rmtree(old, ignore_errors=True)
+    paths.prune_run_logs(root)
     return d
 
 

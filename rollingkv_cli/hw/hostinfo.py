@@ -7,9 +7,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
+MEMINFO = Path("/proc/meminfo")
 # Flags that pick a different ggml CPU kernel (the ones a SIGILL or a wrong result depends on).
 KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
                 "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "sve", "asimd", "i8mm")
+
+
+def mem_available_bytes() -> int | None:
+    """The kernel's MemAvailable (what can be allocated without swapping: free memory plus the reclaimable caches), None
+    where /proc/meminfo does not say. Not MemTotal, which ggml's CPU device reports as its "free" memory."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemAvailable":
+                kib, *unit = value.split()
+                return int(kib) * 1024 if unit in ([], ["kB"]) else None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def cpu_model() -> str:

@@ -442,6 +442,8 @@ def _fail(what: str, log_path: Path, hint: str = "fix the cause above and run `r
 
 
 def set_active(bdir: Path) -> None:
+    """Point the cache's active-build file at bdir. The path is written absolute, as every version of rollingkv reads it
+    (a cache may be shared by several); _active_pointer resolves it inside a copy of the cache."""
     f = paths.active_build_file()
     try:
         if Path(f.read_text().strip()).resolve() == bdir.resolve():
@@ -451,18 +453,36 @@ def set_active(bdir: Path) -> None:
     paths.cache_dir()  # a cache we can write, or one line
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
-    tmp.write_text(str(bdir) + "\n")
+    tmp.write_text(str(Path(os.path.abspath(bdir))) + "\n")
     os.replace(tmp, f)
+
+
+def _active_pointer() -> Path | None:
+    """The build the active-build file means, resolved relative to this cache's root when it lies inside a cache: a path
+    <some cache>/builds/NAME means this cache's builds/NAME when this cache has that build (a copy of the cache, `cp -a`,
+    or a moved one, uses its own copy, not the original's); a relative path is taken from the cache root; any other
+    path as written."""
+    try:
+        text = paths.active_build_file().read_text().strip()
+    except OSError:
+        return None
+    if not text:
+        return None
+    root = paths.cache_dir()
+    where = Path(text)
+    if not where.is_absolute():
+        return root / where
+    own = root / "builds" / where.name
+    if where.parent.name == "builds" and where != own and (own / MANIFEST).is_file():
+        return own
+    return where
 
 
 def active_build(required: bool = True) -> Build | None:
     env = os.environ.get(paths.ENV_BUILD_DIR)
     where = Path(env) if env else None
     if where is None:
-        try:
-            where = Path(paths.active_build_file().read_text().strip())
-        except OSError:
-            where = None
+        where = _active_pointer()
     b = Build.load(where) if where else None
     if b is None and required:
         if env:

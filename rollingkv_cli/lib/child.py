@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from rollingkv_cli.console import abort
-from rollingkv_cli.lib.procs import popen_tied, stop_group
+from rollingkv_cli.lib.procs import Terminated, popen_tied, stop_group, stop_signum
 
 # ------------------------------------------------------------------------------------ a module in a child
 
@@ -146,8 +146,9 @@ def run_isolated(fn, what: str, verbose: bool = False) -> None:
     kind = result["kind"]
     if kind == "error":
         abort(result["message"], result.get("hint"), result.get("code", 1))
-    if kind == "interrupt":
-        raise KeyboardInterrupt
+    if kind == "interrupt":  # the child's stop signal, ours as well (we forwarded it): cli.main exits 128 + its number
+        signum = result.get("signum", signal.SIGINT)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
     if kind == "exit":
         sys.exit(result["code"])
     import builtins
@@ -175,7 +176,7 @@ def _child(fn, w: int, verbose: bool) -> None:
     def interrupted_once(signum, frame):  # Ctrl-C reaches us from the terminal and from the parent: one is enough
         for s in stops:
             signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     for s in stops:
         signal.signal(s, interrupted_once)
@@ -192,9 +193,10 @@ def _child(fn, w: int, verbose: bool) -> None:
     except RollingKVError as e:
         code = e.code
         send({"kind": "error", "message": e.message, "hint": e.hint, "code": e.code})
-    except KeyboardInterrupt:
-        code = 130
-        send({"kind": "interrupt"})
+    except KeyboardInterrupt as e:
+        signum = stop_signum(e) or signal.SIGINT
+        code = 128 + signum
+        send({"kind": "interrupt", "signum": int(signum)})
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         send({"kind": "exit", "code": code})

@@ -66,7 +66,31 @@ def _check_cache_dir(p: Path, explicit: str | None) -> None:
         abort(f"{what} is not writable", hint)
 
 
+KEEP_RUN_LOGS = 20  # the newest runs' logs kept: a gate's log folders under <cache>/gate, serve's logs under <cache>/logs
+
+
+def prune_run_logs(root: Path, prefix: str = "", keep: int = KEEP_RUN_LOGS) -> list[Path]:
+    """Remove all but the `keep` newest runs' logs in root: the entries named <prefix><YYYYmmdd-HHMMSS>... (folders or
+    files; the name's time orders them), nothing else. Returns what went; an entry that cannot be removed stays."""
+    import shutil
+
+    try:
+        runs = sorted((p for p in root.iterdir() if p.name.startswith(prefix) and p.name[len(prefix):len(prefix) + 8].isdigit()
+                       and (p.is_dir() or p.is_file()) and not p.is_symlink()), key=lambda p: p.name)
+    except OSError:
+        return []
+    gone = []
+    for old in runs[:-keep] if keep > 0 else runs:
+        try:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+            gone.append(old)
+        except OSError:
+            pass
+    return gone
+
+
 # the paths below are for reading and writing alike: whoever writes there calls cache_dir() first (write=True)
+
 def sdist_dir() -> Path:
     return cache_dir(write=False) / "sdist"
 

@@ -7,11 +7,13 @@ a closed terminal's SIGHUP, a crash), even from its own session where no signal 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -98,6 +100,55 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             proc.send_signal(sig)
     except ProcessLookupError:
         pass
+
+
+# ------------------------------------------------------------------ our own stop signals
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, `kill`/`timeout`, a closed terminal
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread stands as Ctrl-C's KeyboardInterrupt is: every `finally`,
+    `with` and `except KeyboardInterrupt` that cleans up after Ctrl-C (children stopped, work folders and half-written
+    files removed) does the same for these; cli.main then exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal_name(signum))
+        self.signum = int(signum)
+
+
+def stop_signum(exc: BaseException | None) -> int | None:
+    """The stop signal behind exc: a Terminated's, SIGINT for a plain KeyboardInterrupt (also when click wrapped it in
+    its Abort), None for anything else."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, Terminated):
+            return exc.signum
+        if isinstance(exc, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+@contextlib.contextmanager
+def stop_signals_raise():
+    """While the block runs, SIGTERM and SIGHUP raise Terminated in the main thread (SIGINT raises KeyboardInterrupt
+    as Python's own handler does); the handlers before are restored after. A no-op outside the main thread, where
+    Python sets no handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 # ------------------------------------------------------------------ how a child ended

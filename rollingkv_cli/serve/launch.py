@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -154,9 +153,9 @@ def prompt_cache_args(s: ServeSettings, may_split_cache: bool) -> list[str]:
 
 def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | None, gpu_layer_args: list[str] | None = None,
                         cpu_attn_gbps: float | None = None, may_split_cache: bool = False) -> list[str]:
-    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (the
-    # live status reads its counters; no prompt or answer text). Slot save/restore writes files into slot_dir on any
-    # client's request: only with --slot-save.
+    # what serve turns on that llama-server leaves off: flash attention (the rolling KV's op needs it) and /metrics (for
+    # scrapers such as Prometheus; no prompt or answer text; serve's live status never reads it: each read resets its
+    # per-interval gauges). Slot save/restore writes files into slot_dir on any client's request: only with --slot-save.
     args = ["-m", str(s.model), "-fa", "on", "--metrics", *prompt_cache_args(s, may_split_cache)]
     if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a")):
         args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
@@ -256,13 +255,9 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
 
 # ------------------------------------------------------------------ supervision
 
-class _Stop(Exception):
-    pass
-
-
 def api_key(extra_args: list[str]) -> str | None:
     """The API key llama-server will require (--api-key or --api-key-file after `--`, else $LLAMA_API_KEY, as llama-server
-    reads them): serve's own requests (/props, /metrics) send it. None: the server is open to whoever reaches it."""
+    reads them): serve's own requests (/props, /slots) send it. None: the server is open to whoever reaches it."""
     import os
 
     text = arg_value(extra_args, "--api-key")
@@ -376,6 +371,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS - 1)  # with this run's log: the newest KEEP_RUN_LOGS, as the gates
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
@@ -391,68 +387,74 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         note(cpu_note)
     note(f"log: {log_path}")
 
-    def on_term(signum, frame):
-        raise _Stop()
+    from rollingkv_cli.lib.procs import signal_name, stop_signals_raise, stop_signum
 
-    # SIGHUP (the terminal closed) stops the server as SIGTERM and Ctrl-C do
-    old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C, SIGTERM and SIGHUP (the terminal closed) stop the server alike; we exit 128 + the signal's number
     exit_code = 0
-    try:
-        srv.start()
-        status = f"starting llama-server on {esc(srv.url)} ({esc(s.model.name)})"
-        with console.status(status, spinner="dots") if not quiet else _null():
-            srv.wait_healthy(timeout=start_timeout)
-        props = srv.request("/props")
-        plan = props.get("rolling_kv")
-        success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
-        info(describe_plan(plan, gpu=cuda))
-        for line in describe_plan_details(plan):
-            note(line)
-        started = time.time()
-        status = LiveStatus(srv, started, plan, gpu=cuda)
-        if is_interactive() and not quiet:
-            from rich.live import Live
-
-            status.sample()
-            with Live(status.table(), console=console, refresh_per_second=2) as live:
-                while srv.alive():
-                    time.sleep(1)
-                    status.sample()
-                    live.update(status.table())
-        else:
-            last = ""
-            while srv.alive():
-                time.sleep(1)
-                if quiet:
-                    continue
-                status.sample()
-                line = status.line()
-                if line != last:
-                    print(line, flush=True)
-                    last = line
-        code = srv.proc.returncode if srv.proc else None
-        _report_death(srv, code, log_path)
-        exit_code = 1
-    except (KeyboardInterrupt, _Stop):
-        info("stopping llama-server …")
-    except RollingKVError as e:
-        from rollingkv_cli.lib.builder import log_tail
-
-        if srv.proc is not None:
-            log_panel(log_tail(log_path, 15), f"last lines of {log_path}")
-        raise e
-    finally:
-        # a second Ctrl-C / SIGTERM / SIGHUP while stopping only hurries the stop: stop_group kills, then re-raises
+    stopped_by: int | None = None
+    with stop_signals_raise():
         try:
-            srv.stop()
-        except _Stop:
-            pass
+            exit_code = _supervise(srv, s, log_path, start_timeout, cuda, quiet)
+        except KeyboardInterrupt as e:  # Terminated too (SIGTERM, SIGHUP)
+            stopped_by = stop_signum(e)
+            info("stopping llama-server …")
+        except RollingKVError as e:
+            from rollingkv_cli.lib.builder import log_tail
+
+            if srv.proc is not None:
+                log_panel(log_tail(log_path, 15), f"last lines of {log_path}")
+            raise e
         finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+            # a second signal while stopping only hurries the stop: stop_group kills and reaps the group, then re-raises
+            try:
+                srv.stop()
+            except KeyboardInterrupt as e:
+                stopped_by = stopped_by or stop_signum(e)
+    if stopped_by is not None:
+        success(f"llama-server stopped ({signal_name(stopped_by)})")
+        raise SystemExit(128 + stopped_by)
     if exit_code:
         raise SystemExit(exit_code)
     success("llama-server stopped")
+
+
+def _supervise(srv, s: ServeSettings, log_path: Path, start_timeout: float, cuda: bool, quiet: bool) -> int:
+    """Start llama-server, wait for it, show the plan and the live status until it dies (1, reported) or a stop
+    signal comes (raised)."""
+    srv.start()
+    status = f"starting llama-server on {esc(srv.url)} ({esc(s.model.name)})"
+    with console.status(status, spinner="dots") if not quiet else _null():
+        srv.wait_healthy(timeout=start_timeout)
+    props = srv.request("/props")
+    plan = props.get("rolling_kv")
+    success(f"serving {s.model.name} at {srv.url} (OpenAI API at {srv.url}/v1)")
+    info(describe_plan(plan, gpu=cuda))
+    for line in describe_plan_details(plan):
+        note(line)
+    started = time.time()
+    status = LiveStatus(srv, started, plan, gpu=cuda)
+    if is_interactive() and not quiet:
+        from rich.live import Live
+
+        status.sample()
+        with Live(status.table(), console=console, refresh_per_second=2) as live:
+            while srv.alive():
+                time.sleep(1)
+                status.sample()
+                live.update(status.table())
+    else:
+        last = ""
+        while srv.alive():
+            time.sleep(1)
+            if quiet:
+                continue
+            status.sample()
+            line = status.line()
+            if line != last:
+                print(line, flush=True)
+                last = line
+    _report_death(srv, srv.proc.returncode if srv.proc else None, log_path)
+    return 1
 
 
 def _report_death(srv, code, log_path: Path) -> None:

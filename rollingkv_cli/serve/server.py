@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -101,9 +102,12 @@ class ServerProcess:
         from rollingkv_cli.lib.procs import popen_tied
 
         # own process group: a signal to us never half-kills it, and we can take the group down; tied: it
-        # dies with us even when we are SIGKILLed or lose the terminal
+        # dies with us even when we are SIGKILLed or lose the terminal. Its death signal is SIGKILL, not SIGTERM:
+        # llama-server takes SIGTERM as a graceful stop that waits for the batch it is decoding (a long prefill:
+        # tens of seconds, its client stalled), and once we are gone nobody is left to wait for or to clean up after
         try:
-            self.proc = popen_tied(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+            self.proc = popen_tied(self.command, death_signal=signal.SIGKILL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                   stdin=subprocess.DEVNULL)
         except OSError as e:
             self._close_log()
             raise RollingKVError(f"cannot start {self.binary}: {e.strerror or e}", "run `rollingkv build`") from None

@@ -1,5 +1,6 @@
-"""What the running server says: its metrics, the plan it chose (in words, for the start-up lines and the gates), the slots
-at work, and the live status line serve shows while it runs."""
+"""What the running server says: a /metrics page parsed (for others' reads: serve itself never reads /metrics, see
+LiveStatus), the plan it chose (in words, for the start-up lines and the gates), the slots at work, and the live status
+line serve shows while it runs."""
 
 from __future__ import annotations
 
@@ -7,17 +8,9 @@ import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from rollingkv_cli.console import esc
-
-
-def _metrics_text(srv) -> str:
-    """llama-server's /metrics page ("" where it does not answer)."""
-    try:
-        with urllib.request.urlopen(srv.http_request("/metrics"), timeout=2) as r:
-            return r.read().decode()
-    except (urllib.error.URLError, OSError, ValueError):
-        return ""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -30,36 +23,47 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def _metrics(srv) -> dict[str, float]:
-    return parse_metrics(_metrics_text(srv))
-
-
 def residency_line(text: str) -> str | None:
-    """The split cache's live figures from /metrics text (llamacpp:rolling_kv_*): each slot's cells on the device and
-    in host memory (and its window, when elastic windows moved it off the static one), the tail the last step attended
-    against what its streams occupy, and the cells elastic windows moved so far; None when not split."""
+    """residency_from_stats of a /metrics page's llamacpp:rolling_kv_* lines (the same figures as /props'
+    rolling_kv_stats); None when not split."""
     slots: dict[int, dict[str, int]] = {}
     for line in text.splitlines():
         m = re.match(r'^llamacpp:rolling_kv_slot_(device|tail|window)_cells\{slot="(\d+)"\}\s+([0-9.eE+]+)$', line)
         if m:
-            slots.setdefault(int(m.group(2)), {})[m.group(1)] = int(float(m.group(3)))
+            slots.setdefault(int(m.group(2)), {"stream": int(m.group(2))})[f"{m.group(1)}_cells"] = int(float(m.group(3)))
     flat = {k: v for k, v in parse_metrics(text).items() if k.startswith("rolling_kv_")}
     if not slots and not flat:
         return None
-    windows = {d.get("window") for d in slots.values() if "window" in d}
+    return residency_from_stats({
+        "split": True, "slots": list(slots.values()),
+        "last": {k: flat.get(f"rolling_kv_last_{k}", 0) for k in ("tail_bytes", "occupied_bytes", "streamed_bytes")},
+        "moves": {k: flat.get(f"rolling_kv_{k}_total", 0) for k in ("promoted_cells", "demoted_cells")},
+    })
+
+
+def residency_from_stats(stats: dict | None) -> str | None:
+    """The split cache's live figures from rolling_kv_stats (GET /props; reading it resets nothing): each slot's cells on
+    the device and in host memory (and its window, when elastic windows moved it off the static one), the tail the last
+    step attended against what its streams occupy, and the cells elastic windows moved so far; None when not split."""
+    if not isinstance(stats, dict) or not stats.get("split"):
+        return None
+    slots = {int(d.get("stream", i)): d for i, d in enumerate(stats.get("slots") or []) if isinstance(d, dict)}
+    windows = {d.get("window_cells") for d in slots.values() if "window_cells" in d}
     moved = len(windows) > 1  # elastic windows that followed the load: each slot's window says where its cells are
 
     def slot(i: int, d: dict) -> str:
-        return f"{i}: {d.get('device', 0)}+{d.get('tail', 0)}" + (f" (window {d['window']})" if moved and "window" in d else "")
+        return (f"{i}: {int(d.get('device_cells', 0))}+{int(d.get('tail_cells', 0))}"
+                + (f" (window {int(d['window_cells'])})" if moved and "window_cells" in d else ""))
 
-    cells = ", ".join(slot(i, d) for i, d in sorted(slots.items()) if d.get("device") or d.get("tail"))
+    cells = ", ".join(slot(i, d) for i, d in sorted(slots.items()) if d.get("device_cells") or d.get("tail_cells"))
     mib = 1024 * 1024
-    last = (f"last step attended {flat.get('rolling_kv_last_tail_bytes', 0) / mib:.0f} MiB of tail "
-            f"({flat.get('rolling_kv_last_occupied_bytes', 0) / mib:.0f} MiB occupied, "
-            f"{flat.get('rolling_kv_last_streamed_bytes', 0) / mib:.0f} MiB streamed)")
-    promoted, demoted = flat.get("rolling_kv_promoted_cells_total", 0), flat.get("rolling_kv_demoted_cells_total", 0)
-    moves = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail" if promoted or demoted else ""
-    return f"slot cells device+tail {cells or 'none in use'}; {last}{moves}"
+    last = stats.get("last") if isinstance(stats.get("last"), dict) else {}
+    moves = stats.get("moves") if isinstance(stats.get("moves"), dict) else {}
+    text = (f"last step attended {(last.get('tail_bytes') or 0) / mib:.0f} MiB of tail "
+            f"({(last.get('occupied_bytes') or 0) / mib:.0f} MiB occupied, {(last.get('streamed_bytes') or 0) / mib:.0f} MiB streamed)")
+    promoted, demoted = moves.get("promoted_cells") or 0, moves.get("demoted_cells") or 0
+    moved_text = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail" if promoted or demoted else ""
+    return f"slot cells device+tail {cells or 'none in use'}; {text}{moved_text}"
 
 
 def vram_mib() -> list[tuple[int, int]]:
@@ -137,7 +141,7 @@ def describe_plan_details(plan: dict | None) -> list[str]:
         mib = lambda b: f"{(b or 0) / 2**20:.0f}"  # noqa: E731
         for d in budget["devices"]:
             head = (f"target {budget['vram_target_mib']} MiB" if budget.get("vram_target_mib")
-                    else f"free {mib(d.get('free_bytes'))} MiB - reserve {mib(budget.get('reserve_bytes'))} MiB")
+                    else f"{_free_memory(d, mib)} - reserve {mib(budget.get('reserve_bytes'))} MiB")
             recr = f" (recurrent state {mib(d['recurrent_bytes'])})" if d.get("recurrent_bytes") else ""
             lines.append(f"budget on {d.get('name', '?')}: {head}; weights {mib(d.get('weights_bytes'))} + compute ~{mib(d.get('compute_bytes'))}"
                          f" + other KV {mib(d.get('other_kv_bytes'))}{recr} + streaming ring {mib(d.get('ring_bytes'))} MiB;"
@@ -168,6 +172,19 @@ def describe_plan_details(plan: dict | None) -> list[str]:
     if line:
         lines.append(line)
     return lines
+
+
+def _free_memory(d: dict, mib) -> str:
+    """A budgeted device's free memory as a phrase. Host memory (a CPU build's device): the kernel's MemAvailable, named so,
+    read now: ggml's CPU device reports MemTotal as its free memory (24105 MiB where 21927 were available)."""
+    if d.get("host_memory"):
+        from rollingkv_cli.hw.hostinfo import mem_available_bytes
+
+        avail = mem_available_bytes()
+        if avail is not None:
+            return f"MemAvailable {mib(avail)} MiB"
+        return f"MemTotal {mib(d.get('free_bytes'))} MiB (MemAvailable unknown)"
+    return f"free {mib(d.get('free_bytes'))} MiB"
 
 
 def describe_tail_types(plan: dict | None) -> str | None:
@@ -207,37 +224,87 @@ def describe_tail_cpu(plan: dict | None) -> str | None:
 
 
 def _slots(srv) -> list[dict] | None:
-    """llama-server's /slots (each slot's tokens decoded so far), None where it does not answer (`--no-slots`)."""
-    import json
-
-    try:
-        with urllib.request.urlopen(srv.http_request("/slots"), timeout=2) as r:
-            data = json.loads(r.read().decode())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+    """llama-server's /slots (each slot's task: its prompt tokens processed and tokens generated so far, kept after it
+    ends until the slot's next task), None where it does not answer (`--no-slots`)."""
+    data = _get_json(srv, "/slots")
     return data if isinstance(data, list) else None
 
 
-def _decoding_now(slots: list[dict] | None) -> int:
-    """Tokens generated so far by the requests still running (llama-server counts a request's tokens in /metrics'
-    tokens_predicted_total only when it ends)."""
-    n = 0
-    for slot in slots or []:
-        nt = slot.get("next_token")
-        if slot.get("is_processing") and isinstance(nt, list) and nt and isinstance(nt[0], dict):
-            n += int(nt[0].get("n_decoded") or 0)
-    return n
+def _rkv_stats(srv) -> dict | None:
+    """The split cache's rolling_kv_stats from /props (a snapshot), None where it does not answer."""
+    data = _get_json(srv, "/props")
+    stats = data.get("rolling_kv_stats") if isinstance(data, dict) else None
+    return stats if isinstance(stats, dict) else None
+
+
+def _get_json(srv, path: str):
+    import json
+
+    try:
+        with urllib.request.urlopen(srv.http_request(path), timeout=2) as r:
+            return json.loads(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _slot_task(slot: dict) -> tuple[int, int, int] | None:
+    """(task id, tokens generated, prompt tokens processed) of the slot's running task; None when it runs none (a slot
+    clears its counts when its task ends)."""
+    if not isinstance(slot, dict) or not slot.get("is_processing") or not isinstance(slot.get("id_task"), int):
+        return None
+    nt = slot.get("next_token")
+    gen = nt[0].get("n_decoded") if isinstance(nt, list) and nt and isinstance(nt[0], dict) else 0
+    return slot["id_task"], int(gen or 0), int(slot.get("n_prompt_tokens_processed") or 0)
+
+
+_TIMING = re.compile(r"print_timing: id +\d+ \| task (\d+) \| +(prompt eval|eval) time = +[0-9.]+ ms / +(\d+) tokens")
+
+
+class TaskLog:
+    """The requests that ended, from llama-server's own log (its `print_timing` lines: the prompt tokens each processed
+    and the tokens it generated, exact), read on from where the last read stopped. Reading a file of ours resets
+    nothing, unlike /metrics."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self) -> dict[int, list[int]]:
+        """{task id: [prompt tokens, tokens generated]} of the lines written since the last read."""
+        out: dict[int, list[int]] = {}
+        if self.path is None:
+            return out
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(16 << 20)
+        except OSError:
+            return out
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()  # a line still being written
+        for line in lines:
+            m = _TIMING.search(line.decode(errors="replace"))
+            if m:
+                out.setdefault(int(m.group(1)), [0, 0])[0 if m.group(2) == "prompt eval" else 1] = int(m.group(3))
+        return out
+
+
+FETCH = object()  # LiveStatus.sample: read it from the server
 
 
 class LiveStatus:
     """What serve's live status shows, sampled about once a second: rows() is a list of (label, text), one function per
     row (rows_* below), so that more rows (e.g. per-slot residency counters) are one more entry in ROWS.
 
-    The decode rate is the tokens generated over the last WINDOW_S seconds: /metrics' tokens_predicted_total (finished
-    requests) plus the running requests' tokens so far (/slots). llama-server's own predicted_tokens_seconds is a mean
-    over the requests that ended since its last poll: 0.0 while two requests decode."""
+    It reads only what changes nothing for other readers: /slots (the running requests' tokens so far), llama-server's
+    log (each ended request's tokens: TaskLog) and, for a split cache, /props' rolling_kv_stats. Never /metrics:
+    llama-server resets its per-interval gauges (predicted_tokens_seconds, prompt_tokens_seconds) on every read of it,
+    so a poll of ours would show an outside scraper 0 (issue 39). The totals and rates are serve's own; a request whose
+    end the log does not show (a log level that hides it) counts with the tokens a sample last saw. The rates are over
+    the last WINDOW_S seconds."""
 
     WINDOW_S = 5.0
+    GRACE_S = 5.0  # how long an ended request's line may take to reach the log before the last sample's count stands
     ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now")
 
     def __init__(self, srv, started: float, plan: dict | None, gpu: bool = True, vram=None):
@@ -245,39 +312,74 @@ class LiveStatus:
 
         self.srv, self.started, self.plan, self.gpu = srv, started, plan, gpu
         self.vram = vram_mib if vram is None else vram
-        self.metrics: dict[str, float] = {}
-        self.metrics_text = ""
+        self.log = TaskLog(getattr(srv, "log_path", None))
         self.slots: list[dict] | None = None
-        self.history: deque = deque()  # (time, tokens generated in all) over the last WINDOW_S seconds
+        self.stats: dict | None = None
+        self.running: dict[int, list] = {}  # task id -> [prompt, generated, last seen running at]: the largest seen
+        self.guessed: dict[int, list[int]] = {}  # ended tasks counted with what a sample saw (the log had not said)
+        self.done_gen = self.done_prompt = 0  # the requests that ended
+        self.history: deque = deque()  # (time, tokens generated, prompt tokens read) over the last WINDOW_S seconds
 
-    def sample(self, now: float | None = None, metrics: dict | None = None, slots: list[dict] | None = None) -> None:
+    def sample(self, now: float | None = None, slots=FETCH, stats=FETCH, ended=FETCH) -> None:
+        """One sample: /slots, the log's ended requests, /props' rolling_kv_stats (each given instead by the tests; None
+        where the server did not answer)."""
         now = time.monotonic() if now is None else now
-        # one /metrics read a sample: its counters, and its text for the split cache's per-slot lines
-        self.metrics_text = _metrics_text(self.srv) if metrics is None else ""
-        self.metrics = parse_metrics(self.metrics_text) if metrics is None else metrics
-        self.slots = _slots(self.srv) if slots is None else slots
-        self.history.append((now, self.tokens_generated()))
+        self.slots = _slots(self.srv) if slots is FETCH else slots
+        split = bool(self.plan and self.plan.get("split"))
+        self.stats = (_rkv_stats(self.srv) if split else None) if stats is FETCH else stats
+        for slot in self.slots or []:
+            task = _slot_task(slot)
+            if task is not None and task[0] not in self.guessed:
+                seen = self.running.setdefault(task[0], [0, 0, now])
+                seen[:] = [max(seen[0], task[2]), max(seen[1], task[1]), now]
+        for task_id, (prompt, gen) in (self.log.read() if ended is FETCH else ended or {}).items():  # after /slots: never early
+            counted = self.running.pop(task_id, None) or self.guessed.pop(task_id, None)
+            if counted is not None and len(counted) == 2:  # counted already with what a sample saw: the log's instead
+                prompt, gen = prompt - counted[0], gen - counted[1]
+            self.done_prompt += prompt
+            self.done_gen += gen
+        if self.slots is not None:  # /slots answered (it does not during a long prefill: nothing is known then)
+            for task_id, (prompt, gen, last) in list(self.running.items()):
+                if now - last > self.GRACE_S:  # it ended a while ago and the log did not say: what a sample saw
+                    del self.running[task_id]
+                    self.guessed[task_id] = [prompt, gen]
+                    while len(self.guessed) > 1024:
+                        del self.guessed[next(iter(self.guessed))]
+                    self.done_prompt += prompt
+                    self.done_gen += gen
+        self.history.append((now, self.tokens_generated(), self.prompt_tokens()))
         while len(self.history) > 2 and now - self.history[1][0] >= self.WINDOW_S:
             self.history.popleft()
 
     def tokens_generated(self) -> int:
-        return int(self.metrics.get("tokens_predicted_total", 0)) + _decoding_now(self.slots)
+        return self.done_gen + sum(t[1] for t in self.running.values())
 
-    def decode_rate(self) -> float | None:
-        """Tokens per second over the window; None before two samples."""
+    def prompt_tokens(self) -> int:
+        return self.done_prompt + sum(t[0] for t in self.running.values())
+
+    def _rate(self, k: int) -> float | None:
         if len(self.history) < 2:
             return None
-        (t0, n0), (t1, n1) = self.history[0], self.history[-1]
-        return max(0.0, (n1 - n0) / (t1 - t0)) if t1 > t0 else None
+        first, last = self.history[0], self.history[-1]
+        return max(0.0, (last[k] - first[k]) / (last[0] - first[0])) if last[0] > first[0] else None
+
+    def decode_rate(self) -> float | None:
+        """Tokens generated per second over the window; None before two samples."""
+        return self._rate(1)
+
+    def prompt_rate(self) -> float | None:
+        """Prompt tokens read per second over the window; None before two samples."""
+        return self._rate(2)
 
     def in_flight(self) -> int:
-        return int(self.metrics.get("requests_processing", 0))
+        return sum(1 for slot in self.slots or [] if isinstance(slot, dict) and slot.get("is_processing"))
 
     def rows_uptime(self):
         return [("uptime", f"{time.time() - self.started:.0f} s")]
 
     def rows_requests(self):
-        return [("requests", f"{self.in_flight()} in flight, {self.metrics.get('requests_deferred', 0):.0f} waiting")]
+        slots = f" of {_plural(len(self.slots), 'slot')}" if self.slots is not None else " (/slots does not answer)"
+        return [("requests", f"{self.in_flight()} in flight{slots}")]
 
     def rows_decode(self):
         rate = self.decode_rate()
@@ -285,9 +387,9 @@ class LiveStatus:
         return [("decode", f"{shown} tok/s over the last {self.WINDOW_S:g} s, {self.tokens_generated()} tokens generated")]
 
     def rows_prompt(self):
-        m = self.metrics
-        return [("prompt", f"{m.get('prompt_tokens_total', 0):.0f} tokens read, {m.get('prompt_tokens_seconds', 0):.1f} tok/s "
-                           "(llama-server's mean of the requests ended)")]
+        rate = self.prompt_rate()
+        shown = "…" if rate is None else f"{rate:.1f}"
+        return [("prompt", f"{shown} tok/s over the last {self.WINDOW_S:g} s, {self.prompt_tokens()} tokens read")]
 
     def rows_vram(self):
         vram = self.vram()
@@ -297,7 +399,7 @@ class LiveStatus:
         return [("KV", describe_plan(self.plan, gpu=self.gpu))]
 
     def rows_kv_now(self):
-        live = residency_line(self.metrics_text) if self.plan and self.plan.get("split") else None
+        live = residency_from_stats(self.stats) if self.plan and self.plan.get("split") else None
         return [("KV now", live)] if live else []
 
     def rows(self) -> list[tuple[str, str]]:
@@ -318,5 +420,3 @@ class LiveStatus:
         rate = self.decode_rate()
         return (f"in flight {self.in_flight()}, generated {self.tokens_generated()} tokens"
                 + ("" if rate is None else f", {rate:.1f} tok/s over the last {self.WINDOW_S:g} s"))
-
-

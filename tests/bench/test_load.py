@@ -268,3 +268,79 @@ def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path
     assert st["split"] and st["steps"] > 0
     assert st["worst_step"]["excess_blocks_per_stream"] <= 1.0  # read <= occupied + a block, at every sampled step
     assert "TTFT p50 / p90 s" in r.stdout
+
+def _slot_busy(srv_pid: int) -> bool:
+    """Whether the llama-server of pid decodes a request (its port from its command line, then /slots)."""
+    import urllib.request
+
+    from proctree import cmdline
+
+    args = cmdline(srv_pid)
+    if "--port" not in args:
+        return False
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{args[args.index('--port') + 1]}/slots", timeout=2) as r:
+            return any(s.get("is_processing") for s in json.loads(r.read().decode()))
+    except OSError:
+        return False
+
+
+@pytest.mark.build
+def test_sigkill_of_bench_load_takes_its_server_down_mid_prefill(cpu_build, demo_model, tmp_path):
+    """SIGKILL of `bench load` while its cell's llama-server prefills the long request: every process it started is gone
+    within 2 s. Seen failing before the fix (issue 39 row 3): with SIGTERM as the parent-death signal llama-server
+    finished the batch it was prefilling (seconds), re-parented, before it stopped."""
+    from proctree import descendant_running, descendants, kill_all, wait_for, wait_gone
+
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "7000", "8",
+                             "--short", "64", "8", "--shorts", "1", "-np", "2", "--window-cells", "256", "--cells", "split",
+                             "--json", str(tmp_path / "bench-load.json"), "--", "-t", "2", "-b", "8192"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    kids: set[int] = set()
+    try:
+        srv = wait_for(lambda: descendant_running(proc.pid, "llama-server"), 120, "the cell's llama-server")
+        wait_for(lambda: _slot_busy(srv), 120, "the long request to start")
+        kids = descendants(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, 2.0)
+        assert not left, f"still running 2 s after bench load was SIGKILLed: {sorted(left)}"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.build
+def test_sigterm_of_bench_load_writes_the_report_and_exits_143(cpu_build, demo_model, tmp_path):
+    """SIGTERM (an outer `timeout`) mid-run: the cell's llama-server is stopped, the report keeps the cells measured so
+    far, and bench load exits 143 with one line naming the signal. Seen failing before the fix: it exited 0, as a run
+    that completed."""
+    import signal
+
+    from proctree import descendant_running, descendants, kill_all, wait_for, wait_gone
+
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    out = tmp_path / "bench-load.json"
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "2000", "8",
+                             "--short", "64", "8", "--shorts", "1", "-np", "2", "--window-cells", "256", "--cells", "split",
+                             "--json", str(out), "--", "-t", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    kids: set[int] = set()
+    try:
+        srv = wait_for(lambda: descendant_running(proc.pid, "llama-server"), 120, "the cell's llama-server")
+        wait_for(lambda: _slot_busy(srv), 120, "the first request")
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+        assert "stopped by SIGTERM" in stderr + stdout and "Traceback" not in stderr
+        assert json.loads(out.read_text())["cells"] == []  # the one cell did not finish
+        assert not wait_gone(kids, 2.0), "no child outlives bench load"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -783,3 +783,86 @@ def test_a_work_dir_on_a_pseudo_filesystem_is_one_line(capsys, fake_runs, fake_g
     code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--work-dir", "/proc"], capsys)
     assert code == 1 and fake_runs["calls"] == []
     assert "cannot use --work-dir /proc: /proc is not on a disk" in _one_error(err)
+
+# ---------------------------------------------------------------- signals: the runner dies with us, the work folder goes
+
+def _spawn_gate(cpu_build, work: Path, n_tokens: int = 4096, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    return subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "gate", "equiv", "--model", "demo", "--synthetic-tokens",
+                             str(n_tokens), "--threads", "2", "--kv-window-cells", "256", "--work-dir", str(work),
+                             "--json", str(work.parent / "r.json"), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _decoding_runner(proc: subprocess.Popen) -> int | None:
+    """The runner child while it decodes (its command line has --tokens; the tokenizer's has --tokens-out)."""
+    from proctree import cmdline, descendants
+
+    for pid in sorted(descendants(proc.pid)):
+        args = cmdline(pid)
+        if "rollingkv_cli.gate.runner" in args and "--tokens" in args:
+            return pid
+    return None
+
+
+@pytest.mark.build
+def test_sigkill_of_the_gate_takes_its_runner_down(cpu_build, demo_model, tmp_path):
+    """SIGKILL of `gate equiv` while its runner decodes: the runner (and anything below it) is gone within 2 s. It passed
+    on the code before this test (the runner is tied through procs.popen_tied); it was seen failing with the tie removed
+    (popen_tied without its preexec_fn: the runner, re-parented, decoded its whole batch of 4096 tokens, until its next
+    line to the closed pipe ended it)."""
+    from proctree import cpu_seconds, descendants, kill_all, wait_for, wait_gone
+
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _spawn_gate(cpu_build, work, 4096, "--n-batch", "4096")  # one long llama_decode: no line written for seconds
+    kids: set[int] = set()
+    try:
+        runner = wait_for(lambda: _decoding_runner(proc), 120, "the reference run to start")
+        wait_for(lambda: cpu_seconds(runner) > 1.0, 120, "the reference run to decode")  # past loading: in its one batch
+        kids = descendants(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, 2.0)
+        assert not left, f"still running 2 s after the gate was SIGKILLed: {sorted(left)}"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_every_stop_signal_removes_the_work_folder(cpu_build, demo_model, tmp_path, sig):
+    """SIGINT, SIGTERM or SIGHUP while the reference run decodes: the runner is stopped, the work folder (the reference
+    logits) removed, and the gate exits 128 + the signal's number with one line naming it. Seen failing before the fix
+    (issue 39 row 5): SIGTERM and SIGHUP killed the CLI where it stood (exit -15 / -1), leaving the work folder and an
+    orphaned runner; only SIGINT cleaned up, and it exited 130 with the line `aborted`."""
+    import signal
+
+    from proctree import descendants, kill_all, wait_for, wait_gone
+
+    signum = getattr(signal, sig)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _spawn_gate(cpu_build, work)
+    kids: set[int] = set()
+    try:
+        wait_for(lambda: _decoding_runner(proc), 120, "the reference run to start decoding")
+        assert [p.name for p in work.iterdir()], "the gate made its work folder"
+        kids = descendants(proc.pid)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, (proc.returncode, out, err)
+        assert list(work.iterdir()) == [], "the work folder is removed"
+        assert not wait_gone(kids, 2.0), "no child outlives the gate"
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert "Traceback" not in err and len(lines) == 1 and sig in lines[0], err
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -108,3 +108,44 @@ def test_cmake_flags(tmp_path, opts, present, absent):
     if opts.backend_dl:
         assert f"-DGGML_BACKEND_DIR={tmp_path / 'build' / 'bin'}" in flags
 
+
+
+def _fake_build(d: Path) -> Path:
+    (d / "build" / "bin").mkdir(parents=True)
+    (d / "manifest.json").write_text('{"artifacts": []}')
+    return d
+
+
+def test_a_copied_cache_uses_its_own_copy_of_the_active_build(tmp_path, monkeypatch):
+    """Issue 39: `cp -a` of the cache with ROLLINGKV_CACHE_DIR at the copy still used the original's build (the pointer
+    is absolute). The pointer into a cache's builds/ resolves relative to this cache's root now, where the copy has the
+    build; the file keeps its absolute form (older versions sharing a cache read it); a relative one is read from the
+    root; a build outside the cache stays as written. Seen failing before the fix: the copy's active build was
+    <orig>/builds/abc."""
+    import shutil
+
+    from rollingkv_cli.lib import builder, paths
+
+    monkeypatch.delenv("ROLLINGKV_BUILD", raising=False)
+    orig = tmp_path / "orig"
+    bdir = _fake_build(orig / "builds" / "abc")
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(orig))
+    builder.set_active(bdir)
+    assert (orig / "active-build").read_text().strip() == str(bdir)
+    assert builder.active_build().dir == bdir
+    shutil.copytree(orig, tmp_path / "copy", symlinks=True)
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path / "copy"))
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    shutil.move(str(orig), str(tmp_path / "gone"))  # the original moved away: the copy does not care
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    (tmp_path / "copy" / "active-build").write_text("builds/abc\n")
+    assert builder.active_build().dir == tmp_path / "copy" / "builds" / "abc"
+    shutil.move(str(tmp_path / "gone"), str(orig))
+    (tmp_path / "copy" / "active-build").write_text(f"{bdir}\n")
+    shutil.rmtree(tmp_path / "copy" / "builds" / "abc")  # the copy lacks it: the original's, as written
+    assert builder.active_build().dir == bdir
+
+    outside = _fake_build(tmp_path / "elsewhere" / "mybuild")
+    builder.set_active(outside)
+    assert paths.active_build_file().read_text().strip() == str(outside)
+    assert builder.active_build().dir == outside

@@ -179,19 +179,23 @@ def _server_pids(port) -> list[int]:
 
 
 @pytest.mark.build
-def test_sigterm_stops_everything(cpu_build, demo_model):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_stops_everything_and_exits_with_its_status(cpu_build, demo_model, sig):
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP stop llama-server and exit 128 + the signal's number (130, 143, 129), the
+    shell's convention, saying which signal. Seen failing before the fix: each exited 0, as after a clean stop."""
     from rollingkv_cli.serve.server import free_port
 
+    signum = getattr(signal, sig)
     port = free_port()
     proc = _spawn_serve(cpu_build, port)
     head = _wait_serving(proc)
     _wait_health(port, proc)
     assert _server_pids(port)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=60)
     out = head + out
-    assert proc.returncode == 0, out
-    assert "llama-server stopped" in out and "log: " in out
+    assert proc.returncode == 128 + signum, out
+    assert f"llama-server stopped ({sig})" in out and "log: " in out and "Traceback" not in out
     assert _server_pids(port) == [], "no orphaned llama-server"
 
 
@@ -478,34 +482,115 @@ def test_the_plan_details_nest_no_brackets():
     assert all(_bracket_depth(line) <= 1 for line in no_estimate), no_estimate
 
 
+@pytest.mark.parametrize("meminfo, want", [
+    ("MemTotal:       24683520 kB\nMemFree:         1000000 kB\nMemAvailable:   22453248 kB\n", "MemAvailable 21927 MiB"),
+    ("MemTotal:       24683520 kB\n", "MemTotal 24105 MiB (MemAvailable unknown)"),
+], ids=["available", "no-MemAvailable"])
+def test_the_host_memory_budget_says_memavailable(tmp_path, monkeypatch, meminfo, want):
+    """Issue 39 (14): a CPU build's budget line said "free 24105 MiB", which is MemTotal (ggml's CPU device reports it as
+    free); it says the kernel's MemAvailable, named as such (MemTotal, named, where the kernel gives no MemAvailable). Seen
+    failing before the fix: the line read "budget on host memory: free 24105 MiB - reserve 1024 MiB"."""
+    from rollingkv_cli.hw import hostinfo
+    from rollingkv_cli.serve.status import describe_plan_details
+
+    (tmp_path / "meminfo").write_text(meminfo)
+    monkeypatch.setattr(hostinfo, "MEMINFO", tmp_path / "meminfo")
+    dev = {"name": "host memory", "host_memory": True, "free_bytes": 24683520 * 1024, "weights_bytes": 92 << 20}
+    plan = {"split": True, "budget": {"vram_target_mib": 0, "reserve_bytes": 1 << 30, "devices": [dev]}}
+    line = describe_plan_details(plan)[0]
+    assert line.startswith(f"budget on host memory: {want} - reserve 1024 MiB;"), line
+    assert "free 24105" not in line
+    gpu = {**dev, "name": "CUDA0", "host_memory": False}  # a GPU's free memory is the driver's own figure: unchanged
+    assert describe_plan_details({**plan, "budget": {**plan["budget"], "devices": [gpu]}})[0].startswith("budget on CUDA0: free 24105 MiB")
+
+
 def test_live_status_decode_rate_counts_the_running_requests():
-    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far
-    (llama-server's tokens_predicted_total grows only when a request ends; its per-poll mean reads 0.0 meanwhile)."""
+    """Issue 27 (16): two requests decoding read as their tokens per second over the last seconds, and the tokens so far.
+    Issue 39 (9): without /metrics: the running requests from /slots, the ended ones from llama-server's log (a slot clears
+    its counts when its request ends), or, where the log never says, what a sample saw."""
     from rollingkv_cli.serve.status import LiveStatus
 
     class Srv:
         url = "http://127.0.0.1:1"
+        log_path = None
 
-    def slots(*decoded):
-        return [{"id": i, "is_processing": busy, "next_token": [{"n_decoded": n}]} for i, (n, busy) in enumerate(decoded)]
+    def slots(*tasks):  # (task id, generated, prompt processed) per slot; None: an idle slot (cleared)
+        return [{"id": i, "is_processing": True, "id_task": t[0], "n_prompt_tokens_processed": t[2], "next_token": [{"n_decoded": t[1]}]}
+                if t else {"id": i, "is_processing": False} for i, t in enumerate(tasks)]
 
     st = LiveStatus(Srv(), started=0.0, plan=None, gpu=False, vram=lambda: [])
-    m = {"tokens_predicted_total": 0, "predicted_tokens_seconds": 0.0, "requests_processing": 2}
-    st.sample(now=0.0, metrics=m, slots=slots((10, True), (20, True)))
-    assert st.decode_rate() is None and st.tokens_generated() == 30
-    st.sample(now=2.0, metrics=m, slots=slots((30, True), (40, True)))
-    assert st.decode_rate() == 20.0 and st.tokens_generated() == 70
+    st.sample(now=0.0, slots=slots(None, None))
+    assert st.tokens_generated() == 0 and st.prompt_tokens() == 0 and st.decode_rate() is None
+    st.sample(now=1.0, slots=slots((1, 10, 100), (2, 20, 200)))
+    assert st.tokens_generated() == 30 and st.prompt_tokens() == 300
+    st.sample(now=3.0, slots=slots((1, 30, 100), (2, 40, 200)))
+    assert st.decode_rate() == 70 / 3 and st.tokens_generated() == 70
     rows = dict(st.rows())
-    assert rows["decode"] == "20.0 tok/s over the last 5 s, 70 tokens generated" and rows["requests"].startswith("2 in flight")
-    # the first request ends with 35 tokens: counted once, in the total, not again as a slot's
-    m2 = {"tokens_predicted_total": 35, "requests_processing": 1}
-    st.sample(now=3.0, metrics=m2, slots=slots((35, False), (50, True)))
-    assert st.tokens_generated() == 85 and st.decode_rate() == (85 - 30) / 3
+    assert rows["decode"] == "23.3 tok/s over the last 5 s, 70 tokens generated" and rows["requests"] == "2 in flight of 2 slots"
+    assert rows["prompt"] == "100.0 tok/s over the last 5 s, 300 tokens read"
+    # the first request ends with 35 tokens: its slot is cleared, the log says 35 (the sample saw 30), counted once
+    st.sample(now=4.0, slots=slots(None, (2, 50, 200)), ended={1: [100, 35]})
+    assert st.tokens_generated() == 85 and st.in_flight() == 1
+    # a new one on the freed slot; the second one ends and the log does not say (a quieter log level): after GRACE_S
+    # seconds it counts with the 60 tokens a sample saw, and once only when the log says after all
+    st.sample(now=5.0, slots=slots((3, 5, 64), (2, 60, 200)))
+    assert st.tokens_generated() == 35 + 5 + 60 and st.prompt_tokens() == 100 + 64 + 200
+    st.sample(now=6.0, slots=None)  # /slots did not answer (a long prefill holds its queue): nothing ends
+    st.sample(now=12.0, slots=None)
+    assert st.tokens_generated() == 100
+    st.sample(now=13.0, slots=slots((3, 9, 64), None))
+    assert st.tokens_generated() == 35 + 9 + 60
+    st.sample(now=14.0, slots=slots(None, None), ended={2: [200, 64], 3: [64, 9]})
+    assert st.tokens_generated() == 35 + 9 + 64 and st.prompt_tokens() == 100 + 64 + 200
     # idle for longer than the window: the rate falls to 0
-    for t in (4.0, 6.0, 9.0):
-        st.sample(now=t, metrics={"tokens_predicted_total": 85, "requests_processing": 0}, slots=slots((35, False), (50, False)))
-    assert st.decode_rate() == 0.0 and "generated 85 tokens" in st.line()
+    for t in (15.0, 17.0, 20.0):
+        st.sample(now=t, slots=slots(None, None), ended={})
+    assert st.decode_rate() == 0.0 and "generated 108 tokens" in st.line()
     assert "VRAM" not in rows and rows["KV"] == "residency plan: not reported by this build"
+
+
+def test_the_task_log_reads_each_ended_request_once(tmp_path):
+    """TaskLog: llama-server's print_timing lines, read on from where it stopped, a half-written line at the next read."""
+    from rollingkv_cli.serve.status import TaskLog
+
+    log = tmp_path / "serve.log"
+    log.write_text("main: server is listening\n"
+                   "0.10.582.658 I slot print_timing: id  3 | task 2 | prompt eval time =     197.01 ms /     4 tokens (   49.25 ms per token)\n"
+                   "0.10.582.689 I slot print_timing: id  3 | task 2 |        eval time =    2978.74 ms /    24 tokens (  129.51 ms per token)\n"
+                   "0.10.582.689 I slot print_timing: id  3 | task 2 |       total time =    3175.75 ms /    28 tokens\n"
+                   "0.11.000.000 I slot print_timing: id  0 | task 7 | prompt eval time =     10.00 ms /   512 tokens")
+    tl = TaskLog(log)
+    assert tl.read() == {2: [4, 24]}
+    with open(log, "a") as f:
+        f.write(" (   1.00 ms per token)\n0.11.000.001 I slot print_timing: id  0 | task 7 |        eval time =  5.00 ms /     1 tokens\n")
+    assert tl.read() == {7: [512, 1]} and tl.read() == {}
+    assert TaskLog(None).read() == {} and TaskLog(tmp_path / "missing").read() == {}
+
+
+def test_live_status_reads_the_split_from_props_stats():
+    """The KV now row from /props' rolling_kv_stats, as residency_line says it from the /metrics lines of the same figures."""
+    from rollingkv_cli.serve.status import LiveStatus, residency_from_stats, residency_line
+
+    stats = {"split": True, "slots": [{"stream": 0, "device_cells": 256, "tail_cells": 700, "window_cells": 768},
+                                      {"stream": 1, "device_cells": 0, "tail_cells": 0, "window_cells": 256}],
+             "last": {"tail_bytes": 20 << 20, "occupied_bytes": 10 << 20, "streamed_bytes": 0},
+             "moves": {"promoted_cells": 512, "demoted_cells": 256}}
+    text = "\n".join(["llamacpp:rolling_kv_last_tail_bytes 20971520", "llamacpp:rolling_kv_last_occupied_bytes 10485760",
+                      "llamacpp:rolling_kv_last_streamed_bytes 0", "llamacpp:rolling_kv_promoted_cells_total 512",
+                      "llamacpp:rolling_kv_demoted_cells_total 256"]
+                     + [f'llamacpp:rolling_kv_slot_{k}_cells{{slot="{d["stream"]}"}} {d[k + "_cells"]}'
+                        for d in stats["slots"] for k in ("device", "tail", "window")])
+    line = residency_from_stats(stats)
+    assert line == residency_line(text)
+    assert "0: 256+700 (window 768)" in line and "moved 512 cells to the device, 256 to the tail" in line
+    assert residency_from_stats({"split": False}) is None and residency_from_stats(None) is None
+
+    class Srv:
+        url = "http://127.0.0.1:1"
+
+    st = LiveStatus(Srv(), started=0.0, plan={"split": True, "mode_chosen": "window"}, gpu=False, vram=lambda: [])
+    st.sample(now=0.0, slots=[], stats=stats)
+    assert dict(st.rows())["KV now"] == line
 
 
 @pytest.mark.parametrize("cuda, args, refused", [
@@ -530,3 +615,133 @@ def test_iq4_nl_only_where_the_cache_stays_whole(capsys, hybrid_build, monkeypat
         assert code == 2 and "--cache-type-k iq4_nl: only an unsplit cache takes iq4_nl" in err and "--kv-residency-mode off" in err, err
     else:
         assert code == 0 and "-ctk iq4_nl" in out, err
+
+
+# ---------------------------------------------------------------- children die with the CLI, even under SIGKILL
+
+def _stream_request(port: int, n_words: int, n_predict: int = 64) -> socket.socket:
+    """A streaming /completion sent on a socket that is never read: the client of a long prefill."""
+    import json
+
+    body = json.dumps({"prompt": "word " * n_words, "n_predict": n_predict, "stream": True, "cache_prompt": False}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def _processing(port: int) -> bool:
+    import json
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/slots", timeout=2) as r:
+            return any(s.get("is_processing") for s in json.loads(r.read().decode()))
+    except OSError:
+        return False
+
+
+@pytest.mark.build
+def test_sigkill_of_serve_takes_llama_server_down_mid_prefill(cpu_build, demo_model):
+    """SIGKILL of `rollingkv serve` while llama-server prefills a long streaming request: every process serve started is
+    gone within 2 s. Seen failing before the fix (issue 39 row 3): the parent-death signal was SIGTERM, which llama-server
+    takes as a graceful stop that waits for the running batch, so it lived on (re-parented) until its prefill ended."""
+    from proctree import descendants, kill_all, wait_for, wait_gone
+    from rollingkv_cli.serve.server import free_port
+
+    port = free_port()
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "-q", "-c", "8192", "--port", str(port),
+                             "--", "-t", "2", "-b", "8192", "-ub", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    kids: set[int] = set()
+    try:
+        _wait_serving(proc)
+        client = _stream_request(port, 7000)
+        wait_for(lambda: _processing(port), 60, "the request to start")
+        kids = descendants(proc.pid)
+        assert kids, "serve started no process"
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, 2.0)
+        assert not left, f"still running 2 s after serve was SIGKILLed: {sorted(left)}"
+        client.close()
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.build
+def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_path):
+    """Issue 39: serve's logs (<cache>/logs/serve-<time>-<port>.log) were never pruned; now the newest KEEP_RUN_LOGS runs'
+    stay, this one's included, as the gates' (one function, paths.prune_run_logs), and other files are left alone. Seen
+    failing before the fix: all 25 old logs were still there."""
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.serve.server import free_port
+
+    logs = tmp_path / "cache" / "logs"
+    logs.mkdir(parents=True)
+    old = [logs / f"serve-202601{d:02d}-120000-8080.log" for d in range(1, 26)]
+    for f in old:
+        f.write_text("old\n")
+    (logs / "notes.txt").write_text("mine\n")
+    port = free_port()
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", str(demo_model), "-q", "-c", "2048", "--port", str(port),
+                             "--", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _wait_serving(proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    kept = sorted(p.name for p in logs.iterdir())
+    assert len([n for n in kept if n.startswith("serve-")]) == paths.KEEP_RUN_LOGS and "notes.txt" in kept, kept
+    assert kept[-1].startswith("serve-2026") and f"-{port}.log" in kept[-1], kept  # this run's log is among them
+    assert [f.exists() for f in old] == [False] * 6 + [True] * 19
+
+
+@pytest.mark.build
+def test_the_live_status_leaves_the_metrics_to_other_readers(cpu_build, demo_model):
+    """Issue 39 (9): with the live status on (no -q), an outside scraper's first /metrics read after a request still has
+    the request's rates: serve's status poll (once a second) reads /slots and /props, never /metrics, whose every read
+    resets llama-server's per-interval gauges. Seen failing before the fix: the scraper read predicted_tokens_seconds 0
+    and prompt_tokens_seconds 0, serve's poll having read (and reset) them first. (A first version of the new status,
+    which lost a request's tokens when its slot cleared them, never showed the line waited for: the wait has a
+    deadline.)"""
+    import json
+
+    from rollingkv_cli.serve.server import free_port
+    from rollingkv_cli.serve.status import parse_metrics
+
+    port = free_port()
+    proc = _spawn_serve(cpu_build, port)  # stdout is a pipe: the plain status line, sampled every second
+    try:
+        _wait_serving(proc)
+        body = json.dumps({"prompt": "Once upon a time", "n_predict": 24, "ignore_eos": True, "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["tokens_predicted"] == 24
+        import queue
+        import threading
+
+        lines: queue.Queue = queue.Queue()  # serve's lines, read by a thread: a wait for the next one has a deadline
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+        seen = []
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("in flight 0, generated 24 tokens") for line in seen):  # serve polled after its end
+            try:
+                seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError("serve's status never showed the request's tokens:\n" + "".join(seen)) from None
+        # a second poll after that one, for good measure: the line changes each second while the rate's window moves on
+        assert lines.get(timeout=30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            m = parse_metrics(r.read().decode())
+        assert m["tokens_predicted_total"] == 24
+        assert m["predicted_tokens_seconds"] > 0 and m["prompt_tokens_seconds"] > 0, m
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert _server_pids(port) == []
