@@ -88,7 +88,7 @@ def check_auto_tail_heads(s: ServeSettings) -> None:
 
 
 def model_weight_bytes(model: Path) -> int:
-    from rollingkv_cli.gguf_header import read_header
+    from rollingkv_cli.lib.gguf_header import read_header
 
     return sum(t.n_bytes for t in read_header(model).tensors)
 
