@@ -233,8 +233,7 @@ def logits(args) -> dict:
         cp.embeddings = False
         ctx, plan, via = _init_context(llama_cpp, ext, model, cp, residency)
         if not ctx:
-            raise RunnerError("llama.cpp could not create the context" + (" with these residency parameters" if residency else ""),
-                              "see the llama.cpp log for why (e.g. an impossible window or an unsupported tail type)")
+            raise _context_refused(ext, residency)
         n_ctx = int(llama_cpp.llama_n_ctx(ctx))
         t_load = time.perf_counter() - t0
 
@@ -353,6 +352,19 @@ def _cpu_part_runs(ext, ctx) -> int | None:
     except Exception:
         return None
     return st.get("cpu_part_runs") if isinstance(st, dict) else None
+
+
+def _context_refused(ext, residency: dict | None) -> RunnerError:
+    """The library's own reason when it gave one (last_error), else where to look for it."""
+    what = "llama.cpp could not create the context" + (" with these residency parameters" if residency else "")
+    reason = None
+    if ext is not None and getattr(ext, "has_planner", False):
+        from rollingkv_cli.lib.llama_ext import refusal_reason
+
+        reason = refusal_reason(ext.last_error())
+    if reason:
+        return RunnerError(f"{what}: {reason}")
+    return RunnerError(what, "see the llama.cpp log for why (e.g. an impossible window or an unsupported tail type)")
 
 
 def _init_context(llama_cpp, ext, model, cp, residency: dict | None):
