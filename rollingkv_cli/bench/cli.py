@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -410,8 +411,12 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     from rollingkv_cli.console import abort, console, success, warn
     from rollingkv_cli.models import resolve_model
 
-    if window_cells and vram_target:
-        raise click.UsageError("give --window-cells or --vram-target, not both")
+    from rollingkv_cli.lib.residency import ResidencyConflict, ResidencyRequest
+
+    try:  # the split cells' size: a window or a budget
+        ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check({"window_cells": "--window-cells"}, one_size=True)
+    except ResidencyConflict as e:
+        raise click.UsageError(e.message) from None
     from rollingkv_cli.serve.settings import check_server_args
 
     # what each cell sets itself (serve's check: the address and the model are bench load's too)
@@ -461,25 +466,27 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     except Exception:
         gpu_name = None
     ngl = ["-ngl", "99"] if gpu is not None else []
-    split_flags = ["--kv-residency-mode", "window", *(["--kv-window-cells", str(window)] if window else ["--vram-target", str(vram_target)])]
+    split = ResidencyRequest(mode="window", window_cells=window, vram_target=None if window else vram_target)
+    split_flags = split.server_args()
+    static_flags = replace(split, windows="static").server_args()
     # the default layout's one stream holds every slot: the same device cells as n_slots windows
-    default_flags = ["--kv-residency-mode", "window",
-                     *(["--kv-window-cells", str(window * n_slots)] if window else ["--vram-target", str(vram_target)])]
+    default_flags = replace(split, window_cells=window * n_slots if window else None).server_args()
+    resident_flags = ResidencyRequest(mode="off").server_args()
     cells = {
         "default": lb.Cell("default", [*default_flags, *ngl], slots_flag=False,
                            what="llama-server's default layout (no -np: 4 slots on one unified cache), split; each "
                                 "ubatch reads only its sequences' tail blocks"),
-        "default-resident": lb.Cell("default-resident", ["--kv-residency-mode", "off", *ngl], slots_flag=False,
+        "default-resident": lb.Cell("default-resident", [*resident_flags, *ngl], slots_flag=False,
                                     what="llama-server's default layout, upstream's cache whole on the device"),
         "split": lb.Cell("split", [*split_flags, *ngl],
                          what="the split cache: elastic windows (one pool of the slots' device cells), one op per stream"),
-        "static": lb.Cell("static", [*split_flags, "--kv-windows", "static", *ngl],
+        "static": lb.Cell("static", [*static_flags, *ngl],
                           what="the same split with static windows (each slot keeps its own window)"),
-        "one-op": lb.Cell("one-op", [*split_flags, "--kv-windows", "static", *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
+        "one-op": lb.Cell("one-op", [*static_flags, *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
                           what="static windows and one op over all streams at the longest one's cells (the layout before)"),
-        "resident": lb.Cell("resident", ["--kv-residency-mode", "off", *ngl], what="upstream's cache, whole on the device"),
+        "resident": lb.Cell("resident", [*resident_flags, *ngl], what="upstream's cache, whole on the device"),
         # with the default cell, vanilla takes its layout (no -np) and its VRAM; else -np and the split cell's
-        "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], slots_flag="default" not in cell_names,
+        "vanilla": lb.Cell("vanilla", resident_flags, slots_flag="default" not in cell_names,
                            what="upstream with -ngl at the " + ("default" if "default" in cell_names else "split") +
                                 " cell's VRAM"),
     }

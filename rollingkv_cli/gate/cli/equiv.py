@@ -7,12 +7,14 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive, tail_cpu_frac
+from rollingkv_cli.gate.cli.options import build_options, cache_type_options, check_request, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
+from rollingkv_cli.lib.residency import ResidencyRequest
 
 MODES = ["window", "head", "auto", "off"]
 
@@ -104,20 +106,12 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
     # ---------------------------------------------------------------- input checks, cheapest first
     if prompt_file is not None and synthetic_tokens is not None:
         raise click.UsageError("give --prompt-file or --synthetic-tokens, not both")
-    if kv_window_cells is not None and vram_target is not None:
-        raise click.UsageError("give --kv-window-cells or --vram-target, not both")
-    if kv_device_heads is not None and (kv_window_cells is not None or vram_target is not None):
-        raise click.UsageError("give --kv-device-heads, --kv-window-cells or --vram-target, one of them")
-    if kv_device_heads is not None and mode in ("window", "off"):
-        raise click.UsageError(f"--kv-device-heads sets a head split, which --kv-residency-mode {mode} does not make: use head (or auto)")
-    if kv_window_cells is not None and mode == "head":
-        raise click.UsageError("--kv-window-cells sets a window, which --kv-residency-mode head does not make: use --kv-device-heads N")
+    request = ResidencyRequest(mode=mode, window_cells=kv_window_cells, device_heads=kv_device_heads, vram_target=vram_target,
+                               type_k_tail=ctkt, type_v_tail=ctvt, tail_cpu_frac=cpu_frac)
+    check_request(request)
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
-    auto_axes = [flag for flag, t in (("-ctkt", ctkt), ("-ctvt", ctvt)) if t == "auto"]
-    if auto_axes and mode == "off":
-        usage_error(f"{' and '.join(auto_axes)} auto chooses the type of a split's tail, and --kv-residency-mode off never splits",
-                    "use --kv-residency-mode window, head or auto, or give the tail a type")
+    auto_axes = request.auto_tail_axes()
     if auto_axes and tail_baseline:
         usage_error("--tail-baseline compares with the resident cache of the tail's type, which auto chooses only when it plans",
                     "drop --tail-baseline (auto's loss is bounded against the resident cache), or give the tail a type")
@@ -182,14 +176,9 @@ def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_
 
     residency = None
     if mode != "off":
-        residency = {"mode": mode, "window_cells": kv_window_cells or 0, "vram_target_mib": vram_target or 0,
-                     "type_k_tail": ctkt, "type_v_tail": ctvt}
-        if kv_device_heads is not None:
-            residency["device_heads"] = kv_device_heads
-        if pcie_bw is not None:
-            residency["pcie_bw_gbps"] = pcie_bw
+        # device_heads: head mode's default of 1 was filled in after the request was checked
+        residency = replace(request, device_heads=kv_device_heads, pcie_bw_gbps=pcie_bw).params()
         if cpu_frac is not None:
-            residency["tail_cpu_frac"] = cpu_frac
             if cpu_frac != 0 and n_batch // n_seq > 1 and build.on_gpu(n_gpu_layers):
                 warn(f"--n-batch {n_batch} decodes {n_batch // n_seq} positions of each sequence per batch: the op attends the CPU part "
                      f"only on decode-sized batches, so these run GPU-only; --n-batch {n_seq} decodes one position per sequence at a time")
