@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import option
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -368,8 +369,9 @@ def _ramp_levels(ctx, param, value: str):
                    "--prompt-range, --gen-range, --seed).")
 @click.option("-np", "--slots", "n_slots", type=int, callback=_positive, default=4, show_default=True, help="Server slots (-np).")
 @click.option("--ctx-per-slot", type=int, callback=_positive, default=None, help="Context of each slot (-c is slots x this).  [default: the mix's longest request + 256]")
-@click.option("--window-cells", type=int, callback=_positive, default=None, help="The split cells' window per slot (--kv-window-cells).")
-@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --window-cells.")
+@option("--kv-window-cells", "window_cells", hidden_aliases=("--window-cells",), type=int, callback=_positive, default=None,
+        metavar="N", help="The split cells' window per slot.")
+@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --kv-window-cells.")
 @click.option("--long", "long_sizes", type=(int, int), default=(24000, 400), show_default=True, metavar="PROMPT GEN", help="table: the long request.")
 @click.option("--short", "short_sizes", type=(int, int), default=(1500, 160), show_default=True, metavar="PROMPT GEN", help="table: each short request.")
 @click.option("--shorts", "n_short", type=int, callback=_positive, default=3, show_default=True, help="table: short requests per stage.")
@@ -414,7 +416,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     from rollingkv_cli.lib.residency import ResidencyConflict, ResidencyRequest
 
     try:  # the split cells' size: a window or a budget
-        ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check({"window_cells": "--window-cells"}, one_size=True)
+        ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check(one_size=True)
     except ResidencyConflict as e:
         raise click.UsageError(e.message) from None
     from rollingkv_cli.serve.settings import check_server_args
@@ -424,7 +426,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
         **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
         **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
         **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn"), "the cell's own settings (--cells)"),
-        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --window-cells/--vram-target"),
+        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --kv-window-cells/--vram-target"),
         **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
     })
     model = resolve_model(model_spec)

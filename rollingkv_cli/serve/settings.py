@@ -17,7 +17,7 @@ from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  #
 CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "kv_windows", "host", "port", "slot_save")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -36,6 +36,7 @@ class ServeSettings:
     cache_type_v_tail: str | None = None
     pcie_bw_gbps: float | None = None
     kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
+    kv_windows: str | None = None  # elastic | static; None: llama-server's default (elastic with several slots)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     slot_save: bool = False  # llama-server's slot save/restore into <cache>/slots (off: any client could write files there)
@@ -161,6 +162,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("cache_type_v_tail", "choice", choices=TAIL_TYPE_CHOICES),
     Setting("pcie_bw_gbps", "float", lo=0),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
+    Setting("kv_windows", "choice", choices=WINDOW_POLICIES),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
     Setting("slot_save", "bool"),
@@ -235,7 +237,8 @@ _LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--paralle
                 "cache_type_v": ("-ctv", "--cache-type-v"), "kv_residency_mode": ("--kv-residency-mode",),
                 "vram_target": ("--vram-target",), "kv_window_cells": ("--kv-window-cells",), "kv_device_heads": ("--kv-device-heads",),
                 "cache_type_k_tail": ("-ctkt", "--cache-type-k-tail"), "cache_type_v_tail": ("-ctvt", "--cache-type-v-tail"),
-                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "slot_save": ("--slot-save-path",)}
+                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "kv_windows": ("--kv-windows",),
+                "slot_save": ("--slot-save-path",)}
 
 
 def _arg_name(a: str) -> str:
@@ -250,7 +253,6 @@ _PASSTHROUGH_VALUES: dict[str, Setting] = {
     "--kv-window-cells": Setting("kv_window_cells", "int", lo=0, cap=INT32_MAX),
     "--kv-device-heads": Setting("kv_device_heads", "int", lo=0, cap=INT32_MAX),
     "--vram-target": Setting("vram_target", "int", lo=0, cap=MAX_VRAM_TARGET_MIB),
-    "--kv-windows": Setting("kv_windows", "choice", choices=WINDOW_POLICIES),
 }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import ctx_size_option, model_argument
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, check_request, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
 from rollingkv_cli.lib.residency import ResidencyRequest
@@ -20,12 +21,12 @@ MODES = ["window", "head", "auto", "off"]
 
 
 @click.command(short_help="Split vs resident logits, teacher-forced.")
-@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@model_argument()
 @click.option("--prompt-file", type=click.Path(path_type=Path),
               help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")
 @click.option("--synthetic-tokens", type=int, callback=positive, default=None,
               help="Decode N tokens of built-in deterministic public-domain prose.  [default: 2048]")
-@click.option("--ctx", "n_ctx", type=int, callback=positive, default=None,
+@ctx_size_option(callback=positive, default=None,
               help="Context size. Default: the token count rounded up to 256, plus 256.")
 @click.option("--kv-window-cells", type=int, callback=positive, default=None, help="Cells of the device window per stream.")
 @click.option("--kv-device-heads", type=int, callback=positive, default=None, metavar="N",

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import ctx_size_option, model_argument
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, check_request, fraction_list, ngl_option, positive
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 from rollingkv_cli.lib.residency import ResidencyRequest
 
 
 @click.command(short_help="A number hidden in the tail: split answers as resident.")
-@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@model_argument()
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")
 @click.option("--filler-file", type=click.Path(path_type=Path), default=None,
@@ -25,7 +26,7 @@ from rollingkv_cli.lib.residency import ResidencyRequest
 @click.option("--format", "fmt", type=click.Choice(["plain", "chat"]), default="plain", show_default=True,
               help="plain: a completion prompt ending in 'Answer: The secret number is'; chat: the model's chat template.")
 @click.option("--n-predict", type=int, callback=positive, default=16, show_default=True, help="Answer tokens generated greedily.")
-@click.option("--ctx", "n_ctx", type=int, callback=positive, default=None, help="Context size.  [default: the prompt rounded up to 256, plus 256]")
+@ctx_size_option(callback=positive, default=None, help="Context size.  [default: the prompt rounded up to 256, plus 256]")
 @click.option("--kv-window-cells", type=int, callback=positive, default=None,
               help="Cells of the device window: positions [0, N); the needle must lie at N or later.  [default: 256]")
 @click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window (GPU).")
