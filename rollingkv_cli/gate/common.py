@@ -173,6 +173,16 @@ def write_json(path: Path, doc: dict) -> None:
         abort(f"cannot write {path}: {e.strerror or e}")
 
 
+def check_request(request) -> None:
+    """A gate measures one split: the residency flags' rules (lib/residency.py) as a usage error (exit 2)."""
+    from rollingkv_cli.lib.residency import ResidencyConflict
+
+    try:
+        request.check(one_size=True)
+    except ResidencyConflict as e:
+        raise RollingKVError(e.message, e.hint, EXIT_USAGE) from None
+
+
 # ------------------------------------------------------------------ llama-server runs
 
 def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int | None, ctk: str, ctv: str,

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from rollingkv_cli.cliopts import ctx_size_option, model_argument
-from rollingkv_cli.gate.cli.options import build_options, cache_type_options, check_request, fraction_list, ngl_option, positive
-from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
+from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fraction_list, ngl_option, positive
+from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE, check_request
 from rollingkv_cli.lib.residency import ResidencyRequest
 
 

@@ -95,13 +95,3 @@ def cache_type_options(f):
     f = click.option("-ctk", "--cache-type-k", "ctk", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="Type of K (the window's, and the reference's).")(f)
     return f
 
-
-def check_request(request) -> None:
-    """A gate measures one split: the residency flags' rules (lib/residency.py) as a usage error (exit 2)."""
-    from rollingkv_cli.console import usage_error
-    from rollingkv_cli.lib.residency import ResidencyConflict
-
-    try:
-        request.check(one_size=True)
-    except ResidencyConflict as e:
-        usage_error(e.message, e.hint)
