@@ -15,7 +15,8 @@ import numpy as np
 
 from rollingkv_cli.lib import paths
 from rollingkv_cli.console import abort, usage_error
-from rollingkv_cli.gguf_header import GGUF_MAGIC, unreadable
+from rollingkv_cli.lib.gguf_header import GGUF_MAGIC, unreadable
+from rollingkv_cli.lib.units import human_bytes
 from rollingkv_cli.lib.upstream import sha256_file
 
 
@@ -120,7 +121,7 @@ def check_gguf(path: Path, name: str | None = None) -> None:
     """Refuse, as one line naming the file, a GGUF that llama.cpp would fail to load or abort on, where that is
     cheap to see: the header (gguf_header.read_header: truncation, corrupt fields and tensor infos) and the
     hyperparameters whose bad values end in a GGML_ASSERT rather than a load error. Reads no tensor data."""
-    from rollingkv_cli.gguf_header import read_header
+    from rollingkv_cli.lib.gguf_header import read_header
 
     name = name or str(path)
     _check_hparams(read_header(path, name).fields, name)
@@ -384,12 +385,6 @@ def synth_nbytes(spec: SynthSpec) -> int:
     infos = sum(8 + len(name) + 4 + 8 * len(s) + 4 + 8 for name, s, _ in tensors)
     vocab = _tokenizer_nbytes(spec.vocab)  # strings, scores and types
     return 24 + 4096 + 8 * spec.layers + vocab + infos + align + data
-
-
-def human_bytes(n: int) -> str:
-    if n >= 2**40:
-        return f"{n / 2**40:.1f} TiB"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 def _free_bytes(target: Path) -> tuple[Path, int]:

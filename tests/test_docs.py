@@ -43,7 +43,8 @@ def _long_flags(cmd: click.Command) -> list[str]:
     flags = []
     for p in cmd.params:
         if isinstance(p, click.Option) and not p.hidden:
-            flags += [f for f in (*p.opts, *p.secondary_opts) if f.startswith("--")]
+            hidden = getattr(p, "hidden_aliases", ())  # old spellings that still work, not shown (cliopts.option)
+            flags += [f for f in (*p.opts, *p.secondary_opts) if f.startswith("--") and f not in hidden]
     return flags
 
 

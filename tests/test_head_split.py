@@ -267,7 +267,7 @@ def _server(cpu_build, demo_model, tmp_path, name, *args):
 def test_server_context_shift_head_equals_resident(cpu_build, demo_model, tmp_path):
     """Generation past the context with --context-shift: the K-shift re-rotates every cached key of the device's heads and
     the host's; greedy output equals the resident server's; /props and the log show the head split."""
-    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.lib.text import synthetic_text
 
     prompt = synthetic_text(900)
     outs, props = {}, {}

@@ -337,7 +337,7 @@ def test_server_context_shift_lfm2_window_equals_resident(cpu_build, hybrid_mode
     in the tail, cells reused out of order. Greedy output equals the resident server's; the shift happened; /props names
     only the attention layers as split. The comparison can fail: with every tail score doubled
     (ROLLINGKV_DEBUG_PERTURB_TAIL=1) the split server's answer differs from its second token on."""
-    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.lib.text import synthetic_text
     from rollingkv_cli.serve.server import ServerProcess
 
     prompt = synthetic_text(100)  # ~2 tokens per character with the synthetic byte vocabulary

@@ -191,7 +191,7 @@ def _server(cpu_build, demo_model, tmp_path, name, *args):
 
 
 def _long_prompt(n_chars: int) -> str:
-    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.lib.text import synthetic_text
 
     return synthetic_text(n_chars)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import option
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -86,24 +88,6 @@ def _cpu_fracs(ctx, param, value: str):
         if f not in out:
             out.append(f)
     return out
-
-
-def _default_out(model: Path) -> Path:
-    """docs/perf/<date>-bench-tail-<model>/bench-tail.json: a new folder per run (-2, -3, ... when one exists), as
-    docs/perf keeps one folder per record (its README.md discusses the raw files beside it). Created when the
-    report is first written (a dry run creates nothing)."""
-    from rollingkv_cli.lib import paths
-
-    base = paths.REPO_ROOT / "docs" / "perf"
-    if not base.is_dir():
-        base = Path.cwd() / "docs" / "perf"
-    stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in model.stem)
-    d = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}"
-    n = 2
-    while d.exists():
-        d = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}-{n}"
-        n += 1
-    return d / "bench-tail.json"
 
 
 def _vanilla_bench(d: Path) -> Path:
@@ -198,11 +182,8 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     Exit status: 0 when every cell ran, 1 when one failed, timed out or was skipped (the report is
     written all the same), 2 on a usage error. Unmet targets do not change the exit status.
     """
-    from rollingkv_cli.lib import builder
-    from rollingkv_cli import models
-    from rollingkv_cli.bench import arithmetic, gguf
-    from rollingkv_cli.bench import plot as plotting, tail as tail_runs, tail_grid, tail_report
-    from rollingkv_cli.console import abort, console, esc, note, warn
+    from rollingkv_cli.bench import arithmetic, tail_setup
+    from rollingkv_cli.console import warn
 
     from rollingkv_cli.userinput import check_native_knobs
 
@@ -215,123 +196,23 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
             raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
-    depths = list(dict.fromkeys(depths))
-
-    from rollingkv_cli.userinput import check_native_knobs
-
-    check_native_knobs()  # llama-bench's library reads them: refused here, not ignored or clamped there
-    model = models.resolve_model(model_spec, log=note)
-    build = builder.active_build()
-    bench_bin = build.artifact("llama-bench")
-    if not bench_bin.is_file():
-        abort(f"the build {build.dir} has no llama-bench", "run `rollingkv build` (it builds llama-bench)")
-    info = gguf.read_model(model)
-    for t in sorted({window_type, *tail_types} - {TAIL_AUTO}):  # auto: whatever the planner picks fits (it checks)
-        try:
-            info.kv.row_bytes(t, t)
-        except ValueError as e:
-            abort(f"cache type {t} does not fit this model: {e}", "leave it out of --tail-types / --window-type")
-    vanilla_bin = _vanilla_bench(vanilla_build) if vanilla_build else None
-    vanilla_desc = (f"unpatched build: {vanilla_bin}" if vanilla_bin else
-                    "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
-    backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
-    cpu_fracs = _hybrid_cells(ctx, cpu_fracs, backend, build)
-    if head_fractions:
-        from rollingkv_cli.serve.launch import build_has_head_split
-
-        if not build_has_head_split(build.lib_dir / "libllama.so"):
-            abort(f"the build {build.dir} predates the head split (rolling-KV API 5): its llama-bench refuses head mode",
-                  "rebuild with `rollingkv build`, or drop --head-fractions")
-        if min(info.n_head_kv) < 2:
-            abort(f"{model.name} has a layer with one KV head (MQA): it cannot split by head", "drop --head-fractions")
-    from rollingkv_cli.serve.launch import build_has_tail_cpu
-    hybrid_build = backend == "CUDA" and build_has_tail_cpu(build.lib_dir / "libllama.so")
-    out = json_out or _default_out(model)
-    if not dry_run:  # said now, not after the first cell
-        from rollingkv_cli.userinput import check_output_file
-
-        check_output_file(out, "report")
-    cfg = tail_grid.TailConfig(
-        model=model, bench=bench_bin, build_dir=build.dir, backend=backend, depths=depths, n_gen=n_gen, reps=reps,
-        vanilla_reps=vanilla_reps or reps, tail_types=tail_types, fractions=fractions, mixed_fractions=mixed_fractions,
-        cpu_fracs=cpu_fracs, head_fractions=head_fractions, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
-        ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_grid.default_ring_bytes(),
-        skip=tuple(skip), vanilla_bench=vanilla_bin, cell_timeout=cell_timeout, time_budget=time_budget,
-        pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=not no_plot)
-    plans = {d: tail_grid.depth_plan(cfg, info, d) for d in depths}
-    doc = tail_runs.new_document(cfg, build, info, plans, vanilla_desc)
-
-    console.print(f"model {esc(model.name)}: {info.n_layer} layers, {info.n_head_kv[0]} KV heads x {info.head_dim_k}, "
-                  f"{info.weights.device_bytes_all / 2**30:.2f} GiB of weights on the device at -ngl 99; build {esc(build.dir.name)} ({backend})",
-                  soft_wrap=True)
-    console.print(f"vanilla: {vanilla_desc}", soft_wrap=True, markup=False)
-    for d, p in plans.items():
-        b, g = p["budget"], p["ngl"]
-        console.print(f"depth {d}: kv_size {p['kv_size']}; VRAM of the 50%-tail run (window {p['window_cells_50pct']}): "
-                      f"{b['weights_bytes'] / 2**30:.2f} GiB weights + {b['window_kv_bytes'] / 2**30:.2f} GiB window KV + "
-                      f"{b['slot_ring_bytes'] / 2**20:.0f} MiB ring = {b['total_bytes'] / 2**30:.2f} GiB -> vanilla -ngl {g['n_gpu_layers']} "
-                      f"({g['device_bytes'] / 2**30:.2f} GiB)" + (" (everything fits)" if g["all_fit"] else ""), soft_wrap=True)
-    if info.notes:
-        for n in info.notes:
-            warn(n)
+    run = tail_setup.prepare(
+        model_spec, depths=list(dict.fromkeys(depths)), n_gen=n_gen, reps=reps, vanilla_reps=vanilla_reps, tail_types=tail_types,
+        fractions=fractions, mixed_fractions=mixed_fractions, cpu_fracs=cpu_fracs,
+        cpu_fracs_explicit=ctx.get_parameter_source("cpu_fracs") == click.core.ParameterSource.COMMANDLINE,
+        head_fractions=head_fractions, window_type=window_type,
+        vanilla_bench=_vanilla_bench(vanilla_build) if vanilla_build else None, skip=tuple(skip), threads=threads,
+        slot_ring_mib=slot_ring_mib, pcie_bw_gbps=pcie_bw_gbps, gpu_index=gpu_index, cell_timeout=cell_timeout,
+        time_budget=time_budget, out=json_out, dry_run=dry_run, plot=not no_plot)
+    tail_setup.print_setup(run)
     if dry_run:
-        from rich.table import Table
-
-        t = Table(title=f"{len(doc['cells'])} cells, in the order they would run (their commands below)")
-        for col in ("#", "cell", "depth", "window", "tail MB/tok"):
-            t.add_column(col, overflow="fold")
-        for i, c in enumerate(doc["cells"], 1):
-            t.add_row(str(i), esc(c["label"]), str(c["depth"]), "-" if c["window_cells"] is None else str(c["window_cells"]),
-                      f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-")
-        out_console = tail_report.report_console()
-        out_console.print(t)
-        for i, c in enumerate(doc["cells"], 1):  # one line each, never wrapped or cut: they are for copying
-            out_console.print(f"# {i}\n{c['command']}", markup=False, highlight=False, soft_wrap=True)
+        tail_setup.print_dry_run(run.doc)
         return
     if json_out and json_out.exists() and not resume:
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
-
-    doc = tail_runs.run(cfg, doc, info, resume)
-    tail_report.print_report(doc)
-    if cfg.plot:
-        png = out.with_suffix(".png")
-        if plotting.have_matplotlib():
-            try:
-                plotting.render(doc, png)
-                doc["png"] = str(png)
-                tail_runs.write_json(out, doc)
-                console.print(f"plot: {png}", markup=False)
-            except Exception as e:  # a plot must never cost the measurements
-                warn(f"could not draw {png}: {e}")
-        else:
-            note(f"matplotlib is not installed: no PNG; `rollingkv bench plot {out}` draws it where it is "
-                 "(pip install 'rollingkv[plot]')")
-    console.print(f"report: {out}", markup=False)
-    bad = [c for c in doc["cells"] if c["status"] != "ok"]
-    if bad:
+    doc = tail_setup.run_and_report(run, resume)
+    if any(c["status"] != "ok" for c in doc["cells"]):
         raise click.exceptions.Exit(1)
-
-
-def _hybrid_cells(ctx, cpu_fracs: list, backend: str, build) -> list:
-    """The CPU fractions the hybrid cells run at: none on a CPU build (it attends the whole cache on the CPU already)
-    or a build before the hybrid tail; --cpu-fracs given explicitly there is refused."""
-    from rollingkv_cli.console import abort, warn
-    from rollingkv_cli.serve.launch import build_has_tail_cpu
-
-    if not cpu_fracs:
-        return []
-    explicit = ctx.get_parameter_source("cpu_fracs") == click.core.ParameterSource.COMMANDLINE
-    if backend != "CUDA":
-        if explicit:
-            raise click.BadParameter("hybrid cells need a CUDA build: a CPU build attends the whole tail on the CPU already "
-                                     "(give --cpu-fracs none, or run a CUDA build)", param_hint="--cpu-fracs")
-        return []
-    if not build_has_tail_cpu(build.lib_dir / "libllama.so"):
-        if explicit:
-            abort(f"the build {build.dir} predates the hybrid tail: its llama-bench has no --kv-tail-cpu-frac",
-                  "rebuild with `rollingkv build`, or give --cpu-fracs none")
-        return []  # the default on a build without the CPU part: the window cells are what it does
-    return cpu_fracs
 
 
 LOAD_CELLS = ["default", "split", "static", "one-op", "resident", "default-resident", "vanilla"]
@@ -370,8 +251,9 @@ def _ramp_levels(ctx, param, value: str):
                    "--prompt-range, --gen-range, --seed).")
 @click.option("-np", "--slots", "n_slots", type=int, callback=_positive, default=4, show_default=True, help="Server slots (-np).")
 @click.option("--ctx-per-slot", type=int, callback=_positive, default=None, help="Context of each slot (-c is slots x this).  [default: the mix's longest request + 256]")
-@click.option("--window-cells", type=int, callback=_positive, default=None, help="The split cells' window per slot (--kv-window-cells).")
-@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --window-cells.")
+@option("--kv-window-cells", "window_cells", hidden_aliases=("--window-cells",), type=int, callback=_positive, default=None,
+        metavar="N", help="The split cells' window per slot.")
+@click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --kv-window-cells.")
 @click.option("--long", "long_sizes", type=(int, int), default=(24000, 400), show_default=True, metavar="PROMPT GEN", help="table: the long request.")
 @click.option("--short", "short_sizes", type=(int, int), default=(1500, 160), show_default=True, metavar="PROMPT GEN", help="table: each short request.")
 @click.option("--shorts", "n_short", type=int, callback=_positive, default=3, show_default=True, help="table: short requests per stage.")
@@ -413,8 +295,12 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     from rollingkv_cli.console import abort, console, success, warn
     from rollingkv_cli.models import resolve_model
 
-    if window_cells and vram_target:
-        raise click.UsageError("give --window-cells or --vram-target, not both")
+    from rollingkv_cli.lib.residency import ResidencyConflict, ResidencyRequest
+
+    try:  # the split cells' size: a window or a budget
+        ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check(one_size=True)
+    except ResidencyConflict as e:
+        raise click.UsageError(e.message) from None
     from rollingkv_cli.serve.settings import check_server_args
     from rollingkv_cli.userinput import check_native_knobs
 
@@ -424,7 +310,7 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
         **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
         **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
         **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn"), "the cell's own settings (--cells)"),
-        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --window-cells/--vram-target"),
+        **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --kv-window-cells/--vram-target"),
         **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
     })
     model = resolve_model(model_spec)
@@ -466,25 +352,27 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     except Exception:
         gpu_name = None
     ngl = ["-ngl", "99"] if gpu is not None else []
-    split_flags = ["--kv-residency-mode", "window", *(["--kv-window-cells", str(window)] if window else ["--vram-target", str(vram_target)])]
+    split = ResidencyRequest(mode="window", window_cells=window, vram_target=None if window else vram_target)
+    split_flags = split.server_args()
+    static_flags = replace(split, windows="static").server_args()
     # the default layout's one stream holds every slot: the same device cells as n_slots windows
-    default_flags = ["--kv-residency-mode", "window",
-                     *(["--kv-window-cells", str(window * n_slots)] if window else ["--vram-target", str(vram_target)])]
+    default_flags = replace(split, window_cells=window * n_slots if window else None).server_args()
+    resident_flags = ResidencyRequest(mode="off").server_args()
     cells = {
         "default": lb.Cell("default", [*default_flags, *ngl], slots_flag=False,
                            what="llama-server's default layout (no -np: 4 slots on one unified cache), split; each "
                                 "ubatch reads only its sequences' tail blocks"),
-        "default-resident": lb.Cell("default-resident", ["--kv-residency-mode", "off", *ngl], slots_flag=False,
+        "default-resident": lb.Cell("default-resident", [*resident_flags, *ngl], slots_flag=False,
                                     what="llama-server's default layout, upstream's cache whole on the device"),
         "split": lb.Cell("split", [*split_flags, *ngl],
                          what="the split cache: elastic windows (one pool of the slots' device cells), one op per stream"),
-        "static": lb.Cell("static", [*split_flags, "--kv-windows", "static", *ngl],
+        "static": lb.Cell("static", [*static_flags, *ngl],
                           what="the same split with static windows (each slot keeps its own window)"),
-        "one-op": lb.Cell("one-op", [*split_flags, "--kv-windows", "static", *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
+        "one-op": lb.Cell("one-op", [*static_flags, *ngl], {"ROLLINGKV_DEBUG_ONE_OP_STREAMS": "1"},
                           what="static windows and one op over all streams at the longest one's cells (the layout before)"),
-        "resident": lb.Cell("resident", ["--kv-residency-mode", "off", *ngl], what="upstream's cache, whole on the device"),
+        "resident": lb.Cell("resident", [*resident_flags, *ngl], what="upstream's cache, whole on the device"),
         # with the default cell, vanilla takes its layout (no -np) and its VRAM; else -np and the split cell's
-        "vanilla": lb.Cell("vanilla", ["--kv-residency-mode", "off"], slots_flag="default" not in cell_names,
+        "vanilla": lb.Cell("vanilla", resident_flags, slots_flag="default" not in cell_names,
                            what="upstream with -ngl at the " + ("default" if "default" in cell_names else "split") +
                                 " cell's VRAM"),
     }
@@ -492,7 +380,9 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     if "vanilla" in cell_names and gpu is None:
         warn("no GPU (NVML): the vanilla -ngl cell is left out (it needs a device to compare VRAM with)")
         todo = [c for c in todo if c.name != "vanilla"]
-    out = json_out or _default_out(model).with_name("bench-load.json")
+    from rollingkv_cli.bench.tail_setup import default_report_path
+
+    out = json_out or default_report_path(model).with_name("bench-load.json")
     if json_out is None:
         out = out.parent.with_name(out.parent.name.replace("bench-tail", "bench-load")) / "bench-load.json"
     if not dry_run:  # said now, not after the first cell

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rollingkv_cli.bench.arithmetic import KVShape, WeightSplit
 from rollingkv_cli.console import abort
-from rollingkv_cli.gguf_header import GGUFHeader, read_header
+from rollingkv_cli.lib.gguf_header import GGUFHeader, read_header
 
 
 @dataclass

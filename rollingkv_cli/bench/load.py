@@ -104,7 +104,7 @@ def random_mix(n_req: int, mean_gap_s: float, prompt_range: tuple[int, int], gen
 
 def prompt_tokens(url: str, n: int, seed: int) -> list[int]:
     """n tokens of deterministic text, as the server's tokenizer cuts them."""
-    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.lib.text import synthetic_text
 
     text = synthetic_text(n * 6 + 64, seed=seed)
     req = urllib.request.Request(url + "/tokenize", data=json.dumps({"content": text}).encode(),

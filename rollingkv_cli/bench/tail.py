@@ -122,6 +122,37 @@ class CellRunner:
         return proc.returncode, "".join(out_chunks), list(tail), time.monotonic() - t0, timed_out
 
 
+CONTEXT_FAILED = "failed to create context"  # llama-bench's own line when llama_init_from_model_rolling_kv refuses
+
+
+def context_refusal_reason(args: list[str], err_tail: list[str], timeout: float = 120.0) -> str | None:
+    """Why the library refused a cell's context. llama-bench silences the library's log (and so its reason) unless -v:
+    a cell that failed there is asked again with -v, which fails as fast (the context comes before any timing)."""
+    from rollingkv_cli.lib.llama_ext import refusal_in_log
+
+    if not any(CONTEXT_FAILED in line for line in err_tail):
+        return None
+    reason = refusal_in_log(err_tail)
+    if reason:
+        return reason
+    from rollingkv_cli.lib.procs import popen_tied, stop_group
+
+    try:
+        proc = popen_tied([*args, "-v"], new_session=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          errors="replace", stdin=subprocess.DEVNULL)
+    except OSError:
+        return None
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(proc, 5.0)
+        return None
+    except BaseException:
+        stop_group(proc, 5.0)
+        raise
+    return refusal_in_log(err.splitlines())
+
+
 def parse_bench_json(stdout: str, n_gen: int) -> dict:
     """The n_gen row of llama-bench's -o json output; ValueError when there is none."""
     try:
@@ -511,7 +542,11 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                 from rollingkv_cli.lib.procs import describe_exit
 
                 how = "could not start" if rc is None else describe_exit(rc)
-                c["status"], c["error"] = "failed", f"llama-bench {how}: {err_tail[-1] if err_tail else ''} (stderr_tail in {cfg.out})"
+                last = err_tail[-1] if err_tail else ""
+                reason = context_refusal_reason(c["args"], err_tail)
+                if reason:
+                    last = f"the library refused the context: {reason}"
+                c["status"], c["error"] = "failed", f"llama-bench {how}: {last} (stderr_tail in {cfg.out})"
                 c["stderr_tail"] = err_tail
             else:
                 try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rollingkv_cli.bench import arithmetic as bm
 from rollingkv_cli.kvtypes import TAIL_AUTO  # not a type: the planner's choice
+from rollingkv_cli.lib.residency import ResidencyRequest
 
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MIXED_FRACTIONS = (0.5,)
@@ -156,10 +157,9 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                     window_cells[key]["fractions"].append(f)
                     continue
                 tcells = bm.tail_cells_per_token(depth, cfg.n_gen, w)
-                gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
-                c = cell("window", "", cfg.bench,
-                         ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t, *gpu_only,
-                          *_auto_tail_link(cfg, t)], cfg.reps,
+                request = ResidencyRequest(mode="window", window_cells=w, type_k_tail=t, type_v_tail=t,
+                                           tail_cpu_frac=0.0 if cfg.hybrid_build else None)  # the window cells: GPU only
+                c = cell("window", "", cfg.bench, ["-ngl", "99", *request.server_args(), *_auto_tail_link(cfg, t)], cfg.reps,
                          tail_type=t, fractions=[f], window_cells=w, tail_fraction=bm.tail_fraction(w, depth, cfg.n_gen),
                          tail_cells_per_token=tcells,
                          # auto: the bytes of the type the plan chooses, known once the cell ran (fill_measurement)
@@ -201,7 +201,8 @@ def build_cells(cfg: TailConfig, model, plans: dict[int, dict]) -> list[dict]:
                     link = f"{cfg.pcie_bw_gbps:g}" if cfg.pcie_bw_gbps is not None else LINK_PLACEHOLDER
                     extra += ["--pcie-bw-gbps", link]
                 t, w = w_cell["tail_type"], w_cell["window_cells"]
-                split = ["-ngl", "99", "--kv-residency-mode", "window", "--kv-window-cells", str(w), "-ctkt", t, "-ctvt", t]
+                # the CPU share after the link: the order --resume matches on (command_key) since the hybrid cells began
+                split = ["-ngl", "99", *ResidencyRequest(mode="window", window_cells=w, type_k_tail=t, type_v_tail=t).server_args()]
                 if link is None:
                     split += _auto_tail_link(cfg, t)
                 h = cell("hybrid", "", cfg.bench, split + extra, cfg.reps,
@@ -250,7 +251,6 @@ def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
     h_max = max(model.n_head_kv)
     total = sum(model.n_head_kv)
     cells, seen = [], {}
-    gpu_only = ["--kv-tail-cpu-frac", "0"] if cfg.hybrid_build else []
     for t in cfg.tail_types:
         for f in cfg.head_fractions:
             n = bm.device_heads_for_fraction(f, h_max)
@@ -261,7 +261,8 @@ def head_cells(cfg: TailConfig, model, depth: int, cell) -> list[dict]:
                 continue
             host = sum(h - min(n, h) for h in model.n_head_kv)
             c = cell("head", f"head {t} {_pct(host / total)} tail ({n} of {h_max} KV heads on the device)", cfg.bench,
-                     ["-ngl", "99", "--kv-residency-mode", "head", "--kv-device-heads", str(n), "-ctkt", t, "-ctvt", t, *gpu_only,
+                     ["-ngl", "99", *ResidencyRequest(mode="head", device_heads=n, type_k_tail=t, type_v_tail=t,
+                                                      tail_cpu_frac=0.0 if cfg.hybrid_build else None).server_args(),
                       *_auto_tail_link(cfg, t)],
                      cfg.reps, tail_type=t, fractions=[f], device_heads=n, tail_fraction=host / total,
                      tail_bytes_per_token=0.0 if t == TAIL_AUTO else  # auto: the chosen type's, once the cell ran

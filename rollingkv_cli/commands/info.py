@@ -16,22 +16,16 @@ def info(as_json: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from rollingkv_cli.lib import builder, patchset, upstream
-    from rollingkv_cli.hw import hostinfo
+    from rollingkv_cli.lib import builder, upstream
     from rollingkv_cli.console import console, warn
 
     b = builder.active_build(required=True)
     assert b is not None
-    lab = bool(b.manifest.get("lab"))
-    current = patchset.load_series(lab=lab).hash  # a lab build is stale against the lab series, not the product's
-    stale = b.manifest.get("series_hash") != current
-    cpu = hostinfo.backend_info(b.lib_dir)
-    host = {"cpu_model": hostinfo.cpu_model(), "cpu_flags": sorted(set(hostinfo.KERNEL_FLAGS) & hostinfo.cpu_flags()),
-            "ggml_features": cpu.enabled, "cpu_extra_buffer_types": cpu.extra_buffer_types,
-            "ggml_system_info": cpu.system_info, "error": cpu.error}
+    report = info_report(b)
     if as_json:
-        click.echo(json.dumps({"dir": str(b.dir), "stale": stale, **b.manifest, "host": host}, indent=2))
+        click.echo(json.dumps(report, indent=2))
         return
+    stale, lab, host, cpu_error = report["stale"], bool(b.manifest.get("lab")), report["host"], report["host"]["error"]
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
@@ -53,11 +47,26 @@ def info(as_json: bool) -> None:
     row("built", f"{m.get('built_at')} in {m.get('build_seconds')} s")
     row("host CPU", host["cpu_model"])
     row("CPU flags", " ".join(host["cpu_flags"]) or "(none of the kernel-relevant ones)")
-    if cpu.error:
-        t.add_row("CPU backend", f"[red]{escape(cpu.error)}[/]")
+    if cpu_error:
+        t.add_row("CPU backend", f"[red]{escape(cpu_error)}[/]")
     else:
-        row("CPU backend uses", " ".join(cpu.enabled) or "(no feature reported)")
-        row("weight buffer types", ", ".join(cpu.extra_buffer_types) or "none (plain CPU buffers)")
+        row("CPU backend uses", " ".join(host["ggml_features"]) or "(no feature reported)")
+        row("weight buffer types", ", ".join(host["cpu_extra_buffer_types"]) or "none (plain CPU buffers)")
     console.print(t)
     if stale:
         warn(f"the patch series changed since this build: run `rollingkv build{' --lab' if lab else ''}`")
+
+
+def info_report(b) -> dict:
+    """What `info --json` prints for build b: its directory, whether the patch series changed since (stale), its
+    manifest, and the host CPU with what the build's CPU backend uses on it."""
+    from rollingkv_cli.hw import hostinfo
+    from rollingkv_cli.lib import patchset
+
+    lab = bool(b.manifest.get("lab"))
+    current = patchset.load_series(lab=lab).hash  # a lab build is stale against the lab series, not the product's
+    cpu = hostinfo.backend_info(b.lib_dir)
+    host = {"cpu_model": hostinfo.cpu_model(), "cpu_flags": sorted(set(hostinfo.KERNEL_FLAGS) & hostinfo.cpu_flags()),
+            "ggml_features": cpu.enabled, "cpu_extra_buffer_types": cpu.extra_buffer_types,
+            "ggml_system_info": cpu.system_info, "error": cpu.error}
+    return {"dir": str(b.dir), "stale": b.manifest.get("series_hash") != current, **b.manifest, "host": host}

@@ -64,6 +64,7 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     is refused before anything is written (exit 2)."""
     from rollingkv_cli import models
     from rollingkv_cli.console import abort, console, esc, success
+    from rollingkv_cli.lib.units import human_bytes
 
     if sliding_window is not None and arch != "gemma2":
         from rollingkv_cli.console import usage_error
@@ -82,7 +83,7 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
         abort(f"{out} exists", "pass --force to replace it")
     nbytes = models.synth_nbytes(spec)
     models.check_room(out, nbytes)  # one line when the disk has not the room, before a word of progress
-    console.print(f"writing {out}: {models.human_bytes(nbytes)}", markup=False, soft_wrap=True)
+    console.print(f"writing {out}: {human_bytes(nbytes)}", markup=False, soft_wrap=True)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     # GiB as the "writing OUT: N GiB" line above says it; the total from the start (it said "0/? bytes" while the
@@ -95,7 +96,7 @@ def synth(out, layers, embd, heads, kv_heads, ff, vocab, ctx, wtype, seed, arch,
     n_attn = len(spec.attention_layers)
     kv_per_token = 2 * n_attn * kv_heads * spec.head_dim * 2
     layout = f", {n_attn} attention + {layers - n_attn} recurrent layers" if spec.hybrid else ""
-    success(f"{out}: {models.human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}{layout}, f16 KV {kv_per_token // 1024} KiB/token")
+    success(f"{out}: {human_bytes(out.stat().st_size)}, head_dim {spec.head_dim}{layout}, f16 KV {kv_per_token // 1024} KiB/token")
 
 
 @contextlib.contextmanager

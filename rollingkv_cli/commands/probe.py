@@ -12,18 +12,6 @@ def probe() -> None:
     """Inspect the hardware that rollingkv plans with."""
 
 
-def _fmt(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _triple(figures: dict | None) -> str:
-    if not figures:
-        return "-"
-    from rollingkv_cli.hw.pcie import SIZES_MIB
-
-    return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in SIZES_MIB)
-
-
 @probe.command(short_help="Each GPU's PCIe link and its measured speed.")
 @click.option("--refresh", is_flag=True, help="Measure again even where a cached measurement exists.")
 @click.option("--no-measure", is_flag=True, help="Never measure: NVML/sysfs link data and cached measurements only.")
@@ -52,9 +40,9 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
       3  no NVIDIA GPU found (no driver, no NVML, or no device); with --json
          the document is {"gpus": [], "error": "no NVIDIA GPU found"}
     """
+    from rollingkv_cli.console import abort, err_console, esc
+    from rollingkv_cli.hw import pcie as link, probe as work, profile
     from rollingkv_cli.lib import paths
-    from rollingkv_cli.hw import cudart, pcie as link, profile
-    from rollingkv_cli.console import abort, console, err_console, esc, note, warn
 
     if refresh and no_measure:
         raise click.UsageError("--refresh and --no-measure contradict each other")
@@ -65,173 +53,15 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
         if as_json:
             click.echo(json.dumps({"gpus": [], "error": link.NO_GPU_MESSAGE}, indent=2))
         raise
-    shown = gpus
-    if gpu_index is not None:
-        shown = [g for g in gpus if g.index == gpu_index]
-        if not shown:
-            abort(f"--gpu {gpu_index}: no such GPU", f"GPUs found: {', '.join(str(g.index) for g in gpus)}")
-
-    entries = profile.load_profile()
-    errors: dict[int, str] = {}
+    shown = gpus if gpu_index is None else [g for g in gpus if g.index == gpu_index]
+    if not shown:
+        abort(f"--gpu {gpu_index}: no such GPU", f"GPUs found: {', '.join(str(g.index) for g in gpus)}")
+    entries, errors = profile.load_profile(), {}
     if not no_measure:
-        cuda_missing = False
-        for g in shown:
-            if profile.cached_measurement(g, entries) is not None and not refresh:
-                continue
-            if cuda_missing:
-                errors[g.index] = "no CUDA runtime (libcudart) found"
-                continue
-            try:
-                if as_json:
-                    m = cudart.measure(g)
-                else:
-                    with err_console.status(f"measuring GPU {g.index} ({esc(g.name)}): pinned copies of 1, 16, 256 MiB"):
-                        m = cudart.measure(g)
-            except cudart.CudaUnavailable as e:
-                cuda_missing = True
-                errors[g.index] = str(e)
-                warn(f"{e}: not measuring, theoretical figures only (install the CUDA runtime or set LD_LIBRARY_PATH)")
-                continue
-            except cudart.MeasureError as e:
-                errors[g.index] = str(e)
-                warn(f"GPU {g.index}: measuring failed: {e}")
-                continue
-            profile.save_measurement(g, m)
-            entries = profile.load_profile()
-
-    cpu = _cpu_attn(refresh, no_measure, as_json, threads)
-
-    rows = []
-    for g in shown:
-        entry = profile.cached_measurement(g, entries)
-        gen, width, loaded = link.effective_link(g, entry)
-        res = link.resolve_bandwidth(g.index, gpus=gpus, entries=entries)
-        rows.append((g, entry, loaded, link.is_downtrained(g, entry), res, gen, width))
-
+        entries, errors = work.measure_links(shown, entries, refresh,
+                                             status=None if as_json else lambda text: err_console.status(esc(text)))
+    doc = work.pcie_report(gpus, shown, entries, errors, work.cpu_attn_report(refresh, no_measure, as_json, threads))
     if as_json:
-        doc = {
-            "gpus": [
-                {
-                    "index": g.index,
-                    "name": g.name,
-                    "uuid": g.uuid,
-                    "driver_version": g.driver_version,
-                    "pci_bus_id": g.pci_bus_id,
-                    "link": {
-                        "current": {"gen": g.cur_gen, "width": g.cur_width},
-                        "max": {"gen": g.max_gen, "width": g.max_width},
-                        "gpu_max_gen": g.gpu_max_gen,
-                        "under_load": {"gen": gen, "width": width} if loaded else None,
-                        "downtrained": down,
-                        "source": g.source,
-                    },
-                    "theoretical_gbps": {
-                        "current": _round(link.theoretical_gbps(gen, width)),
-                        "max": _round(g.theoretical_max),
-                    },
-                    "measured": entry,
-                    "measure_error": errors.get(g.index),
-                    "resolved": {"gbps": res.gbps, "tier": res.tier, "detail": res.detail},
-                }
-                for g, entry, loaded, down, res, gen, width in rows
-            ],
-            "cpu_attn": cpu,
-            "profile": str(profile.profile_path()),
-            "efficiency": link.EFFICIENCY,
-        }
         click.echo(json.dumps(doc, indent=2))
-        return
-
-    from rich import box
-    from rich.table import Table
-
-    t = Table(title="PCIe host<->GPU links, GB/s (10^9 B/s) per direction", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False)
-    t.add_column("GPU", no_wrap=True)
-    t.add_column("link", no_wrap=True)
-    t.add_column("line\nrate", justify="right", no_wrap=True)
-    t.add_column(f"measured {'/'.join(map(str, link.SIZES_MIB))} MiB", no_wrap=True)
-    t.add_column("resolved", no_wrap=True)
-    for g, entry, loaded, down, res, gen, width in rows:
-        linkcell = f"now Gen{gen or '?'} x{width or '?'}\nmax {g.link_str('max')}"
-        if down:
-            linkcell += "\n[bold red]downtrained[/]" + ("[dim]?[/]" if _maybe_idle(g, loaded, width) else "")
-        measured = f"H2D {_triple(entry.get('h2d'))}\nD2H {_triple(entry.get('d2h'))}" if entry else "-"
-        t.add_row(
-            f"{g.index} {esc(g.name)}\n[dim]{esc(g.pci_bus_id)}[/]",
-            linkcell,
-            _fmt(link.theoretical_gbps(gen, width)),
-            measured,
-            f"[bold]{res.gbps:.1f}[/]\n{res.tier}",
-        )
-    console.print(t)
-    for g, entry, loaded, down, res, gen, width in rows:
-        if entry:
-            note(f"GPU {g.index}: measured {entry.get('measured_at')} with {entry.get('cudart')} (CUDA {entry.get('cudart_version')})")
-        if down:
-            why = ("read at idle, when GPUs may lower the generation to save power: measuring reads it under load"
-                   if _maybe_idle(g, loaded, width) else "under load" if loaded else "fewer lanes than the slot has")
-            warn(f"GPU {g.index}: link runs at Gen{gen} x{width} of Gen{g.max_gen} x{g.max_width} ({why}); "
-                 "check the slot, riser and BIOS PCIe settings")
-        note(f"GPU {g.index}: resolved {res.gbps:.2f} GB/s ({res.tier}: {res.detail})")
-    _print_cpu_attn(cpu)
-    note(f"cache: {profile.profile_path()}")
-
-
-def _cpu_attn(refresh: bool, no_measure: bool, quiet: bool, threads: int | None) -> dict:
-    """The CPU attention part of the profile at `threads` for the active build: cached, or measured now (a failure
-    only warns, as a failed link measurement does). The JSON's cpu_attn object."""
-    from rollingkv_cli.lib import builder
-    from rollingkv_cli.hw import cpu_attn, profile
-    from rollingkv_cli.console import err_console, warn
-
-    n = threads or cpu_attn.part_threads()
-    out = {"n_threads": n, "threads_source": "-t" if threads else "the CPU part's (every CPU but one, or $ROLLINGKV_CPU_PART_THREADS)",
-           "build": None, "gbps": None, "errors": {}, "measured_at": None, "source": None, "error": None}
-    b = builder.active_build(required=False)
-    if b is None:
-        out["error"] = "no rollingkv build: the CPU attention is measured by its libllama (`rollingkv build`)"
-        return out
-    out["build"] = b.dir.name
-    entry = profile.cached_cpu_attn(n, b.dir.name)
-    source = "cached" if entry is not None else None
-    if (entry is None or refresh) and not no_measure:
-        try:
-            if quiet:
-                result = cpu_attn.measure(b.lib_dir, n)
-            else:
-                with err_console.status(f"measuring the CPU decode attention on {n} threads (f16, q8_0, q4_0 tails of 256 MiB)"):
-                    result = cpu_attn.measure(b.lib_dir, n)
-            entry, source = profile.save_cpu_attn(n, b.dir.name, result), "measured now"
-        except cpu_attn.Unavailable as e:
-            out["error"] = e.message
-            warn(f"CPU attention: {e.message}" + (": rebuild with `rollingkv build`" if e.kind == "no_function" else ""))
-        except ValueError as e:  # nothing usable came back
-            out["error"] = str(e)
-            warn(f"CPU attention: {e}")
-    if entry is not None:
-        out.update(gbps=entry["gbps"], errors=entry.get("errors") or {}, measured_at=entry["measured_at"], source=source,
-                   build_info=entry.get("build_info"))
-    elif out["error"] is None:
-        out["error"] = "not measured (--no-measure) and nothing cached"
-    return out
-
-
-def _print_cpu_attn(cpu: dict) -> None:
-    from rollingkv_cli.console import console, esc, note
-
-    if not cpu.get("gbps"):
-        note(f"CPU attention at {cpu['n_threads']} threads: {cpu.get('error')}")
-        return
-    figures = ", ".join(f"{t} {_fmt(v)}" for t, v in cpu["gbps"].items())
-    console.print(f"CPU decode attention, GB/s of K+V read on {cpu['n_threads']} threads: {esc(figures)}", soft_wrap=True)
-    note(f"CPU attention: {cpu['source']}, measured {cpu['measured_at']} with build {cpu['build']}")
-
-
-def _maybe_idle(g, loaded: bool, width: int | None) -> bool:
-    """Only the generation is low, and it was read without traffic: possibly power saving, not a bad link."""
-    return not loaded and (width or 0) >= (g.max_width or 0)
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)
+    else:
+        work.print_pcie_report(doc)

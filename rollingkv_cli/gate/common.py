@@ -168,6 +168,16 @@ def write_json(path: Path, doc: dict) -> None:
         abort(f"cannot write {path}: {e.strerror or e}")
 
 
+def check_request(request) -> None:
+    """A gate measures one split: the residency flags' rules (lib/residency.py) as a usage error (exit 2)."""
+    from rollingkv_cli.lib.residency import ResidencyConflict
+
+    try:
+        request.check(one_size=True)
+    except ResidencyConflict as e:
+        raise RollingKVError(e.message, e.hint, EXIT_USAGE) from None
+
+
 # ------------------------------------------------------------------ llama-server runs
 
 def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int | None, ctk: str, ctv: str,
@@ -182,21 +192,10 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
         args += ["-t", str(threads), "-tb", str(threads)]
     if n_gpu_layers is not None:
         args += ["-ngl", str(n_gpu_layers)]
-    r = residency or {"mode": "off"}
-    args += ["--kv-residency-mode", r.get("mode", "off")]
-    if r.get("mode", "off") != "off":
-        if r.get("window_cells"):
-            args += ["--kv-window-cells", str(r["window_cells"])]
-        if r.get("device_heads"):
-            args += ["--kv-device-heads", str(r["device_heads"])]
-        if r.get("vram_target_mib"):
-            args += ["--vram-target", str(r["vram_target_mib"])]
-        if r.get("type_k_tail"):
-            args += ["-ctkt", r["type_k_tail"]]
-        if r.get("type_v_tail"):
-            args += ["-ctvt", r["type_v_tail"]]
-        if r.get("pcie_bw_gbps"):
-            args += ["--pcie-bw-gbps", f"{float(r['pcie_bw_gbps']):g}"]
+    from rollingkv_cli.lib.residency import ResidencyRequest
+
+    request = ResidencyRequest.from_params({"mode": "off", **(residency or {})})
+    args += request.server_args()
     return args
 
 

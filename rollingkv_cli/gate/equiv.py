@@ -49,8 +49,8 @@ def check_room(model: Path, n_tokens: int, n_ctx: int, ctk: str, ctv: str, work_
     import shutil
 
     from rollingkv_cli.console import abort
-    from rollingkv_cli.gguf_header import read_header
-    from rollingkv_cli.models import human_bytes
+    from rollingkv_cli.lib.gguf_header import read_header
+    from rollingkv_cli.lib.units import human_bytes
 
     h = read_header(model)
     arch = h.get("general.architecture")

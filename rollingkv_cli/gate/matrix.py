@@ -108,7 +108,7 @@ def report_place(out_dir: Path | None, name: str | None, backend: str, force: bo
 
 
 def equiv_command(cfg: MatrixConfig, n_ctx: int, window: int, tail: str, ctk: str = WINDOW_TYPE, baseline: bool = False) -> str:
-    parts = ["rollingkv", "gate", "equiv", "--model", cfg.model_spec, "--synthetic-tokens", str(cfg.tokens), "--ctx", str(n_ctx),
+    parts = ["rollingkv", "gate", "equiv", cfg.model_spec, "--synthetic-tokens", str(cfg.tokens), "-c", str(n_ctx),
              "--kv-window-cells", str(window)]
     if ctk != WINDOW_TYPE:
         parts += ["-ctk", ctk, "-ctv", ctk]
@@ -293,7 +293,7 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
         console.print(f"[dim]needle: {cfg.needle_filler_tokens} filler tokens, window {ncfg.window_cells}, depths "
                       f"{', '.join(f'{d:g}' for d in ncfg.depths)}[/]")
         needle = needle_runs.run(ncfg, console, logs)
-        needle["command"] = (f"rollingkv gate needle --model {cfg.model_spec} --filler-tokens {cfg.needle_filler_tokens} "
+        needle["command"] = (f"rollingkv gate needle {cfg.model_spec} --filler-tokens {cfg.needle_filler_tokens} "
                              f"--kv-window-cells {ncfg.window_cells} " + " ".join(f"--depth {d:g}" for d in ncfg.depths)
                              + f" --seed {cfg.needle_seed} --n-predict {cfg.needle_n_predict}" + ("" if cfg.n_gpu_layers is None else f" -ngl {cfg.n_gpu_layers}"))
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import RollingKVError, abort, usage_error
+from rollingkv_cli.lib.text import filler_prose
 
 FORMATS = ("plain", "chat")
 QUESTION = "What is the secret number?"
@@ -130,25 +131,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-# ------------------------------------------------------------------ filler
-
-def filler_prose(n_chars: int, seed: int = 0) -> str:
-    """Deterministic public-domain prose WITHOUT numbers (runner's sentences, not its numbered templates):
-    digits in the filler act as distractors that a small model confuses with the secret number (measured on
-    the demo model: 7 of 8 placements retrieved with numbered filler, 8 of 8 without)."""
-    from rollingkv_cli.gate.runner import _SENTENCES
-
-    rng = random.Random(f"rollingkv-needle-filler/{seed}")
-    parts: list[str] = []
-    size = 0
-    while size < n_chars:
-        s = rng.choice(_SENTENCES)
-        parts.append(s)
-        size += len(s) + 1
-        if rng.random() < 0.2:
-            parts.append("\n\n")
-    return " ".join(parts).replace(" \n\n ", "\n\n")
-
+# ------------------------------------------------------------------ filler (its prose: lib/text.py)
 
 def make_filler(tokenize, n_tokens: int, seed: int, source_text: str | None = None) -> str:
     """About n_tokens tokens of filler (within 2 %): filler_prose or the given text, cut at a sentence boundary.

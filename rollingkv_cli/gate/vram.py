@@ -242,7 +242,7 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
 
     from rollingkv_cli.gate import common as gc
     from rollingkv_cli.lib import paths
-    from rollingkv_cli.gate.runner import synthetic_text
+    from rollingkv_cli.lib.text import synthetic_text
     from rollingkv_cli.serve.server import ServerProcess
 
     t_start = time.time()

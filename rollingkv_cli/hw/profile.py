@@ -11,13 +11,20 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rollingkv_cli.console import warn
 from rollingkv_cli.lib import paths
 
-if TYPE_CHECKING:
-    from rollingkv_cli.hw.pcie import GpuInfo
+
+class MeasuredGpu(Protocol):
+    """What a link measurement is filed under (pcie.GpuInfo is one); a protocol, so that this cache does not import
+    the module that reads it."""
+
+    pci_bus_id: str
+
+    def cache_key(self) -> str: ...
+
 
 PROFILE_VERSION = 1
 
@@ -115,7 +122,7 @@ def load_profile() -> dict:
     return _load_doc()["entries"]
 
 
-def cached_measurement(gpu: GpuInfo, entries: dict | None = None) -> dict | None:
+def cached_measurement(gpu: MeasuredGpu, entries: dict | None = None) -> dict | None:
     """The measurement of this GPU under this driver, if it was made in the same slot."""
     entries = load_profile() if entries is None else entries
     e = entries.get(gpu.cache_key())
@@ -126,7 +133,7 @@ def cached_measurement(gpu: GpuInfo, entries: dict | None = None) -> dict | None
     return e
 
 
-def save_measurement(gpu: GpuInfo, m: dict) -> Path:
+def save_measurement(gpu: MeasuredGpu, m: dict) -> Path:
     doc = _load_doc()
     doc["entries"][gpu.cache_key()] = m
     return _write_doc(doc)

@@ -369,6 +369,31 @@ class Extension:
         return (self._lib.llama_rolling_kv_last_error() or b"").decode(errors="replace")
 
 
+# llama_init_from_model_rolling_kv logs its refusal as "<function>: <reason>" (llama_rkv_fail); the same text
+# llama_rolling_kv_last_error returns in-process. A child's (llama-server's, llama-bench -v's) log carries it this way.
+REFUSAL_PREFIX = "llama_init_from_model_rolling_kv: "
+# what last_error says when llama.cpp itself, not the residency request, refused: no reason of its own
+_NO_REASON = "llama_init_from_model failed (see the log)"
+
+
+def refusal_reason(text: str | None) -> str | None:
+    """The library's reason for refusing a context, from last_error()'s text: None when it gave none."""
+    text = (text or "").strip()
+    if not text or text == _NO_REASON:
+        return None
+    return text.removeprefix("rolling KV: ")
+
+
+def refusal_in_log(lines) -> str | None:
+    """The library's reason for refusing a context, found in a child's log lines (the last one wins)."""
+    found = None
+    for line in lines:
+        at = line.find(REFUSAL_PREFIX)
+        if at >= 0:
+            found = refusal_reason(line[at + len(REFUSAL_PREFIX):]) or found
+    return found
+
+
 def _context_params_type():
     import llama_cpp
 

@@ -276,7 +276,7 @@ def _tree_bytes(root: Path) -> int:
 def _check_room_for_checkout(dest: Path, pristine: Path) -> None:
     """Before writing: the nearest existing folder of dest is writable, not on a read-only filesystem, with room for the
     tree and its git objects (about twice the tree)."""
-    from rollingkv_cli.models import human_bytes
+    from rollingkv_cli.lib.units import human_bytes
 
     where = dest if dest.exists() else dest.parent
     while not where.exists():

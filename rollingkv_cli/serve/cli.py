@@ -111,6 +111,9 @@ class _ServeCommand(click.Command):
           help="Share of each split layer's host tail attended on the CPU while the rest streams: auto (llama-server's "
                "default: from the link and CPU attention bandwidths, none where it would not pay), 0 (none) or up to 1 "
                "(the whole tail).")
+@_setting("--kv-windows", key="kv_windows",
+          help="The slots' device windows: elastic (llama-server's default with several slots: one pool of device cells that "
+               "follows the load) or static (each slot keeps its own window).")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
 @click.option("--slot-save", "slot_save", is_flag=True, default=False, type=SettingType("slot_save"),

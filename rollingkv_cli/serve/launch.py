@@ -88,7 +88,7 @@ def check_auto_tail_heads(s: ServeSettings) -> None:
 
 
 def model_weight_bytes(model: Path) -> int:
-    from rollingkv_cli.gguf_header import read_header
+    from rollingkv_cli.lib.gguf_header import read_header
 
     return sum(t.n_bytes for t in read_header(model).tensors)
 
@@ -165,7 +165,7 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
                       ("kv_window_cells", "--kv-window-cells"), ("kv_device_heads", "--kv-device-heads"),
-                      ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt")):
+                      ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt"), ("kv_windows", "--kv-windows")):
         value = getattr(s, key)
         if value is not None:
             args += [flag, str(value)]

@@ -120,7 +120,8 @@ class ServerProcess:
                 from rollingkv_cli.lib.procs import exit_parts
 
                 what, advice = exit_parts(None if self.proc is None else self.proc.returncode, self.log_path)
-                raise RollingKVError(f"llama-server exited during start-up ({what})", advice)
+                reason = self._refusal_in_log()
+                raise RollingKVError(f"llama-server exited during start-up ({what})" + (f": {reason}" if reason else ""), advice)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -133,6 +134,18 @@ class ServerProcess:
             if on_poll:
                 on_poll()
             time.sleep(0.5)
+
+    def _refusal_in_log(self) -> str | None:
+        """The library's reason when it refused the context (a window or head split it cannot make, ...)."""
+        if not self.log_path:
+            return None
+        from rollingkv_cli.lib.llama_ext import refusal_in_log
+
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return refusal_in_log(f)
+        except OSError:
+            return None
 
     def _log_hint(self) -> str | None:
         return f"see its log: {self.log_path}" if self.log_path else None

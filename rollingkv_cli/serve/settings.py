@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollingkv_cli.console import abort, note, usage_error
+from rollingkv_cli.lib.residency import MODES as RESIDENCY_MODES  # the one list, shared with the gates and benches
+from rollingkv_cli.lib.residency import WINDOW_POLICIES, ResidencyConflict, ResidencyRequest
 from rollingkv_cli.userinput import shown  # a config value in a message: cut short
-from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
+from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 
-RESIDENCY_MODES = ("auto", "window", "head", "off")
 CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "host", "port", "slot_save")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "kv_windows", "host", "port", "slot_save")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -35,6 +36,7 @@ class ServeSettings:
     cache_type_v_tail: str | None = None
     pcie_bw_gbps: float | None = None
     kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
+    kv_windows: str | None = None  # elastic | static; None: llama-server's default (elastic with several slots)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     slot_save: bool = False  # llama-server's slot save/restore into <cache>/slots (off: any client could write files there)
@@ -160,6 +162,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("cache_type_v_tail", "choice", choices=TAIL_TYPE_CHOICES),
     Setting("pcie_bw_gbps", "float", lo=0),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
+    Setting("kv_windows", "choice", choices=WINDOW_POLICIES),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
     Setting("slot_save", "bool"),
@@ -234,7 +237,8 @@ _LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--paralle
                 "cache_type_v": ("-ctv", "--cache-type-v"), "kv_residency_mode": ("--kv-residency-mode",),
                 "vram_target": ("--vram-target",), "kv_window_cells": ("--kv-window-cells",), "kv_device_heads": ("--kv-device-heads",),
                 "cache_type_k_tail": ("-ctkt", "--cache-type-k-tail"), "cache_type_v_tail": ("-ctvt", "--cache-type-v-tail"),
-                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "slot_save": ("--slot-save-path",)}
+                "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "kv_windows": ("--kv-windows",),
+                "slot_save": ("--slot-save-path",)}
 
 
 def _arg_name(a: str) -> str:
@@ -249,7 +253,6 @@ _PASSTHROUGH_VALUES: dict[str, Setting] = {
     "--kv-window-cells": Setting("kv_window_cells", "int", lo=0, cap=INT32_MAX),
     "--kv-device-heads": Setting("kv_device_heads", "int", lo=0, cap=INT32_MAX),
     "--vram-target": Setting("vram_target", "int", lo=0, cap=MAX_VRAM_TARGET_MIB),
-    "--kv-windows": Setting("kv_windows", "choice", choices=("elastic", "static")),  # llama_ext.WINDOW_POLICIES
 }
 
 
@@ -301,6 +304,17 @@ def _check_extra_args(extra: list[str], merged: dict, where: dict[str, str], ext
                         "give the setting once")
 
 
+# serve's setting keys of a ResidencyRequest's fields
+_REQUEST_KEYS = {"mode": "kv_residency_mode", "window_cells": "kv_window_cells", "device_heads": "kv_device_heads",
+                 "vram_target": "vram_target", "type_k_tail": "cache_type_k_tail", "type_v_tail": "cache_type_v_tail",
+                 "tail_cpu_frac": "kv_tail_cpu_frac", "pcie_bw_gbps": "pcie_bw_gbps", "windows": "kv_windows"}
+
+
+def residency_request(settings: dict) -> ResidencyRequest:
+    """The residency request of serve's settings (by key)."""
+    return ResidencyRequest(**{field: settings.get(key) for field, key in _REQUEST_KEYS.items()})
+
+
 def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> None:
     """Settings that are fine alone but not together (usage errors, as a bad flag)."""
     window, ctx, parallel = m.get("kv_window_cells"), m.get("ctx_size"), m.get("parallel")
@@ -309,22 +323,15 @@ def _check_together(m: dict, where: dict[str, str], unified: bool = False) -> No
         # llama-server splits the context between the slots: fewer cells than slots leaves a slot none
         usage_error(f"{where['ctx_size']} {ctx} has fewer cells than {where['parallel']} {parallel} has slots",
                     "each slot gets ctx_size / parallel cells: raise the context or lower the slots")
-    if heads and window:
-        usage_error(f"{where['kv_device_heads']} and {where['kv_window_cells']} exclude each other (a head split or a window split)",
-                    "give one of them")
-    if heads and mode in ("window", "off"):
-        usage_error(f"{where['kv_device_heads']} {heads} sets a head split, which {where['kv_residency_mode']} {mode} does not make",
-                    "use --kv-residency-mode head (or auto, which it then means)")
-    if window and mode == "head":
-        usage_error(f"{where['kv_window_cells']} {window} sets a window, which {where['kv_residency_mode']} head does not make",
-                    "use --kv-device-heads N for the head split, or --kv-residency-mode window")
+    request = residency_request(m)
+    try:
+        request.check({field: where[key] for field, key in _REQUEST_KEYS.items() if key in where})
+    except ResidencyConflict as e:
+        usage_error(e.message, e.hint)
     if window and ctx and window > ctx:
         usage_error(f"{where['kv_window_cells']} {window} is larger than the context ({where['ctx_size']} {ctx})",
                     "a window of the whole context is the resident cache: use --kv-residency-mode off")
-    auto = [where[k] for k in ("cache_type_k_tail", "cache_type_v_tail") if m.get(k) == TAIL_AUTO]
-    if auto and mode == "off":
-        usage_error(f"{' and '.join(auto)} auto chooses the type of a split's tail, and {where['kv_residency_mode']} off never splits",
-                    "use --kv-residency-mode auto or window, or give the tail a type")
+    auto = request.auto_tail_axes({field: where[key] for field, key in _REQUEST_KEYS.items() if key in where})
     slot_cells = ctx // parallel if ctx and parallel and parallel > 1 and not unified else ctx
     if auto and window and slot_cells and window >= slot_cells:
         usage_error(f"{where['kv_window_cells']} {window} holds each slot's whole context ({slot_cells} cells): nothing spills, so "

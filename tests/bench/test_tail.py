@@ -110,15 +110,15 @@ def test_default_report_is_a_new_folder_per_run_in_docs_perf(monkeypatch, tmp_pa
     import time
 
     from rollingkv_cli.lib import paths
-    from rollingkv_cli.bench import cli as bench_cli
+    from rollingkv_cli.bench.tail_setup import default_report_path
 
     (tmp_path / "docs" / "perf").mkdir(parents=True)
     monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
     day = time.strftime("%Y-%m-%d")
-    p = bench_cli._default_out(Path("/m/synth 28L.gguf"))
+    p = default_report_path(Path("/m/synth 28L.gguf"))
     assert p == tmp_path / "docs" / "perf" / f"{day}-bench-tail-synth-28L" / "bench-tail.json" and not p.parent.exists()
     p.parent.mkdir()
-    assert bench_cli._default_out(Path("/m/synth 28L.gguf")).parent.name == f"{day}-bench-tail-synth-28L-2"
+    assert default_report_path(Path("/m/synth 28L.gguf")).parent.name == f"{day}-bench-tail-synth-28L-2"
     assert list((tmp_path / "docs" / "perf").iterdir()) == [p.parent]
 
 

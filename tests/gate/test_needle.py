@@ -29,7 +29,7 @@ def test_needle_numbers_are_seeded_and_distinct():
 
 
 def test_filler_prose_has_no_digits_and_is_deterministic():
-    from rollingkv_cli.gate.needle import filler_prose
+    from rollingkv_cli.lib.text import filler_prose
 
     a = filler_prose(4000, 3)
     assert a == filler_prose(4000, 3) and a != filler_prose(4000, 4)
@@ -59,7 +59,8 @@ def test_make_filler_hits_the_length():
 
 
 def test_placements_mark_the_needle_exactly():
-    from rollingkv_cli.gate.needle import MARK, build_placements, build_text, filler_prose
+    from rollingkv_cli.gate.needle import MARK, build_placements, build_text
+    from rollingkv_cli.lib.text import filler_prose
 
     class Side:  # one token per character, like the fake server
         def tokenize(self, text, add_special=False):

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import model_argument
 from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_option, positive, tail_type_list
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
 
 @click.command(short_help="gate equiv over tail types x windows, and the needle.")
-@click.option("--model", "model_spec", default="demo", show_default=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@model_argument(default="demo")
 @click.option("--tokens", "n_tokens", type=int, callback=positive, default=1024, show_default=True,
               help="Synthetic tokens decoded teacher-forced per equivalence cell.")
 @click.option("--splits", callback=fraction_list, default="0.25,0.5,0.75", show_default=True,

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import ctx_size_option, model_argument
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fraction_list, ngl_option, positive
-from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
+from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE, check_request
+from rollingkv_cli.lib.residency import ResidencyRequest
 
 
 @click.command(short_help="A number hidden in the tail: split answers as resident.")
-@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@model_argument()
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")
 @click.option("--filler-file", type=click.Path(path_type=Path), default=None,
@@ -24,7 +26,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--format", "fmt", type=click.Choice(["plain", "chat"]), default="plain", show_default=True,
               help="plain: a completion prompt ending in 'Answer: The secret number is'; chat: the model's chat template.")
 @click.option("--n-predict", type=int, callback=positive, default=16, show_default=True, help="Answer tokens generated greedily.")
-@click.option("--ctx", "n_ctx", type=int, callback=positive, default=None, help="Context size.  [default: the prompt rounded up to 256, plus 256]")
+@ctx_size_option(callback=positive, default=None, help="Context size.  [default: the prompt rounded up to 256, plus 256]")
 @click.option("--kv-window-cells", type=int, callback=positive, default=None,
               help="Cells of the device window: positions [0, N); the needle must lie at N or later.  [default: 256]")
 @click.option("--vram-target", type=int, callback=positive, default=None, metavar="MiB", help="Device memory budget; the planner sizes the window (GPU).")
@@ -62,16 +64,10 @@ def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict,
     from rollingkv_cli.gate import needle as needle_runs
     from rollingkv_cli.console import console, note
 
-    if kv_window_cells is not None and vram_target is not None:
-        raise click.UsageError("give --kv-window-cells or --vram-target, not both")
+    check_request(ResidencyRequest(mode=mode, window_cells=kv_window_cells, device_heads=kv_device_heads, vram_target=vram_target,
+                                   type_k_tail=ctkt, type_v_tail=ctvt))
     if build_dir is not None and lib_dir is not None:
         raise click.UsageError("give --build or --lib-dir, not both")
-    if kv_device_heads is not None and (kv_window_cells is not None or vram_target is not None):
-        raise click.UsageError("give --kv-device-heads, --kv-window-cells or --vram-target, one of them")
-    if kv_device_heads is not None and mode == "window":
-        raise click.UsageError("--kv-device-heads sets a head split, which --kv-residency-mode window does not make: use head (or auto)")
-    if kv_window_cells is not None and mode == "head":
-        raise click.UsageError("--kv-window-cells sets a window, which --kv-residency-mode head does not make: use --kv-device-heads N")
     if mode == "head" and kv_device_heads is None and vram_target is None:
         kv_device_heads = 1
     if kv_window_cells is None and vram_target is None and kv_device_heads is None:

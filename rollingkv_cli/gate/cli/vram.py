@@ -7,17 +7,18 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import ctx_size_option, model_argument
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, non_negative, positive
 from rollingkv_cli.gate.common import EXIT_FAIL
 
 
 @click.command(short_help="The peak VRAM stays within --vram-target (NVIDIA).")
-@click.option("--model", "model_spec", required=True, metavar="PATH|demo", help="A GGUF file, or `demo`.")
+@model_argument()
 @click.option("--vram-target", type=int, callback=positive, required=True, metavar="MiB",
               help="The device memory budget given to llama-server (--vram-target), checked against the process's peak.")
 @click.option("--allowance", type=int, callback=non_negative, default=200, show_default=True, metavar="MiB",
               help="How far above the target the peak may go.")
-@click.option("--ctx", "n_ctx", type=int, callback=positive, default=32768, show_default=True, help="Context size.")
+@ctx_size_option(callback=positive, default=32768, show_default=True, help="Context size.")
 @click.option("--prompt-tokens", type=int, callback=positive, default=None, help="Prompt length.  [default: half the context]")
 @click.option("--n-predict", type=int, callback=positive, default=512, show_default=True, help="Tokens generated after the prompt (EOS ignored).")
 @click.option("--kv-residency-mode", "mode", type=click.Choice(["auto", "window", "head"]), default="auto", show_default=True,

@@ -1,4 +1,4 @@
-"""The package's one GGUF header reader (rollingkv_cli/gguf_header.py): what it reads equals gguf-py's GGUFReader on
+"""The package's one GGUF header reader (rollingkv_cli/lib/gguf_header.py): what it reads equals gguf-py's GGUFReader on
 well-formed files, and the files that hang or crash GGUFReader are one line, at once (issue 27: 6)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from rollingkv_cli import models
 from rollingkv_cli.console import RollingKVError
-from rollingkv_cli import gguf_header
-from rollingkv_cli.gguf_header import read_header
+from rollingkv_cli.lib import gguf_header
+from rollingkv_cli.lib.gguf_header import read_header
 
 REPO = Path(__file__).resolve().parent.parent
 
