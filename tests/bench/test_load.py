@@ -247,8 +247,8 @@ def test_dry_run_shows_the_default_layout_without_np(cpu_build, demo_model):
 @pytest.mark.slow
 def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path):
     """The default server (no -np: 4 slots, one unified cache) split by window under random arrivals, beside the
-    resident default server: every request completes, the cache is one stream, and the steps read less of the tail than
-    one op over every sequence's cells would (the tail runs), never more than the occupied tail plus a block."""
+    resident default server: every request completes, the cache is one stream, and no sampled step reads more than its
+    occupied tail plus a block per slot (the tail runs: a sequence's prefill does not read the others' tails)."""
     out = tmp_path / "bench-load.json"
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
     r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--mix", "random",
@@ -266,7 +266,10 @@ def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path
     assert not resident["plan"]["split"]
     st = default["stats"]
     assert st["split"] and st["steps"] > 0
-    assert st["worst_step"]["excess_blocks_per_stream"] <= 1.0  # read <= occupied + a block, at every sampled step
+    # what a step reads beyond its occupied tail: the partly used last blocks of the sequences it holds (four slots'
+    # decode cells interleave in one stream's blocks), not whole other sequences' tails (a run of 6.4 k occupied
+    # cells would be 25 blocks): at most a block per slot and one joined gap
+    assert st["worst_step"]["excess_blocks_per_stream"] <= 4 + 1, st["worst_step"]
     assert "TTFT p50 / p90 s" in r.stdout
 
 def _slot_busy(srv_pid: int) -> bool:
