@@ -270,6 +270,9 @@ def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path
     # decode cells interleave in one stream's blocks), not whole other sequences' tails (a run of 6.4 k occupied
     # cells would be 25 blocks): at most a block per slot and one joined gap
     assert st["worst_step"]["excess_blocks_per_stream"] <= 4 + 1, st["worst_step"]
+    # and over the run less than the occupied tail: one op over the stream without runs reads all of it, every step
+    # (seen failing with llama_rkv_tail_runs returning no runs: 1.00)
+    assert st["attended_over_occupied"] < 1.0, st
     assert "TTFT p50 / p90 s" in r.stdout
 
 def _slot_busy(srv_pid: int) -> bool:
