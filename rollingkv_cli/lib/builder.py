@@ -468,7 +468,7 @@ def _active_pointer() -> Path | None:
         return None
     if not text:
         return None
-    root = paths.cache_dir()
+    root = paths.cache_dir(write=False)  # reading the pointer writes nothing: a read-only cache serves it
     where = Path(text)
     if not where.is_absolute():
         return root / where
