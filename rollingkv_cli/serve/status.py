@@ -56,11 +56,20 @@ def residency_from_stats(stats: dict | None) -> str | None:
                 + (f" (window {int(d['window_cells'])})" if moved and "window_cells" in d else ""))
 
     cells = ", ".join(slot(i, d) for i, d in sorted(slots.items()) if d.get("device_cells") or d.get("tail_cells"))
+    seqs = [d for d in stats.get("seqs") or [] if isinstance(d, dict) and "seq" in d]
+    if len(slots) <= 1 and seqs:  # one unified cache (llama-server's default): each slot's sequence in it
+        cells = ", ".join(f"{int(d['seq'])}: {int(d.get('device_cells', 0))}+{int(d.get('tail_cells', 0))}" for d in seqs)
     mib = 1024 * 1024
     last = stats.get("last") if isinstance(stats.get("last"), dict) else {}
     moves = stats.get("moves") if isinstance(stats.get("moves"), dict) else {}
-    text = (f"last step attended {(last.get('tail_bytes') or 0) / mib:.0f} MiB of tail "
-            f"({(last.get('occupied_bytes') or 0) / mib:.0f} MiB occupied, {(last.get('streamed_bytes') or 0) / mib:.0f} MiB streamed)")
+    runs = int(last.get("tail_runs") or 0)
+    text = (f"last step attended {(last.get('tail_bytes') or 0) / mib:.0f} MiB of tail"
+            + (f" in {runs} run{'s' if runs > 1 else ''} of its sequences' blocks" if runs else "")
+            + f" ({(last.get('occupied_bytes') or 0) / mib:.0f} MiB occupied, {(last.get('streamed_bytes') or 0) / mib:.0f} MiB streamed")
+    plan = stats.get("plan_streamed") if isinstance(stats.get("plan_streamed"), dict) else None
+    if plan and plan.get("last_bytes") is not None:  # a GPU build: what the copy plan itself issued
+        text += f", {(plan.get('last_bytes') or 0) / mib:.0f} MiB issued by the copy plan"
+    text += ")"
     promoted, demoted = moves.get("promoted_cells") or 0, moves.get("demoted_cells") or 0
     moved_text = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail" if promoted or demoted else ""
     return f"slot cells device+tail {cells or 'none in use'}; {text}{moved_text}"

@@ -1,0 +1,34 @@
+"""serve/status.py: the live status's residency line from rolling_kv_stats, for llama-server's default layout (one
+unified cache: every slot's sequence in one stream)."""
+
+from __future__ import annotations
+
+from rollingkv_cli.serve.status import residency_from_stats
+
+
+def test_a_unified_cache_shows_each_slots_sequence_and_the_runs():
+    """One stream holds every slot: the line gives each slot's sequence (seqs) instead of the stream's total, the runs
+    the last step read, and, on a GPU build, what the copy plan itself issued (plan_streamed). Seen failing before: the
+    line said "0: 256+1344" (the stream) and nothing of the runs."""
+    mib = 1 << 20
+    stats = {"split": True, "slots": [{"stream": 0, "device_cells": 256, "tail_cells": 1344, "window_cells": 256}],
+             "seqs": [{"seq": 0, "device_cells": 256, "tail_cells": 453}, {"seq": 2, "device_cells": 0, "tail_cells": 310}],
+             "last": {"tail_bytes": 24 * mib, "tail_runs": 2, "occupied_bytes": 30 * mib, "streamed_bytes": 24 * mib},
+             "plan_streamed": {"bytes": 900 * mib, "last_bytes": 24 * mib, "plans": 40}}
+    line = residency_from_stats(stats)
+    assert "slot cells device+tail 0: 256+453, 2: 0+310;" in line, line
+    assert "last step attended 24 MiB of tail in 2 runs of its sequences' blocks (30 MiB occupied, 24 MiB streamed, " \
+           "24 MiB issued by the copy plan)" in line, line
+    # the whole tail read (no runs), a CPU build (no plan_streamed): neither said
+    stats["last"]["tail_runs"] = 0
+    del stats["plan_streamed"]
+    line = residency_from_stats(stats)
+    assert " run" not in line and "issued" not in line and "0: 256+453" in line, line
+
+
+def test_several_streams_keep_their_per_slot_cells():
+    """-np N (a stream per slot): the streams are the slots; a seqs list does not replace them."""
+    stats = {"split": True, "slots": [{"stream": 0, "device_cells": 100, "tail_cells": 0, "window_cells": 256},
+                                      {"stream": 1, "device_cells": 256, "tail_cells": 700, "window_cells": 256}],
+             "seqs": [], "last": {}}
+    assert "slot cells device+tail 0: 100+0, 1: 256+700;" in residency_from_stats(stats)
