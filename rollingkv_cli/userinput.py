@@ -149,39 +149,45 @@ def read_data(path: Path | str, what: str) -> Any:
 
 # ------------------------------------------------------------------ files we write
 
+def _stat_and_parent(p: Path, say: str) -> tuple[os.stat_result | None, Path]:
+    """p's stat (None when absent) and where a write would land: p itself when it exists, else its nearest existing
+    parent, which must be a directory. A path through a file, or one that cannot be looked at: one line, `say: why`."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        abort(f"{say}: a part of the path is a file, not a directory", "check the path")
+    except OSError as e:
+        abort(f"{say}: {e.strerror or e}", "check the path")
+    if st is not None:
+        return st, p
+    where = p.absolute().parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        abort(f"{say}: {where} is a file, not a directory", "check the path")
+    return None, where
+
+
 def check_output_file(path: Path | str, what: str) -> None:
     """Before a run, that `path` can take the file it will write: absent, in a directory we may write into (or that can
     be made), or a regular file we may replace. A device, FIFO, socket or directory is refused (`--json /dev/full` ran
     the whole gate, then failed, and a companion file was made in /dev), and so is a place that cannot be written (a
     read-only filesystem, no permission, a part of the path that is a file). Nothing is created here."""
     p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except NotADirectoryError:
-        abort(f"cannot write {what} {p}: a part of the path is a file, not a directory", "check the path")
-    except OSError as e:
-        abort(f"cannot write {what} {p}: {e.strerror or e}", "check the path")
-    if st is not None:
-        if not stat.S_ISREG(st.st_mode):
-            abort(f"cannot write {what} {p}: it is {_kind(st.st_mode)}, not a regular file",
-                  "give the path of a new file, or of a regular file to replace")
-        where = p
-    else:
-        where = p.absolute().parent
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        if not where.is_dir():
-            abort(f"cannot write {what} {p}: {where} is a file, not a directory", "check the path")
+    say = f"cannot write {what} {p}"
+    st, where = _stat_and_parent(p, say)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        abort(f"{say}: it is {_kind(st.st_mode)}, not a regular file", "give the path of a new file, or of a regular file to replace")
     try:
         read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
     except OSError:
         read_only = False
     if read_only:
-        abort(f"cannot write {what} {p}: {where} is on a read-only filesystem", "write it to another directory")
+        abort(f"{say}: {where} is on a read-only filesystem", "write it to another directory")
     if not os.access(where, os.W_OK | (0 if st is not None else os.X_OK)):
-        abort(f"cannot write {what} {p}: permission denied ({where})", "check its permissions (ls -ld), or write it elsewhere")
+        abort(f"{say}: permission denied ({where})", "check its permissions (ls -ld), or write it elsewhere")
 
 
 def check_output_dir(path: Path | str, what: str) -> None:
@@ -190,36 +196,22 @@ def check_output_dir(path: Path | str, what: str) -> None:
     --work-dir /proc` ended in "internal error: FileNotFoundError"), a read-only filesystem or no permission: one line
     naming the path. Nothing is created here."""
     p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except NotADirectoryError:
-        abort(f"cannot use {what} {p}: a part of the path is a file, not a directory", "check the path")
-    except OSError as e:
-        abort(f"cannot use {what} {p}: {e.strerror or e}", "check the path")
-    if st is not None:
-        if not stat.S_ISDIR(st.st_mode):
-            abort(f"cannot use {what} {p}: it is {'a file' if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)}, not a directory",
-                  "give the path of a directory (new or existing)")
-        where = p
-    else:
-        where = p.absolute().parent
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        if not where.is_dir():
-            abort(f"cannot use {what} {p}: {where} is a file, not a directory", "check the path")
+    say = f"cannot use {what} {p}"
+    st, where = _stat_and_parent(p, say)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        abort(f"{say}: it is {'a file' if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)}, not a directory",
+              "give the path of a directory (new or existing)")
     try:
         vfs = os.statvfs(where)
     except OSError:
         vfs = None
     if vfs is not None and vfs.f_blocks == 0:
-        abort(f"cannot use {what} {p}: {where} is not on a disk (a pseudo filesystem such as /proc or /sys)",
+        abort(f"{say}: {where} is not on a disk (a pseudo filesystem such as /proc or /sys)",
               "give a directory on a disk, e.g. under /tmp or your home")
     if vfs is not None and vfs.f_flag & os.ST_RDONLY:
-        abort(f"cannot use {what} {p}: {where} is on a read-only filesystem", "give a directory on a writable filesystem")
+        abort(f"{say}: {where} is on a read-only filesystem", "give a directory on a writable filesystem")
     if not os.access(where, os.W_OK | os.X_OK):
-        abort(f"cannot use {what} {p}: permission denied ({where})", "check its permissions (ls -ld), or give another directory")
+        abort(f"{say}: permission denied ({where})", "check its permissions (ls -ld), or give another directory")
 
 
 # ------------------------------------------------------------------ environment variables
