@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -94,3 +95,35 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def sigkill_leaves_nothing(proc, what: str, within: float = 2.0) -> None:
+    """SIGKILL proc (a command started in a session of its own, its children recorded first: once re-parented they are
+    no longer below it) and assert that none of them still runs `within` seconds later; whatever is left is killed by
+    PID either way, and proc reaped."""
+    kids = descendants(proc.pid)
+    try:
+        assert kids, f"{what} started no process"
+        proc.kill()
+        proc.wait(timeout=10)
+        left = wait_gone(kids, within)
+        assert not left, f"still running {within:g} s after {what} was SIGKILLed: {sorted(left)}"
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def killed_outright(proc, what: str, within: float = 2.0):
+    """`with killed_outright(proc, "serve"): <wait until it is mid-work>`, then SIGKILL it and assert that nothing it
+    started outlives it (sigkill_leaves_nothing); a wait that fails kills what it started, by PID, and re-raises."""
+    try:
+        yield
+    except BaseException:
+        kill_all(descendants(proc.pid))
+        proc.kill()
+        proc.wait()
+        raise
+    sigkill_leaves_nothing(proc, what, within)

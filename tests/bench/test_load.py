@@ -296,27 +296,16 @@ def test_sigkill_of_bench_load_takes_its_server_down_mid_prefill(cpu_build, demo
     """SIGKILL of `bench load` while its cell's llama-server prefills the long request: every process it started is gone
     within 2 s. Seen failing before the fix (issue 39 row 3): with SIGTERM as the parent-death signal llama-server
     finished the batch it was prefilling (seconds), re-parented, before it stopped."""
-    from proctree import descendant_running, descendants, kill_all, wait_for, wait_gone
+    from proctree import descendant_running, killed_outright, wait_for
 
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
     proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "7000", "8",
                              "--short", "64", "8", "--shorts", "1", "-np", "2", "--window-cells", "256", "--cells", "split",
                              "--json", str(tmp_path / "bench-load.json"), "--", "-t", "2", "-b", "8192"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    kids: set[int] = set()
-    try:
+    with killed_outright(proc, "bench load"):
         srv = wait_for(lambda: descendant_running(proc.pid, "llama-server"), 120, "the cell's llama-server")
         wait_for(lambda: _slot_busy(srv), 120, "the long request to start")
-        kids = descendants(proc.pid)
-        proc.kill()
-        proc.wait(timeout=10)
-        left = wait_gone(kids, 2.0)
-        assert not left, f"still running 2 s after bench load was SIGKILLed: {sorted(left)}"
-    finally:
-        kill_all(kids)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.build
