@@ -10,12 +10,10 @@ printing and checking tail_report.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -467,7 +465,11 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     write_json(cfg.out, doc)
 
     todo = [c for c in doc["cells"] if c["status"] != "ok"]
-    with _sigterm_as_interrupt():
+    from rollingkv_cli.lib.procs import stop_signals_raise
+
+    # SIGTERM (an outer timeout) or SIGHUP (the terminal closed) end the run as Ctrl-C does: the running cell is stopped
+    # and marked, the report written (also where tail runs outside cli.main, which installs the same)
+    with stop_signals_raise():
         _run_cells(cfg, doc, model, todo, t0)
     doc["complete"] = all(c["status"] == "ok" for c in doc["cells"])
     doc["finished_at"] = _now()
@@ -475,25 +477,6 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     refresh(doc)
     write_json(cfg.out, doc)
     return doc
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (an outer timeout) or SIGHUP (the terminal closed) ends the run like Ctrl-C: the running cell is
-    stopped and marked, the report written."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -> None:

@@ -140,6 +140,22 @@ def remove_stale_work_dirs(root: Path, prefix: str) -> list[Path]:
     return gone
 
 
+def work_root(work_dir: Path | str | None) -> Path:
+    """Where a gate's work folders go: --work-dir, checked before any work and made if missing (one line when it
+    cannot be), else the system's temporary directory."""
+    if not work_dir:
+        return Path(tempfile.gettempdir())
+    from rollingkv_cli.userinput import check_output_dir
+
+    root = Path(work_dir)
+    check_output_dir(root, "--work-dir")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        abort(f"cannot use --work-dir {root}: {e.strerror or e}")
+    return root
+
+
 @contextlib.contextmanager
 def work_dir(root: Path, prefix: str):
     """A temporary folder under root for a gate's logits (hundreds of MiB), removed on the way out, and removed by the

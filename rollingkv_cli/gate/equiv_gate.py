@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -205,15 +204,7 @@ def prepare(o: EquivOptions) -> EquivSetup:
     cand_residency = residency or {"mode": "off"}
     ref_residency = {"mode": "off"} if ref_kind == "resident" else None
 
-    tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
-    if work_dir:
-        from rollingkv_cli.userinput import check_output_dir
-
-        check_output_dir(tmp_root, "--work-dir")
-    try:
-        tmp_root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    tmp_root = common.work_root(work_dir)
     if synthetic_tokens is not None:  # a file's count is known once tokenized (checked again then, below)
         equiv_runs.check_room(model_path, synthetic_tokens, n_ctx or -(-synthetic_tokens // 256) * 256 + 256, ctk, ctv, tmp_root,
                               2 if tail_baseline else 1, f"--synthetic-tokens {synthetic_tokens}", kv_on_host=on_cpu)

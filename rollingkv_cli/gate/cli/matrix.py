@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -79,15 +78,7 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
     build = common.resolve_build(build_dir, lib_dir)
     if needle:
         build.require_server()
-    tmp_root = Path(work_dir) if work_dir else Path(tempfile.gettempdir())
-    if work_dir:
-        from rollingkv_cli.userinput import check_output_dir
-
-        check_output_dir(tmp_root, "--work-dir")
-    try:
-        tmp_root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        abort(f"cannot use --work-dir {tmp_root}: {e.strerror or e}")
+    tmp_root = common.work_root(work_dir)
     out_dir, name = matrix_runs.report_place(out_dir, name, matrix_runs.backend_label(build, n_gpu_layers), force)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
