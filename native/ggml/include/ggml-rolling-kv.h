@@ -94,8 +94,6 @@ extern "C" {
     GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n);
     // the runs into first/n (GGML_RKV_MAX_TAIL_RUNS each); returns their count (0: the whole tail)
     GGML_API int  ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n);
-    // the tail cells the op reads (the runs' cells, or the whole tail)
-    GGML_API int64_t ggml_streaming_flash_attn_tail_read_cells(const struct ggml_tensor * a);
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 

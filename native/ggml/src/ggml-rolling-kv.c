@@ -177,20 +177,6 @@ int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_
     return n_runs;
 }
 
-int64_t ggml_streaming_flash_attn_tail_read_cells(const struct ggml_tensor * a) {
-    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
-    int32_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
-    const int n_runs = ggml_streaming_flash_attn_get_tail_runs(a, first, n);
-    if (n_runs == 0) {
-        return kt ? kt->ne[1] : 0;
-    }
-    int64_t cells = 0;
-    for (int i = 0; i < n_runs; ++i) {
-        cells += n[i];
-    }
-    return cells;
-}
-
 int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac) {
     if (n_tail <= 0 || !(frac > 0.0f)) {
         return 0;
