@@ -9,7 +9,8 @@
 //
 // where the concatenation is along the KV-cell dimension (ne[1]). The window and the
 // tail may have different types (and K and V may differ too), each one of the types
-// ggml_rkv_tail_type_supported accepts. Either segment may be empty: pass NULL for its K and V.
+// ggml_rkv_tail_type_supported accepts. Either segment may be empty: pass NULL for its K and V. With a block map
+// (ggml_streaming_flash_attn_set_block_map) the keys are attended in the map's logical order instead.
 //
 //   q        : [DK, n_q, n_head, ne3]                      f32
 //   k_window : [DK, n_win,  n_head_kv, ne3]   (or NULL)   same conventions as ggml_flash_attn_ext's k
@@ -17,11 +18,12 @@
 //   k_tail   : [DK, n_tail, n_head_kv, ne3]   (or NULL)
 //   v_tail   : [DV, n_tail, n_head_kv, ne3]   (or NULL)
 //   mask     : [n_win + n_tail, >= n_q, ne2-bcast, ne3-bcast] f16, contiguous (or NULL)
-//              columns [0, n_win) apply to the window, [n_win, n_win + n_tail) to the tail
+//              columns [0, n_win) apply to the window, [n_win, n_win + n_tail) to the tail (physical, map or not)
 //   sinks    : [n_head] f32 (optional, ggml_streaming_flash_attn_add_sinks)
+//   map      : [n_blocks] i32 (optional, ggml_streaming_flash_attn_set_block_map): the keys' logical order
 //   result   : [DV, n_head, n_q, ne3] f32 (same as ggml_flash_attn_ext)
 //
-// srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks
+// srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks, 7 map
 // op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams,
 //            i32 n_tail_runs, then (i32 first cell, i32 cells) for each of at most GGML_RKV_MAX_TAIL_RUNS runs
 //
@@ -42,6 +44,7 @@ extern "C" {
 #define GGML_STREAMING_FA_SRC_V_TAIL 4
 #define GGML_STREAMING_FA_SRC_MASK   5
 #define GGML_STREAMING_FA_SRC_SINKS  6
+#define GGML_STREAMING_FA_SRC_MAP    7
 
     GGML_API struct ggml_tensor * ggml_streaming_flash_attn(
             struct ggml_context * ctx,
@@ -94,6 +97,18 @@ extern "C" {
     GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n);
     // the runs into first/n (GGML_RKV_MAX_TAIL_RUNS each); returns their count (0: the whole tail)
     GGML_API int  ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n);
+
+    // The logical order of the keys (a unified cache whose 256-cell blocks move between the window and the tail): map
+    // is an I32 tensor [n_blocks], contiguous, in host memory for the CPU backend. Logical key 256*b + i (b < n_blocks,
+    // i < 256) is the physical key 256*map[b] + i of the concatenation [window ; tail]: its K/V row and its mask
+    // column. The op is then flash attention over the logical keys [0, 256*n_blocks) in that order. Requirements:
+    // n_win % 256 == 0, entries distinct, each block wholly inside the window or the tail (checked by the CPU forward,
+    // which reads the map). A physical key that no logical key maps to must be masked (-inf) for every row: a backend
+    // that ignores the map (a GPU, attending the physical keys in their own order) then attends the same keys, so the
+    // result differs only in summation order; the CPU forward follows the map, and is bit-identical to
+    // ggml_flash_attn_ext over the logical K/V and mask when window and tail share types. Tail runs (set_tail_runs)
+    // stay in physical tail cells. NULL removes the map.
+    GGML_API void ggml_streaming_flash_attn_set_block_map(struct ggml_tensor * a, struct ggml_tensor * map);
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 

@@ -177,6 +177,26 @@ int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_
     return n_runs;
 }
 
+void ggml_streaming_flash_attn_set_block_map(struct ggml_tensor * a, struct ggml_tensor * map) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    if (!map) {
+        a->src[GGML_STREAMING_FA_SRC_MAP] = NULL;
+        return;
+    }
+    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const int64_t n_win  = ggml_get_op_params_i32(a, 4);
+    const int64_t n_tail = kt ? kt->ne[1] : 0;
+    GGML_ASSERT(a->src[GGML_STREAMING_FA_SRC_MASK] && "streaming_flash_attn: a block map needs a mask");
+    GGML_ASSERT(map->type == GGML_TYPE_I32 && ggml_is_contiguous(map) &&
+            "streaming_flash_attn: the block map is a contiguous I32 tensor");
+    GGML_ASSERT(map->ne[0] >= 1 && map->ne[1] == 1 && map->ne[2] == 1 && map->ne[3] == 1 &&
+            "streaming_flash_attn: the block map is a vector of at least one block");
+    GGML_ASSERT(n_win % 256 == 0 && "streaming_flash_attn: a block map needs a window of whole 256-cell blocks");
+    GGML_ASSERT(256*map->ne[0] <= n_win + n_tail &&
+            "streaming_flash_attn: the block map has more keys than the window and the tail");
+    a->src[GGML_STREAMING_FA_SRC_MAP] = map;
+}
+
 int64_t ggml_rkv_tail_cpu_cells(int64_t n_tail, float frac) {
     if (n_tail <= 0 || !(frac > 0.0f)) {
         return 0;

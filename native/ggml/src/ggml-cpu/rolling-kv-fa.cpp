@@ -30,6 +30,12 @@
 // is what upstream runs on the resident cache of the window's type for them, so those rows are
 // bit-identical to it (sfa_mixed_tiles); the other tiles run (c).
 //
+// Block map (src 7, ggml_streaming_flash_attn_set_block_map): every path iterates the logical keys [0, 256*n_blocks),
+// so the split-KV chunks and the KV tile grid are those of ggml_flash_attn_ext over them; logical key ic is the
+// physical key p = 256*map[ic/256] + ic%256 (its K/V row, its mask column; tail runs and the test hook's tail are
+// physical). one_chunk walks the keys block by block, each block wholly in one part; a KV tile (64 keys) lies in one
+// block, so it is one physical range. Mixed types with a map run one_chunk (never sfa_mixed_tiles).
+//
 // Test hook (equivalence-gate self-test): ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h) multiplies every
 // tail key's attention score (after scale, softcap and mask) by (1 + x) before the softmax. It exists only so that
 // `rollingkv gate equiv` and the op test can prove they fail on a wrong window/tail merge; x must be > -1. The CUDA
@@ -53,6 +59,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -103,9 +110,10 @@ struct sfa_ctx {
     const ggml_tensor * sinks;
     ggml_tensor       * dst;
 
-    sfa_part part[2];   // 0: window [0, n_win), 1: tail [n_win, nek1)
+    sfa_part part[2];   // 0: window [0, n_win), 1: tail [n_win, n_win + n_tail)
     int64_t  n_win;
-    int64_t  nek1;      // n_win + n_tail
+    int64_t  nek1;      // the keys attended: n_win + n_tail, or 256*n_blocks with a block map
+    const int32_t * map; // the block map (src 7): logical block b is physical block map[b]; nullptr: none
     int64_t  DK, DV;
 
     bool      same_types; // all present K parts share one type and all present V parts share one type
@@ -146,6 +154,39 @@ static inline bool sfa_unread(const sfa_ctx & c, int64_t ic) {
         }
     }
     return true;
+}
+
+// the physical key of logical key ic under the block map
+static inline int64_t sfa_phys(const sfa_ctx & c, int64_t ic) {
+    return 256*(int64_t) c.map[ic/256] + ic%256;
+}
+
+// the block map: entries in [0, the physical blocks wholly inside the window or the tail), distinct. A block index
+// below n_win/256 is in the window, one from it up to floor((n_win + n_tail)/256) in the tail (n_win % 256 == 0)
+static void sfa_check_map(const ggml_tensor * map, int64_t n_win, int64_t n_keys) {
+    GGML_ASSERT(map->type == GGML_TYPE_I32 && ggml_is_contiguous(map) && "streaming_flash_attn: the block map is I32");
+    GGML_ASSERT((!map->buffer || ggml_backend_buffer_is_host(map->buffer)) &&
+            "streaming_flash_attn: the block map is not in host memory");
+    GGML_ASSERT(n_win % 256 == 0 && "streaming_flash_attn: a block map needs a window of whole 256-cell blocks");
+    const int64_t   n_blocks = ggml_nelements(map);
+    const int64_t   n_phys   = n_keys/256;
+    const int32_t * m        = (const int32_t *) map->data;
+    uint64_t              seen_small[64];
+    std::vector<uint64_t> seen_large;
+    uint64_t * seen = seen_small;
+    const size_t n_words = (size_t) (n_phys + 63)/64;
+    if (n_words > 64) {
+        seen_large.resize(n_words);
+        seen = seen_large.data();
+    }
+    memset(seen, 0, n_words*sizeof(uint64_t));
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t pb = m[b];
+        GGML_ASSERT(pb >= 0 && pb < n_phys &&
+                "streaming_flash_attn: a block map entry outside the window and the tail, or across them");
+        GGML_ASSERT(!(seen[pb/64] >> (pb%64) & 1) && "streaming_flash_attn: a block map entry twice");
+        seen[pb/64] |= (uint64_t) 1 << (pb%64);
+    }
 }
 
 // per (head, stream) row pointers of both parts: the virtual concatenation's key accessor
@@ -213,8 +254,9 @@ static int64_t sfa_tiled_floats_per_thread(int64_t DK, int64_t DV) {
 }
 
 // ops.cpp ggml_compute_forward_flash_attn_ext_f16_one_chunk over the keys [ic_start, ic_end)
-// of the virtual concatenation
-static void sfa_one_chunk(
+// of the virtual concatenation (MAPPED: the logical keys of the block map)
+template <bool MAPPED>
+static void sfa_one_chunk_t(
         const ggml_compute_params * params,
         const sfa_ctx & c,
         int64_t ir0, int64_t ir1,
@@ -245,7 +287,7 @@ static void sfa_one_chunk(
 
     const bool v_f16_acc = c.v_f16_acc;
 
-    // key range of each part inside [ic_start, ic_end)
+    // key range of each part inside [ic_start, ic_end) (no block map)
     int64_t lo[2], hi[2];
     for (int i = 0; i < 2; ++i) {
         lo[i] = std::max(ic_start, c.part[i].c0);
@@ -283,11 +325,35 @@ static void sfa_one_chunk(
 
         const float * pq = (const float *) ((char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3));
 
-        // online softmax / attention over the window keys, then the tail keys: one running
-        // state (M, S, VKQ) continued across the boundary
-        for (int ip = 0; ip < 2; ++ip) {
-            if (lo[ip] >= hi[ip]) {
-                continue;
+        if (MAPPED) {
+            // Q in the vec_dot type of each part: the blocks alternate between them
+            for (int ip = 0; ip < 2; ++ip) {
+                if (c.part[ip].n > 0) {
+                    c.part[ip].q_to_vec_dot(pq, Q_q[ip], DK);
+                }
+            }
+        }
+
+        // online softmax / attention over the window keys, then the tail keys (MAPPED: over the blocks in the map's
+        // order, each wholly in one part): one running state (M, S, VKQ) continued across the segments
+        const int64_t n_seg = MAPPED ? (ic_end + 255)/256 - ic_start/256 : 2;
+        for (int64_t is = 0; is < n_seg; ++is) {
+            int     ip;
+            int64_t k_lo, k_hi; // the segment's physical keys
+            if (MAPPED) {
+                const int64_t b  = ic_start/256 + is;
+                const int64_t l0 = std::max(ic_start, 256*b);
+                const int64_t l1 = std::min(ic_end, 256*(b + 1));
+                k_lo = sfa_phys(c, l0);
+                k_hi = k_lo + (l1 - l0);
+                ip   = k_lo < c.n_win ? 0 : 1;
+            } else {
+                ip   = (int) is;
+                k_lo = lo[ip];
+                k_hi = hi[ip];
+                if (k_lo >= k_hi) {
+                    continue;
+                }
             }
             const sfa_part & p = c.part[ip];
 
@@ -295,7 +361,9 @@ static void sfa_one_chunk(
             ggml_to_float_t const v_to_float = p.v_to_float;
             void          * const Q_qp       = Q_q[ip];
 
-            p.q_to_vec_dot(pq, Q_qp, DK);
+            if (!MAPPED) {
+                p.q_to_vec_dot(pq, Q_qp, DK);
+            }
 
             const bool  perturb     = ip == 1 && c.perturb_tail;
             const float perturb_mul = c.perturb_mul;
@@ -307,7 +375,7 @@ static void sfa_one_chunk(
             const size_t  nbv1 = rows.nbv1[ip];
             const int64_t c0   = p.c0;
 
-            for (int64_t ic = lo[ip]; ic < hi[ip]; ++ic) {
+            for (int64_t ic = k_lo; ic < k_hi; ++ic) {
                 const float mv = mp ? slope*GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
                 if (mv == -INFINITY || (runs && sfa_unread(c, ic))) {
                     continue;
@@ -426,6 +494,19 @@ static void sfa_one_chunk(
     }
 }
 
+static void sfa_one_chunk(
+        const ggml_compute_params * params,
+        const sfa_ctx & c,
+        int64_t ir0, int64_t ir1,
+        int64_t ic_start, int64_t ic_end,
+        float * partials, int64_t partial_stride) {
+    if (c.map) {
+        sfa_one_chunk_t<true>(params, c, ir0, ir1, ic_start, ic_end, partials, partial_stride);
+    } else {
+        sfa_one_chunk_t<false>(params, c, ir0, ir1, ic_start, ic_end, partials, partial_stride);
+    }
+}
+
 #include "rolling-kv-fa-tiled.inc"
 
 // ops.cpp ggml_flash_attn_ext_reduce_partials: combines the per-chunk partials in chunk order
@@ -530,6 +611,10 @@ extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) 
     if (mask && mask->type != GGML_TYPE_F16) {
         return false;
     }
+    const ggml_tensor * map = op->src[GGML_STREAMING_FA_SRC_MAP];
+    if (map && map->type != GGML_TYPE_I32) {
+        return false;
+    }
     const int32_t prec = ggml_get_op_params_i32(op, 3);
     return prec == GGML_PREC_DEFAULT || prec == GGML_PREC_F32;
 }
@@ -578,6 +663,14 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
 
     c.n_win = n_win;
     c.nek1  = c.part[0].n + c.part[1].n;
+
+    // the block map: every path below iterates the logical keys
+    c.map = nullptr;
+    if (const ggml_tensor * map = dst->src[GGML_STREAMING_FA_SRC_MAP]) {
+        sfa_check_map(map, n_win, c.nek1);
+        c.map  = (const int32_t *) map->data;
+        c.nek1 = 256*ggml_nelements(map);
+    }
 
     {
         int32_t first[GGML_RKV_MAX_TAIL_RUNS], n[GGML_RKV_MAX_TAIL_RUNS];
@@ -721,7 +814,7 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
 #endif
         // mixed types: the window alone as the resident cache of its type would run (see sfa_mixed_tiles)
         const sfa_part & pw = c.part[0];
-        bool use_mixed_tiles = !use_ref && !c.same_types && c.mask && pw.n > 0 && c.part[1].n > 0 &&
+        bool use_mixed_tiles = !use_ref && !c.map && !c.same_types && c.mask && pw.n > 0 && c.part[1].n > 0 &&
                                q->type == GGML_TYPE_F32 && pw.k->type == pw.v->type &&
                                (pw.k->type == GGML_TYPE_F32 || pw.k->type == GGML_TYPE_F16) &&
                                neq1 >= Q_TILE_SZ;
