@@ -46,8 +46,19 @@
 // another): each head bit-identical to ggml_flash_attn_ext over all heads at that head's type. Other backends: NMSE within
 // 5e-7 (5e-5 for two types). With --expect-perturbed every case with a host head whose keys are not all masked must fail.
 //
+// --map: a block map (ggml_streaming_flash_attn_set_block_map) on every case of two or more whole 256-cell blocks (n_kv
+// a multiple of 256): the case's K/V and mask are the logical ones, the reference's. round(split/256) of its blocks,
+// picked at random, are resident in a window of slots out of logical order, with one or two unused slots of garbage
+// rows; the tail holds every logical cell, garbage where the block is resident (no tail when every block is). The op
+// gets the physical mask (a key's logical column where it is mapped, -inf elsewhere) and, in every other mapped case,
+// tail runs over the non-resident blocks some row sees. With an odd split and a mask, logical block 1 is masked for
+// every row. Same bounds as without (on the CPU bit-identical for one type).
+// --map-wrong: the op's map has logical blocks 0 and 1 swapped (K/V and mask as the true map has them). That is a
+// permutation of the keys (each keeps its mask column), which only the CPU's bit-identity sees: exactly the same-type
+// cases where a query row sees keys of both blocks must fail on the CPU, no case elsewhere.
+//
 // usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact]
-//                            [--expect-perturbed] [--heads]
+//                            [--expect-perturbed] [--heads] [--runs|--runs-wrong] [--map|--map-wrong]
 // --tail-cpu-frac F: every op leaves that share of its tail to the CPU (the hybrid tail; a GPU backend with --tail-host
 // attends it on the host for decode-sized cases, everything else ignores it): same reference, same bounds.
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
@@ -314,6 +325,64 @@ static ggml_backend_t g_cpu_backend = nullptr;
 // visible: exactly the cases where a query row sees one of them must fail.
 static int            g_runs = 0; // 0 off, 1 --runs, 2 --runs-wrong
 static bool           g_runs_on_case = false; // this case attends with runs
+// --map, --map-wrong (see the top of the file)
+static int            g_map = 0; // 0 off, 1 --map, 2 --map-wrong
+static bool           g_map_on_case = false; // this case attends through a block map
+static int            g_map_cases = 0;       // mapped cases so far: every other one has tail runs
+static std::mt19937   g_map_rng(4321);       // the layouts and their garbage rows, apart from the cases' data
+
+// the physical layout of a mapped case
+struct map_layout {
+    int64_t n_blocks = 0, n_res = 0, n_slots = 0;
+    std::vector<int64_t> slot_block; // the logical block in each window slot, -1: unused (garbage rows)
+    std::vector<bool>    resident;   // per logical block: in the window
+    std::vector<int32_t> map;        // per logical block: its physical block of [window ; tail]
+
+    int64_t n_win()  const { return 256*n_slots; }
+    int64_t n_tail() const { return n_res < n_blocks ? 256*n_blocks : 0; } // the tail mirrors the logical cells
+    int64_t phys(int64_t j) const { return 256*(int64_t) map[j/256] + j%256; }
+};
+
+// n_res of n_blocks blocks resident, picked at random, in shuffled slots (one or two unused), not in logical order
+static map_layout make_map_layout(int64_t n_blocks, int64_t n_res, std::mt19937 & rng) {
+    map_layout L;
+    L.n_blocks = n_blocks;
+    L.n_res    = n_res;
+    L.n_slots  = n_res + 1 + (int64_t) (rng() % 2);
+    auto shuffled = [&](int64_t n) {
+        std::vector<int64_t> v(n);
+        for (int64_t i = 0; i < n; ++i) v[i] = i;
+        for (int64_t i = n; i > 1; --i) std::swap(v[i - 1], v[rng() % i]);
+        return v;
+    };
+    const std::vector<int64_t> blocks = shuffled(n_blocks), slots = shuffled(L.n_slots);
+    L.slot_block.assign(L.n_slots, -1);
+    L.resident.assign(n_blocks, false);
+    for (int64_t k = 0; k < n_res; ++k) {
+        L.slot_block[slots[k]] = blocks[k];
+        L.resident[blocks[k]]  = true;
+    }
+    // the resident blocks' slots must not rise with the block: else swap the slots of the first two
+    std::vector<int64_t> slot_of(n_blocks, -1);
+    for (int64_t sl = 0; sl < L.n_slots; ++sl) {
+        if (L.slot_block[sl] >= 0) slot_of[L.slot_block[sl]] = sl;
+    }
+    std::vector<int64_t> res_slots;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        if (L.resident[b]) res_slots.push_back(slot_of[b]);
+    }
+    if (res_slots.size() >= 2 && std::is_sorted(res_slots.begin(), res_slots.end())) {
+        std::swap(L.slot_block[res_slots[0]], L.slot_block[res_slots[1]]);
+    }
+    L.map.assign(n_blocks, -1);
+    for (int64_t sl = 0; sl < L.n_slots; ++sl) {
+        if (L.slot_block[sl] >= 0) L.map[L.slot_block[sl]] = (int32_t) sl;
+    }
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        if (!L.resident[b]) L.map[b] = (int32_t) (L.n_slots + b);
+    }
+    return L;
+}
 
 static uint64_t cpu_part_runs(); // CPU parts of ops run so far (below)
 
@@ -434,6 +503,74 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         g_extra += b;
     }
 
+    // --map: the physical layout, the op's (physical) mask and, every other case, tail runs over the non-resident
+    // blocks some query row sees (at most GGML_RKV_MAX_TAIL_RUNS: the closest merged, what lies between is masked)
+    g_map_on_case = g_map > 0 && n_kv % 256 == 0 && n_kv >= 512;
+    map_layout ml;
+    std::vector<ggml_fp16_t> hmp;
+    int64_t n_phys = n_kv; // the op's keys
+    auto sees = [&](int64_t i, int64_t j0, int64_t j1) { // query row i sees one of the logical keys [j0, j1)
+        for (int64_t j = j0; j < j1; ++j) {
+            if (hm.empty() || ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY) return true;
+        }
+        return false;
+    };
+    if (g_map_on_case) {
+        const int64_t n_blocks = n_kv/256;
+        if (s % 2 == 1 && !hm.empty()) {
+            // an odd split: logical block 1 masked for every row (a unified cache's block of another sequence)
+            for (int64_t i = 0; i < n_q_pad; ++i) {
+                for (int64_t j = 256; j < 512; ++j) {
+                    hm[i*n_kv + j] = ggml_fp32_to_fp16(-INFINITY);
+                }
+            }
+        }
+        ml = make_map_layout(n_blocks, std::min(n_blocks, (s + 128)/256), g_map_rng);
+        n_phys = ml.n_win() + ml.n_tail();
+        hmp.assign(n_phys*n_q_pad, ggml_fp32_to_fp16(-INFINITY));
+        for (int64_t i = 0; i < n_q_pad; ++i) {
+            for (int64_t j = 0; j < n_kv; ++j) {
+                hmp[i*n_phys + ml.phys(j)] = hm.empty() ? ggml_fp32_to_fp16(0.0f) : hm[i*n_kv + j];
+            }
+        }
+        std::vector<std::pair<int64_t, int64_t>> groups; // [b0, b1): non-resident blocks that rows see
+        for (int64_t b = 0; b < n_blocks && ml.n_tail() > 0; ++b) {
+            bool seen = false;
+            for (int64_t i = 0; i < n_q && !seen && !ml.resident[b]; ++i) {
+                seen = sees(i, 256*b, 256*(b + 1));
+            }
+            if (!seen) continue;
+            if (!groups.empty() && groups.back().second == b) {
+                groups.back().second = b + 1;
+            } else {
+                groups.push_back({ b, b + 1 });
+            }
+        }
+        while (groups.size() > GGML_RKV_MAX_TAIL_RUNS) {
+            size_t k = 0;
+            for (size_t g = 1; g + 1 < groups.size(); ++g) {
+                if (groups[g + 1].first - groups[g].second < groups[k + 1].first - groups[k].second) k = g;
+            }
+            groups[k].second = groups[k + 1].second;
+            groups.erase(groups.begin() + k + 1);
+        }
+        if (g_map_cases++ % 2 == 1 && !groups.empty()) {
+            for (const auto & g : groups) {
+                run_first.push_back((int32_t) (256*g.first));
+                run_n.push_back((int32_t) (256*(g.second - g.first)));
+            }
+            g_runs_on_case = true;
+        }
+        char b[128];
+        snprintf(b, sizeof(b), " map=%lld/%lld slots=%lld%s", (long long) ml.n_res, (long long) n_blocks,
+                (long long) ml.n_slots, g_runs_on_case ? "" : " runs=0");
+        g_extra += b;
+        if (g_runs_on_case) {
+            snprintf(b, sizeof(b), " runs=%zu", run_first.size());
+            g_extra += b;
+        }
+    }
+
     // A q row whose mask is -inf everywhere has no defined softmax. The op (and ggml's CPU flash
     // attention) writes 0 there, but ggml's CUDA flash attention writes 0/0 = NaN when there are no
     // sinks. Such reference values are taken as 0; any other non-finite reference value still fails.
@@ -441,6 +578,22 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     for (int64_t i = 0; i < n_q && !g_tail_live; ++i) {
         for (int64_t j = s; j < n_kv && !g_tail_live; ++j) {
             g_tail_live = hm.empty() || ggml_fp16_to_fp32(hm[i*n_kv + j]) != -INFINITY;
+        }
+    }
+    if (g_map_on_case) {
+        // the physical tail
+        g_tail_live = false;
+        for (int64_t i = 0; i < n_q && !g_tail_live; ++i) {
+            for (int64_t j = ml.n_win(); j < n_phys && !g_tail_live; ++j) {
+                g_tail_live = ggml_fp16_to_fp32(hmp[i*n_phys + j]) != -INFINITY;
+            }
+        }
+    }
+    if (g_map == 2) {
+        // the swap of blocks 0 and 1 reorders the keys of a row that sees both: the CPU's bit-identity sees that
+        g_tail_live = false;
+        for (int64_t i = 0; g_map_on_case && is_cpu && !c.mixed() && i < n_q && !g_tail_live; ++i) {
+            g_tail_live = sees(i, 0, 256) && sees(i, 256, 512);
         }
     }
 
@@ -483,7 +636,61 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor *kw = nullptr, *vw = nullptr, *kt = nullptr, *vt = nullptr, *kref = nullptr, *vref = nullptr;
     std::vector<uint8_t> kref_bytes, vref_bytes;
 
-    if (!c.mixed()) {
+    if (g_map_on_case) {
+        // the physical window and tail, garbage in unused slots and in the tail cells of resident blocks
+        const int64_t n_win = ml.n_win(), n_tail = ml.n_tail();
+        kv_host wk{D, n_win, nhkv, ne3, {}}, wv{D, n_win, nhkv, ne3, {}};
+        kv_host tk{D, n_tail, nhkv, ne3, {}}, tv{D, n_tail, nhkv, ne3, {}};
+        for (kv_host * x : { &wk, &wv, &tk, &tv }) {
+            x->x.resize(D*x->n_kv*nhkv*ne3);
+        }
+        for (int64_t i3 = 0; i3 < ne3; ++i3)
+        for (int64_t h = 0; h < nhkv; ++h) {
+            for (int64_t cc = 0; cc < n_win; ++cc) {
+                const int64_t b = ml.slot_block[cc/256], j = 256*b + cc%256;
+                for (int64_t d = 0; d < D; ++d) {
+                    wk.at(i3, h, cc, d) = b >= 0 ? hk.at(i3, h, j, d) : 8.0f*u(g_map_rng);
+                    wv.at(i3, h, cc, d) = b >= 0 ? hv.at(i3, h, j, d) : 8.0f*u(g_map_rng);
+                }
+            }
+            for (int64_t cc = 0; cc < n_tail; ++cc) {
+                const bool res = ml.resident[cc/256];
+                for (int64_t d = 0; d < D; ++d) {
+                    tk.at(i3, h, cc, d) = res ? 8.0f*u(g_map_rng) : hk.at(i3, h, cc, d);
+                    tv.at(i3, h, cc, d) = res ? 8.0f*u(g_map_rng) : hv.at(i3, h, cc, d);
+                }
+            }
+        }
+        kvs.push_back(make_kv(ctx, c.tkw, wk, 0, n_win, c.cache_layout, 3)); kw = kvs.back().view;
+        kvs.push_back(make_kv(ctx, c.tvw, wv, 0, n_win, c.cache_layout, 3)); vw = kvs.back().view;
+        if (n_tail > 0) {
+            auto & dst = g_tail_host ? kvs_host : kvs;
+            ggml_context * ctx_t = g_tail_host ? ctx_host : ctx;
+            dst.push_back(make_kv(ctx_t, c.tkt, tk, 0, n_tail, c.cache_layout, 3)); kt = dst.back().view;
+            dst.push_back(make_kv(ctx_t, c.tvt, tv, 0, n_tail, c.cache_layout, 3)); vt = dst.back().view;
+        }
+        // the reference: the logical K/V (the same bytes per row: rows are quantized independently); mixed types: an
+        // F32 copy of what the window and the tail hold, each block at its part's types
+        kv_host rk = hk, rv = hv;
+        if (c.mixed()) {
+            for (int64_t i3 = 0; i3 < ne3; ++i3)
+            for (int64_t h = 0; h < nhkv; ++h)
+            for (int64_t j = 0; j < n_kv; ++j) {
+                const bool res = ml.resident[j/256];
+                for (auto * pr : { &rk, &rv }) {
+                    const ggml_type t = pr == &rk ? (res ? c.tkw : c.tkt) : (res ? c.tvw : c.tvt);
+                    float * row = &pr->at(i3, h, j, 0);
+                    auto qb = to_type(t, row, 1, D);
+                    auto back = from_type(t, qb.data(), 1, D);
+                    memcpy(row, back.data(), D*sizeof(float));
+                }
+            }
+            if (!is_cpu || g_exact_check) { exact_k = rk; exact_v = rv; }
+        }
+        const ggml_type trk = c.mixed() ? GGML_TYPE_F32 : c.tkw, trv = c.mixed() ? GGML_TYPE_F32 : c.tvw;
+        kvs.push_back(make_kv(ctx, trk, rk, 0, n_kv, c.cache_layout, 3)); kref = kvs.back().view;
+        kvs.push_back(make_kv(ctx, trv, rv, 0, n_kv, c.cache_layout, 3)); vref = kvs.back().view;
+    } else if (!c.mixed()) {
         kvs.push_back(make_kv(ctx, c.tkw, hk, 0, n_kv, c.cache_layout, 3));
         kvs.push_back(make_kv(ctx, c.tvw, hv, 0, n_kv, c.cache_layout, 3));
         kref = kvs[0].view;
@@ -534,12 +741,19 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
 
     const float scale = 1.0f/sqrtf((float) D);
 
-    ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
+    // --map: the op's mask is the physical one (always there: the unused slots are masked), its map a graph input
+    ggml_tensor * m_op  = g_map_on_case ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_phys, n_q_pad, 1, 1) : m;
+    ggml_tensor * map_t = g_map_on_case ? ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ml.n_blocks) : nullptr;
+
+    ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m_op, scale, c.max_bias, c.softcap);
     ggml_streaming_flash_attn_add_sinks(out, sk);
     ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
     set_cpu_share(out);
     if (g_runs_on_case) {
         ggml_streaming_flash_attn_set_tail_runs(out, (int) run_first.size(), run_first.data(), run_n.data());
+    }
+    if (map_t) {
+        ggml_streaming_flash_attn_set_block_map(out, map_t);
     }
 
     ggml_tensor * ref = ggml_flash_attn_ext(ctx, q, kref, vref, m, scale, c.max_bias, c.softcap);
@@ -549,7 +763,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     // mixed types in a prefill-sized batch over an F16/F32 window: queries in Q tiles that never read the tail
     // must be bit-identical to the resident cache of the window's type (checked on CPU, see sfa_mixed_tiles)
     ggml_tensor * ref_w = nullptr;
-    if (c.mixed() && m && n_q >= 64 && s > 0 && s < n_kv && c.tkw == c.tvw &&
+    if (c.mixed() && m && !g_map_on_case && n_q >= 64 && s > 0 && s < n_kv && c.tkw == c.tvw &&
             (c.tkw == GGML_TYPE_F16 || c.tkw == GGML_TYPE_F32) && !g_tail_host) {
         kvs.push_back(make_kv(ctx, c.tkw, hk, 0, n_kv, c.cache_layout, 3)); ggml_tensor * kw_full = kvs.back().view;
         kvs.push_back(make_kv(ctx, c.tvw, hv, 0, n_kv, c.cache_layout, 3)); ggml_tensor * vw_full = kvs.back().view;
@@ -565,7 +779,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor * ix_tail = nullptr, * ix_ref = nullptr;
     std::vector<ggml_tensor *> writes; // the set_rows nodes between the two ops
     std::vector<int64_t> h_ix_tail, h_ix_ref;
-    if (g_tail_host && !c.mixed() && c.cache_layout && s < n_kv) {
+    if (g_tail_host && !c.mixed() && !g_map_on_case && c.cache_layout && s < n_kv) {
         const int64_t n_tail = n_kv - s;
         for (int64_t cell : { (int64_t) 0, n_tail/2, n_tail - 1 }) {
             if (!h_ix_tail.empty() && cell == h_ix_tail.back()) continue;
@@ -644,6 +858,14 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_backend_tensor_set(q_storage, hq.data(), 0, ggml_nbytes(q_storage));
     if (m)  ggml_backend_tensor_set(m, hm.data(), 0, ggml_nbytes(m));
     if (sk) ggml_backend_tensor_set(sk, hs.data(), 0, ggml_nbytes(sk));
+    if (map_t) {
+        ggml_backend_tensor_set(m_op, hmp.data(), 0, ggml_nbytes(m_op));
+        std::vector<int32_t> map_op = ml.map;
+        if (g_map == 2) {
+            std::swap(map_op[0], map_op[1]); // --map-wrong
+        }
+        ggml_backend_tensor_set(map_t, map_op.data(), 0, ggml_nbytes(map_t));
+    }
     for (auto * set : { &kvs, &kvs_host }) {
         for (auto & kv : *set) {
             GGML_ASSERT(kv.bytes.size() == ggml_nbytes(kv.storage));
@@ -909,6 +1131,32 @@ static std::vector<test_case> make_cases(bool quick) {
                 }
                 cases.push_back(mk(128, 2, 4, n_kv_r, 7, s, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true, t, t)); // mixed
                 cases.push_back(mk(64, 1, 2, n_kv_r, 7, s, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT,
+                        GGML_TYPE_COUNT, 2)); // ne3 = 2
+            }
+        }
+    }
+
+    if (g_map) {
+        // six blocks, none, half or all of them resident (round(split/256)): decode (split-KV for F16), small and
+        // prefill-sized (tiled for F16) batches, every mask, sinks, softcap, ALiBi, quantized and mixed types, two
+        // streams
+        const int64_t n_kv_m = 1536;
+        for (ggml_type t : { F16, Q8, Q4 }) {
+            for (int64_t s : { (int64_t) 0, (int64_t) 768, n_kv_m }) {
+                for (int64_t n_q : { 1, 7, 64 }) {
+                    cases.push_back(mk(128, 2, 4, n_kv_m, n_q, s, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, s % 512 == 0));
+                    cases.push_back(mk(64, 2, 2, n_kv_m, n_q, s, t, t, MASK_ROWS, true, 0.0f, 0.0f, false));
+                    if (!quick) {
+                        cases.push_back(mk(128, 2, 4, n_kv_m, n_q, s, t, t, MASK_HOLES, false, 0.0f, 30.0f, true));
+                        cases.push_back(mk(64, 3, 4, n_kv_m, n_q, s, t, t, MASK_HOLES, false, 8.0f, 0.0f, false));
+                        cases.push_back(mk(64, 2, 2, n_kv_m, n_q, s, t, t, MASK_NONE, n_q == 7, 0.0f, 0.0f, true));
+                    }
+                }
+                if (s < n_kv_m) { // mixed (with every block resident there is no tail)
+                    cases.push_back(mk(128, 2, 4, n_kv_m, 7, s, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true, t, t));
+                    cases.push_back(mk(64, 2, 2, n_kv_m, 64, s, F16, F16, MASK_CAUSAL, true, 0.0f, 0.0f, false, t, t));
+                }
+                cases.push_back(mk(64, 1, 2, n_kv_m, 7, s, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT,
                         GGML_TYPE_COUNT, 2)); // ne3 = 2
             }
         }
@@ -1346,8 +1594,13 @@ int main(int argc, char ** argv) {
             g_runs = 1;
         } else if (a == "--runs-wrong") {
             g_runs = 2;
+        } else if (a == "--map") {
+            g_map = 1;
+        } else if (a == "--map-wrong") {
+            g_map = 2;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact] [--expect-perturbed] [--heads] [--runs|--runs-wrong]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] "
+                    "[--exact] [--expect-perturbed] [--heads] [--runs|--runs-wrong] [--map|--map-wrong]\n", argv[0]);
             return 2;
         }
     }
@@ -1394,6 +1647,11 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "--heads runs the head split's cases on the backend alone: without --tail-host and --exact\n");
         return 2;
     }
+    if (g_map && (heads || g_runs || (g_map == 2 && g_expect_perturbed))) {
+        fprintf(stderr, "--map and --map-wrong go without --heads and --runs (they set runs of their own), --map-wrong "
+                "without --expect-perturbed\n");
+        return 2;
+    }
 
     printf("test-rolling-kv-ops: %sbackend %s, %d threads, %s%s%s%s%s\n", heads ? "head split, " : "", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
         is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "",
@@ -1429,9 +1687,9 @@ int main(int argc, char ** argv) {
         }
         const char * verdict = r == RES_PASS ? "OK" : "FAIL";
         bool as_expected = r == RES_PASS;
-        if (g_expect_perturbed || g_runs == 2) {
-            // the self-check: a live tail (--runs-wrong: a visible key left out of the runs) must make the case fail,
-            // and nothing else may
+        if (g_expect_perturbed || g_runs == 2 || g_map == 2) {
+            // the self-check: a live tail (--runs-wrong: a visible key left out of the runs; --map-wrong: a row that
+            // sees keys of both swapped blocks) must make the case fail, and nothing else may
             as_expected = (r == RES_FAIL) == g_tail_live;
             verdict = as_expected ? (g_tail_live ? "OK (fails: perturbed tail)" : "OK (no live tail)")
                                   : (g_tail_live ? "FAIL (perturbed tail not detected)" : "FAIL (no live tail, yet failed)");
