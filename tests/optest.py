@@ -121,6 +121,42 @@ def dropped_run_keys(desc: str) -> int:
     return live_tail_keys(desc, s + 256, s + 512)
 
 
+def mapped(desc: str) -> bool:
+    """--map, --map-wrong: the cases of two or more whole 256-cell blocks attend through a block map."""
+    n_kv = field(desc, "n_kv")
+    return n_kv % 256 == 0 and n_kv >= 512
+
+
+def key_visible(desc: str, i: int, j: int, with_map: bool = False) -> bool:
+    """Whether query row i (< n_q) sees logical key j, by the op test's mask rules (run_case; live_tail_keys): padded
+    columns, causal, holes, rows; with_map: a mapped case with a mask and an odd split also masks logical block 1."""
+    n_kv, n_q, s = field(desc, "n_kv"), field(desc, "n_q"), field(desc, "split")
+    mask = re.search(r"mask=(\w+)", desc).group(1)
+    if mask == "none":
+        return True
+    if with_map and mapped(desc) and s % 2 == 1 and 256 <= j < 512:
+        return False
+    n_valid = n_kv - min(5, n_kv // 4)
+    if j >= n_valid or j > n_valid - n_q + i:
+        return False
+    if mask in ("holes", "rows") and (n_kv // 3 <= j < n_kv // 3 + 40 or s - 3 <= j < s + 3):
+        return False
+    if mask == "rows" and (i % 4 == 1 or (i % 4 == 2 and j < s) or (i % 4 == 3 and j >= s)):
+        return False
+    return True
+
+
+def map_swap_visible(desc: str) -> bool:
+    """--map-wrong on the CPU: the op's map swaps logical blocks 0 and 1, a permutation of the keys that only the
+    bit-identity of same-type cases can see, where a query row sees keys of both blocks (their order then changes)."""
+    if not mapped(desc) or mixed(desc):
+        return False
+    def sees(i: int, j0: int, j1: int) -> bool:
+        return any(key_visible(desc, i, j, True) for j in range(j0, j1))
+
+    return any(sees(i, 0, 256) and sees(i, 256, 512) for i in range(field(desc, "n_q")))
+
+
 def mixed(desc: str) -> bool:
     k, v = re.search(r"K=(\w+)/(\w+)", desc), re.search(r"V=(\w+)/(\w+)", desc)
     return k.group(1) != k.group(2) or v.group(1) != v.group(2)

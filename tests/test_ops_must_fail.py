@@ -57,6 +57,25 @@ OUT = """test-rolling-kv-ops: backend CPU, 2 threads, full, same-type cases must
 """
 
 
+def test_block_map_visibility_follows_the_mask_rules():
+    """optest.key_visible and map_swap_visible (--map, --map-wrong): an odd split of a masked mapped case hides logical
+    block 1 from every row; mixed types and unmapped cases never see the swap."""
+    d = "D= 64 hkv=2 gqa=1 n_kv= 512 n_q=  1 split=   0 K=f16/f16 V=f16/f16 mask=causal"
+    assert optest.mapped(d) and optest.key_visible(d, 0, 300) and not optest.key_visible(d, 0, 508)
+    assert optest.map_swap_visible(d)
+    odd = d.replace("split=   0", "split= 255")
+    assert not optest.key_visible(odd, 0, 300, True) and optest.key_visible(odd, 0, 300)
+    assert not optest.map_swap_visible(odd)
+    assert optest.map_swap_visible(odd.replace("mask=causal", "mask=none"))  # no mask to hide it with
+    assert not optest.map_swap_visible(d.replace("K=f16/f16", "K=f16/q8_0"))
+    assert not optest.mapped(d.replace("n_kv= 512", "n_kv=1025"))
+    assert not optest.mapped(d.replace("n_kv= 512", "n_kv= 256"))
+    # rows: row 2 (window [0, split) masked) sees neither block below the split
+    rows = "D= 64 hkv=2 gqa=2 n_kv=1536 n_q=  7 split= 768 K=f16/f16 V=f16/f16 mask=rows"
+    assert not optest.key_visible(rows, 2, 100) and optest.key_visible(rows, 2, 1000)
+    assert not optest.key_visible(rows, 1, 1000)  # a fully masked row
+
+
 def test_reading_the_op_tests_output():
     """optest: case lines, verdicts, skips and the summary; an output with a case missing (a gap), a count that is not
     the case lines' or no summary (a crash) is refused."""
@@ -211,3 +230,57 @@ def test_a_key_left_out_of_the_runs_is_caught(runs_runs):
     assert caught == must_fail, (sorted(caught - must_fail)[:10], sorted(must_fail - caught)[:10])
     assert all(ok for _, ok, _ in cases.values()), out[-3000:]  # and nothing else went the wrong way
     assert len(must_fail) >= 50
+
+
+# ------------------------------------------------------------------------ block maps (--map, --map-wrong)
+
+
+@pytest.fixture(scope="module")
+def map_runs(cpu_build):
+    binary = cpu_build.artifact("test-rolling-kv-ops")
+    return {flag: _run_runs(binary, flag) for flag in ("--map", "--map-wrong")}
+
+
+def test_block_map_is_bit_identical(map_runs):
+    """--map: every case of two or more whole blocks attends through a block map (a unified cache whose blocks move
+    between the window and the tail: resident blocks in shuffled window slots beside unused ones of garbage, the others
+    in a tail whose resident cells are garbage, a physical mask) against ggml_flash_attn_ext over the logical K/V and
+    mask: every case passes, bit-identically for one type, none skipped; decode (split-KV), small batches and the tiled
+    path, every mask, sinks, softcap, ALiBi, GQA, quantized and mixed types, two streams, with and without tail runs."""
+    cases, out = map_runs["--map"]
+    run = optest.parse(out)
+    assert all(ok for _, ok, _ in cases.values()) and run.n_skipped == 0, out[-3000:]
+    with_map = {i: d for i, (d, _, line) in cases.items() if " map=" in line}
+    assert with_map.keys() == {i for i, (d, _, _) in cases.items() if optest.mapped(d)}
+    assert len(with_map) >= 900, len(with_map)
+    assert all("bitexact" in cases[i][2] for i, d in with_map.items() if not _mixed(d)), out[-3000:]
+    n_q = {optest.field(d, "n_q") for d in with_map.values()}
+    assert {1, 7, 64, 512} <= n_q
+    split_kv = [d for d in with_map.values() if optest.field(d, "n_q") == 1 and "K=f16/f16 V=f16/f16" in d]
+    assert any(optest.field(d, "n_kv") >= 1024 for d in split_kv)  # split-KV decode, chunks of several blocks
+    assert {re.search(r"mask=(\w+)", d).group(1) for d in with_map.values()} == {"none", "causal", "holes", "rows"}
+    flags = set().union(*(optest.flags(d) for d in with_map.values()))
+    assert {"sinks", "softcap", "alibi", "ne3=2", "q-perm"} <= flags
+    assert any(_mixed(d) for d in with_map.values()) and any(optest.field(d, "gqa") > 1 for d in with_map.values())
+    lines = [cases[i][2] for i in with_map]
+    assert sum(bool(re.search(r" runs=[1-4] ", line)) for line in lines) >= 200  # with tail runs
+    assert sum(" runs=0 " in line for line in lines) >= 200                        # and without
+    # no block resident, and every block (no tail)
+    assert any(" map=0/" in line for line in lines) and any(re.search(r" map=(\d+)/\1 ", line) for line in lines)
+
+
+def test_a_swapped_block_map_is_caught(map_runs):
+    """--map-wrong: the op's map swaps logical blocks 0 and 1 while K/V and mask stay those of the true map. Each key
+    keeps its mask column, so that is a permutation of the keys, which the CPU's bit-identity sees where a row of a
+    same-type case sees keys of both blocks: exactly those cases fail (computed here from the case line), every other
+    case passes (mixed types, whose bound cannot see an order; cases whose mask hides block 1 from every row)."""
+    cases, out = map_runs["--map-wrong"]
+    base, _ = map_runs["--map"]
+    assert cases.keys() == base.keys()
+    must_fail = {i for i, (d, _, _) in cases.items() if optest.map_swap_visible(d)}
+    caught = {i for i, (_, _, line) in cases.items() if line.endswith(optest.CAUGHT)}
+    assert caught == must_fail, (sorted(caught - must_fail)[:10], sorted(must_fail - caught)[:10])
+    assert all(ok for _, ok, _ in cases.values()), out[-3000:]
+    # both sides well populated, same-type mapped cases among those that must pass
+    same_clean = [i for i, (d, _, _) in cases.items() if optest.mapped(d) and not _mixed(d) and i not in must_fail]
+    assert len(must_fail) >= 400 and len(same_clean) >= 200, (len(must_fail), len(same_clean))
