@@ -50,6 +50,13 @@ ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uin
                 ggml_row_size(t->type, n_embd_head), t->nb[1], (size_t) rkv_pool.capacity*t->nb[1], 0);
     }
 
+    if (rkv_blocks) {
+        // the pool's slots through the highest in use (the mask's first columns)
+        return ggml_view_4d(ctx, t,
+                n_embd_head, t->ne[0]/n_embd_head, (int64_t) rkv_blk_pool_n()*256, 1,
+                ggml_row_size(t->type, n_embd_head), t->nb[1], t->nb[2], 0);
+    }
+
     // window: the window's cells of every head; head: every cell of the device's heads
     return ggml_view_4d(ctx, t,
             n_embd_head, t->ne[0]/n_embd_head, rkv_head ? n_kv : std::min(n_kv, rkv_wc), ns,
@@ -80,6 +87,9 @@ ggml_tensor * llama_kv_cache::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, 
         }
         return llama_rkv_tail_view(ctx, t, n_embd_head, get_size(), sinfo);
     }
+    if (rkv_blocks) {
+        return llama_rkv_tail_view(ctx, t, n_embd_head, n_kv, sinfo); // a row for every cell, in order
+    }
     if (!rkv_wc || n_kv <= rkv_wc) {
         return nullptr;
     }
@@ -107,7 +117,7 @@ uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
 // reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps,
 // so that the kernels' paths and chunking stay those of the whole key range, at the cost of one block).
 static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv, const llama_ubatch & ubatch,
-        std::vector<uint32_t> & first, std::vector<uint32_t> & n) {
+        const std::vector<int32_t> * blk_slot, std::vector<uint32_t> & first, std::vector<uint32_t> & n) {
     first.clear();
     n.clear();
     if (n_kv <= tail0 || ubatch.n_seqs_unq == 0) {
@@ -122,6 +132,9 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
     std::vector<std::pair<uint32_t, uint32_t>> runs; // [first, end) in tail cells
     for (uint32_t b0 = 0; b0 < n_tail; b0 += block) {
         const uint32_t b1 = std::min(n_tail, b0 + block);
+        if (blk_slot && (*blk_slot)[(tail0 + b0)/block] >= 0) {
+            continue; // block residency: the block is on the device (its tail rows are stale, masked)
+        }
         bool read = false;
         for (uint32_t i = tail0 + b0; i < tail0 + b1 && !read; ++i) {
             read = (cells.seq_get_all(i) & seqs).any(); // an empty cell holds no sequence
@@ -165,6 +178,16 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
     llama_rkv_attn_layout lay;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
     lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
+    if (rkv_blocks) {
+        // the pool's slots in use, then every cell's tail row; of the tail, the blocks the ubatch reads that are not on
+        // the device (llama-kv-cache-blocks.cpp)
+        lay.n_win          = rkv_blk_pool_n()*256;
+        lay.tail_cpu_cells = cpu_cells(n_kv);
+        if (!full && ubatch) {
+            llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n);
+        }
+        return lay;
+    }
 
     const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
     if (rkv_elastic) {
@@ -184,7 +207,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
     }
     if (rkv_split() && ns == 1 && !full && ubatch) {
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
-        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, lay.run_first, lay.run_n);
+        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n);
     }
     if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
         return lay;
@@ -210,7 +233,7 @@ llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs
     if (rkv_graph_cells.size() >= 16) {
         rkv_graph_cells.erase(rkv_graph_cells.begin());
     }
-    rkv_graph_cells.push_back({ k_idxs, {}, {}, rkv_pool.epoch, false });
+    rkv_graph_cells.push_back({ k_idxs, {}, {}, rkv_pool.epoch, false, nullptr });
     return rkv_graph_cells.back();
 }
 
@@ -227,7 +250,9 @@ static std::vector<uint32_t> llama_rkv_runs_of(const llama_rkv_attn_layout & lay
 llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo,
         bool full, const llama_ubatch * ubatch) const {
     llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
-    const llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
+    llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
+    lay.block_map = e.block_map;
+    GGML_ASSERT(!rkv_blocks || lay.block_map);
     e.n_kv       = lay.n_kv;
     e.runs       = llama_rkv_runs_of(lay);
     e.epoch      = rkv_pool.epoch;
@@ -285,11 +310,10 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     // a stream's cells in use on the device (its window) and in host memory (its tail)
     const auto count_cells = [this](uint32_t strm) -> std::pair<uint32_t, uint32_t> {
         const auto & cells = v_cells[strm];
-        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
         uint32_t dev = 0, host = 0;
         for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
             if (!cells.is_empty(i)) {
-                (i < wc ? dev : host) += 1;
+                (!rkv_head && rkv_on_dev(strm, i) ? dev : host) += 1;
             }
         }
         return { rkv_head ? host : dev, host }; // head split: every cell's device heads and host heads
@@ -299,7 +323,7 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     std::vector<std::pair<uint32_t, std::pair<uint32_t, uint32_t>>> cells_of; // (stream, (device, tail) cells in use)
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const uint32_t strm = sinfo.strm[s];
-        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(strm);
+        const uint32_t wc = rkv_head || rkv_blocks ? 0 : rkv_win_cells(strm); // block residency: a tail row per cell
         const auto dh = count_cells(strm);
         const uint32_t host = dh.second;
         cells_of.push_back({ strm, dh });
@@ -338,12 +362,11 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
         seq_dev.assign(n_seq_max, 0);
         seq_tail.assign(n_seq_max, 0);
         const auto & cells = v_cells[0];
-        const uint32_t wc = rkv_head ? 0 : rkv_win_cells(0);
         for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
             if (cells.is_empty(i)) {
                 continue;
             }
-            auto & to = i < wc ? seq_dev : seq_tail;
+            auto & to = !rkv_head && rkv_on_dev(0, i) ? seq_dev : seq_tail;
             if (cells.seq_count(i) == 1) {
                 to[cells.seq_get(i)] += 1;
                 continue;
@@ -465,8 +488,16 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
     ggml_format_name(tail, "%s (tail)",   name);
     rkv_idx_views[idxs] = { win, tail };
 
+    // block residency: the graph's block map, an input set with the k indices (rkv_set_input_idxs)
+    ggml_tensor * map = nullptr;
+    if (rkv_blocks && strcmp(name, "attn_inp_k_idxs") == 0) {
+        map = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) rkv_blk_slot.size());
+        ggml_set_input(map);
+        ggml_set_name(map, "attn_inp_rkv_block_map");
+    }
+
     // a graph built now holds the windows of now (elastic windows: rkv_can_reuse compares them)
-    rkv_graph_note(idxs) = { idxs, {}, {}, rkv_pool.epoch, false };
+    rkv_graph_note(idxs) = { idxs, {}, {}, rkv_pool.epoch, false, map };
 
     return idxs;
 }
@@ -483,6 +514,22 @@ void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * 
     const int64_t rows_t  = (int64_t) get_size() - rkv_tail_first + 1; // tail rows per stream (last: trash)
     // elastic windows: the pool's trash row is the last row of all slabs
     const int64_t trash_pool = (int64_t) n_stream*rows_w - 1;
+
+    if (rkv_blocks) {
+        // a token's window row is its block's slot's (or the trash row), its tail row its cell (or the trash row)
+        for (uint32_t i = 0; i < sinfo.size(); ++i) {
+            const int64_t cell = sinfo.idxs[0][i];
+            const int32_t slot = rkv_blk_slot[cell/256];
+            data[i]            = slot >= 0 ? (int64_t) slot*256 + cell % 256 : rkv_wc;
+            data[n_tokens + i] = slot >= 0 ? rows_t - 1 : cell;
+        }
+        for (const auto & e : rkv_graph_cells) {
+            if (e.k_idxs == dst && e.block_map && e.block_map->buffer) {
+                rkv_blk_set_input_map(e.block_map);
+            }
+        }
+        return;
+    }
 
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         const int64_t strm = sinfo.strm[s];
@@ -518,7 +565,21 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
 
     const uint32_t kv_size = get_size();
 
+    // the pieces to rotate: (tensor, first cell, cells, byte offset of the first cell's row)
+    struct piece { ggml_tensor * t; uint32_t s, first, n_cell; size_t row0; };
+    std::vector<piece> pieces;
     for (uint32_t s = 0; s < n_stream; ++s) {
+        if (rkv_blocks) {
+            // each slot's block in the window, and every cell's tail row (those of blocks on the device are stale:
+            // rotated for nothing, overwritten when the block is demoted)
+            for (uint32_t slot = 0; slot < rkv_slot_blk.size(); ++slot) {
+                if (rkv_slot_blk[slot] >= 0) {
+                    pieces.push_back({ layer.k, s, (uint32_t) rkv_slot_blk[slot]*256, 256, (size_t) slot*256*layer.k->nb[1] });
+                }
+            }
+            pieces.push_back({ layer.k_tail, s, 0, kv_size, 0 });
+            continue;
+        }
         const uint32_t wc = rkv_head ? 0 : rkv_win_cells(s);
         for (int part = 0; part < 2; ++part) {
             // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's heads
@@ -529,6 +590,16 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
                 continue;
             }
             const size_t row0 = rkv_head ? s*t->nb[2] : part == 0 ? rkv_win_off(t, s, 0) : rkv_tail_off(t, s, first);
+            pieces.push_back({ t, s, first, n_cell, row0 });
+        }
+    }
+    for (const piece & pc : pieces) {
+        {
+            ggml_tensor *  t      = pc.t;
+            const uint32_t s      = pc.s;
+            const uint32_t first  = pc.first;
+            const uint32_t n_cell = pc.n_cell;
+            const size_t   row0   = pc.row0;
 
             ggml_tensor * k = ggml_view_3d(ctx, t,
                     n_rot, t->ne[0]/n_embd_head_k, n_cell,
@@ -594,6 +665,10 @@ bool llama_kv_cache_context::rkv_can_reuse(const ggml_tensor * k_idxs) const {
 
 bool llama_kv_cache_context::rkv_is_head_split() const {
     return kv->rkv_head_split();
+}
+
+uint32_t llama_kv_cache_context::rkv_mask_cols() const {
+    return kv->rkv_mask_cols(n_kv);
 }
 
 void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {

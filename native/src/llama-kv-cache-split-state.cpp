@@ -165,6 +165,18 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
             }
             if (rkv_head) {
                 llama_rkv_write_heads(io, win, tail, strm, cr.data);
+            } else if (rkv_blocks) {
+                // one type: the rows of an unsplit cache, each block's from where it lives
+                llama_rkv_write_rows_header(io, win->type, win->nb[1]);
+                for (const auto & range : cr.data) {
+                    for (uint32_t c = range.first; c < range.second; ) {
+                        const uint32_t c1  = std::min(range.second, (c/256 + 1)*256);
+                        const bool     dev = rkv_on_dev(strm, c);
+                        io.write_tensor(dev ? win : tail, dev ? rkv_win_off(win, strm, c) : rkv_tail_off(tail, strm, c),
+                                (size_t) (c1 - c)*win->nb[1]);
+                        c = c1;
+                    }
+                }
             } else {
                 llama_rkv_write_window(io, win, tail, rkv_win_cells(strm), cr.data,
                         [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
@@ -455,11 +467,11 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
     return ok;
 }
 
-// cell_count rows of one layer's K or V from the state into a window split's window win and tail tail (cells [0, wc) of
+// cell_count rows of one layer's K or V from the state into a window split's window win and tail tail (cells on_dev(c) of
 // the stream in the window, at win_off(c) and tail_off(c)), at destination cells idxs: an unsplit state or a window
 // split's mixed one, converted through f32 where the types differ; a head split's state with two types is refused
-template <typename F, typename G>
-static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc, uint32_t cell_count,
+template <typename D, typename F, typename G>
+static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_tensor * tail, D on_dev, uint32_t cell_count,
         const std::vector<uint32_t> & idxs, int32_t il, const char * what, F win_off, G tail_off) {
     const int64_t n_embd = win->ne[0];
 
@@ -498,12 +510,14 @@ static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_
         uint32_t i = i0;
         while (i < i0 + n) {
             const uint32_t c0      = idxs[i];
-            const bool     in_tail = c0 >= wc;
+            const bool     in_tail = !on_dev(c0);
             ggml_tensor *  dst_t   = in_tail ? tail : win;
 
-            // extend the run while the destination cells stay consecutive in the same region
+            // extend the run while the destination cells stay consecutive in the same region, and their rows too (block
+            // residency: consecutive blocks may sit in any slots)
             uint32_t j = i + 1;
-            while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && (idxs[j] >= wc) == in_tail) {
+            while (j < i0 + n && idxs[j] == idxs[j - 1] + 1 && !on_dev(idxs[j]) == in_tail &&
+                   (in_tail || idxs[j] % 256 != 0 || win_off(idxs[j]) == win_off(idxs[j - 1]) + win->nb[1])) {
                 ++j;
             }
             const uint32_t n_run = j - i;
@@ -580,7 +594,7 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
             const char * what = kv == 0 ? "key" : "value";
             const bool ok = rkv_head
                 ? llama_rkv_read_heads(io, win, tail, strm, cell_count, idxs, layer.il, what)
-                : llama_rkv_read_window(io, win, tail, rkv_win_cells(strm), cell_count, idxs, layer.il, what,
+                : llama_rkv_read_window(io, win, tail, [&](uint32_t c) { return rkv_on_dev(strm, c); }, cell_count, idxs, layer.il, what,
                         [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             if (!ok) {
                 return false;
@@ -609,10 +623,10 @@ void llama_kv_cache::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo
                 }
                 continue;
             }
-            const uint32_t wc = rkv_win_cells(strm);
             for (const uint32_t c : sinfo.idxs[0]) {
-                ggml_tensor * t = c < wc ? win : tail;
-                llama_clear_tensor_data(t, c < wc ? rkv_win_off(t, strm, c) : rkv_tail_off(t, strm, c), t->nb[1]);
+                const bool dev = rkv_on_dev(strm, c);
+                ggml_tensor * t = dev ? win : tail;
+                llama_clear_tensor_data(t, dev ? rkv_win_off(t, strm, c) : rkv_tail_off(t, strm, c), t->nb[1]);
             }
         }
     }

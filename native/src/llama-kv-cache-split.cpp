@@ -186,7 +186,9 @@ static void llama_rkv_log_plan(const char * func, const llama_rkv_state & st, ui
                 "K %s/%s, V %s/%s (window/tail): %s\n", func, wc, kv_size - wc, n_stream,
                 ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
                 st.reason.c_str());
-        if (elastic) {
+        if (st.blocks) {
+            LLAMA_LOG_INFO("%s: rolling KV: block residency, %u device slots of 256 cells that follow the load\n", func, wc/256);
+        } else if (elastic) {
             LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", func, n_stream*wc);
         } else if (n_stream > 1) {
             LLAMA_LOG_INFO("%s: rolling KV: static windows (%s)\n", func, st.windows_reason.c_str());
@@ -246,12 +248,23 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
             type_k != tk || type_v != tv                                 ? "the tail's types differ from the window's (a move would convert rows)" :
             llama_rkv_one_op_streams()                                   ? "ROLLINGKV_DEBUG_ONE_OP_STREAMS=1" : nullptr;
         rkv_elastic    = why_static == nullptr;
-        rkv_tail_first = rkv_elastic ? 0 : wc;
+        // one stream holding several sequences (a unified cache): its 256-cell blocks follow the load instead
+        // (llama-kv-cache-blocks.cpp), under the same conditions but the stream count
+        rkv_blocks = n_stream == 1 && st.n_seq_max > 1 && wc % 256 == 0 && kv_size % 256 == 0 &&
+                     st.req.windows != LLAMA_KV_WINDOWS_STATIC && type_k == tk && type_v == tv && !llama_rkv_one_op_streams();
+        if (rkv_blocks) {
+            why_static = nullptr;
+        }
+        rkv_tail_first = rkv_elastic || rkv_blocks ? 0 : wc;
+        st.blocks         = rkv_blocks;
         st.elastic        = rkv_elastic;
         st.pool_cells     = rkv_elastic ? n_stream*wc : 0;
         st.windows_reason = why_static ? why_static : "";
         if (rkv_elastic) {
             rkv_pool.init(n_stream, kv_size, n_stream*wc);
+        }
+        if (rkv_blocks) {
+            rkv_blk_init(wc);
         }
     }
     rkv_dev_heads.assign(hparams.n_layer_all, 0);
@@ -367,6 +380,11 @@ uint32_t llama_kv_cache::rkv_win_cells(uint32_t strm) const {
 }
 
 size_t llama_kv_cache::rkv_win_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
+    if (rkv_blocks) {
+        const int32_t slot = rkv_blk_slot[cell/256];
+        GGML_ASSERT(slot >= 0);
+        return ((size_t) slot*256 + cell % 256)*t->nb[1];
+    }
     // elastic: the stream's window in the pool (the rows of all slabs); static: the stream's own slab
     const size_t row0 = rkv_elastic ? rkv_pool.base[strm] : (size_t) strm*t->ne[1];
     return (row0 + cell)*t->nb[1];
@@ -515,7 +533,11 @@ void llama_kv_cache::rkv_begin_batch(const slot_info_vec_t & sinfos) {
     llama_rkv_pool_begin_batch(rkv_pool, in_batch);
 }
 
-void llama_kv_cache::rkv_rebalance(const slot_info & sinfo) {
+void llama_kv_cache::rkv_rebalance(const slot_info & sinfo, const llama_ubatch & ubatch) {
+    if (rkv_blocks) {
+        rkv_blk_rebalance(sinfo, ubatch);
+        return;
+    }
     if (!rkv_elastic) {
         return;
     }

@@ -339,6 +339,7 @@ struct llama_rkv_state {
     // elastic windows (llama-kv-window-pool.h): the streams' device cells are one pool of pool_cells
     bool     elastic    = false;
     uint32_t pool_cells = 0;
+    bool     blocks     = false; // one stream's 256-cell blocks follow the load instead (llama-kv-cache-blocks.cpp)
     std::string windows_reason; // why the windows are static (a window split only)
 
     std::shared_ptr<llama_rkv_live> live = std::make_shared<llama_rkv_live>();

@@ -38,6 +38,11 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
         }
         ggml_streaming_flash_attn_set_tail_runs(cur, n_runs, first, n);
     }
+    if (runs && runs->block_map) {
+        // the logical keys are the tail's rows (a row for every cell): one map entry per 256 of them
+        GGML_ASSERT(k_tail && k_tail->ne[1] % 256 == 0 && k_tail->ne[1]/256 <= runs->block_map->ne[0]);
+        ggml_streaming_flash_attn_set_block_map(cur, ggml_view_1d(ctx, runs->block_map, k_tail->ne[1]/256, 0));
+    }
     return cur;
 }
 

@@ -27,6 +27,9 @@ struct llama_rkv_attn_layout {
     // blocks hold only other sequences' cells, or none: masked for every query, neither streamed nor attended
     std::vector<uint32_t> run_first;
     std::vector<uint32_t> run_n;
+    // block residency (a unified cache's blocks move, llama-kv-cache-blocks.cpp): the graph's block map input, I32
+    // [kv_size/256] (logical block -> physical block of [window pool ; tail]); the op takes its first n_kv/256 entries
+    ggml_tensor * block_map = nullptr;
 };
 
 // test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
@@ -42,6 +45,7 @@ struct llama_rkv_graph_note {
     std::vector<uint32_t> runs;    // the one op's tail runs, (first, n) pairs (llama_rkv_attn_layout::run_first/run_n)
     uint64_t epoch = 0;            // llama_rkv_window_pool::epoch when built
     bool per_stream = false;
+    ggml_tensor * block_map = nullptr; // block residency: the graph's block map input (llama_rkv_attn_layout::block_map)
 };
 
 // attention over a split layer: like llm_graph_context::build_attn_mha's flash-attention branch, over the

@@ -116,11 +116,12 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
 static std::string llama_rkv_json_windows(const llama_rkv_state * st) {
     std::string res;
     if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
-        res += std::string(",\"windows\":{\"policy\":") + (st->elastic ? "\"elastic\"" : "\"static\"");
+        res += std::string(",\"windows\":{\"policy\":") + (st->blocks ? "\"blocks\"" : st->elastic ? "\"elastic\"" : "\"static\"");
         res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" : "elastic");
         res += ",\"pool_cells\":" + std::to_string(st->elastic ? st->pool_cells : st->window_cells*st->n_stream);
-        res += ",\"reason\":" + llama_rkv_json_str(st->elastic ? "the streams' device cells are one pool that follows the load" :
-                                                                   st->windows_reason) + "}";
+        res += ",\"reason\":" + llama_rkv_json_str(
+                st->blocks  ? "one stream's 256-cell blocks move between the device and the host with the load" :
+                st->elastic ? "the streams' device cells are one pool that follows the load" : st->windows_reason) + "}";
     }
     return res;
 }
@@ -564,7 +565,8 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
         snprintf(tmp, sizeof(tmp),
                 ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64 ",\"promoted_cells\":%" PRIu64
                 ",\"demoted_cells\":%" PRIu64 ",\"relocated_cells\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"ms\":%.3f}",
-                st->elastic ? "elastic" : "static", st->elastic ? st->pool_cells : st->window_cells*st->n_stream,
+                st->blocks ? "blocks" : st->elastic ? "elastic" : "static",
+                st->elastic ? st->pool_cells : st->window_cells*st->n_stream,
                 lv.rebalances, lv.promoted_cells, lv.demoted_cells, lv.relocated_cells, lv.moved_bytes, lv.move_ms);
         res += tmp;
         res += ",\"slots\":[";

@@ -1,0 +1,169 @@
+"""Block residency in one unified cache (llama-server's default): the window is a pool of 256-cell slots, and between
+ubatches the blocks the ubatch writes and reads take free slots, or the slots of blocks no one read lately (demoted to
+their tail rows). Teacher-forced logits on the demo model after moves both ways are bit-identical to the resident
+unified cache under the same batches (the op attends the logical keys in order through its block map), the stats count
+the moves, and a move that gets one K row wrong is caught.
+
+It can fail: a promotion that copies the wrong rows, a block map that does not follow the slots, a mask whose columns
+are not those of the pool's and the tail's rows, or a CPU forward that attends in the physical order all change the
+logits (the must-fail control below perturbs one row per promotion; the op test's --map-wrong cases swap two blocks of
+the map: tests/test_ops_must_fail.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import LIB_PRELUDE, run_python
+from test_gpu import cuda_build, synth_model  # noqa: F401 (the GPU tests' fixtures: skipped without a GPU and a CUDA build)
+
+pytestmark = pytest.mark.build
+
+# A unified cache of 4096 cells, window 768 (3 slots), ubatches of 256. Sequence 0 (300 tokens) and 1 (600) are
+# prefilled and decode together; sequence 2 (500) is prefilled and decodes alone for 40 steps, long enough for the blocks
+# only 0 and 1 read to go idle and give their slots up (demotions) to 2's; 0 and 1 come back and decode (their blocks
+# promoted from the tail as slots free up: 2 is removed, a hole); sequence 3 is prefilled into the hole; everyone
+# decodes. Logits of the last four tokens of every prefill and of every decode step are kept.
+_BODY = """
+import numpy as np
+mp = llama_cpp.llama_model_default_params()
+mp.n_gpu_layers = int(os.environ.get("RKV_TEST_NGL", "0"))
+model = llama_cpp.llama_model_load_from_file(os.environ["RKV_TEST_MODEL"].encode(), mp)
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx = 4096; cp.n_batch = 512; cp.n_ubatch = 256; cp.flash_attn_type = 1
+cp.n_threads = 2; cp.n_threads_batch = 2; cp.n_seq_max = 4; cp.kv_unified = True
+kw = json.loads(os.environ["RKV_TEST_KW"])
+ctx = ext.init_context(model, cp, ext.make_params(**kw))
+assert ctx, ext.last_error()
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+toks = [[(i * 37 + 11 + 101 * s) % 20000 + 100 for i in range(2000)] for s in range(4)]
+pos = [0, 0, 0, 0]
+logits, steps = [], []
+def decode(label, items):  # items: (seq, token, want_logits); each item takes its sequence's next position
+    b = llama_cpp.llama_batch_init(len(items), 0, 1)
+    for i, (s, t, lg) in enumerate(items):
+        b.token[i] = t; b.pos[i] = pos[s]; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
+        pos[s] += 1
+    b.n_tokens = len(items)
+    assert llama_cpp.llama_decode(ctx, b) == 0
+    n_out = sum(1 for it in items if it[2])
+    out = llama_cpp.llama_get_logits(ctx)
+    logits.append(np.ctypeslib.as_array(out, shape=(n_out * n_vocab,)).copy())
+    llama_cpp.llama_batch_free(b)
+    steps.append({"label": label, "stats": ext.stats(ctx)})
+def prefill(s, n):
+    for c0 in range(0, n, 512):
+        c1 = min(n, c0 + 512)
+        decode(f"prefill {s}", [(s, toks[s][pos[s]], i >= n - 4) for i in range(c0, c1)])
+def step(label, seqs):
+    decode(label, [(s, toks[s][pos[s]], True) for s in seqs])
+prefill(0, 300)
+prefill(1, 600)
+for _ in range(3):
+    step("decode 0 1", [0, 1])
+prefill(2, 500)
+for _ in range(40):
+    step("decode 2", [2])
+for _ in range(3):
+    step("decode 0 1 again", [0, 1])
+mem = llama_cpp.llama_get_memory(ctx)
+assert llama_cpp.llama_memory_seq_rm(mem, 2, -1, -1)
+pos[2] = 0
+for _ in range(3):
+    step("decode 0 1 (2 removed)", [0, 1])
+prefill(3, 400)
+for _ in range(3):
+    step("decode 0 1 3", [0, 1, 3])
+np.save(os.environ["RKV_TEST_OUT"], np.concatenate(logits))
+print(json.dumps({"plan": ext.plan(ctx), "steps": steps}))
+"""
+
+
+def _run(build, model, tmp_path, name, kw, ngl=0, **env):
+    out = tmp_path / f"{name}.npy"
+    r = run_python(LIB_PRELUDE + _BODY, build.lib_dir, timeout=900,
+                   env_extra={"RKV_TEST_MODEL": str(model), "RKV_TEST_KW": json.dumps(kw), "RKV_TEST_OUT": str(out),
+                              "RKV_TEST_NGL": str(ngl), **env})
+    return r, np.load(out)
+
+
+BLOCKS = dict(mode="window", window_cells=768)
+
+
+@pytest.fixture(scope="module")
+def resident(cpu_build, demo_model, tmp_path_factory):
+    return _run(cpu_build, demo_model, tmp_path_factory.mktemp("resident"), "resident", dict(mode="off"))
+
+
+@pytest.fixture(scope="module")
+def blocks(cpu_build, demo_model, tmp_path_factory):
+    return _run(cpu_build, demo_model, tmp_path_factory.mktemp("blocks"), "blocks", BLOCKS)
+
+
+def _moves(r):
+    return r["steps"][-1]["stats"]["moves"]
+
+
+def test_blocks_after_moves_both_ways_equal_the_resident_unified_cache_bit_for_bit(resident, blocks):
+    (ref_r, ref), (r, got) = resident, blocks
+    assert ref_r["plan"]["mode_chosen"] == "off" and not ref_r["plan"]["split"]  # the reference is the upstream cache
+    assert r["plan"]["split"] and r["plan"]["n_stream"] == 1
+    assert r["plan"]["windows"]["policy"] == "blocks", r["plan"]["windows"]
+    moves = _moves(r)
+    # the path ran: blocks moved both ways
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0 and moves["bytes"] > 0, moves
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
+
+
+def test_blocks_follow_the_load(blocks):
+    """A new request's prefill lands on the device while its blocks fit; an idle sequence's blocks go to the host for an
+    active one's; at every step the device holds at most the pool (3 slots of 256 cells)."""
+    r, _ = blocks
+    steps = r["steps"]
+    seqs = lambda i: {q["seq"]: q for q in steps[i]["stats"]["seqs"]}  # noqa: E731
+    first = [i for i, s in enumerate(steps) if s["label"] == "prefill 0"][-1]
+    assert seqs(first)[0]["device_cells"] == 300 and seqs(first)[0]["tail_cells"] == 0
+    # after 40 lone steps of sequence 2, its cells are all on the device and 0's and 1's idle blocks gave way
+    lone = [i for i, s in enumerate(steps) if s["label"] == "decode 2"][-1]
+    assert seqs(lone)[2]["tail_cells"] == 0, seqs(lone)
+    assert _moves({"steps": steps[: lone + 1]})["demoted_cells"] > 0
+    for i, s in enumerate(steps):
+        assert sum(q["device_cells"] for q in s["stats"]["seqs"]) <= 3 * 256 * 2, (i, s["stats"]["seqs"])
+
+
+def test_a_perturbed_move_is_caught(cpu_build, demo_model, tmp_path, resident):
+    """Must-fail control: one K row written wrong by every promotion changes the logits."""
+    r, got = _run(cpu_build, demo_model, tmp_path, "perturbed", BLOCKS, ROLLINGKV_DEBUG_PERTURB_MOVE="1")
+    assert _moves(r)["promoted_cells"] > 0
+    assert not np.array_equal(got, resident[1])
+
+
+@pytest.mark.gpu
+def test_blocks_on_the_gpu_move_both_ways_and_stream_only_host_blocks(cuda_build, synth_model, tmp_path):
+    """The same load offloaded, on the small synthetic model: blocks move both ways through the device's copies, the
+    logits stay within 2x the resident run's own distance to itself at another ubatch size (a GPU ignores the block map:
+    it attends the pool's and the tail's keys in their own order, the mask hiding the stale ones), and at every step the
+    bytes the CUDA copy plan issued equal the cache's account of the runs, which leave out the blocks on the device."""
+    from test_gpu import _mean_tv
+
+    _, ref = _run(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"), ngl=99)
+    floor_body = _BODY.replace("cp.n_ubatch = 256", "cp.n_ubatch = 128")
+    out = tmp_path / "floor.npy"
+    run_python(LIB_PRELUDE + floor_body, cuda_build.lib_dir, timeout=900,
+               env_extra={"RKV_TEST_MODEL": str(synth_model), "RKV_TEST_KW": json.dumps(dict(mode="off")),
+                          "RKV_TEST_OUT": str(out), "RKV_TEST_NGL": "99"})
+    floor_run = np.load(out)
+    r, got = _run(cuda_build, synth_model, tmp_path, "blocks", dict(BLOCKS, tail_cpu_frac=0), ngl=99)
+    assert r["plan"]["windows"]["policy"] == "blocks"
+    moves = _moves(r)
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0, moves
+    assert np.isfinite(got).all() and got.shape == ref.shape
+    tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
+    print(f"unified blocks vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}; moves {moves}")
+    assert floor > 0 and tv <= 2 * floor, (tv, floor)
+    for s in r["steps"]:
+        st, last = s["stats"], s["stats"]["last"]
+        assert st["plan_streamed"]["last_bytes"] == last["streamed_bytes"] == last["tail_bytes"], (s["label"], st)
