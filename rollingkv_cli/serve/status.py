@@ -71,7 +71,11 @@ def residency_from_stats(stats: dict | None) -> str | None:
         text += f", {(plan.get('last_bytes') or 0) / mib:.0f} MiB issued by the copy plan"
     text += ")"
     promoted, demoted = moves.get("promoted_cells") or 0, moves.get("demoted_cells") or 0
-    moved_text = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail" if promoted or demoted else ""
+    moved_text = ""
+    if (promoted or demoted) and stats.get("windows") == "blocks":  # a unified cache's 256-cell blocks
+        moved_text = f"; blocks moved {int(promoted) // 256} to the device, {int(demoted) // 256} to the tail"
+    elif promoted or demoted:
+        moved_text = f"; windows moved {int(promoted)} cells to the device, {int(demoted)} to the tail"
     return f"slot cells device+tail {cells or 'none in use'}; {text}{moved_text}"
 
 

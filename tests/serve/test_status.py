@@ -32,3 +32,15 @@ def test_several_streams_keep_their_per_slot_cells():
                                       {"stream": 1, "device_cells": 256, "tail_cells": 700, "window_cells": 256}],
              "seqs": [], "last": {}}
     assert "slot cells device+tail 0: 100+0, 1: 256+700;" in residency_from_stats(stats)
+
+
+def test_block_moves_of_a_unified_cache_are_counted_in_blocks():
+    """Block residency (windows "blocks"): the moves are whole 256-cell blocks, said as blocks both ways; elastic
+    windows keep their cell counts."""
+    stats = {"split": True, "windows": "blocks", "slots": [{"stream": 0, "device_cells": 512, "tail_cells": 300}],
+             "seqs": [{"seq": 1, "device_cells": 512, "tail_cells": 300}], "last": {},
+             "moves": {"promoted_cells": 3 * 256, "demoted_cells": 2 * 256}}
+    line = residency_from_stats(stats)
+    assert line.endswith("; blocks moved 3 to the device, 2 to the tail"), line
+    stats["windows"] = "elastic"
+    assert residency_from_stats(stats).endswith("; windows moved 768 cells to the device, 512 to the tail")
