@@ -139,3 +139,19 @@ def test_a_perturbed_tail_is_caught(cpu_build, demo_model, tmp_path, resident):
     _, got = _run(cpu_build, demo_model, tmp_path, "perturbed", dict(mode="window", window_cells=256),
                   ROLLINGKV_DEBUG_PERTURB_TAIL="1e-3")
     assert not np.array_equal(got, resident[1])
+
+
+def test_elastic_windows_with_a_q8_0_tail_move_within_its_loss(cpu_build, demo_model, tmp_path, resident):
+    """A tail of another type no longer keeps the windows static: a demotion quantizes the rows into the tail's type, a
+    promotion dequantizes them. Against the resident cache, the moves cost no more than the q8_0 tail does with static
+    windows (mean TV at most 1.25x)."""
+    from test_unified_blocks import _tv
+
+    q8 = dict(type_k_tail="q8_0", type_v_tail="q8_0")
+    r, got = _run(cpu_build, demo_model, tmp_path, "elastic-q8", dict(mode="window", window_cells=256, **q8))
+    assert r["plan"]["windows"]["policy"] == "elastic", r["plan"]["windows"]
+    moves = r["stats"][-1]["moves"]
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0, moves
+    _, static = _run(cpu_build, demo_model, tmp_path, "static-q8", dict(mode="window", window_cells=256, windows="static", **q8))
+    base, tv = _tv(static, resident[1]).mean(), _tv(got, resident[1]).mean()
+    assert base > 0 and tv <= 1.25 * base, (tv, base)

@@ -16,8 +16,8 @@
 //
 // Cells never move: find_slot, the cells' metadata and the mask stay those of the resident cache. The op attends the
 // logical keys in their order through a block map (ggml_streaming_flash_attn_set_block_map): on the CPU the result is
-// bit-identical to the resident cache's under the same batches. Moves are byte copies between rows of one type (block
-// residency needs the window's types in the tail), exact.
+// bit-identical to the resident cache's under the same batches. Moves between rows of one type are byte copies, exact;
+// a tail of another type (a quantized one) is written by quantizing the block and read back by dequantizing it.
 #include "llama-kv-cache.h"
 
 #include "llama-impl.h"
@@ -31,20 +31,21 @@
 
 static const uint32_t LLAMA_RKV_BLK      = 256; // cells per block (the streamed chunks' alignment)
 
-// test lever ROLLINGKV_DEBUG_PERTURB_MOVE=1: every promotion writes the K row of the block's first cell over its second
-// one's on the device (a move that gets one row wrong), for the must-fail control of the block tests
-static bool llama_rkv_blk_perturb_move() {
-    static const bool v = [] {
+// test lever ROLLINGKV_DEBUG_PERTURB_MOVE, for the must-fail controls of the block tests: 1, every promotion writes the K
+// row of the block's first cell over its second one's on the device (one row wrong); 2, every promotion writes the
+// block's K rows one cell off (an offset bug: row i takes row i + 1's data)
+static int llama_rkv_blk_perturb_move() {
+    static const int v = [] {
         const char * e = getenv("ROLLINGKV_DEBUG_PERTURB_MOVE");
-        if (e && *e && strcmp(e, "1") != 0) {
-            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=%s is not 1: ignored\n", e);
+        const int x = e && (strcmp(e, "1") == 0 || strcmp(e, "2") == 0) ? atoi(e) : 0;
+        if (e && *e && x == 0) {
+            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=%s is neither 1 nor 2: ignored\n", e);
         }
-        const bool on = e && strcmp(e, "1") == 0;
-        if (on) {
-            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=1: every block promotion corrupts one K row on purpose, so the "
-                           "outputs are WRONG (a test switch: unset it)\n");
+        if (x) {
+            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=%d: every block promotion corrupts K rows on purpose, so the "
+                           "outputs are WRONG (a test switch: unset it)\n", x);
         }
-        return on;
+        return x;
     }();
     return v;
 }
@@ -80,10 +81,13 @@ bool llama_kv_cache::rkv_on_dev(uint32_t strm, uint32_t cell) const {
     return cell < rkv_win_cells(strm);
 }
 
-// one block's rows of every split layer's K and V, between its slot and its tail rows
+// one block's rows of every split layer's K and V, between its slot and its tail rows: a byte copy, or, where the tail
+// has another type, a conversion through f32 on the host (demotion quantizes the block into the tail's type, promotion
+// dequantizes it: the loss of a quantized tail, no more)
 void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) const {
     const uint32_t c0 = blk*LLAMA_RKV_BLK;
     const uint32_t n  = std::min(LLAMA_RKV_BLK, get_size() - c0);
+    static thread_local std::vector<uint8_t> staging;
     for (const auto & layer : layers) {
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -91,16 +95,31 @@ void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
             if (!win) {
                 continue;
             }
-            const size_t row = win->nb[1];
-            GGML_ASSERT(tail && tail->type == win->type && tail->nb[1] == row && ggml_backend_buffer_is_host(tail->buffer));
-            char * host = (char *) tail->data + (size_t) c0*row;
+            const size_t row_w = win->nb[1];
+            const size_t row_t = tail ? tail->nb[1] : 0;
+            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer) && tail->ne[0] == win->ne[0]);
+            char *       host = (char *) tail->data + (size_t) c0*row_t;
+            const size_t off  = (size_t) slot*LLAMA_RKV_BLK*row_w;
+            const bool   same = tail->type == win->type;
+            if (!same) {
+                staging.resize((size_t) n*row_w);
+            }
+            char * rows = same ? host : (char *) staging.data(); // the block's rows in the window's type
             if (promote) {
-                ggml_backend_tensor_set(win, host, (size_t) slot*LLAMA_RKV_BLK*row, (size_t) n*row);
-                if (kv == 0 && n > 1 && llama_rkv_blk_perturb_move()) {
-                    ggml_backend_tensor_set(win, host, ((size_t) slot*LLAMA_RKV_BLK + 1)*row, row);
+                if (!same) {
+                    GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, rows, n, win->ne[0]));
+                }
+                ggml_backend_tensor_set(win, rows, off, (size_t) n*row_w);
+                if (kv == 0 && n > 1 && llama_rkv_blk_perturb_move() == 1) {
+                    ggml_backend_tensor_set(win, rows, off + row_w, row_w);
+                } else if (kv == 0 && n > 1 && llama_rkv_blk_perturb_move() == 2) {
+                    ggml_backend_tensor_set(win, rows + row_w, off, (size_t) (n - 1)*row_w);
                 }
             } else {
-                ggml_backend_tensor_get(win, host, (size_t) slot*LLAMA_RKV_BLK*row, (size_t) n*row);
+                ggml_backend_tensor_get(win, rows, off, (size_t) n*row_w);
+                if (!same) {
+                    GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, rows, host, n, win->ne[0]));
+                }
             }
         }
     }

@@ -35,15 +35,19 @@ static const int32_t LLAMA_RKV_STATE_MIXED = -0x524B56; // "RKV"
 static const int32_t  LLAMA_RKV_STATE_HEADS = -0x524B57;
 static const uint32_t LLAMA_RKV_STATE_CHUNK = 4096;
 
-// cells [from, to) of a stream whose cells [0, wc) are in the window, at win_off(c) and tail_off(c)
-template <typename F, typename G>
-static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
+// cells [from, to) of a stream whose cells on the device (on_dev) come first in the range (static and elastic windows:
+// [0, wc); block residency: a range within one block), at win_off(c) and tail_off(c)
+template <typename D, typename F, typename G>
+static void llama_rkv_write_rows(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, D on_dev,
         uint32_t from, uint32_t to, bool mixed, F win_off, G tail_off) {
     const size_t row_w = win->nb[1];
     const size_t row_t = tail->nb[1];
 
-    const uint32_t w1 = std::min(to, wc);              // window cells [from, w1)
-    const uint32_t t0 = std::max(from, wc);            // tail cells   [t0, to)
+    uint32_t w1 = from;                                // window cells [from, w1)
+    while (w1 < to && on_dev(w1)) {
+        ++w1;
+    }
+    const uint32_t t0 = w1;                            // tail cells   [t0, to)
 
     if (mixed) {
         const uint32_t n_w = w1 > from ? w1 - from : 0;
@@ -123,9 +127,9 @@ static void llama_rkv_write_heads(llama_io_write_i & io, ggml_tensor * dev, ggml
 
 // one layer's K or V of a window split (window win, tail tail; cells [0, wc) of the stream in the window, at win_off(c)
 // and tail_off(c)): its type (or the mixed marker and both types), then the rows of every range
-template <typename F, typename G>
-static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail, uint32_t wc,
-        const std::vector<std::pair<uint32_t, uint32_t>> & ranges, F win_off, G tail_off) {
+template <typename D, typename F, typename G>
+static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggml_tensor * tail,
+        const std::vector<std::pair<uint32_t, uint32_t>> & ranges, D on_dev, F win_off, G tail_off) {
     const bool mixed = win->type != tail->type;
 
     if (!mixed) {
@@ -144,7 +148,7 @@ static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggm
     }
 
     for (const auto & range : ranges) {
-        llama_rkv_write_rows(io, win, tail, wc, range.first, range.second, mixed, win_off, tail_off);
+        llama_rkv_write_rows(io, win, tail, on_dev, range.first, range.second, mixed, win_off, tail_off);
     }
 }
 
@@ -166,27 +170,27 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
             if (rkv_head) {
                 llama_rkv_write_heads(io, win, tail, strm, cr.data);
             } else if (rkv_blocks) {
-                // one type: the rows of an unsplit cache, each block's from where it lives
-                llama_rkv_write_rows_header(io, win->type, win->nb[1]);
+                // each range cut at the blocks, each piece's rows from where its block lives: one type, the rows of an
+                // unsplit cache; two, the pieces as a window split's mixed ranges (a piece is all window or all tail)
+                std::vector<std::pair<uint32_t, uint32_t>> pieces;
                 for (const auto & range : cr.data) {
-                    for (uint32_t c = range.first; c < range.second; ) {
-                        const uint32_t c1  = std::min(range.second, (c/256 + 1)*256);
-                        const bool     dev = rkv_on_dev(strm, c);
-                        io.write_tensor(dev ? win : tail, dev ? rkv_win_off(win, strm, c) : rkv_tail_off(tail, strm, c),
-                                (size_t) (c1 - c)*win->nb[1]);
-                        c = c1;
+                    for (uint32_t c = range.first; c < range.second; c = std::min(range.second, (c/256 + 1)*256)) {
+                        pieces.push_back({ c, std::min(range.second, (c/256 + 1)*256) });
                     }
                 }
+                llama_rkv_write_window(io, win, tail, pieces, [&](uint32_t c) { return rkv_on_dev(strm, c); },
+                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             } else {
-                llama_rkv_write_window(io, win, tail, rkv_win_cells(strm), cr.data,
+                const uint32_t wc = rkv_win_cells(strm);
+                llama_rkv_write_window(io, win, tail, cr.data, [wc](uint32_t c) { return c < wc; },
                         [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             }
         }
     }
 }
 
-// convert n rows of type src_type (row size of n_per_row elements) into dst_type
-static bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row) {
+// convert n rows of type src_type (row size of n_per_row elements) into dst_type (llama-kv-residency.h)
+bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row) {
     const auto * traits = ggml_get_type_traits(src_type);
     if (!traits->to_float && src_type != GGML_TYPE_F32) {
         return false;

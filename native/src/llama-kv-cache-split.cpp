@@ -237,21 +237,18 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     rkv_st = &st;
 
     // elastic windows: the streams' device cells as one pool (llama-kv-window-pool.h), where moving a row between the
-    // window and the tail is a byte copy
+    // window and the tail is a byte copy, or a conversion into the tail's type (auto tail types included: the planner may
+    // choose a quantized tail and the windows still follow the load)
     if (wc) {
-        // the tail types the plan chose (auto tail types resolve in the planner)
-        const ggml_type tk = st.type_k_tail == GGML_TYPE_COUNT ? type_k : st.type_k_tail;
-        const ggml_type tv = st.type_v_tail == GGML_TYPE_COUNT ? type_v : st.type_v_tail;
         const char * why_static =
             n_stream < 2                                                 ? "one stream (a unified cache, or one sequence)" :
             st.req.windows == LLAMA_KV_WINDOWS_STATIC                    ? "static windows requested" :
-            type_k != tk || type_v != tv                                 ? "the tail's types differ from the window's (a move would convert rows)" :
             llama_rkv_one_op_streams()                                   ? "ROLLINGKV_DEBUG_ONE_OP_STREAMS=1" : nullptr;
         rkv_elastic    = why_static == nullptr;
         // one stream holding several sequences (a unified cache): its 256-cell blocks follow the load instead
         // (llama-kv-cache-blocks.cpp), under the same conditions but the stream count
         rkv_blocks = n_stream == 1 && st.n_seq_max > 1 && wc % 256 == 0 && kv_size % 256 == 0 &&
-                     st.req.windows != LLAMA_KV_WINDOWS_STATIC && type_k == tk && type_v == tv && !llama_rkv_one_op_streams();
+                     st.req.windows != LLAMA_KV_WINDOWS_STATIC && !llama_rkv_one_op_streams();
         if (rkv_blocks) {
             why_static = nullptr;
         }
@@ -503,14 +500,24 @@ void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
                 continue;
             }
             const size_t row = win->nb[1];
-            GGML_ASSERT(tail && tail->type == win->type && tail->nb[1] == row && ggml_backend_buffer_is_host(tail->buffer));
+            GGML_ASSERT(tail && tail->ne[0] == win->ne[0] && ggml_backend_buffer_is_host(tail->buffer));
             char * host = (char *) tail->data + rkv_tail_off(tail, c.strm, c.cell0);
+            // a tail of another type: through a staging copy in the window's type, converted on the host
+            const bool same = tail->type == win->type;
+            std::vector<uint8_t> staging(same ? 0 : (size_t) c.n*row);
+            char * rows = same ? host : (char *) staging.data();
             switch (c.kind) {
                 case llama_rkv_pool_copy::DEMOTE:
-                    ggml_backend_tensor_get(win, host, (size_t) c.row_src*row, (size_t) c.n*row);
+                    ggml_backend_tensor_get(win, rows, (size_t) c.row_src*row, (size_t) c.n*row);
+                    if (!same) {
+                        GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, rows, host, c.n, win->ne[0]));
+                    }
                     break;
                 case llama_rkv_pool_copy::PROMOTE:
-                    ggml_backend_tensor_set(win, host, (size_t) c.row_dst*row, (size_t) c.n*row);
+                    if (!same) {
+                        GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, rows, c.n, win->ne[0]));
+                    }
+                    ggml_backend_tensor_set(win, rows, (size_t) c.row_dst*row, (size_t) c.n*row);
                     break;
                 case llama_rkv_pool_copy::RELOCATE:
                     llama_rkv_copy_within(win, (size_t) c.row_src*row, (size_t) c.row_dst*row, (size_t) c.n*row);

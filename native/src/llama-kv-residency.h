@@ -554,5 +554,9 @@ void llama_rkv_heads_whole(llama_rkv_state & st);
 // device bytes of the head split's KV on device di (+ the f16 copy flash attention makes of one layer's device heads)
 size_t llama_rkv_head_dev_bytes(const llama_rkv_state & st, int32_t di);
 
+// n_rows rows of n_per_row elements from src_type into dst_type, through f32 (state I/O, and the moves of rows between a
+// window and a tail of other types); false: a type that cannot be converted so
+bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row);
+
 // the plan's tail-dependent figures at tail types tk/tv (auto tail types)
 void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv);
