@@ -90,6 +90,29 @@ def _cpu_fracs(ctx, param, value: str):
     return out
 
 
+# --preset cpu-small: runs a CPU host finishes in minutes (the defaults are sized for a GPU: bench tail fills 16384 tokens
+# of context three times over a dozen cells, bench load's long request is 24000 tokens). Each value is what the flag
+# would give; a flag given on the command line wins over its preset value.
+TAIL_PRESETS = {"cpu-small": {"depths": (2048,), "n_gen": 8, "reps": 1, "tail_types": ["f16", "q8_0"], "fractions": [0.5, 1.0],
+                              "mixed_fractions": [0.5]}}
+TAIL_PRESET_HELP = "-d 2048 -n 8 -r 1 --tail-types f16,q8_0 --fractions 0.5,1"
+LOAD_PRESETS = {"cpu-small": {"long_sizes": (2048, 32), "short_sizes": (256, 16), "n_short": 2, "n_slots": 3,
+                              "ramp_levels": [1, 2, 3, 2, 1], "ramp_sizes": (1024, 16), "n_requests": 6,
+                              "prompt_range": (200, 2000), "gen_range": (8, 32), "cell_names": ["default", "split", "resident"]}}
+LOAD_PRESET_HELP = ("--long 2048 32 --short 256 16 --shorts 2 -np 3 --cells default,split,resident; ramp: --ramp 1,2,3,2,1 "
+                    "--ramp-size 1024 16; random: --requests 6 --prompt-range 200 2000 --gen-range 8 32")
+
+
+def _preset_values(ctx: click.Context, preset: str | None, table: dict[str, dict]) -> dict:
+    """The command's values with the preset's put in for every parameter not given on the command line."""
+    values = dict(ctx.params)
+    if preset:
+        for name, value in table[preset].items():
+            if ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+                values[name] = value
+    return values
+
+
 def _vanilla_bench(d: Path) -> Path:
     from rollingkv_cli.console import abort
 
@@ -144,9 +167,13 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
+@click.option("--preset", type=click.Choice(sorted(TAIL_PRESETS)), default=None,
+              help=f"A small grid for a CPU host, minutes instead of hours: cpu-small = {TAIL_PRESET_HELP} (a flag given "
+                   "as well wins).")
 @click.pass_context
 def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, cpu_fracs, head_fractions, window_type, vanilla_build,
-         skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
+         skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run,
+         preset) -> None:
     """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
 
     \b
@@ -188,6 +215,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     from rollingkv_cli.userinput import check_native_knobs
 
     check_native_knobs()  # llama-bench's library reads them itself: refused here, not ignored or misread there
+    v = _preset_values(ctx, preset, TAIL_PRESETS)
+    depths, n_gen, reps, tail_types, fractions, mixed_fractions = (
+        v[k] for k in ("depths", "n_gen", "reps", "tail_types", "fractions", "mixed_fractions"))
     if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
         raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
     if not any(t == window_type for t in tail_types) and not mixed_fractions:
@@ -203,10 +233,12 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         head_fractions=head_fractions, window_type=window_type,
         vanilla_bench=_vanilla_bench(vanilla_build) if vanilla_build else None, skip=tuple(skip), threads=threads,
         slot_ring_mib=slot_ring_mib, pcie_bw_gbps=pcie_bw_gbps, gpu_index=gpu_index, cell_timeout=cell_timeout,
-        time_budget=time_budget, out=json_out, dry_run=dry_run, plot=not no_plot)
+        time_budget=time_budget, out=json_out, dry_run=dry_run, plot=not no_plot, preset=preset)
     tail_setup.print_setup(run)
     if dry_run:
-        tail_setup.print_dry_run(run.doc)
+        from rollingkv_cli.bench.tail import estimate_line
+
+        tail_setup.print_dry_run(run.doc, estimate_line(run.cfg, run.info, run.doc["cells"]))
         return
     if json_out and json_out.exists() and not resume:
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
@@ -279,10 +311,14 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The report.  [default: docs/perf/<date>-bench-load-<model>/bench-load.json]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
+@click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
+              help=f"A small load for a CPU host, minutes instead of hours: cpu-small = {LOAD_PRESET_HELP} (a flag given "
+                   "as well wins).")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
+@click.pass_context
+def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
          ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, cell_names, vanilla_ngl, gpu_index,
-         request_timeout, json_out, dry_run, server_args) -> None:
+         request_timeout, json_out, dry_run, preset, server_args) -> None:
     """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
@@ -297,6 +333,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
 
     from rollingkv_cli.lib.residency import ResidencyConflict, ResidencyRequest
 
+    v = _preset_values(ctx, preset, LOAD_PRESETS)
+    (long_sizes, short_sizes, n_short, n_slots, ramp_levels, ramp_sizes, n_requests, prompt_range, gen_range,
+     cell_names) = (v[k] for k in ("long_sizes", "short_sizes", "n_short", "n_slots", "ramp_levels", "ramp_sizes",
+                                   "n_requests", "prompt_range", "gen_range", "cell_names"))
     try:  # the split cells' size: a window or a budget
         ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check(one_size=True)
     except ResidencyConflict as e:
@@ -392,6 +432,13 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     console.print(f"bench load: {mix.name} mix on {model.name}, -np {n_slots} x {ctx_per_slot} cells, "
                   f"{'window ' + str(window) if window else 'vram target ' + str(vram_target) + ' MiB'}; "
                   f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)
+    # what the servers will be sent and how long that may take here, before the first one starts
+    from rollingkv_cli.bench import estimate
+
+    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for st in mix.stages for r in st.reqs], len(todo),
+                                     threads=estimate.server_threads(list(server_args)),
+                                     backend="CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU",
+                                     preset=preset), markup=False, soft_wrap=True)
     if dry_run:
         for st in mix.stages:
             console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" + (f" at {r.at_s:g}s" if st.arrivals else "")

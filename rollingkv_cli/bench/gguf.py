@@ -27,6 +27,7 @@ class ModelInfo:
     tied_output: bool
     sliding_window: int | None = None
     notes: list[str] = field(default_factory=list)
+    matmul_params: int = 0  # weights a token multiplies: the blocks' matrices and the output (token_embd when tied)
 
     @property
     def kv(self) -> KVShape:
@@ -91,7 +92,13 @@ def read_model(path: Path) -> ModelInfo:
 
     blocks = [0] * n_layer
     other: dict[str, int] = {}
+    matmul = {"blk": 0, "output.weight": 0, "token_embd.weight": 0}
     for t in header.tensors:
+        if len(t.dims) >= 2 and (t.name.startswith("blk.") or t.name in matmul):  # norms and biases are vectors
+            n = 1
+            for x in t.dims:
+                n *= int(x)
+            matmul["blk" if t.name.startswith("blk.") else t.name] += n
         m = _BLK.match(t.name)
         if m and int(m.group(1)) < n_layer:
             blocks[int(m.group(1))] += int(t.n_bytes)
@@ -116,4 +123,5 @@ def read_model(path: Path) -> ModelInfo:
     return ModelInfo(path=path, arch=arch, name=str(name), n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
                      head_dim_k=head_dim_k, head_dim_v=head_dim_v,
                      weights=WeightSplit(tuple(blocks), output_bytes, input_bytes), file_bytes=path.stat().st_size,
-                     tied_output=tied, sliding_window=int(sliding) if sliding else None, notes=notes)
+                     tied_output=tied, sliding_window=int(sliding) if sliding else None, notes=notes,
+                     matmul_params=matmul["blk"] + matmul["token_embd.weight" if tied else "output.weight"])
