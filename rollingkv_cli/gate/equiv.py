@@ -156,14 +156,16 @@ class EquivSession:
     token_info: dict = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)
 
-    def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, status=None) -> dict:
+    def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, progress=None) -> dict:
+        """The runner's tokenize child; with a rich Progress (progress()), a "tokens" bar as the decode phases have."""
         from rollingkv_cli.gate import equiv as me
 
         args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens-out", str(self.wd / "tokens.npy"),
                 "--out", str(self.wd / "tokenize.json")]
         args += ["--tokenize", str(prompt_file)] if prompt_file is not None else ["--synthetic", str(synthetic_tokens)]
         self.commands["tokenize"] = runner_cmd(args)
-        tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json")
+        tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json", progress,
+                           "tokens", synthetic_tokens or 0)
         self.tokens = self.wd / "tokens.npy"
         self.n_tokens = int(tok["n_tokens"]) // self.n_seq * self.n_seq  # the runner decodes n_seq equal sequences
         self.n_vocab = int(tok["n_vocab"])

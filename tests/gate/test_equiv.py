@@ -464,6 +464,23 @@ def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
 
 
 @pytest.mark.build
+def test_the_tokenize_phase_shows_a_bar_with_counts(cpu_build, demo_model, tmp_path):
+    """issue 39: the tokenize phase showed a spinner without counts ("tokenizing"), unlike the decode phases' bars. Now
+    it is a bar of the same progress display, with the tokens it found, and it stays in a captured run's output."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    proc = _gate(cpu_build, ["--model", str(demo_model), "--prompt-file", str(prompt), "--ctx", "1024", "--threads", "2",
+                             "--kv-residency-mode", "off"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    n = int(next(ln for ln in lines if " tokens, ctx 1024" in ln).split(": ")[1].split()[0])
+    bar = next(i for i, ln in enumerate(lines) if ln.strip().startswith("tokens "))
+    assert f"{n}/{n} done" in lines[bar], lines[bar]
+    reference = next(i for i, ln in enumerate(lines) if ln.strip().startswith("reference (resident)"))
+    assert bar < reference  # the first phase, shown as the others are
+
+
+@pytest.mark.build
 def test_e2e_unpatched_reference_is_bitwise_identical(cpu_build, unpatched_build, demo_model, tmp_path):
     """Residency mode off on our build == the pin as upstream ships it, bit for bit."""
     VANILLA = unpatched_build.lib_dir
