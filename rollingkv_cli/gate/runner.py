@@ -16,7 +16,7 @@ is used when --residency asks for it) or an unpatched libllama (plain llama_init
 
 Protocol, stdout (one line each; stderr carries llama.cpp's own log):
     STAGE <name>                 what is running now
-    PROGRESS <done> <total>      positions decoded so far
+    PROGRESS <done> <total>      positions decoded so far (tokenize: tokens found of those wanted)
     ERROR <json>                 {"message": ..., "hint": ...}: an expected failure; exit status 1
     RESULT <path>                the JSON result was written to <path>; exit status 0
 """
