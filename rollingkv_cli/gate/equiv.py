@@ -124,7 +124,18 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
         progress.update(task, stage="done" if rc == 0 else "failed")
     if error is not None:
         hint = error.get("hint")
-        abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
+        message = str(error.get("message"))
+        if message.startswith("llama.cpp could not load the model"):  # its reason is in the log: said here, as serve says it
+            from rollingkv_cli.serve.server import model_error_in_log
+
+            try:
+                reason = model_error_in_log(log_path.read_text(errors="replace").splitlines())
+            except OSError:
+                reason = None
+            if reason:
+                message = f"{message}: {reason.split(': ', 1)[1]}"
+                hint = "the file is corrupt or not a model this build runs"
+        abort(f"{role} run: {message}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
     if rc != 0 or not result_path.is_file():
         from rollingkv_cli.lib.builder import log_tail
 
