@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import option
+from rollingkv_cli.cliopts import option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -152,7 +152,7 @@ def _vanilla_bench(d: Path) -> Path:
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
                    "[default: our build with --kv-residency-mode off, bit-identical to upstream]")
 @click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
-@click.option("-t", "--threads", type=int, callback=_positive, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
+@click.option("-t", "--threads", type=int, callback=threads_in_range, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
 @click.option("--slot-ring-mib", type=click.IntRange(min=0), default=None,
               help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $ROLLINGKV_SLOTS x $ROLLINGKV_SLOT_MIB, else 3 x 32]")
 @click.option("--pcie-bw-gbps", type=float, default=None,
@@ -218,11 +218,14 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     v = _preset_values(ctx, preset, TAIL_PRESETS)
     depths, n_gen, reps, tail_types, fractions, mixed_fractions = (
         v[k] for k in ("depths", "n_gen", "reps", "tail_types", "fractions", "mixed_fractions"))
-    if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
-        raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
+    if pcie_bw_gbps is not None and not 0 < pcie_bw_gbps <= 3.4e38:  # inf went into the report as Infinity (not JSON)
+        raise click.BadParameter("must be a positive finite number of GB/s", param_hint="--pcie-bw-gbps")
     if not any(t == window_type for t in tail_types) and not mixed_fractions:
         raise click.UsageError("no cell to run: no tail type equals --window-type and --mixed-fractions is empty")
     for d in depths:
+        if d + n_gen > 2**31 - 1:  # llama-bench's -d is an int: it printed its usage for every cell
+            raise click.BadParameter(f"depth {d} + {n_gen} generated tokens is more than llama-bench's int holds (2147483647)",
+                                     param_hint="--depth")
         if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
             raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
@@ -382,6 +385,15 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                 raise click.BadParameter(f"{r.name} needs {r.prompt + r.gen} tokens, more than the {ctx_per_slot} of a slot",
                                          param_hint="--ctx-per-slot")
 
+    if not (build.manifest.get("options") or {}).get("cuda"):  # a CPU build: every server's cache in host memory
+        from rollingkv_cli.serve.settings import arg_value
+
+        def kv_type(*flags: str) -> str:  # the servers' cache type: llama-server's f16 unless given after `--`
+            return next((v for v in (arg_value(list(server_args), f) for f in flags) if v), "f16")
+
+        gguf.check_host_kv(gguf.read_model(model), n_slots * ctx_per_slot,
+                           [(kv_type("-ctk", "--cache-type-k"), kv_type("-ctv", "--cache-type-v"))],
+                           f"-np {n_slots} x {ctx_per_slot} cells", "lower -np, --ctx-per-slot or the mix's sizes (--preset cpu-small)")
     gpu = None
     try:
         from rollingkv_cli.gate import vram
@@ -477,6 +489,8 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                 task = prog.add_task(f"{c.name}", total=n_req)
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))
+                if rec["status"] == "failed":  # why, now (the table only says "failed")
+                    warn(f"cell {c.name} failed: {rec.get('error')}" + (f" ({rec['hint']})" if rec.get("hint") else ""))
                 doc["cells"].append(rec)
                 tail_runs.write_json(out, doc)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the running cell's server is stopped (run_cell's finally)
@@ -521,6 +535,9 @@ def plot(report: Path, output: Path | None) -> None:
     if not plotting.have_matplotlib():
         abort("matplotlib is not installed", "pip install 'rollingkv[plot]' (or pip install matplotlib)")
     out = output or report.with_suffix(".png")
+    from rollingkv_cli.userinput import check_output_file
+
+    check_output_file(out, "plot")  # a device (-o /dev/full) said "✓ plot: /dev/full"
     try:
         plotting.render(doc, out)
     except OSError as e:

@@ -125,3 +125,26 @@ def read_model(path: Path) -> ModelInfo:
                      weights=WeightSplit(tuple(blocks), output_bytes, input_bytes), file_bytes=path.stat().st_size,
                      tied_output=tied, sliding_window=int(sliding) if sliding else None, notes=notes,
                      matmul_params=matmul["blk"] + matmul["token_embd.weight" if tied else "output.weight"])
+
+
+def check_host_kv(info: ModelInfo, cells: int, types: list[tuple[str, str]], what: str, hint: str) -> None:
+    """Where the whole KV cache is in host memory (a CPU build), refuse before anything starts a cache larger than the
+    host's MemAvailable, counted at the smallest of the K/V type pairs it may use (a split's tail may be smaller than
+    its window): `bench tail -d 2000000000` failed every cell's context one after another, and `serve -c 2000000000`
+    had llama-server killed by the kernel's out-of-memory killer (which may pick another process)."""
+    from rollingkv_cli.hw.hostinfo import mem_available_bytes
+    from rollingkv_cli.lib.units import human_bytes
+
+    avail = mem_available_bytes()
+    sizes = []
+    for k, v in types:
+        try:
+            sizes.append((info.kv.row_bytes(k, v) * cells, k, v))
+        except ValueError:  # a type the model's shape does not take (or auto): said elsewhere, not counted
+            continue
+    if avail is None or not sizes:
+        return
+    need, k, v = min(sizes)
+    if need > avail:
+        abort(f"{what}: the KV cache of {cells} cells ({k}/{v}) alone would take {human_bytes(need)} of memory, and the "
+              f"host has {human_bytes(avail)} available (MemAvailable)", hint)

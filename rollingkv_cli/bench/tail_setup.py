@@ -92,6 +92,12 @@ def prepare(model_spec: str, *, depths: list[int], n_gen: int, reps: int, vanill
     vanilla_desc = (f"unpatched build: {vanilla_bench}" if vanilla_bench else
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
+    if backend == "CPU":
+        from rollingkv_cli.bench import arithmetic
+
+        for d in depths:
+            gguf.check_host_kv(info, arithmetic.kv_size(d, n_gen), [(window_type, window_type)], f"depth {d}",
+                               "lower -d/--depth (--preset cpu-small runs 2048)")
     cpu_fracs = hybrid_fractions(cpu_fracs, cpu_fracs_explicit, backend, build)
     if head_fractions:
         from rollingkv_cli.serve.launch import build_has_head_split

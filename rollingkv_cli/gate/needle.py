@@ -343,6 +343,16 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     if cfg.window_cells is not None and cfg.window_cells >= n_ctx:
         # the context is --ctx or follows from --filler-tokens: a usage error either way
         usage_error(f"--kv-window-cells {cfg.window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
+    if not cfg.build.on_gpu(cfg.n_gpu_layers):  # the whole cache in host memory: one that cannot fit is said now
+        from rollingkv_cli.bench import gguf as model_shape
+
+        try:
+            info = model_shape.read_model(cfg.model)
+        except RollingKVError:  # a shape this reader does not know: llama-server says what it thinks
+            info = None
+        if info is not None:
+            model_shape.check_host_kv(info, n_ctx, [(cfg.ctk, cfg.ctv), (cfg.ctkt or cfg.ctk, cfg.ctvt or cfg.ctv)],
+                                      f"a context of {n_ctx} cells", "lower --filler-tokens (or -c/--ctx-size)")
     filler_src = None
     if cfg.filler_file is not None:
         from rollingkv_cli.userinput import read_text
