@@ -7,6 +7,15 @@ import functools
 
 import click
 
+from rollingkv_cli.lib.limits import MAX_THREADS, MAX_THREADS_WHY
+
+
+def threads_in_range(ctx, param, value):
+    """A click callback: None, or a thread count from 1 to MAX_THREADS."""
+    if value is not None and not 1 <= value <= MAX_THREADS:
+        raise click.BadParameter(f"must be from 1 to {MAX_THREADS} ({MAX_THREADS_WHY}), not {value}")
+    return value
+
 
 class HiddenAliasOption(click.Option):
     """An option whose old spellings (hidden_aliases) still work, shown neither in --help nor in its error messages."""

@@ -86,6 +86,8 @@ def resolve_model(spec: str, log=print) -> Path:
     model resolves it here, before any child (llama-server, llama-bench, a gate's runner) starts."""
     if spec == "demo":
         return fetch_demo(log)
+    if not spec.strip():  # Path("") is the current directory: "model  is not a file" said nothing useful
+        usage_error("no MODEL given (an empty string)", "pass a GGUF path or `demo`")
     p = Path(spec).expanduser()
     if not p.exists():
         if p.is_symlink():

@@ -120,6 +120,20 @@ def _loader():
                 raise _AliasFound(self.peek_event())
             return super().compose_node(parent, index)
 
+        def construct_mapping(self, node, deep=False):
+            # a key given twice: YAML keeps the last one silently (`model: demo` then `model: other` served other)
+            if isinstance(node, yaml.MappingNode):
+                first: dict = {}
+                for key_node, _ in node.value:
+                    if isinstance(key_node, yaml.ScalarNode):
+                        key = self.construct_object(key_node)
+                        if key in first:
+                            raise yaml.constructor.ConstructorError(
+                                None, None, f"the key {shown(key, 40)} is given twice (first on line {first[key] + 1})",
+                                key_node.start_mark)
+                        first[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
+
     return NoAliasLoader
 
 
@@ -181,10 +195,13 @@ def check_output_file(path: Path | str, what: str) -> None:
     if st is not None and not stat.S_ISREG(st.st_mode):
         abort(f"{say}: it is {_kind(st.st_mode)}, not a regular file", "give the path of a new file, or of a regular file to replace")
     try:
-        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+        vfs = os.statvfs(where)
     except OSError:
-        read_only = False
-    if read_only:
+        vfs = None
+    if vfs is not None and vfs.f_blocks == 0:  # `gate needle --json /proc/x.json` ran the whole gate, then failed
+        abort(f"{say}: {where} is not on a disk (a pseudo filesystem such as /proc or /sys)",
+              "give a path on a disk, e.g. under /tmp or your home")
+    if vfs is not None and vfs.f_flag & os.ST_RDONLY:
         abort(f"{say}: {where} is on a read-only filesystem", "write it to another directory")
     if not os.access(where, os.W_OK | (0 if st is not None else os.X_OK)):
         abort(f"{say}: permission denied ({where})", "check its permissions (ls -ld), or write it elsewhere")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import option
+from rollingkv_cli.cliopts import option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -90,6 +90,29 @@ def _cpu_fracs(ctx, param, value: str):
     return out
 
 
+# --preset cpu-small: runs a CPU host finishes in minutes (the defaults are sized for a GPU: bench tail fills 16384 tokens
+# of context three times over a dozen cells, bench load's long request is 24000 tokens). Each value is what the flag
+# would give; a flag given on the command line wins over its preset value.
+TAIL_PRESETS = {"cpu-small": {"depths": (2048,), "n_gen": 8, "reps": 1, "tail_types": ["f16", "q8_0"], "fractions": [0.5, 1.0],
+                              "mixed_fractions": [0.5]}}
+TAIL_PRESET_HELP = "-d 2048 -n 8 -r 1 --tail-types f16,q8_0 --fractions 0.5,1"
+LOAD_PRESETS = {"cpu-small": {"long_sizes": (2048, 32), "short_sizes": (256, 16), "n_short": 2, "n_slots": 3,
+                              "ramp_levels": [1, 2, 3, 2, 1], "ramp_sizes": (1024, 16), "n_requests": 6,
+                              "prompt_range": (200, 2000), "gen_range": (8, 32), "cell_names": ["default", "split", "resident"]}}
+LOAD_PRESET_HELP = ("--long 2048 32 --short 256 16 --shorts 2 -np 3 --cells default,split,resident; ramp: --ramp 1,2,3,2,1 "
+                    "--ramp-size 1024 16; random: --requests 6 --prompt-range 200 2000 --gen-range 8 32")
+
+
+def _preset_values(ctx: click.Context, preset: str | None, table: dict[str, dict]) -> dict:
+    """The command's values with the preset's put in for every parameter not given on the command line."""
+    values = dict(ctx.params)
+    if preset:
+        for name, value in table[preset].items():
+            if ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+                values[name] = value
+    return values
+
+
 def _vanilla_bench(d: Path) -> Path:
     from rollingkv_cli.console import abort
 
@@ -129,7 +152,7 @@ def _vanilla_bench(d: Path) -> Path:
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
                    "[default: our build with --kv-residency-mode off, bit-identical to upstream]")
 @click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
-@click.option("-t", "--threads", type=int, callback=_positive, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
+@click.option("-t", "--threads", type=int, callback=threads_in_range, default=None, help="CPU threads for llama-bench (-t).  [default: llama-bench's]")
 @click.option("--slot-ring-mib", type=click.IntRange(min=0), default=None,
               help="Device slot ring of the tail stream counted in the VRAM budget.  [default: $ROLLINGKV_SLOTS x $ROLLINGKV_SLOT_MIB, else 3 x 32]")
 @click.option("--pcie-bw-gbps", type=float, default=None,
@@ -144,9 +167,13 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
+@click.option("--preset", type=click.Choice(sorted(TAIL_PRESETS)), default=None,
+              help=f"A small grid for a CPU host, minutes instead of hours: cpu-small = {TAIL_PRESET_HELP} (a flag given "
+                   "as well wins).")
 @click.pass_context
 def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractions, mixed_fractions, cpu_fracs, head_fractions, window_type, vanilla_build,
-         skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run) -> None:
+         skip, threads, slot_ring_mib, pcie_bw_gbps, gpu_index, cell_timeout, time_budget, json_out, resume, no_plot, dry_run,
+         preset) -> None:
     """Decode tokens/s with part of the KV cache in a host tail, against the PCIe floor and vanilla llama.cpp.
 
     \b
@@ -188,11 +215,17 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
     from rollingkv_cli.userinput import check_native_knobs
 
     check_native_knobs()  # llama-bench's library reads them itself: refused here, not ignored or misread there
-    if pcie_bw_gbps is not None and not pcie_bw_gbps > 0:
-        raise click.BadParameter("must be a positive number of GB/s", param_hint="--pcie-bw-gbps")
+    v = _preset_values(ctx, preset, TAIL_PRESETS)
+    depths, n_gen, reps, tail_types, fractions, mixed_fractions = (
+        v[k] for k in ("depths", "n_gen", "reps", "tail_types", "fractions", "mixed_fractions"))
+    if pcie_bw_gbps is not None and not 0 < pcie_bw_gbps <= 3.4e38:  # inf went into the report as Infinity (not JSON)
+        raise click.BadParameter("must be a positive finite number of GB/s", param_hint="--pcie-bw-gbps")
     if not any(t == window_type for t in tail_types) and not mixed_fractions:
         raise click.UsageError("no cell to run: no tail type equals --window-type and --mixed-fractions is empty")
     for d in depths:
+        if d + n_gen > 2**31 - 1:  # llama-bench's -d is an int: it printed its usage for every cell
+            raise click.BadParameter(f"depth {d} + {n_gen} generated tokens is more than llama-bench's int holds (2147483647)",
+                                     param_hint="--depth")
         if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
             raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
@@ -203,10 +236,12 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         head_fractions=head_fractions, window_type=window_type,
         vanilla_bench=_vanilla_bench(vanilla_build) if vanilla_build else None, skip=tuple(skip), threads=threads,
         slot_ring_mib=slot_ring_mib, pcie_bw_gbps=pcie_bw_gbps, gpu_index=gpu_index, cell_timeout=cell_timeout,
-        time_budget=time_budget, out=json_out, dry_run=dry_run, plot=not no_plot)
+        time_budget=time_budget, out=json_out, dry_run=dry_run, plot=not no_plot, preset=preset)
     tail_setup.print_setup(run)
     if dry_run:
-        tail_setup.print_dry_run(run.doc)
+        from rollingkv_cli.bench.tail import estimate_line
+
+        tail_setup.print_dry_run(run.doc, estimate_line(run.cfg, run.info, run.doc["cells"]))
         return
     if json_out and json_out.exists() and not resume:
         warn(f"{json_out} exists: overwriting it (--resume would keep its measured cells)")
@@ -280,10 +315,14 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The report.  [default: docs/perf/<date>-bench-load-<model>/bench-load.json]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
+@click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
+              help=f"A small load for a CPU host, minutes instead of hours: cpu-small = {LOAD_PRESET_HELP} (a flag given "
+                   "as well wins).")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
+@click.pass_context
+def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
          ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, cell_names, vanilla_ngl, gpu_index,
-         request_timeout, json_out, dry_run, server_args) -> None:
+         request_timeout, json_out, dry_run, preset, server_args) -> None:
     """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
@@ -298,6 +337,10 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
 
     from rollingkv_cli.lib.residency import ResidencyConflict, ResidencyRequest
 
+    v = _preset_values(ctx, preset, LOAD_PRESETS)
+    (long_sizes, short_sizes, n_short, n_slots, ramp_levels, ramp_sizes, n_requests, prompt_range, gen_range,
+     cell_names) = (v[k] for k in ("long_sizes", "short_sizes", "n_short", "n_slots", "ramp_levels", "ramp_sizes",
+                                   "n_requests", "prompt_range", "gen_range", "cell_names"))
     try:  # the split cells' size: a window or a budget
         ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check(one_size=True)
     except ResidencyConflict as e:
@@ -343,6 +386,15 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                 raise click.BadParameter(f"{r.name} needs {r.prompt + r.gen} tokens, more than the {ctx_per_slot} of a slot",
                                          param_hint="--ctx-per-slot")
 
+    if not (build.manifest.get("options") or {}).get("cuda"):  # a CPU build: every server's cache in host memory
+        from rollingkv_cli.serve.settings import arg_value
+
+        def kv_type(*flags: str) -> str:  # the servers' cache type: llama-server's f16 unless given after `--`
+            return next((v for v in (arg_value(list(server_args), f) for f in flags) if v), "f16")
+
+        gguf.check_host_kv(gguf.read_model(model), n_slots * ctx_per_slot,
+                           [(kv_type("-ctk", "--cache-type-k"), kv_type("-ctv", "--cache-type-v"))],
+                           f"-np {n_slots} x {ctx_per_slot} cells", "lower -np, --ctx-per-slot or the mix's sizes (--preset cpu-small)")
     gpu = None
     try:
         from rollingkv_cli.gate import vram
@@ -397,6 +449,13 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
     console.print(f"bench load: {mix.name} mix on {model.name}, -np {n_slots} x {ctx_per_slot} cells, "
                   f"{'window ' + str(window) if window else 'vram target ' + str(vram_target) + ' MiB'}; "
                   f"cells {', '.join(c.name for c in todo)}; {gpu_name or 'no GPU'}", soft_wrap=True)
+    # what the servers will be sent and how long that may take here, before the first one starts
+    from rollingkv_cli.bench import estimate
+
+    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for st in mix.stages for r in st.reqs], len(todo),
+                                     threads=estimate.server_threads(list(server_args)),
+                                     backend="CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU",
+                                     preset=preset), markup=False, soft_wrap=True)
     if dry_run:
         for st in mix.stages:
             console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" + (f" at {r.at_s:g}s" if st.arrivals else "")
@@ -435,6 +494,8 @@ def load(model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target,
                 task = prog.add_task(f"{c.name}", total=n_req)
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))
+                if rec["status"] == "failed":  # why, now (the table only says "failed")
+                    warn(f"cell {c.name} failed: {rec.get('error')}" + (f" ({rec['hint']})" if rec.get("hint") else ""))
                 doc["cells"].append(rec)
                 tail_runs.write_json(out, doc)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the running cell's server is stopped (run_cell's finally)
@@ -479,6 +540,9 @@ def plot(report: Path, output: Path | None) -> None:
     if not plotting.have_matplotlib():
         abort("matplotlib is not installed", "pip install 'rollingkv[plot]' (or pip install matplotlib)")
     out = output or report.with_suffix(".png")
+    from rollingkv_cli.userinput import check_output_file
+
+    check_output_file(out, "plot")  # a device (-o /dev/full) said "✓ plot: /dev/full"
     try:
         plotting.render(doc, out)
     except OSError as e:

@@ -27,6 +27,7 @@ class ModelInfo:
     tied_output: bool
     sliding_window: int | None = None
     notes: list[str] = field(default_factory=list)
+    matmul_params: int = 0  # weights a token multiplies: the blocks' matrices and the output (token_embd when tied)
 
     @property
     def kv(self) -> KVShape:
@@ -91,7 +92,13 @@ def read_model(path: Path) -> ModelInfo:
 
     blocks = [0] * n_layer
     other: dict[str, int] = {}
+    matmul = {"blk": 0, "output.weight": 0, "token_embd.weight": 0}
     for t in header.tensors:
+        if len(t.dims) >= 2 and (t.name.startswith("blk.") or t.name in matmul):  # norms and biases are vectors
+            n = 1
+            for x in t.dims:
+                n *= int(x)
+            matmul["blk" if t.name.startswith("blk.") else t.name] += n
         m = _BLK.match(t.name)
         if m and int(m.group(1)) < n_layer:
             blocks[int(m.group(1))] += int(t.n_bytes)
@@ -116,4 +123,28 @@ def read_model(path: Path) -> ModelInfo:
     return ModelInfo(path=path, arch=arch, name=str(name), n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
                      head_dim_k=head_dim_k, head_dim_v=head_dim_v,
                      weights=WeightSplit(tuple(blocks), output_bytes, input_bytes), file_bytes=path.stat().st_size,
-                     tied_output=tied, sliding_window=int(sliding) if sliding else None, notes=notes)
+                     tied_output=tied, sliding_window=int(sliding) if sliding else None, notes=notes,
+                     matmul_params=matmul["blk"] + matmul["token_embd.weight" if tied else "output.weight"])
+
+
+def check_host_kv(info: ModelInfo, cells: int, types: list[tuple[str, str]], what: str, hint: str) -> None:
+    """Where the whole KV cache is in host memory (a CPU build), refuse before anything starts a cache larger than the
+    host's MemAvailable, counted at the smallest of the K/V type pairs it may use (a split's tail may be smaller than
+    its window): `bench tail -d 2000000000` failed every cell's context one after another, and `serve -c 2000000000`
+    had llama-server killed by the kernel's out-of-memory killer (which may pick another process)."""
+    from rollingkv_cli.hw.hostinfo import mem_available_bytes
+    from rollingkv_cli.lib.units import human_bytes
+
+    avail = mem_available_bytes()
+    sizes = []
+    for k, v in types:
+        try:
+            sizes.append((info.kv.row_bytes(k, v) * cells, k, v))
+        except ValueError:  # a type the model's shape does not take (or auto): said elsewhere, not counted
+            continue
+    if avail is None or not sizes:
+        return
+    need, k, v = min(sizes)
+    if need > avail:
+        abort(f"{what}: the KV cache of {cells} cells ({k}/{v}) alone would take {human_bytes(need)} of memory, and the "
+              f"host has {human_bytes(avail)} available (MemAvailable)", hint)

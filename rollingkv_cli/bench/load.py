@@ -287,7 +287,11 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
     args = ["-m", str(model), "-c", str(mix.n_slots * mix.ctx_per_slot), *slots, "-fa", "on",
             "--no-webui", *cell.args, *(extra or [])]
     rec: dict = {"name": cell.name, "what": cell.what, "args": args, "env": cell.env}
-    srv = ServerProcess(binary, args, log_path=log_dir / f"{cell.name}.log", env={**os.environ, **cell.env})
+    from rollingkv_cli.gate.common import SCRATCH_SERVER_STOP_GRACE
+
+    # stopped mid-prefill (Ctrl-C, SIGTERM), a cell's server finished its batch first: 2 s, then SIGKILL
+    srv = ServerProcess(binary, args, log_path=log_dir / f"{cell.name}.log", env={**os.environ, **cell.env},
+                        stop_grace=SCRATCH_SERVER_STOP_GRACE)
     sampler = None
     t0 = time.monotonic()
     try:
@@ -304,8 +308,15 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
         rec["stats"] = summarize_stats(poller.samples)
         rec["status"] = "ok" if all(r.get("status") == "ok" for r in rec["requests"]) else "errors"
     except Exception as e:
+        from rollingkv_cli.console import RollingKVError
+
         rec["status"] = "failed"
-        rec["error"] = f"{type(e).__name__}: {e}"
+        if isinstance(e, RollingKVError):  # ours: its message and what to do, as the command would print them
+            rec["error"] = e.message
+            if e.hint:
+                rec["hint"] = e.hint
+        else:
+            rec["error"] = f"{type(e).__name__}: {e}"
     finally:
         if sampler is not None:
             st = sampler.stop()

@@ -479,10 +479,19 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
     return doc
 
 
+def estimate_line(cfg: TailConfig, model, cells: list[dict]) -> str:
+    from rollingkv_cli.bench import estimate
+
+    return estimate.tail_line(model, cells, n_gen=cfg.n_gen, reps=cfg.reps, vanilla_reps=cfg.vanilla_reps, threads=cfg.threads,
+                              backend=cfg.backend, preset=cfg.preset, window_type=cfg.window_type)
+
+
 def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console.print(f"{len(todo)} cells to run ({len(doc['cells']) - len(todo)} already measured); report: {cfg.out}", style="dim", markup=False)
+    if todo:  # before the first cell: what they do and how long they may take here (hours on a CPU at the defaults)
+        console.print(estimate_line(cfg, model, todo), markup=False, soft_wrap=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("cells", total=len(todo))

@@ -62,6 +62,7 @@ class TailConfig:
     gpu: int = 0
     out: Path = Path("bench-tail.json")
     plot: bool = True
+    preset: str | None = None  # --preset: named in the estimate line only (the report keeps the values it set)
 
     def to_json(self) -> dict:
         return {

@@ -67,7 +67,7 @@ def prepare(model_spec: str, *, depths: list[int], n_gen: int, reps: int, vanill
             fractions: list[float], mixed_fractions: list[float], cpu_fracs: list, cpu_fracs_explicit: bool,
             head_fractions: list[float], window_type: str, vanilla_bench: Path | None, skip: tuple[str, ...],
             threads: int | None, slot_ring_mib: int | None, pcie_bw_gbps: float | None, gpu_index: int, cell_timeout: float | None,
-            time_budget: float | None, out: Path | None, dry_run: bool, plot: bool) -> TailRun:
+            time_budget: float | None, out: Path | None, dry_run: bool, plot: bool, preset: str | None = None) -> TailRun:
     """The checked run: the model, the active build and what it can do, the report path (checked now unless a dry run),
     the cells. out None: a new folder in docs/perf (default_report_path). One line and exit 1 (2 for usage) on what cannot
     run."""
@@ -92,6 +92,12 @@ def prepare(model_spec: str, *, depths: list[int], n_gen: int, reps: int, vanill
     vanilla_desc = (f"unpatched build: {vanilla_bench}" if vanilla_bench else
                     "our build with --kv-residency-mode off (bit-identical to the unpatched pin: tested in CI)")
     backend = "CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU"
+    if backend == "CPU":
+        from rollingkv_cli.bench import arithmetic
+
+        for d in depths:
+            gguf.check_host_kv(info, arithmetic.kv_size(d, n_gen), [(window_type, window_type)], f"depth {d}",
+                               "lower -d/--depth (--preset cpu-small runs 2048)")
     cpu_fracs = hybrid_fractions(cpu_fracs, cpu_fracs_explicit, backend, build)
     if head_fractions:
         from rollingkv_cli.serve.launch import build_has_head_split
@@ -115,7 +121,7 @@ def prepare(model_spec: str, *, depths: list[int], n_gen: int, reps: int, vanill
         cpu_fracs=cpu_fracs, head_fractions=head_fractions, hybrid_build=hybrid_build, window_type=window_type, threads=threads,
         ring_bytes=(slot_ring_mib << 20) if slot_ring_mib is not None else tail_grid.default_ring_bytes(),
         skip=tuple(skip), vanilla_bench=vanilla_bench, cell_timeout=cell_timeout, time_budget=time_budget,
-        pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=plot)
+        pcie_bw_gbps=pcie_bw_gbps, gpu=gpu_index, out=out, plot=plot, preset=preset)
     plans = {d: tail_grid.depth_plan(cfg, info, d) for d in depths}
     doc = tail_runs.new_document(cfg, build, info, plans, vanilla_desc)
     return TailRun(cfg=cfg, build=build, info=info, plans=plans, doc=doc, vanilla_desc=vanilla_desc)
@@ -140,8 +146,9 @@ def print_setup(run: TailRun) -> None:
         warn(n)
 
 
-def print_dry_run(doc: dict) -> None:
-    """The cells in the order they would run, and each one's command line (never wrapped: they are for copying)."""
+def print_dry_run(doc: dict, estimate: str | None = None) -> None:
+    """The cells in the order they would run, what they would take (estimate), and each one's command line (never
+    wrapped: they are for copying)."""
     from rich.table import Table
 
     from rollingkv_cli.bench import tail_report
@@ -155,6 +162,8 @@ def print_dry_run(doc: dict) -> None:
                   f"{c['tail_bytes_per_token'] / 1e6:.3g}" if c["kind"] in ("window", "hybrid", "head") else "-")
     out_console = tail_report.report_console()
     out_console.print(t)
+    if estimate:
+        out_console.print(estimate, markup=False, highlight=False, soft_wrap=True)
     for i, c in enumerate(doc["cells"], 1):
         out_console.print(f"# {i}\n{c['command']}", markup=False, highlight=False, soft_wrap=True)
 

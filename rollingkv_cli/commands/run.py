@@ -25,7 +25,9 @@ def _temperature(ctx, param, value: float) -> float:
 @click.option("-f", "--prompt-file", type=click.Path(path_type=Path), help="Read the user message from a file (UTF-8 text).")
 @click.option("-n", "--max-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
 @click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True, help="Context size in tokens (llama.cpp rounds it up to a multiple of 256).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 2), default=0, show_default=True,
+              help="The sampler's seed, 0 to 4294967294 (llama.cpp's is 32 bits: a larger or negative one wrapped onto "
+                   "another; 4294967295 means a random seed there).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, callback=_temperature, help="0 = greedy; at least 0.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's own log.")
 def run(model_spec, prompt, prompt_file, max_tokens, ctx_size, seed, temperature, verbose) -> None:

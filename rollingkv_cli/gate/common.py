@@ -215,19 +215,25 @@ def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int 
     return args
 
 
+SCRATCH_SERVER_STOP_GRACE = 2.0  # seconds a gate's or a bench cell's llama-server gets after SIGTERM
+
+
 def start_server(binary: Path, args: list[str], log_path: Path, timeout: float | None = None, env: dict | None = None):
     """A healthy ServerProcess, or a RollingKVError naming its log (the last log lines are printed)."""
     from rollingkv_cli.lib import paths
     from rollingkv_cli.serve.server import ServerProcess
 
     timeout = timeout or paths.serve_start_timeout()  # a bad value refused before anything starts
-    srv = ServerProcess(binary, args, log_path=log_path, env=env)
+    # a gate's server holds nothing worth waiting for: stopped mid-prefill (Ctrl-C, SIGTERM) it finished its batch
+    # first, and the gate took 15 s to exit; 2 s, then SIGKILL
+    srv = ServerProcess(binary, args, log_path=log_path, env=env, stop_grace=SCRATCH_SERVER_STOP_GRACE)
     srv.start()
     try:
         srv.wait_healthy(timeout=timeout)
     except RollingKVError as e:
         srv.stop()
-        print_log_tail(log_path)
+        if not srv.failure_reason:  # the error's line says why when the log did: no log box then
+            print_log_tail(log_path)
         raise e
     except BaseException:
         srv.stop()

@@ -124,7 +124,18 @@ def run_child(role: str, cmd: list[str], log_path: Path, result_path: Path, prog
         progress.update(task, stage="done" if rc == 0 else "failed")
     if error is not None:
         hint = error.get("hint")
-        abort(f"{role} run: {error.get('message')}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
+        message = str(error.get("message"))
+        if message.startswith("llama.cpp could not load the model"):  # its reason is in the log: said here, as serve says it
+            from rollingkv_cli.serve.server import model_error_in_log
+
+            try:
+                reason = model_error_in_log(log_path.read_text(errors="replace").splitlines())
+            except OSError:
+                reason = None
+            if reason:
+                message = f"{message}: {reason.split(': ', 1)[1]}"
+                hint = "the file is corrupt or not a model this build runs"
+        abort(f"{role} run: {message}", f"{hint} (llama.cpp's log: {log_path})" if hint else f"llama.cpp's log: {log_path}")
     if rc != 0 or not result_path.is_file():
         from rollingkv_cli.lib.builder import log_tail
 
@@ -156,14 +167,16 @@ class EquivSession:
     token_info: dict = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)
 
-    def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, status=None) -> dict:
+    def tokenize(self, lib_dir: Path, prompt_file: Path | None, synthetic_tokens: int | None, progress=None) -> dict:
+        """The runner's tokenize child; with a rich Progress (progress()), a "tokens" bar as the decode phases have."""
         from rollingkv_cli.gate import equiv as me
 
         args = ["--lib-dir", str(lib_dir), "--model", str(self.model), "--tokens-out", str(self.wd / "tokens.npy"),
                 "--out", str(self.wd / "tokenize.json")]
         args += ["--tokenize", str(prompt_file)] if prompt_file is not None else ["--synthetic", str(synthetic_tokens)]
         self.commands["tokenize"] = runner_cmd(args)
-        tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json")
+        tok = me.run_child("tokenize", self.commands["tokenize"], self.logs / "tokenize.log", self.wd / "tokenize.json", progress,
+                           "tokens", synthetic_tokens or 0)
         self.tokens = self.wd / "tokens.npy"
         self.n_tokens = int(tok["n_tokens"]) // self.n_seq * self.n_seq  # the runner decodes n_seq equal sequences
         self.n_vocab = int(tok["n_vocab"])

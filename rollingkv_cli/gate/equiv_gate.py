@@ -241,11 +241,13 @@ def decode(setup: EquivSetup) -> EquivRuns:
         sess = equiv_runs.EquivSession(model=model_path, wd=wd, logs=logs_dir, threads=threads, n_batch=n_batch, n_seq=n_seq,
                                        n_gpu_layers=n_gpu_layers)
         # ------------------------------------------------------------ tokens (with the candidate's library)
-        with console.status("tokenizing"):
-            tok = sess.tokenize(cand_lib, prompt_file, synthetic_tokens)
+        with equiv_runs.progress(console) as progress:  # a bar with counts, as the decode phases below
+            tok = sess.tokenize(cand_lib, prompt_file, synthetic_tokens, progress=progress)
         n_tokens, n_vocab = sess.n_tokens, sess.n_vocab
         if n_tokens == 0:
-            abort(f"{prompt_file or 'the text'} holds fewer than {n_seq} tokens" if n_seq > 1 else f"{prompt_file} holds no tokens")
+            if n_seq > 1:
+                abort(f"{prompt_file or 'the text'} holds fewer than {n_seq} tokens", "lower --n-seq, or give more text")
+            abort(f"{prompt_file} holds no tokens", "give a file with text in it, or --synthetic-tokens N")
         if mode != "off" and not tok.get("has_residency"):
             abort("this build has no KV residency API; rebuild",
                   f"{build.dir or build.lib_dir} lacks llama_init_from_model_rolling_kv: run `rollingkv build`, or check with --kv-residency-mode off")

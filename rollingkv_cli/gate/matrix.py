@@ -192,8 +192,8 @@ def run(cfg: MatrixConfig, console, logs: Path, work_dir: Path) -> dict:
         wd = Path(td)
         sess = equiv_runs.EquivSession(model=cfg.model, wd=wd, logs=logs, threads=cfg.threads, n_batch=cfg.n_batch,
                                        n_gpu_layers=cfg.n_gpu_layers, n_ctx=n_ctx)
-        with console.status("tokenizing"):
-            tok = sess.tokenize(lib, None, cfg.tokens)
+        with equiv_runs.progress(console) as prog:  # a bar with counts, as the decode phases below
+            tok = sess.tokenize(lib, None, cfg.tokens, progress=prog)
         if not tok.get("has_residency"):
             abort("this build has no KV residency API; rebuild", f"{lib} lacks llama_init_from_model_rolling_kv: run `rollingkv build`")
         need = sess.logits_bytes() * (1 + len(quantized))

@@ -133,15 +133,19 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 # ------------------------------------------------------------------ filler (its prose: lib/text.py)
 
-def make_filler(tokenize, n_tokens: int, seed: int, source_text: str | None = None) -> str:
+def make_filler(tokenize, n_tokens: int, seed: int, source_text: str | None = None, on_stage=None) -> str:
     """About n_tokens tokens of filler (within 2 %): filler_prose or the given text, cut at a sentence boundary.
-    `tokenize(text) -> list[int]` counts with the model's vocabulary."""
+    `tokenize(text) -> list[int]` counts with the model's vocabulary; on_stage(str), if given, hears each count."""
+    say = on_stage or (lambda _: None)
     text = source_text if source_text is not None else filler_prose(max(256, n_tokens * 6), seed)
+    say(f"tokenizing the filler ({len(text)} characters)")
     n_all = len(tokenize(text))
+    say(f"the filler: {min(n_all, n_tokens)} of {n_tokens} tokens")
     if source_text is None:
         while n_all < n_tokens:
             text = filler_prose(len(text) * 2, seed)
             n_all = len(tokenize(text))
+            say(f"the filler: {min(n_all, n_tokens)} of {n_tokens} tokens")
     if n_all <= n_tokens:
         return text
     # cut proportionally, then correct: tokens per character barely vary in the filler
@@ -149,6 +153,7 @@ def make_filler(tokenize, n_tokens: int, seed: int, source_text: str | None = No
     cut = len(text)
     for _ in range(4):
         cut = sentence_cut(text, min(frac, 1.0))
+        say(f"cutting the filler to {n_tokens} tokens")
         n = len(tokenize(text[:cut]))
         if abs(n - n_tokens) <= max(8, n_tokens // 50):
             break
@@ -228,11 +233,14 @@ class ServerSide:
         return None
 
 
-def build_placements(side: ServerSide, filler: str, depths: list[float], seed: int, fmt: str) -> list[Placement]:
+def build_placements(side: ServerSide, filler: str, depths: list[float], seed: int, fmt: str, on_stage=None) -> list[Placement]:
     """Token ids of each placement's prompt, with the needle's exact token span (the pieces are tokenized
-    separately and concatenated, so the span never depends on how BPE merges across the boundary)."""
+    separately and concatenated, so the span never depends on how BPE merges across the boundary). on_stage(str), if
+    given, hears which prompt is being tokenized."""
     out = []
     for i, d in enumerate(depths):
+        if on_stage is not None:
+            on_stage(f"tokenizing prompt {i + 1} of {len(depths)} (depth {d:g})")
         number = needle_number(seed, i)
         text, needle = build_text(filler, d, number, fmt)
         if fmt == "chat":
@@ -335,6 +343,16 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
     if cfg.window_cells is not None and cfg.window_cells >= n_ctx:
         # the context is --ctx or follows from --filler-tokens: a usage error either way
         usage_error(f"--kv-window-cells {cfg.window_cells} must be smaller than the context ({n_ctx})", "lower it, or raise --ctx")
+    if not cfg.build.on_gpu(cfg.n_gpu_layers):  # the whole cache in host memory: one that cannot fit is said now
+        from rollingkv_cli.bench import gguf as model_shape
+
+        try:
+            info = model_shape.read_model(cfg.model)
+        except RollingKVError:  # a shape this reader does not know: llama-server says what it thinks
+            info = None
+        if info is not None:
+            model_shape.check_host_kv(info, n_ctx, [(cfg.ctk, cfg.ctv), (cfg.ctkt or cfg.ctk, cfg.ctvt or cfg.ctv)],
+                                      f"a context of {n_ctx} cells", "lower --filler-tokens (or -c/--ctx-size)")
     filler_src = None
     if cfg.filler_file is not None:
         from rollingkv_cli.userinput import read_text
@@ -365,9 +383,11 @@ def run(cfg: NeedleConfig, console, logs: Path) -> dict:
                 load_s = time.perf_counter() - t0
                 p = gc.plan_of(srv)
                 if role == "reference":
-                    progress.update(task, stage="building the prompts")
-                    filler = make_filler(side.tokenize, cfg.filler_tokens, cfg.seed, filler_src)
-                    placements = build_placements(side, filler, list(cfg.depths), cfg.seed, cfg.fmt)
+                    def stage(text: str, task=task) -> None:  # the prompts' tokenization, with its counts
+                        progress.update(task, stage=text)
+
+                    filler = make_filler(side.tokenize, cfg.filler_tokens, cfg.seed, filler_src, on_stage=stage)
+                    placements = build_placements(side, filler, list(cfg.depths), cfg.seed, cfg.fmt, on_stage=stage)
                     longest = max(pl.n_tokens for pl in placements)
                     if longest + cfg.n_predict > n_ctx:
                         abort(f"the longest prompt is {longest} tokens: with {cfg.n_predict} answer tokens it does not fit the context ({n_ctx})",

@@ -16,7 +16,7 @@ is used when --residency asks for it) or an unpatched libllama (plain llama_init
 
 Protocol, stdout (one line each; stderr carries llama.cpp's own log):
     STAGE <name>                 what is running now
-    PROGRESS <done> <total>      positions decoded so far
+    PROGRESS <done> <total>      positions decoded so far (tokenize: tokens found of those wanted)
     ERROR <json>                 {"message": ..., "hint": ...}: an expected failure; exit status 1
     RESULT <path>                the JSON result was written to <path>; exit status 0
 """
@@ -141,6 +141,9 @@ def load_model(llama_cpp, lib_dir: Path, model: Path, vocab_only: bool = False, 
 # ------------------------------------------------------------------ modes
 
 def tokenize(args) -> dict:
+    """The tokens of the text, saved to --tokens-out; STAGE and PROGRESS lines as it goes (tokens found of those wanted:
+    the gate shows them as the other phases' bars)."""
+    emit("STAGE", "loading the vocabulary")
     lib_dir = resolve_lib_dir(args.lib_dir)
     llama_cpp, ext, info = load_bindings(lib_dir)
     model = load_model(llama_cpp, lib_dir, Path(args.model), vocab_only=True)
@@ -149,9 +152,12 @@ def tokenize(args) -> dict:
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         if args.synthetic is not None:
             want = int(args.synthetic)
+            emit("PROGRESS", f"0 {want}")
             chars = max(256, want * 6)
             while True:
+                emit("STAGE", f"tokenizing {chars} characters of built-in text")
                 toks = _tokenize_text(llama_cpp, vocab, synthetic_text(chars, args.seed).encode())
+                emit("PROGRESS", f"{min(len(toks), want)} {want}")
                 if len(toks) >= want:
                     break
                 chars *= 2
@@ -159,10 +165,13 @@ def tokenize(args) -> dict:
             source = {"kind": "synthetic", "n_tokens": want, "seed": args.seed}
         else:
             text = Path(args.tokenize).read_bytes()
+            emit("STAGE", f"tokenizing {len(text)} bytes of {Path(args.tokenize).name}")
             toks = _tokenize_text(llama_cpp, vocab, text)
             if args.max_tokens:
                 toks = toks[: args.max_tokens]
+            emit("PROGRESS", f"{len(toks)} {len(toks)}")
             source = {"kind": "file", "path": str(Path(args.tokenize).resolve()), "bytes": len(text)}
+        emit("STAGE", f"saving {len(toks)} tokens")
         arr = np.asarray(toks, dtype=np.int32)
         np.save(args.tokens_out, arr)
     finally:

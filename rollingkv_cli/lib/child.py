@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from rollingkv_cli.console import abort
-from rollingkv_cli.lib.procs import Terminated, popen_tied, stop_group, stop_signum
+from rollingkv_cli.lib.procs import OTHER_ENDING_SIGNALS, STOP_SIGNALS, Terminated, die_with_parent, popen_tied, stop_group, stop_signum
 
 # ------------------------------------------------------------------------------------ a module in a child
 
@@ -114,10 +114,14 @@ def run_isolated(fn, what: str, verbose: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     r, w = os.pipe()
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # before fork: no gap
+    # every signal that ends a process, before fork (no gap): SIGQUIT or SIGUSR1 raised in this parent while the child
+    # ran, and the child was left answering on its own
+    old = {s: signal.signal(s, forward) for s in (*STOP_SIGNALS, *OTHER_ENDING_SIGNALS)}
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        die_with_parent(parent)  # SIGKILL of the parent: this child goes too (it went on answering, an orphan)
         _child(fn, w, verbose)  # never returns
     child.append(pid)
     os.close(w)
@@ -171,7 +175,7 @@ def _child(fn, w: int, verbose: bool) -> None:
         except OSError:
             pass
 
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    stops = (*STOP_SIGNALS, *OTHER_ENDING_SIGNALS)
 
     def interrupted_once(signum, frame):  # Ctrl-C reaches us from the terminal and from the parent: one is enough
         for s in stops:

@@ -32,6 +32,16 @@ def _prctl():
 _PRCTL = _prctl()  # looked up here, not in the child between fork and exec
 
 
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a child forked without exec (child.run_isolated): the kernel sends `sig` when the parent's forking thread ends,
+    so a SIGKILLed `rollingkv run` does not leave its child answering on the terminal; a parent already gone: now."""
+    if _PRCTL is None:
+        return
+    _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def _tie_to_parent(sig: int):
     """A preexec_fn: the kernel sends `sig` to the child when the thread that forked it ends."""
     parent = os.getpid()
@@ -105,10 +115,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 # ------------------------------------------------------------------ our own stop signals
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, `kill`/`timeout`, a closed terminal
+# the other signals whose default action ends the process (Ctrl-\, `kill -USR1`, an alarm, a CPU-time limit): by default
+# they ended it on the spot, leaving a gate's work folder of reference logits (1.5 GB) for the next gate to find;
+# raised as SIGTERM is, they clean up the same way (SIGPIPE stays Python's: ignored, a write to a closed pipe fails)
+OTHER_ENDING_SIGNALS = (signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGXCPU)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where the main thread stands as Ctrl-C's KeyboardInterrupt is: every `finally`,
+    """SIGTERM, SIGHUP or another signal that ends a process (OTHER_ENDING_SIGNALS), raised where the main thread stands as Ctrl-C's KeyboardInterrupt is: every `finally`,
     `with` and `except KeyboardInterrupt` that cleans up after Ctrl-C (children stopped, work folders and half-written
     files removed) does the same for these; cli.main then exits 128 + the signal's number."""
 
@@ -133,9 +147,9 @@ def stop_signum(exc: BaseException | None) -> int | None:
 
 @contextlib.contextmanager
 def stop_signals_raise():
-    """While the block runs, SIGTERM and SIGHUP raise Terminated in the main thread (SIGINT raises KeyboardInterrupt
-    as Python's own handler does); the handlers before are restored after. A no-op outside the main thread, where
-    Python sets no handlers."""
+    """While the block runs, SIGTERM, SIGHUP and OTHER_ENDING_SIGNALS raise Terminated in the main thread (SIGINT raises
+    KeyboardInterrupt as Python's own handler does); the handlers before are restored after. A no-op outside the main
+    thread, where Python sets no handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -143,7 +157,7 @@ def stop_signals_raise():
     def handler(signum, frame):
         raise Terminated(signum)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP, *OTHER_ENDING_SIGNALS)}
     try:
         yield
     finally:

@@ -87,6 +87,31 @@ def check_auto_tail_heads(s: ServeSettings) -> None:
         usage_error(f"{s.model.name}: {why}", "give -ctkt/-ctvt a type that divides the heads (f16, bf16, f32), or split by window")
 
 
+def check_host_kv(s: ServeSettings) -> None:
+    """A CPU build keeps the whole KV cache in host memory: a context whose cache cannot fit MemAvailable is refused
+    before llama-server starts (`serve demo -c 2000000000` had it killed by the kernel's out-of-memory killer, which may
+    pick another process; -c 4000000 failed its allocation after a log box). The context is -c (serve's or after `--`),
+    else the model's trained context, llama-server's default; counted at the smaller of the window's and the tail's
+    types."""
+    from rollingkv_cli.bench import gguf as model_shape
+    from rollingkv_cli.lib.gguf_header import read_header
+
+    text = s.ctx_size or arg_value(s.extra_args, "-c") or arg_value(s.extra_args, "--ctx-size")
+    try:
+        ctx = int(text) if text else 0
+        info = model_shape.read_model(s.model)
+        if ctx <= 0:
+            ctx = int(read_header(s.model).get(f"{info.arch}.context_length") or 0)
+    except (RollingKVError, ValueError, TypeError):  # a shape this reader does not know: llama-server says what it thinks
+        return
+    if ctx <= 0:
+        return
+    k, v = s.cache_type_k or "f16", s.cache_type_v or "f16"
+    flag = "-c/--ctx-size" if text else "-c/--ctx-size (the model's trained context is the default)"
+    model_shape.check_host_kv(info, ctx, [(k, v), (s.cache_type_k_tail or k, s.cache_type_v_tail or v)], f"a context of {ctx} cells",
+                              f"lower {flag}")
+
+
 def model_weight_bytes(model: Path) -> int:
     from rollingkv_cli.lib.gguf_header import read_header
 
@@ -234,11 +259,13 @@ def resolve_cpu_attn(s: ServeSettings, cuda: bool, build_key: str, tail_cpu: boo
 
 
 def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]:
+    # a bad value is an error here, as in `probe pcie` and the gates, not a warning below; on a CPU build too (it was
+    # ignored there, then refused once the same setup met a GPU)
+    env = paths.pcie_bw_env()
     if s.pcie_bw_gbps is not None:
         return s.pcie_bw_gbps, "explicit --pcie-bw-gbps"
     if not cuda:
         return None, "CPU build: no link to model"
-    env = paths.pcie_bw_env()  # a bad value is an error here, as in `probe pcie`, not a warning below
     if env is not None:
         return env, f"explicit ${paths.ENV_PCIE_BW}"
     try:
@@ -332,6 +359,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             abort(f"{flag} {t}: the active build {b.dir} takes the tail types {', '.join(lib_types)}",
                   "pick one of those, or rebuild with `rollingkv build`")
     cuda = bool(b.manifest.get("options", {}).get("cuda"))
+    if not cuda:
+        check_host_kv(s)
     if cuda:  # auto on a GPU may split without being asked to (resolve_settings checked what a CPU build splits)
         check_split_types({"--cache-type-k": s.cache_type_k, "--cache-type-v": s.cache_type_v}, *split_asked(vars(s), s.extra_args), cuda=True,
                           split_types=lib_types or TAIL_TYPES)
@@ -401,7 +430,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         except RollingKVError as e:
             from rollingkv_cli.lib.builder import log_tail
 
-            if srv.proc is not None:
+            if srv.proc is not None and not getattr(srv, "failure_reason", None):  # the line says why: no log box
                 log_panel(log_tail(log_path, 15), f"last lines of {log_path}")
             raise e
         finally:

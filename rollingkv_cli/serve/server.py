@@ -69,9 +69,54 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def arg_error_in_log(lines: list[str]) -> str | None:
+    """llama-server's refusal of its arguments, as common/arg.cpp prints it before anything loads ('error: invalid
+    argument: --bogus', 'error while handling argument "-b": stoi', 'error while handling environment variable
+    "LLAMA_ARG_N_PARALLEL": stoi'): the first such line, without a leading 'error: ' (None when there is none)."""
+    for line in lines:
+        line = line.strip()
+        if line.startswith("error while handling "):
+            return line[:300]
+        if line.startswith("error: "):
+            return line[len("error: "):][:300]
+    return None
+
+
+def memory_error_in_log(lines: list[str]) -> str | None:
+    """llama.cpp's failure to allocate (a context or model too large for the memory): 'could not allocate the KV cache
+    (87890.62 MB)' from ggml's 'insufficient memory (attempted to allocate 87890.62 MB)' and llama's 'failed to allocate
+    buffer for kv cache'; None when the log says neither."""
+    import re
+
+    size = None
+    kv = False
+    for line in lines:
+        m = re.search(r"insufficient memory \(attempted to allocate ([0-9.]+ [KMGT]?B)\)", line)
+        if m and size is None:
+            size = m.group(1)
+        if "failed to allocate buffer for kv cache" in line:
+            kv = True
+    if kv:
+        return "llama.cpp could not allocate the KV cache" + (f" ({size})" if size else "")
+    if size:
+        return f"llama.cpp could not allocate {size} of memory"
+    return None
+
+
+def model_error_in_log(lines: list[str]) -> str | None:
+    """llama.cpp's reason for not loading the model ('llama_model_load: error loading model: unknown model architecture:
+    'foo''): 'llama.cpp could not load the model: unknown model architecture: 'foo''; None when the log has none."""
+    marker = "error loading model: "
+    for line in lines:
+        at = line.find(marker)
+        if at >= 0:
+            return "llama.cpp could not load the model: " + line[at + len(marker):].strip()[:300]
+    return None
+
+
 class ServerProcess:
     def __init__(self, binary: Path, args: list[str], host: str = "127.0.0.1", port: int | None = None,
-                 log_path: Path | None = None, env: dict | None = None, api_key: str | None = None):
+                 log_path: Path | None = None, env: dict | None = None, api_key: str | None = None, stop_grace: float = 15.0):
         self.binary = Path(binary)
         self.host = host
         self.port = port or free_port(host)
@@ -80,11 +125,17 @@ class ServerProcess:
         self.env = dict(os.environ if env is None else env)
         self.proc: subprocess.Popen | None = None
         self._log_file = None
+        self._log_start = 0  # where this start's lines begin in the log (it is appended to)
+        self.failure_reason: str | None = None  # why it exited during start-up, when its log said
         self.api_key = api_key  # sent with our own requests when llama-server requires one
+        # how long stop() waits after SIGTERM before SIGKILL: llama-server finishes the batch it is decoding first (a
+        # long prefill: seconds to minutes on a CPU)
+        self.stop_grace = stop_grace
 
     @property
     def command(self) -> list[str]:
-        return [str(self.binary), *self.args, "--host", self.host, "--port", str(self.port)]
+        # the address first: a user's argument that lacks its value (`-- --api-key`) must not take --host as its value
+        return [str(self.binary), "--host", self.host, "--port", str(self.port), *self.args]
 
     @property
     def url(self) -> str:
@@ -96,6 +147,7 @@ class ServerProcess:
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
+            self._log_start = self._log_file.tell()
             self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
             self._log_file.flush()
         out = self._log_file if self._log_file else subprocess.DEVNULL
@@ -121,6 +173,21 @@ class ServerProcess:
 
                 what, advice = exit_parts(None if self.proc is None else self.proc.returncode, self.log_path)
                 reason = self._refusal_in_log()
+                if reason is None:  # llama-server's own word on an argument or a LLAMA_ARG_* variable it refused
+                    reason = arg_error_in_log(self._log_lines())
+                    if reason:
+                        advice = "llama-server --help lists what it takes: check the flags, the arguments after `--` and the " \
+                            "LLAMA_ARG_* variables" + \
+                            (f"; {advice}" if advice else "")
+                if reason is None:  # memory it could not get: a context too large for the host
+                    reason = memory_error_in_log(self._log_lines())
+                    if reason:
+                        advice = "lower -c/--ctx-size (the KV cache grows with it)" + (f"; {advice}" if advice else "")
+                if reason is None:  # a model it would not load (`run` said why; serve said only "exit status 1")
+                    reason = model_error_in_log(self._log_lines())
+                    if reason:
+                        advice = "the file is corrupt or not a model this build runs" + (f"; {advice}" if advice else "")
+                self.failure_reason = reason  # said in the error's one line: the caller need not show the log
                 raise RollingKVError(f"llama-server exited during start-up ({what})" + (f": {reason}" if reason else ""), advice)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -135,17 +202,22 @@ class ServerProcess:
                 on_poll()
             time.sleep(0.5)
 
+    def _log_lines(self) -> list[str]:
+        """This start's lines of the log (not an earlier run's in the same file)."""
+        if not self.log_path:
+            return []
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read(4 << 20).decode(errors="replace").splitlines()
+        except OSError:
+            return []
+
     def _refusal_in_log(self) -> str | None:
         """The library's reason when it refused the context (a window or head split it cannot make, ...)."""
-        if not self.log_path:
-            return None
         from rollingkv_cli.lib.llama_ext import refusal_in_log
 
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return refusal_in_log(f)
-        except OSError:
-            return None
+        return refusal_in_log(self._log_lines())
 
     def _log_hint(self) -> str | None:
         return f"see its log: {self.log_path}" if self.log_path else None
@@ -153,14 +225,14 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, grace: float = 15.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the whole group."""
+    def stop(self, grace: float | None = None) -> int | None:
+        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group."""
         from rollingkv_cli.lib.procs import stop_group
 
         if self.proc is None:
             return None
         try:
-            stop_group(self.proc, grace)
+            stop_group(self.proc, self.stop_grace if grace is None else grace)
         finally:
             self._close_log()
         return self.proc.returncode

@@ -12,6 +12,7 @@ from rollingkv_cli.console import abort, note, usage_error
 from rollingkv_cli.lib.residency import MODES as RESIDENCY_MODES  # the one list, shared with the gates and benches
 from rollingkv_cli.lib.residency import WINDOW_POLICIES, ResidencyConflict, ResidencyRequest
 from rollingkv_cli.userinput import shown  # a config value in a message: cut short
+from rollingkv_cli.lib.limits import MAX_THREADS, MAX_THREADS_WHY  # one cap for every command's threads
 from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
 
 CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
@@ -56,7 +57,8 @@ class Setting:
     lo: float | None = None
     hi: float | None = None
     choices: tuple[str, ...] = ()
-    cap: int | None = None  # the most llama-server's field holds: said only to a value above it
+    cap: float | None = None  # the most llama-server's field holds: said only to a value above it
+    cap_why: str = "what llama-server takes"
 
     @property
     def flag(self) -> str:
@@ -89,7 +91,8 @@ class Setting:
         if (self.lo is not None and (v <= self.lo if positive else v < self.lo)) or (self.hi is not None and v > self.hi):
             raise SettingError(f"must be {self._range()}, not {value if from_text else shown(value)}")
         if self.cap is not None and v > self.cap:
-            raise SettingError(f"must be at most {self.cap} (what llama-server takes), not {value if from_text else shown(value)}")
+            cap = f"{self.cap:g}" if isinstance(self.cap, float) else str(self.cap)
+            raise SettingError(f"must be at most {cap} ({self.cap_why}), not {value if from_text else shown(value)}")
         return v
 
     def _range(self) -> str:
@@ -145,6 +148,7 @@ def _as_float(value, from_text: bool) -> float:
 
 
 INT32_MAX = 2**31 - 1
+FLT_MAX = 3.4028234663852886e38  # a C float
 MAX_VRAM_TARGET_MIB = 2**24  # 16 TiB per device: far above any GPU, far below an overflow of MiB -> bytes
 
 # the one table of what serve accepts: the flags (cli.py) and the config file check against it
@@ -160,7 +164,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("cache_type_v", "choice", choices=CACHE_TYPES),
     Setting("cache_type_k_tail", "choice", choices=TAIL_TYPE_CHOICES),  # a type, or auto: the planner's when the cache spills
     Setting("cache_type_v_tail", "choice", choices=TAIL_TYPE_CHOICES),
-    Setting("pcie_bw_gbps", "float", lo=0),
+    # llama-server reads a float: 1e308 became inf there, which it refused after loading the model
+    Setting("pcie_bw_gbps", "float", lo=0, cap=FLT_MAX, cap_why="the most llama-server's float holds"),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("kv_windows", "choice", choices=WINDOW_POLICIES),
     Setting("host", "str"),
@@ -253,6 +258,8 @@ _PASSTHROUGH_VALUES: dict[str, Setting] = {
     "--kv-window-cells": Setting("kv_window_cells", "int", lo=0, cap=INT32_MAX),
     "--kv-device-heads": Setting("kv_device_heads", "int", lo=0, cap=INT32_MAX),
     "--vram-target": Setting("vram_target", "int", lo=0, cap=MAX_VRAM_TARGET_MIB),
+    # 0 or less: llama-server's default; more than ggml's most: it crashed (SIGSEGV at -t 100000, in its threadpool)
+    **{f: Setting("threads", "int", cap=MAX_THREADS, cap_why=MAX_THREADS_WHY) for f in ("-t", "--threads", "-tb", "--threads-batch")},
 }
 
 
@@ -287,7 +294,7 @@ def check_server_args(extra: list[str], extra_where: str, command: str, owned: d
             setting.check(value, from_text=True)
         except SettingError as e:
             usage_error(f"{name} {extra_where} {e}" if str(e).startswith("must") else f"{name} {extra_where}: {e}",
-                        "llama-server would refuse it after loading the model")
+                        "llama-server would refuse it, or fail on it, after loading the model")
 
 
 def _check_extra_args(extra: list[str], merged: dict, where: dict[str, str], extra_where: str) -> None:

@@ -145,6 +145,18 @@ def fake_runs(monkeypatch, isolated_cache, tmp_path):
     return state
 
 
+def test_too_few_tokens_say_what_to_do(capsys, fake_runs, fake_gguf, tmp_path):
+    """The second sweep (issue 39): "the text holds fewer than 4 tokens" and "P holds no tokens" had no hint."""
+    fake_runs["n_tokens"] = 3
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--synthetic-tokens", "3", "--n-seq", "4"], capsys)
+    assert code == 1 and "fewer than 4 tokens" in _one_error(err) and "hint: lower --n-seq, or give more text" in err, err
+    fake_runs["n_tokens"] = 0
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ")
+    code, _, err = run_main(["gate", "equiv", "--model", str(fake_gguf), "--prompt-file", str(prompt)], capsys)
+    assert code == 1 and "holds no tokens" in _one_error(err) and "hint: give a file with text in it" in err, err
+
+
 def test_pass_exits_0_and_writes_the_report(capsys, fake_runs, fake_gguf, tmp_path):
     out = tmp_path / "r.json"
     code, stdout, _ = run_main(["gate", "equiv", "--model", str(fake_gguf), "--kv-window-cells", "256", "--json", str(out)], capsys)
@@ -461,6 +473,23 @@ def test_e2e_window_mode(cpu_build, demo_model, tmp_path):
     assert r["metrics"]["bitwise_identical"] and r["metrics"]["max_abs_logit_diff"] == 0.0
     assert_reference_resident(r)  # the identity is against the whole cache, not against another split
     assert r["tail_positions"] == 512 - 256 and r["window_cells"] == 256
+
+
+@pytest.mark.build
+def test_the_tokenize_phase_shows_a_bar_with_counts(cpu_build, demo_model, tmp_path):
+    """issue 39: the tokenize phase showed a spinner without counts ("tokenizing"), unlike the decode phases' bars. Now
+    it is a bar of the same progress display, with the tokens it found, and it stays in a captured run's output."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    proc = _gate(cpu_build, ["--model", str(demo_model), "--prompt-file", str(prompt), "--ctx", "1024", "--threads", "2",
+                             "--kv-residency-mode", "off"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    n = int(next(ln for ln in lines if " tokens, ctx 1024" in ln).split(": ")[1].split()[0])
+    bar = next(i for i, ln in enumerate(lines) if ln.strip().startswith("tokens "))
+    assert f"{n}/{n} done" in lines[bar], lines[bar]
+    reference = next(i for i, ln in enumerate(lines) if ln.strip().startswith("reference (resident)"))
+    assert bar < reference  # the first phase, shown as the others are
 
 
 @pytest.mark.build
@@ -825,12 +854,13 @@ def test_sigkill_of_the_gate_takes_its_runner_down(cpu_build, demo_model, tmp_pa
 
 
 @pytest.mark.build
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
 def test_every_stop_signal_removes_the_work_folder(cpu_build, demo_model, tmp_path, sig):
     """SIGINT, SIGTERM or SIGHUP while the reference run decodes: the runner is stopped, the work folder (the reference
     logits) removed, and the gate exits 128 + the signal's number with one line naming it. Seen failing before the fix
     (issue 39 row 5): SIGTERM and SIGHUP killed the CLI where it stood (exit -15 / -1), leaving the work folder and an
-    orphaned runner; only SIGINT cleaned up, and it exited 130 with the line `aborted`."""
+    orphaned runner; only SIGINT cleaned up, and it exited 130 with the line `aborted`. SIGQUIT and SIGUSR1 (the second
+    sweep; every signal that ends a process: procs.OTHER_ENDING_SIGNALS) still did so (exit -3 / -10, the folder left)."""
     import signal
 
     from proctree import descendants, kill_all, wait_for, wait_gone

@@ -179,6 +179,46 @@ def test_needle_passes(capsys, fake_server_build, fake_gguf, tmp_path):
     assert "-fa" in cand_argv and cand_argv[cand_argv.index("-c") + 1] == str(r["n_ctx"])
 
 
+def test_the_prompts_tokenization_shows_its_counts(capsys, fake_server_build, fake_gguf, monkeypatch):
+    """issue 39: the gate's tokenize phase showed no progress ("building the prompts" for as long as the filler and every
+    prompt took to tokenize). Now the phase's stage on the reference's bar counts the filler's tokens and the prompts."""
+    from rich.progress import Progress
+
+    stages: list[str] = []
+    update = Progress.update
+
+    def recording_update(self, task_id, **kw):
+        if "stage" in kw:
+            stages.append(str(kw["stage"]))
+        return update(self, task_id, **kw)
+
+    monkeypatch.setattr(Progress, "update", recording_update)
+    code, stdout, err = run_main([*NEEDLE, "--model", str(fake_gguf)], capsys)
+    assert code == 0, stdout + err
+    assert "the filler: 3000 of 3000 tokens" in stages, stages
+    assert stages.index("tokenizing prompt 1 of 2 (depth 0.5)") < stages.index("tokenizing prompt 2 of 2 (depth 0.85)"), stages
+    assert stages.index("tokenizing prompt 2 of 2 (depth 0.85)") < next(i for i, s in enumerate(stages) if s.startswith("depth 0.5:"))
+
+
+def test_make_filler_and_placements_report_their_counts():
+    from rollingkv_cli.gate.needle import build_placements, make_filler
+
+    words = lambda s: s.split()  # noqa: E731 - a whitespace "tokenizer"
+    seen: list[str] = []
+    make_filler(words, 700, seed=1, on_stage=seen.append)
+    assert seen[0].startswith("tokenizing the filler (") and "the filler: 700 of 700 tokens" in seen
+    counts = [s for s in seen if s.startswith("the filler: ")]
+    assert [int(s.split()[2]) for s in counts] == sorted(int(s.split()[2]) for s in counts)  # they only grow
+
+    class Side:
+        def tokenize(self, text, add_special=False):
+            return [ord(c) for c in text]
+
+    seen.clear()
+    build_placements(Side(), "One sentence. " * 200, [0.25, 0.75], seed=1, fmt="plain", on_stage=seen.append)
+    assert seen == ["tokenizing prompt 1 of 2 (depth 0.25)", "tokenizing prompt 2 of 2 (depth 0.75)"]
+
+
 def test_needle_differs_exit_1(capsys, fake_server_build, fake_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NEEDLE", "differ")
     out = tmp_path / "n.json"

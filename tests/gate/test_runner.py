@@ -78,7 +78,10 @@ def test_tokenize_then_decode_split_on_the_demo_model(cpu_build, demo_model, tmp
     """The child protocol: RESULT lines and JSON; a window of 64 cells over 96 tokens reports a split plan."""
     toks = tmp_path / "t.npy"
     p = _runner(cpu_build, "--model", str(demo_model), "--synthetic", "96", "--tokens-out", str(toks), "--out", str(tmp_path / "tok.json"))
-    assert p.returncode == 0 and p.stdout.startswith("RESULT "), p.stdout + p.stderr
+    assert p.returncode == 0 and p.stdout.splitlines()[-1].startswith("RESULT "), p.stdout + p.stderr
+    # the tokenize phase reports as the decode does (issue 39): its stages, then the tokens found of those wanted
+    kinds = [ln.split(" ", 1) for ln in p.stdout.splitlines()]
+    assert kinds[0] == ["STAGE", "loading the vocabulary"] and ["PROGRESS", "0 96"] in kinds and ["PROGRESS", "96 96"] in kinds, kinds
     assert np.load(toks).shape == (96,)
     ref = tmp_path / "ref.npy"
     p = _runner(cpu_build, "--model", str(demo_model), "--tokens", str(toks), "--ctx", "256", "--threads", "2",

@@ -28,7 +28,8 @@ def test_print_args_merges_config_and_flags(tmp_path, capsys, demo_model, monkey
     assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-ctk") + 1] == "q8_0"
     assert argv[argv.index("--port") + 1] == "9999" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("-m") + 1] == str(demo_model)
-    assert argv[-2:] == ["--port", "9999"] and "--threads" in argv
+    # the address first (a value-less flag after `--` must not take --host as its value), the arguments after `--` last
+    assert argv[1:5] == ["--host", "127.0.0.1", "--port", "9999"] and argv[-2:] == ["--threads", "2"]
 
 
 def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
@@ -43,8 +44,8 @@ def test_slot_save_is_off_unless_asked_for(tmp_path, capsys, demo_model, monkeyp
 
     plain = argv("demo")
     assert "--slot-save-path" not in plain and "--slots" not in plain and "--props" not in plain
-    assert plain[1:] == ["-m", str(demo_model), "-fa", "on", "--metrics", "--alias", demo_model.name.removesuffix(".gguf"),
-                         "--host", "127.0.0.1", "--port", "8080"]
+    assert plain[1:] == ["--host", "127.0.0.1", "--port", "8080", "-m", str(demo_model), "-fa", "on", "--metrics", "--alias",
+                         demo_model.name.removesuffix(".gguf")]
     mine = argv("demo", "--", "--alias", "mine")
     assert mine.count("--alias") == 1 and mine[mine.index("--alias") + 1] == "mine"  # the user's own alias after `--` alone
     on = argv("demo", "--slot-save")
@@ -331,7 +332,7 @@ def test_cpu_attn_from_the_profile(capsys, hybrid_build, monkeypatch):
     profile.save_cpu_attn(6, "hb0123", {"gbps": {"f16": 40.5, "q8_0": 30.0, "q4_0": None}, "errors": {"q4_0": "not supported"}})
     argv, text = _argv(capsys, m, "--kv-tail-cpu-frac", "auto", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "auto" and argv[argv.index("--cpu-attn-gbps") + 1] == "40.5"
-    assert argv[argv.index("--pcie-bw-gbps") + 1] == "25" and argv[-8:-4] == ["-ngl", "99", "-t", "6"]
+    assert argv[argv.index("--pcie-bw-gbps") + 1] == "25" and argv[-4:] == ["-ngl", "99", "-t", "6"]
     # the tail's K type picks the figure; the window's type when the tail has none of its own
     argv, _ = _argv(capsys, m, "--kv-tail-cpu-frac", "0.5", "-ctkt", "q8_0", "--pcie-bw-gbps", "25", "--", "-ngl", "99", "-t", "6")
     assert argv[argv.index("--kv-tail-cpu-frac") + 1] == "0.5" and argv[argv.index("--cpu-attn-gbps") + 1] == "30"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument
+from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
 
@@ -59,7 +59,7 @@ MODES = ["window", "head", "auto", "off"]
                    "context): a number placed in the tail, which the split must retrieve wherever the resident run does.  "
                    "[default: on with -ctkt/-ctvt auto]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
-@click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per run.  [default: all cores]")
+@click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
 @click.option("--n-seq", type=int, callback=positive, default=1, show_default=True,
               help="Decode the text as N equal sequences side by side, each batch holding positions of all of them in one "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import model_argument
+from rollingkv_cli.cliopts import model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_option, positive, tail_type_list
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
@@ -33,7 +33,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--order-floor/--no-order-floor", default=None,
               help="Bounds relaxed to the resident run's own floating-point order floor (as gate equiv --order-floor).  "
                    "[default: on for the CUDA backend, off on the CPU, where the split is bit-identical]")
-@click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per run.  [default: all cores]")
+@click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode.")
 @ngl_option()
 @build_options

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument
+from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fraction_list, ngl_option, positive
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE, check_request
 from rollingkv_cli.lib.residency import ResidencyRequest
@@ -35,7 +35,7 @@ from rollingkv_cli.lib.residency import ResidencyRequest
 @click.option("--kv-device-heads", type=int, callback=positive, default=None, metavar="N",
               help="Head split: KV heads of each layer kept on the device.  [default with head mode and no --vram-target: 1]")
 @cache_type_options
-@click.option("--threads", type=int, callback=positive, default=None, help="CPU threads per server.  [default: all cores]")
+@click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads per server.  [default: all cores]")
 @ngl_option(help_default="llama-server's")
 @build_options
 @click.option("--match", type=click.Choice(["tokens", "answer"]), default=None,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument
+from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, non_negative, positive
 from rollingkv_cli.gate.common import EXIT_FAIL
 
@@ -26,7 +26,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL
 @cache_type_options
 @click.option("--gpu", "gpu_index", type=int, callback=non_negative, default=0, show_default=True, metavar="N", help="The GPU (NVML index) to watch.")
 @click.option("--interval-ms", type=int, callback=positive, default=50, show_default=True, help="NVML sampling interval.")
-@click.option("--threads", type=int, callback=positive, default=None, help="CPU threads of the server.  [default: llama-server's]")
+@click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads of the server.  [default: llama-server's]")
 @ngl_option(default=999, help_default="999: every layer")
 @build_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
