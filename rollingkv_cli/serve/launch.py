@@ -162,15 +162,14 @@ def model_alias(model: Path) -> str:
 
 
 def prompt_cache_args(s: ServeSettings, may_split_cache: bool) -> list[str]:
-    """llama-server's RAM prompt cache off (`--cache-ram 0`) where the cache may split and every slot has a cache of its
-    own (`-np N`, not unified), unless the user set it (after `--` or LLAMA_ARG_CACHE_RAM). At every new task the prompt
-    cache copies each idle slot's state into RAM through state IO: for a split cache a copy of a tail that already lives
-    in host memory (on an H100 it cost the split default server 40 % of its time to first token under random arrivals,
-    docs/perf/2026-12-06-h100-unified-tail-runs). In a unified cache (llama-server's default) it is kept: there it also
-    clears the idle slots, which is what frees their cells for a new request that needs the whole context (without it
-    such a request fails with "Context size has been exceeded")."""
-    own_caches = (s.parallel or 1) > 1 and not (arg_given(s.extra_args, "--kv-unified") or arg_given(s.extra_args, "-kvu"))
-    if not may_split_cache or not own_caches or arg_given(s.extra_args, "--cache-ram") or arg_given(s.extra_args, "-cram") \
+    """llama-server's RAM prompt cache off (`--cache-ram 0`) where the cache may split, unless the user set it (after
+    `--` or LLAMA_ARG_CACHE_RAM). At every new task the prompt cache copies each idle slot's state into RAM through
+    state IO: for a split cache a copy of a tail that already lives in host memory (on an H100 it cost the split default
+    server 40 % of its time to first token under random arrivals, docs/perf/2026-12-06-h100-unified-tail-runs), and in a
+    unified cache it then clears the slot. Without it an idle slot's sequence stays where it is: block residency demotes
+    its blocks to the host when a running request needs the device, a returning user's prompt is reused in place, and
+    llama-server purges idle slots (try_clear_idle_slots) only when a request needs their cells."""
+    if not may_split_cache or arg_given(s.extra_args, "--cache-ram") or arg_given(s.extra_args, "-cram") \
             or os.environ.get("LLAMA_ARG_CACHE_RAM") is not None:
         return []
     return ["--cache-ram", "0"]

@@ -14,22 +14,22 @@ def _argv(capsys, *args):
     return shlex.split(out.strip().splitlines()[-1])
 
 
-def test_the_prompt_cache_is_off_where_slots_have_split_caches_of_their_own(capsys, monkeypatch, cpu_build):
+def test_the_prompt_cache_is_off_where_the_cache_may_split(capsys, monkeypatch, cpu_build):
     """llama-server's RAM prompt cache copies every idle slot's state at each new task (a split cache's tail is already
     in host memory; measured on an H100: 40 % of the split default server's time to first token): serve passes
-    `--cache-ram 0` where the cache may split and each slot has its own (-np N), and leaves it alone in a unified cache
-    (where it also frees idle slots' cells for a request that needs them), where the cache stays whole, and where the
-    user set it."""
+    `--cache-ram 0` where the cache may split, in llama-server's default unified cache too (idle sequences stay in place,
+    their blocks demoted, purged by llama-server only when their cells are needed: tests/serve/test_serve_rolling.py), and
+    leaves it alone where the cache stays whole and where the user set it."""
     monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
     monkeypatch.delenv("LLAMA_ARG_CACHE_RAM", raising=False)
     window = ["demo", "-c", "4096", "--kv-residency-mode", "window", "--kv-window-cells", "512"]
-    split = _argv(capsys, *window, "-np", "2")
-    assert split[split.index("--cache-ram") + 1] == "0"
+    for split in (_argv(capsys, *window, "-np", "2"), _argv(capsys, *window),  # -np, and the default unified cache
+                  _argv(capsys, *window, "-np", "2", "--", "--kv-unified")):
+        assert split[split.index("--cache-ram") + 1] == "0"
     heads = _argv(capsys, "demo", "-c", "4096", "-np", "4", "--kv-residency-mode", "head", "--kv-device-heads", "1")
     assert heads[heads.index("--cache-ram") + 1] == "0"
-    for kept in (window, [*window, "-np", "2", "--", "--kv-unified"],  # unified: llama-server's default, and asked for
-                 ["demo", "-c", "4096", "-np", "2", "--kv-residency-mode", "off"],  # whole
-                 ["demo", "-c", "4096", "-np", "2"]):  # auto on a CPU build without a budget: whole
+    for kept in (["demo", "-c", "4096", "-np", "2", "--kv-residency-mode", "off"],  # whole
+                 ["demo", "-c", "4096", "-np", "2"], ["demo", "-c", "4096"]):  # auto on a CPU build without a budget: whole
         assert "--cache-ram" not in _argv(capsys, *kept), kept
     own = _argv(capsys, *window, "-np", "2", "--", "--cache-ram", "100")
     assert own.count("--cache-ram") == 1 and own[own.index("--cache-ram") + 1] == "100"

@@ -329,3 +329,57 @@ def test_slot_save_restore_of_a_spilled_slot(cpu_build, demo_model, tmp_path):
     assert got["n_restored"] == got["n_saved"]
     assert got["cached"] >= got["n_saved"] - 1  # reused, not recomputed
     assert got == ref
+
+
+# ------------------------------------------------------------------ llama-server's default: one unified cache, blocks
+
+UNIFIED = ["--kv-residency-mode", "window", "--kv-window-cells", "1024"]  # four 256-cell slots for all four slots' sequences
+NO_PROMPT_CACHE = {"LLAMA_ARG_CACHE_RAM": "0"}  # both servers alike (serve passes --cache-ram 0 for a split cache itself)
+
+
+def _default_server(cpu_build, tmp_path, name, *flags, env_extra=None):
+    return Serve(cpu_build, tmp_path, name, "-c", "8192", *flags, env_extra={**NO_PROMPT_CACHE, **(env_extra or {})})
+
+
+@pytest.fixture(scope="module")
+def resident_unified_sequence(cpu_build, demo_model, tmp_path_factory):
+    with _default_server(cpu_build, tmp_path_factory.mktemp("resident-unified"), "resident-unified", *RESIDENT) as srv:
+        plan = srv.get("/props")["rolling_kv"]
+        ref = _sequence(srv)
+    assert plan["split"] is False and plan["mode_chosen"] == "off" and plan["n_stream"] == 1, plan
+    assert ref[2]["prompt_n"] < 64, ref[2]  # the continuation reused slot 0's cells in place
+    return ref
+
+
+def test_default_server_sequential_answers_equal_resident(cpu_build, demo_model, tmp_path, resident_unified_sequence):
+    """llama-server's default layout (no -np: four slots on one unified cache) split with block residency and the RAM
+    prompt cache off: the same requests one at a time, pinned to slots, with cache_prompt (slot 0's long report spills
+    past the four device slots, slot 1's short one beside its idle cells, slot 0's conversation continued from its cells
+    in place) return every position's probabilities of the resident unified server bit for bit."""
+    with _default_server(cpu_build, tmp_path, "unified-blocks", *UNIFIED) as srv:
+        plan = srv.get("/props")["rolling_kv"]
+        seq = _sequence(srv)
+    assert plan["split"] and plan["n_stream"] == 1 and plan["windows"]["policy"] == "blocks", plan.get("windows")
+    assert any(q["tail_cells"] > 0 for r in seq for q in r["after"]["seqs"]), [r["after"]["seqs"] for r in seq]  # spilled
+    # the long report's first blocks took the device slots as they were written, the rest spilled (no copy needed)
+    assert any(q["seq"] == 0 and q["device_cells"] == 1024 and q["tail_cells"] > 0 for q in seq[0]["after"]["seqs"]), \
+        seq[0]["after"]["seqs"]
+    assert _differences(seq, resident_unified_sequence) == []
+
+
+def test_default_server_purges_idle_slots_only_when_their_cells_are_needed(cpu_build, demo_model, tmp_path):
+    """With the RAM prompt cache off (what serve passes for a split cache) idle slots keep their sequences; a request of
+    nearly the whole context after three of them is still served: llama-server purges idle slots when the cache is full
+    (try_clear_idle_slots), and a slot that comes back before that reuses its cells in place."""
+    with Serve(cpu_build, tmp_path, "unified-purge", "-c", "4096", "--kv-residency-mode", "window",
+               "--kv-window-cells", "1024") as srv:
+        first = [srv.post("/completion", {"prompt": _report(k, 3000), "n_predict": 4, "temperature": 0, "id_slot": k - 1,
+                                          "cache_prompt": True}) for k in (1, 2, 3)]
+        again = srv.post("/completion", {"prompt": _report(2, 3000) + " Again:", "n_predict": 4, "temperature": 0,
+                                         "cache_prompt": True})
+        big = srv.post("/completion", {"prompt": _report(9, 12000), "n_predict": 4, "temperature": 0, "cache_prompt": True})
+        stats = srv.get("/props")["rolling_kv_stats"]
+    assert all(r["timings"]["prompt_n"] > 500 for r in first), [r["timings"]["prompt_n"] for r in first]
+    assert again["timings"]["prompt_n"] < 16, again["timings"]  # slot 1's idle cells reused in place, no RAM copy
+    assert big["timings"]["prompt_n"] > 2500 and big["content"], big["timings"]  # nearly the whole 4096-cell context
+    assert stats["windows"] == "blocks"
