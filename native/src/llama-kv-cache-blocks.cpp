@@ -28,6 +28,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 static const uint32_t LLAMA_RKV_BLK      = 256; // cells per block (the streamed chunks' alignment)
 
@@ -313,12 +315,35 @@ void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ub
     set_input_kq_mask(&logical, ubatch, causal_attn);
     rkv_blk_logical = false;
 
+    // a prompt's ubatch moves ~n_tokens x (pool + n_kv) values (128 MiB at 512 x 128k): on several threads, where a
+    // single one would add ~20 ms to a step the GPU runs in ~100 (measured on an H100 host: +12 % prompt time)
     const int64_t n_rows = dst->ne[1]*dst->ne[2];
-    if (dst->type == GGML_TYPE_F16) {
-        llama_rkv_blk_scatter((const ggml_fp16_t *) scratch.data(), (ggml_fp16_t *) dst->data, n_rows, n_kv, pool_n,
-                rkv_blk_slot, rkv_slot_blk, ggml_fp32_to_fp16(-INFINITY));
-    } else {
-        llama_rkv_blk_scatter((const float *) scratch.data(), (float *) dst->data, n_rows, n_kv, pool_n,
-                rkv_blk_slot, rkv_slot_blk, -INFINITY);
+    const uint8_t * logical_data = scratch.data(); // (scratch is thread-local: the workers take its pointer)
+    const auto scatter = [&](int64_t r0, int64_t r1) {
+        if (dst->type == GGML_TYPE_F16) {
+            llama_rkv_blk_scatter((const ggml_fp16_t *) logical_data + r0*n_kv, (ggml_fp16_t *) dst->data + r0*dst->ne[0],
+                    r1 - r0, n_kv, pool_n, rkv_blk_slot, rkv_slot_blk, ggml_fp32_to_fp16(-INFINITY));
+        } else {
+            llama_rkv_blk_scatter((const float *) logical_data + r0*n_kv, (float *) dst->data + r0*dst->ne[0],
+                    r1 - r0, n_kv, pool_n, rkv_blk_slot, rkv_slot_blk, -INFINITY);
+        }
+    };
+    const int64_t work = n_rows*dst->ne[0];
+    const int n_thr = (int) std::min<int64_t>({ (int64_t) std::max(1u, std::thread::hardware_concurrency()), 8,
+                                                n_rows, work/(1 << 18) + 1 });
+    if (n_thr <= 1) {
+        scatter(0, n_rows);
+        return;
+    }
+    std::vector<std::thread> workers;
+    const int64_t per = (n_rows + n_thr - 1)/n_thr;
+    for (int t = 1; t < n_thr; ++t) {
+        if (t*per < n_rows) {
+            workers.emplace_back(scatter, t*per, std::min(n_rows, (t + 1)*per));
+        }
+    }
+    scatter(0, std::min(n_rows, per));
+    for (auto & w : workers) {
+        w.join();
     }
 }
