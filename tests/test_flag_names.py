@@ -72,9 +72,9 @@ def test_bench_load_window_cells_both_spellings(capsys, isolated_cache, fake_ggu
 
 def test_serve_offers_kv_windows(capsys, isolated_cache, tmp_path, monkeypatch):
     """--kv-windows and the config key kv_windows reach llama-server's command line; a bad value is one line."""
-    assert "--kv-windows [elastic|static]" in _help("serve")
+    assert "--kv-windows [elastic|static|blocks]" in _help("serve")
     code, _, err = run_main(["serve", "demo", "--kv-windows", "steady", "--print-args"], capsys)
-    assert code == 2 and "'steady' is not one of elastic, static" in err
+    assert code == 2 and "'steady' is not one of elastic, static, blocks" in err
     config = tmp_path / "c.yaml"
     config.write_text("model: demo\nkv_windows: sometimes\n")
     code, _, err = run_main(["serve", "--config", str(config), "--print-args"], capsys)

@@ -89,7 +89,7 @@ def _run(build, model, tmp_path, name, kw, ngl=0, **env):
     return r, np.load(out)
 
 
-BLOCKS = dict(mode="window", window_cells=768)
+BLOCKS = dict(mode="window", window_cells=768, windows="blocks")  # opt-in (API 7 windows 2)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_blocks_after_moves_both_ways_equal_the_resident_unified_cache_bit_for_b
     (ref_r, ref), (r, got) = resident, blocks
     assert ref_r["plan"]["mode_chosen"] == "off" and not ref_r["plan"]["split"]  # the reference is the upstream cache
     assert r["plan"]["split"] and r["plan"]["n_stream"] == 1
-    assert r["plan"]["windows"]["policy"] == "blocks", r["plan"]["windows"]
+    assert r["plan"]["windows"]["policy"] == "blocks" and r["plan"]["windows"]["requested"] == "blocks", r["plan"]["windows"]
     moves = _moves(r)
     # the path ran: blocks moved both ways
     assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0 and moves["bytes"] > 0, moves
@@ -221,3 +221,14 @@ def test_q4_0_blocks_move_within_the_gates_q4_0_bounds(cpu_build, demo_model, tm
     tv = _tv(got, resident[1])
     top1 = (got.reshape(-1, N_VOCAB).argmax(-1) == resident[1].reshape(-1, N_VOCAB).argmax(-1)).mean()
     assert tv.mean() <= 0.2 and np.percentile(tv, 99) <= 0.8 and top1 >= 0.85, (tv.mean(), np.percentile(tv, 99), top1)
+
+
+def test_a_unified_cache_keeps_its_window_static_unless_blocks_are_asked_for(cpu_build, demo_model, tmp_path, resident):
+    """Block residency is opt-in: under a random mix on an H100 it was slower than the static window
+    (docs/perf/2026-12-06-h100-unified-blocks). The default (elastic) request keeps a unified cache's window static,
+    moves nothing, and stays bit-identical to the resident cache."""
+    r, got = _run(cpu_build, demo_model, tmp_path, "default", dict(mode="window", window_cells=768))
+    assert r["plan"]["windows"]["policy"] == "static" and r["plan"]["windows"]["requested"] == "elastic", r["plan"]["windows"]
+    assert "--kv-windows blocks" in r["plan"]["windows"]["reason"]
+    assert _moves(r)["promoted_cells"] == 0 and _moves(r)["demoted_cells"] == 0
+    assert np.array_equal(got, resident[1])

@@ -59,7 +59,7 @@ inline int32_t llama_rolling_kv_arg_device_heads(const std::string & value, bool
     return (int32_t) n;
 }
 
-// --kv-windows {elastic,static}
+// --kv-windows {elastic,static,blocks}
 inline enum llama_kv_window_policy llama_rolling_kv_arg_windows(const std::string & value) {
     if (value == "elastic") {
         return LLAMA_KV_WINDOWS_ELASTIC;
@@ -67,7 +67,10 @@ inline enum llama_kv_window_policy llama_rolling_kv_arg_windows(const std::strin
     if (value == "static") {
         return LLAMA_KV_WINDOWS_STATIC;
     }
-    throw std::invalid_argument("unknown --kv-windows " + value + " (allowed: elastic, static)");
+    if (value == "blocks") {
+        return LLAMA_KV_WINDOWS_BLOCKS;
+    }
+    throw std::invalid_argument("unknown --kv-windows " + value + " (allowed: elastic, static, blocks)");
 }
 
 // -ctkt/-ctvt: a type of the op's list (ggml_rkv_tail_type_from_name), or "auto": the planner chooses the tail's type

@@ -48,10 +48,14 @@ enum llama_kv_residency_mode {
 enum llama_kv_window_policy {
     // one pool of n_stream * window cells that follows the load: a stream's window grows into cells other streams do not
     // use (its oldest tail blocks promoted), shrinks to the cells its sequence uses, and an idle stream's window is
-    // demoted to host memory when an active one needs the room. Exact (byte copies between rows of one type); a cache
-    // whose tail type differs from its window's keeps static windows
+    // demoted to host memory when an active one needs the room. Exact between rows of one type; a quantized tail's rows
+    // are converted (quantized when demoted, dequantized when promoted). One stream (a unified cache): static
     LLAMA_KV_WINDOWS_ELASTIC = 0,
     LLAMA_KV_WINDOWS_STATIC  = 1, // every stream keeps its own window of window cells, used or not
+    // block residency (opt-in): one stream holding several sequences (a unified cache) keeps its window as a pool of
+    // 256-cell slots, and the blocks its ubatches write and read move onto the device, idle ones back to the host
+    // (llama-kv-cache-blocks.cpp); several streams: as elastic
+    LLAMA_KV_WINDOWS_BLOCKS  = 2,
 };
 
 struct llama_rolling_kv_params {

@@ -117,7 +117,8 @@ static std::string llama_rkv_json_windows(const llama_rkv_state * st) {
     std::string res;
     if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
         res += std::string(",\"windows\":{\"policy\":") + (st->blocks ? "\"blocks\"" : st->elastic ? "\"elastic\"" : "\"static\"");
-        res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" : "elastic");
+        res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" :
+                                                  st->req.windows == LLAMA_KV_WINDOWS_BLOCKS ? "blocks" : "elastic");
         res += ",\"pool_cells\":" + std::to_string(st->elastic ? st->pool_cells : st->window_cells*st->n_stream);
         res += ",\"reason\":" + llama_rkv_json_str(
                 st->blocks  ? "one stream's 256-cell blocks move between the device and the host with the load" :
@@ -472,8 +473,9 @@ struct llama_context * llama_init_from_model_rolling_kv(
     if (!(req.tail_cpu_frac <= 1.0f) || std::isnan(req.tail_cpu_frac)) {
         return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)", (double) req.tail_cpu_frac);
     }
-    if (req.windows != LLAMA_KV_WINDOWS_ELASTIC && req.windows != LLAMA_KV_WINDOWS_STATIC) {
-        return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static)", (int) req.windows);
+    if (req.windows != LLAMA_KV_WINDOWS_ELASTIC && req.windows != LLAMA_KV_WINDOWS_STATIC &&
+            req.windows != LLAMA_KV_WINDOWS_BLOCKS) {
+        return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static, 2: blocks)", (int) req.windows);
     }
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);

@@ -250,7 +250,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         raise click.exceptions.Exit(1)
 
 
-LOAD_CELLS = ["default", "default-static", "split", "static", "one-op", "resident", "default-resident", "vanilla"]
+LOAD_CELLS = ["default", "default-blocks", "split", "static", "one-op", "resident", "default-resident", "vanilla"]
 LOAD_CELLS_DEFAULT = ["default", "split", "resident", "default-resident", "vanilla"]
 
 
@@ -305,7 +305,7 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random: the draw (kept in the report).")
 @click.option("--cells", "cell_names", default=",".join(LOAD_CELLS_DEFAULT), show_default=True, callback=_load_cells,
               help="Servers to run the mix on: default (llama-server's own layout, no -np: 4 slots on one unified "
-                   "cache, split: its blocks follow the load), default-static (the same, --kv-windows static), split (-np "
+                   "cache, split), default-blocks (the same with --kv-windows blocks: its blocks follow the load), split (-np "
                    "slots, elastic windows), static (--kv-windows static), one-op (static "
                    "windows and one op over all streams: the layout before), resident (-np, --kv-residency-mode off), "
                    "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
@@ -413,12 +413,12 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     resident_flags = ResidencyRequest(mode="off").server_args()
     cells = {
         "default": lb.Cell("default", [*default_flags, *ngl], slots_flag=False,
-                           what="llama-server's default layout (no -np: 4 slots on one unified cache), split; its "
-                                "256-cell blocks follow the load, each ubatch reads only its sequences' host blocks"),
-        "default-static": lb.Cell("default-static", [*replace(split, window_cells=window * n_slots if window else None,
-                                                             windows="static").server_args(), *ngl], slots_flag=False,
-                                  what="llama-server's default layout, split with the window kept static (no block "
-                                       "moves: whatever cells land in it stay)"),
+                           what="llama-server's default layout (no -np: 4 slots on one unified cache), split (its window "
+                                "static); each ubatch reads only its sequences' tail blocks"),
+        "default-blocks": lb.Cell("default-blocks", [*replace(split, window_cells=window * n_slots if window else None,
+                                                             windows="blocks").server_args(), *ngl], slots_flag=False,
+                                  what="llama-server's default layout, split with block residency (--kv-windows blocks: "
+                                       "its 256-cell blocks follow the load)"),
         "default-resident": lb.Cell("default-resident", [*resident_flags, *ngl], slots_flag=False,
                                     what="llama-server's default layout, upstream's cache whole on the device"),
         "split": lb.Cell("split", [*split_flags, *ngl],

@@ -83,7 +83,7 @@ API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_ro
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
 API_ELASTIC_WINDOWS = 7  # the first API with the window policy (elastic windows: the streams' device cells as one pool)
-WINDOW_POLICIES = {"elastic": 0, "static": 1}
+WINDOW_POLICIES = {"elastic": 0, "static": 1, "blocks": 2}
 API_TAIL_AUTO = 7  # the first API whose tail types take auto (LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner chooses them)
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)

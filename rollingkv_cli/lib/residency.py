@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from rollingkv_cli.kvtypes import TAIL_AUTO
 
 MODES = ("auto", "window", "head", "off")
-WINDOW_POLICIES = ("elastic", "static")
+WINDOW_POLICIES = ("elastic", "static", "blocks")
 
 # how llama-server and llama-bench spell each field (the patched common/arg.cpp and llama-bench share the parsers)
 FLAGS = {"mode": "--kv-residency-mode", "window_cells": "--kv-window-cells", "device_heads": "--kv-device-heads",

@@ -112,8 +112,9 @@ class _ServeCommand(click.Command):
                "default: from the link and CPU attention bandwidths, none where it would not pay), 0 (none) or up to 1 "
                "(the whole tail).")
 @_setting("--kv-windows", key="kv_windows",
-          help="The device window: elastic (llama-server's default) follows the load, by 256-cell blocks in the default "
-               "unified cache and as one pool of the slots' cells with -np; static keeps it where it is.")
+          help="The device window: elastic (llama-server's default) makes the slots' windows one pool that follows the "
+               "load with -np; blocks (opt-in) moves the default unified cache's 256-cell blocks with the load; static "
+               "keeps each window where it is.")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
 @click.option("--slot-save", "slot_save", is_flag=True, default=False, type=SettingType("slot_save"),

@@ -88,7 +88,9 @@ def _answers(srv, prompts, n_predict=24):
 
 def test_window_answers_equal_resident(cpu_build, demo_model, tmp_path):
     prompts = [_prompt(1)]
-    with Serve(cpu_build, tmp_path, "resident", "-c", "2048", *RESIDENT) as srv:
+    # the RAM prompt cache off in the reference too (serve passes --cache-ram 0 for the split one): with it on, the
+    # reference clears the idle slot at the second request and prefills again, which the split server does not
+    with Serve(cpu_build, tmp_path, "resident", "-c", "2048", *RESIDENT, env_extra={"LLAMA_ARG_CACHE_RAM": "0"}) as srv:
         ref = _answers(srv, prompts)
     with Serve(cpu_build, tmp_path, "window", "-c", "2048", *WINDOW) as srv:
         plan = srv.get("/props")["rolling_kv"]
@@ -333,7 +335,7 @@ def test_slot_save_restore_of_a_spilled_slot(cpu_build, demo_model, tmp_path):
 
 # ------------------------------------------------------------------ llama-server's default: one unified cache, blocks
 
-UNIFIED = ["--kv-residency-mode", "window", "--kv-window-cells", "1024"]  # four 256-cell slots for all four slots' sequences
+UNIFIED = ["--kv-residency-mode", "window", "--kv-window-cells", "1024", "--kv-windows", "blocks"]  # four 256-cell slots
 NO_PROMPT_CACHE = {"LLAMA_ARG_CACHE_RAM": "0"}  # both servers alike (serve passes --cache-ram 0 for a split cache itself)
 
 
@@ -371,8 +373,7 @@ def test_default_server_purges_idle_slots_only_when_their_cells_are_needed(cpu_b
     """With the RAM prompt cache off (what serve passes for a split cache) idle slots keep their sequences; a request of
     nearly the whole context after three of them is still served: llama-server purges idle slots when the cache is full
     (try_clear_idle_slots), and a slot that comes back before that reuses its cells in place."""
-    with Serve(cpu_build, tmp_path, "unified-purge", "-c", "4096", "--kv-residency-mode", "window",
-               "--kv-window-cells", "1024") as srv:
+    with Serve(cpu_build, tmp_path, "unified-purge", "-c", "4096", *UNIFIED) as srv:
         first = [srv.post("/completion", {"prompt": _report(k, 3000), "n_predict": 4, "temperature": 0, "id_slot": k - 1,
                                           "cache_prompt": True}) for k in (1, 2, 3)]
         again = srv.post("/completion", {"prompt": _report(2, 3000) + " Again:", "n_predict": 4, "temperature": 0,
