@@ -72,7 +72,8 @@ def test_struct_layout_appends_the_fields():
                        "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44, "windows": 48}
     assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == 4 and ctypes.sizeof(P) == 56
     assert llama_ext.API_VERSION == 7 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
-    assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1}
+    # blocks (2): a library before block residency refuses it with "invalid window policy 2"
+    assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1, "blocks": 2}
     assert llama_ext.API_TAIL_AUTO == 7
 
 
