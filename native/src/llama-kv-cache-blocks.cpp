@@ -89,7 +89,7 @@ bool llama_kv_cache::rkv_on_dev(uint32_t strm, uint32_t cell) const {
 void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) const {
     const uint32_t c0 = blk*LLAMA_RKV_BLK;
     const uint32_t n  = std::min(LLAMA_RKV_BLK, get_size() - c0);
-    static thread_local std::vector<uint8_t> staging;
+    const size_t row0 = (size_t) slot*LLAMA_RKV_BLK;
     for (const auto & layer : layers) {
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -97,30 +97,23 @@ void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
             if (!win) {
                 continue;
             }
-            const size_t row_w = win->nb[1];
-            const size_t row_t = tail ? tail->nb[1] : 0;
-            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer) && tail->ne[0] == win->ne[0]);
-            char *       host = (char *) tail->data + (size_t) c0*row_t;
-            const size_t off  = (size_t) slot*LLAMA_RKV_BLK*row_w;
-            const bool   same = tail->type == win->type;
-            if (!same) {
-                staging.resize((size_t) n*row_w);
+            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer));
+            char * host = (char *) tail->data + (size_t) c0*tail->nb[1];
+            if (!promote) {
+                llama_rkv_demote_rows(win, row0, tail, host, n);
+                continue;
             }
-            char * rows = same ? host : (char *) staging.data(); // the block's rows in the window's type
-            if (promote) {
-                if (!same) {
-                    GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, rows, n, win->ne[0]));
-                }
-                ggml_backend_tensor_set(win, rows, off, (size_t) n*row_w);
-                if (kv == 0 && n > 1 && llama_rkv_blk_perturb_move() == 1) {
-                    ggml_backend_tensor_set(win, rows, off + row_w, row_w);
-                } else if (kv == 0 && n > 1 && llama_rkv_blk_perturb_move() == 2) {
-                    ggml_backend_tensor_set(win, rows + row_w, off, (size_t) (n - 1)*row_w);
-                }
-            } else {
-                ggml_backend_tensor_get(win, rows, off, (size_t) n*row_w);
-                if (!same) {
-                    GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, rows, host, n, win->ne[0]));
+            llama_rkv_promote_rows(win, row0, tail, host, n);
+            const int perturb = kv == 0 && n > 1 ? llama_rkv_blk_perturb_move() : 0;
+            if (perturb) {
+                // the test lever: K rows of the slot written wrong, from the slot itself (the window's type)
+                const size_t row = win->nb[1];
+                std::vector<uint8_t> rows((size_t) n*row);
+                ggml_backend_tensor_get(win, rows.data(), row0*row, rows.size());
+                if (perturb == 1) {
+                    ggml_backend_tensor_set(win, rows.data(), (row0 + 1)*row, row);
+                } else {
+                    ggml_backend_tensor_set(win, rows.data() + row, row0*row, (size_t) (n - 1)*row);
                 }
             }
         }

@@ -493,6 +493,30 @@ static void llama_rkv_copy_within(ggml_tensor * t, size_t src, size_t dst, size_
     ggml_free(ctx);
 }
 
+void llama_rkv_promote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, const void * host, uint32_t n) {
+    GGML_ASSERT(tail->ne[0] == win->ne[0]);
+    const size_t row = win->nb[1];
+    if (tail->type == win->type) {
+        ggml_backend_tensor_set(win, host, row0*row, (size_t) n*row);
+        return;
+    }
+    std::vector<uint8_t> staging((size_t) n*row); // the rows in the window's type
+    GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, staging.data(), n, win->ne[0]));
+    ggml_backend_tensor_set(win, staging.data(), row0*row, staging.size());
+}
+
+void llama_rkv_demote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, void * host, uint32_t n) {
+    GGML_ASSERT(tail->ne[0] == win->ne[0]);
+    const size_t row = win->nb[1];
+    if (tail->type == win->type) {
+        ggml_backend_tensor_get(win, host, row0*row, (size_t) n*row);
+        return;
+    }
+    std::vector<uint8_t> staging((size_t) n*row);
+    ggml_backend_tensor_get(win, staging.data(), row0*row, staging.size());
+    GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, staging.data(), host, n, win->ne[0]));
+}
+
 void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
     for (const auto & layer : layers) {
         for (int kv = 0; kv < 2; ++kv) {
@@ -502,24 +526,14 @@ void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
                 continue;
             }
             const size_t row = win->nb[1];
-            GGML_ASSERT(tail && tail->ne[0] == win->ne[0] && ggml_backend_buffer_is_host(tail->buffer));
+            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer));
             char * host = (char *) tail->data + rkv_tail_off(tail, c.strm, c.cell0);
-            // a tail of another type: through a staging copy in the window's type, converted on the host
-            const bool same = tail->type == win->type;
-            std::vector<uint8_t> staging(same ? 0 : (size_t) c.n*row);
-            char * rows = same ? host : (char *) staging.data();
             switch (c.kind) {
                 case llama_rkv_pool_copy::DEMOTE:
-                    ggml_backend_tensor_get(win, rows, (size_t) c.row_src*row, (size_t) c.n*row);
-                    if (!same) {
-                        GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, rows, host, c.n, win->ne[0]));
-                    }
+                    llama_rkv_demote_rows(win, c.row_src, tail, host, c.n);
                     break;
                 case llama_rkv_pool_copy::PROMOTE:
-                    if (!same) {
-                        GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, rows, c.n, win->ne[0]));
-                    }
-                    ggml_backend_tensor_set(win, rows, (size_t) c.row_dst*row, (size_t) c.n*row);
+                    llama_rkv_promote_rows(win, c.row_dst, tail, host, c.n);
                     break;
                 case llama_rkv_pool_copy::RELOCATE:
                     llama_rkv_copy_within(win, (size_t) c.row_src*row, (size_t) c.row_dst*row, (size_t) c.n*row);
