@@ -115,6 +115,9 @@ class _ServeCommand(click.Command):
           help="The device window: elastic (llama-server's default) makes the slots' windows one pool that follows the "
                "load with -np; blocks (opt-in) moves the default unified cache's 256-cell blocks with the load; static "
                "keeps each window where it is.")
+@_setting("--kv-share-prefix", key="kv_share_prefix", metavar="N",
+          help="A new prompt that shares at least N tokens with a sequence another slot holds in the default unified "
+               "cache (busy or idle) takes its cells instead of prefilling and storing them again (default 256; 0: off).")
 @_setting("--host", key="host", help="Address to bind (default 127.0.0.1).")
 @_setting("--port", key="port", metavar="PORT", help="Port (default 8080; 0 picks a free one).")
 @click.option("--slot-save", "slot_save", is_flag=True, default=False, type=SettingType("slot_save"),

@@ -189,7 +189,8 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
     for key, flag in (("ctx_size", "-c"), ("parallel", "-np"), ("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"),
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
                       ("kv_window_cells", "--kv-window-cells"), ("kv_device_heads", "--kv-device-heads"),
-                      ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt"), ("kv_windows", "--kv-windows")):
+                      ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt"), ("kv_windows", "--kv-windows"),
+                      ("kv_share_prefix", "--kv-share-prefix")):
         value = getattr(s, key)
         if value is not None:
             args += [flag, str(value)]

@@ -243,11 +243,24 @@ def _slots(srv) -> list[dict] | None:
     return data if isinstance(data, list) else None
 
 
-def _rkv_stats(srv) -> dict | None:
-    """The split cache's rolling_kv_stats from /props (a snapshot), None where it does not answer."""
+def _props(srv) -> dict:
+    """/props (its rolling_kv_stats is a snapshot), {} where it does not answer."""
     data = _get_json(srv, "/props")
-    stats = data.get("rolling_kv_stats") if isinstance(data, dict) else None
-    return stats if isinstance(stats, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def _dict_or_none(value) -> dict | None:
+    return value if isinstance(value, dict) else None
+
+
+def describe_sharing(sharing: dict | None) -> str | None:
+    """/props' rolling_kv_prefix_sharing: how many prompt tokens requests took from other slots' cells (--kv-share-prefix)
+    instead of prefilling and storing them again; None where sharing is off (0, or a cache that is not unified)."""
+    if not sharing or not sharing.get("min_tokens"):
+        return None
+    tasks, tokens = int(sharing.get("tasks") or 0), int(sharing.get("tokens") or 0)
+    return (f"{tokens} prompt tokens taken from other slots by {_plural(tasks, 'request')} "
+            f"(prefixes of at least {int(sharing['min_tokens'])} tokens)")
 
 
 def _get_json(srv, path: str):
@@ -318,7 +331,7 @@ class LiveStatus:
 
     WINDOW_S = 5.0
     GRACE_S = 5.0  # how long an ended request's line may take to reach the log before the last sample's count stands
-    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now")
+    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now", "shared")
 
     def __init__(self, srv, started: float, plan: dict | None, gpu: bool = True, vram=None):
         from collections import deque
@@ -328,18 +341,21 @@ class LiveStatus:
         self.log = TaskLog(getattr(srv, "log_path", None))
         self.slots: list[dict] | None = None
         self.stats: dict | None = None
+        self.sharing: dict | None = None  # /props' rolling_kv_prefix_sharing
         self.running: dict[int, list] = {}  # task id -> [prompt, generated, last seen running at]: the largest seen
         self.guessed: dict[int, list[int]] = {}  # ended tasks counted with what a sample saw (the log had not said)
         self.done_gen = self.done_prompt = 0  # the requests that ended
         self.history: deque = deque()  # (time, tokens generated, prompt tokens read) over the last WINDOW_S seconds
 
-    def sample(self, now: float | None = None, slots=FETCH, stats=FETCH, ended=FETCH) -> None:
-        """One sample: /slots, the log's ended requests, /props' rolling_kv_stats (each given instead by the tests; None
-        where the server did not answer)."""
+    def sample(self, now: float | None = None, slots=FETCH, stats=FETCH, ended=FETCH, sharing=FETCH) -> None:
+        """One sample: /slots, the log's ended requests, /props' rolling_kv_stats and rolling_kv_prefix_sharing (each
+        given instead by the tests; None where the server did not answer)."""
         now = time.monotonic() if now is None else now
         self.slots = _slots(self.srv) if slots is FETCH else slots
         split = bool(self.plan and self.plan.get("split"))
-        self.stats = (_rkv_stats(self.srv) if split else None) if stats is FETCH else stats
+        props = _props(self.srv) if FETCH in (stats, sharing) else {}
+        self.stats = (_dict_or_none(props.get("rolling_kv_stats")) if split else None) if stats is FETCH else stats
+        self.sharing = _dict_or_none(props.get("rolling_kv_prefix_sharing")) if sharing is FETCH else sharing
         for slot in self.slots or []:
             task = _slot_task(slot)
             if task is not None and task[0] not in self.guessed:
@@ -414,6 +430,10 @@ class LiveStatus:
     def rows_kv_now(self):
         live = residency_from_stats(self.stats) if self.plan and self.plan.get("split") else None
         return [("KV now", live)] if live else []
+
+    def rows_shared(self):
+        shared = describe_sharing(self.sharing)
+        return [("shared", shared)] if shared else []
 
     def rows(self) -> list[tuple[str, str]]:
         return [row for name in self.ROWS for row in getattr(self, f"rows_{name}")()]

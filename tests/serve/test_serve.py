@@ -515,6 +515,9 @@ def test_live_status_decode_rate_counts_the_running_requests():
         url = "http://127.0.0.1:1"
         log_path = None
 
+        def http_request(self, path):  # a server that does not answer what the test does not give (/props)
+            raise OSError("no server")
+
     def slots(*tasks):  # (task id, generated, prompt processed) per slot; None: an idle slot (cleared)
         return [{"id": i, "is_processing": True, "id_task": t[0], "n_prompt_tokens_processed": t[2], "next_token": [{"n_decoded": t[1]}]}
                 if t else {"id": i, "is_processing": False} for i, t in enumerate(tasks)]
@@ -590,8 +593,23 @@ def test_live_status_reads_the_split_from_props_stats():
         url = "http://127.0.0.1:1"
 
     st = LiveStatus(Srv(), started=0.0, plan={"split": True, "mode_chosen": "window"}, gpu=False, vram=lambda: [])
-    st.sample(now=0.0, slots=[], stats=stats)
-    assert dict(st.rows())["KV now"] == line
+    st.sample(now=0.0, slots=[], stats=stats, sharing=None)
+    assert dict(st.rows())["KV now"] == line and "shared" not in dict(st.rows())
+
+
+def test_live_status_shows_the_prompt_tokens_shared_across_slots():
+    """Issue 37: /props' rolling_kv_prefix_sharing as the live status's shared row; none where sharing is off."""
+    from rollingkv_cli.serve.status import LiveStatus, describe_sharing
+
+    class Srv:
+        url = "http://127.0.0.1:1"
+
+    st = LiveStatus(Srv(), started=0.0, plan=None, gpu=False, vram=lambda: [])
+    st.sample(now=0.0, slots=[], stats=None, sharing={"min_tokens": 256, "tasks": 3, "tokens": 60000})
+    assert dict(st.rows())["shared"] == "60000 prompt tokens taken from other slots by 3 requests (prefixes of at least 256 tokens)"
+    st.sample(now=1.0, slots=[], stats=None, sharing={"min_tokens": 0, "tasks": 0, "tokens": 0})  # off (-np N, or 0)
+    assert "shared" not in dict(st.rows()) and describe_sharing(None) is None
+    assert describe_sharing({"min_tokens": 256, "tasks": 1, "tokens": 300}).startswith("300 prompt tokens taken from other slots by 1 request ")
 
 
 @pytest.mark.parametrize("cuda, args, refused", [

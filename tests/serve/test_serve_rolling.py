@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
-from rollingkv_cli.serve.server import free_port
+from serve.rolling_server import Serve
 
 pytestmark = [pytest.mark.build, pytest.mark.slow]
 
@@ -24,56 +19,6 @@ def _prompt(k: int, n_chars: int = 3200) -> str:
     from rollingkv_cli.gate.runner import synthetic_text
 
     return f"Document {k}.\n" + synthetic_text(n_chars, seed=k) + "\nSummary of the document in one sentence:"
-
-
-class Serve:
-    """`rollingkv serve` as a user runs it, in its own process group."""
-
-    def __init__(self, cpu_build, tmp_path, name, *flags, env_extra=None):
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "ROLLINGKV_DEBUG_PERTURB_TAIL"}
-        env.update({"ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(tmp_path / f"cache-{name}"), "PYTHONUNBUFFERED": "1",
-                    **(env_extra or {})})
-        # the demo model comes from the shared cache: point the isolated cache's models/ at it
-        models = tmp_path / f"cache-{name}" / "models"
-        models.parent.mkdir(parents=True, exist_ok=True)
-        from rollingkv_cli import models as m
-
-        models.symlink_to(m.demo_path().parent, target_is_directory=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "--port", str(self.port), "-q", *flags, "--", "-t", "2"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError("rollingkv serve did not come up")
-
-    def post(self, path, payload, timeout=600):
-        import json
-
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def get(self, path):
-        import json
-
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
-    def __exit__(self, *exc):
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        assert self.proc.returncode == 128 + signal.SIGTERM and "llama-server stopped (SIGTERM)" in out, out  # the status of a stop by SIGTERM
-        self.output = out
 
 
 WINDOW = ["--kv-residency-mode", "window", "--kv-window-cells", "256"]
