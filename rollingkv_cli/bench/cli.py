@@ -98,9 +98,10 @@ TAIL_PRESETS = {"cpu-small": {"depths": (2048,), "n_gen": 8, "reps": 1, "tail_ty
 TAIL_PRESET_HELP = "-d 2048 -n 8 -r 1 --tail-types f16,q8_0 --fractions 0.5,1"
 LOAD_PRESETS = {"cpu-small": {"long_sizes": (2048, 32), "short_sizes": (256, 16), "n_short": 2, "n_slots": 3,
                               "ramp_levels": [1, 2, 3, 2, 1], "ramp_sizes": (1024, 16), "n_requests": 6,
-                              "prompt_range": (200, 2000), "gen_range": (8, 32), "cell_names": ["default", "split", "resident"]}}
+                              "prompt_range": (200, 2000), "gen_range": (8, 32), "cell_names": ["default", "split", "resident"],
+                              "shared_sizes": (1536, 64, 16), "n_clients": 3}}
 LOAD_PRESET_HELP = ("--long 2048 32 --short 256 16 --shorts 2 -np 3 --cells default,split,resident; ramp: --ramp 1,2,3,2,1 "
-                    "--ramp-size 1024 16; random: --requests 6 --prompt-range 200 2000 --gen-range 8 32")
+                    "--ramp-size 1024 16; random: --requests 6 --prompt-range 200 2000 --gen-range 8 32; shared: --shared 1536 64 16 --clients 3")
 
 
 def _preset_values(ctx: click.Context, preset: str | None, table: dict[str, dict]) -> dict:
@@ -250,8 +251,10 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         raise click.exceptions.Exit(1)
 
 
-LOAD_CELLS = ["default", "default-blocks", "split", "static", "one-op", "resident", "default-resident", "vanilla"]
+LOAD_CELLS = ["default", "default-blocks", "default-noshare", "split", "static", "one-op", "resident", "default-resident",
+              "vanilla"]
 LOAD_CELLS_DEFAULT = ["default", "split", "resident", "default-resident", "vanilla"]
+SHARED_CELLS_DEFAULT = ["default", "default-noshare", "default-resident", "vanilla"]  # --mix shared without --cells
 
 
 def _load_cells(ctx, param, value: str):
@@ -259,6 +262,13 @@ def _load_cells(ctx, param, value: str):
     if "split" not in out and "default" not in out:
         raise click.BadParameter("the cells must include split or default (the others are compared with them)")
     return out
+
+
+def _shared_sizes(ctx, param, value):
+    prefix, suffix, gen = value
+    if prefix < 1 or suffix < 1 or gen < 1:
+        raise click.BadParameter(f"{prefix} {suffix} {gen}: give PREFIX SUFFIX GEN, each at least 1")
+    return value
 
 
 def _range(ctx, param, value):
@@ -280,10 +290,12 @@ def _ramp_levels(ctx, param, value: str):
 
 @bench.command(short_help="A server under a mixed load of concurrent clients.")
 @click.argument("model_spec", metavar="MODEL")
-@click.option("--mix", "mix_name", type=click.Choice(["table", "ramp", "random"]), default="table", show_default=True,
+@click.option("--mix", "mix_name", type=click.Choice(["table", "ramp", "random", "shared"]), default="table", show_default=True,
               help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
                    "ramp: clients 1 -> max -> 1 (--ramp); random: --requests arriving at random (--arrival-mean, "
-                   "--prompt-range, --gen-range, --seed).")
+                   "--prompt-range, --gen-range, --seed); shared: --clients on one long document (--shared), the others "
+                   "arriving while the first decodes, after one client alone on another (cells: "
+                   + ",".join(SHARED_CELLS_DEFAULT) + " unless --cells).")
 @click.option("-np", "--slots", "n_slots", type=int, callback=_positive, default=4, show_default=True, help="Server slots (-np).")
 @click.option("--ctx-per-slot", type=int, callback=_positive, default=None, help="Context of each slot (-c is slots x this).  [default: the mix's longest request + 256]")
 @option("--kv-window-cells", "window_cells", hidden_aliases=("--window-cells",), type=int, callback=_positive, default=None,
@@ -303,6 +315,10 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--gen-range", type=(int, int), default=(64, 200), show_default=True, callback=_range,
               metavar="LOW HIGH", help="random: tokens generated, uniform.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="random: the draw (kept in the report).")
+@click.option("--shared", "shared_sizes", type=(int, int, int), default=(20000, 500, 200), show_default=True,
+              metavar="PREFIX SUFFIX GEN", callback=_shared_sizes, help="shared: the document, each client's own suffix, tokens generated.")
+@click.option("--clients", "n_clients", type=int, callback=_positive, default=4, show_default=True,
+              help="shared: clients on the document.")
 @click.option("--cells", "cell_names", default=",".join(LOAD_CELLS_DEFAULT), show_default=True, callback=_load_cells,
               help="Servers to run the mix on: default (llama-server's own layout, no -np: 4 slots on one unified "
                    "cache, split), default-blocks (the same with --kv-windows blocks: its blocks follow the load), split (-np "
@@ -321,8 +337,8 @@ def _ramp_levels(ctx, param, value: str):
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
-         ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, cell_names, vanilla_ngl, gpu_index,
-         request_timeout, json_out, dry_run, preset, server_args) -> None:
+         ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, shared_sizes, n_clients, cell_names,
+         vanilla_ngl, gpu_index, request_timeout, json_out, dry_run, preset, server_args) -> None:
     """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
     clients. Reports per request the decode speed and the time to first token, per cell the tail bytes each step
     attended against those its streams occupied, peak VRAM (NVML) and host memory; JSON + table. Arguments after
@@ -339,8 +355,11 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
 
     v = _preset_values(ctx, preset, LOAD_PRESETS)
     (long_sizes, short_sizes, n_short, n_slots, ramp_levels, ramp_sizes, n_requests, prompt_range, gen_range,
-     cell_names) = (v[k] for k in ("long_sizes", "short_sizes", "n_short", "n_slots", "ramp_levels", "ramp_sizes",
-                                   "n_requests", "prompt_range", "gen_range", "cell_names"))
+     cell_names, shared_sizes, n_clients) = (v[k] for k in ("long_sizes", "short_sizes", "n_short", "n_slots", "ramp_levels",
+                                                            "ramp_sizes", "n_requests", "prompt_range", "gen_range",
+                                                            "cell_names", "shared_sizes", "n_clients"))
+    if mix_name == "shared" and ctx.get_parameter_source("cell_names") != click.core.ParameterSource.COMMANDLINE:
+        cell_names = SHARED_CELLS_DEFAULT
     try:  # the split cells' size: a window or a budget
         ResidencyRequest(window_cells=window_cells, vram_target=vram_target).check(one_size=True)
     except ResidencyConflict as e:
@@ -353,7 +372,8 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     check_server_args(list(server_args), "after `--`", "bench load", {
         **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
         **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
-        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn"), "the cell's own settings (--cells)"),
+        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn", "--kv-share-prefix"),
+                       "the cell's own settings (--cells)"),
         **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --kv-window-cells/--vram-target"),
         **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
     })
@@ -374,6 +394,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
         ctx_per_slot = ctx_per_slot or bm.pad(prompt_range[1] + gen_range[1] + 256)
         mix = lb.random_mix(n_requests, arrival_mean, prompt_range, gen_range, n_slots, ctx_per_slot, seed)
         window = window_cells or (None if vram_target else bm.pad(ctx_per_slot * 3 // 8))
+    elif mix_name == "shared":
+        ctx_per_slot = ctx_per_slot or bm.pad(sum(shared_sizes) + 256)
+        mix = lb.shared_mix(n_clients, *shared_sizes, n_slots, ctx_per_slot)
+        window = window_cells or (None if vram_target else bm.pad(ctx_per_slot // 8))  # the document spills
     else:
         ctx_per_slot = ctx_per_slot or bm.pad(int(ramp_sizes[0] * 1.25) + int(ramp_sizes[1] * 1.25) + 256)
         if max(ramp_levels) > n_slots:
@@ -419,6 +443,9 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                                                              windows="blocks").server_args(), *ngl], slots_flag=False,
                                   what="llama-server's default layout, split with block residency (--kv-windows blocks: "
                                        "its 256-cell blocks follow the load)"),
+        "default-noshare": lb.Cell("default-noshare", [*default_flags, "--kv-share-prefix", "0", *ngl], slots_flag=False,
+                                   what="the default cell with cross-slot prefix sharing off (each client prefills and "
+                                        "stores the document again)"),
         "default-resident": lb.Cell("default-resident", [*resident_flags, *ngl], slots_flag=False,
                                     what="llama-server's default layout, upstream's cache whole on the device"),
         "split": lb.Cell("split", [*split_flags, *ngl],

@@ -27,6 +27,8 @@ class Req:
     gen: int         # tokens generated (ignore_eos: exactly this many)
     seed: int
     at_s: float = 0.0  # a stage of arrivals: when it starts, seconds after the stage's start
+    prefix: int = 0    # of the prompt, tokens of a document other requests share (drawn from prefix_seed)
+    prefix_seed: int = 0
 
 
 @dataclass
@@ -99,6 +101,20 @@ def random_mix(n_req: int, mean_gap_s: float, prompt_range: tuple[int, int], gen
     return Mix("random", n_slots, ctx_per_slot, [Stage("random arrivals", reqs, arrivals=True)], seed=seed)
 
 
+def shared_mix(n_clients: int, prefix: int, suffix: int, gen: int, n_slots: int, ctx_per_slot: int) -> Mix:
+    """Many users, one long document: one client alone on another document of the same size (the pace a client has by
+    itself), then the first client on the shared document and, once it streams its first token (it is decoding), the
+    others on the same document with their own questions (each prompt: the document, then its suffix)."""
+    def client(name: str, kind: str, phase: str, seed: int, doc_seed: int) -> Req:
+        return Req(name, kind, phase, prefix + suffix, gen, seed, prefix=prefix, prefix_seed=doc_seed)
+
+    clients = [client(f"c{i + 1}", "first" if i == 0 else "sharer", "shared", 7100 + i, 7000) for i in range(n_clients)]
+    return Mix("shared", n_slots, ctx_per_slot, [
+        Stage("alone", [client("alone", "alone", "alone", 7099, 7001)]),
+        Stage("shared", clients, after_first_token="c1"),
+    ])
+
+
 # ------------------------------------------------------------------------------------------ one request
 
 
@@ -117,8 +133,12 @@ def prompt_tokens(url: str, n: int, seed: int) -> list[int]:
 
 
 def run_request(url: str, r: Req, timeout: float, started: threading.Event | None = None) -> dict:
-    toks = prompt_tokens(url, r.prompt, r.seed)
-    payload = {"prompt": toks, "n_predict": r.gen, "ignore_eos": True, "temperature": 0, "seed": 0, "cache_prompt": False}
+    if r.prefix:  # a shared document, then this request's own text; cached prompts on (the server shares from them)
+        toks = prompt_tokens(url, r.prefix, r.prefix_seed) + prompt_tokens(url, r.prompt - r.prefix, r.seed)
+    else:
+        toks = prompt_tokens(url, r.prompt, r.seed)
+    payload = {"prompt": toks, "n_predict": r.gen, "ignore_eos": True, "temperature": 0, "seed": 0,
+               "cache_prompt": bool(r.prefix)}
     t0 = time.monotonic()
     out = {"name": r.name, "kind": r.kind, "phase": r.phase, "prompt": r.prompt, "gen": r.gen, "t_start": t0}
 
@@ -148,7 +168,8 @@ def run_request(url: str, r: Req, timeout: float, started: threading.Event | Non
         tm = final.get("timings", {})
         out.update(status="ok", ttft_s=first, e2e_s=time.monotonic() - t0,
                    predicted_n=tm.get("predicted_n"), decode_tps=tm.get("predicted_per_second"),
-                   prompt_ms=tm.get("prompt_ms"), t_end=time.monotonic(), token_t=token_t,
+                   prompt_ms=tm.get("prompt_ms"), prompt_n=tm.get("prompt_n"), shared_n=tm.get("shared_n", 0),
+                   t_end=time.monotonic(), token_t=token_t,
                    slot=final.get("id_slot"))  # the server picks the slot: windows per slot are read by it
     except Exception as e:  # recorded, the run goes on
         out.update(status="error", error=f"{type(e).__name__}: {e}", t_end=time.monotonic())
@@ -256,6 +277,10 @@ def summarize_stats(samples: list[dict]) -> dict:
         if worst is None or excess > worst["excess_blocks_per_stream"]:
             worst = {"excess_blocks_per_stream": excess, **lt}
     occ = last.get("occupied_bytes_total") or 0
+    # the cells the split cache stores (each once, however many sequences read it) and the most a step streamed
+    stored = [sum((sl.get("device_cells") or 0) + (sl.get("tail_cells") or 0) for sl in s.get("slots") or []) for s in samples]
+    tail_cells = [sum(sl.get("tail_cells") or 0 for sl in s.get("slots") or []) for s in samples]
+    streamed_step = [(s.get("last") or {}).get("streamed_bytes") or 0 for s in samples]
     # the windows each slot held over the run (elastic windows: they follow the load)
     windows = [[sl.get("window_cells") for sl in s.get("slots") or []] for s in samples]
     return {"split": True, "steps": last.get("steps"), "tail_bytes_total": last.get("tail_bytes_total"),
@@ -264,7 +289,9 @@ def summarize_stats(samples: list[dict]) -> dict:
             "block_bytes": block, "worst_step": worst, "n_samples": len(samples),
             "windows": last.get("windows"), "pool_cells": last.get("pool_cells"), "moves": last.get("moves"),
             "window_cells_max": [max((w[i] or 0 for w in windows if i < len(w)), default=0) for i in range(max(map(len, windows), default=0))],
-            "slots_last": last.get("slots")}
+            "slots_last": last.get("slots"), "stored_cells_peak": max(stored, default=0),
+            "tail_cells_peak": max(tail_cells, default=0), "streamed_bytes_step_max": max(streamed_step, default=0),
+            "streamed_bytes_step_mean": (last.get("streamed_bytes_total") or 0) / last["steps"] if last.get("steps") else None}
 
 
 @dataclass
@@ -503,6 +530,8 @@ def evaluate_targets(doc: dict) -> list[dict]:
         n_req = sum(len(st["requests"]) for st in doc["mix"]["stages"])
         add("default_all_complete", pd.get("n", 0) / n_req if n_req else None, ">=", 1.0,
             "requests of the mix completed (default cell)")
+    if doc["mix"]["name"] == "shared" and default:
+        shared_targets(doc, cells, add)
     for cell, name in ((split, "vram_within_target"), (default, "vram_within_target (default)")):
         if cell and doc.get("vram_target_mib") and cell.get("vram_peak_mib"):
             add(name, cell["vram_peak_mib"] - doc["vram_target_mib"], "<=", 200.0,
@@ -514,6 +543,41 @@ def evaluate_targets(doc: dict) -> list[dict]:
         add("excess_blocks", split["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
             "worst sampled step: (tail bytes attended - occupied) per stream, in blocks of 256 cells of every layer")
     return out
+
+
+def shared_targets(doc: dict, cells: dict, add) -> None:
+    """Issue 37's targets on the shared-prefix mix: the default cell (sharing on) against itself (one client alone, the
+    first client) and against the same mix with sharing off."""
+    default = cells["default"]
+    reqs = {r["name"]: r for r in default.get("requests") or [] if r.get("status") == "ok"}
+    first, alone = reqs.get("c1"), reqs.get("alone")
+    sharers = [r for r in reqs.values() if r.get("kind") == "sharer"]
+    if first and sharers and first.get("ttft_s"):
+        add("sharer_ttft_vs_first", max(r["ttft_s"] for r in sharers) / first["ttft_s"], "<=", 0.2,
+            "slowest time to first token of clients 2.. / the first client's (they prefill only their suffix)")
+    if alone and alone.get("decode_tps") and sharers + [first] and all(r and r.get("decode_tps") for r in sharers + [first]):
+        add("decode_vs_alone", min(r["decode_tps"] for r in sharers + [first]) / alone["decode_tps"], ">=", 0.8,
+            "slowest client's decode on the shared document / one client alone (same server)")
+    st = default.get("stats") or {}
+    stage = next(s for s in doc["mix"]["stages"] if s["name"] == "shared")
+    one = stage["requests"][0]
+    one_cells = one["prompt"] + one["gen"]
+    if st.get("split") and st.get("stored_cells_peak"):
+        add("stored_cells_vs_one", st["stored_cells_peak"] / one_cells, "<=", 1.25,
+            "KV cells the cache stored at its peak (shared ones once) / one request's")
+        window = (default.get("plan") or {}).get("window_cells") or 0
+        one_tail = max(0, one_cells - window) * (st.get("block_bytes") or 0) / 256
+        if one_tail:
+            add("streamed_step_vs_one", st["streamed_bytes_step_max"] / one_tail, "<=", 1.25,
+                "bytes streamed by the busiest sampled step / one request's tail (its cells past the window)")
+    off = cells.get("default-noshare")
+    if off:
+        offr = {r["name"]: r for r in off.get("requests") or [] if r.get("status") == "ok"}
+        a = [r.get("decode_tps") for r in [first, *sharers] if r]
+        b = [offr[r["name"]].get("decode_tps") for r in [first, *sharers] if r and r["name"] in offr]
+        if a and b and all(a) and all(b):
+            add("decode_vs_noshare", (sum(a) / len(a)) / (sum(b) / len(b)), ">=", 4.0,
+                "mean client decode on the shared document: sharing on / off (same mix)")
 
 
 def fmt(v, spec=".1f") -> str:

@@ -339,3 +339,64 @@ def test_sigterm_of_bench_load_writes_the_report_and_exits_143(cpu_build, demo_m
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_shared_mix_one_document_for_every_client():
+    mix = lb.shared_mix(3, 1000, 50, 20, 4, 2048)
+    alone, shared = mix.stages
+    assert [r.name for r in alone.reqs] == ["alone"] and shared.after_first_token == "c1"
+    assert [r.kind for r in shared.reqs] == ["first", "sharer", "sharer"]
+    assert all(r.prefix == 1000 and r.prompt == 1050 and r.gen == 20 for r in mix.stages[0].reqs + shared.reqs)
+    assert len({r.prefix_seed for r in shared.reqs}) == 1 and alone.reqs[0].prefix_seed != shared.reqs[0].prefix_seed
+    assert len({r.seed for r in shared.reqs}) == 3  # each client's own suffix
+
+
+def test_shared_mix_targets():
+    def req(name, kind, ttft, tps):
+        return {"name": name, "kind": kind, "status": "ok", "ttft_s": ttft, "decode_tps": tps}
+
+    mix = lb.shared_mix(3, 1000, 50, 20, 4, 2048).to_json()
+    stats = {"split": True, "stored_cells_peak": 1200, "streamed_bytes_step_max": 1100 * 1024, "block_bytes": 256 * 1024}
+    on = {"name": "default", "status": "ok", "plan": {"window_cells": 256}, "stats": stats,
+          "requests": [req("alone", "alone", 1.0, 50.0), req("c1", "first", 2.0, 45.0), req("c2", "sharer", 0.2, 44.0),
+                       req("c3", "sharer", 0.3, 42.0)]}
+    off = {"name": "default-noshare", "status": "ok", "stats": {},
+           "requests": [req(n, k, 2.0, 10.0) for n, k in (("c1", "first"), ("c2", "sharer"), ("c3", "sharer"))]}
+    t = {x["target"]: x for x in lb.evaluate_targets({"mix": mix, "cells": [on, off]})}
+    assert t["sharer_ttft_vs_first"]["value"] == pytest.approx(0.15) and t["sharer_ttft_vs_first"]["verdict"] == "met"
+    assert t["decode_vs_alone"]["value"] == pytest.approx(0.84) and t["decode_vs_alone"]["verdict"] == "met"
+    assert t["stored_cells_vs_one"]["value"] == pytest.approx(1200 / 1070) and t["stored_cells_vs_one"]["verdict"] == "met"
+    assert t["streamed_step_vs_one"]["value"] == pytest.approx(1100 / (1070 - 256))
+    assert t["decode_vs_noshare"]["value"] == pytest.approx(131 / 3 / 10.0)
+    on["requests"][2]["ttft_s"] = 1.9  # a client that prefilled the document again
+    on["stats"]["stored_cells_peak"] = 3 * 1070
+    t = {x["target"]: x for x in lb.evaluate_targets({"mix": mix, "cells": [on, off]})}
+    assert t["sharer_ttft_vs_first"]["verdict"] == "missed" and t["stored_cells_vs_one"]["verdict"] == "missed"
+
+
+@pytest.mark.build
+@pytest.mark.slow
+def test_shared_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path):
+    """Clients on one document on the default server, split: the clients that arrive while the first decodes take its
+    document's cells (shared_n) and prefill only their suffixes; with sharing off they prefill it again, and the cache
+    stores it once per client."""
+    out = tmp_path / "bench-load.json"
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
+    r = subprocess.run([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--mix", "shared",
+                        "--shared", "1024", "32", "24", "--clients", "3", "--window-cells", "128",
+                        "--cells", "default,default-noshare", "--json", str(out), "--", "-t", "2"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    on, off = doc["cells"]
+    assert [c["name"] for c in doc["cells"]] == ["default", "default-noshare"] and "--kv-share-prefix" in off["args"]
+    for c in (on, off):
+        assert c["status"] == "ok" and all(q["predicted_n"] == q["gen"] for q in c["requests"])
+    byname = {q["name"]: q for q in on["requests"]}
+    assert byname["c1"]["shared_n"] == 0 and byname["alone"]["shared_n"] == 0
+    assert all(byname[n]["shared_n"] >= 1024 and byname[n]["prompt_n"] <= 32 for n in ("c2", "c3")), on["requests"]
+    assert all(q["shared_n"] == 0 and q["prompt_n"] >= 1024 for q in off["requests"]), off["requests"]
+    # the document stored once with sharing, once per client without (and the earlier client's document idle beside)
+    assert on["stats"]["stored_cells_peak"] < 1.5 * (1024 + 32 + 24) + 1056, on["stats"]
+    assert off["stats"]["stored_cells_peak"] > 3 * 1024, off["stats"]
+    assert {t["target"] for t in doc["targets"]} >= {"sharer_ttft_vs_first", "stored_cells_vs_one", "decode_vs_noshare"}
