@@ -483,3 +483,86 @@ def test_a_real_moe_layout_passes_the_checks():
                   {"llama.rope.scaling.type": "yarn"}, {"llama.rope.scaling.type": "none"},
                   {"llama.nextn_predict_layers": 1}):
         _check_hparams({**base, **extra}, "m.gguf")
+
+
+def _with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the GGUF src whose tokenizer.chat_template is `template` (the other keys, the tensor infos and the data
+    byte for byte; the header re-padded to the 32-byte alignment)."""
+    data = src.read_bytes()
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(vtype: int, pos: int) -> int:
+        if vtype in scalar:
+            return pos + scalar[vtype]
+        if vtype == 8:
+            return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+        itype, count = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        for _ in range(count):
+            pos = skip(itype, pos)
+        return pos
+
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    pos, kvs = 24, []
+    for _ in range(n_kv):
+        start = pos
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        key = data[start + 8:pos].decode()
+        pos = skip(struct.unpack_from("<I", data, pos)[0], pos + 4)
+        if key != "tokenizer.chat_template":
+            kvs.append(data[start:pos])
+    infos = pos
+    for _ in range(n_tensors):
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        pos += 4 + 8 * struct.unpack_from("<I", data, pos)[0] + 12
+    key, value = b"tokenizer.chat_template", template.encode()
+    kvs.append(struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value)
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs) + data[infos:pos]
+    dst.write_bytes(head + b"\0" * (-len(head) % 32) + data[-(-pos // 32) * 32:])
+    return dst
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("template,expect", [
+    ("{% for", "is not a valid Jinja template: unexpected 'end of template'"),
+    ("{{ raise_exception('System role not supported') }}", "fails on this message: System role not supported"),
+    ("{{ messages[5]['content'] }}", "fails on this message: list object has no element 5"),
+], ids=["does not parse", "raises", "fails on the message"])
+def test_run_says_the_chat_template_is_broken(cpu_build, demo_model, tmp_path, template, expect):
+    """A GGUF whose chat template does not parse, or raises on the one user message (many real templates call
+    raise_exception()), ended `run` in "internal error: RuntimeError: unexpected 'end of template'" (or ValueError)
+    with the "this is a bug in rollingkv" hint. Now one line naming the template and what to do."""
+    m = _with_chat_template(demo_model, tmp_path / "t.gguf", template)
+    proc = _cli(cpu_build, "run", str(m), "-p", "hi", "-n", "2")
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    line = _one_error(proc)
+    assert "the chat template of" in line and "(tokenizer.chat_template)" in line and expect in line, line
+
+
+def test_llama_servers_template_and_assert_failures_are_read_from_its_log():
+    """serve with a chat template llama-server cannot use: "llama-server exited during start-up (exit status 1)" and a
+    25-line log box whose last lines did not say why (the reason was 10 lines up); a GGML_ASSERT: "killed by SIGABRT"
+    and the box. Both are read from the log into the one line now (and the box is left out)."""
+    from rollingkv_cli.serve.server import TEMPLATE_HINT, abort_in_log, template_error_in_log
+
+    log = ["0.04.74 E common_chat_templates_init: error: parser: Parser Error: Unexpected EOF",
+           "0.04.74 E srv          init: init: chat template parsing error: std::exception"]
+    assert template_error_in_log(log).endswith("(tokenizer.chat_template): parser: Parser Error: Unexpected EOF")
+    log = ["0.04.745 E srv   init: init: chat template parsing error: Unable to generate parser for this template. "
+           "Automatic parser generation failed: ", "------------", "While executing CallExpression at line 1", "   ^",
+           "Error: Jinja Exception: System role not supported", "0.04.745 E srv  init: init: please consider ..."]
+    assert template_error_in_log(log).endswith("failed: Error: Jinja Exception: System role not supported")
+    assert template_error_in_log(["all is well"]) is None and "--chat-template chatml" in TEMPLATE_HINT
+    assert abort_in_log(["/src/llama-model.cpp:1362: GGML_ASSERT(n_expert_used_max <= hparams.n_expert) failed"]) == \
+        "llama.cpp aborted: GGML_ASSERT(n_expert_used_max <= hparams.n_expert) failed"
+
+
+@pytest.mark.build
+def test_serve_says_the_chat_template_is_broken(cpu_build, demo_model, tmp_path):
+    """End to end: one line with llama-server's reason and the built-in template to use, no log box."""
+    m = _with_chat_template(demo_model, tmp_path / "t.gguf", "{% for")
+    proc = _cli(cpu_build, "serve", str(m), "--port", "0", "-q")
+    assert proc.returncode == 1
+    line = _one_error(proc)
+    assert "could not use the model's chat template (tokenizer.chat_template): parser: Parser Error" in line, line
+    assert "--chat-template chatml" in proc.stderr and "last lines of" not in proc.stdout + proc.stderr
