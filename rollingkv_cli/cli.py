@@ -28,8 +28,20 @@ def _never_break_inside_a_word() -> None:
         rollingkv = True
 
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("break_on_hyphens", False)  # a word longer than a line (a path) is still cut
+            kwargs.setdefault("break_on_hyphens", False)
             super().__init__(*args, **kwargs)
+
+        def _handle_long_word(self, reversed_chunks, cur_line, cur_len, width):
+            """A word longer than a line (a default list, a path): on a line of its own, cut after its last comma or
+            slash that fits (anywhere only where there is none). It was cut where the line ended: "[default: d" /
+            "efault,split,..."."""
+            if cur_line:
+                return  # this line ends here; the word starts the next one
+            chunk, space = reversed_chunks[-1], max(width, 1)
+            at = max(chunk.rfind(",", 0, space), chunk.rfind("/", 0, space))
+            end = at + 1 if at > 0 else space
+            cur_line.append(chunk[:end])
+            reversed_chunks[-1] = chunk[end:]
 
     _textwrap.TextWrapper = TextWrapper
 

@@ -116,6 +116,8 @@ def resolve_model(spec: str, log=print) -> Path:
 
 
 LLAMA_MAX_LAYERS = 512  # llama.cpp GGML_ASSERTs (aborts) on more at load
+LLAMA_MAX_EXPERTS = 1024  # the same (llama-hparams.h)
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # another name: a GGML_ASSERT at load (llama-model.cpp)
 _ROPE_ARCHES = ("llama", "gemma2")  # rope over the whole head when no rope.dimension_count is given
 
 
@@ -140,6 +142,7 @@ def _check_hparams(fields: dict, name: str) -> None:
     layers = get(f"{arch}.block_count")
     if layers is not None and not 0 < layers <= LLAMA_MAX_LAYERS:
         abort(f"{name} has {layers} layers; llama.cpp loads 1 to {LLAMA_MAX_LAYERS}", "the file is corrupt or not a model llama.cpp runs")
+    _check_load_asserts(fields, arch, layers, name, get)
     heads, kv_heads = get(f"{arch}.attention.head_count"), get(f"{arch}.attention.head_count_kv")
     if heads and kv_heads and heads % kv_heads:
         abort(f"{name} has {heads} attention heads and {kv_heads} KV heads: the heads must be a multiple of the KV heads",
@@ -151,6 +154,34 @@ def _check_hparams(fields: dict, name: str) -> None:
     if n_rot is not None and n_rot % 2:
         abort(f"{name} rotates {n_rot} dimensions per head (RoPE): llama.cpp needs an even number and would abort",
               "the file is corrupt or was written with an odd head dimension")
+
+
+def _check_load_asserts(fields: dict, arch: str, layers: int | None, name: str, get) -> None:
+    """The other GGML_ASSERTs of llama.cpp's generic hyperparameter load (llama_model::load_hparams) on header values:
+    llama-server and the runner died of SIGABRT on them (serve: "killed by SIGABRT" and a log box), `run` said the
+    assertion after loading. Each is one line here, before any child starts."""
+    corrupt = "the file is corrupt or not a model llama.cpp runs (llama.cpp would abort on it)"
+    nextn = get(f"{arch}.nextn_predict_layers")
+    if nextn is not None and layers is not None and nextn > layers:
+        abort(f"{name} has {nextn} next-token prediction layers but {layers} layers in all", corrupt)
+    experts = get(f"{arch}.expert_count") or 0
+    used_field = fields.get(f"{arch}.expert_used_count")  # one count, or one per layer
+    used = [u for u in (used_field if isinstance(used_field, list) else [used_field]) if isinstance(u, int) and not isinstance(u, bool)]
+    used_max = max(used, default=0)
+    groups, group_used = get(f"{arch}.expert_group_count") or 0, get(f"{arch}.expert_group_used_count") or 0
+    if arch.startswith("hunyuan") and experts <= 1:  # llama.cpp drops the experts of these dense models
+        experts = used_max = 0
+    if experts > LLAMA_MAX_EXPERTS:
+        abort(f"{name} has {experts} experts; llama.cpp loads at most {LLAMA_MAX_EXPERTS}", corrupt)
+    if used_max > experts:
+        abort(f"{name} routes each token to {used_max} experts of {experts}" + (" (it has no expert_count)" if not experts else ""), corrupt)
+    if experts and not used_max:
+        abort(f"{name} has {experts} experts but routes a token to none (expert_used_count 0 or missing)", corrupt)
+    if groups and (not experts or groups >= experts or (groups > 1 and (experts % groups or not 0 < group_used < groups))):
+        abort(f"{name} has {groups} expert groups ({group_used} used) for {experts} experts: not a layout llama.cpp loads", corrupt)
+    scaling = fields.get(f"{arch}.rope.scaling.type")
+    if isinstance(scaling, str) and scaling not in ROPE_SCALING_TYPES:
+        abort(f"{name} has the RoPE scaling type {scaling[:40]!r}; llama.cpp knows {', '.join(ROPE_SCALING_TYPES)}", corrupt)
 
 
 # ---------------------------------------------------------------- synthetic GGUFs (Llama-shaped, iSWA, hybrid)

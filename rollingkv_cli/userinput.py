@@ -22,11 +22,18 @@ from rollingkv_cli.console import abort
 # the most any file the user gives us may hold: configs, thresholds, reports and prompts are far smaller (a prompt of a
 # million tokens is a few MiB); past it, reading stops (`run -f /dev/zero` had read 13 GB in 10 s)
 MAX_INPUT_BYTES = 256 << 20
+# the most a settings file (serve --config, --thresholds: a few dozen lines) may hold: YAML is parsed in Python, and a
+# 6 MB flow list of small numbers, no alias in it, took more than 60 s and 1.9 GB before any check saw it
+MAX_SETTINGS_BYTES = 64 << 10
 
 
 def _kind(mode: int) -> str:
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def read_bytes(path: Path | str, what: str, limit: int | None = None) -> bytes:
@@ -47,7 +54,7 @@ def read_bytes(path: Path | str, what: str, limit: int | None = None) -> bytes:
             fd = None
             data = f.read(limit + 1)  # a size stat does not tell (/proc files say 0) is bounded too
         if len(data) > limit:
-            abort(f"cannot read {what} {p}: it holds more than {limit >> 20} MiB, the most rollingkv reads from a {what}",
+            abort(f"cannot read {what} {p}: it holds more than {_size(limit)}, the most rollingkv reads from a {what}",
                   "give a smaller file")
         return data
     except FileNotFoundError:
@@ -82,10 +89,27 @@ def read_text(path: Path | str, what: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def read_json(path: Path | str, what: str) -> Any:
-    text = read_text(path, what)
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """json's object hook: a key given twice is refused (json keeps the last one silently, as YAML did)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def read_json(path: Path | str, what: str, limit: int | None = None) -> Any:
+    text = decode_utf8(read_bytes(path, what, limit), path, what)
+    text = text[1:] if text.startswith("\ufeff") else text
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        abort(f"{what} {path}: the key {shown(e.args[0], 40)} is given twice", "give each key once")
     except json.JSONDecodeError as e:
         abort(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
               "fix the file, or give another one")
@@ -137,10 +161,13 @@ def _loader():
     return NoAliasLoader
 
 
-def read_yaml(path: Path | str, what: str) -> Any:
+def read_yaml(path: Path | str, what: str, limit: int | None = MAX_SETTINGS_BYTES) -> Any:
+    """A YAML file (a settings file: at most MAX_SETTINGS_BYTES unless `limit` says otherwise), aliases and keys given
+    twice refused."""
     import yaml
 
-    text = read_text(path, what)
+    text = decode_utf8(read_bytes(path, what, limit), path, what)
+    text = text[1:] if text.startswith("\ufeff") else text
     try:
         return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader, less aliases)
     except _AliasFound as e:
@@ -157,8 +184,8 @@ def read_yaml(path: Path | str, what: str) -> Any:
 
 
 def read_data(path: Path | str, what: str) -> Any:
-    """JSON for a .json file, else YAML (which reads JSON too)."""
-    return read_json(path, what) if Path(path).suffix.lower() == ".json" else read_yaml(path, what)
+    """A settings file: JSON for a .json file, else YAML (which reads JSON too); at most MAX_SETTINGS_BYTES."""
+    return read_json(path, what, MAX_SETTINGS_BYTES) if Path(path).suffix.lower() == ".json" else read_yaml(path, what)
 
 
 # ------------------------------------------------------------------ files we write

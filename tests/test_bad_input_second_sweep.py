@@ -371,3 +371,198 @@ def test_a_stopped_gate_needle_does_not_wait_for_the_prefill(cpu_build, demo_mod
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# =============================================================================================================
+# The sweep of 2026-12-06 (a new user again, after the second sweep's fixes): docs/testing.md, "the third sweep".
+# Each test was seen failing on main ae98576, as its docstring says.
+
+
+def test_a_settings_file_past_64_kib_is_refused_before_parsing(capsys, isolated_cache, tmp_path):
+    """A configuration bomb without an alias: a 6 MB `x: [1,1,1,...]` in --config or --thresholds was parsed by
+    PyYAML for more than 60 s, 1.9 GB resident, before any check saw it (the reads stopped only at 256 MiB, the cap for
+    prompts). Settings files are a few dozen lines: more than 64 KiB is refused before parsing, with one line. Seen
+    failing before the fix: the 100 KiB file below was parsed, then "unknown key(s) x"."""
+    big = tmp_path / "c.yaml"
+    big.write_text("x: [" + ",".join(["1"] * 50000) + "]\n")
+    code, _, err = run_main(["serve", "demo", "--config", str(big), "--print-args"], capsys)
+    assert code == 1 and "it holds more than 64 KiB, the most rollingkv reads from a config file" in _errors(err)[0], err
+    from rollingkv_cli.gate.metrics import ThresholdsError, load_thresholds
+
+    for suffix in (".yaml", ".json"):
+        th = tmp_path / f"t{suffix}"
+        th.write_text('{"x": [' + ",".join(["1"] * 50000) + "]}")
+        with pytest.raises(ThresholdsError, match="more than 64 KiB"):
+            load_thresholds(th, "same_type")
+
+
+@pytest.mark.parametrize("key", ["pcie_bw_gbps", "kv_tail_cpu_frac", "threshold"])
+def test_an_integer_past_a_float_is_a_bad_value_not_a_crash(key, capsys, isolated_cache, tmp_path):
+    """`pcie_bw_gbps: 1000...0` (400 digits) in a config file, or `max_mean_tv: 1000...0` in a thresholds file, ended in
+    "internal error: OverflowError: int too large to convert to float". Now the value's own line (exit 2 / the
+    thresholds error), the number cut short."""
+    huge = "1" + "0" * 400
+    if key == "threshold":
+        from rollingkv_cli.gate.metrics import ThresholdsError, load_thresholds
+
+        th = tmp_path / "t.yaml"
+        th.write_text(f"max_mean_tv: {huge}\n")
+        with pytest.raises(ThresholdsError, match=r"max_mean_tv must be a finite number or null, not 1000.*\.\.\.") as e:
+            load_thresholds(th, "same_type")
+        assert len(str(e.value)) < 200
+        return
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: demo\n{key}: {huge}\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 2 and f"{key} must be" in _errors(err)[0] and "internal error" not in err, err
+
+
+def test_one_setting_spelled_twice_in_a_config_file_is_refused(capsys, isolated_cache, tmp_path):
+    """`ctx-size: 4096` and `ctx_size: 8192` in one config file are the same setting (serve reads `-` as `_`): the last
+    one won silently (the second sweep refused only a key repeated letter for letter). Now one line naming both."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: demo\nctx_size: 2048\nctx-size: 8192\n")
+    code, _, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 2 and "ctx_size and ctx-size are the same setting, given twice" in _errors(err)[0], err
+
+
+def test_a_key_given_twice_in_a_json_thresholds_file_is_refused(tmp_path):
+    """A thresholds file in JSON (`{"max_mean_tv": 0.1, "max_mean_tv": 0.5}`) kept the last value silently, while the
+    same file in YAML was refused since the second sweep. JSON files refuse it too now."""
+    from rollingkv_cli.gate.metrics import ThresholdsError, load_thresholds
+
+    th = tmp_path / "t.json"
+    th.write_text('{"max_mean_tv": 0.1, "min_top1_agreement": 0.9, "max_mean_tv": 0.5}')
+    with pytest.raises(ThresholdsError, match="the key 'max_mean_tv' is given twice"):
+        load_thresholds(th, "same_type")
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"same_type": {"max_mean_tv": 0.1}, "quantized": {"max_mean_tv": 0.2}}')  # one key per mapping: fine
+    assert load_thresholds(ok, "quantized")["max_mean_tv"] == 0.2
+
+
+# a header llama.cpp's load_hparams GGML_ASSERTs on (llama-model.cpp), and the line that says so
+ABORTING_HEADERS = {
+    "experts used, none given": ({"llama.expert_used_count": 2}, "routes each token to 2 experts of 0 (it has no expert_count)"),
+    "2000 experts": ({"llama.expert_count": 2000, "llama.expert_used_count": 2}, "has 2000 experts; llama.cpp loads at most 1024"),
+    "experts, none used": ({"llama.expert_count": 8}, "has 8 experts but routes a token to none"),
+    "expert groups without experts": ({"llama.expert_group_count": 2}, "has 2 expert groups (0 used) for 0 experts"),
+    "unknown RoPE scaling": ({"llama.rope.scaling.type": "bogus"}, "has the RoPE scaling type 'bogus'"),
+    "more nextn layers than layers": ({"llama.nextn_predict_layers": 40}, "has 40 next-token prediction layers but 30 layers"),
+}
+
+
+@pytest.mark.parametrize("bad", list(ABORTING_HEADERS))
+@pytest.mark.parametrize("command", ["serve", "gate equiv", "gate needle", "bench tail", "bench load"])
+def test_headers_llama_cpp_aborts_on_are_refused_before_a_child_starts(command, bad, tmp_path, capsys, isolated_cache):
+    """Past the 600-layer check (issue 39 row 2), load_hparams has more GGML_ASSERTs on header values: `expert_used_count`
+    without `expert_count`, more than 1024 experts, an unknown `rope.scaling.type`, more next-token layers than layers,
+    expert groups without experts. serve and gate needle said "llama-server exited during start-up (killed by SIGABRT
+    ...)" and a log box, `run` the assertion after loading the weights. Now one line before anything starts. Seen
+    failing before the fix: every command here went on (without a build: "no rollingkv build yet"; bench tail
+    --dry-run printed its cells)."""
+    from test_models import COMMANDS, _header
+
+    kvs, expect = ABORTING_HEADERS[bad]
+    m = tmp_path / "m.gguf"
+    m.write_bytes(_header({"general.architecture": "llama", "llama.block_count": 30, **kvs}))
+    code, out, err = run_main([a.replace("{m}", str(m)).replace("{tmp}", str(tmp_path)) for a in COMMANDS[command]], capsys)
+    assert code == 1 and len(_errors(err)) == 1 and expect in _errors(err)[0], out + err
+    assert "llama.cpp would abort on it" in err
+
+
+def test_a_real_moe_layout_passes_the_checks():
+    """The checks above refuse only what llama.cpp aborts on: a plain mixture of experts, per-layer counts, grouped
+    experts and the known RoPE scalings pass."""
+    from rollingkv_cli.models import _check_hparams
+
+    base = {"general.architecture": "llama", "llama.block_count": 4}
+    for extra in ({"llama.expert_count": 8, "llama.expert_used_count": 2},
+                  {"llama.expert_count": 8, "llama.expert_used_count": [2, 2, 1, 2]},
+                  {"llama.expert_count": 256, "llama.expert_used_count": 8, "llama.expert_group_count": 8,
+                   "llama.expert_group_used_count": 4},
+                  {"llama.rope.scaling.type": "yarn"}, {"llama.rope.scaling.type": "none"},
+                  {"llama.nextn_predict_layers": 1}):
+        _check_hparams({**base, **extra}, "m.gguf")
+
+
+def _with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the GGUF src whose tokenizer.chat_template is `template` (the other keys, the tensor infos and the data
+    byte for byte; the header re-padded to the 32-byte alignment)."""
+    data = src.read_bytes()
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(vtype: int, pos: int) -> int:
+        if vtype in scalar:
+            return pos + scalar[vtype]
+        if vtype == 8:
+            return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+        itype, count = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        for _ in range(count):
+            pos = skip(itype, pos)
+        return pos
+
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    pos, kvs = 24, []
+    for _ in range(n_kv):
+        start = pos
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        key = data[start + 8:pos].decode()
+        pos = skip(struct.unpack_from("<I", data, pos)[0], pos + 4)
+        if key != "tokenizer.chat_template":
+            kvs.append(data[start:pos])
+    infos = pos
+    for _ in range(n_tensors):
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        pos += 4 + 8 * struct.unpack_from("<I", data, pos)[0] + 12
+    key, value = b"tokenizer.chat_template", template.encode()
+    kvs.append(struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value)
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs) + data[infos:pos]
+    dst.write_bytes(head + b"\0" * (-len(head) % 32) + data[-(-pos // 32) * 32:])
+    return dst
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("template,expect", [
+    ("{% for", "is not a valid Jinja template: unexpected 'end of template'"),
+    ("{{ raise_exception('System role not supported') }}", "fails on this message: System role not supported"),
+    ("{{ messages[5]['content'] }}", "fails on this message: list object has no element 5"),
+], ids=["does not parse", "raises", "fails on the message"])
+def test_run_says_the_chat_template_is_broken(cpu_build, demo_model, tmp_path, template, expect):
+    """A GGUF whose chat template does not parse, or raises on the one user message (many real templates call
+    raise_exception()), ended `run` in "internal error: RuntimeError: unexpected 'end of template'" (or ValueError)
+    with the "this is a bug in rollingkv" hint. Now one line naming the template and what to do."""
+    m = _with_chat_template(demo_model, tmp_path / "t.gguf", template)
+    proc = _cli(cpu_build, "run", str(m), "-p", "hi", "-n", "2")
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    line = _one_error(proc)
+    assert "the chat template of" in line and "(tokenizer.chat_template)" in line and expect in line, line
+
+
+def test_llama_servers_template_and_assert_failures_are_read_from_its_log():
+    """serve with a chat template llama-server cannot use: "llama-server exited during start-up (exit status 1)" and a
+    25-line log box whose last lines did not say why (the reason was 10 lines up); a GGML_ASSERT: "killed by SIGABRT"
+    and the box. Both are read from the log into the one line now (and the box is left out)."""
+    from rollingkv_cli.serve.server import TEMPLATE_HINT, abort_in_log, template_error_in_log
+
+    log = ["0.04.74 E common_chat_templates_init: error: parser: Parser Error: Unexpected EOF",
+           "0.04.74 E srv          init: init: chat template parsing error: std::exception"]
+    assert template_error_in_log(log).endswith("(tokenizer.chat_template): parser: Parser Error: Unexpected EOF")
+    log = ["0.04.745 E srv   init: init: chat template parsing error: Unable to generate parser for this template. "
+           "Automatic parser generation failed: ", "------------", "While executing CallExpression at line 1", "   ^",
+           "Error: Jinja Exception: System role not supported", "0.04.745 E srv  init: init: please consider ..."]
+    assert template_error_in_log(log).endswith("failed: Error: Jinja Exception: System role not supported")
+    assert template_error_in_log(["all is well"]) is None and "--chat-template chatml" in TEMPLATE_HINT
+    assert abort_in_log(["/src/llama-model.cpp:1362: GGML_ASSERT(n_expert_used_max <= hparams.n_expert) failed"]) == \
+        "llama.cpp aborted: GGML_ASSERT(n_expert_used_max <= hparams.n_expert) failed"
+
+
+@pytest.mark.build
+def test_serve_says_the_chat_template_is_broken(cpu_build, demo_model, tmp_path):
+    """End to end: one line with llama-server's reason and the built-in template to use, no log box."""
+    m = _with_chat_template(demo_model, tmp_path / "t.gguf", "{% for")
+    proc = _cli(cpu_build, "serve", str(m), "--port", "0", "-q")
+    assert proc.returncode == 1
+    line = _one_error(proc)
+    assert "could not use the model's chat template (tokenizer.chat_template): parser: Parser Error" in line, line
+    assert "--chat-template chatml" in proc.stderr and "last lines of" not in proc.stdout + proc.stderr

@@ -189,14 +189,14 @@ def test_help_fits_80_columns(monkeypatch):
     assert not long, "\n".join(long)
 
 
-def _helps(monkeypatch):
+def _helps(monkeypatch, width: int = 80):
     from click.testing import CliRunner
 
     from test_docs import _commands
 
-    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("COLUMNS", str(width))
     for path, _ in _commands(rollingkv):
-        yield " ".join(path) or "rollingkv", CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=80).output
+        yield " ".join(path) or "rollingkv", CliRunner().invoke(rollingkv, [*path, "--help"], terminal_width=width).output
 
 
 def test_command_lists_give_whole_phrases(monkeypatch):
@@ -218,3 +218,25 @@ def test_help_never_breaks_inside_a_word(monkeypatch):
     for name, out in _helps(monkeypatch):
         broken += [f"{name}: {line}" for line in out.splitlines() if re.search(r"\w-$", line)]
     assert not broken, "\n".join(broken)
+
+
+def test_help_cuts_a_word_longer_than_a_line_only_after_a_comma_or_a_slash(monkeypatch):
+    """The sweep of 2026-12-06: a default longer than the help column was cut anywhere, `bench load --help` showed
+    "[default: d" / "efault,split,resident,default-resident,vanilla]" and "docs/perf/<date>-bench-l" / "oad-<model>/...".
+    Such a word now starts a line of its own and is cut after a comma or a slash. Each word of the 80-column help is a
+    word of the 100-column one, or a piece of one that ends (or starts) at such a cut. Seen failing before the fix:
+    bench load ("d", "efault,split,..."), bench tail ("docs/perf/<date>-bench-tail-<model", ">/bench-tail.json")."""
+    wide = {name: set(out.split()) for name, out in _helps(monkeypatch, 100)}
+
+    def a_clean_piece(tok: str, words: set[str]) -> bool:
+        for w in words:
+            i = w.find(tok)
+            while i >= 0:
+                if (i == 0 or w[i - 1] in ",/") and (i + len(tok) == len(w) or tok[-1] in ",/"):
+                    return True
+                i = w.find(tok, i + 1)
+        return False
+
+    cut = [f"{name}: {tok!r}" for name, out in _helps(monkeypatch) for tok in set(out.split()) - wide[name]
+           if not a_clean_piece(tok, wide[name])]
+    assert not cut, "\n".join(sorted(cut))

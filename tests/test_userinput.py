@@ -50,11 +50,11 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line(where, tmp_path, fake_gguf):
 
 
 def test_a_value_in_an_error_line_is_cut_short(tmp_path, capsys, isolated_cache):
-    """A long value without aliases (a list of 100000 items) is shown by its first items. Seen failing before the fix:
-    the line held the whole list (about 800 kB)."""
+    """A long value without aliases (a list of 6000 items: a settings file holds at most 64 KiB since 2026-12-06) is
+    shown by its first items. Seen failing before the fix: the line held the whole list (about 800 kB at 100000 items)."""
     from test_cli import run_main
 
-    (tmp_path / "c.yaml").write_text("model: demo\nport: [" + ", ".join(["12345678"] * 100000) + "]\n")
+    (tmp_path / "c.yaml").write_text("model: demo\nport: [" + ", ".join(["12345678"] * 6000) + "]\n")
     code, _, err = run_main(["serve", "--config", str(tmp_path / "c.yaml"), "--print-args"], capsys)
     assert code == 2
     assert err.startswith("error: ") and "port must be an integer, not [12345678, 12345678, 12345678, ...]" in err

@@ -76,6 +76,16 @@ def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
+def _template_failed(e: BaseException) -> bool:
+    """Whether e came out of the model's Jinja chat template (a jinja2 error, or an exception the template raised:
+    llama_cpp's raise_exception() is a ValueError, raised in a frame of the compiled template)."""
+    import traceback
+
+    from jinja2 import TemplateError
+
+    return isinstance(e, TemplateError) or any(f.filename == "<template>" for f in traceback.extract_tb(e.__traceback__))
+
+
 def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, seed: int, temperature: float, verbose: bool) -> None:
     """In run_isolated's child: load, answer, print the answer alone on stdout."""
     import time
@@ -94,8 +104,12 @@ def _answer(path: Path, name: str, text: str, max_tokens: int, ctx_size: int, se
         out = llm.create_chat_completion(
             messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature, seed=seed,
         )
-    except ValueError as e:
-        m = re.search(r"Requested tokens \((\d+)\) exceed context window of (\d+)", str(e))
+    except Exception as e:
+        if _template_failed(e):  # "internal error: ValueError: System role not supported" before
+            abort(f"the chat template of {name} (tokenizer.chat_template) fails on this message: {str(e)[:200]}",
+                  "the file's template is broken or expects other messages: fix its tokenizer.chat_template, or use "
+                  "`rollingkv serve` with -- --chat-template chatml")
+        m = re.search(r"Requested tokens \((\d+)\) exceed context window of (\d+)", str(e)) if isinstance(e, ValueError) else None
         if m is None:
             raise
         padded = f", -c {ctx_size} rounded up to a multiple of {llama_ext.CTX_PAD}" if int(m[2]) != ctx_size else ""

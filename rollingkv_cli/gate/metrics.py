@@ -219,6 +219,13 @@ def default_thresholds(profile: str) -> dict[str, float | None]:
     return dict(PROFILES[profile])
 
 
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an integer past a float (a YAML 1 and 400 zeros): "internal error: OverflowError" before
+        return False
+
+
 def _validate_overrides(d: Any, where: str) -> dict[str, float | None]:
     from rollingkv_cli.userinput import shown  # a value in a message: cut short
 
@@ -232,7 +239,7 @@ def _validate_overrides(d: Any, where: str) -> dict[str, float | None]:
         if v is None and k in CHECKS:
             out[k] = None  # null disables a check
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
             raise ThresholdsError(f"{where}: {k} must be a finite number{' or null' if k in CHECKS else ''}, not {shown(v)}")
         if float(v) < 0:
             raise ThresholdsError(f"{where}: {k} must be >= 0, not {v}")

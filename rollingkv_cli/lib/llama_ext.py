@@ -456,9 +456,15 @@ def open_model(llama_cpp_mod: ModuleType, path: Path, name: str, **kwargs):
         # llama_cpp sizes its token buffer by the n_ctx asked for but checks prompts against the padded one,
         # so a prompt between the two overran the buffer (a numpy ValueError): ask for the padded size
         kwargs["n_ctx"] = -(-int(kwargs["n_ctx"]) // CTX_PAD) * CTX_PAD
+    from jinja2 import TemplateError  # llama_cpp's chat formatter's
+
     with captured_errors(llama_cpp_mod) as errors:
         try:
             return llama_cpp_mod.Llama(model_path=str(path), **kwargs)
+        except TemplateError as e:  # the GGUF's chat template, compiled here: "internal error: RuntimeError" before
+            abort(f"the chat template of {name} (tokenizer.chat_template) is not a valid Jinja template: {str(e)[:200]}",
+                  "the file's metadata is broken: fix its tokenizer.chat_template (gguf-py's gguf_new_metadata.py "
+                  "--chat-template), or use another file")
         except ValueError as e:
             if "context" in str(e):
                 abort(f"llama.cpp could not create a context of {kwargs.get('n_ctx')} tokens for {name}: {_reason(errors)}",

@@ -382,8 +382,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     port = s.port or free_port(s.host)
     if not print_args and port_in_use(s.host, port):
         abort(f"port {port} on {s.host} is already in use", "pick another with --port (0 = any free port), or stop what holds it")
-    slot_dir = paths.cache_dir() / "slots"
-    log_dir = paths.cache_dir() / "logs"
+    slot_dir = paths.cache_dir(write=not print_args) / "slots"  # --print-args writes nothing: a read-only cache will do
+    log_dir = paths.cache_dir(write=not print_args) / "logs"
     key = api_key(s.extra_args)
     log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)

@@ -114,6 +114,34 @@ def model_error_in_log(lines: list[str]) -> str | None:
     return None
 
 
+def template_error_in_log(lines: list[str]) -> str | None:
+    """llama-server's refusal of the model's chat template ('common_chat_templates_init: error: parser: Parser Error:
+    Unexpected EOF'): 'llama-server could not parse the model's chat template: ...'; None when the log has none."""
+    said = "llama-server could not use the model's chat template (tokenizer.chat_template): "
+    for marker in ("common_chat_templates_init: error: ", "chat template parsing error: "):
+        for i, line in enumerate(lines):
+            at = line.find(marker)
+            if at >= 0:
+                why = line[at + len(marker):].strip()
+                # a Jinja exception's own words follow on a line of their own ("Error: Jinja Exception: ...")
+                why += next((" " + n.strip() for n in lines[i + 1:i + 8] if n.startswith("Error: ")), "")
+                return said + why[:200]
+    return None
+
+
+TEMPLATE_HINT = "give llama-server a built-in template after `--`: -- --chat-template chatml (or fix the GGUF's tokenizer.chat_template)"
+
+
+def abort_in_log(lines: list[str]) -> str | None:
+    """The assertion llama.cpp aborted on ('.../llama-model.cpp:1362: GGML_ASSERT(...) failed'): 'llama.cpp aborted:
+    GGML_ASSERT(...) failed'; None when the log has none."""
+    for line in lines:
+        at = line.find("GGML_ASSERT(")
+        if at >= 0:
+            return "llama.cpp aborted: " + line[at:].strip()[:200]
+    return None
+
+
 class ServerProcess:
     def __init__(self, binary: Path, args: list[str], host: str = "127.0.0.1", port: int | None = None,
                  log_path: Path | None = None, env: dict | None = None, api_key: str | None = None, stop_grace: float = 15.0):
@@ -187,6 +215,12 @@ class ServerProcess:
                     reason = model_error_in_log(self._log_lines())
                     if reason:
                         advice = "the file is corrupt or not a model this build runs" + (f"; {advice}" if advice else "")
+                if reason is None:  # a chat template it cannot parse: "exit status 1" and a log box before
+                    reason = template_error_in_log(self._log_lines())
+                    if reason:
+                        advice = TEMPLATE_HINT + (f"; {advice}" if advice else "")
+                if reason is None:  # an assertion: "killed by SIGABRT" and a log box before
+                    reason = abort_in_log(self._log_lines())
                 self.failure_reason = reason  # said in the error's one line: the caller need not show the log
                 raise RollingKVError(f"llama-server exited during start-up ({what})" + (f": {reason}" if reason else ""), advice)
             try:

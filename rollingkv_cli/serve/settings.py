@@ -143,7 +143,10 @@ def _as_float(value, from_text: bool) -> float:
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SettingError(f"must be a number, not {shown(value)}")
     else:
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # a YAML integer of 400 digits: "internal error: OverflowError" before
+            v = math.inf
     if not math.isfinite(v):
         raise SettingError(f"must be a finite number, not {shown(value)}")
     return v
@@ -193,6 +196,12 @@ def load_config(path: Path) -> dict:
     if not isinstance(data, dict):
         abort(f"config file {path}: expected a mapping of settings, got {type(data).__name__}",
               "write one `key: value` per line, e.g. `ctx_size: 4096`")
+    spelled: dict[str, str] = {}
+    for k in data:  # `ctx-size: 4096` and `ctx_size: 2048` are one key: the last one won silently
+        key = str(k).replace("-", "_")
+        if key in spelled:
+            usage_error(f"config file {path}: {spelled[key]} and {k} are the same setting, given twice", "give it once")
+        spelled[key] = str(k)
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - set(CONFIG_KEYS))
     if unknown:

@@ -52,10 +52,13 @@ def read_only_cache(tmp_path, monkeypatch, cpu_build, demo_model):
     (["info"], "build"),
     (["model", "demo", "--print-path"], "SmolLM2-135M-Instruct.Q4_1.gguf"),
     (["patches", "list"], "native files"),
+    (["serve", "demo", "-c", "2048", "--print-args"], "llama-server --host 127.0.0.1 --port 8080"),
+    (["bench", "tail", "demo", "--preset", "cpu-small", "--dry-run"], "llama-bench"),
 ])
 def test_a_read_only_cache_serves_what_only_reads(read_only_cache, capsys, args, expect):
     """Seen failing before the fix: info and model demo --print-path ended in "error: $ROLLINGKV_CACHE_DIR=... is not
-    writable"."""
+    writable". serve --print-args (it prints a command line, writes nothing) said "... is on a read-only filesystem, and
+    this command writes there" until the sweep of 2026-12-06."""
     code, out, err = run_main(args, capsys)
     assert code == 0 and expect in out, err
     assert not (read_only_cache / "builds").exists() and sorted(p.name for p in read_only_cache.iterdir()) == ["active-build", "models"]
