@@ -176,6 +176,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
         return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
     };
     llama_rkv_attn_layout lay;
+    lay.perturb_tail   = rkv_st ? rkv_st->test.perturb_tail : 0.0f;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
     lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
     if (rkv_blocks) {

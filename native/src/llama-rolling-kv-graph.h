@@ -11,6 +11,7 @@
 // its own cells: stream s attends cells [0, n_kv[s]) (window [0, min(n_kv[s], n_win)), tail [n_win, n_kv[s])), so a
 // short sequence beside a long one neither streams nor attends the long one's cell count.
 struct llama_rkv_attn_layout {
+    float    perturb_tail = 0.0f;   // every op's tail_perturb: the context's test hook (llama_rolling_kv_test_hooks); 0: off
     uint32_t tail_cpu_cells = 0;    // one op: the tail's cells attended on the CPU (ggml_rkv_tail_cpu_cells: 256-aligned)
     uint32_t n_win = 0;             // window cells per stream (0: a head split, where every cell is tail)
     std::vector<uint32_t> n_kv;     // one op per stream: the cells each attends
