@@ -112,3 +112,25 @@ print(json.dumps({{"ctx": bool(ctx), "error": ext.last_error()}}))
 """, cpu_build.lib_dir, env_extra={"RKV_TEST_MODEL": str(demo_model), **env})
     assert not r["ctx"] and why in r["error"], r
 
+
+def test_no_product_source_reads_a_debug_switch():
+    """The product's sources (native/, the hook patches) read no ROLLINGKV_DEBUG_* variable but the two test hooks, and
+    those only in llama_init_from_model_rolling_kv (once per context) and in the op test, which sets the op's parameter
+    itself. The lab switches live in the lab series (patches/lab/, native-lab/). Seen failing on the tree before: the
+    CPU and CUDA kernels read PERTURB_TAIL (ggml-rolling-kv.c's knobs), the block moves PERTURB_MOVE, the cache
+    ONE_OP_STREAMS, the CUDA copy plan CHUNK_CELLS."""
+    allowed = {("native/src/llama-rolling-kv.cpp", "ROLLINGKV_DEBUG_PERTURB_TAIL"),
+               ("native/src/llama-rolling-kv.cpp", "ROLLINGKV_DEBUG_PERTURB_MOVE"),
+               ("native/tests/test-rolling-kv-ops.cpp", "ROLLINGKV_DEBUG_PERTURB_TAIL")}
+    reads = set()
+    files = [p for p in (REPO / "native").rglob("*") if p.is_file()] + sorted((REPO / "patches").glob("0*.patch"))
+    for p in files:
+        text = p.read_text(errors="replace")
+        if p.suffix == ".patch":  # the lines a hook adds
+            text = "\n".join(line for line in text.splitlines() if line.startswith("+"))
+        for m in re.finditer(r"getenv\s*\(\s*\"(ROLLINGKV_DEBUG_\w+)\"", text):
+            reads.add((str(p.relative_to(REPO)), m.group(1)))
+        for m in re.finditer(r"\"(ROLLINGKV_DEBUG_\w+)\"", text):
+            reads.add((str(p.relative_to(REPO)), m.group(1)))
+    assert reads <= allowed, sorted(reads - allowed)
+    assert reads == allowed  # the test hooks are still read where documented

@@ -15,14 +15,6 @@
 #include <cstring>
 #include <stdexcept>
 
-bool llama_rkv_one_op_streams() {
-    static const bool v = [] {
-        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
-        return e && strcmp(e, "1") == 0;
-    }();
-    return v;
-}
-
 //
 // graph
 //
@@ -210,7 +202,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
         llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n);
     }
-    if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
+    if (!rkv_split() || ns < 2) {
         return lay;
     }
     // one op per stream, each over its own cells: a stream's cells past its own n_kv are all masked for its tokens,

@@ -33,11 +33,6 @@ struct llama_rkv_attn_layout {
     ggml_tensor * block_map = nullptr;
 };
 
-// test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
-// cells (the behaviour before per-stream ops), for A/B runs (it implies static windows: one op needs every stream's
-// window at the same rows of its slab; llama-kv-cache-split-graph.cpp)
-bool llama_rkv_one_op_streams();
-
 // what a split cache records of a graph it built (by the graph's k index input), to tell whether the graph may be reused:
 // the per-stream cells it attends and the windows it was built with
 struct llama_rkv_graph_note {
