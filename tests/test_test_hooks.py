@@ -60,9 +60,9 @@ def window():
 @pytest.mark.build
 def test_the_tail_perturbation_is_a_parameter_of_the_context(cpu_build, demo_model):
     """Two split contexts in one process, one with perturb_tail and one without, the second made after the first: only
-    the first's logits differ from the resident cache's. A knob read once per process (the design before API 8) gives
-    both contexts the same perturbation and fails here; so does a graph that drops the hook (the perturbed context
-    then equals the resident one)."""
+    the first's logits differ from the resident cache's (a knob read once per process, the design before API 8, would
+    give both the same perturbation). Seen failing with the graph not setting the op's parameter (llama_rkv_attn_op):
+    the perturbed context then equals the resident one, here and in the next test."""
     r = run_python(_PRELUDE + """
 res = ext.init_context(model, cparams(), ext.make_params(mode="off"), hooks())
 ref = logits(res)
