@@ -340,9 +340,12 @@ def native_knob(name: str, default: int | None = None) -> int | None:
     return v
 
 
-# The must-fail controls' switch, read by the library as a float (ggml_rkv_knobs): every tail score times (1 + x), so x
-# must be a number above -1; the library read "abc" as 0 (off, silently) and took -2 (scores of the wrong sign).
+# The must-fail controls' test hooks, which libllama reads once per context (llama_init_from_model_rolling_kv: the
+# context's llama_rolling_kv_test_hooks) and refuses the context on a value it cannot take: PERTURB_TAIL, every tail score
+# times (1 + x), so x must be a finite number above -1; PERTURB_MOVE, block promotions written wrong, 1 or 2. Checked
+# here too, so that a command stops in one line before it starts anything.
 ENV_PERTURB_TAIL = "ROLLINGKV_DEBUG_PERTURB_TAIL"
+ENV_PERTURB_MOVE = "ROLLINGKV_DEBUG_PERTURB_MOVE"
 
 
 def perturb_tail() -> float | None:
@@ -355,9 +358,21 @@ def perturb_tail() -> float | None:
     return v
 
 
+def perturb_move() -> int | None:
+    """ROLLINGKV_DEBUG_PERTURB_MOVE as the library takes it (1 or 2); None when unset; any other value: one line, exit 1."""
+    raw = env_str(ENV_PERTURB_MOVE)
+    if raw is None:
+        return None
+    if raw not in ("1", "2"):
+        abort(f"${ENV_PERTURB_MOVE}={os.environ[ENV_PERTURB_MOVE]!r} is neither 1 nor 2 (a test hook: block promotions "
+              "written wrong on purpose)", _unset_hint(ENV_PERTURB_MOVE, "1 or 2"))
+    return int(raw)
+
+
 def check_native_knobs() -> None:
-    """Every knob of NATIVE_KNOBS that is set, and the perturbation switch, checked (before a command loads the library
-    or starts llama-server or llama-bench)."""
+    """Every knob of NATIVE_KNOBS that is set, and the test hooks, checked (before a command loads the library or starts
+    llama-server or llama-bench)."""
     for name in NATIVE_KNOBS:
         native_knob(name)
     perturb_tail()
+    perturb_move()

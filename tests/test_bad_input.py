@@ -328,6 +328,11 @@ ROWS = {
     "39-11-perturb-not-a-number-gate": Row(["gate", "equiv", "--model", "{gguf}"], 1,
                                            ["$ROLLINGKV_DEBUG_PERTURB_TAIL='1e-3x'", "is not a number"],
                                            env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "1e-3x"}),
+    # issue 36 (10): the block move test hook, which the library ignored with a warning when it was neither 1 nor 2 (a
+    # must-fail control that silently did not perturb): refused by the commands as by libllama
+    "36-10-perturb-move-three-bench-load": Row(["bench", "load", "{gguf}", "--dry-run"], 1,
+                                               ["$ROLLINGKV_DEBUG_PERTURB_MOVE='3'", "neither 1 nor 2"],
+                                               env={"ROLLINGKV_DEBUG_PERTURB_MOVE": "3"}),
     # issue 27 (4): only regular files are read, and only so much of them (a device or a FIFO hung or ate memory)
     "4-run-prompt-file-dev-zero": Row(["run", "{gguf}", "-f", "/dev/zero"], 1, ["prompt file /dev/zero", "a device, not a regular file"]),
     "4-run-prompt-file-fifo": Row(["run", "{gguf}", "-f", "{tmp}/fifo"], 1, ["prompt file {tmp}/fifo", "a FIFO (named pipe), not a regular file"],

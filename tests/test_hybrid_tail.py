@@ -49,7 +49,7 @@ q = ext.make_params(mode="window")
 print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps,
                   "made": q.tail_cpu_frac, "auto": ext.make_params(tail_cpu_frac="auto").tail_cpu_frac}))
 """, cpu_build.lib_dir)
-    assert r["api"] == llama_ext.API_VERSION == 7 and r["has"]
+    assert r["api"] == llama_ext.API_VERSION == 8 and r["has"]
     assert r["frac"] < 0 and r["gbps"] <= 0  # auto; the CPU figure measured at plan time
     assert r["made"] == r["frac"] and r["auto"] < 0
 
@@ -64,7 +64,7 @@ print(json.dumps({t: ext.measure_cpu_attn_gbps(2, t) for t in ("f16", "q8_0", "q
 """, cpu_build.lib_dir)
     assert all(r[t] > 0.1 for t in ("f16", "q8_0", "q4_0")), r  # GB/s on 2 threads: any CPU reads a tail faster than this
     child = cpu_attn.measure(cpu_build.lib_dir, 2)
-    assert all(v is not None and v > 0.1 for v in child["gbps"].values()) and child["errors"] == {} and child["api_version"] == 7
+    assert all(v is not None and v > 0.1 for v in child["gbps"].values()) and child["errors"] == {} and child["api_version"] == llama_ext.API_VERSION
 
 
 @pytest.mark.build

@@ -54,6 +54,15 @@ def test_expect_perturbed_needs_the_hook(cpu_build):
     assert proc.returncode == 2 and "ROLLINGKV_DEBUG_PERTURB_TAIL" in proc.stderr
 
 
+@pytest.mark.parametrize("x", ["abc", "-1", "nan", "1e40"])
+def test_the_op_test_refuses_a_perturbation_the_op_cannot_take(cpu_build, x):
+    """The op test sets the op's tail_perturb parameter from the variable (the library reads none): a value the op's
+    setter would abort on (x <= -1, not finite) or that is not a number is one line and exit 2, before any case runs."""
+    proc = subprocess.run([str(cpu_build.artifact("test-rolling-kv-ops")), "--quick", "--expect-perturbed"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "ROLLINGKV_DEBUG_PERTURB_TAIL": x})
+    assert proc.returncode == 2 and f"ROLLINGKV_DEBUG_PERTURB_TAIL={x} is not a finite number above -1" in proc.stderr, proc.stderr
+
+
 def test_unknown_backend_skips_cleanly(cpu_build):
     proc, summary = _run(cpu_build.artifact("test-rolling-kv-ops"), "-b", "NoSuchBackend0", "--quick")
     assert proc.returncode == 0

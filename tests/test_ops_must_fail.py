@@ -1,5 +1,5 @@
 """The op test both ways (test-rolling-kv-ops on the CPU): unperturbed, every case passes bit-identically or within its
-bound; with the op's debug switch ROLLINGKV_DEBUG_PERTURB_TAIL (every tail score x (1 + x)), exactly the cases whose
+bound; with the op's test hook ROLLINGKV_DEBUG_PERTURB_TAIL (every tail score x (1 + x)), exactly the cases whose
 tail holds a key some query row reads fail. Which cases those are is computed here from each case line (n_kv, n_q,
 split, mask) with the op test's own mask rules (tests/optest.py), not taken from the binary. The number of cases is
 the op test's own (its case lines, numbered from 0 without a gap, all run, none skipped), so a changed matrix needs

@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 7
+#define LLAMA_ROLLING_KV_API_VERSION 8
 
 // API 7: type_k_tail / type_v_tail may ask the planner to choose the tail's type (opt-in: a compressed tail is lossy).
 // When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
@@ -85,12 +85,37 @@ LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
 // llama_init_from_model with residency parameters (rkv == NULL: defaults). Returns NULL on failure,
 // e.g. an impossible window, an unsupported tail type or a vram_target below the minimum, after logging
 // why (llama_rolling_kv_last_error returns the message).
+// API 8: the test hooks (llama_rolling_kv_test_hooks, below) are read once here, from the environment, so that every
+// tool that creates its context through this function (llama-server, llama-bench, the gates' runners) takes them
+// without a flag of its own: ROLLINGKV_DEBUG_PERTURB_TAIL=x (perturb_tail) and ROLLINGKV_DEBUG_PERTURB_MOVE=1|2
+// (perturb_move); unset or empty: off; a value that is not one of those: NULL, with the variable named in the error.
 LLAMA_API struct llama_context * llama_init_from_model_rolling_kv(
         struct llama_model * model,
         struct llama_context_params params,
         const struct llama_rolling_kv_params * rkv);
 
-// Why the last llama_init_from_model_rolling_kv of this thread returned NULL ("" after a success).
+// API 8: test hooks, for the must-fail controls of the tests and gates. Each makes a split cache's outputs WRONG on
+// purpose, so that a comparison with the resident cache can prove it fails; none has any other use. They are
+// parameters of a context, fixed for its lifetime (no kernel reads the environment).
+struct llama_rolling_kv_test_hooks {
+    // every tail key's attention score (after scale, softcap and mask) times (1 + perturb_tail) before the softmax, in
+    // every split layer's streaming op (its tail_perturb parameter, ggml_streaming_flash_attn_set_tail_perturb), on
+    // every backend; finite and > -1; 0: off
+    float   perturb_tail;
+    // block residency (LLAMA_KV_WINDOWS_BLOCKS): every block promotion writes K rows wrong on the device: 1, the
+    // block's second row takes its first one's; 2, every row takes the next one's (an offset bug); 0: off
+    int32_t perturb_move;
+};
+
+// llama_init_from_model_rolling_kv with test hooks (test == NULL: none). A hook out of range: NULL, and
+// llama_rolling_kv_last_error says which.
+LLAMA_API struct llama_context * llama_init_from_model_rolling_kv_test(
+        struct llama_model * model,
+        struct llama_context_params params,
+        const struct llama_rolling_kv_params * rkv,
+        const struct llama_rolling_kv_test_hooks * test);
+
+// Why the last llama_init_from_model_rolling_kv(_test) of this thread returned NULL ("" after a success).
 LLAMA_API const char * llama_rolling_kv_last_error(void);
 
 // The residency plan of a context as JSON: mode requested and chosen ("off": the upstream cache,

@@ -33,24 +33,6 @@
 
 static const uint32_t LLAMA_RKV_BLK      = 256; // cells per block (the streamed chunks' alignment)
 
-// test lever ROLLINGKV_DEBUG_PERTURB_MOVE, for the must-fail controls of the block tests: 1, every promotion writes the K
-// row of the block's first cell over its second one's on the device (one row wrong); 2, every promotion writes the
-// block's K rows one cell off (an offset bug: row i takes row i + 1's data)
-static int llama_rkv_blk_perturb_move() {
-    static const int v = [] {
-        const char * e = getenv("ROLLINGKV_DEBUG_PERTURB_MOVE");
-        const int x = e && (strcmp(e, "1") == 0 || strcmp(e, "2") == 0) ? atoi(e) : 0;
-        if (e && *e && x == 0) {
-            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=%s is neither 1 nor 2: ignored\n", e);
-        }
-        if (x) {
-            LLAMA_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_MOVE=%d: every block promotion corrupts K rows on purpose, so the "
-                           "outputs are WRONG (a test switch: unset it)\n", x);
-        }
-        return x;
-    }();
-    return v;
-}
 static const uint64_t LLAMA_RKV_BLK_IDLE = 32;  // ubatches after which a block nobody read may lose its slot
 
 void llama_kv_cache::rkv_blk_init(uint32_t wc) {
@@ -104,9 +86,12 @@ void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
                 continue;
             }
             llama_rkv_promote_rows(win, row0, tail, host, n);
-            const int perturb = kv == 0 && n > 1 ? llama_rkv_blk_perturb_move() : 0;
+            // the context's test hook perturb_move (llama_rolling_kv_test_hooks), for the must-fail controls of the block
+            // tests: 1, the K row of the block's first cell written over its second one's on the device (one row wrong);
+            // 2, the block's K rows one cell off (an offset bug: row i takes row i + 1's data)
+            const int perturb = kv == 0 && n > 1 && rkv_st ? rkv_st->test.perturb_move : 0;
             if (perturb) {
-                // the test lever: K rows of the slot written wrong, from the slot itself (the window's type)
+                // K rows of the slot written wrong, from the slot itself (the window's type)
                 const size_t row = win->nb[1];
                 std::vector<uint8_t> rows((size_t) n*row);
                 ggml_backend_tensor_get(win, rows.data(), row0*row, rows.size());

@@ -15,14 +15,6 @@
 #include <cstring>
 #include <stdexcept>
 
-bool llama_rkv_one_op_streams() {
-    static const bool v = [] {
-        const char * e = getenv("ROLLINGKV_DEBUG_ONE_OP_STREAMS");
-        return e && strcmp(e, "1") == 0;
-    }();
-    return v;
-}
-
 //
 // graph
 //
@@ -176,6 +168,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
         return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
     };
     llama_rkv_attn_layout lay;
+    lay.perturb_tail   = rkv_st ? rkv_st->test.perturb_tail : 0.0f;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
     lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
     if (rkv_blocks) {
@@ -209,7 +202,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
         llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n);
     }
-    if (!rkv_split() || ns < 2 || llama_rkv_one_op_streams()) {
+    if (!rkv_split() || ns < 2) {
         return lay;
     }
     // one op per stream, each over its own cells: a stream's cells past its own n_kv are all masked for its tokens,

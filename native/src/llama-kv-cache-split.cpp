@@ -244,13 +244,12 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
         // slower than the static window (docs/perf/2026-12-06-h100-unified-blocks)
         const char * why_static =
             n_stream < 2 ? "one stream (a unified cache, or one sequence; block residency: --kv-windows blocks)" :
-            st.req.windows == LLAMA_KV_WINDOWS_STATIC                    ? "static windows requested" :
-            llama_rkv_one_op_streams()                                   ? "ROLLINGKV_DEBUG_ONE_OP_STREAMS=1" : nullptr;
+            st.req.windows == LLAMA_KV_WINDOWS_STATIC                    ? "static windows requested" : nullptr;
         rkv_elastic    = why_static == nullptr;
         // one stream holding several sequences (a unified cache), when asked: its 256-cell blocks follow the load
         // (llama-kv-cache-blocks.cpp)
         rkv_blocks = n_stream == 1 && st.n_seq_max > 1 && wc % 256 == 0 && kv_size % 256 == 0 &&
-                     st.req.windows == LLAMA_KV_WINDOWS_BLOCKS && !llama_rkv_one_op_streams();
+                     st.req.windows == LLAMA_KV_WINDOWS_BLOCKS;
         if (rkv_blocks) {
             why_static = nullptr;
         }

@@ -248,6 +248,9 @@ struct llama_rkv_live {
 
 struct llama_rkv_state {
     llama_rolling_kv_params req;
+    // the context's test hooks (llama_init_from_model_rolling_kv_test; validated there), fixed for its lifetime: the
+    // graph sets every split layer's op's tail_perturb from them, block residency's promotions read perturb_move
+    llama_rolling_kv_test_hooks test = {};
 
     // context parameters the cache constructor does not see (llama_init_from_model_rolling_kv sets them,
     // resolved as llama_context resolves them); 0: unknown

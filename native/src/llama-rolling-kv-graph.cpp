@@ -7,7 +7,7 @@
 
 static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
         ggml_tensor * k_tail, ggml_tensor * v_tail, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale,
-        float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams,
+        float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams, float perturb_tail,
         const llama_rkv_attn_layout * runs = nullptr) {
     q = ggml_permute(ctx, q, 0, 2, 1, 3);
     if (k) {
@@ -28,6 +28,9 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
     const bool rows_ok = q->ne[1] <= GGML_RKV_CPU_PART_MAX_Q;
     ggml_streaming_flash_attn_set_tail_cpu_cells(cur, k_tail && rows_ok ? std::min<int64_t>(tail_cpu_cells, k_tail->ne[1]) : 0);
     ggml_streaming_flash_attn_set_ref_streams(cur, ref_streams);
+    if (perturb_tail != 0.0f) {
+        ggml_streaming_flash_attn_set_tail_perturb(cur, perturb_tail); // a test hook of the context
+    }
     if (k_tail && runs && !runs->run_first.empty()) {
         const int n_runs = (int) runs->run_first.size();
         GGML_ASSERT(n_runs <= GGML_RKV_MAX_TAIL_RUNS && runs->run_n.size() == runs->run_first.size());
@@ -85,7 +88,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
     if (layout.n_kv.empty()) {
         q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
         ggml_tensor * cur = llama_rkv_attn_op(ctx, q, k, v, k_tail, v_tail, kq_mask, sinks, kq_scale, max_alibi_bias,
-                logit_softcap, layout.tail_cpu_cells, 0, &layout);
+                logit_softcap, layout.tail_cpu_cells, 0, layout.perturb_tail, &layout);
         return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     }
 
@@ -116,7 +119,7 @@ ggml_tensor * llama_rkv_build_attn_mha(
                 kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], s*kq_mask->nb[3]);
 
         outs.push_back(llama_rkv_attn_op(ctx, qs, ks, vs, kt, vt, ms, sinks, kq_scale, max_alibi_bias, logit_softcap,
-                kt ? layout.cpu_cells[s] : 0, (int32_t) n_stream));
+                kt ? layout.cpu_cells[s] : 0, (int32_t) n_stream, layout.perturb_tail));
     }
     // [DV, n_head, n_tok, 1] per stream -> [DV, n_head, n_tok*n_stream]: the rows of the one-op output, stream-major
     ggml_tensor * cur = llama_rkv_concat_tokens(ctx, std::move(outs));

@@ -11,6 +11,7 @@
 // its own cells: stream s attends cells [0, n_kv[s]) (window [0, min(n_kv[s], n_win)), tail [n_win, n_kv[s])), so a
 // short sequence beside a long one neither streams nor attends the long one's cell count.
 struct llama_rkv_attn_layout {
+    float    perturb_tail = 0.0f;   // every op's tail_perturb: the context's test hook (llama_rolling_kv_test_hooks); 0: off
     uint32_t tail_cpu_cells = 0;    // one op: the tail's cells attended on the CPU (ggml_rkv_tail_cpu_cells: 256-aligned)
     uint32_t n_win = 0;             // window cells per stream (0: a head split, where every cell is tail)
     std::vector<uint32_t> n_kv;     // one op per stream: the cells each attends
@@ -31,11 +32,6 @@ struct llama_rkv_attn_layout {
     // [kv_size/256] (logical block -> physical block of [window pool ; tail]); the op takes its first n_kv/256 entries
     ggml_tensor * block_map = nullptr;
 };
-
-// test lever ROLLINGKV_DEBUG_ONE_OP_STREAMS=1: a ubatch of several streams attends as one op over the longest stream's
-// cells (the behaviour before per-stream ops), for A/B runs (it implies static windows: one op needs every stream's
-// window at the same rows of its slab; llama-kv-cache-split-graph.cpp)
-bool llama_rkv_one_op_streams();
 
 // what a split cache records of a graph it built (by the graph's k index input), to tell whether the graph may be reused:
 // the per-stream cells it attends and the windows it was built with

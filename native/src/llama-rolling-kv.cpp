@@ -41,6 +41,7 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -435,13 +436,63 @@ static void llama_rkv_resolve_unsplit(llama_context * ctx, const llama_rolling_k
     }
 }
 
+// the test hooks from the environment (llama_init_from_model_rolling_kv), read once per context; false: a value that is
+// not one the hooks take, with why in err
+static bool llama_rkv_test_hooks_from_env(llama_rolling_kv_test_hooks & out, std::string & err) {
+    out = {};
+    const char * tail = getenv("ROLLINGKV_DEBUG_PERTURB_TAIL");
+    if (tail && *tail) {
+        char * end = nullptr;
+        const float x = strtof(tail, &end);
+        if (end == tail || *end != '\0') {
+            err = std::string("ROLLINGKV_DEBUG_PERTURB_TAIL=") + tail + " is not a number (a test hook: every tail score "
+                  "times 1 + x, x > -1; unset it)";
+            return false;
+        }
+        out.perturb_tail = x; // its range: llama_init_from_model_rolling_kv_test
+    }
+    const char * move = getenv("ROLLINGKV_DEBUG_PERTURB_MOVE");
+    if (move && *move) {
+        if (strcmp(move, "1") != 0 && strcmp(move, "2") != 0) {
+            err = std::string("ROLLINGKV_DEBUG_PERTURB_MOVE=") + move + " is neither 1 nor 2 (a test hook: block "
+                  "promotions written wrong; unset it)";
+            return false;
+        }
+        out.perturb_move = atoi(move);
+    }
+    return true;
+}
+
 struct llama_context * llama_init_from_model_rolling_kv(
         struct llama_model * model,
         struct llama_context_params params,
         const struct llama_rolling_kv_params * rkv) {
+    g_rkv_last_error.clear();
+
+    llama_rolling_kv_test_hooks test;
+    std::string err;
+    if (!llama_rkv_test_hooks_from_env(test, err)) {
+        return llama_rkv_fail(__func__, "%s", err.c_str());
+    }
+    return llama_init_from_model_rolling_kv_test(model, params, rkv, &test);
+}
+
+struct llama_context * llama_init_from_model_rolling_kv_test(
+        struct llama_model * model,
+        struct llama_context_params params,
+        const struct llama_rolling_kv_params * rkv,
+        const struct llama_rolling_kv_test_hooks * test) {
     const llama_rolling_kv_params req = rkv ? *rkv : llama_rolling_kv_default_params();
+    const llama_rolling_kv_test_hooks hooks = test ? *test : llama_rolling_kv_test_hooks{};
 
     g_rkv_last_error.clear();
+
+    if (!(hooks.perturb_tail > -1.0f && std::isfinite(hooks.perturb_tail))) {
+        return llama_rkv_fail(__func__, "the test hook perturb_tail must be finite and above -1 (got %g)", (double) hooks.perturb_tail);
+    }
+    if (hooks.perturb_move < 0 || hooks.perturb_move > 2) {
+        return llama_rkv_fail(__func__, "the test hook perturb_move must be 0 (off), 1 or 2 (got %d)", hooks.perturb_move);
+    }
 
     switch (req.mode) {
         case LLAMA_KV_RESIDENCY_OFF:
@@ -497,6 +548,17 @@ struct llama_context * llama_init_from_model_rolling_kv(
 
     // the cache constructor plans with this request (mode off: the upstream cache, the plan only reports it)
     auto st = llama_rkv_make_state(req, model, params);
+    st->test = hooks;
+    // a test hook makes the outputs of a split cache wrong on purpose: never silently
+    if (hooks.perturb_tail != 0.0f) {
+        LLAMA_LOG_WARN("%s: test hook perturb_tail = %g: every KV tail's attention scores are perturbed on purpose, so "
+                       "the outputs of a split cache are WRONG (ROLLINGKV_DEBUG_PERTURB_TAIL: unset it)\n", __func__,
+                       (double) hooks.perturb_tail);
+    }
+    if (hooks.perturb_move != 0) {
+        LLAMA_LOG_WARN("%s: test hook perturb_move = %d: every block promotion corrupts K rows on purpose, so the "
+                       "outputs are WRONG (ROLLINGKV_DEBUG_PERTURB_MOVE: unset it)\n", __func__, hooks.perturb_move);
+    }
 
     llama_rkv_set_pending(st);
 

@@ -23,11 +23,11 @@
 //    parts are F16, which the op then accumulates in f16 like ggml's CPU one-chunk path;
 //    test-backend-ops uses 5e-4 for flash attention across backends).
 //
-// Failure self-check (--expect-perturbed): with the test hook ROLLINGKV_DEBUG_PERTURB_TAIL=x set (every tail key's
-// score times 1 + x, in the CPU and the CUDA forward alike: ggml/src/ggml-rolling-kv-impl.h), every case whose tail
-// holds a key some query row does not mask must FAIL and every other case must pass; a case that does as expected
-// counts as passed. x = 1e-6 already breaks the CPU's bit-identity; the NMSE checks of mixed types and of other
-// backends need a real perturbation, e.g. x = 1.
+// Failure self-check (--expect-perturbed): with ROLLINGKV_DEBUG_PERTURB_TAIL=x set, this program sets the op's test hook
+// on every op it builds (ggml_streaming_flash_attn_set_tail_perturb: every tail key's score times 1 + x, in the CPU and
+// the CUDA forward alike), and every case whose tail holds a key some query row does not mask must FAIL and every other
+// case must pass; a case that does as expected counts as passed. x = 1e-6 already breaks the CPU's bit-identity; the
+// NMSE checks of mixed types and of other backends need a real perturbation, e.g. x = 1.
 //
 // Head size 72 runs on the stock TILE FlashAttention kernel on every CUDA/HIP device, which writes no per-row LSE:
 // a backend other than the CPU must report the op unsupported for those cases (the scheduler then runs it on the
@@ -71,6 +71,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cfloat>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -317,6 +318,7 @@ static bool           g_tail_host   = false;
 static float          g_tail_cpu_frac = 0.0f;     // --tail-cpu-frac
 static bool           g_exact_check = false;
 static bool           g_expect_perturbed = false; // --expect-perturbed (ROLLINGKV_DEBUG_PERTURB_TAIL set)
+static float          g_perturb_tail     = 0.0f;  // ROLLINGKV_DEBUG_PERTURB_TAIL: every op's tail_perturb (0: off)
 static bool           g_tail_live = false;        // the case's tail holds a key some query row does not mask
 static ggml_backend_t g_cpu_backend = nullptr;
 // --runs: tail runs (ggml_streaming_flash_attn_set_tail_runs) on cases whose tail has at least two 256-cell blocks: the
@@ -426,10 +428,12 @@ static std::pair<int64_t, int64_t> case_runs(int64_t n_tail, bool wrong, std::ve
     return dropped;
 }
 
-// --tail-cpu-frac as the cells of op's tail the CPU attends, rounded once as llama's planner rounds a share
-static void set_cpu_share(ggml_tensor * op) {
+// the op's parameters that the command line sets: --tail-cpu-frac as the cells of op's tail the CPU attends, rounded
+// once as llama's planner rounds a share, and the test hook's tail perturbation (ROLLINGKV_DEBUG_PERTURB_TAIL)
+static void set_op_params(ggml_tensor * op) {
     const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     ggml_streaming_flash_attn_set_tail_cpu_cells(op, ggml_rkv_tail_cpu_cells(kt ? kt->ne[1] : 0, g_tail_cpu_frac));
+    ggml_streaming_flash_attn_set_tail_perturb(op, g_perturb_tail);
 }
 
 static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
@@ -748,7 +752,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_tensor * out = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m_op, scale, c.max_bias, c.softcap);
     ggml_streaming_flash_attn_add_sinks(out, sk);
     ggml_streaming_flash_attn_set_prec(out, GGML_PREC_F32);
-    set_cpu_share(out);
+    set_op_params(out);
     if (g_runs_on_case) {
         ggml_streaming_flash_attn_set_tail_runs(out, (int) run_first.size(), run_first.data(), run_n.data());
     }
@@ -795,7 +799,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         out_b = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
         ggml_streaming_flash_attn_add_sinks(out_b, sk);
         ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
-        set_cpu_share(out_b);
+        set_op_params(out_b);
         if (g_runs_on_case) {
             ggml_streaming_flash_attn_set_tail_runs(out_b, (int) run_first.size(), run_first.data(), run_n.data());
         }
@@ -1382,7 +1386,7 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
             m, scale, 0.0f, c.softcap);
     ggml_streaming_flash_attn_add_sinks(b, sk ? ggml_view_1d(ctx, sk, n_head - hq, hq*sk->nb[0]) : nullptr);
     ggml_streaming_flash_attn_set_prec(b, GGML_PREC_F32);
-    set_cpu_share(b);
+    set_op_params(b);
 
     // as llama_rkv_build_attn_heads: [DV*heads, n_q*ne3] each, concatenated by head
     ggml_tensor * out = ggml_concat(ctx, ggml_reshape_2d(ctx, a, D*hq, n_q*ne3), ggml_reshape_2d(ctx, b, D*(n_head - hq), n_q*ne3), 0);
@@ -1633,8 +1637,18 @@ int main(int argc, char ** argv) {
         set_n_threads(backend, n_threads);
     }
 
+    // the test hook: this program sets it on every op it builds (the op's tail_perturb parameter); the library reads no
+    // such variable
     const char * perturb = getenv("ROLLINGKV_DEBUG_PERTURB_TAIL");
-    if (g_expect_perturbed && !(perturb && *perturb && strtof(perturb, nullptr) != 0.0f)) {
+    if (perturb && *perturb) {
+        char * end = nullptr;
+        g_perturb_tail = strtof(perturb, &end);
+        if (end == perturb || *end != '\0' || !(g_perturb_tail > -1.0f && g_perturb_tail <= FLT_MAX)) {
+            fprintf(stderr, "ROLLINGKV_DEBUG_PERTURB_TAIL=%s is not a finite number above -1\n", perturb);
+            return 2;
+        }
+    }
+    if (g_expect_perturbed && g_perturb_tail == 0.0f) {
         fprintf(stderr, "--expect-perturbed needs ROLLINGKV_DEBUG_PERTURB_TAIL=x (x != 0, e.g. 1)\n");
         return 2;
     }

@@ -323,7 +323,7 @@ def _ramp_levels(ctx, param, value: str):
               help="Servers to run the mix on: default (llama-server's own layout, no -np: 4 slots on one unified "
                    "cache, split), default-blocks (the same with --kv-windows blocks: its blocks follow the load), split (-np "
                    "slots, elastic windows), static (--kv-windows static), one-op (static "
-                   "windows and one op over all streams: the layout before), resident (-np, --kv-residency-mode off), "
+                   "windows and one op over all streams: the layout before; a lab build only), resident (-np, --kv-residency-mode off), "
                    "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
@@ -382,6 +382,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     binary = build.artifact("llama-server")
     if not binary.is_file():
         abort(f"the active build {build.dir} has no llama-server", "run `rollingkv build`")
+    if "one-op" in cell_names and not build.manifest.get("lab"):
+        # its switch (ROLLINGKV_DEBUG_ONE_OP_STREAMS) is an A/B lever of the lab series: a product server has no such path
+        abort(f"the one-op cell needs a lab build, and {build.dir} is a product build",
+              "build one with `rollingkv build --lab` and point ROLLINGKV_BUILD at it, or leave one-op out of --cells")
     if mix_name == "table":
         need = max(long_sizes[0] + long_sizes[1], short_sizes[0] + short_sizes[1])
         ctx_per_slot = ctx_per_slot or bm.pad(need + 256)

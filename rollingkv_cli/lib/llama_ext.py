@@ -78,13 +78,17 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 7
+API_VERSION = 8
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
 API_ELASTIC_WINDOWS = 7  # the first API with the window policy (elastic windows: the streams' device cells as one pool)
 WINDOW_POLICIES = {"elastic": 0, "static": 1, "blocks": 2}
 API_TAIL_AUTO = 7  # the first API whose tail types take auto (LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner chooses them)
+# the first API with the test hooks as a context's parameters (llama_init_from_model_rolling_kv_test; before it the kernels
+# read ROLLINGKV_DEBUG_PERTURB_TAIL themselves, and a bad ROLLINGKV_DEBUG_PERTURB_MOVE was ignored)
+API_TEST_HOOKS = 8
+TEST_HOOKS_SYMBOL = "llama_init_from_model_rolling_kv_test"
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -119,6 +123,17 @@ class RollingKVParams(ctypes.Structure):
         # API 7: the windows of a window split with several streams: 0 elastic (one pool that follows the load, the
         # default), 1 static (a window of window_cells per stream). Past an API 6 struct's end: never read by it.
         ("windows", ctypes.c_int),
+    ]
+
+
+class RollingKVTestHooks(ctypes.Structure):
+    """struct llama_rolling_kv_test_hooks (include/llama-rolling-kv.h, API 8): the must-fail controls' perturbations,
+    WRONG outputs on purpose. perturb_tail: every tail score times (1 + x), x finite and > -1, 0 off; perturb_move: block
+    promotions written wrong, 1 or 2, 0 off."""
+
+    _fields_ = [
+        ("perturb_tail", ctypes.c_float),
+        ("perturb_move", ctypes.c_int32),
     ]
 
 
@@ -187,6 +202,12 @@ class Extension:
             lib.llama_rolling_kv_plan_json.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
             lib.llama_kv_residency_mode_from_str.restype = ctypes.c_int32
             lib.llama_kv_residency_mode_from_str.argtypes = [ctypes.c_char_p]
+        # API 8: the test hooks at context creation
+        self.has_test_hooks = self.has_residency and hasattr(lib, TEST_HOOKS_SYMBOL)
+        if self.has_test_hooks:
+            fn = getattr(lib, TEST_HOOKS_SYMBOL)
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [ctypes.c_void_p, _context_params_type(), ctypes.POINTER(RollingKVParams), ctypes.POINTER(RollingKVTestHooks)]
         # API 2: why a context was refused; the planner on given figures is the test library next to libllama
         self.has_planner = hasattr(lib, "llama_rolling_kv_last_error")
         self._sim = None
@@ -307,10 +328,17 @@ class Extension:
         except ValueError as e:
             abort(str(e), f"use one of {', '.join(CPU_ATTN_TYPES)} and at least 1 thread")
 
-    def init_context(self, model_ptr, cparams, rkv: RollingKVParams | None):
-        """llama_init_from_model_rolling_kv: a llama_context pointer (None on failure)."""
+    def init_context(self, model_ptr, cparams, rkv: RollingKVParams | None, test: RollingKVTestHooks | None = None):
+        """llama_init_from_model_rolling_kv: a llama_context pointer (None on failure). test: the context's test hooks
+        (llama_init_from_model_rolling_kv_test, API 8; the environment's ROLLINGKV_DEBUG_PERTURB_* are then not read)."""
         self._require_residency()
-        return self._lib.llama_init_from_model_rolling_kv(model_ptr, cparams, ctypes.byref(rkv) if rkv is not None else None)
+        rkv_ref = ctypes.byref(rkv) if rkv is not None else None
+        if test is None:
+            return self._lib.llama_init_from_model_rolling_kv(model_ptr, cparams, rkv_ref)
+        if not self.has_test_hooks:
+            abort(f"test hooks need rolling-KV API {API_TEST_HOOKS} ({TEST_HOOKS_SYMBOL}); this build has API {self.api}",
+                  "rebuild with `rollingkv build`")
+        return getattr(self._lib, TEST_HOOKS_SYMBOL)(model_ptr, cparams, rkv_ref, ctypes.byref(test))
 
     def plan(self, ctx_ptr) -> dict:
         import json

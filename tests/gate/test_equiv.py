@@ -524,7 +524,7 @@ def test_runner_refuses_residency_on_an_unpatched_library(unpatched_build, demo_
 
 @pytest.mark.build
 def test_gate_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
-    """The gate can fail: the op's debug switch scales every tail score by (1+x) in the candidate only; x = 1.2e-7, the
+    """The gate can fail: the op's test hook scales every tail score by (1+x) in the candidate only; x = 1.2e-7, the
     smallest f32 change (1 + 5e-8 rounds to 1), breaks the bit-identity of every position that reads the tail."""
     out = tmp_path / "r.json"
     env_proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "--json", str(out)],
@@ -561,7 +561,7 @@ def test_e2e_auto_tail_types_report_the_loss_and_the_needle(cpu_build, demo_mode
 
 @pytest.mark.build
 def test_e2e_auto_tail_types_fail_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
-    """The auto gate can fail: every tail score x 2 in the candidate (the op's debug switch) is a loss no tail type makes."""
+    """The auto gate can fail: every tail score x 2 in the candidate (the op's test hook) is a loss no tail type makes."""
     out = tmp_path / "r.json"
     proc = _gate(cpu_build, ["--model", str(demo_model), *SMALL, "--kv-window-cells", "256", "-ctkt", "auto", "-ctvt", "auto",
                              "--no-needle", "--json", str(out)], env_extra={"ROLLINGKV_DEBUG_PERTURB_TAIL": "1"})

@@ -216,7 +216,7 @@ def test_matrix_ci_sizes_every_cell_passes(cpu_build, demo_model, tmp_path):
 
 @pytest.mark.build
 def test_matrix_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
-    """One f16 cell with the op's debug switch on: the matrix reports it and exits 1."""
+    """One f16 cell with the op's test hook on: the matrix reports it and exits 1."""
     out = tmp_path / "gates"
     proc = _matrix(cpu_build, ["--model", str(demo_model), "--tokens", "256", "--splits", "0.5", "--tail-types", "f16", "--no-needle",
                                "--threads", "2", "--out", str(out), "--name", "bad"],

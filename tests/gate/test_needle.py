@@ -334,7 +334,7 @@ def test_needle_e2e_demo_model(cpu_build, demo_model, tmp_path):
 
 @pytest.mark.build
 def test_needle_fails_on_a_perturbed_merge(cpu_build, demo_model, tmp_path):
-    """The needle gate can fail: with the op's debug switch scaling every tail score by 0.1 in the candidate, the
+    """The needle gate can fail: with the op's test hook scaling every tail score by 0.1 in the candidate, the
     tail's attention is nearly flat and the number is lost. (A greedy answer is a coarse check: the 2 % score
     perturbation that fails `gate equiv` leaves these answers intact; measured, a x1.5 one changes them only
     after the number.)"""

@@ -131,6 +131,11 @@ def test_a_product_tree_has_no_lab_file_nor_probe_and_the_hashes_differ(tmp_path
                       "ROLLINGKV_DEBUG_PROFILE"):
             assert probe not in text, f"{name} holds {probe}: lab code in the product"
     assert "ROLLINGKV_DEBUG" not in (tree / "ggml" / "CMakeLists.txt").read_text()
+    # libllama's lab switch (issue 36, item 10: it turned elastic windows off in the product) and the forced chunks
+    for p in [*(tree / "src").glob("*.cpp"), *(tree / "src").glob("*.h"), *(tree / "ggml" / "src").rglob("*rolling-kv*")]:
+        text = p.read_text()
+        for probe in ("ROLLINGKV_DEBUG_ONE_OP_STREAMS", "llama_rkv_one_op_streams", "ROLLINGKV_DEBUG_CHUNK_CELLS"):
+            assert probe not in text, f"{p.name} holds {probe}: lab code in the product"
 
 
 def test_lab_checkout_export_round_trip_is_byte_identical(tmp_path, pristine_tree):

@@ -25,10 +25,12 @@
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks, 7 map
 // op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams,
-//            i32 n_tail_runs, then (i32 first cell, i32 cells) for each of at most GGML_RKV_MAX_TAIL_RUNS runs
+//            f32 tail_perturb, then (i32 first cell, i32 cells) for each of at most GGML_RKV_MAX_TAIL_RUNS runs (the
+//            runs in use first; a run's cells are never 0, so the count is that of the pairs with cells > 0)
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
-// documented in one place: ggml/src/ggml-rolling-kv-impl.h.
+// documented in one place: ggml/src/ggml-rolling-kv-impl.h. The op's test hook is a parameter of the op, never a knob
+// (ggml_streaming_flash_attn_set_tail_perturb).
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -109,6 +111,15 @@ extern "C" {
     // ggml_flash_attn_ext over the logical K/V and mask when window and tail share types. Tail runs (set_tail_runs)
     // stay in physical tail cells. NULL removes the map.
     GGML_API void ggml_streaming_flash_attn_set_block_map(struct ggml_tensor * a, struct ggml_tensor * map);
+
+    // Test hook, for the must-fail controls of the tests and gates: every tail key's attention score (after scale,
+    // softcap and mask) is multiplied by (1 + x) before the softmax, on every backend alike (the CPU part of a hybrid
+    // tail too), so that a comparison with the resident attention can prove it fails on a wrong merge. The outputs are
+    // WRONG on purpose. x > -1 and finite (the setter refuses anything else); 0 (the default): off, and then it costs
+    // the CPU forward one predictable branch per key or KV tile and the CUDA forward nothing. Set by whoever builds the
+    // graph: the op test directly, libllama from its context's test hooks (llama-rolling-kv.h).
+    GGML_API void  ggml_streaming_flash_attn_set_tail_perturb(struct ggml_tensor * a, float x);
+    GGML_API float ggml_streaming_flash_attn_get_tail_perturb(const struct ggml_tensor * a);
 
 #define GGML_RKV_CPU_PART_MAX_Q 8 // query rows per stream up to which the CPU part is used (decode batches)
 

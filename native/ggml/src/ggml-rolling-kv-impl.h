@@ -48,18 +48,12 @@
 //                                       host with a slower link gives, measured on a faster one (with --pcie-bw-gbps
 //                                       telling the planner the simulated link). One warning line when set.
 //
-// Test hooks (exact outputs unless stated; the tests set them, users have no reason to):
-//   ROLLINGKV_DEBUG_PERTURB_TAIL=x      every tail key's attention score (after scale, softcap and mask) is multiplied
-//                                       by (1 + x) before the softmax, on the CPU and the CUDA forward alike (x > -1).
-//                                       Makes the outputs WRONG on purpose: the equivalence gates and the op test prove
-//                                       with it that they fail on a wrong window/tail merge. Off (0) by default; off,
-//                                       it costs one predictable branch per key or KV tile on the CPU, nothing on CUDA.
-//   ROLLINGKV_DEBUG_CHUNK_CELLS=N       the CUDA op copies a host tail in chunks of N cells (rounded up to 256) instead
-//                                       of as few as the slots hold: many chunks, slot reuse and copies running ahead
-//                                       across ops on the op test's small tails. 0 (default): off.
+// The op's test hook (a tail perturbation for the must-fail controls) is not a knob: it is a parameter of the op
+// (ggml_streaming_flash_attn_set_tail_perturb, ggml-rolling-kv.h), set by the op test and by libllama from a context's
+// test hooks (include/llama-rolling-kv.h).
 //
-// The lab switches (speed probes, A/B switches, the GPU timeline profile) are not here: they exist only in a lab build
-// (`rollingkv build --lab`: patches/lab/, native-lab/ggml/src/ggml-cuda/rolling-kv-lab.cuh).
+// The lab switches (speed probes, A/B switches, forced chunk sizes, the GPU timeline profile) are not here: they exist
+// only in a lab build (`rollingkv build --lab`: patches/lab/, native-lab/ggml/src/ggml-cuda/rolling-kv-lab.cuh).
 
 #include "ggml.h"
 
@@ -85,10 +79,6 @@ struct ggml_rkv_knobs {
     // diagnostics
     bool    cpu_part_stats;   // ROLLINGKV_CPU_PART_STATS
     double  link_slowdown;    // ROLLINGKV_SIMULATE_LINK_SLOWDOWN; 1: off
-
-    // test hooks
-    float   perturb_tail;     // ROLLINGKV_DEBUG_PERTURB_TAIL; 0: off
-    int64_t chunk_cells;      // ROLLINGKV_DEBUG_CHUNK_CELLS; 0: off
 };
 
 // the knobs of this process, read from the environment on the first call (thread-safe)

@@ -6,6 +6,7 @@
 #include "ggml-threading.h"
 
 #include <errno.h>
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,7 +79,8 @@ struct ggml_tensor * ggml_streaming_flash_attn(
     ggml_set_op_params_i32(result, 4, (int32_t) n_win);
     ggml_set_op_params_i32(result, 5, 0);    // tail_cpu_cells
     ggml_set_op_params_i32(result, 6, 0);    // ref_streams
-    ggml_set_op_params_i32(result, 7, 0);    // n_tail_runs: the whole tail
+    ggml_set_op_params_f32(result, 7, 0.0f); // tail_perturb: off
+    // runs (8..15): none, the whole tail
 
     result->op = GGML_OP_STREAMING_FLASH_ATTN;
     result->src[GGML_STREAMING_FA_SRC_Q]      = q;
@@ -160,7 +162,6 @@ void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs,
                 "streaming_flash_attn: tail runs start at a multiple of 256 cells and are multiples of 256 cells long, but for one at the tail's end");
         end = first[i] + (int64_t) n[i] + 1; // apart: adjacent runs are one run
     }
-    ggml_set_op_params_i32(a, 7, n_runs);
     for (int i = 0; i < GGML_RKV_MAX_TAIL_RUNS; ++i) {
         ggml_set_op_params_i32(a, 8 + 2*i, i < n_runs ? first[i] : 0);
         ggml_set_op_params_i32(a, 9 + 2*i, i < n_runs ? n[i]     : 0);
@@ -169,12 +170,25 @@ void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs,
 
 int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
-    const int n_runs = ggml_get_op_params_i32(a, 7);
-    for (int i = 0; i < n_runs; ++i) {
-        first[i] = ggml_get_op_params_i32(a, 8 + 2*i);
-        n[i]     = ggml_get_op_params_i32(a, 9 + 2*i);
+    // the runs in use come first, each of at least one cell: the count is that of the pairs with cells > 0
+    int n_runs = 0;
+    while (n_runs < GGML_RKV_MAX_TAIL_RUNS && ggml_get_op_params_i32(a, 9 + 2*n_runs) > 0) {
+        first[n_runs] = ggml_get_op_params_i32(a, 8 + 2*n_runs);
+        n[n_runs]     = ggml_get_op_params_i32(a, 9 + 2*n_runs);
+        n_runs++;
     }
     return n_runs;
+}
+
+void ggml_streaming_flash_attn_set_tail_perturb(struct ggml_tensor * a, float x) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    GGML_ASSERT(x > -1.0f && x <= FLT_MAX && "streaming_flash_attn: the tail perturbation must be finite and above -1");
+    ggml_set_op_params_f32(a, 7, x);
+}
+
+float ggml_streaming_flash_attn_get_tail_perturb(const struct ggml_tensor * a) {
+    GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
+    return ggml_get_op_params_f32(a, 7);
 }
 
 void ggml_streaming_flash_attn_set_block_map(struct ggml_tensor * a, struct ggml_tensor * map) {
@@ -343,17 +357,6 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
                           "(a benchmark aid: unset it for real use)\n", v, x);
         }
     }
-
-    {
-        const char * v = ggml_rkv_env("ROLLINGKV_DEBUG_PERTURB_TAIL");
-        k.perturb_tail = v ? strtof(v, NULL) : 0.0f;
-        // a test switch of the gates' must-fail controls that makes every split's output wrong: never silently
-        if (k.perturb_tail != 0.0f) {
-            GGML_LOG_WARN("ROLLINGKV_DEBUG_PERTURB_TAIL=%s: every KV tail's attention scores are perturbed on purpose, so "
-                          "the outputs of a split cache are WRONG (a test switch: unset it)\n", v);
-        }
-    }
-    k.chunk_cells = ggml_rkv_env_int("ROLLINGKV_DEBUG_CHUNK_CELLS", 0, 0, 1 << 30);
 
     return k;
 }

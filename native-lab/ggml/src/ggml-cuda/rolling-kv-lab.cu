@@ -22,6 +22,7 @@ static ggml_cuda_rkv_lab_knobs rkv_lab_read() {
     k.skip_tail_attn  = rkv_lab_env_int("ROLLINGKV_DEBUG_SKIP_TAIL_ATTN",  0, 0, 1) == 1;
     k.no_runahead     = rkv_lab_env_int("ROLLINGKV_DEBUG_NO_RUNAHEAD",     0, 0, 1) == 1;
     k.no_prelaunch    = rkv_lab_env_int("ROLLINGKV_DEBUG_NO_PRELAUNCH",    0, 0, 1) == 1;
+    k.chunk_cells     = rkv_lab_env_int("ROLLINGKV_DEBUG_CHUNK_CELLS",     0, 0, 1 << 30);
     k.profile         = rkv_lab_env_int("ROLLINGKV_DEBUG_PROFILE",         0, 0, 1) == 1;
     k.profile_hold_us = rkv_lab_env_int("ROLLINGKV_DEBUG_PROFILE_HOLD_US", 20000, 0, 10000000);
     if (k.profile_hold_us <= 0) {

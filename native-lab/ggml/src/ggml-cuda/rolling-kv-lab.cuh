@@ -7,6 +7,9 @@
 //   ROLLINGKV_DEBUG_SKIP_TAIL_ATTN=1    speed probe, WRONG outputs: copy the tail but attend over none of its chunks
 //   ROLLINGKV_DEBUG_NO_RUNAHEAD=1       A/B: each op streams only its own tail (no copy plan across the graph's ops)
 //   ROLLINGKV_DEBUG_NO_PRELAUNCH=1      A/B: no tail copies before a graph is launched, all are forked inside it
+//   ROLLINGKV_DEBUG_CHUNK_CELLS=N       the op copies a host tail in chunks of N cells (rounded up to 256) instead of as
+//                                       few as the slots hold: many chunks, slot reuse and copies running ahead across
+//                                       ops on small tails (0, the default: off)
 //   ROLLINGKV_DEBUG_PROFILE=1           the GPU timeline profile (rolling-kv-profile.cu; its hooks: lab patches)
 //   ROLLINGKV_DEBUG_PROFILE_HOLD_US=N   how long the profile holds an eager graph on the GPU (default 20000)
 #pragma once
@@ -18,6 +21,7 @@ struct ggml_cuda_rkv_lab_knobs {
     bool    skip_tail_attn;  // ROLLINGKV_DEBUG_SKIP_TAIL_ATTN
     bool    no_runahead;     // ROLLINGKV_DEBUG_NO_RUNAHEAD
     bool    no_prelaunch;    // ROLLINGKV_DEBUG_NO_PRELAUNCH
+    int64_t chunk_cells;     // ROLLINGKV_DEBUG_CHUNK_CELLS; 0: off
     bool    profile;         // ROLLINGKV_DEBUG_PROFILE
     int64_t profile_hold_us; // ROLLINGKV_DEBUG_PROFILE_HOLD_US
 };

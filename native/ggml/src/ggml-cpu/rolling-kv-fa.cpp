@@ -36,16 +36,15 @@
 // physical). one_chunk walks the keys block by block, each block wholly in one part; a KV tile (64 keys) lies in one
 // block, so it is one physical range. Mixed types with a map run one_chunk (never sfa_mixed_tiles).
 //
-// Test hook (equivalence-gate self-test): ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h) multiplies every
-// tail key's attention score (after scale, softcap and mask) by (1 + x) before the softmax. It exists only so that
-// `rollingkv gate equiv` and the op test can prove they fail on a wrong window/tail merge; x must be > -1. The CUDA
-// forward perturbs its tail parts the same way. Read once; off by default, and when off it costs one predictable
-// branch per key (one_chunk) or per KV tile (tiled).
+// Test hook (the must-fail controls of the gates and the op test): the op's tail_perturb parameter x
+// (ggml_streaming_flash_attn_set_tail_perturb) multiplies every tail key's attention score (after scale, softcap and
+// mask) by (1 + x) before the softmax. It exists only so that `rollingkv gate equiv` and the op test can prove they
+// fail on a wrong window/tail merge; x > -1. The CUDA forward perturbs its tail parts the same way. Off (0) by
+// default, and then it costs one predictable branch per key (one_chunk) or per KV tile (tiled).
 
 #include "rolling-kv-fa.h"
 
 #include "ggml-rolling-kv.h"
-#include "ggml-rolling-kv-impl.h"
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
@@ -132,7 +131,7 @@ struct sfa_ctx {
     int64_t oc_stride;
     int64_t tiled_stride;
 
-    bool  perturb_tail;   // debug: ROLLINGKV_DEBUG_PERTURB_TAIL set
+    bool  perturb_tail;   // test hook: the op's tail_perturb x is not 0
     float perturb_mul;    // 1 + x
 
     // the tail keys the op reads (ggml_streaming_flash_attn_set_tail_runs): [run_lo[r], run_hi[r]) in absolute key
@@ -231,12 +230,6 @@ static sfa_rows sfa_make_rows(const sfa_ctx & c, int64_t iq2, int64_t iq3) {
         r.nbv1[i] = p.v->nb[1];
     }
     return r;
-}
-
-// test hook: ROLLINGKV_DEBUG_PERTURB_TAIL (ggml-rolling-kv-impl.h), read once
-static float sfa_debug_perturb_tail_x() {
-    static const float x = ggml_rkv_get_knobs()->perturb_tail;
-    return x;
 }
 
 // ---- scratch layouts (floats per thread) ----
@@ -395,7 +388,7 @@ static void sfa_one_chunk_t(
                 s += mv; // apply mask
 
                 if (perturb) {
-                    s *= perturb_mul; // debug: ROLLINGKV_DEBUG_PERTURB_TAIL
+                    s *= perturb_mul; // test hook: the op's tail_perturb
                 }
 
                 const float Mold = M;
@@ -726,7 +719,7 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
     c.m0 = powf(2.0f, -(c.max_bias       ) / c.n_head_log2);
     c.m1 = powf(2.0f, -(c.max_bias / 2.0f) / c.n_head_log2);
 
-    const float perturb_x = sfa_debug_perturb_tail_x();
+    const float perturb_x = ggml_streaming_flash_attn_get_tail_perturb(dst); // test hook; 0: off
     c.perturb_tail = perturb_x != 0.0f;
     c.perturb_mul  = 1.0f + perturb_x;
 

@@ -34,7 +34,7 @@
 // is one more part. Its far end may be attended on the CPU meanwhile (the hybrid tail, rolling-kv-hybrid.cu): one
 // more part, the last, whose output and LSE the host computes and copies back.
 //
-// Test hook ROLLINGKV_DEBUG_PERTURB_TAIL=x (ggml-rolling-kv-impl.h), as in the CPU forward: every tail key's score
+// Test hook, the op's tail_perturb x (ggml_streaming_flash_attn_set_tail_perturb), as in the CPU forward: every tail key's score
 // (after scale, softcap and mask) is multiplied by (1 + x). The tail parts' shadows get scale*(1 + x) (and
 // softcap*(1 + x), which keeps the kernel's scale/softcap inside tanh), and their mask columns are compacted with
 // every value times (1 + x) (0 and -inf stay; finite ALiBi/bias values are rounded to f16 once more). Off (the
@@ -86,10 +86,9 @@ static int rkv_get_parts(const ggml_tensor * dst, rkv_part parts[2]) {
     return np;
 }
 
-// the test hook's factor (1 + ROLLINGKV_DEBUG_PERTURB_TAIL), read once; 1: off
-static float rkv_perturb_mul() {
-    static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
-    return mul;
+// the test hook's factor (1 + the op's tail_perturb); 1: off
+static float rkv_perturb_mul(const ggml_tensor * dst) {
+    return 1.0f + ggml_streaming_flash_attn_get_tail_perturb(dst);
 }
 
 // padded copy of a part's K or V: [D, n_pad, nh, ne3], contiguous, same type
@@ -427,7 +426,7 @@ static void rkv_plan(int device, rkv_fwd & f) {
         f.mask_synth.nb[3] = f.mask_synth.nb[2];
     }
 
-    const float perturb = rkv_perturb_mul(); // test hook; 1: off
+    const float perturb = rkv_perturb_mul(f.dst); // test hook; 1: off
 
     f.pl.resize(np);
     f.O_max = 0;

@@ -456,8 +456,8 @@ static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx
     memcpy(&scale,    (const float *) op->op_params + 0, sizeof(float));
     memcpy(&max_bias, (const float *) op->op_params + 1, sizeof(float));
     memcpy(&softcap,  (const float *) op->op_params + 2, sizeof(float));
-    // test hook ROLLINGKV_DEBUG_PERTURB_TAIL: the part's scores times (1 + x), as the streamed parts'
-    static const float mul = 1.0f + ggml_rkv_get_knobs()->perturb_tail;
+    // test hook, the op's tail_perturb x: the part's scores times (1 + x), as the streamed parts'
+    const float mul = 1.0f + ggml_streaming_flash_attn_get_tail_perturb(op);
 
     // staging: Q | mask columns | output | LSE | job, each 256-byte aligned
     const size_t q_bytes    = ggml_nbytes(q); // the byte span of a view from its data pointer

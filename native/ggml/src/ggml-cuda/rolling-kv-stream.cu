@@ -214,12 +214,7 @@ void ggml_cuda_rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
 static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_stream, size_t slot_bytes) {
     const size_t  cell  = (kt->nb[1] + vt->nb[1])*kt->ne[3];
     const int64_t fit   = (int64_t) ((slot_bytes - 512)/cell);
-    int64_t n = std::max<int64_t>(GGML_CUDA_RKV_CHUNK_ALIGN, fit/GGML_CUDA_RKV_CHUNK_ALIGN*GGML_CUDA_RKV_CHUNK_ALIGN);
-    // test hook ROLLINGKV_DEBUG_CHUNK_CELLS: force small chunks (many chunks, slot reuse) on small tails
-    const int64_t forced = rkv_knobs().chunk_cells;
-    if (forced > 0) {
-        n = GGML_PAD(forced, GGML_CUDA_RKV_CHUNK_ALIGN);
-    }
+    const int64_t n = std::max<int64_t>(GGML_CUDA_RKV_CHUNK_ALIGN, fit/GGML_CUDA_RKV_CHUNK_ALIGN*GGML_CUDA_RKV_CHUNK_ALIGN);
     return std::min<int64_t>(n, n_stream);
 }
 
