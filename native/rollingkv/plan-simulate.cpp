@@ -10,7 +10,7 @@
 //   int32_t rollingkv_plan_simulate(const char * json_in, char * buf, size_t buf_size);
 //
 // Input: a JSON object with mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail,
-// type_v_tail, kv_size*, n_stream (1), n_ubatch (512: a GPU's compute_mib gains the per-stream mask copies of
+// type_v_tail, kv_size*, n_stream (1), n_ubatch (512: a GPU's compute_mib gains the per-stream mask copy of
 // llama_rkv_stream_mask_bytes for it), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
 // device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
 // recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA
@@ -440,7 +440,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
         }
         il_next += n;
         // as the cache constructor adds it to a GPU's compute estimate (llama_rkv_stream_mask_bytes)
-        d.stream_masks     = d.host_memory ? 0 : llama_rkv_stream_mask_bytes(n, llama_rkv_estimate_tokens(st), st.kv_size,
+        d.stream_masks     = d.host_memory ? 0 : llama_rkv_stream_mask_bytes(llama_rkv_estimate_tokens(st), st.kv_size,
                 st.n_stream, false);
         d.compute         += d.stream_masks;
         d.other_kv        += d.recurrent; // as the cache constructor counts it (llama_kv_cache::rkv_plan)

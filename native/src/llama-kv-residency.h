@@ -167,8 +167,8 @@ struct llama_rkv_dev_budget {
     size_t   free             = 0;     // free memory at plan time (weights already excluded)
     size_t   weights          = 0;     // model weights on this device
     size_t   compute          = 0;     // compute buffer estimate (stream_masks included)
-    size_t   stream_masks     = 0;     // of compute: the per-stream attention's copies of the KQ mask (GPU, several streams:
-                                       // llama_rkv_stream_mask_bytes)
+    size_t   stream_masks     = 0;     // of compute: the per-stream attention's copy of the KQ mask beyond the estimate's
+                                       // (GPU, several streams: llama_rkv_stream_mask_bytes)
     size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model, the
                                        // recurrent state of a hybrid model)
     size_t   recurrent        = 0;     // of other_kv: the recurrent state of a hybrid model (llama_rkv_note_recurrent)
@@ -452,16 +452,18 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
 // model weights in the buffers of dev (host memory when dev is a CPU device)
 size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);
 
-// What one op per stream (llama_rkv_build_attn_mha with a per-stream layout: several streams, or an elastic pool) adds to
-// a GPU's compute buffer beyond the one KQ mask the compute estimate counts. The mask is an f16 graph input, which the
-// scheduler keeps on the CPU backend; each layer's op of stream s takes its own view of the mask's rows of s, a tensor
-// of its own, so the scheduler copies every such view to the GPU as an input of the split, all of them allocated at the
-// split's start: n_layer copies of the whole mask (the views of one layer together are the mask) where upstream's
-// attention, and one op over all streams, copy it once. For a GPU with n_layer split layers, a ubatch of n_tokens and
-// n_kv cells per stream: (n_layer - 1) x n_tokens x n_kv f16 (0 for one stream, a unified cache, host memory, or the
-// one-op layout of ROLLINGKV_DEBUG_ONE_OP_STREAMS). The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per
-// stream), 512-token ubatches: 27 x 25 MiB = 675 MiB; -np 8: 27 x 12.5 MiB = 337.5 MiB.
-size_t llama_rkv_stream_mask_bytes(uint32_t n_layer, uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op);
+// What one op per stream (llama_rkv_build_attn_mha with a per-stream layout: several streams) adds to a GPU's compute
+// buffer beyond the one KQ mask the compute estimate counts. The mask is an f16 graph input, which the scheduler keeps on
+// the CPU backend; the op of stream s reads the mask's rows of s through a view, one per stream shared by every layer
+// (llama_rkv_input_views), and the scheduler copies each view to the GPU once: together one mask, in place of the mask
+// upstream's attention reads. A window split reads the mask only through those views (nothing more); a head split's
+// device heads read it whole as well (upstream's attention), beside its host heads' views: one more mask. The budget
+// is made before auto chooses between the two, so a GPU with several streams counts that one mask, n_tokens x n_kv
+// f16 (n_kv: the cells per stream), either way: one mask more than a window split holds. 0 for one stream (a unified
+// cache, an elastic pool of one: the op reads the mask itself), host memory, or the one-op layout of
+// ROLLINGKV_DEBUG_ONE_OP_STREAMS. The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per stream),
+// 512-token ubatches: 25 MiB. (A view per layer had made it a copy of the whole mask per layer: 27 x 25 MiB more.)
+size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op);
 
 // the ubatch of the compute estimate: min(n_ubatch, n_ctx) of the context (512 when unknown)
 uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st);
