@@ -5,6 +5,9 @@ planner test library librollingkv-plan-sim next to libllama, which models a GPU 
 and check its plan against the budget arithmetic written out independently below:
 
     avail     = min(vram_target - weights, free)        (no target: free - reserve)
+    compute   = the given estimate + on a GPU with several streams the per-stream mask copy:
+                n_ubatch x kv_size x 2 bytes (one f16 KQ mask more: a head split's device heads read the mask whole
+                beside the host heads' per-stream views)
     resident  iff compute + other KV + whole KV <= avail
     window    = the largest multiple of 256 cells with (window + 1 trash row) x cell bytes
                 <= avail - compute - other KV - streaming ring
@@ -52,6 +55,17 @@ def fig(**kw) -> dict:
     return {**GPU, **kw}
 
 
+def stream_masks(f: dict) -> int:
+    """What one op per stream adds to a GPU's compute buffer (llama_rkv_stream_mask_bytes): the scheduler keeps the f16
+    KQ mask, a graph input, on the CPU and copies each distinct view of it to the GPU. The ops read one view per stream,
+    shared by every layer: together one mask, in place of the mask a window split no longer reads whole; a head split's
+    device heads read it whole as well, so a GPU with several streams counts one mask more (the budget precedes the
+    choice of tactic)."""
+    if f.get("host_memory") or f.get("n_stream", 1) < 2:
+        return 0
+    return f.get("n_ubatch", 512) * f["kv_size"] * 2
+
+
 class Expect:
     """The plan the documented arithmetic gives for figures f (single device, defaults as the library's)."""
 
@@ -65,6 +79,8 @@ class Expect:
         conv = (0 if tk == "f16" else 2 * nk) + (0 if tv == "f16" else 2 * nv)  # f16 copy flash attention makes
         self.cell = (n_layer * self.row_w + conv) * n_stream
         weights, compute = round(f["weights_mib"] * MiB), round(f["compute_mib"] * MiB)
+        self.stream_masks = stream_masks(f)
+        compute += self.stream_masks
         other, ring = round(f.get("other_kv_mib", 0) * MiB), round(f["ring_mib"] * MiB)
         free, target = round(f["free_mib"] * MiB), f.get("vram_target_mib", 0)
         reserve = round(f.get("reserve_mib", 1024) * MiB)
@@ -203,6 +219,13 @@ def _cases() -> dict:
     c["auto_no_window"] = fig(kv_size=512, ring_mib=0, vram_target_mib=NO_RING_MIB + 25)        # < 256 cells fit, heads do
     c["auto_mqa"] = fig(vram_target_mib=6000, n_embd_k_gqa=128, n_embd_v_gqa=128)
     c["auto_mqa_no_window"] = fig(kv_size=512, ring_mib=0, vram_target_mib=NO_RING_MIB + 1, n_embd_k_gqa=128, n_embd_v_gqa=128)
+    # the synthetic 28-layer model (8 KV heads x 128, f16) at -c 102400 with --vram-target 9000, as llama-server makes its
+    # cache: one stream for -np 1 and the default (4 slots on one unified cache), one per slot for -np 4 and -np 8
+    synth = dict(n_layer=28, weights_mib=5564, compute_mib=150, vram_target_mib=9000, mem_bw_gbps=2870.0)
+    for name, n_stream in (("np1", 1), ("unified", 1), ("np4", 4), ("np8", 8)):
+        c[f"synth_{name}"] = fig(**synth, kv_size=102400 // n_stream, n_stream=n_stream)
+    c["synth_np4_ub256"] = fig(**synth, kv_size=25600, n_stream=4, n_ubatch=256)
+    c["synth_np4_host"] = fig(**{**synth, "weights_mib": 0}, kv_size=25600, n_stream=4, host_memory=True)
     for t in SWEEP:
         c[f"sweep{t}"] = fig(vram_target_mib=t)
     for t in TAIL_TYPES:
@@ -335,6 +358,35 @@ def test_streams_multiply_the_cell(sim):
     assert p["n_stream"] == 4 and e.cell == 4 * 32 * 4096
     assert p["window_cells"] == e.window and 0 < e.window < 32768
     assert p["layers"][0]["device_bytes"] == (e.window + 1) * 4096 * 4
+
+
+def test_several_streams_count_one_more_kq_mask(sim):
+    """-np 4 on an H100 (the synthetic model, -c 102400, --vram-target 9000) peaked 515-695 MiB over the target: each
+    layer's per-stream ops took views of the KQ mask of their own, which the scheduler copied to the GPU one by one, a
+    copy of the whole mask per layer (27 x 25 MiB). The views are now one per stream for every layer
+    (tests/test_rolling_kv.py::test_every_layer_shares_one_view_of_each_graph_input): together one mask. The plan for
+    several streams counts one mask more in the GPU's compute buffer (what a head split holds: its device heads read
+    the mask whole beside the views), not one per layer; one stream (-np 1, the unified default) and host memory (one
+    backend: nothing is copied) count none."""
+    mask = 512 * 25600 * 2  # one f16 KQ mask of a 512-token ubatch at 25600 cells per stream: 25 MiB
+    for name in ("synth_np1", "synth_unified", "synth_np4", "synth_np8", "synth_np4_ub256", "synth_np4_host"):
+        p, e = sim[name], Expect(CASES[name])
+        d = p["budget"]["devices"][0]
+        assert d["stream_mask_bytes"] == e.stream_masks, name
+        assert d["compute_bytes"] == round(CASES[name]["compute_mib"] * MiB) + e.stream_masks, name
+        assert p["window_cells"] == e.window, name
+    assert sim["synth_np4"]["budget"]["devices"][0]["stream_mask_bytes"] == mask  # 25 MiB, not 27 x 25 MiB
+    assert sim["synth_np8"]["budget"]["devices"][0]["stream_mask_bytes"] == mask // 2
+    assert sim["synth_np4_ub256"]["budget"]["devices"][0]["stream_mask_bytes"] == mask // 2
+    assert sim["synth_np1"]["budget"]["devices"][0]["stream_mask_bytes"] == 0
+    assert sim["synth_unified"]["budget"]["devices"][0]["stream_mask_bytes"] == 0
+    assert sim["synth_np4_host"]["budget"]["devices"][0]["stream_mask_bytes"] == 0
+    # the window (all streams' device cells, 112 KiB per cell of one stream) is smaller by the one mask than -np 1's
+    # (aligned down to 256 cells of every stream), not by the 675 MiB of a copy per layer
+    cell = 28 * 4096
+    one, four = sim["synth_np1"]["window_cells"], sim["synth_np4"]["window_cells"] * 4
+    assert one - four == pytest.approx(mask / cell, abs=5 * ALIGN)
+    assert one - four < 27 * mask / cell - 5 * ALIGN
 
 
 def test_other_caches_come_off_the_budget(sim):

@@ -94,6 +94,113 @@ print(json.dumps(out))
         assert r[region]["views"] == 1 and r[region]["names"] == [name], (region, r[region])
 
 
+_GRAPH_INPUT_VIEWS = """
+class T(ctypes.Structure):  # struct ggml_tensor of the pin (ggml.h)
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+                ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
+                ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+GGML_TYPE_I32 = 26
+watch = [False]
+seen = {}  # input -> [view tensors, one per use]
+def observe(t, ask, user):
+    if not watch[0]:
+        return False
+    node = T.from_address(t)
+    for j, p in enumerate(node.src):
+        if not p:
+            continue
+        src = T.from_address(p)
+        if not src.view_src:
+            continue
+        vsrc = T.from_address(src.view_src)
+        name = vsrc.name.decode()
+        if name in ("attn_inp_kq_mask", "attn_inp_rkv_block_map"):
+            seen.setdefault(name, []).append(p)
+        elif j == 1 and vsrc.type == GGML_TYPE_I32:  # a rope's positions: the K-shift graph's shift input
+            seen.setdefault("k_shift", []).append(p)
+    return False
+cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
+def decode(ctx, items):  # items: (seq, pos, token, want_logits)
+    for c0 in range(0, len(items), 512):
+        part = items[c0:c0 + 512]
+        b = llama_cpp.llama_batch_init(len(part), 0, 1)
+        for i, (s, p, t, lg) in enumerate(part):
+            b.token[i] = t; b.pos[i] = p; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
+        b.n_tokens = len(part)
+        assert llama_cpp.llama_decode(ctx, b) == 0
+        llama_cpp.llama_batch_free(b)
+def tok(s, i):
+    return (i * 37 + 11 + 101 * s) % 20000 + 100
+def counted():
+    out = {k: {"uses": len(v), "views": len(set(v))} for k, v in seen.items()}
+    seen.clear()
+    return out
+res = {}
+# four streams of 900, 250, 120 and 60 tokens (window 256 each: the first one's tail in use), then a step of all four
+for name, kw in {"window": dict(mode="window", window_cells=256),
+                 "static": dict(mode="window", window_cells=256, windows="static"),
+                 "head": dict(mode="head", device_heads=1)}.items():
+    cp = cparams(n_ctx=4096, n_seq=4); cp.cb_eval = cb
+    ctx = ext.init_context(model, cp, ext.make_params(**kw))
+    assert ctx, ext.last_error()
+    lens = [900, 250, 120, 60]
+    for s in range(4):
+        decode(ctx, [(s, i, tok(s, i), i == lens[s] - 1) for i in range(lens[s])])
+    watch[0] = True
+    decode(ctx, [(s, lens[s], tok(s, lens[s]), True) for s in range(4)])
+    watch[0] = False
+    res[name] = {"stats": ext.stats(ctx)["last"], **counted()}
+    llama_cpp.llama_free(ctx)
+# block residency (one unified stream, one op): the block map the op takes
+cp = cparams(n_ctx=4096, n_seq=2, unified=True); cp.cb_eval = cb
+ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=768, windows="blocks"))
+assert ctx, ext.last_error()
+decode(ctx, [(0, i, tok(0, i), i == 1199) for i in range(1200)])
+watch[0] = True
+decode(ctx, [(0, 1200, tok(0, 1200), True)])
+watch[0] = False
+res["blocks"] = counted()
+llama_cpp.llama_free(ctx)
+# the K-shift of a split cache (one stream): positions [300, 600) move down by 100 after [200, 300) is removed
+cp = cparams(); cp.cb_eval = cb
+ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256, windows="static"))
+assert ctx, ext.last_error()
+decode(ctx, [(0, i, tok(0, i), i == 599) for i in range(600)])
+mem = llama_cpp.llama_get_memory(ctx)
+assert llama_cpp.llama_memory_seq_rm(mem, 0, 200, 300)
+llama_cpp.llama_memory_seq_add(mem, 0, 300, -1, -100)
+watch[0] = True
+decode(ctx, [(0, 500, tok(0, 600), True)])
+watch[0] = False
+res["shift"] = counted()
+llama_cpp.llama_free(ctx)
+print(json.dumps(res))
+"""
+
+
+def test_every_layer_shares_one_view_of_each_graph_input(cpu_build, demo_model):
+    """Each graph input a split layer reads through a view, the view is made once per graph and shared by every layer:
+    the KQ mask's rows of each stream (one op per stream: -np N, an elastic pool, a head split's host heads), the block
+    map's entries (block residency), the K-shift's positions of each window and tail part. The scheduler copies each
+    distinct view of a CPU input to a GPU on its own, all of them live in the split at once: a mask view per layer was a
+    copy of the whole f16 mask per layer (675 MiB for -np 4 on the synthetic 28-layer model at -c 102400, over the
+    --vram-target measured on an H100). The CPU build shows it through the scheduler's eval callback: one view per
+    stream (per part), used by each of the 30 layers, not a view per use."""
+    r = _py(cpu_build, demo_model, _GRAPH_INPUT_VIEWS)
+    for name in ("window", "static", "head"):
+        m = r[name]["attn_inp_kq_mask"]
+        assert r[name]["stats"]["per_stream_ops"] == 4, (name, r[name]["stats"])  # the per-stream layout ran
+        assert m["uses"] == 30 * 4, (name, m)   # every layer's op of every stream reads the mask through a view
+        assert m["views"] == 4, (name, m)       # one view per stream, not 120
+        assert "attn_inp_rkv_block_map" not in r[name] and "k_shift" not in r[name], r[name]
+    b = r["blocks"]["attn_inp_rkv_block_map"]
+    assert b["uses"] == 30 and b["views"] == 1, r["blocks"]
+    assert "attn_inp_kq_mask" not in r["blocks"], r["blocks"]  # one op over the one stream: the mask itself
+    s = r["shift"]["k_shift"]
+    assert s["uses"] == 30 * 2 and s["views"] == 2, r["shift"]  # the window and the tail part of each layer
+
+
 def test_refusals_return_null(cpu_build, demo_model):
     r = _py(cpu_build, demo_model, """
 res = {}

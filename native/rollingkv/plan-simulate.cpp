@@ -10,7 +10,8 @@
 //   int32_t rollingkv_plan_simulate(const char * json_in, char * buf, size_t buf_size);
 //
 // Input: a JSON object with mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail,
-// type_v_tail, kv_size*, n_stream (1), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
+// type_v_tail, kv_size*, n_stream (1), n_ubatch (512: a GPU's compute_mib gains the per-stream mask copy of
+// llama_rkv_stream_mask_bytes for it), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
 // device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
 // recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA
 // ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
@@ -244,6 +245,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
 
     st.kv_size  = (uint32_t) r.count("kv_size", 0, true);
     st.n_stream = (uint32_t) r.count("n_stream", 1);
+    st.n_ubatch = (uint32_t) r.count("n_ubatch", 512);
 
     const uint32_t n_layer      = (uint32_t) r.count("n_layer", 0, true);
     const uint64_t n_embd_k_gqa = r.count("n_embd_k_gqa", 0, true);
@@ -437,6 +439,10 @@ static std::string rkv_plan_simulate(const char * json_in) {
             }
         }
         il_next += n;
+        // as the cache constructor adds it to a GPU's compute estimate (llama_rkv_stream_mask_bytes)
+        d.stream_masks     = d.host_memory ? 0 : llama_rkv_stream_mask_bytes(llama_rkv_estimate_tokens(st), st.kv_size,
+                st.n_stream, false);
+        d.compute         += d.stream_masks;
         d.other_kv        += d.recurrent; // as the cache constructor counts it (llama_kv_cache::rkv_plan)
         if (d.recurrent) {
             st.hybrid = true;

@@ -245,6 +245,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idx
     llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
     llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
     lay.block_map = e.block_map;
+    lay.views     = &rkv_views;
     GGML_ASSERT(!rkv_blocks || lay.block_map);
     e.n_kv       = lay.n_kv;
     e.runs       = llama_rkv_runs_of(lay);
@@ -600,8 +601,10 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
                     t->nb[1],
                     row0 + ggml_row_size(t->type, n_embd_nope));
 
-            // the shift input is [kv_size*n_stream], cells in order per stream
-            ggml_tensor * shift = ggml_view_1d(ctx, k_shift, n_cell, ((size_t) s*kv_size + first)*ggml_element_size(k_shift));
+            // the shift input is [kv_size*n_stream], cells in order per stream (one view of each part for every layer:
+            // llama_rkv_input_views)
+            ggml_tensor * shift = llama_rkv_input_view_1d(ctx, &rkv_views, k_shift, n_cell,
+                    ((size_t) s*kv_size + first)*ggml_element_size(k_shift));
 
             ggml_tensor * cur;
 

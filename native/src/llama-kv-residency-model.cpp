@@ -662,3 +662,19 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
     llama_rkv_retype_tail(st, ck, cv);
     return true;
 }
+
+uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st) {
+    // unknown (a context made without llama_init_from_model_rolling_kv): llama_context_default_params' 512
+    uint32_t n_tokens = st.n_ubatch > 0 ? st.n_ubatch : 512;
+    if (st.n_ctx > 0) {
+        n_tokens = std::min(n_tokens, st.n_ctx);
+    }
+    return n_tokens;
+}
+
+size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op) {
+    if (n_stream < 2 || one_op) {
+        return 0;
+    }
+    return (size_t) n_tokens*n_kv*sizeof(ggml_fp16_t);
+}

@@ -75,11 +75,7 @@ size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_sta
         bool has_output, std::string * note) {
     const auto & hp = model.hparams;
 
-    // unknown (a context made without llama_init_from_model_rolling_kv): llama_context_default_params' 512
-    size_t n_tokens = st.n_ubatch > 0 ? st.n_ubatch : 512;
-    if (st.n_ctx > 0) {
-        n_tokens = std::min<size_t>(n_tokens, st.n_ctx);
-    }
+    const size_t n_tokens = llama_rkv_estimate_tokens(st);
 
     const size_t n_vocab = (size_t) std::max<int32_t>(0, llama_vocab_n_tokens(llama_model_get_vocab(&model)));
     const size_t n_embd  = hp.n_embd;

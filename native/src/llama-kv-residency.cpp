@@ -5,6 +5,7 @@
 #include "llama-kv-residency.h"
 
 #include "llama-model.h"
+#include "llama-rolling-kv-graph.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -202,6 +203,10 @@ static void llama_rkv_budget_devs(llama_rkv_state & st, const llama_rkv_cache_de
         const bool has_output = in.host_memory ? !llama_rkv_dev_is_gpu(model.dev_output()) : model.dev_output() == dev;
         d.compute = llama_rkv_compute_estimate(model, st, desc.kv_size, g->n_kv_other, has_output,
                 st.compute_note.empty() ? &st.compute_note : nullptr);
+        // a GPU's copy of the mask for one op per stream (host memory: one backend, nothing is copied)
+        d.stream_masks = in.host_memory ? 0 : llama_rkv_stream_mask_bytes(llama_rkv_estimate_tokens(st), desc.kv_size,
+                desc.n_stream, llama_rkv_one_op_streams());
+        d.compute += d.stream_masks;
 
         st.devs.push_back(std::move(d));
     }

@@ -166,7 +166,9 @@ struct llama_rkv_dev_budget {
     uint32_t n_layer          = 0;     // KV layers of the planning cache on this device
     size_t   free             = 0;     // free memory at plan time (weights already excluded)
     size_t   weights          = 0;     // model weights on this device
-    size_t   compute          = 0;     // compute buffer estimate
+    size_t   compute          = 0;     // compute buffer estimate (stream_masks included)
+    size_t   stream_masks     = 0;     // of compute: the per-stream attention's copy of the KQ mask beyond the estimate's
+                                       // (GPU, several streams: llama_rkv_stream_mask_bytes)
     size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model, the
                                        // recurrent state of a hybrid model)
     size_t   recurrent        = 0;     // of other_kv: the recurrent state of a hybrid model (llama_rkv_note_recurrent)
@@ -452,6 +454,22 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
 
 // model weights in the buffers of dev (host memory when dev is a CPU device)
 size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);
+
+// What one op per stream (llama_rkv_build_attn_mha with a per-stream layout: several streams) adds to a GPU's compute
+// buffer beyond the one KQ mask the compute estimate counts. The mask is an f16 graph input, which the scheduler keeps on
+// the CPU backend; the op of stream s reads the mask's rows of s through a view, one per stream shared by every layer
+// (llama_rkv_input_views), and the scheduler copies each view to the GPU once: together one mask, in place of the mask
+// upstream's attention reads. A window split reads the mask only through those views (nothing more); a head split's
+// device heads read it whole as well (upstream's attention), beside its host heads' views: one more mask. The budget
+// is made before auto chooses between the two, so a GPU with several streams counts that one mask, n_tokens x n_kv
+// f16 (n_kv: the cells per stream), either way: one mask more than a window split holds. 0 for one stream (a unified
+// cache, an elastic pool of one: the op reads the mask itself), host memory, or the one-op layout of
+// ROLLINGKV_DEBUG_ONE_OP_STREAMS. The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per stream),
+// 512-token ubatches: 25 MiB. (A view per layer had made it a copy of the whole mask per layer: 27 x 25 MiB more.)
+size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op);
+
+// the ubatch of the compute estimate: min(n_ubatch, n_ctx) of the context (512 when unknown)
+uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st);
 
 // compute buffer estimate for a device holding KV layers (see the definition for the formula)
 size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv, uint32_t n_kv_other,

@@ -5,6 +5,72 @@
 
 #include <algorithm>
 
+ggml_tensor * llama_rkv_input_views::find(const ggml_context * c, const ggml_tensor * src, const int64_t ne[4],
+        const size_t nb[3], size_t offs) {
+    if (c != ctx) {
+        entries.clear();
+        ctx = c;
+        return nullptr;
+    }
+    // the tensors made in the context since its last reset (ggml_reset leaves the objects of the graph before it in
+    // place: one there may look like the view asked for without being a tensor of this graph)
+    const char * lo = (const char *) ggml_get_mem_buffer(c);
+    const char * hi = lo + ggml_used_mem(c);
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const entry & e = entries[i];
+        if (e.src != src || e.offs != offs || !std::equal(ne, ne + 4, e.ne) || !std::equal(nb, nb + 3, e.nb)) {
+            continue;
+        }
+        const ggml_tensor * v = e.view;
+        const bool live = (const char *) v >= lo && (const char *) (v + 1) <= hi && v->op == GGML_OP_VIEW &&
+                v->view_src == src && v->view_offs == offs && std::equal(ne, ne + 4, v->ne) &&
+                (nb[0] == 0 || std::equal(nb, nb + 3, v->nb + 1));
+        if (live) {
+            return e.view;
+        }
+        entries.erase(entries.begin() + i); // of a graph before this one
+        return nullptr;
+    }
+    return nullptr;
+}
+
+void llama_rkv_input_views::add(const ggml_context * c, const ggml_tensor * src, const int64_t ne[4], const size_t nb[3],
+        size_t offs, ggml_tensor * view) {
+    if (entries.size() >= 4096) {
+        entries.clear(); // the keys of graphs long gone
+    }
+    entries.push_back({ src, { ne[0], ne[1], ne[2], ne[3] }, { nb[0], nb[1], nb[2] }, offs, view });
+    ctx = c;
+}
+
+ggml_tensor * llama_rkv_input_view_4d(ggml_context * ctx, llama_rkv_input_views * views, ggml_tensor * src,
+        int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offs) {
+    const int64_t ne[4] = { ne0, ne1, ne2, ne3 };
+    const size_t  nb[3] = { nb1, nb2, nb3 };
+    ggml_tensor * v = views ? views->find(ctx, src, ne, nb, offs) : nullptr;
+    if (!v) {
+        v = ggml_view_4d(ctx, src, ne0, ne1, ne2, ne3, nb1, nb2, nb3, offs);
+        if (views) {
+            views->add(ctx, src, ne, nb, offs, v);
+        }
+    }
+    return v;
+}
+
+ggml_tensor * llama_rkv_input_view_1d(ggml_context * ctx, llama_rkv_input_views * views, ggml_tensor * src, int64_t ne0,
+        size_t offs) {
+    const int64_t ne[4] = { ne0, 1, 1, 1 };
+    const size_t  nb[3] = { 0, 0, 0 };
+    ggml_tensor * v = views ? views->find(ctx, src, ne, nb, offs) : nullptr;
+    if (!v) {
+        v = ggml_view_1d(ctx, src, ne0, offs);
+        if (views) {
+            views->add(ctx, src, ne, nb, offs, v);
+        }
+    }
+    return v;
+}
+
 static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
         ggml_tensor * k_tail, ggml_tensor * v_tail, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale,
         float max_alibi_bias, float logit_softcap, uint32_t tail_cpu_cells, int32_t ref_streams, float perturb_tail,
@@ -44,7 +110,9 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
     if (runs && runs->block_map) {
         // the logical keys are the tail's rows (a row for every cell): one map entry per 256 of them
         GGML_ASSERT(k_tail && k_tail->ne[1] % 256 == 0 && k_tail->ne[1]/256 <= runs->block_map->ne[0]);
-        ggml_streaming_flash_attn_set_block_map(cur, ggml_view_1d(ctx, runs->block_map, k_tail->ne[1]/256, 0));
+        // (one view for every layer: llama_rkv_input_views)
+        ggml_streaming_flash_attn_set_block_map(cur, llama_rkv_input_view_1d(ctx, runs->views, runs->block_map,
+                k_tail->ne[1]/256, 0));
     }
     return cur;
 }
@@ -114,9 +182,12 @@ ggml_tensor * llama_rkv_build_attn_mha(
         ggml_tensor * vs = n_w ? llama_rkv_stream_cells(ctx, v, ks_s, ks_row, n_w) : nullptr;
         ggml_tensor * kt = n_t && k_tail ? llama_rkv_stream_cells(ctx, k_tail, s, kt_row, n_t) : nullptr;
         ggml_tensor * vt = n_t && k_tail ? llama_rkv_stream_cells(ctx, v_tail, s, kt_row, n_t) : nullptr;
-        // the stream's rows of the mask (whole rows: the op reads its first n_w + n_t columns)
-        ggml_tensor * ms = ggml_view_4d(ctx, kq_mask, kq_mask->ne[0], kq_mask->ne[1], kq_mask->ne[2], 1,
-                kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3], s*kq_mask->nb[3]);
+        // the stream's rows of the mask (whole rows: the op reads its first n_w + n_t columns): one view per stream for
+        // every layer of the graph (llama_rkv_input_views: the scheduler copies each view to a GPU on its own, so a
+        // view per layer held a copy of the whole mask per layer); one stream (an elastic pool's): the mask itself
+        ggml_tensor * ms = n_stream == 1 ? kq_mask : llama_rkv_input_view_4d(ctx, layout.views, kq_mask,
+                kq_mask->ne[0], kq_mask->ne[1], kq_mask->ne[2], 1, kq_mask->nb[1], kq_mask->nb[2], kq_mask->nb[3],
+                s*kq_mask->nb[3]);
 
         outs.push_back(llama_rkv_attn_op(ctx, qs, ks, vs, kt, vt, ms, sinks, kq_scale, max_alibi_bias, logit_softcap,
                 kt ? layout.cpu_cells[s] : 0, (int32_t) n_stream, layout.perturb_tail));

@@ -6,6 +6,36 @@
 #include <functional>
 #include <vector>
 
+// Views of a graph's inputs that every layer shares. ggml's scheduler copies each distinct tensor that an op on a GPU
+// reads from the CPU backend (a graph input, or a view of one) as an input of its own, and all of a split's input copies
+// are live at once: a view of the f16 KQ mask made by each layer's op of each stream was a copy of the whole mask per
+// layer (27 x 25 MiB for -np 4 on the synthetic 28-layer model at -c 102400), and each copy a synchronization. One view
+// per (input, shape, strides, offset) for the graph being built, made by the first layer that asks, keeps the copies to
+// what upstream's layers, which read the inputs whole, make. A cache owns one for the graphs it builds: an entry holds
+// only while it is a view of that input made in the graph's context since the context was last reset (a graph built
+// again in the same context, its inputs at the same addresses, makes its own).
+struct llama_rkv_input_views {
+    struct entry {
+        const ggml_tensor * src;
+        int64_t       ne[4];
+        size_t        nb[3];   // 0, 0, 0: a 1D view
+        size_t        offs;
+        ggml_tensor * view;
+    };
+    const ggml_context * ctx = nullptr;
+    std::vector<entry>   entries;
+
+    // the view made for these arguments in ctx's current graph (nullptr: none)
+    ggml_tensor * find(const ggml_context * ctx, const ggml_tensor * src, const int64_t ne[4], const size_t nb[3], size_t offs);
+    void add(const ggml_context * ctx, const ggml_tensor * src, const int64_t ne[4], const size_t nb[3], size_t offs, ggml_tensor * view);
+};
+
+// as ggml_view_4d / ggml_view_1d, the same tensor for the same arguments through views (nullptr: a view of its own)
+ggml_tensor * llama_rkv_input_view_4d(ggml_context * ctx, llama_rkv_input_views * views, ggml_tensor * src,
+        int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offs);
+ggml_tensor * llama_rkv_input_view_1d(ggml_context * ctx, llama_rkv_input_views * views, ggml_tensor * src, int64_t ne0,
+        size_t offs);
+
 // how a ubatch attends a split layer (llama_kv_cache_context::rkv_attn_layout). One op over every stream of the ubatch,
 // all of them over the cells of the longest (n_kv empty), or, for a ubatch of several streams, one op per stream over
 // its own cells: stream s attends cells [0, n_kv[s]) (window [0, min(n_kv[s], n_win)), tail [n_win, n_kv[s])), so a
@@ -31,6 +61,9 @@ struct llama_rkv_attn_layout {
     // block residency (a unified cache's blocks move, llama-kv-cache-blocks.cpp): the graph's block map input, I32
     // [kv_size/256] (logical block -> physical block of [window pool ; tail]); the op takes its first n_kv/256 entries
     ggml_tensor * block_map = nullptr;
+    // where the graph's layers share their views of its inputs (the KQ mask's rows of each stream, the block map's
+    // entries the op takes): the cache's (llama_kv_cache::rkv_views); nullptr: a view per layer
+    llama_rkv_input_views * views = nullptr;
 };
 
 // what a split cache records of a graph it built (by the graph's k index input), to tell whether the graph may be reused:

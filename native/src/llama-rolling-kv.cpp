@@ -229,9 +229,9 @@ static std::string llama_rkv_json_budget(const llama_rkv_state * st) {
                     ",\"host_memory\":%s,\"n_layer\":%u,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
                     ",\"other_kv_bytes\":%zu,\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu"
                     ",\"kv_resident_bytes\":%zu,\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64
-                    ",\"runtime_bytes\":%zu}",
+                    ",\"runtime_bytes\":%zu,\"stream_mask_bytes\":%zu}",
                     d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.recurrent, d.ring, d.avail,
-                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime);
+                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime, d.stream_masks);
             res += buf;
         }
         res += "]}";
