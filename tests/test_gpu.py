@@ -457,7 +457,7 @@ def test_hybrid_model_server_two_slots_spilled(cuda_build, hybrid_models, tmp_pa
         assert a_w["tokens"][:8] == a_r["tokens"][:8]
 
 
-def _elastic_load(cuda_build, model: Path, tmp_path: Path, name: str, kw: dict, ubatch: int = 256):
+def _elastic_load(cuda_build, model: Path, tmp_path: Path, name: str, kw: dict, ubatch: int = 256, env: dict | None = None):
     """tests/test_elastic_windows.py's load (windows that move every way), offloaded: (stats, logits rows)."""
     import numpy as np
     from conftest import LIB_PRELUDE, run_python
@@ -466,8 +466,24 @@ def _elastic_load(cuda_build, model: Path, tmp_path: Path, name: str, kw: dict, 
     out = tmp_path / f"{name}.npy"
     r = run_python(LIB_PRELUDE + ELASTIC_LOAD, cuda_build.lib_dir, timeout=900,
                    env_extra={"RKV_TEST_MODEL": str(model), "RKV_TEST_KW": json.dumps(kw), "RKV_TEST_OUT": str(out),
-                              "RKV_TEST_NGL": "99", "RKV_TEST_UBATCH": str(ubatch)})
+                              "RKV_TEST_NGL": "99", "RKV_TEST_UBATCH": str(ubatch), **(env or {})})
     return r, np.load(out)
+
+
+def _issued_within_occupied(stats: list[dict]) -> int:
+    """Issue 36 (3), at every step of the load: the bytes the CUDA copy plan issued (counted where the copies are
+    planned) equal the cache's account of what the step streamed, and are at most the tail its streams occupied plus
+    one block (256 cells of every split layer) per stream. Returns the steps that streamed."""
+    n = 0
+    for i, st in enumerate(stats):
+        last, plan = st["last"], st.get("plan_streamed")
+        assert plan is not None, f"step {i}: no copy plan counted on a CUDA build"
+        if not last["tail_bytes"]:
+            continue
+        assert plan["last_bytes"] == last["streamed_bytes"], (i, plan, last)
+        assert plan["last_bytes"] <= last["occupied_bytes"] + st["block_bytes"] * max(1, last["streams"]), (i, plan, last)
+        n += plan["last_bytes"] > 0
+    return n
 
 
 def _mean_tv(a, b) -> float:
@@ -487,16 +503,23 @@ def test_elastic_windows_on_the_gpu_within_the_order_floor(cuda_build, synth_mod
 
     _, ref = _elastic_load(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"))
     _, floor_run = _elastic_load(cuda_build, synth_model, tmp_path, "floor", dict(mode="off"), ubatch=128)
-    r, got = _elastic_load(cuda_build, synth_model, tmp_path, "elastic", dict(mode="window", window_cells=256, tail_cpu_frac=0))
+    kw = dict(mode="window", window_cells=256, tail_cpu_frac=0)
+    r, got = _elastic_load(cuda_build, synth_model, tmp_path, "elastic", kw)
     moves = r["stats"][-1]["moves"]
     assert r["plan"]["windows"]["policy"] == "elastic", r["plan"].get("windows")
     assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0 and moves["relocated_cells"] > 0, moves
     assert r["stats"][-1]["streamed_bytes_total"] > 0  # the tails were streamed over the link, not attended on the CPU
+    assert _issued_within_occupied(r["stats"]) > 0
     assert np.isfinite(got).all() and got.shape == ref.shape
     tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
     print(f"elastic vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
     assert floor > 0 and tv <= 2 * floor, (tv, floor)
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= (floor_run.argmax(-1) == ref.argmax(-1)).mean() - 0.05
+    # issue 36 (7), the must-fail twin: every tail score 10 % off (the context's test hook) must leave the floor behind
+    _, bad = _elastic_load(cuda_build, synth_model, tmp_path, "elastic-perturbed", kw, env={"ROLLINGKV_DEBUG_PERTURB_TAIL": "0.1"})
+    bad_tv = _mean_tv(bad, ref)
+    print(f"perturbed elastic vs resident mean TV {bad_tv:.3g}")
+    assert bad_tv > 2 * floor, (bad_tv, floor)
 
 
 def test_elastic_windows_with_cpu_parts_on_the_gpu_within_the_order_floor(cuda_build, synth_model, tmp_path):
@@ -508,7 +531,17 @@ def test_elastic_windows_with_cpu_parts_on_the_gpu_within_the_order_floor(cuda_b
     _, ref = _elastic_load(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"))
     _, floor_run = _elastic_load(cuda_build, synth_model, tmp_path, "floor", dict(mode="off"), ubatch=128)
     r, got = _elastic_load(cuda_build, synth_model, tmp_path, "hybrid", dict(mode="window", window_cells=256, tail_cpu_frac=0.5))
+    assert r["plan"]["windows"]["policy"] == "elastic", r["plan"].get("windows")  # issue 36 (7): elastic, moving, a part per stream
+    moves = r["stats"][-1]["moves"]
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0, moves
     assert r["stats"][-1]["cpu_part_runs"] > 0, r["stats"][-1]
+    # the op's own parts (calibration and probes are counted apart): at least one per split layer for every stream of a
+    # step that attended a tail with several streams
+    several = [st for st in r["stats"] if st["last"]["tail_bytes"] and st["last"]["streams"] > 1]
+    assert several, "no step attended a tail with several streams"
+    n_layers = len([layer for layer in r["plan"]["layers"] if layer["split"]])
+    assert n_layers > 0, r["plan"]["layers"]
+    assert r["stats"][-1]["cpu_part_runs"] >= n_layers * max(st["last"]["streams"] for st in several), (n_layers, r["stats"][-1])
     assert np.isfinite(got).all() and got.shape == ref.shape
     tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
     print(f"hybrid elastic vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
