@@ -672,8 +672,8 @@ uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st) {
     return n_tokens;
 }
 
-size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op) {
-    if (n_stream < 2 || one_op) {
+size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream) {
+    if (n_stream < 2) {
         return 0;
     }
     return (size_t) n_tokens*n_kv*sizeof(ggml_fp16_t);

@@ -204,8 +204,9 @@ static void llama_rkv_budget_devs(llama_rkv_state & st, const llama_rkv_cache_de
         d.compute = llama_rkv_compute_estimate(model, st, desc.kv_size, g->n_kv_other, has_output,
                 st.compute_note.empty() ? &st.compute_note : nullptr);
         // a GPU's copy of the mask for one op per stream (host memory: one backend, nothing is copied)
+        // (the lab's one-op layout has none: it is counted as per-stream ops, one mask over)
         d.stream_masks = in.host_memory ? 0 : llama_rkv_stream_mask_bytes(llama_rkv_estimate_tokens(st), desc.kv_size,
-                desc.n_stream, llama_rkv_one_op_streams());
+                desc.n_stream);
         d.compute += d.stream_masks;
 
         st.devs.push_back(std::move(d));

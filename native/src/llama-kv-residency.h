@@ -463,10 +463,9 @@ size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev
 // device heads read it whole as well (upstream's attention), beside its host heads' views: one more mask. The budget
 // is made before auto chooses between the two, so a GPU with several streams counts that one mask, n_tokens x n_kv
 // f16 (n_kv: the cells per stream), either way: one mask more than a window split holds. 0 for one stream (a unified
-// cache, an elastic pool of one: the op reads the mask itself), host memory, or the one-op layout of
-// ROLLINGKV_DEBUG_ONE_OP_STREAMS. The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per stream),
+// cache, an elastic pool of one: the op reads the mask itself) and host memory. The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per stream),
 // 512-token ubatches: 25 MiB. (A view per layer had made it a copy of the whole mask per layer: 27 x 25 MiB more.)
-size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream, bool one_op);
+size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream);
 
 // the ubatch of the compute estimate: min(n_ubatch, n_ctx) of the context (512 when unknown)
 uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st);
