@@ -441,7 +441,7 @@ static std::string rkv_plan_simulate(const char * json_in) {
         il_next += n;
         // as the cache constructor adds it to a GPU's compute estimate (llama_rkv_stream_mask_bytes)
         d.stream_masks     = d.host_memory ? 0 : llama_rkv_stream_mask_bytes(llama_rkv_estimate_tokens(st), st.kv_size,
-                st.n_stream, false);
+                st.n_stream);
         d.compute         += d.stream_masks;
         d.other_kv        += d.recurrent; // as the cache constructor counts it (llama_kv_cache::rkv_plan)
         if (d.recurrent) {
