@@ -164,7 +164,7 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
               help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The report, rewritten after every cell.  [default: docs/perf/<date>-bench-tail-<model>/bench-tail.json, a new folder per run]")
+              help="The report, rewritten after every cell.  [default: <date>-bench-tail-<model>/bench-tail.json, a new folder per run, in docs/perf inside the checkout, else here]")
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
 @click.option("--dry-run", is_flag=True, help="Print the cells and their llama-bench command lines, run nothing.")
@@ -329,7 +329,7 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The report.  [default: docs/perf/<date>-bench-load-<model>/bench-load.json]")
+              help="The report.  [default: <date>-bench-load-<model>/bench-load.json, in docs/perf inside the checkout, else here]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
 @click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
               help=f"A small load for a CPU host, minutes instead of hours: cpu-small = {LOAD_PRESET_HELP} (a flag given "

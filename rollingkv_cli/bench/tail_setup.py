@@ -25,14 +25,15 @@ class TailRun:
 
 
 def default_report_path(model: Path) -> Path:
-    """docs/perf/<date>-bench-tail-<model>/bench-tail.json: a new folder per run (-2, -3, ... when one exists), as
-    docs/perf keeps one folder per record (its README.md discusses the raw files beside it). Created when the
-    report is first written (a dry run creates nothing)."""
+    """<date>-bench-tail-<model>/bench-tail.json, a new folder per run (-2, -3, ... when one exists): in the checkout's
+    docs/perf when run inside the rollingkv repository (docs/perf keeps one folder per record, its README.md discussing
+    the raw files beside it), else in the current directory (it wrote into the checkout's docs/perf from anywhere, and
+    created ./docs/perf outside a checkout). Created when the report is first written (a dry run creates nothing)."""
     from rollingkv_cli.lib import paths
 
-    base = paths.REPO_ROOT / "docs" / "perf"
-    if not base.is_dir():
-        base = Path.cwd() / "docs" / "perf"
+    repo_perf = paths.REPO_ROOT / "docs" / "perf"
+    in_repo = repo_perf.is_dir() and Path.cwd().resolve().is_relative_to(paths.REPO_ROOT.resolve())
+    base = repo_perf if in_repo else Path.cwd()
     stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in model.stem)
     d = base / f"{time.strftime('%Y-%m-%d')}-bench-tail-{stem}"
     n = 2

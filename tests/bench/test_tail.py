@@ -114,12 +114,30 @@ def test_default_report_is_a_new_folder_per_run_in_docs_perf(monkeypatch, tmp_pa
 
     (tmp_path / "docs" / "perf").mkdir(parents=True)
     monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path / "docs")  # inside the checkout
     day = time.strftime("%Y-%m-%d")
     p = default_report_path(Path("/m/synth 28L.gguf"))
     assert p == tmp_path / "docs" / "perf" / f"{day}-bench-tail-synth-28L" / "bench-tail.json" and not p.parent.exists()
     p.parent.mkdir()
     assert default_report_path(Path("/m/synth 28L.gguf")).parent.name == f"{day}-bench-tail-synth-28L-2"
     assert list((tmp_path / "docs" / "perf").iterdir()) == [p.parent]
+
+
+def test_outside_the_checkout_the_default_report_goes_into_the_current_directory(monkeypatch, tmp_path):
+    """Issue 39's second sweep: run from elsewhere, bench tail (and bench load) wrote into the checkout's docs/perf, or
+    created ./docs/perf outside a checkout; now the current directory, a folder per run, as gate matrix does."""
+    import time
+
+    from rollingkv_cli.lib import paths
+    from rollingkv_cli.bench.tail_setup import default_report_path
+
+    (tmp_path / "repo" / "docs" / "perf").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    day = time.strftime("%Y-%m-%d")
+    assert default_report_path(Path("/m/x.gguf")) == tmp_path / "elsewhere" / f"{day}-bench-tail-x" / "bench-tail.json"
+    assert not (tmp_path / "elsewhere" / "docs").exists() and list((tmp_path / "repo" / "docs" / "perf").iterdir()) == []
 
 
 def test_vanilla_build_without_llama_bench(capsys, isolated_cache, fake_gguf, tmp_path, monkeypatch):
