@@ -397,9 +397,10 @@ class Extension:
         return (self._lib.llama_rolling_kv_last_error() or b"").decode(errors="replace")
 
 
-# llama_init_from_model_rolling_kv logs its refusal as "<function>: <reason>" (llama_rkv_fail); the same text
-# llama_rolling_kv_last_error returns in-process. A child's (llama-server's, llama-bench -v's) log carries it this way.
-REFUSAL_PREFIX = "llama_init_from_model_rolling_kv: "
+# llama_init_from_model_rolling_kv logs its refusal as "<function>: <reason>" (llama_rkv_fail), the function being the
+# one that made the context (since API 8 llama_init_from_model_rolling_kv_test, which the plain one calls); the same
+# text llama_rolling_kv_last_error returns in-process. A child's (llama-server's, llama-bench -v's) log carries it this way.
+REFUSAL_PREFIXES = ("llama_init_from_model_rolling_kv: ", "llama_init_from_model_rolling_kv_test: ")
 # what last_error says when llama.cpp itself, not the residency request, refused: no reason of its own
 _NO_REASON = "llama_init_from_model failed (see the log)"
 
@@ -416,9 +417,10 @@ def refusal_in_log(lines) -> str | None:
     """The library's reason for refusing a context, found in a child's log lines (the last one wins)."""
     found = None
     for line in lines:
-        at = line.find(REFUSAL_PREFIX)
-        if at >= 0:
-            found = refusal_reason(line[at + len(REFUSAL_PREFIX):]) or found
+        for prefix in REFUSAL_PREFIXES:
+            at = line.find(prefix)
+            if at >= 0:
+                found = refusal_reason(line[at + len(prefix):]) or found
     return found
 
 
