@@ -606,7 +606,10 @@ def write_synthetic(out: Path, spec: SynthSpec, progress=None, log=None) -> Path
         os.replace(tmp, out)
     except BaseException as e:
         if w is not None:
-            w.close()
+            # a stop signal can land inside gguf-py's writer, whose close then fails on its half-set state (seen in CI:
+            # "TypeError: expected str, bytes or os.PathLike object, not BufferedWriter" in place of the signal's exit)
+            with contextlib.suppress(Exception):
+                w.close()
         if tmp is not None:
             with contextlib.suppress(OSError):
                 tmp.unlink()
