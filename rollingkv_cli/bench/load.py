@@ -555,7 +555,7 @@ def shared_targets(doc: dict, cells: dict, add) -> None:
     if first and sharers and first.get("ttft_s"):
         add("sharer_ttft_vs_first", max(r["ttft_s"] for r in sharers) / first["ttft_s"], "<=", 0.2,
             "slowest time to first token of clients 2.. / the first client's (they prefill only their suffix)")
-    if alone and alone.get("decode_tps") and sharers + [first] and all(r and r.get("decode_tps") for r in sharers + [first]):
+    if alone and alone.get("decode_tps") and all(r and r.get("decode_tps") for r in sharers + [first]):
         add("decode_vs_alone", min(r["decode_tps"] for r in sharers + [first]) / alone["decode_tps"], ">=", 0.8,
             "slowest client's decode on the shared document / one client alone (same server)")
     st = default.get("stats") or {}
