@@ -197,13 +197,16 @@ def check_request(request) -> None:
 # ------------------------------------------------------------------ llama-server runs
 
 def server_args(model: Path, n_ctx: int, threads: int | None, n_gpu_layers: int | None, ctk: str, ctv: str,
-                residency: dict | None) -> list[str]:
-    """llama-server flags of a gate run: one slot, flash attention, no auto-fitting, our residency flags.
+                residency: dict | None, n_parallel: int = 1, kv_unified: bool = False) -> list[str]:
+    """llama-server flags of a gate run: one slot unless told (-np, -kvu), flash attention, no auto-fitting, our
+    residency flags.
 
     residency: None or {"mode": "off"} for the resident reference; else mode/window_cells/device_heads/vram_target_mib/
     type_k_tail/type_v_tail as in llama_rolling_kv_params."""
-    args = ["-m", str(model), "-fa", "on", "-c", str(n_ctx), "-np", "1", "-ctk", ctk, "-ctv", ctv,
+    args = ["-m", str(model), "-fa", "on", "-c", str(n_ctx), "-np", str(n_parallel), "-ctk", ctk, "-ctv", ctv,
             "--no-warmup", "-fit", "off", "--seed", "0"]
+    if kv_unified:
+        args.append("-kvu")
     if threads:
         args += ["-t", str(threads), "-tb", str(threads)]
     if n_gpu_layers is not None:

@@ -226,6 +226,22 @@ class VramConfig:
     interval_s: float = DEFAULT_INTERVAL_S
     threads: int | None = None
     n_gpu_layers: int = 999
+    parallel: int = 1  # slots, each prefilling and decoding a request of its own at once
+    kv_unified: bool = False  # one cache for the slots (llama-server's layout without -np is 4 unified slots)
+
+    @property
+    def per_request_ctx(self) -> int:
+        """What one request may hold: the whole context shared by the slots, split by them when not unified."""
+        return self.n_ctx // self.parallel
+
+    @property
+    def request_prompt_tokens(self) -> int:
+        return self.prompt_tokens or self.per_request_ctx // 2
+
+    def layout(self) -> str:
+        if self.parallel == 1:
+            return "one slot"
+        return f"{self.parallel} slots, one unified cache" if self.kv_unified else f"{self.parallel} slots, a cache each"
 
     def residency(self) -> dict:
         r: dict = {"mode": self.mode, "vram_target_mib": self.vram_target}
@@ -242,13 +258,18 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
 
     from rollingkv_cli.gate import common as gc
     from rollingkv_cli.lib import paths
-    from rollingkv_cli.lib.text import synthetic_text
     from rollingkv_cli.serve.server import ServerProcess
 
     t_start = time.time()
     binary = cfg.build.require_server()
-    prompt_tokens = cfg.prompt_tokens or cfg.n_ctx // 2
-    args = gc.server_args(cfg.model, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.ctk, cfg.ctv, cfg.residency())
+    prompt_tokens = cfg.request_prompt_tokens
+    if prompt_tokens + cfg.n_predict > cfg.per_request_ctx:
+        from rollingkv_cli.console import abort
+
+        abort(f"--prompt-tokens {prompt_tokens} + --n-predict {cfg.n_predict} exceed what one of {cfg.parallel} requests "
+              f"may hold ({cfg.per_request_ctx} of --ctx {cfg.n_ctx})", "raise --ctx or shorten the run")
+    args = gc.server_args(cfg.model, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.ctk, cfg.ctv, cfg.residency(),
+                          n_parallel=cfg.parallel, kv_unified=cfg.kv_unified)
     bw = paths.pcie_bw_env()
     if bw is not None:
         args += ["--pcie-bw-gbps", f"{bw:g}"]
@@ -263,7 +284,7 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
                         TextColumn("{task.fields[peak]}"), TimeElapsedColumn(), console=console, transient=False)
     timings: dict = {}
     plan = None
-    completion: dict = {}
+    completions: list[dict] = []
     with progress:
         task = progress.add_task(f"llama-server --vram-target {cfg.vram_target}", stage="starting", peak="")
 
@@ -283,28 +304,20 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
                 raise
             timings["load_s"] = round(time.perf_counter() - t0, 2)
             plan = gc.plan_of(srv)
-            progress.update(task, stage="building the prompt")
-            text = synthetic_text(prompt_tokens * 6, seed=0)
-            toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
-            while len(toks) < prompt_tokens:
-                text = synthetic_text(len(text) * 2, seed=0)
-                toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
-            toks = toks[:prompt_tokens]
-            if prompt_tokens + cfg.n_predict > cfg.n_ctx:
-                from rollingkv_cli.console import abort
-
-                abort(f"--prompt-tokens {prompt_tokens} + --n-predict {cfg.n_predict} exceed --ctx {cfg.n_ctx}")
-            progress.update(task, stage=f"prefill {prompt_tokens} + decode {cfg.n_predict} tokens")
+            progress.update(task, stage="building the prompts")
+            # a text of its own per request: no slot reuses (or shares) another's cached prompt
+            prompts = [_prompt(srv, prompt_tokens, seed) for seed in range(cfg.parallel)]
+            what = f"prefill {prompt_tokens} + decode {cfg.n_predict} tokens"
+            progress.update(task, stage=what if cfg.parallel == 1 else f"{cfg.parallel} requests at once, each: {what}")
             t1 = time.perf_counter()
-            completion = gc.request(srv, "/completion", {"prompt": toks, "n_predict": cfg.n_predict, "ignore_eos": True,
-                                                         "temperature": 0, "top_k": 1, "cache_prompt": False})
+            completions = _complete_all(srv, prompts, cfg.n_predict)
             timings["request_s"] = round(time.perf_counter() - t1, 2)
             progress.update(task, stage="done")
         finally:
             stats = sampler.stop()
             srv.stop()
     v, why = verdict(stats, cfg.vram_target, cfg.allowance)
-    tm = completion.get("timings") or {}
+    tm = (completions[0].get("timings") or {}) if completions else {}
     return {
         "gate": "vram",
         "verdict": v,
@@ -318,11 +331,16 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
         "plan": plan,
         "model": str(cfg.model),
         "n_ctx": cfg.n_ctx,
+        "parallel": cfg.parallel,
+        "kv_unified": cfg.kv_unified,
+        "layout": cfg.layout(),
         "prompt_tokens": prompt_tokens,
         "n_predict": cfg.n_predict,
-        "tokens_evaluated": completion.get("tokens_evaluated"),
-        "tokens_predicted": completion.get("tokens_predicted"),
-        "server_timings": {k: tm.get(k) for k in ("prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second") if k in tm},
+        "tokens_evaluated": _total(completions, "tokens_evaluated"),
+        "tokens_predicted": _total(completions, "tokens_predicted"),
+        "server_timings": _timings(tm),
+        "requests": [{"tokens_evaluated": c.get("tokens_evaluated"), "tokens_predicted": c.get("tokens_predicted"),
+                      "server_timings": _timings(c.get("timings") or {})} for c in completions],
         "timings": timings,
         "cache_types": {"k": cfg.ctk, "v": cfg.ctv, "k_tail": cfg.ctkt or cfg.ctk, "v_tail": cfg.ctvt or cfg.ctv},
         "residency": cfg.residency(),
@@ -331,6 +349,45 @@ def run(cfg: VramConfig, nvml, handle, gpu_name: str, console, logs) -> dict:
         "wall_s": round(time.time() - t_start, 2),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _prompt(srv, n_tokens: int, seed: int) -> list[int]:
+    """n_tokens of synthetic text (its own per seed), tokenized by the server."""
+    from rollingkv_cli.gate import common as gc
+    from rollingkv_cli.lib.text import synthetic_text
+
+    text = synthetic_text(n_tokens * 6, seed=seed)
+    toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
+    while len(toks) < n_tokens:
+        text = synthetic_text(len(text) * 2, seed=seed)
+        toks = gc.request(srv, "/tokenize", {"content": text, "add_special": True}, timeout=300)["tokens"]
+    return toks[:n_tokens]
+
+
+def _complete_all(srv, prompts: list[list[int]], n_predict: int) -> list[dict]:
+    """Every prompt's completion, all sent at once (one slot each); the first failure is raised after all returned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollingkv_cli.gate import common as gc
+
+    def one(toks: list[int]) -> dict:
+        return gc.request(srv, "/completion", {"prompt": toks, "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
+                                               "top_k": 1, "cache_prompt": False})
+
+    if len(prompts) == 1:
+        return [one(prompts[0])]
+    with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="rollingkv-vram-request") as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        return [f.result() for f in futures]
+
+
+def _total(completions: list[dict], key: str) -> int | None:
+    vals = [c.get(key) for c in completions]
+    return sum(vals) if vals and all(isinstance(v, int) for v in vals) else None
+
+
+def _timings(tm: dict) -> dict:
+    return {k: tm.get(k) for k in ("prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second") if k in tm}
 
 
 def print_report(console, r: dict) -> None:
@@ -348,9 +405,12 @@ def print_report(console, r: dict) -> None:
     t.add_row("peak of the server process", f"{m['peak_process_mib']} MiB" if m["peak_process_mib"] is not None else "not reported by NVML")
     t.add_row("peak device used", f"{m['peak_device_used_mib']} MiB ({m['peak_device_delta_mib']} MiB above the {m['baseline_device_used_mib']} MiB before)")
     t.add_row("samples", f"{m['samples']} over {m['duration_s']} s ({m['process_samples']} with the process's figure)")
-    t.add_row("decode", f"{r['tokens_evaluated']} prompt + {r['tokens_predicted']} generated tokens, ctx {r['n_ctx']}")
+    t.add_row("layout", f"{r.get('layout', 'one slot')}")
+    n = r.get("parallel", 1)
+    each = f" ({n} requests at once)" if n > 1 else ""
+    t.add_row("decode", f"{r['tokens_evaluated']} prompt + {r['tokens_predicted']} generated tokens{each}, ctx {r['n_ctx']}")
     st = r.get("server_timings") or {}
-    if st:
+    if st and n == 1:
         t.add_row("speed", f"prefill {st.get('prompt_per_second', 0):.0f} tok/s, decode {st.get('predicted_per_second', 0):.1f} tok/s")
     t.add_row("plan", esc(describe_plan(r.get("plan"))))
     console.print(t)

@@ -68,7 +68,11 @@ class H(BaseHTTPRequestHandler):
                 answer = " 11111."
             elif behaviour == "differ" and mode != "off":
                 answer = " %s, or so." % number
+            t0 = time.time()
             time.sleep(float(os.environ.get("FAKE_COMPLETION_S", "0")))
+            if os.environ.get("FAKE_COMPLETION_LOG"):  # when each completion ran: the test sees whether they overlapped
+                with open(os.environ["FAKE_COMPLETION_LOG"], "a") as f:
+                    f.write(json.dumps({"start": t0, "end": time.time(), "n_prompt": len(prompt)}) + "\n")
             toks = [ord(c) for c in answer][: body.get("n_predict", 16)]
             return self.send({"content": "".join(chr(t) for t in toks), "tokens": toks, "tokens_evaluated": len(prompt),
                               "tokens_predicted": len(toks),

@@ -184,6 +184,11 @@ def test_vram_refuses_a_cpu_build(capsys, fake_server_build, fake_gguf, monkeypa
     (["--vram-target", "999999"], "more than GPU 0 has", 1),
     (["--prompt-tokens", "4000", "--ctx", "4096"], "exceed --ctx 4096", 2),  # flags that contradict: a usage error
     (["--allowance", "-1"], "at least 0", 2),
+    (["--kv-unified"], "--kv-unified needs --parallel 2 or more", 2),
+    # 4096 / 4 = 1024 cells a request: 900 + 512 do not fit one of them, though they fit the context
+    (["--ctx", "4096", "-np", "4", "--prompt-tokens", "900"], "exceed what one of 4 requests may hold (1024 of --ctx 4096)", 2),
+    (["--ctx", "4", "-np", "4"], "leaves 1 cells to each of --parallel 4 requests", 2),
+    (["-np", "0"], "at least 1", 2),
 ])
 def test_vram_bad_input(capsys, fake_server_build, fake_gguf, monkeypatch, args, match, code):
     _use_nvml(monkeypatch, FakeNvml())
@@ -228,3 +233,28 @@ def test_vram_run_against_the_fake_server(capsys, fake_server_build, fake_gguf, 
     assert argv[argv.index("--kv-residency-mode") + 1] == "auto" and argv[argv.index("-fit") + 1] == "off"
     assert ("PASS" if code == 0 else "FAIL") in stdout
     assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)  # the server was stopped and reaped
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_vram_several_slots_decode_at_once(capsys, fake_server_build, fake_gguf, monkeypatch, tmp_path, unified):
+    """-np 4 (a cache per slot) and -np 4 -kvu (llama-server's default): the server gets the layout, and four requests,
+    each of its own text and half a slot's share of the context, run at the same time (the fake server logs when)."""
+    fake_server_build["options"] = {"cuda": True}
+    pids = _track_server_pids(monkeypatch)
+    _use_nvml(monkeypatch, FakeNvml(proc_mib=[300, 700, 500], device_mib=[1000, 1400], proc_pid=lambda: pids))
+    runs = tmp_path / "completions.jsonl"
+    monkeypatch.setenv("FAKE_COMPLETION_S", "1.0")
+    monkeypatch.setenv("FAKE_COMPLETION_LOG", str(runs))
+    out = tmp_path / "v.json"
+    c, stdout, err = run_main(["gate", "vram", "--model", str(fake_gguf), "--vram-target", "1000", "--ctx", "4096",
+                               "--n-predict", "64", "-np", "4", *(["-kvu"] if unified else []), "--interval-ms", "10",
+                               "--json", str(out)], capsys)
+    assert c == 0, stdout + err
+    (argv,) = _argvs(fake_server_build)
+    assert argv[argv.index("-np") + 1] == "4" and ("-kvu" in argv) == unified
+    r = json.loads(out.read_text())
+    assert r["parallel"] == 4 and r["kv_unified"] == unified and r["prompt_tokens"] == 512
+    assert r["layout"] == ("4 slots, one unified cache" if unified else "4 slots, a cache each")
+    assert [q["tokens_evaluated"] for q in r["requests"]] == [512] * 4 and r["tokens_evaluated"] == 2048
+    done = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert len(done) == 4 and max(d["start"] for d in done) < min(d["end"] for d in done)  # all four in flight at once
