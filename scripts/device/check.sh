@@ -23,6 +23,7 @@
 #   serve-without-ngl   rollingkv serve on a KV that does not fit --vram-target 9000, without -ngl
 #   gate-matrix         rollingkv gate matrix on the demo model (-ngl 99 on CUDA) into $OUT/matrix.{json,md}
 #   gate-vram           rollingkv gate vram at $VRAM_TARGETS MiB (default 20000 7500 6800) on the synthetic model
+#   gate-vram-layouts   rollingkv gate vram, -c 102400 --vram-target 9000, in one slot, -np 4, -np 8 and -np 4 -kvu
 #   probe-pcie          rollingkv probe pcie --refresh --json into $OUT/probe.json
 #   smoke               llama-server answers with the demo model on the GPU; llama_cpp sees GPU offload
 #   tests/...           one pytest file or node id, e.g. tests/test_rolling_kv.py::test_every_layer_shares_one_index_view_per_region
@@ -65,6 +66,7 @@ while [ $# -gt 0 ]; do
     serve-without-ngl) synth_model; serve_without_ngl "$SYNTH" ;;
     gate-matrix) gate_matrix_run ;;
     gate-vram) gate_vram_targets ;;
+    gate-vram-layouts) gate_vram_layouts ;;
     probe-pcie) probe_pcie ;;
     smoke) smoke ;;
     pytest) name="pytest $*"; run_pytest "$@"; set -- ;;

@@ -431,6 +431,24 @@ gate_vram_targets() {
   return $rc
 }
 
+# gate_vram_layouts: `rollingkv gate vram` with the KV spilled (synthetic model, -c 102400, --vram-target 9000 unless
+# VRAM_TARGET) in every layout: one slot, -np 4, -np 8 (a cache per slot) and -np 4 -kvu (llama-server's default), each
+# slot decoding a request of its own at once; reports $OUT/vram-<layout>.json, each with the server log's buffer sizes
+gate_vram_layouts() {
+  local layout rc=0 name log target=${VRAM_TARGET:-9000}
+  synth_model
+  for layout in "1" "4" "8" "4 -kvu"; do
+    name="np${layout// /}"
+    # shellcheck disable=SC2086
+    timeout "${VRAM_TIMEOUT:-150}" python3 -m rollingkv_cli gate vram "$SYNTH" --vram-target "$target" --ctx 102400 \
+      -np $layout --n-predict "${VRAM_N_PREDICT:-128}" --json "$OUT/vram-$name.json" 2>&1 | grep -E "layout|peak|plan|PASS|FAIL" | cut -c1-200
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    log=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["server"]["log"])' "$OUT/vram-$name.json" 2>/dev/null)
+    [ -n "$log" ] && grep -hE "buffer size|rolling KV" "$log" | sed 's/^/  /' | head -16
+  done
+  return $rc
+}
+
 # probe_pcie: `rollingkv probe pcie --refresh --json`, measured now, into $OUT/probe.json
 probe_pcie() {
   timeout 60 python3 -m rollingkv_cli probe pcie --refresh --json > "$OUT/probe.json"
