@@ -81,9 +81,27 @@ print(json.dumps({"plan": ext.plan(ctx), "steps": steps}))
 """
 
 
-def _run(build, model, tmp_path, name, kw, ngl=0, **env):
+# The same harness, another load: a prefix read by several sequences. Sequence 3 (768 tokens, blocks 0-2) fills the
+# pool; sequence 0's 768 tokens (blocks 3-5) spill, and sequences 1 and 2 take them by seq_cp (llama-server's prefix
+# sharing); then six rounds in which each sequence decodes one token in a ubatch of its own.
+_SHARED_BODY = _BODY[: _BODY.index("prefill(0, 300)")] + """
+prefill(3, 768)
+prefill(0, 768)
+mem = llama_cpp.llama_get_memory(ctx)
+for s in (1, 2):
+    llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
+    pos[s] = pos[0]
+for r in range(6):
+    for s in (0, 1, 2, 3):
+        step(f"round {r} seq {s}", [s])
+np.save(os.environ["RKV_TEST_OUT"], np.concatenate(logits))
+print(json.dumps({"plan": ext.plan(ctx), "steps": steps}))
+"""
+
+
+def _run(build, model, tmp_path, name, kw, ngl=0, body=_BODY, **env):
     out = tmp_path / f"{name}.npy"
-    r = run_python(LIB_PRELUDE + _BODY, build.lib_dir, timeout=900,
+    r = run_python(LIB_PRELUDE + body, build.lib_dir, timeout=900,
                    env_extra={"RKV_TEST_MODEL": str(model), "RKV_TEST_KW": json.dumps(kw), "RKV_TEST_OUT": str(out),
                               "RKV_TEST_NGL": str(ngl), **env})
     return r, np.load(out)
@@ -132,6 +150,35 @@ def test_blocks_follow_the_load(blocks):
     assert _moves({"steps": steps[: lone + 1]})["demoted_cells"] > 0
     for i, s in enumerate(steps):
         assert sum(q["device_cells"] for q in s["stats"]["seqs"]) <= 3 * 256 * 2, (i, s["stats"]["seqs"])
+
+
+def test_a_block_read_by_more_sequences_is_worth_more_on_the_device(cpu_build, demo_model, tmp_path):
+    """A shared prefix takes the device from a private prompt (issue 37, 2). Sequence 3's blocks fill the pool and stay
+    active; the prefix its three readers share spilled before they shared it. Once two of them are active, the prefix's
+    blocks (more readers) take the slots of sequence 3's (one reader), and keep them: in the last round each reader's
+    ubatch reads less of the tail than sequence 3's does, and no block moves in the last two rounds (the hysteresis).
+    Bit-identical to the resident unified cache under the same ubatches.
+
+    It can fail: the policy before readers counted (an active block never gave way to another active one) kept
+    sequence 3's blocks on the device, so each of the prefix's readers streamed its 768 cells every step (seen failing
+    on that build: each reader's ubatch read 1024 tail cells, the prefix and the block of new tokens, and sequence 3's
+    256)."""
+    _, ref = _run(cpu_build, demo_model, tmp_path, "shared-resident", dict(mode="off"), body=_SHARED_BODY)
+    r, got = _run(cpu_build, demo_model, tmp_path, "shared-blocks", BLOCKS, body=_SHARED_BODY)
+    assert r["plan"]["windows"]["policy"] == "blocks"
+    assert got.shape == ref.shape and np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
+    steps = {s["label"]: s["stats"] for s in r["steps"]}
+    tail = {lb: st["last"]["tail_bytes"] for lb, st in steps.items() if lb.startswith("round 5")}
+    prefix_before = steps["round 0 seq 0"]["last"]["tail_bytes"]  # the prefix spilled whole: its 768 cells + the new one
+    assert prefix_before > 0
+    for s in (0, 1, 2):
+        assert tail[f"round 5 seq {s}"] < tail["round 5 seq 3"], tail
+        assert tail[f"round 5 seq {s}"] < prefix_before / 2, (tail, prefix_before)
+    seqs = {q["seq"]: q for q in steps["round 5 seq 3"]["seqs"]}
+    assert seqs[0]["device_cells"] >= 512 and seqs[3]["tail_cells"] >= 768, seqs
+    moves = lambda label: steps[label]["moves"]  # noqa: E731
+    assert moves("round 5 seq 3")["promoted_cells"] == moves("round 4 seq 0")["promoted_cells"] > 0
+    assert moves("round 5 seq 3")["demoted_cells"] == moves("round 4 seq 0")["demoted_cells"] > 0
 
 
 def test_a_perturbed_move_is_caught(cpu_build, demo_model, tmp_path, resident):

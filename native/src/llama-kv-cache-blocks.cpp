@@ -7,12 +7,18 @@
 //
 //  1. A slot whose block holds no cell in use is free at once (no copy).
 //  2. The blocks the ubatch writes, then the blocks its sequences read (oldest first), take free slots: a new token lands
-//     on the device, and a sequence's spilled blocks come back (promotion: its tail rows -> the slot's rows).
+//     on the device, and a sequence's spilled blocks come back (promotion: its tail rows -> the slot's rows). Blocks
+//     with more readers (4.) go first.
 //  3. When no slot is free, a block no ubatch read or wrote in the last LLAMA_RKV_BLK_IDLE ubatches gives its slot up,
-//     the least recently used first (demotion: the slot's rows -> its tail rows). A block in use by an active sequence
-//     never gives way to another active one: the bytes a step streams do not depend on which of the active blocks are
-//     on the device (they are the active blocks that do not fit), so such a swap would only cost copies, and could
-//     ping-pong between two growing requests. That is the hysteresis.
+//     the least recently used first (demotion: the slot's rows -> its tail rows).
+//  4. A block's worth is its readers: the active sequences (held by a ubatch in the last LLAMA_RKV_BLK_IDLE) with a cell
+//     in it. A prefix shared across slots (seq_cp) is read by each of its sequences' ubatches, so on the device it
+//     saves a copy for each of them. The ubatch's blocks come back most readers first, and when no idle slot is left a
+//     block this ubatch does not read gives its slot up to one with strictly more readers (the fewest readers first).
+//     An active block never gives way to one with as many readers: the bytes a step streams do not depend on which of
+//     them are on the device when every reader is in the step, so such a swap would only cost copies, and could
+//     ping-pong between two growing requests; a strictly larger count cannot swap back while the readers stay. That is
+//     the hysteresis.
 //
 // Cells never move: find_slot, the cells' metadata and the mask stay those of the resident cache. The op attends the
 // logical keys in their order through a block map (ggml_streaming_flash_attn_set_block_map): on the CPU the result is
@@ -41,6 +47,7 @@ void llama_kv_cache::rkv_blk_init(uint32_t wc) {
     rkv_blk_slot.assign(n_blk, -1);
     rkv_slot_blk.assign(n_slot, -1);
     rkv_blk_seen.assign(n_blk, 0);
+    rkv_seq_seen.assign(LLAMA_MAX_SEQ, 0);
     rkv_blk_clock = 0;
 }
 
@@ -112,21 +119,36 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
     rkv_blk_clock += 1;
     const uint64_t now = rkv_blk_clock;
 
-    // which blocks hold a cell in use, and which the ubatch reads (a cell of one of its sequences) or writes
+    // which blocks hold a cell in use, which the ubatch reads (a cell of one of its sequences) or writes, and how many
+    // active sequences read each
     llama_kv_cells::seq_set_t seqs;
     for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
         seqs.set(ubatch.seq_id_unq[s]);
+        rkv_seq_seen[ubatch.seq_id_unq[s]] = now;
+    }
+    llama_kv_cells::seq_set_t active;
+    for (uint32_t s = 0; s < rkv_seq_seen.size(); ++s) {
+        if (rkv_seq_seen[s] > 0 && rkv_seq_seen[s] + LLAMA_RKV_BLK_IDLE >= now) {
+            active.set(s);
+        }
     }
     std::vector<uint8_t> used(n_blk, 0), want(n_blk, 0);
+    std::vector<llama_kv_cells::seq_set_t> blk_seqs(n_blk);
     const uint32_t n_used = cells.used_max_p1();
     for (uint32_t i = 0; i < n_used; ++i) {
         if (cells.is_empty(i)) {
             continue;
         }
+        const auto & cell_seqs = cells.seq_get_all(i);
         used[i/LLAMA_RKV_BLK] = 1;
-        if ((cells.seq_get_all(i) & seqs).any()) {
+        blk_seqs[i/LLAMA_RKV_BLK] |= cell_seqs;
+        if ((cell_seqs & seqs).any()) {
             want[i/LLAMA_RKV_BLK] = 1;
         }
+    }
+    std::vector<uint32_t> readers(n_blk, 0);
+    for (uint32_t b = 0; b < n_blk; ++b) {
+        readers[b] = (uint32_t) (blk_seqs[b] & active).count();
     }
     std::vector<uint32_t> written;
     for (const uint32_t idx : sinfo.idxs[0]) {
@@ -156,13 +178,15 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
         }
     }
 
-    // 2. the ubatch's blocks in the tail: those it writes first, then those it reads, oldest first
+    // 2. the ubatch's blocks in the tail, most readers first; among as many readers, those it writes (a new token lands on
+    // the device), then those it reads, oldest first
     std::vector<uint32_t> order = written;
     for (uint32_t b = 0; b < n_blk; ++b) {
         if (want[b] == 1) {
             order.push_back(b);
         }
     }
+    std::stable_sort(order.begin(), order.end(), [&readers](uint32_t a, uint32_t b) { return readers[a] > readers[b]; });
     order.erase(std::remove_if(order.begin(), order.end(), [this](uint32_t b) { return rkv_blk_slot[b] >= 0; }), order.end());
 
     bool synced = false;
@@ -186,7 +210,22 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
             }
         }
         if (slot < 0) {
-            break; // every slot holds an active block: the rest of the ubatch's blocks stay in the tail
+            // 4. else the slot of a block this ubatch does not read, with fewer readers than b: the fewest, then the
+            // least recently used
+            for (uint32_t s = 0; s < rkv_slot_blk.size(); ++s) {
+                const int32_t v = rkv_slot_blk[s];
+                if (want[v] || readers[v] >= readers[b]) {
+                    continue;
+                }
+                const int32_t best = slot < 0 ? -1 : rkv_slot_blk[slot];
+                if (best < 0 || readers[v] < readers[best] ||
+                        (readers[v] == readers[best] && rkv_blk_seen[v] < rkv_blk_seen[best])) {
+                    slot = (int32_t) s;
+                }
+            }
+        }
+        if (slot < 0) {
+            continue; // every slot holds a block worth as much: b stays in the tail (one with fewer readers may not)
         }
         if (!synced) {
             // the graph before this ubatch may still read and write these rows (an asynchronous backend)
