@@ -28,7 +28,7 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 }
 
 //
-// KV residency: the C API over the planner (llama-kv-residency.cpp); the request hand-over and the plan JSON
+// KV residency: the C API over the planner (llama-kv-residency.cpp); context creation with a request, and the plan JSON
 //
 
 #include "llama-rolling-kv-internal.h"
@@ -45,20 +45,6 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 #include <cstring>
 #include <memory>
 #include <string>
-
-//
-// request hand-over
-//
-
-static thread_local std::shared_ptr<llama_rkv_state> g_rkv_pending;
-
-void llama_rkv_set_pending(std::shared_ptr<llama_rkv_state> st) {
-    g_rkv_pending = std::move(st);
-}
-
-std::shared_ptr<llama_rkv_state> llama_rkv_take_pending() {
-    return std::move(g_rkv_pending);
-}
 
 //
 // JSON
@@ -560,12 +546,7 @@ struct llama_context * llama_init_from_model_rolling_kv_test(
                        "outputs are WRONG (ROLLINGKV_DEBUG_PERTURB_MOVE: unset it)\n", __func__, hooks.perturb_move);
     }
 
-    llama_rkv_set_pending(st);
-
-    llama_context * ctx = llama_init_from_model(model, params);
-
-    // never leave a request behind for the next context of this thread
-    llama_rkv_set_pending(nullptr);
+    llama_context * ctx = llama_init_from_model(model, params, st);
 
     if (!ctx) {
         // the planner's refusal (a vram_target below the minimum, ...) when it was one
