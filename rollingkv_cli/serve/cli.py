@@ -136,7 +136,8 @@ def serve(ctx: click.Context, model_spec, print_args, quiet, extra, **flags) -> 
     Arguments after `--` go to llama-server unchanged (one that contradicts serve's own, such as --port or
     -m, is refused), e.g. `-- -t 8 --api-key KEY`. A --host other than loopback without an API key is
     warned about. The server's output goes to a log file whose
-    path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
+    path is printed; Ctrl-C, SIGTERM or SIGHUP stop it (SIGTERM, then SIGKILL after 3 s: a request in flight
+    holds it), and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
     from rollingkv_cli.serve import launch, settings

@@ -159,6 +159,7 @@ class ServerProcess:
         # how long stop() waits after SIGTERM before SIGKILL: llama-server finishes the batch it is decoding first (a
         # long prefill: seconds to minutes on a CPU)
         self.stop_grace = stop_grace
+        self.killed = False  # stop() had to SIGKILL it: it had not ended stop_grace seconds after SIGTERM
 
     @property
     def command(self) -> list[str]:
@@ -260,13 +261,17 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float | None = None) -> int | None:
-        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group."""
+        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group (self.killed says it came to that)."""
         from rollingkv_cli.lib.procs import stop_group
 
         if self.proc is None:
             return None
+
+        def killing() -> None:
+            self.killed = True
+
         try:
-            stop_group(self.proc, self.stop_grace if grace is None else grace)
+            stop_group(self.proc, self.stop_grace if grace is None else grace, on_kill=killing)
         finally:
             self._close_log()
         return self.proc.returncode
