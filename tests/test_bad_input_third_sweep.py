@@ -59,3 +59,44 @@ def test_an_unclear_offline_value_is_refused_in_one_line(value, capsys, isolated
     code, _, err = run_main(["model", "demo"], capsys)
     assert code == 1 and _errors(err) == [f"error: $ROLLINGKV_OFFLINE={value!r} is neither on nor off"], err
     assert "hint: set it to 1 (never download) or 0" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ the library's knobs
+
+@pytest.mark.parametrize("value", ["262145", "17592186044416", str(10**30)])
+def test_runtime_mib_past_any_gpus_memory_is_refused(value, capsys, isolated_cache, monkeypatch, fake_gguf):
+    """$ROLLINGKV_RUNTIME_MIB had no upper bound: `bench tail --dry-run` (and serve, run, the gates) took 10^30, which the
+    library multiplies by 2^20 in a size_t (2^44 MiB and more wrap around to a small reserve). Seen failing before the
+    fix: the value passed (the command went on, to "no rollingkv build yet" in this empty cache). Now more than any GPU's memory (256 GiB) is one line, exit 1, as the other knobs' bounds are."""
+    monkeypatch.setenv("ROLLINGKV_RUNTIME_MIB", value)
+    code, _, err = run_main(["bench", "tail", str(fake_gguf), "--dry-run"], capsys)
+    assert code == 1 and _errors(err) == [f"error: ${'ROLLINGKV_RUNTIME_MIB'}={value!r} is more than any GPU's memory "
+                                          "(262144 MiB); a GPU runtime's own memory is a few hundred MiB"], err
+
+
+@pytest.mark.parametrize("name,value", [
+    ("ROLLINGKV_SLOT_MIB", "1_000"),          # Python: 1000; atoi: 1
+    ("ROLLINGKV_SLOTS", "٣"),                 # an Arabic-Indic 3: Python 3; atoi 0, clamped to 2
+    ("ROLLINGKV_SLOTS", " "),                 # blank: Python's default 3; atoi 0, clamped to 2
+    ("ROLLINGKV_RUNTIME_MIB", "1000 "),       # a trailing blank: strtoll stops short, the library ignores it (640)
+    ("ROLLINGKV_RUNTIME_MIB", "2_000"),
+    ("ROLLINGKV_CPU_PART_THREADS", "1_6"),    # Python 16; the library warns and takes its default
+])
+def test_a_knob_the_library_would_misread_is_refused(name, value, capsys, isolated_cache, monkeypatch, fake_gguf):
+    """The library reads its knobs with atoi/strtoll, the CLI checked them with Python's int(), which also takes `1_000`,
+    other scripts' digits and blanks around: the CLI passed `ROLLINGKV_SLOT_MIB=1_000` as 1000 while the library used 1
+    MiB slots, and a blank ROLLINGKV_SLOTS (unset for the CLI) was 2 slots there. Seen failing before the fix: each
+    passed (the command went on, to "no rollingkv build yet" in this empty cache). Now only plain digits pass, else one line, exit 1."""
+    monkeypatch.setenv(name, value)
+    code, _, err = run_main(["bench", "tail", str(fake_gguf), "--dry-run"], capsys)
+    assert code == 1 and _errors(err) == [f"error: ${name}={value!r} is not a whole number in plain digits (no blanks, no "
+                                          "`_`): the library would misread it"], err
+
+
+@pytest.mark.parametrize("name,value,want", [("ROLLINGKV_RUNTIME_MIB", "262144", 262144), ("ROLLINGKV_RUNTIME_MIB", "0", 0),
+                                             ("ROLLINGKV_SLOTS", "+4", 4), ("ROLLINGKV_SLOT_MIB", "", None)])
+def test_plain_knob_values_pass(name, value, want, monkeypatch):
+    from rollingkv_cli.userinput import native_knob
+
+    monkeypatch.setenv(name, value)
+    assert native_knob(name) == want
