@@ -100,3 +100,58 @@ def test_plain_knob_values_pass(name, value, want, monkeypatch):
 
     monkeypatch.setenv(name, value)
     assert native_knob(name) == want
+
+
+# ------------------------------------------------------------------------------------------------ words before `--`
+
+@pytest.mark.parametrize("args,usage,shown", [
+    (["serve", "demo", "foo", "--print-args"], "rollingkv serve MODEL [serve options]", "foo"),
+    (["serve", "demo", "-c", "512", "foo", "bar", "--", "-t", "2"], "rollingkv serve MODEL [serve options]", "foo bar -t 2"),
+    (["bench", "load", "demo", "foo", "--dry-run"], "rollingkv bench load MODEL [options]", "foo"),
+], ids=["serve", "serve, before `--` args", "bench load"])
+def test_a_stray_word_before_the_dashes_is_refused(args, usage, shown, capsys, isolated_cache):
+    """`rollingkv serve demo foo` passed `foo` to llama-server silently (click hands every positional word to the
+    pass-through argument, before `--` or after it), which then ran with an argument it ignores; `bench load demo foo`
+    gave `foo` to every cell's server. Seen failing before the fix: `serve demo foo --print-args` exit 0 with `foo` at the
+    end of llama-server's command line. Now a usage error (exit 2) that says where llama-server's arguments go."""
+    code, out, err = run_main(args, capsys)
+    stray = shown.split(" -t")[0]
+    word = "argument" if " " not in stray else "arguments"
+    assert code == 2, out + err
+    assert f"Error: unexpected {word} {stray} after MODEL: llama-server's own arguments go after `--` ({usage} -- {shown})" in err
+
+
+def test_the_first_word_after_the_dashes_is_not_taken_as_model(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    """With MODEL in the config file, `serve --config c.yaml -- -t 2` took `-t` (the first word after `--`) as MODEL:
+    "error: model -t not found". Seen failing before the fix with that line. Now the config's model is served and both
+    words go to llama-server."""
+    import shlex
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: demo\nctx_size: 1024\n")
+    code, out, err = run_main(["serve", "--config", str(cfg), "--print-args", "--", "-t", "2"], capsys)
+    assert code == 0, err
+    argv = shlex.split(out.strip().splitlines()[-1])
+    assert argv[argv.index("-m") + 1] == str(demo_model) and argv[-2:] == ["-t", "2"], argv
+
+
+@pytest.mark.parametrize("args,want", [
+    (["serve", "--print-args", "--", "-t", "2"], "error: no MODEL given"),
+    (["bench", "load", "--dry-run", "--", "-t", "2"],
+     "Error: Missing argument 'MODEL': give it before `--` (rollingkv bench load MODEL [options] -- -t 2)"),
+], ids=["serve", "bench load"])
+def test_no_model_before_the_dashes_says_so(args, want, capsys, isolated_cache):
+    """Without MODEL, the first word after `--` became MODEL: "error: model -t not found" (exit 1) for `serve -- -t 2`
+    and `bench load -- -t 2`. Seen failing before the fix with that line. Now the missing MODEL is said (exit 2)."""
+    code, out, err = run_main(args, capsys)
+    assert code == 2 and want in err, out + err
+
+
+def test_words_after_the_dashes_still_reach_llama_server(tmp_path, capsys, demo_model, monkeypatch, cpu_build):
+    import shlex
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    code, out, err = run_main(["serve", "demo", "--print-args", "--", "foo", "--", "-t", "2"], capsys)
+    assert code == 0, err
+    assert shlex.split(out.strip().splitlines()[-1])[-4:] == ["foo", "--", "-t", "2"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import PassThroughCommand
 from rollingkv_cli.serve.settings import SETTINGS, SettingError, check_setting, config_value, load_config
 
 CONFIG = "rollingkv.serve.config"  # ctx.meta: the --config file's path and its extra_args, once read
@@ -60,6 +61,9 @@ def _read_config(ctx: click.Context, param, path: Path | None) -> Path | None:
 def _extra(ctx: click.Context, param, value: tuple[str, ...]) -> tuple[list[str], str]:
     """(llama-server's own arguments, where they came from): those after `--`, else the config file's extra_args (not
     through default_map: click would split a string there and refuse a non-list in its own words)."""
+    from rollingkv_cli.cliopts import pass_through
+
+    value = pass_through(ctx, value, "rollingkv serve MODEL [serve options]")
     if value or CONFIG not in ctx.meta:
         return list(value), "after `--`"
     source = _config_source(ctx)
@@ -70,7 +74,7 @@ def _setting(*decls: str, key: str, **kw):
     return click.option(*decls, type=SettingType(key), **kw)
 
 
-class _ServeCommand(click.Command):
+class _ServeCommand(PassThroughCommand):
     """An option serve does not know is most often one of llama-server's (`serve demo -t 2`): the error says where it goes."""
 
     def parse_args(self, ctx, args):
@@ -134,7 +138,7 @@ def serve(ctx: click.Context, model_spec, print_args, quiet, extra, **flags) -> 
     """Run the patched llama-server (OpenAI-compatible API) on MODEL (a GGUF path or `demo`).
 
     Arguments after `--` go to llama-server unchanged (one that contradicts serve's own, such as --port or
-    -m, is refused), e.g. `-- -t 8 --api-key KEY`. A --host other than loopback without an API key is
+    -m, is refused), e.g. `-- -t 8 --api-key KEY`; a word before `--` other than MODEL is refused. A --host other than loopback without an API key is
     warned about. The server's output goes to a log file whose
     path is printed; Ctrl-C, SIGTERM or SIGHUP stop it (SIGTERM, then SIGKILL after 3 s: a request in flight
     holds it), and it never outlives this command.
