@@ -155,3 +155,23 @@ def test_words_after_the_dashes_still_reach_llama_server(tmp_path, capsys, demo_
     code, out, err = run_main(["serve", "demo", "--print-args", "--", "foo", "--", "-t", "2"], capsys)
     assert code == 0, err
     assert shlex.split(out.strip().splitlines()[-1])[-4:] == ["foo", "--", "-t", "2"]
+
+
+# ------------------------------------------------------------------------------------------------ the re-sweep: config files
+
+def test_an_empty_config_path_says_so(capsys, isolated_cache):
+    """`serve --config ''` (an unset shell variable) said "cannot read config file .: it is a directory": Path('') is
+    the current directory. Seen failing before the fix with that line. Now the empty path is named (exit 2)."""
+    code, out, err = run_main(["serve", "--config", "", "--print-args"], capsys)
+    assert code == 2 and "Invalid value for '--config': an empty path" in err, out + err
+
+
+def test_a_json_config_file_is_read_as_json(capsys, isolated_cache, tmp_path):
+    """A serve config named .json was read as YAML, which takes what JSON refuses (`{"model": "demo",}`, a trailing
+    comma), while the same file given to `gate equiv --thresholds` was refused: one reader for both (userinput.read_data).
+    Seen failing before the fix: the file was taken (the command went on to "no rollingkv build yet")."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"model": "demo",}')
+    code, out, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 1 and _errors(err) == [f"error: config file {cfg} is not valid JSON: Expecting property name enclosed in "
+                                          "double quotes (line 1, column 18)"], out + err

@@ -46,12 +46,15 @@ class SettingType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-def _read_config(ctx: click.Context, param, path: Path | None) -> Path | None:
+def _read_config(ctx: click.Context, param, path: str | None) -> Path | None:
     """--config (eager: read before any other parameter): the file's settings become the command's defaults (click's
     default_map), so that a flag given wins over the file's key, and a key left to the file is converted and checked by
     its parameter's type (SettingType). Its extra_args go to llama-server unless arguments follow `--` (_extra)."""
     if path is None or ctx.resilient_parsing:
         return path
+    if not path.strip():  # Path('') is the current directory: "cannot read config file .: it is a directory"
+        raise click.BadParameter("an empty path (an unset shell variable?): give the path of a YAML file", ctx, param)
+    path = Path(path)
     config = load_config(path)
     ctx.meta[CONFIG] = {"path": path, "extra_args": config.pop("extra_args", None)}
     ctx.default_map = {**(ctx.default_map or {}), **{("model_spec" if k == "model" else k): v for k, v in config.items()}}
@@ -128,8 +131,8 @@ class _ServeCommand(PassThroughCommand):
               help="Turn on llama-server's slot save/restore (--slot-save-path CACHE/slots). Off by default: with it ANY client "
                    "that reaches the server can write KV cache files (each as large as a slot's cache) into that folder and "
                    "read them back (POST /slots/N?action=save|restore); use it only with an API key or on loopback.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), is_eager=True, callback=_read_config, expose_value=False,
-              help="YAML file with the same keys as these flags (flags win).")
+@click.option("--config", "config_file", type=click.Path(), is_eager=True, callback=_read_config, expose_value=False,
+              help="YAML file (JSON for a .json file) with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, callback=_extra)
