@@ -330,6 +330,7 @@ NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
     "ROLLINGKV_SLOT_MIB": (1, 4096, "a size in MiB from 1 to 4096, such as 32"),
     "ROLLINGKV_RUNTIME_MIB": (0, 262144, "a size in MiB from 0 to 262144, such as 640"),
     "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
+    "ROLLINGKV_CPU_PART_SPIN_US": (0, 1000000, "microseconds from 0 to 1000000, such as 300"),
 }
 _NOT_CLAMPED = ("ROLLINGKV_RUNTIME_MIB",)
 

@@ -175,3 +175,48 @@ def test_a_json_config_file_is_read_as_json(capsys, isolated_cache, tmp_path):
     code, out, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
     assert code == 1 and _errors(err) == [f"error: config file {cfg} is not valid JSON: Expecting property name enclosed in "
                                           "double quotes (line 1, column 18)"], out + err
+
+
+# ------------------------------------------------------------------------------------------------ the re-sweep: environment
+
+@pytest.mark.parametrize("where", ["/proc", "/sys"])
+def test_a_cache_on_a_pseudo_filesystem_is_refused_in_one_line(where, capsys, monkeypatch):
+    """`ROLLINGKV_CACHE_DIR=/proc rollingkv model demo` (as root, whom access(2) lets "write" there) ended in "internal
+    error: FileNotFoundError" when the models folder could not be made. Seen failing before the fix with that line. Now
+    the cache is refused as the output paths are: one line, exit 1."""
+    from rollingkv_cli.lib import paths
+
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", where)
+    monkeypatch.setenv("ROLLINGKV_OFFLINE", "0")
+    monkeypatch.setattr(paths, "_usable", set())
+    monkeypatch.setattr(models.subprocess, "run", lambda *a, **k: pytest.fail("went on to download"))
+    code, out, err = run_main(["model", "demo"], capsys)
+    assert code == 1 and _errors(err) == [f"error: $ROLLINGKV_CACHE_DIR={where} is not on a disk (a pseudo filesystem such "
+                                          "as /proc or /sys)"], out + err
+
+
+def test_an_output_encoding_without_the_check_mark_is_no_internal_error(tmp_path, demo_model):
+    """With `PYTHONIOENCODING=ascii` (or a latin-1 terminal) `rollingkv model demo` did its work, then ended in
+    "internal error: UnicodeEncodeError" on its "✓" line (exit 1). Seen failing before the fix with that line. Now the
+    character is replaced and the command succeeds."""
+    import os
+    import sys
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(demo_model.parent, target_is_directory=True)
+    env = {**os.environ, "ROLLINGKV_CACHE_DIR": str(cache), "ROLLINGKV_OFFLINE": "1", "PYTHONIOENCODING": "ascii"}
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "model", "demo"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 0 and "internal error" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("? demo model: "), proc.stdout
+
+
+def test_the_cpu_parts_spin_is_checked_as_the_other_knobs(capsys, isolated_cache, monkeypatch, fake_gguf):
+    """ROLLINGKV_CPU_PART_SPIN_US, which libllama reads with atoi and clamps to 0..1000000, was not checked: `abc` meant
+    a spin of 0 µs there, silently. Seen failing before the fix: the value passed (the command went on, to "no rollingkv
+    build yet"). Now one line, exit 1."""
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_SPIN_US", "abc")
+    code, _, err = run_main(["bench", "tail", str(fake_gguf), "--dry-run"], capsys)
+    assert code == 1 and _errors(err) == ["error: $ROLLINGKV_CPU_PART_SPIN_US='abc' is not a whole number in plain digits "
+                                          "(no blanks, no `_`): the library would misread it"], err

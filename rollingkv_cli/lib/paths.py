@@ -51,9 +51,12 @@ def _check_cache_dir(p: Path, explicit: str | None) -> None:
     if p.exists() and not p.is_dir():
         abort(f"{what} is a file, not a directory", hint)
     try:
-        read_only = p.is_dir() and bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        vfs = os.statvfs(p) if p.is_dir() else None
     except OSError:
-        read_only = False
+        vfs = None
+    if vfs is not None and vfs.f_blocks == 0:  # /proc, /sys: root may "write" there, and `model demo` then failed inside
+        abort(f"{what} is not on a disk (a pseudo filesystem such as /proc or /sys)", hint)
+    read_only = vfs is not None and bool(vfs.f_flag & os.ST_RDONLY)
     if read_only:
         abort(f"{what} is on a read-only filesystem, and this command writes there (builds, logs, downloads)", hint)
     try:
