@@ -445,7 +445,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             except KeyboardInterrupt as e:
                 stopped_by = stopped_by or stop_signum(e)
     if stopped_by is not None:
-        if srv.killed:  # not "stopped": it did not end on SIGTERM (a streaming request holds its HTTP thread)
+        if srv.killed and srv.killed_after < srv.stop_grace:  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped
+            warn(f"llama-server killed (SIGKILL) at a second stop signal, {srv.killed_after:.1f} s after SIGTERM "
+                 f"(serve stopped by {signal_name(stopped_by)})")
+        elif srv.killed:  # not "stopped": it did not end on SIGTERM (a streaming request holds its HTTP thread)
             warn(f"llama-server killed (SIGKILL): it had not ended {srv.stop_grace:g} s after SIGTERM, most often because a "
                  f"request was still in flight (serve stopped by {signal_name(stopped_by)})")
         else:

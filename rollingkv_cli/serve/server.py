@@ -160,6 +160,7 @@ class ServerProcess:
         # long prefill: seconds to minutes on a CPU)
         self.stop_grace = stop_grace
         self.killed = False  # stop() had to SIGKILL it: it had not ended stop_grace seconds after SIGTERM
+        self.killed_after = 0.0  # seconds from the SIGTERM to the SIGKILL
 
     @property
     def command(self) -> list[str]:
@@ -267,8 +268,11 @@ class ServerProcess:
         if self.proc is None:
             return None
 
+        began = time.monotonic()
+
         def killing() -> None:
             self.killed = True
+            self.killed_after = time.monotonic() - began  # under stop_grace: a second stop signal cut the wait short
 
         try:
             stop_group(self.proc, self.stop_grace if grace is None else grace, on_kill=killing)
