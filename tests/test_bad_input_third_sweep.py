@@ -220,3 +220,27 @@ def test_the_cpu_parts_spin_is_checked_as_the_other_knobs(capsys, isolated_cache
     code, _, err = run_main(["bench", "tail", str(fake_gguf), "--dry-run"], capsys)
     assert code == 1 and _errors(err) == ["error: $ROLLINGKV_CPU_PART_SPIN_US='abc' is not a whole number in plain digits "
                                           "(no blanks, no `_`): the library would misread it"], err
+
+
+# ------------------------------------------------------------------------------------------------ the re-sweep: concurrent starts
+
+def test_a_port_taken_while_llama_server_starts_is_named(tmp_path):
+    """Two `rollingkv serve --port P` started at once both passed serve's check that P is free; the second llama-server
+    could not bind it and serve said "llama-server exited during start-up (exit status 1)" under a log box. Seen failing
+    before the fix with that line (no reason). Now the line says the port is taken and what to do. (A stand-in binary
+    prints llama-server's own line and exits 1, as the real one did in the sweep.)"""
+    from rollingkv_cli.serve.server import ServerProcess, free_port
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho \"0.00.002.882 E srv         start: couldn't bind HTTP server socket, hostname: 127.0.0.1, "
+                    "port: $4\"\necho '0.00.004.043 E srv  llama_server: exiting due to HTTP server error'\nexit 1\n")
+    fake.chmod(0o755)
+    port = free_port()
+    srv = ServerProcess(fake, [], port=port, log_path=tmp_path / "serve.log")
+    srv.start()
+    with pytest.raises(RollingKVError) as e:
+        srv.wait_healthy(timeout=30)
+    srv.stop()
+    assert e.value.message == (f"llama-server exited during start-up (exit status 1): port {port} on 127.0.0.1 is already in "
+                               "use (taken while llama-server started)"), e.value.message
+    assert e.value.hint.startswith("pick another with --port") and srv.failure_reason

@@ -82,6 +82,18 @@ def arg_error_in_log(lines: list[str]) -> str | None:
     return None
 
 
+def bind_error_in_log(lines: list[str]) -> str | None:
+    """llama-server's failure to listen ('couldn't bind HTTP server socket, hostname: H, port: P'): another process took
+    the port between serve's check and llama-server's bind (two serves on one port at once); None when the log has none."""
+    import re
+
+    for line in lines:
+        m = re.search(r"couldn't bind HTTP server socket, hostname: (\S+), port: (\d+)", line)
+        if m:
+            return f"port {m.group(2)} on {m.group(1)} is already in use (taken while llama-server started)"
+    return None
+
+
 def memory_error_in_log(lines: list[str]) -> str | None:
     """llama.cpp's failure to allocate (a context or model too large for the memory): 'could not allocate the KV cache
     (87890.62 MB)' from ggml's 'insufficient memory (attempted to allocate 87890.62 MB)' and llama's 'failed to allocate
@@ -209,6 +221,10 @@ class ServerProcess:
                         advice = "llama-server --help lists what it takes: check the flags, the arguments after `--` and the " \
                             "LLAMA_ARG_* variables" + \
                             (f"; {advice}" if advice else "")
+                if reason is None:  # the port, taken after our check (two serves started at once)
+                    reason = bind_error_in_log(self._log_lines())
+                    if reason:
+                        advice = "pick another with --port (0 = any free port), or stop what holds it" + (f"; {advice}" if advice else "")
                 if reason is None:  # memory it could not get: a context too large for the host
                     reason = memory_error_in_log(self._log_lines())
                     if reason:
