@@ -83,9 +83,22 @@ def _register() -> None:
 _register()
 
 
+def _tolerant_output() -> None:
+    """An output encoding that cannot write a character we print (`PYTHONIOENCODING=ascii`, a latin-1 terminal: "✓",
+    "—", a model's UTF-8 text) writes a replacement instead: it was "internal error: UnicodeEncodeError" after the work
+    was done."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if (stream.encoding or "").lower().replace("-", "") not in ("utf8", "utf8sig"):
+                stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError, OSError):  # not a TextIOWrapper (a test's capture): leave it
+            pass
+
+
 def main() -> None:
     from rollingkv_cli.lib.procs import stop_signals_raise
 
+    _tolerant_output()
     try:
         with stop_signals_raise():  # SIGTERM and SIGHUP unwind as Ctrl-C does: every command cleans up after each
             rv = rollingkv.main(standalone_mode=False)

@@ -17,6 +17,60 @@ def threads_in_range(ctx, param, value):
     return value
 
 
+AFTER_DASHES = "rollingkv.after_dashes"  # ctx.meta: the raw arguments after the first `--` (PassThroughCommand)
+MODEL_AFTER_DASHES = "rollingkv.model_after_dashes"  # ctx.meta: no MODEL came before that `--`
+
+
+class PassThroughCommand(click.Command):
+    """A command whose first argument is MODEL and whose last (nargs=-1) takes a child's own arguments after `--` (serve,
+    bench load). click hands every positional word to those two in turn, before `--` or after it: `serve demo foo`
+    passed `foo` to llama-server, and `serve --config c.yaml -- -t 2` took `-t` as MODEL (over the file's model) and
+    passed only `2`. So the raw arguments after the first `--` are kept in ctx.meta, with whether a MODEL came before
+    it (the words before `--` parsed alone, nothing converted or called), for pass_through."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta[AFTER_DASHES] = list(args[args.index("--") + 1:]) if "--" in args else []
+        ctx.meta[MODEL_AFTER_DASHES] = "--" in args and self._no_model_before(ctx, list(args[:args.index("--")]))
+        return super().parse_args(ctx, args)
+
+    def _no_model_before(self, ctx, before: list[str]) -> bool:
+        try:
+            opts, _, _ = self.make_parser(ctx).parse_args(args=before)
+        except click.ClickException:  # `--host --`: that `--` is an option's value; the real parse says what is wrong
+            return False
+        return not isinstance(opts.get("model_spec"), str)
+
+
+def pass_through(ctx: click.Context, value, usage: str, child: str = "llama-server") -> list[str]:
+    """The pass-through argument's value as the child's arguments: those after `--`. A word before `--` that is not MODEL
+    (`serve demo foo`) is a click.UsageError (exit 2). When no MODEL came before `--`, the first word after it, which
+    click took as MODEL, goes back to the child, and MODEL is what it would have been without it (the config file's
+    model, else None: the command's own "no MODEL" error). usage: the command's form, `rollingkv serve MODEL [options]`."""
+    import shlex
+
+    after = ctx.meta.get(AFTER_DASHES, [])
+    value = list(value)
+    if ctx.meta.get(MODEL_AFTER_DASHES):
+        param = next(p for p in ctx.command.params if p.name == "model_spec")
+        default = ctx.lookup_default("model_spec")
+        if default is None and param.required:
+            raise click.UsageError(f"Missing argument 'MODEL': give it before `--` ({usage} -- {shlex.join(after)})", ctx)
+        if default is not None:
+            ctx.set_parameter_source("model_spec", click.core.ParameterSource.DEFAULT_MAP)
+            default = param.type_cast_value(ctx, default)
+        ctx.params["model_spec"] = default
+        return after
+    if len(value) >= len(after) and value[len(value) - len(after):] == after:
+        stray = value[:len(value) - len(after)]
+    else:  # `--` was an option's value (`--host --`), not the end of the options: its own check says what is wrong
+        stray = []
+    if stray:
+        word = "argument" if len(stray) == 1 else "arguments"
+        raise click.UsageError(f"unexpected {word} {shlex.join(stray)} after MODEL: {child}'s own arguments go after `--` "
+                               f"({usage} -- {shlex.join(stray + after)})", ctx)
+    return value
+
+
 class HiddenAliasOption(click.Option):
     """An option whose old spellings (hidden_aliases) still work, shown neither in --help nor in its error messages."""
 

@@ -305,7 +305,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def env_flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool = False, example: str = "1 or 0") -> bool:
+    """An on/off variable: 1/true/yes/on, 0/false/no/off (any case), unset or blank: default; else one line, exit 1."""
     raw = env_str(name)
     if raw is None:
         return default
@@ -313,7 +314,7 @@ def env_flag(name: str, default: bool = False) -> bool:
         return True
     if raw.lower() in _FALSE:
         return False
-    abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, "1 or 0"))
+    abort(f"${name}={os.environ[name]!r} is neither on nor off", _unset_hint(name, example))
 
 
 # ------------------------------------------------------------------ the library's own knobs
@@ -321,22 +322,42 @@ def env_flag(name: str, default: bool = False) -> bool:
 # The variables libllama / libggml read themselves (ggml-rolling-kv.c, ggml_rkv_knobs): there a bad value is silently
 # ignored and one out of range silently clamped. Every command that loads the library or starts a child that does
 # checks them here first, with one parser each, so a value means the same everywhere or is refused with one line.
-# name: (lowest, highest, example)
+# name: (lowest, highest, example). The library clamps SLOTS, SLOT_MIB and CPU_PART_THREADS to their highest; RUNTIME_MIB
+# it takes as it is, times 2^20 in a size_t (2^44 MiB and more wrapped): its highest is the most device memory any GPU
+# has, where a runtime's own share is a few hundred MiB.
 NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
     "ROLLINGKV_SLOTS": (2, 8, "a number of slots from 2 to 8, such as 3"),
     "ROLLINGKV_SLOT_MIB": (1, 4096, "a size in MiB from 1 to 4096, such as 32"),
-    "ROLLINGKV_RUNTIME_MIB": (0, None, "a size in MiB such as 640"),
+    "ROLLINGKV_RUNTIME_MIB": (0, 262144, "a size in MiB from 0 to 262144, such as 640"),
     "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
+    "ROLLINGKV_CPU_PART_SPIN_US": (0, 1000000, "microseconds from 0 to 1000000, such as 300"),
 }
+_NOT_CLAMPED = ("ROLLINGKV_RUNTIME_MIB",)
 
 
 def native_knob(name: str, default: int | None = None) -> int | None:
-    """The library knob's value as the library takes it (NATIVE_KNOBS), default when unset; a value the library would
-    ignore or clamp: one line, exit 1."""
+    """The library knob's value as the library takes it (NATIVE_KNOBS), default when unset or empty; a value the library
+    would ignore, misread or clamp: one line, exit 1. The library reads the raw text with atoi or strtoll: only plain
+    ASCII digits (a sign before them) mean the same there as here. Python's int() also takes blanks around, `1_000` and
+    other scripts' digits, which atoi reads as 1 (or 0), and a blank value, which the library takes as 0 where Python
+    saw none."""
+    import re
+
     lo, hi, example = NATIVE_KNOBS[name]
-    v = env_int(name, default, minimum=lo, example=example)
-    if v is not None and hi is not None and v > hi and env_str(name) is not None:
-        abort(f"${name}={os.environ[name]!r} is more than the library takes ({hi}): it would use {hi}", _unset_hint(name, example))
+    raw = os.environ.get(name)
+    if raw is None or raw == "":  # the library's unset (ggml_rkv_env)
+        return default
+    if not re.fullmatch(r"[+-]?[0-9]+", raw):
+        abort(f"${name}={raw!r} is not a whole number in plain digits (no blanks, no `_`): the library would misread it",
+              _unset_hint(name, example))
+    v = int(raw)
+    if v < lo:
+        abort(f"${name}={raw!r} must be at least {lo}", _unset_hint(name, example))
+    if hi is not None and v > hi:
+        if name in _NOT_CLAMPED:
+            abort(f"${name}={raw!r} is more than any GPU's memory ({hi} MiB); a GPU runtime's own memory is a few hundred "
+                  "MiB", _unset_hint(name, example))
+        abort(f"${name}={raw!r} is more than the library takes ({hi}): it would use {hi}", _unset_hint(name, example))
     return v
 
 

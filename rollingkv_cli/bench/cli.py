@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import option, threads_in_range
+from rollingkv_cli.cliopts import PassThroughCommand, option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -288,7 +288,13 @@ def _ramp_levels(ctx, param, value: str):
     return levels
 
 
-@bench.command(short_help="A server under a mixed load of concurrent clients.")
+def _server_args_after_dashes(ctx, param, value):
+    from rollingkv_cli.cliopts import pass_through
+
+    return tuple(pass_through(ctx, value, "rollingkv bench load MODEL [options]"))
+
+
+@bench.command(cls=PassThroughCommand, short_help="A server under a mixed load of concurrent clients.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--mix", "mix_name", type=click.Choice(["table", "ramp", "random", "shared"]), default="table", show_default=True,
               help="table: a long request alone, short ones alone, short ones beside the long one, then after it; "
@@ -334,7 +340,7 @@ def _ramp_levels(ctx, param, value: str):
 @click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
               help=f"A small load for a CPU host, minutes instead of hours: cpu-small = {LOAD_PRESET_HELP} (a flag given "
                    "as well wins).")
-@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED, callback=_server_args_after_dashes)
 @click.pass_context
 def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
          ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, shared_sizes, n_clients, cell_names,

@@ -51,9 +51,12 @@ def _check_cache_dir(p: Path, explicit: str | None) -> None:
     if p.exists() and not p.is_dir():
         abort(f"{what} is a file, not a directory", hint)
     try:
-        read_only = p.is_dir() and bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        vfs = os.statvfs(p) if p.is_dir() else None
     except OSError:
-        read_only = False
+        vfs = None
+    if vfs is not None and vfs.f_blocks == 0:  # /proc, /sys: root may "write" there, and `model demo` then failed inside
+        abort(f"{what} is not on a disk (a pseudo filesystem such as /proc or /sys)", hint)
+    read_only = vfs is not None and bool(vfs.f_flag & os.ST_RDONLY)
     if read_only:
         abort(f"{what} is on a read-only filesystem, and this command writes there (builds, logs, downloads)", hint)
     try:
@@ -134,4 +137,8 @@ def serve_start_timeout() -> float:
 
 
 def offline() -> bool:
-    return os.environ.get(ENV_OFFLINE, "") not in ("", "0", "false", "no")
+    """$ROLLINGKV_OFFLINE as every on/off variable reads: 1/true/yes/on offline, 0/false/no/off (or unset, or blank)
+    online, anything else one line (exit 1). It was "anything but empty, 0, false or no": `=off` meant offline."""
+    from rollingkv_cli.userinput import env_flag
+
+    return env_flag(ENV_OFFLINE, False, example="1 (never download) or 0 (download what is missing)")

@@ -69,9 +69,10 @@ def popen_tied(cmd, *, new_session: bool = True, death_signal: int = signal.SIGT
     return subprocess.Popen(cmd, start_new_session=new_session, **kwargs)
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> int | None:
+def stop_group(proc: subprocess.Popen, grace: float = 10.0, on_kill=None) -> int | None:
     """SIGTERM the child's whole process group (the child alone when it shares ours), wait up to `grace`
-    seconds, then SIGKILL it: never an orphan.
+    seconds, then SIGKILL it: never an orphan. on_kill, when given, is called just before the SIGKILL (so that a
+    caller can say the child was killed, not stopped).
 
     An interrupt while waiting (a second Ctrl-C, another SIGTERM/SIGHUP) cuts the wait short: the group is
     killed and reaped first, then the interrupt goes on.
@@ -87,6 +88,8 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> int | None:
     except BaseException as e:  # KeyboardInterrupt, or a signal handler's exception
         pending = e
     if proc.poll() is None:
+        if on_kill is not None:
+            on_kill()
         _signal_group(proc, signal.SIGKILL)
         while True:
             try:

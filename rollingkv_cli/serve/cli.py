@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import PassThroughCommand
 from rollingkv_cli.serve.settings import SETTINGS, SettingError, check_setting, config_value, load_config
 
 CONFIG = "rollingkv.serve.config"  # ctx.meta: the --config file's path and its extra_args, once read
@@ -45,12 +46,15 @@ class SettingType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-def _read_config(ctx: click.Context, param, path: Path | None) -> Path | None:
+def _read_config(ctx: click.Context, param, path: str | None) -> Path | None:
     """--config (eager: read before any other parameter): the file's settings become the command's defaults (click's
     default_map), so that a flag given wins over the file's key, and a key left to the file is converted and checked by
     its parameter's type (SettingType). Its extra_args go to llama-server unless arguments follow `--` (_extra)."""
     if path is None or ctx.resilient_parsing:
         return path
+    if not path.strip():  # Path('') is the current directory: "cannot read config file .: it is a directory"
+        raise click.BadParameter("an empty path (an unset shell variable?): give the path of a YAML file", ctx, param)
+    path = Path(path)
     config = load_config(path)
     ctx.meta[CONFIG] = {"path": path, "extra_args": config.pop("extra_args", None)}
     ctx.default_map = {**(ctx.default_map or {}), **{("model_spec" if k == "model" else k): v for k, v in config.items()}}
@@ -60,6 +64,9 @@ def _read_config(ctx: click.Context, param, path: Path | None) -> Path | None:
 def _extra(ctx: click.Context, param, value: tuple[str, ...]) -> tuple[list[str], str]:
     """(llama-server's own arguments, where they came from): those after `--`, else the config file's extra_args (not
     through default_map: click would split a string there and refuse a non-list in its own words)."""
+    from rollingkv_cli.cliopts import pass_through
+
+    value = pass_through(ctx, value, "rollingkv serve MODEL [serve options]")
     if value or CONFIG not in ctx.meta:
         return list(value), "after `--`"
     source = _config_source(ctx)
@@ -70,7 +77,7 @@ def _setting(*decls: str, key: str, **kw):
     return click.option(*decls, type=SettingType(key), **kw)
 
 
-class _ServeCommand(click.Command):
+class _ServeCommand(PassThroughCommand):
     """An option serve does not know is most often one of llama-server's (`serve demo -t 2`): the error says where it goes."""
 
     def parse_args(self, ctx, args):
@@ -124,8 +131,8 @@ class _ServeCommand(click.Command):
               help="Turn on llama-server's slot save/restore (--slot-save-path CACHE/slots). Off by default: with it ANY client "
                    "that reaches the server can write KV cache files (each as large as a slot's cache) into that folder and "
                    "read them back (POST /slots/N?action=save|restore); use it only with an API key or on loopback.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), is_eager=True, callback=_read_config, expose_value=False,
-              help="YAML file with the same keys as these flags (flags win).")
+@click.option("--config", "config_file", type=click.Path(), is_eager=True, callback=_read_config, expose_value=False,
+              help="YAML file (JSON for a .json file) with the same keys as these flags (flags win).")
 @click.option("--print-args", is_flag=True, help="Print the exact llama-server command line and exit.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status; only start-up and shutdown lines.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, callback=_extra)
@@ -134,9 +141,10 @@ def serve(ctx: click.Context, model_spec, print_args, quiet, extra, **flags) -> 
     """Run the patched llama-server (OpenAI-compatible API) on MODEL (a GGUF path or `demo`).
 
     Arguments after `--` go to llama-server unchanged (one that contradicts serve's own, such as --port or
-    -m, is refused), e.g. `-- -t 8 --api-key KEY`. A --host other than loopback without an API key is
+    -m, is refused), e.g. `-- -t 8 --api-key KEY`; a word before `--` other than MODEL is refused. A --host other than loopback without an API key is
     warned about. The server's output goes to a log file whose
-    path is printed; Ctrl-C, SIGTERM or SIGHUP stop it gracefully, and it never outlives this command.
+    path is printed; Ctrl-C, SIGTERM or SIGHUP stop it (SIGTERM, then SIGKILL after 3 s: a request in flight
+    holds it), and it never outlives this command.
     The config file's values are checked as the flags are: a bad value of either exits with status 2.
     """
     from rollingkv_cli.serve import launch, settings

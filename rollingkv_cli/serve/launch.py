@@ -282,6 +282,11 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
 
 # ------------------------------------------------------------------ supervision
 
+# How long a stopped serve gives llama-server after SIGTERM before its SIGKILL. Idle, it ends in well under a second;
+# with a streaming request in flight it never ends on SIGTERM (its HTTP thread waits for the request the stopped task
+# loop will not finish), and the 15 s grace kept Ctrl-C waiting for nothing. A second Ctrl-C cuts even this short.
+SERVE_STOP_GRACE = 3.0
+
 def api_key(extra_args: list[str]) -> str | None:
     """The API key llama-server will require (--api-key or --api-key-file after `--`, else $LLAMA_API_KEY, as llama-server
     reads them): serve's own requests (/props, /slots) send it. None: the server is open to whoever reaches it."""
@@ -390,7 +395,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
     may_split_cache = may_split(*split_asked(vars(s), s.extra_args), cuda=cuda) and build_has_rolling_kv(b.lib_dir / "libllama.so")
     srv = ServerProcess(binary, server_command_args(s, slot_dir, bandwidth, ngl_args, cpu_attn_gbps, may_split_cache), host=s.host, port=port,
-                        log_path=log_path, api_key=key)
+                        log_path=log_path, api_key=key, stop_grace=SERVE_STOP_GRACE)
     if print_args:
         print(shlex.join(srv.command))
         return
@@ -440,7 +445,14 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             except KeyboardInterrupt as e:
                 stopped_by = stopped_by or stop_signum(e)
     if stopped_by is not None:
-        success(f"llama-server stopped ({signal_name(stopped_by)})")
+        if srv.killed and srv.killed_after < srv.stop_grace:  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped
+            warn(f"llama-server killed (SIGKILL) at a second stop signal, {srv.killed_after:.1f} s after SIGTERM "
+                 f"(serve stopped by {signal_name(stopped_by)})")
+        elif srv.killed:  # not "stopped": it did not end on SIGTERM (a streaming request holds its HTTP thread)
+            warn(f"llama-server killed (SIGKILL): it had not ended {srv.stop_grace:g} s after SIGTERM, most often because a "
+                 f"request was still in flight (serve stopped by {signal_name(stopped_by)})")
+        else:
+            success(f"llama-server stopped ({signal_name(stopped_by)})")
         raise SystemExit(128 + stopped_by)
     if exit_code:
         raise SystemExit(exit_code)

@@ -82,6 +82,18 @@ def arg_error_in_log(lines: list[str]) -> str | None:
     return None
 
 
+def bind_error_in_log(lines: list[str]) -> str | None:
+    """llama-server's failure to listen ('couldn't bind HTTP server socket, hostname: H, port: P'): another process took
+    the port between serve's check and llama-server's bind (two serves on one port at once); None when the log has none."""
+    import re
+
+    for line in lines:
+        m = re.search(r"couldn't bind HTTP server socket, hostname: (\S+), port: (\d+)", line)
+        if m:
+            return f"port {m.group(2)} on {m.group(1)} is already in use (taken while llama-server started)"
+    return None
+
+
 def memory_error_in_log(lines: list[str]) -> str | None:
     """llama.cpp's failure to allocate (a context or model too large for the memory): 'could not allocate the KV cache
     (87890.62 MB)' from ggml's 'insufficient memory (attempted to allocate 87890.62 MB)' and llama's 'failed to allocate
@@ -159,6 +171,8 @@ class ServerProcess:
         # how long stop() waits after SIGTERM before SIGKILL: llama-server finishes the batch it is decoding first (a
         # long prefill: seconds to minutes on a CPU)
         self.stop_grace = stop_grace
+        self.killed = False  # stop() had to SIGKILL it: it had not ended stop_grace seconds after SIGTERM
+        self.killed_after = 0.0  # seconds from the SIGTERM to the SIGKILL
 
     @property
     def command(self) -> list[str]:
@@ -207,6 +221,10 @@ class ServerProcess:
                         advice = "llama-server --help lists what it takes: check the flags, the arguments after `--` and the " \
                             "LLAMA_ARG_* variables" + \
                             (f"; {advice}" if advice else "")
+                if reason is None:  # the port, taken after our check (two serves started at once)
+                    reason = bind_error_in_log(self._log_lines())
+                    if reason:
+                        advice = "pick another with --port (0 = any free port), or stop what holds it" + (f"; {advice}" if advice else "")
                 if reason is None:  # memory it could not get: a context too large for the host
                     reason = memory_error_in_log(self._log_lines())
                     if reason:
@@ -260,13 +278,20 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float | None = None) -> int | None:
-        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group."""
+        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group (self.killed says it came to that)."""
         from rollingkv_cli.lib.procs import stop_group
 
         if self.proc is None:
             return None
+
+        began = time.monotonic()
+
+        def killing() -> None:
+            self.killed = True
+            self.killed_after = time.monotonic() - began  # under stop_grace: a second stop signal cut the wait short
+
         try:
-            stop_group(self.proc, self.stop_grace if grace is None else grace)
+            stop_group(self.proc, self.stop_grace if grace is None else grace, on_kill=killing)
         finally:
             self._close_log()
         return self.proc.returncode

@@ -188,9 +188,9 @@ def check_setting(key: str, value, from_text: bool = False):
 def load_config(path: Path) -> dict:
     """The config file's settings by key (`-` read as `_`); its structure and keys checked here, each value where it is
     used (config_value, from serve's click types)."""
-    from rollingkv_cli.userinput import read_yaml
+    from rollingkv_cli.userinput import read_data
 
-    data = read_yaml(path, "config file")
+    data = read_data(path, "config file")  # JSON for a .json file (as a thresholds file), else YAML
     if data is None:
         data = {}
     if not isinstance(data, dict):

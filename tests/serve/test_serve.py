@@ -680,6 +680,62 @@ def test_sigkill_of_serve_takes_llama_server_down_mid_prefill(cpu_build, demo_mo
 
 
 @pytest.mark.build
+@pytest.mark.parametrize("sig,twice", [("SIGTERM", False), ("SIGINT", False), ("SIGINT", True)],
+                         ids=["SIGTERM", "SIGINT", "SIGINT twice"])
+def test_a_stop_during_a_streaming_request_is_prompt_and_says_the_server_was_killed(cpu_build, demo_model, sig, twice):
+    """SIGTERM or Ctrl-C (SIGINT) to `rollingkv serve` while llama-server prefills a long streaming request: llama-server
+    does not end on SIGTERM then (its HTTP thread waits for the request its stopped task loop will never finish), and
+    serve waited its 15 s grace before the SIGKILL, then said "✓ llama-server stopped (SIGTERM)" as after a clean stop.
+    Seen failing before the fix: the stop took 15.1 s and the line said "stopped". Now: a few seconds, the line says
+    the server was killed and why, the exit status is still 128 + the signal, and no process serve started is left.
+    A second Ctrl-C 0.3 s after the first kills it at once; the line said "it had not ended 3 s after SIGTERM" then too
+    (seen failing before that fix): it names the second signal now."""
+    from proctree import descendants, kill_all, wait_for, wait_gone
+    from rollingkv_cli.serve.server import free_port
+
+    signum = getattr(signal, sig)
+    port = free_port()
+    env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "serve", "demo", "-q", "-c", "8192", "--port", str(port),
+                             "--", "-t", "2", "-b", "8192", "-ub", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    kids: set[int] = set()
+    client = None
+    try:
+        head = _wait_serving(proc)
+        client = _stream_request(port, 7000)
+        wait_for(lambda: _processing(port), 60, "the request to start")
+        time.sleep(1)  # inside the prefill
+        kids = descendants(proc.pid)
+        assert kids
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        if twice:
+            time.sleep(0.3)
+            proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+        out = head + out
+        assert took < (2 if twice else 8), f"serve took {took:.1f} s to stop:\n{out}"
+        assert proc.returncode == 128 + signum, out
+        assert not wait_gone(kids, 1.0), "a process serve started outlived it"
+        assert _server_pids(port) == []
+        if twice:
+            assert "llama-server killed (SIGKILL) at a second stop signal" in out and "had not ended" not in out, out
+        else:
+            assert "llama-server killed (SIGKILL): it had not ended 3 s after SIGTERM" in out, out
+        assert f"(serve stopped by {sig})" in out and "llama-server stopped" not in out, out
+        assert "Traceback" not in out
+    finally:
+        if client is not None:
+            client.close()
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.build
 def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_path):
     """Issue 39: serve's logs (<cache>/logs/serve-<time>-<port>.log) were never pruned; now the newest KEEP_RUN_LOGS runs'
     stay, this one's included, as the gates' (one function, paths.prune_run_logs), and other files are left alone. Seen
