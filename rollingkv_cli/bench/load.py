@@ -136,11 +136,25 @@ def prompt_tokens(url: str, n: int, seed: int) -> list[int]:
     return toks[:n]
 
 
-def run_request(url: str, r: Req, timeout: float, started: threading.Event | None = None) -> dict:
-    if r.prefix:  # a shared document, then this request's own text; cached prompts on (the server shares from them)
-        toks = prompt_tokens(url, r.prefix, r.prefix_seed) + prompt_tokens(url, r.prompt - r.prefix, r.seed)
-    else:
-        toks = prompt_tokens(url, r.prompt, r.seed)
+def request_tokens(url: str, r: Req, cache: dict | None = None) -> list[int]:
+    """The request's prompt: a shared document, then its own text (r.prefix), or text of its own; each text tokenized
+    once per cache."""
+    cache = {} if cache is None else cache
+
+    def text(n: int, seed: int) -> list[int]:
+        if (n, seed) not in cache:
+            cache[(n, seed)] = prompt_tokens(url, n, seed)
+        return cache[(n, seed)]
+
+    if r.prefix:
+        return text(r.prefix, r.prefix_seed) + text(r.prompt - r.prefix, r.seed)
+    return text(r.prompt, r.seed)
+
+
+def run_request(url: str, r: Req, timeout: float, started: threading.Event | None = None,
+                tokens: list[int] | None = None) -> dict:
+    # cached prompts on where a document is shared (the server shares from them)
+    toks = tokens if tokens is not None else request_tokens(url, r)
     payload = {"prompt": toks, "n_predict": r.gen, "ignore_eos": True, "temperature": 0, "seed": 0,
                "cache_prompt": bool(r.prefix)}
     t0 = time.monotonic()
@@ -230,13 +244,23 @@ def run_schedule(url: str, mix: Mix, timeout: float, on_done=None, stage_times: 
     """Every stage's requests, in order; each stage's start and end (time.monotonic) into stage_times."""
     results: list[dict] = []
     for st in mix.stages:
+        # every prompt of the stage tokenized before it starts: the server's tokenizer beside a decode being measured
+        # slowed it (a 20000-token document for three clients took ~3 s of the host's cores on the H100 machine, the
+        # first client's decode fell from 48 to 17 tok/s meanwhile, and the others arrived 3.3 s after its first token)
+        cache: dict = {}
+        tokens: dict[str, list[int] | None] = {}
+        for r in st.reqs:
+            try:
+                tokens[r.name] = request_tokens(url, r, cache)
+            except Exception:  # the request tokenizes again and records the failure itself
+                tokens[r.name] = None
         t_stage = time.monotonic()
         threads: list[threading.Thread] = []
         got: list[dict] = []
         lock = threading.Lock()
 
         def go(r: Req, ev: threading.Event | None = None):
-            res = run_request(url, r, timeout, ev)
+            res = run_request(url, r, timeout, ev, tokens.get(r.name))
             res["stage"] = st.name
             with lock:
                 got.append(res)

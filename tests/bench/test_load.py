@@ -362,6 +362,38 @@ def test_shared_mix_one_document_for_every_client():
     assert len({r.seed for r in shared.reqs}) == 3  # each client's own suffix
 
 
+def test_a_stage_tokenizes_its_prompts_before_it_starts(monkeypatch):
+    """The server's tokenizer must not run beside the decode a stage measures: every prompt of a stage is tokenized
+    (each text once) before its first request is sent, and each request sends those tokens. It failed before: each
+    client tokenized its document when it started, so the shared mix's later clients tokenized 20000 tokens each while
+    the first one decoded (on the H100 host its decode fell from 48 to 17 tok/s meanwhile)."""
+    events: list[tuple] = []
+
+    def tokens(url, n, seed):
+        events.append(("tokenize", n, seed))
+        return [seed % 1000 + 1] * n
+
+    def request(url, r, timeout, started=None, tokens=None):
+        events.append(("send", r.name, len(tokens) if tokens else None))
+        if started is not None:
+            started.set()
+        return {"name": r.name, "status": "ok"}
+
+    monkeypatch.setattr(lb, "prompt_tokens", tokens)
+    monkeypatch.setattr(lb, "run_request", request)
+    monkeypatch.setattr(lb, "clear_slots", lambda url: 0)
+    mix = lb.shared_mix(3, 100, 10, 5, 4, 256)
+    times: dict = {}
+    done = lb.run_schedule("http://x", mix, 5, stage_times=times)
+    assert sorted(d["name"] for d in done) == ["alone", "c1", "c2", "c3"] and set(times) == {"alone", "shared"}
+    shared = events[[i for i, e in enumerate(events) if e[0] == "send"][0] + 1:]  # after the alone stage's request
+    sends = [i for i, e in enumerate(shared) if e[0] == "send"]
+    tokenized = [i for i, e in enumerate(shared) if e[0] == "tokenize"]
+    assert tokenized and max(tokenized) < min(sends), shared  # every prompt before the first request
+    assert [e for e in shared if e[0] == "tokenize"].count(("tokenize", 100, 7000)) == 1  # the document once
+    assert all(e[2] == 110 for e in shared if e[0] == "send")
+
+
 def test_shared_mix_targets():
     def req(name, kind, ttft, tps):
         return {"name": name, "kind": kind, "status": "ok", "ttft_s": ttft, "decode_tps": tps}
