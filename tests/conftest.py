@@ -84,6 +84,14 @@ logs = []
 _cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda l, t, u: logs.append(t.decode(errors="replace")))
 llama_cpp.llama_log_set(_cb, None)
 llama_cpp.llama_backend_init()
+def batch_decode(ctx, items):  # one llama_decode of (seq, pos, token, want_logits) items; its status
+    b = llama_cpp.llama_batch_init(len(items), 0, 1)
+    for i, (s, p, t, lg) in enumerate(items):
+        b.token[i] = t; b.pos[i] = p; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
+    b.n_tokens = len(items)
+    rc = llama_cpp.llama_decode(ctx, b)
+    llama_cpp.llama_batch_free(b)
+    return rc
 """
 
 # After a prelude that loads `model` and defines `cparams()`: a state round trip of one sequence through llama_state_*.
@@ -98,12 +106,7 @@ def new(kw):
     assert ctx, ext.last_error()
     return ctx
 def feed(ctx, tokens, pos0):
-    b = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    for i, t in enumerate(tokens):
-        b.token[i] = t; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(tokens) - 1
-    b.n_tokens = len(tokens)
-    assert llama_cpp.llama_decode(ctx, b) == 0
-    llama_cpp.llama_batch_free(b)
+    assert batch_decode(ctx, [(0, pos0 + i, t, i == len(tokens) - 1) for i, t in enumerate(tokens)]) == 0
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
 def saved(kw):

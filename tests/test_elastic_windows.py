@@ -39,12 +39,7 @@ def step(counts):  # counts: {seq: tokens appended}; the last token of each asks
     for s, n in counts.items():
         for i in range(n):
             items.append((s, pos[s] + i, tok(s, pos[s] + i), i == n - 1))
-    b = llama_cpp.llama_batch_init(len(items), 0, 1)
-    for i, (s, p, t, lg) in enumerate(items):
-        b.token[i] = t; b.pos[i] = p; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
-    b.n_tokens = len(items)
-    assert llama_cpp.llama_decode(ctx, b) == 0
-    llama_cpp.llama_batch_free(b)
+    assert batch_decode(ctx, items) == 0
     for s, n in counts.items():
         pos[s] += n
     rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy()

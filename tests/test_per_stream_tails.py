@@ -30,12 +30,7 @@ n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 lens = [900, 250, 120, 60]
 toks = [[(i * 37 + 11 + 101 * s) % 20000 + 100 for i in range(1000)] for s in range(4)]
 def decode(items):  # items: (seq, pos, token, want_logits)
-    b = llama_cpp.llama_batch_init(len(items), 0, 1)
-    for i, (s, p, t, lg) in enumerate(items):
-        b.token[i] = t; b.pos[i] = p; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
-    b.n_tokens = len(items)
-    assert llama_cpp.llama_decode(ctx, b) == 0
-    llama_cpp.llama_batch_free(b)
+    assert batch_decode(ctx, items) == 0
 for s in range(4):
     decode([(s, i, toks[s][i], False) for i in range(lens[s])])
 logits, steps = [], []

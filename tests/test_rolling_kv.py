@@ -79,11 +79,7 @@ cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
 cp = cparams()
 cp.cb_eval = cb
 ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256))
-b = llama_cpp.llama_batch_init(300, 0, 1)
-for i in range(300):
-    b.token[i] = (i * 37 + 11) % 20000 + 100; b.pos[i] = i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == 299
-b.n_tokens = 300
-assert llama_cpp.llama_decode(ctx, b) == 0
+assert batch_decode(ctx, [(0, i, (i * 37 + 11) % 20000 + 100, i == 299) for i in range(300)]) == 0
 out = {region: {"layers": len(v), "views": len({p for p, _ in v.values()}), "names": sorted({n for _, n in v.values()})}
        for region, v in seen.items()}
 print(json.dumps(out))
@@ -123,13 +119,7 @@ def observe(t, ask, user):
 cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
 def decode(ctx, items):  # items: (seq, pos, token, want_logits)
     for c0 in range(0, len(items), 512):
-        part = items[c0:c0 + 512]
-        b = llama_cpp.llama_batch_init(len(part), 0, 1)
-        for i, (s, p, t, lg) in enumerate(part):
-            b.token[i] = t; b.pos[i] = p; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
-        b.n_tokens = len(part)
-        assert llama_cpp.llama_decode(ctx, b) == 0
-        llama_cpp.llama_batch_free(b)
+        assert batch_decode(ctx, items[c0:c0 + 512]) == 0
 def tok(s, i):
     return (i * 37 + 11 + 101 * s) % 20000 + 100
 def counted():

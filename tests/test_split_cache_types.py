@@ -19,11 +19,7 @@ cp.n_ctx = 1024; cp.n_batch = 64; cp.n_ubatch = 64; cp.flash_attn_type = 1; cp.n
 cp.type_k = cp.type_v = int(os.environ["RKV_TEST_TYPE"])
 ctx = ext.init_context(model, cp, ext.make_params(mode="window", window_cells=256))
 assert ctx, ext.last_error()
-b = llama_cpp.llama_batch_init(32, 0, 1)
-for i in range(32):
-    b.token[i] = 100 + i; b.pos[i] = i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == 31
-b.n_tokens = 32
-rc = llama_cpp.llama_decode(ctx, b)
+rc = batch_decode(ctx, [(0, i, 100 + i, i == 31) for i in range(32)])
 print(json.dumps({"plan": ext.plan(ctx), "rc": rc}))
 """
 

@@ -42,12 +42,7 @@ def logits(ctx):
     out = []
     for p0 in (0, 512):
         chunk = toks[p0:p0 + 512]
-        b = llama_cpp.llama_batch_init(len(chunk), 0, 1)
-        for i, t in enumerate(chunk):
-            b.token[i] = t; b.pos[i] = p0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = 0; b.logits[i] = i == len(chunk) - 1
-        b.n_tokens = len(chunk)
-        assert llama_cpp.llama_decode(ctx, b) == 0
-        llama_cpp.llama_batch_free(b)
+        assert batch_decode(ctx, [(0, p0 + i, t, i == len(chunk) - 1) for i, t in enumerate(chunk)]) == 0
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
 def hooks(tail=0.0, move=0):

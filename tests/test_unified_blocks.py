@@ -42,16 +42,14 @@ toks = [[(i * 37 + 11 + 101 * s) % 20000 + 100 for i in range(2000)] for s in ra
 pos = [0, 0, 0, 0]
 logits, steps = [], []
 def decode(label, items):  # items: (seq, token, want_logits); each item takes its sequence's next position
-    b = llama_cpp.llama_batch_init(len(items), 0, 1)
-    for i, (s, t, lg) in enumerate(items):
-        b.token[i] = t; b.pos[i] = pos[s]; b.n_seq_id[i] = 1; b.seq_id[i][0] = s; b.logits[i] = lg
+    placed = []
+    for s, t, lg in items:
+        placed.append((s, pos[s], t, lg))
         pos[s] += 1
-    b.n_tokens = len(items)
-    assert llama_cpp.llama_decode(ctx, b) == 0
+    assert batch_decode(ctx, placed) == 0
     n_out = sum(1 for it in items if it[2])
     out = llama_cpp.llama_get_logits(ctx)
     logits.append(np.ctypeslib.as_array(out, shape=(n_out * n_vocab,)).copy())
-    llama_cpp.llama_batch_free(b)
     steps.append({"label": label, "stats": ext.stats(ctx)})
 def prefill(s, n):
     for c0 in range(0, n, 512):
