@@ -81,7 +81,8 @@ inline enum ggml_type llama_rolling_kv_arg_tail_type(const std::string & value) 
     }
     const enum ggml_type type = ggml_rkv_tail_type_from_name(value.c_str());
     if (type == GGML_TYPE_COUNT) {
-        throw std::invalid_argument("unsupported KV tail type: " + value + " (allowed: " + ggml_rkv_tail_type_names() + ", auto)");
+        throw std::invalid_argument("unsupported KV tail type: " + value + " (allowed: " + ggml_rkv_tail_type_names() +
+                                    ", auto)");
     }
     return type;
 }

@@ -17,8 +17,8 @@ extern "C" {
 // When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
 // type otherwise, or q4_0 (for windows wider than q4_0) where the tail at those types would take longer over the link
 // than a token's resident part times LLAMA_RKV_AUTO_TAIL_Q4_RATIO (llama-kv-residency.h); nothing spills: the window's
-// type. The plan JSON's "tail_types" says what was chosen and why. Refused with mode off, with window_cells that leave no
-// tail and with a requested head split whose host heads the type's blocks do not divide.
+// type. The plan JSON's "tail_types" says what was chosen and why. Refused with mode off, with window_cells that leave
+// no tail and with a requested head split whose host heads the type's blocks do not divide.
 #define LLAMA_ROLLING_KV_TAIL_TYPE_AUTO ((enum ggml_type) (GGML_TYPE_COUNT + 1))
 
 // "rollingkv api=<n> pin=<llama.cpp commit> series=<patch series hash>": identifies the build.
@@ -38,16 +38,18 @@ LLAMA_API size_t llama_rolling_kv_sizeof_model_params(void);
 
 enum llama_kv_residency_mode {
     LLAMA_KV_RESIDENCY_OFF    = 0, // the upstream cache, untouched (bit-identical to an unpatched build)
-    LLAMA_KV_RESIDENCY_AUTO   = 1, // resident when the KV fits the budget, else window or head, whichever costs less (API 5)
-    LLAMA_KV_RESIDENCY_HEAD   = 2, // always split by KV head: each layer's first heads on the device, the rest in host memory
+    LLAMA_KV_RESIDENCY_AUTO   = 1, // resident when the KV fits the budget, else window or head, whichever costs less
+                                   // (API 5)
+    LLAMA_KV_RESIDENCY_HEAD   = 2, // always split by KV head: each layer's first heads on the device, the rest in host
+                                   // memory
     LLAMA_KV_RESIDENCY_WINDOW = 3, // always split: device window + host tail
 };
 
 // API 7: how the windows of a window split with several streams (llama-server's slots without a unified cache) share
 // the device cells
 enum llama_kv_window_policy {
-    // one pool of n_stream * window cells that follows the load: a stream's window grows into cells other streams do not
-    // use (its oldest tail blocks promoted), shrinks to the cells its sequence uses, and an idle stream's window is
+    // one pool of n_stream * window cells that follows the load: a stream's window grows into cells other streams do
+    // not use (its oldest tail blocks promoted), shrinks to the cells its sequence uses, and an idle stream's window is
     // demoted to host memory when an active one needs the room. Exact between rows of one type; a quantized tail's rows
     // are converted (quantized when demoted, dequantized when promoted). One stream (a unified cache): static
     LLAMA_KV_WINDOWS_ELASTIC = 0,
@@ -64,8 +66,10 @@ struct llama_rolling_kv_params {
     // the streaming op's staging ring; <= 0: the free VRAM when the cache is created, minus a reserve
     int64_t        vram_target_mib;
     int64_t        window_cells;    // > 0: explicit window size in cells per stream; 0: the planner decides
-    enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner's (API 7)
-    enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO: the planner's (API 7)
+    enum ggml_type type_k_tail;     // GGML_TYPE_COUNT: same type as the window's K; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO:
+                                    // the planner's (API 7)
+    enum ggml_type type_v_tail;     // GGML_TYPE_COUNT: same type as the window's V; LLAMA_ROLLING_KV_TAIL_TYPE_AUTO:
+                                    // the planner's (API 7)
     float          pcie_bw_gbps;    // host->device bandwidth for the planner; <= 0: unknown (auto measures it)
     // the hybrid tail: the share of each split layer's tail cells (its far end, in 256-cell steps) that a GPU
     // attends on the CPU while it streams the rest. < 0: auto (the planner picks it from the link and CPU attention
@@ -143,7 +147,8 @@ LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, 
 // mode_requested and mode_chosen "off", nothing split.
 struct llama_rolling_kv_plan_info {
     enum llama_kv_residency_mode mode_requested;
-    const char *   mode_chosen;    // "off" (the upstream cache), "resident", "window" or "head" (split), "refused"; static storage
+    const char *   mode_chosen;    // "off" (the upstream cache), "resident", "window" or "head" (split), "refused";
+                                   // static storage
     bool           split;          // window or head
     uint32_t       kv_size;        // cells per stream
     uint32_t       n_stream;

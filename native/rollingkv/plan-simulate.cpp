@@ -11,24 +11,24 @@
 //
 // Input: a JSON object with mode ("auto"), vram_target_mib (0), window_cells (0), pcie_bw_gbps (0), type_k_tail,
 // type_v_tail, kv_size*, n_stream (1), n_ubatch (512: a GPU's compute_mib gains the per-stream mask copy of
-// llama_rkv_stream_mask_bytes for it), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"),
-// device ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
-// recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA
-// ring; 0 for host memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default
-// reserve), mem_bw_gbps (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, -1 = auto; 0: off),
-// cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what the
-// hybrid tail's calibrations would give; <= 0: none), layer_decode_measured_ms and cpu_part_latency_measured_ms (what
-// the device's per-layer probes would give; < 0: none, the planner's constants), head_k and head_v (128), n_threads (0), refuse (a reason the
-// cache is not eligible), devices (optional list of objects with name, n_layer, free_mib, weights_mib, compute_mib,
-// other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device, layers split in order), device_heads (the
-// request's, 0), n_head_kv (a number, or a list with one per layer whose K/V rows are then n_head_kv x head_k/head_v
-// elements; default n_embd_k_gqa/head_k), refuse_head (a reason the cache cannot split by head, e.g. ALiBi; a layer with
-// one KV head or a head size no cache type's block divides refuses by itself). type_k_tail/type_v_tail may be "auto" (the
-// planner chooses the split's tail type); op_unsupported_tails (a list of type names) models a device whose streaming op
-// refuses tails of those types. (*: required.)
-// Output: the plan as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has
-// mode_chosen "refused" and the message in "error"; invalid input gives {"error": ..., "invalid_input": true}.
-// Returns the full length (excluding NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
+// llama_rkv_stream_mask_bytes for it), n_layer*, n_embd_k_gqa*, n_embd_v_gqa*, type_k ("f16"), type_v ("f16"), device
+// ("GPU0"), host_memory (false), free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib (a hybrid model's
+// recurrent state, counted with the other caches and reported on its own), ring_mib (default: the CUDA ring; 0 for host
+// memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default reserve), mem_bw_gbps
+// (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, -1 = auto; 0:
+// off), cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what
+// the hybrid tail's calibrations would give; <= 0: none), layer_decode_measured_ms and cpu_part_latency_measured_ms
+// (what the device's per-layer probes would give; < 0: none, the planner's constants), head_k and head_v (128),
+// n_threads (0), refuse (a reason the cache is not eligible), devices (optional list of objects with name, n_layer,
+// free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device,
+// layers split in order), device_heads (the request's, 0), n_head_kv (a number, or a list with one per layer whose K/V
+// rows are then n_head_kv x head_k/head_v elements; default n_embd_k_gqa/head_k), refuse_head (a reason the cache
+// cannot split by head, e.g. ALiBi; a layer with one KV head or a head size no cache type's block divides refuses by
+// itself). type_k_tail/type_v_tail may be "auto" (the planner chooses the split's tail type); op_unsupported_tails (a
+// list of type names) models a device whose streaming op refuses tails of those types. (*: required.) Output: the plan
+// as llama_rolling_kv_plan_json writes it, plus "simulated": true; a refused request has mode_chosen "refused" and the
+// message in "error"; invalid input gives {"error": ..., "invalid_input": true}. Returns the full length (excluding
+// NUL; at most buf_size bytes are written, NUL included), or -1 if json_in is NULL.
 
 #include "llama-kv-residency.h"
 #include "llama-rolling-kv-internal.h"
@@ -56,8 +56,8 @@ namespace {
 
 using rkv_json = nlohmann::ordered_json; // ordered: "unknown key" names the first one in the input
 
-// parses the input (no exceptions: "" or why it is not valid); refuses duplicate keys, numbers out of the double range and
-// more than 16 levels of nesting, as the planner's input is a flat object with a list or two
+// parses the input (no exceptions: "" or why it is not valid); refuses duplicate keys, numbers out of the double range
+// and more than 16 levels of nesting, as the planner's input is a flat object with a list or two
 std::string rkv_parse(const char * json_in, rkv_json & out) {
     std::string err;
     std::vector<std::vector<std::string>> keys; // the keys of each object being parsed
@@ -233,15 +233,18 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.req.window_cells    = (int64_t) r.count("window_cells", 0);
     st.req.pcie_bw_gbps    = (float) r.num("pcie_bw_gbps", 0.0);
     st.req.tail_cpu_frac   = (float) r.num("tail_cpu_frac", st.req.tail_cpu_frac); // the request default (auto); 0: off
-    st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);  // the CPU part's attention bandwidth; <= 0: none given
+    // the CPU part's attention bandwidth; <= 0: none given
+    st.req.cpu_attn_gbps   = (float) r.num("cpu_attn_gbps", 0.0);
     st.req.device_heads    = (int32_t) r.count("device_heads", 0);
     st.head_k    = (int64_t) r.count("head_k", 128);
     st.head_v    = (int64_t) r.count("head_v", 128);
     st.n_threads = (int32_t) r.count("n_threads", 0);
     const double cpu_attn_measured = r.num("cpu_attn_measured_gbps", -1.0); // what a calibration would give
     const double link_measured     = r.num("link_measured_gbps", -1.0);     // what a pinned-copy measurement would give
-    const double layer_measured    = r.num("layer_decode_measured_ms", -1.0);    // what the device's layer probe would give
-    const double latency_measured  = r.num("cpu_part_latency_measured_ms", -1.0); // what its backend's CPU-part probe would
+    // what the device's layer probe would give
+    const double layer_measured    = r.num("layer_decode_measured_ms", -1.0);
+    // what its backend's CPU-part probe would
+    const double latency_measured  = r.num("cpu_part_latency_measured_ms", -1.0);
 
     st.kv_size  = (uint32_t) r.count("kv_size", 0, true);
     st.n_stream = (uint32_t) r.count("n_stream", 1);
@@ -255,9 +258,12 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.type_v = rkv_type_from_name(r.str("type_v", "f16"));
     const std::string tkt = r.str("type_k_tail", "");
     const std::string tvt = r.str("type_v_tail", "");
-    st.req.type_k_tail = tkt.empty() ? GGML_TYPE_COUNT : tkt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO : rkv_type_from_name(tkt);
-    st.req.type_v_tail = tvt.empty() ? GGML_TYPE_COUNT : tvt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO : rkv_type_from_name(tvt);
-    // as llama_init_from_model_rolling_kv: the cache describes itself at the window's types, the planner chooses the tail's
+    st.req.type_k_tail = tkt.empty() ? GGML_TYPE_COUNT : tkt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO
+                         : rkv_type_from_name(tkt);
+    st.req.type_v_tail = tvt.empty() ? GGML_TYPE_COUNT : tvt == "auto" ? LLAMA_ROLLING_KV_TAIL_TYPE_AUTO
+                         : rkv_type_from_name(tvt);
+    // as llama_init_from_model_rolling_kv: the cache describes itself at the window's types, the planner chooses the
+    // tail's
     llama_rkv_take_auto_tail(st);
     const bool k_auto_given = st.tail_auto_k;
     const bool v_auto_given = st.tail_auto_v;
@@ -346,15 +352,18 @@ static std::string rkv_plan_simulate(const char * json_in) {
     const ggml_type type_v_tail = st.req.type_v_tail == GGML_TYPE_COUNT ? st.type_v : st.req.type_v_tail;
 
     for (const auto & [t, n] : { std::make_pair(st.type_k, n_embd_k_gqa), std::make_pair(st.type_v, n_embd_v_gqa),
-                                 std::make_pair(type_k_tail, n_embd_k_gqa), std::make_pair(type_v_tail, n_embd_v_gqa) }) {
+                                 std::make_pair(type_k_tail, n_embd_k_gqa),
+                                 std::make_pair(type_v_tail, n_embd_v_gqa) }) {
         if (n % ggml_blck_size(t) != 0) {
-            return rkv_invalid(std::string("the K/V row size is not a multiple of the block size of ") + ggml_type_name(t));
+            return rkv_invalid(std::string("the K/V row size is not a multiple of the block size of ") +
+                               ggml_type_name(t));
         }
     }
 
     // a GPU device is modelled as a CUDA device: the ring and the runtime memory the CUDA backend reports
     ggml_rkv_dev_budget cuda;
-    ggml_cuda_rkv_dev_budget_of(ggml_row_size(type_k_tail, n_embd_k_gqa), ggml_row_size(type_v_tail, n_embd_v_gqa), st.n_stream, &cuda);
+    ggml_cuda_rkv_dev_budget_of(ggml_row_size(type_k_tail, n_embd_k_gqa), ggml_row_size(type_v_tail, n_embd_v_gqa),
+                                st.n_stream, &cuda);
     if (base.ring == ring_unset) {
         if (!host_memory) {
             st.ring_slots     = cuda.ring_slots;
@@ -370,7 +379,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
     if (heads_of.empty()) {
         if (st.head_k <= 0 || st.head_v <= 0 || n_embd_k_gqa % st.head_k != 0 || n_embd_v_gqa % st.head_v != 0 ||
                 n_embd_k_gqa/st.head_k != n_embd_v_gqa/st.head_v) {
-            return rkv_invalid("n_embd_k_gqa/head_k and n_embd_v_gqa/head_v must be one whole number of KV heads (or give n_head_kv)");
+            return rkv_invalid("n_embd_k_gqa/head_k and n_embd_v_gqa/head_v must be one whole number of KV heads (or "
+                               "give n_head_kv)");
         }
         heads_of.assign(1, n_embd_k_gqa/st.head_k);
     }
@@ -415,7 +425,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
         hl.head_bytes_tail   = ggml_row_size(type_k_tail, st.head_k) + ggml_row_size(type_v_tail, st.head_v);
         hl.head_k            = (uint32_t) st.head_k;
         hl.head_v            = (uint32_t) st.head_v;
-        hl.conv_head_bytes   = (st.type_k != GGML_TYPE_F16 ? st.head_k*2 : 0) + (st.type_v != GGML_TYPE_F16 ? st.head_v*2 : 0);
+        hl.conv_head_bytes   = (st.type_k != GGML_TYPE_F16 ? st.head_k*2 : 0) +
+                (st.type_v != GGML_TYPE_F16 ? st.head_v*2 : 0);
         hl.device_heads      = hl.n_head_kv;
         st.head_layers.push_back(hl);
     }
@@ -504,23 +515,32 @@ static std::string rkv_plan_simulate(const char * json_in) {
         return mem_bw > 0.0 ? mem_bw : -1.0;
     };
     if (cpu_attn_measured > 0.0) {
-        di.measure_cpu_attn = [cpu_attn_measured](std::string * how) { *how = "given (measured)"; return cpu_attn_measured; };
+        di.measure_cpu_attn = [cpu_attn_measured](std::string * how) {
+            *how = "given (measured)";
+            return cpu_attn_measured;
+        };
     }
     if (link_measured > 0.0) {
         di.measure_link = [link_measured](std::string * how) { *how = "given (measured)"; return link_measured; };
     }
     if (layer_measured >= 0.0) {
-        di.measure_layer_decode = [layer_measured](std::string * how) { *how = "given (measured)"; return layer_measured; };
+        di.measure_layer_decode = [layer_measured](std::string * how) {
+            *how = "given (measured)";
+            return layer_measured;
+        };
     }
     if (latency_measured >= 0.0) {
-        di.measure_cpu_part_latency = [latency_measured](std::string * how) { *how = "given (measured)"; return latency_measured; };
+        di.measure_cpu_part_latency = [latency_measured](std::string * how) {
+            *how = "given (measured)";
+            return latency_measured;
+        };
     }
     if (!op_unsupported.empty() && !host_memory) {
         di.tail_op_unsupported = [op_unsupported, dev_name](ggml_type tk, ggml_type tv, bool) -> std::string {
             for (ggml_type t : op_unsupported) {
                 if (t == tk || t == tv) {
-                    return "the " + dev_name + " backend cannot run the streaming op with a " + ggml_type_name(tk) + "/" +
-                           ggml_type_name(tv) + " tail (given)";
+                    return "the " + dev_name + " backend cannot run the streaming op with a " + ggml_type_name(tk) +
+                           "/" + ggml_type_name(tv) + " tail (given)";
                 }
             }
             return "";

@@ -7,7 +7,8 @@
 //
 //   void *  rollingkv_pool_new(uint32_t n_stream, uint32_t kv_size, uint32_t capacity);
 //   void    rollingkv_pool_begin_batch(void * pool, const uint8_t * in_batch);      // a batch (llama_decode) begins
-//   int32_t rollingkv_pool_step(void * pool, const uint32_t * ext_old, const uint32_t * ext_new, const uint8_t * in_ubatch,
+//   int32_t rollingkv_pool_step(void * pool, const uint32_t * ext_old, const uint32_t * ext_new,
+//                               const uint8_t * in_ubatch,
 //                               uint32_t * copies, int32_t max_copies);   // 6 numbers a copy: kind, strm, cell0, n,
 //                                                                         // row_src, row_dst; returns the count
 //   void    rollingkv_pool_windows(void * pool, uint32_t * base, uint32_t * cells, uint64_t * epoch);
@@ -34,8 +35,8 @@ RKV_SIM_API void rollingkv_pool_begin_batch(void * p, const uint8_t * in_batch) 
     llama_rkv_pool_begin_batch(pool, std::vector<uint8_t>(in_batch, in_batch + pool.n_stream));
 }
 
-RKV_SIM_API int32_t rollingkv_pool_step(void * p, const uint32_t * ext_old, const uint32_t * ext_new, const uint8_t * in_ubatch,
-        uint32_t * copies, int32_t max_copies) {
+RKV_SIM_API int32_t rollingkv_pool_step(void * p, const uint32_t * ext_old, const uint32_t * ext_new,
+        const uint8_t * in_ubatch, uint32_t * copies, int32_t max_copies) {
     auto & pool = *static_cast<llama_rkv_window_pool *>(p);
     const std::vector<uint32_t> eo(ext_old, ext_old + pool.n_stream);
     const std::vector<uint32_t> en(ext_new, ext_new + pool.n_stream);

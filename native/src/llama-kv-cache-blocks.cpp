@@ -1,18 +1,18 @@
 // rollingkv: block residency of a unified split cache (see llama-kv-cache.h, rkv_blocks).
 //
-// llama-server's default cache is one stream that holds every slot's sequence. A static window keeps whatever cells land
-// in [0, wc) on the device: a finished request's cached prompt keeps them while a new request's cells spill. Here the
-// window's rows are a pool of 256-row slots, each holding one logical block of 256 cells, and between ubatches the
+// llama-server's default cache is one stream that holds every slot's sequence. A static window keeps whatever cells
+// land in [0, wc) on the device: a finished request's cached prompt keeps them while a new request's cells spill. Here
+// the window's rows are a pool of 256-row slots, each holding one logical block of 256 cells, and between ubatches the
 // blocks follow the load:
 //
 //  1. A slot whose block holds no cell in use is free at once (no copy).
-//  2. The blocks the ubatch writes, then the blocks its sequences read (oldest first), take free slots: a new token lands
-//     on the device, and a sequence's spilled blocks come back (promotion: its tail rows -> the slot's rows). Blocks
-//     with more readers (4.) go first.
+//  2. The blocks the ubatch writes, then the blocks its sequences read (oldest first), take free slots: a new token
+//     lands on the device, and a sequence's spilled blocks come back (promotion: its tail rows -> the slot's rows).
+//     Blocks with more readers (4.) go first.
 //  3. When no slot is free, a block no ubatch read or wrote in the last LLAMA_RKV_BLK_IDLE ubatches gives its slot up,
 //     the least recently used first (demotion: the slot's rows -> its tail rows).
-//  4. A block's worth is its readers: the active sequences (held by a ubatch in the last LLAMA_RKV_BLK_IDLE) with a cell
-//     in it. A prefix shared across slots (seq_cp) is read by each of its sequences' ubatches, so on the device it
+//  4. A block's worth is its readers: the active sequences (held by a ubatch in the last LLAMA_RKV_BLK_IDLE) with a
+//     cell in it. A prefix shared across slots (seq_cp) is read by each of its sequences' ubatches, so on the device it
 //     saves a copy for each of them. The ubatch's blocks come back most readers first, and when no idle slot is left a
 //     block this ubatch does not read gives its slot up to one with strictly more readers (the fewest readers first).
 //     An active block never gives way to one with as many readers: the bytes a step streams do not depend on which of
@@ -93,9 +93,9 @@ void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
                 continue;
             }
             llama_rkv_promote_rows(win, row0, tail, host, n);
-            // the context's test hook perturb_move (llama_rolling_kv_test_hooks), for the must-fail controls of the block
-            // tests: 1, the K row of the block's first cell written over its second one's on the device (one row wrong);
-            // 2, the block's K rows one cell off (an offset bug: row i takes row i + 1's data)
+            // the context's test hook perturb_move (llama_rolling_kv_test_hooks), for the must-fail controls of the
+            // block tests: 1, the K row of the block's first cell written over its second one's on the device (one row
+            // wrong); 2, the block's K rows one cell off (an offset bug: row i takes row i + 1's data)
             const int perturb = kv == 0 && n > 1 && rkv_st ? rkv_st->test.perturb_move : 0;
             if (perturb) {
                 // K rows of the slot written wrong, from the slot itself (the window's type)
@@ -178,16 +178,18 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
         }
     }
 
-    // 2. the ubatch's blocks in the tail, most readers first; among as many readers, those it writes (a new token lands on
-    // the device), then those it reads, oldest first
+    // 2. the ubatch's blocks in the tail, most readers first; among as many readers, those it writes (a new token lands
+    // on the device), then those it reads, oldest first
     std::vector<uint32_t> order = written;
     for (uint32_t b = 0; b < n_blk; ++b) {
         if (want[b] == 1) {
             order.push_back(b);
         }
     }
-    std::stable_sort(order.begin(), order.end(), [&readers](uint32_t a, uint32_t b) { return readers[a] > readers[b]; });
-    order.erase(std::remove_if(order.begin(), order.end(), [this](uint32_t b) { return rkv_blk_slot[b] >= 0; }), order.end());
+    std::stable_sort(order.begin(), order.end(),
+                     [&readers](uint32_t a, uint32_t b) { return readers[a] > readers[b]; });
+    order.erase(std::remove_if(order.begin(), order.end(), [this](uint32_t b) { return rkv_blk_slot[b] >= 0; }),
+                order.end());
 
     bool synced = false;
     int64_t t0 = 0;
@@ -338,8 +340,9 @@ void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ub
     const uint8_t * logical_data = scratch.data(); // (scratch is thread-local: the workers take its pointer)
     const auto scatter = [&](int64_t r0, int64_t r1) {
         if (dst->type == GGML_TYPE_F16) {
-            llama_rkv_blk_scatter((const ggml_fp16_t *) logical_data + r0*n_kv, (ggml_fp16_t *) dst->data + r0*dst->ne[0],
-                    r1 - r0, n_kv, pool_n, rkv_blk_slot, rkv_slot_blk, ggml_fp32_to_fp16(-INFINITY));
+            llama_rkv_blk_scatter((const ggml_fp16_t *) logical_data + r0*n_kv,
+                    (ggml_fp16_t *) dst->data + r0*dst->ne[0], r1 - r0, n_kv, pool_n, rkv_blk_slot, rkv_slot_blk,
+                    ggml_fp32_to_fp16(-INFINITY));
         } else {
             llama_rkv_blk_scatter((const float *) logical_data + r0*n_kv, (float *) dst->data + r0*dst->ne[0],
                     r1 - r0, n_kv, pool_n, rkv_blk_slot, rkv_slot_blk, -INFINITY);

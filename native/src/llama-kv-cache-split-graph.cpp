@@ -19,7 +19,8 @@
 // graph
 //
 
-ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo, bool is_v) const {
+ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo,
+                                             bool is_v) const {
     const int32_t ikv = map_layer_ids.at(il);
 
     ggml_tensor * t = is_v ? layers[ikv].v : layers[ikv].k;
@@ -88,11 +89,13 @@ ggml_tensor * llama_kv_cache::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, 
     return llama_rkv_tail_view(ctx, t, n_embd_head, n_kv - rkv_wc, sinfo);
 }
 
-ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
+                                             const slot_info & sinfo) const {
     return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo);
 }
 
-ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo) const {
+ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
+                                             const slot_info & sinfo) const {
     return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo);
 }
 
@@ -103,13 +106,14 @@ uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
     return std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1(), n_pad_cur)));
 }
 
-// The tail blocks (256 cells from the tail's first cell) of one stream that a ubatch reads: those holding a cell of one of
-// its sequences. Every other cell is masked for each of its queries (another sequence's, or empty), so leaving those
+// The tail blocks (256 cells from the tail's first cell) of one stream that a ubatch reads: those holding a cell of one
+// of its sequences. Every other cell is masked for each of its queries (another sequence's, or empty), so leaving those
 // blocks out changes no result: as runs of blocks, at most GGML_RKV_MAX_TAIL_RUNS of them (the closest runs are joined,
-// reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps,
-// so that the kernels' paths and chunking stay those of the whole key range, at the cost of one block).
-static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv, const llama_ubatch & ubatch,
-        const std::vector<int32_t> * blk_slot, std::vector<uint32_t> & first, std::vector<uint32_t> & n) {
+// reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps, so
+// that the kernels' paths and chunking stay those of the whole key range, at the cost of one block).
+static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv,
+        const llama_ubatch & ubatch, const std::vector<int32_t> * blk_slot, std::vector<uint32_t> & first,
+        std::vector<uint32_t> & n) {
     first.clear();
     n.clear();
     if (n_kv <= tail0 || ubatch.n_seqs_unq == 0) {
@@ -162,7 +166,8 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
     }
 }
 
-llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full, const llama_ubatch * ubatch) const {
+llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
+                                                      const llama_ubatch * ubatch) const {
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
     const auto cpu_cells = [this](uint32_t n_tail) {
         return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
@@ -221,8 +226,8 @@ llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs
             return e;
         }
     }
-    // llama_context keeps two graphs for reuse (each with a k and a v index input); a few more entries cover graphs whose
-    // inputs were freed
+    // llama_context keeps two graphs for reuse (each with a k and a v index input); a few more entries cover graphs
+    // whose inputs were freed
     if (rkv_graph_cells.size() >= 16) {
         rkv_graph_cells.erase(rkv_graph_cells.begin());
     }
@@ -240,8 +245,8 @@ static std::vector<uint32_t> llama_rkv_runs_of(const llama_rkv_attn_layout & lay
     return runs;
 }
 
-llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo,
-        bool full, const llama_ubatch * ubatch) const {
+llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv,
+        const slot_info & sinfo, bool full, const llama_ubatch * ubatch) const {
     llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
     llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
     lay.block_map = e.block_map;
@@ -406,7 +411,8 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     lv.occupied_bytes += lv.last_occupied_bytes;
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v, bool tail) const {
+ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v,
+                                      bool tail) const {
     const int32_t ikv = map_layer_ids.at(il);
     const auto & layer = layers[ikv];
 
@@ -451,15 +457,18 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
     return ggml_set_rows(ctx, dst, cur, ix);
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs,
+                                             int32_t il) const {
     return rkv_split() ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs,
+                                             int32_t il) const {
     return rkv_split() ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
 }
 
-ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch, const char * name) const {
+ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch,
+                                                   const char * name) const {
     // [n_tokens, 2]: row 0 window indices, row 1 tail indices (ne[0] stays n_tokens for the graph reuse checks)
     ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
 
@@ -568,7 +577,8 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
             // rotated for nothing, overwritten when the block is demoted)
             for (uint32_t slot = 0; slot < rkv_slot_blk.size(); ++slot) {
                 if (rkv_slot_blk[slot] >= 0) {
-                    pieces.push_back({ layer.k, s, (uint32_t) rkv_slot_blk[slot]*256, 256, (size_t) slot*256*layer.k->nb[1] });
+                    pieces.push_back({ layer.k, s, (uint32_t) rkv_slot_blk[slot]*256, 256,
+                                      (size_t) slot*256*layer.k->nb[1] });
                 }
             }
             pieces.push_back({ layer.k_tail, s, 0, kv_size, 0 });
@@ -576,7 +586,8 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
         }
         const uint32_t wc = rkv_head ? 0 : rkv_win_cells(s);
         for (int part = 0; part < 2; ++part) {
-            // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's heads
+            // window: cells [0, wc) and [wc, kv_size) of every head; head: every cell of the device's and the host's
+            // heads
             ggml_tensor * t       = part == 0 ? layer.k : layer.k_tail;
             const uint32_t first  = part == 0 || rkv_head ? 0 : wc;
             const uint32_t n_cell = rkv_head ? kv_size : part == 0 ? wc : kv_size - wc;
@@ -648,7 +659,8 @@ ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t
 llama_rkv_attn_layout llama_kv_cache_context::rkv_attn_layout(const ggml_tensor * k_idxs) const {
     // once per graph: every layer attends the same cells (the runs scan the stream's cells)
     if (rkv_layout_ubatch != i_cur || rkv_layout_k_idxs != k_idxs) {
-        rkv_layout = kv->rkv_graph_layout(k_idxs, n_kv, sinfos[i_cur], rkv_full, ubatches.empty() ? nullptr : &ubatches[i_cur]);
+        rkv_layout = kv->rkv_graph_layout(k_idxs, n_kv, sinfos[i_cur], rkv_full,
+                                          ubatches.empty() ? nullptr : &ubatches[i_cur]);
         rkv_layout_ubatch = i_cur;
         rkv_layout_k_idxs = k_idxs;
     }
@@ -667,13 +679,15 @@ uint32_t llama_kv_cache_context::rkv_mask_cols() const {
     return kv->rkv_mask_cols(n_kv);
 }
 
-void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs, int32_t il) const {
+void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur,
+                                            ggml_tensor * k_idxs, int32_t il) const {
     if (ggml_tensor * t = kv->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il)) {
         ggml_build_forward_expand(gf, t);
     }
 }
 
-void llama_kv_cache_context::rkv_cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur, ggml_tensor * v_idxs, int32_t il) const {
+void llama_kv_cache_context::rkv_cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur,
+                                            ggml_tensor * v_idxs, int32_t il) const {
     if (ggml_tensor * t = kv->rkv_cpy_v_tail(ctx, v_cur, v_idxs, il)) {
         ggml_build_forward_expand(gf, t);
     }

@@ -179,18 +179,21 @@ void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_rang
                     }
                 }
                 llama_rkv_write_window(io, win, tail, pieces, [&](uint32_t c) { return rkv_on_dev(strm, c); },
-                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
+                        [&](uint32_t c) { return rkv_win_off(win, strm, c); },
+                        [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             } else {
                 const uint32_t wc = rkv_win_cells(strm);
                 llama_rkv_write_window(io, win, tail, cr.data, [wc](uint32_t c) { return c < wc; },
-                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
+                        [&](uint32_t c) { return rkv_win_off(win, strm, c); },
+                        [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             }
         }
     }
 }
 
 // convert n rows of type src_type (row size of n_per_row elements) into dst_type (llama-kv-residency.h)
-bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row) {
+bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows,
+                            int64_t n_per_row) {
     const auto * traits = ggml_get_type_traits(src_type);
     if (!traits->to_float && src_type != GGML_TYPE_F32) {
         return false;
@@ -222,9 +225,9 @@ static bool llama_rkv_convertible(ggml_type src_type, ggml_type dst_type) {
     return src_ok && dst_ok;
 }
 
-// the layout of one layer's K or V rows in a state: rows of part a (type sa, na elements) followed by part b (sb, nb; 0:
-// whole rows), as a whole row (ROWS), a window split's mixed state (WINDOW: window rows and tail rows per range) or a head
-// split's state with two types (HEADS: the device and host parts of each row)
+// the layout of one layer's K or V rows in a state: rows of part a (type sa, na elements) followed by part b (sb, nb;
+// 0: whole rows), as a whole row (ROWS), a window split's mixed state (WINDOW: window rows and tail rows per range) or
+// a head split's state with two types (HEADS: the device and host parts of each row)
 struct llama_rkv_state_layout {
     enum { ROWS, WINDOW, HEADS } kind = ROWS;
     ggml_type sa = GGML_TYPE_COUNT;
@@ -278,9 +281,10 @@ static std::string llama_rkv_read_layout(llama_io_read_i & io, int64_t n_embd, i
         io.read(&ub, sizeof(ub));
         io.read(&ra, sizeof(ra));
         io.read(&rb, sizeof(rb));
-        if (ta < 0 || ta >= GGML_TYPE_COUNT || tb < 0 || tb >= GGML_TYPE_COUNT || ua + ub != (uint64_t) n_embd || ua == 0 || ub == 0 ||
-                ua % ggml_blck_size((ggml_type) ta) != 0 || ub % ggml_blck_size((ggml_type) tb) != 0 ||
-                ra != ggml_row_size((ggml_type) ta, ua) || rb != ggml_row_size((ggml_type) tb, ub)) {
+        if (ta < 0 || ta >= GGML_TYPE_COUNT || tb < 0 || tb >= GGML_TYPE_COUNT || ua + ub != (uint64_t) n_embd ||
+                ua == 0 || ub == 0 || ua % ggml_blck_size((ggml_type) ta) != 0 ||
+                ub % ggml_blck_size((ggml_type) tb) != 0 || ra != ggml_row_size((ggml_type) ta, ua) ||
+                rb != ggml_row_size((ggml_type) tb, ub)) {
             snprintf(buf, sizeof(buf), "invalid rolling-KV head-split %s layout in the state (layer %d)", what, il);
             return buf;
         }
@@ -369,7 +373,8 @@ struct llama_rkv_heads_dst {
             for (uint32_t i = 0; i < n; ++i) {
                 memcpy(tmp.data() + (size_t) i*w, f.data() + (size_t) i*n_embd + c0, w*sizeof(float));
             }
-            if (!llama_rkv_convert_rows(GGML_TYPE_F32, part == 0 ? td : th, tmp.data(), part == 0 ? bd.data() : bh.data(), n, w)) {
+            if (!llama_rkv_convert_rows(GGML_TYPE_F32, part == 0 ? td : th, tmp.data(),
+                                        part == 0 ? bd.data() : bh.data(), n, w)) {
                 return false;
             }
         }
@@ -398,8 +403,8 @@ struct llama_rkv_heads_dst {
 // elements of a row) and host part host (the rest; null: a layer whole on the device), at destination cells idxs: an
 // unsplit state, a window split's mixed state or a head split's state with two types, converted through f32 where the
 // types or the cut differ
-static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm, uint32_t cell_count,
-        const std::vector<uint32_t> & idxs, int32_t il, const char * what) {
+static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_tensor * host, uint32_t strm,
+        uint32_t cell_count, const std::vector<uint32_t> & idxs, int32_t il, const char * what) {
     llama_rkv_heads_dst dst(dev, host, strm, idxs);
     const int64_t   n_embd = dst.n_embd;
     const ggml_type td     = dst.td;
@@ -449,7 +454,8 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
             if (src.kind == llama_rkv_state_layout::WINDOW) {
                 io.read(&n_b, sizeof(n_b));
             }
-            if (n_a + n_b == 0 || done + n_a + n_b > cell_count || (src.kind == llama_rkv_state_layout::HEADS && n_a > LLAMA_RKV_STATE_CHUNK)) {
+            if (n_a + n_b == 0 || done + n_a + n_b > cell_count ||
+                (src.kind == llama_rkv_state_layout::HEADS && n_a > LLAMA_RKV_STATE_CHUNK)) {
                 LLAMA_LOG_ERROR("%s: corrupt rolling-KV %s ranges in the state (layer %d)\n", __func__, what, il);
                 return false;
             }
@@ -466,17 +472,18 @@ static bool llama_rkv_read_heads(llama_io_read_i & io, ggml_tensor * dev, ggml_t
         }
     }
     if (!ok) {
-        LLAMA_LOG_ERROR("%s: the state's %s rows could not be converted to this cache's types (layer %d)\n", __func__, what, il);
+        LLAMA_LOG_ERROR("%s: the state's %s rows could not be converted to this cache's types (layer %d)\n", __func__,
+                        what, il);
     }
     return ok;
 }
 
-// cell_count rows of one layer's K or V from the state into a window split's window win and tail tail (cells on_dev(c) of
-// the stream in the window, at win_off(c) and tail_off(c)), at destination cells idxs: an unsplit state or a window
+// cell_count rows of one layer's K or V from the state into a window split's window win and tail tail (cells on_dev(c)
+// of the stream in the window, at win_off(c) and tail_off(c)), at destination cells idxs: an unsplit state or a window
 // split's mixed one, converted through f32 where the types differ; a head split's state with two types is refused
 template <typename D, typename F, typename G>
-static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_tensor * tail, D on_dev, uint32_t cell_count,
-        const std::vector<uint32_t> & idxs, int32_t il, const char * what, F win_off, G tail_off) {
+static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_tensor * tail, D on_dev,
+        uint32_t cell_count, const std::vector<uint32_t> & idxs, int32_t il, const char * what, F win_off, G tail_off) {
     const int64_t n_embd = win->ne[0];
 
     std::vector<uint8_t> buf_src;
@@ -489,9 +496,9 @@ static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_
         return false;
     }
     if (layout.kind == llama_rkv_state_layout::HEADS) {
-        LLAMA_LOG_ERROR("%s: the state was saved by a cache split by KV head with two %s types (device and host): a window "
-                "split cannot read it; load it into a head split, or save it with one type (-ctkt/-ctvt as -ctk/-ctv)\n",
-                __func__, what);
+        LLAMA_LOG_ERROR("%s: the state was saved by a cache split by KV head with two %s types (device and host): a "
+                "window split cannot read it; load it into a head split, or save it with one type (-ctkt/-ctvt as "
+                "-ctk/-ctv)\n", __func__, what);
         return false;
     }
     const bool      mixed = layout.kind == llama_rkv_state_layout::WINDOW;
@@ -566,7 +573,8 @@ static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_
     return true;
 }
 
-bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count,
+                                         const slot_info & sinfo) {
     uint32_t v_trans_ref;
     uint32_t n_layer;
 
@@ -578,11 +586,13 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
         return false;
     }
     if (cell_count > get_size()) {
-        LLAMA_LOG_ERROR("%s: not enough cells in kv cache to restore state (%u > %u)\n", __func__, cell_count, get_size());
+        LLAMA_LOG_ERROR("%s: not enough cells in kv cache to restore state (%u > %u)\n", __func__, cell_count,
+                        get_size());
         return false;
     }
     if (v_trans_ref != 0) {
-        LLAMA_LOG_ERROR("%s: the state has a transposed V cache (flash attention off); this split cache needs flash attention\n", __func__);
+        LLAMA_LOG_ERROR("%s: the state has a transposed V cache (flash attention off); this split cache needs flash "
+                        "attention\n", __func__);
         return false;
     }
 
@@ -598,8 +608,9 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
             const char * what = kv == 0 ? "key" : "value";
             const bool ok = rkv_head
                 ? llama_rkv_read_heads(io, win, tail, strm, cell_count, idxs, layer.il, what)
-                : llama_rkv_read_window(io, win, tail, [&](uint32_t c) { return rkv_on_dev(strm, c); }, cell_count, idxs, layer.il, what,
-                        [&](uint32_t c) { return rkv_win_off(win, strm, c); }, [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
+                : llama_rkv_read_window(io, win, tail, [&](uint32_t c) { return rkv_on_dev(strm, c); }, cell_count,
+                        idxs, layer.il, what, [&](uint32_t c) { return rkv_win_off(win, strm, c); },
+                        [&](uint32_t c) { return rkv_tail_off(tail, strm, c); });
             if (!ok) {
                 return false;
             }

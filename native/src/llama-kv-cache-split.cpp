@@ -48,9 +48,9 @@ static llama_rkv_layer_group * llama_rkv_group_of(llama_rkv_cache_desc & desc, g
 // what the planner needs of each layer this cache holds: its device, its row bytes in the window and the tail, the
 // layer groups per device and the head split's per-layer figures; refuses (desc.refuse, desc.refuse_head) the tail
 // and head cuts the types' blocks do not allow
-static void llama_rkv_describe_layers(llama_rkv_cache_desc & desc, const llama_model & model, const llama_hparams & hparams,
-        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool offload,
-        const llama_kv_cache::layer_filter_cb & filter) {
+static void llama_rkv_describe_layers(llama_rkv_cache_desc & desc, const llama_model & model,
+        const llama_hparams & hparams, ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail,
+        bool offload, const llama_kv_cache::layer_filter_cb & filter) {
     for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
         if (!hparams.has_kv(il) || (filter && !filter(il))) {
             continue;
@@ -99,7 +99,8 @@ static void llama_rkv_describe_layers(llama_rkv_cache_desc & desc, const llama_m
             hl.n_head_kv         = n_head_kv_l;
             hl.head_bytes_window = ggml_row_size(type_k, head_k) + ggml_row_size(type_v, head_v);
             hl.head_bytes_tail   = ggml_row_size(type_k_tail, head_k) + ggml_row_size(type_v_tail, head_v);
-            hl.conv_head_bytes   = (type_k != GGML_TYPE_F16 ? (size_t) head_k*2 : 0) + (type_v != GGML_TYPE_F16 ? (size_t) head_v*2 : 0);
+            hl.conv_head_bytes   = (type_k != GGML_TYPE_F16 ? (size_t) head_k*2 : 0) +
+                    (type_v != GGML_TYPE_F16 ? (size_t) head_v*2 : 0);
             hl.device_heads      = n_head_kv_l;
             desc.head_layers.push_back(hl);
         }
@@ -110,21 +111,23 @@ static void llama_rkv_describe_layers(llama_rkv_cache_desc & desc, const llama_m
         g->max_row_v_tail    = std::max(g->max_row_v_tail, ggml_row_size(type_v_tail, n_embd_v_gqa));
         // CUDA flash attention converts non-f16 K/V to f16 in its pool, one layer at a time
         g->conv_cell_bytes = std::max(g->conv_cell_bytes,
-                (type_k != GGML_TYPE_F16 ? (size_t) n_embd_k_gqa*2 : 0) + (type_v != GGML_TYPE_F16 ? (size_t) n_embd_v_gqa*2 : 0));
+                (type_k != GGML_TYPE_F16 ? (size_t) n_embd_k_gqa*2 : 0) +
+                (type_v != GGML_TYPE_F16 ? (size_t) n_embd_v_gqa*2 : 0));
     }
 }
 
 // the caches that never split but share the window's devices: an iSWA model's SWA cache (sized as llama_kv_cache_iswa
 // sizes it) and a hybrid model's recurrent state
-static void llama_rkv_count_other_caches(llama_rkv_cache_desc & desc, const llama_rkv_state & st, const llama_model & model,
-        const llama_hparams & hparams, llama_swa_type swa_type, uint32_t kv_size, uint32_t n_stream, ggml_type type_k,
-        ggml_type type_v, bool offload) {
+static void llama_rkv_count_other_caches(llama_rkv_cache_desc & desc, const llama_rkv_state & st,
+        const llama_model & model, const llama_hparams & hparams, llama_swa_type swa_type, uint32_t kv_size,
+        uint32_t n_stream, ggml_type type_k, ggml_type type_v, bool offload) {
     // the base cache of an iSWA model: its SWA cache is created right after this one, stays whole on the device,
     // and must fit next to the window (sized as llama_kv_cache_iswa sizes it)
     if (swa_type == LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_NONE && !desc.groups.empty()) {
         const uint32_t n_ubatch = st.n_ubatch > 0 ? st.n_ubatch : 512;
         const uint32_t size_swa = st.swa_full ? kv_size :
-            GGML_PAD(std::min(kv_size, hparams.n_swa*(n_stream == 1 ? std::max<uint32_t>(1, st.n_seq_max) : 1) + n_ubatch), 256);
+            GGML_PAD(std::min(kv_size, hparams.n_swa*(n_stream == 1 ? std::max<uint32_t>(1, st.n_seq_max) : 1) +
+                              n_ubatch), 256);
 
         for (uint32_t il = 0; il < hparams.n_layer_all; il++) {
             if (!hparams.has_kv(il) || !hparams.is_swa(il)) {
@@ -138,8 +141,8 @@ static void llama_rkv_count_other_caches(llama_rkv_cache_desc & desc, const llam
         }
     }
 
-    // the attention cache of a hybrid model: its recurrent state (recorded by llama_rkv_note_recurrent before this cache
-    // was constructed) stays whole on its device, next to the window
+    // the attention cache of a hybrid model: its recurrent state (recorded by llama_rkv_note_recurrent before this
+    // cache was constructed) stays whole on its device, next to the window
     for (const auto & [dev, bytes] : st.recurrent_bytes) {
         if (llama_rkv_layer_group * g = llama_rkv_group_of(desc, dev)) {
             g->other_kv  += bytes;
@@ -150,8 +153,9 @@ static void llama_rkv_count_other_caches(llama_rkv_cache_desc & desc, const llam
 
 // eligibility: the cache shapes the split serves, and the architectures whose graphs attend through the split-aware
 // build_attn paths only (desc.refuse, desc.refuse_head)
-static void llama_rkv_check_eligible(llama_rkv_cache_desc & desc, const llama_model & model, const llama_hparams & hparams,
-        llama_swa_type swa_type, ggml_type type_k, ggml_type type_v, bool v_trans, bool shared) {
+static void llama_rkv_check_eligible(llama_rkv_cache_desc & desc, const llama_model & model,
+        const llama_hparams & hparams, llama_swa_type swa_type, ggml_type type_k, ggml_type type_v, bool v_trans,
+        bool shared) {
     if (!ggml_rkv_tail_type_supported(type_k) || !ggml_rkv_tail_type_supported(type_v)) {
         // the split's parts, the window included, are attended by the streaming op, which takes these types only
         // (a window of another type, e.g. iq4_nl, made the scheduler abort after start-up)
@@ -173,8 +177,8 @@ static void llama_rkv_check_eligible(llama_rkv_cache_desc & desc, const llama_mo
         desc.refuse = "T5 attends with a relative position bias the streaming op does not take: not supported";
     }
     if (hparams.f_max_alibi_bias > 0.0f) {
-        desc.refuse_head = "ALiBi: a head's slope depends on its index and the head count, which the attention over a subset of "
-                           "the heads is not told";
+        desc.refuse_head = "ALiBi: a head's slope depends on its index and the head count, which the attention over a "
+                           "subset of the heads is not told";
     }
 }
 
@@ -184,12 +188,14 @@ static void llama_rkv_log_plan(const char * func, const llama_rkv_state & st, ui
     if (wc) {
         LLAMA_LOG_INFO("%s: rolling KV: split, window %u cells + tail %u cells per stream (%u streams), "
                 "K %s/%s, V %s/%s (window/tail): %s\n", func, wc, kv_size - wc, n_stream,
-                ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v), ggml_type_name(st.type_v_tail),
-                st.reason.c_str());
+                ggml_type_name(type_k), ggml_type_name(st.type_k_tail), ggml_type_name(type_v),
+                ggml_type_name(st.type_v_tail), st.reason.c_str());
         if (st.blocks) {
-            LLAMA_LOG_INFO("%s: rolling KV: block residency, %u device slots of 256 cells that follow the load\n", func, wc/256);
+            LLAMA_LOG_INFO("%s: rolling KV: block residency, %u device slots of 256 cells that follow the load\n", func,
+                           wc/256);
         } else if (elastic) {
-            LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", func, n_stream*wc);
+            LLAMA_LOG_INFO("%s: rolling KV: elastic windows, one pool of %u device cells that follows the load\n", func,
+                           n_stream*wc);
         } else if (n_stream > 1) {
             LLAMA_LOG_INFO("%s: rolling KV: static windows (%s)\n", func, st.windows_reason.c_str());
         }
@@ -202,8 +208,8 @@ static void llama_rkv_log_plan(const char * func, const llama_rkv_state & st, ui
     }
 }
 
-uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
-        const layer_filter_cb & filter, const layer_share_cb & share) {
+uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v,
+        bool offload, const layer_filter_cb & filter, const layer_share_cb & share) {
     if (st.resolved) {
         return 0;
     }
@@ -237,8 +243,8 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     rkv_st = &st;
 
     // elastic windows: the streams' device cells as one pool (llama-kv-window-pool.h), where moving a row between the
-    // window and the tail is a byte copy, or a conversion into the tail's type (auto tail types included: the planner may
-    // choose a quantized tail and the windows still follow the load)
+    // window and the tail is a byte copy, or a conversion into the tail's type (auto tail types included: the planner
+    // may choose a quantized tail and the windows still follow the load)
     if (wc) {
         // one stream: block residency only when asked for (--kv-windows blocks): under a random mix on an H100 it was
         // slower than the static window (docs/perf/2026-12-06-h100-unified-blocks)
@@ -299,11 +305,12 @@ void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, cons
         throw std::runtime_error("failed to create ggml context for the kv cache tail");
     }
 
-    // window: the cells past the window (elastic windows: every cell) +1 trash row, at the full row; head: every cell, the
-    // host heads' part of the row
+    // window: the cells past the window (elastic windows: every cell) +1 trash row, at the full row; head: every cell,
+    // the host heads' part of the row
     const uint32_t rows   = rkv_head ? get_size() : get_size() - rkv_tail_first + 1;
     const int64_t  n_k    = rkv_head ? (int64_t) hparams.n_embd_k_gqa(layer.il) - layer.k->ne[0] : layer.k->ne[0];
-    const int64_t  n_v    = !layer.v ? 0 : rkv_head ? (int64_t) hparams.n_embd_v_gqa(layer.il) - layer.v->ne[0] : layer.v->ne[0];
+    const int64_t  n_v    = !layer.v ? 0
+                          : rkv_head ? (int64_t) hparams.n_embd_v_gqa(layer.il) - layer.v->ne[0] : layer.v->ne[0];
 
     if (n_k == 0) {
         return; // a head split's layer whose heads are all on the device
@@ -334,18 +341,20 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
     }
     ggml_backend_dev_t dev = streamed ? ggml_backend_buft_get_device(buft) : nullptr;
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    auto host_alloc = reg ? (ggml_backend_rkv_host_buffer_alloc_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_HOST_ALLOC_PROC) : nullptr;
+    auto host_alloc = reg ? (ggml_backend_rkv_host_buffer_alloc_t) ggml_backend_reg_get_proc_address(reg,
+            GGML_RKV_HOST_ALLOC_PROC) : nullptr;
     if (host_alloc && ggml_backend_dev_host_buffer_type(dev) == buft) {
         if (ggml_backend_buffer_t buf = host_alloc(dev, ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft))) {
             ggml_tallocr talloc = ggml_tallocr_new(buf);
             for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
-                if (t->data == nullptr && t->view_src == nullptr && ggml_tallocr_alloc(&talloc, t) != GGML_STATUS_SUCCESS) {
+                if (t->data == nullptr && t->view_src == nullptr &&
+                    ggml_tallocr_alloc(&talloc, t) != GGML_STATUS_SUCCESS) {
                     ggml_backend_buffer_free(buf);
                     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
                 }
             }
-            LLAMA_LOG_DEBUG("%s: rolling KV: host tails in %.2f MiB of 2 MiB-page memory registered with %s\n", __func__,
-                ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ggml_backend_dev_name(dev));
+            LLAMA_LOG_DEBUG("%s: rolling KV: host tails in %.2f MiB of 2 MiB-page memory registered with %s\n",
+                __func__, ggml_backend_buffer_get_size(buf)/1024.0/1024.0, ggml_backend_dev_name(dev));
             return buf;
         }
     }
@@ -360,8 +369,8 @@ bool llama_kv_cache::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) c
     if (sinfo.s0 == sinfo.s1) {
         return n_kv <= rkv_pool.cells[sinfo.s0];
     }
-    // several streams in one view: each at its static place, its cells in use within its window, and the view's n_kv rows
-    // of each stream within its share (rows past a stream's cells hold no cell of it: the mask hides them)
+    // several streams in one view: each at its static place, its cells in use within its window, and the view's n_kv
+    // rows of each stream within its share (rows past a stream's cells hold no cell of it: the mask hides them)
     if (n_kv > rkv_pool.share) {
         return false;
     }
@@ -410,7 +419,8 @@ void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
         lp.window_cells = rkv_wc ? rkv_wc : get_size();
         lp.tail_cells   = rkv_wc ? get_size() - rkv_wc : layer.k_tail ? get_size() : 0;
         lp.device_bytes = ggml_nbytes(layer.k) + (layer.v ? ggml_nbytes(layer.v) : 0);
-        lp.host_bytes   = (layer.k_tail ? ggml_nbytes(layer.k_tail) : 0) + (layer.v_tail ? ggml_nbytes(layer.v_tail) : 0);
+        lp.host_bytes   = (layer.k_tail ? ggml_nbytes(layer.k_tail) : 0) +
+                (layer.v_tail ? ggml_nbytes(layer.v_tail) : 0);
 
         dev_total  += lp.device_bytes;
         host_total += lp.host_bytes;
@@ -444,8 +454,8 @@ void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint
         }
         return;
     }
-    // a window split: every cell, from where the source stream keeps it to where the destination keeps it (the windows of
-    // the two streams may differ, and with elastic windows they are not slabs)
+    // a window split: every cell, from where the source stream keeps it to where the destination keeps it (the windows
+    // of the two streams may differ, and with elastic windows they are not slabs)
     const uint32_t w_src = rkv_win_cells(ssrc);
     const uint32_t w_dst = rkv_win_cells(sdst);
     const uint32_t cuts[] = { 0, std::min(w_src, w_dst), std::max(w_src, w_dst), get_size() };
@@ -468,14 +478,16 @@ void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint
             ggml_tensor * td = dst_win ? win : tail;
             GGML_ASSERT(ts->type == td->type || (src_win == dst_win));
             tmp.resize((size_t) n*ts->nb[1]);
-            ggml_backend_tensor_get(ts, tmp.data(), src_win ? rkv_win_off(ts, ssrc, c0) : rkv_tail_off(ts, ssrc, c0), tmp.size());
-            ggml_backend_tensor_set(td, tmp.data(), dst_win ? rkv_win_off(td, sdst, c0) : rkv_tail_off(td, sdst, c0), tmp.size());
+            ggml_backend_tensor_get(ts, tmp.data(), src_win ? rkv_win_off(ts, ssrc, c0) : rkv_tail_off(ts, ssrc, c0),
+                                    tmp.size());
+            ggml_backend_tensor_set(td, tmp.data(), dst_win ? rkv_win_off(td, sdst, c0) : rkv_tail_off(td, sdst, c0),
+                                    tmp.size());
         }
     }
 }
 
-// n bytes of t from byte offset src to dst, where the two ranges do not overlap (llama_rkv_pool_rebalance cuts a move into
-// such pieces)
+// n bytes of t from byte offset src to dst, where the two ranges do not overlap (llama_rkv_pool_rebalance cuts a move
+// into such pieces)
 static void llama_rkv_copy_within(ggml_tensor * t, size_t src, size_t dst, size_t n) {
     if (ggml_backend_buffer_is_host(t->buffer)) {
         memcpy((char *) t->data + dst, (const char *) t->data + src, n);
@@ -599,7 +611,8 @@ void llama_kv_cache::rkv_rebalance(const slot_info & sinfo, const llama_ubatch &
     }
     std::lock_guard<std::mutex> lock(rkv_live->mtx);
     llama_rkv_live & lv = *rkv_live;
-    const uint64_t moved = (rkv_pool.promoted - promoted) + (rkv_pool.demoted - demoted) + (rkv_pool.relocated - relocated);
+    const uint64_t moved = (rkv_pool.promoted - promoted) + (rkv_pool.demoted - demoted) +
+                           (rkv_pool.relocated - relocated);
     lv.promoted_cells  = rkv_pool.promoted;
     lv.demoted_cells   = rkv_pool.demoted;
     lv.relocated_cells = rkv_pool.relocated;

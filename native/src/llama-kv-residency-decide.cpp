@@ -49,19 +49,20 @@ static void llama_rkv_log_budget(const llama_rkv_state & st) {
         if (st.req.vram_target_mib > 0) {
             snprintf(target, sizeof(target), "target %" PRId64 " MiB", st.req.vram_target_mib);
         } else {
-            snprintf(target, sizeof(target), "free %.0f MiB - reserve %.0f MiB", llama_rkv_mib(d.free), llama_rkv_mib(st.reserve));
+            snprintf(target, sizeof(target), "free %.0f MiB - reserve %.0f MiB", llama_rkv_mib(d.free),
+                     llama_rkv_mib(st.reserve));
         }
         char recr[64] = "";
         if (d.recurrent) {
             snprintf(recr, sizeof(recr), " (recurrent state %.1f MiB)", llama_rkv_mib(d.recurrent));
         }
-        LLAMA_LOG_INFO("%s: rolling KV: budget on %s: %s, weights %.0f MiB, compute ~%.0f MiB (estimate), other KV %.0f MiB%s, "
-                "streaming ring %.0f MiB (%d x %.0f MiB), free %.0f MiB -> %.0f MiB for the KV window (%.3f MiB/cell); "
-                "whole KV %.0f MiB; minimum vram_target %" PRId64 " MiB\n", __func__,
-                d.name.c_str(), target, llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv), recr,
-                llama_rkv_mib(d.ring), d.ring ? st.ring_slots : 0, d.ring ? llama_rkv_mib(st.ring_slot_size) : 0.0,
-                llama_rkv_mib(d.free), llama_rkv_mib(d.kv_budget), llama_rkv_mib(d.cell_bytes), llama_rkv_mib(d.kv_resident),
-                d.min_target_mib);
+        LLAMA_LOG_INFO("%s: rolling KV: budget on %s: %s, weights %.0f MiB, compute ~%.0f MiB (estimate), other KV "
+                "%.0f MiB%s, streaming ring %.0f MiB (%d x %.0f MiB), free %.0f MiB -> %.0f MiB for the KV window "
+                "(%.3f MiB/cell); whole KV %.0f MiB; minimum vram_target %" PRId64 " MiB\n", __func__,
+                d.name.c_str(), target, llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv),
+                recr, llama_rkv_mib(d.ring), d.ring ? st.ring_slots : 0,
+                d.ring ? llama_rkv_mib(st.ring_slot_size) : 0.0, llama_rkv_mib(d.free), llama_rkv_mib(d.kv_budget),
+                llama_rkv_mib(d.cell_bytes), llama_rkv_mib(d.kv_resident), d.min_target_mib);
     }
     if (!st.devs.empty() && !st.compute_note.empty()) {
         LLAMA_LOG_INFO("%s: rolling KV: compute buffer estimate: %s\n", __func__, st.compute_note.c_str());
@@ -81,10 +82,12 @@ static bool llama_rkv_check_explicit(llama_rkv_state & st, const llama_rkv_decid
         const size_t fixed = d.weights + d.compute + d.other_kv + d.ring;
         if (target > 0 && (size_t) target*LLAMA_RKV_MIB < fixed) {
             char buf[512];
-            snprintf(buf, sizeof(buf), "vram_target %" PRId64 " MiB is below the minimum of %.0f MiB on %s before any KV: "
-                    "weights %.0f MiB + compute buffers ~%.0f MiB (estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB",
-                    target, std::ceil(llama_rkv_mib(fixed)), d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute),
-                    llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring));
+            snprintf(buf, sizeof(buf),
+                    "vram_target %" PRId64 " MiB is below the minimum of %.0f MiB on %s before any KV: "
+                    "weights %.0f MiB + compute buffers ~%.0f MiB (estimate) + other KV caches "
+                    "%.0f MiB + streaming ring %.0f MiB", target, std::ceil(llama_rkv_mib(fixed)), d.name.c_str(),
+                    llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv),
+                    llama_rkv_mib(d.ring));
             st.error = buf;
             if (!in.quiet) {
                 llama_rkv_log_budget(st);
@@ -100,8 +103,8 @@ static bool llama_rkv_check_explicit(llama_rkv_state & st, const llama_rkv_decid
     return true;
 }
 
-// a split was chosen (st.chosen, st.reason): the tail types, the link model, the hybrid tail's share and the logs; false
-// (st.error set) when the tail types refuse the request
+// a split was chosen (st.chosen, st.reason): the tail types, the link model, the hybrid tail's share and the logs;
+// false (st.error set) when the tail types refuse the request
 static bool llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     st.eligible = true;
 
@@ -119,19 +122,21 @@ static bool llama_rkv_finish_split(llama_rkv_state & st, const llama_rkv_decide_
         LLAMA_LOG_INFO("%s: rolling KV: device memory bandwidth %.1f GB/s (%s); link %.2f GB/s (%s)\n", __func__,
                 st.mem_bw_gbps, st.mem_bw_source.c_str(), st.link_bw_gbps, st.link_bw_source.c_str());
         if (st.t_token_ms >= 0.0) {
-            LLAMA_LOG_INFO("%s: rolling KV: expected %.2f ms/token at full context = %.2f ms resident (%.0f MiB at %.1f GB/s) "
-                    "+ %.2f ms tail (%.0f MiB at %.2f GB/s)\n", __func__, st.t_token_ms,
+            LLAMA_LOG_INFO("%s: rolling KV: expected %.2f ms/token at full context = %.2f ms resident (%.0f MiB at "
+                    "%.1f GB/s) + %.2f ms tail (%.0f MiB at %.2f GB/s)\n", __func__, st.t_token_ms,
                     st.t_resident_ms, st.est_device_bytes/LLAMA_RKV_MIB, st.mem_bw_gbps,
                     st.t_tail_ms, st.est_tail_bytes/LLAMA_RKV_MIB, st.link_bw_gbps);
         } else {
             LLAMA_LOG_INFO("%s: rolling KV: no ms/token estimate (%s)\n", __func__,
                     st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : st.link_bw_source.c_str());
         }
-        LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac, st.tail_cpu_reason.c_str(),
-                st.t_token_hybrid_ms >= 0.0 ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
+        LLAMA_LOG_INFO("%s: rolling KV: CPU part of the tail: %.3f (%s)%s\n", __func__, st.tail_cpu_frac,
+                st.tail_cpu_reason.c_str(), st.t_token_hybrid_ms >= 0.0
+                ? (", expected " + std::to_string(st.t_token_hybrid_ms) + " ms/token").c_str() : "");
         if (st.layer_decode_ms >= 0.0) {
-            LLAMA_LOG_INFO("%s: rolling KV: per layer, decode beyond its bytes %.3f ms (%s); a CPU part %.3f ms (%s)\n", __func__,
-                    st.layer_decode_ms, st.layer_decode_source.c_str(), st.cpu_part_latency_ms, st.cpu_part_latency_source.c_str());
+            LLAMA_LOG_INFO("%s: rolling KV: per layer, decode beyond its bytes %.3f ms (%s); a CPU part %.3f ms (%s)\n",
+                    __func__, st.layer_decode_ms, st.layer_decode_source.c_str(), st.cpu_part_latency_ms,
+                    st.cpu_part_latency_source.c_str());
         }
         if (!st.auto_reason.empty()) {
             LLAMA_LOG_INFO("%s: rolling KV: %s\n", __func__, st.auto_reason.c_str());
@@ -195,16 +200,18 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
         if (!any) {
             st.devs.clear();
             if (st.tail_auto_k || st.tail_auto_v) {
-                st.error = "device_heads " + std::to_string(n) + " keeps every KV head on the device (" + std::to_string(n_max) +
-                    " per layer): nothing spills, so auto has no tail to choose a type for; give fewer device heads, or a tail type";
+                st.error = "device_heads " + std::to_string(n) + " keeps every KV head on the device (" +
+                    std::to_string(n_max) +
+                    " per layer): nothing spills, so auto has no tail to choose a type for; give fewer device heads, "
+                    "or a tail type";
                 return llama_rkv_resident(st, st.error);
             }
             return llama_rkv_resident(st, "device_heads " + std::to_string(n) + " >= the KV heads of every layer (" +
                     std::to_string(n_max) + "): the whole cache on the device (resident)");
         }
         if (!in.head_op_unsupported.empty() && !in.quiet) {
-            LLAMA_LOG_WARN("%s: rolling KV: %s: the op runs on the CPU, the device heads' results are copied every step\n",
-                    __func__, in.head_op_unsupported.c_str());
+            LLAMA_LOG_WARN("%s: rolling KV: %s: the op runs on the CPU, the device heads' results are copied every "
+                    "step\n", __func__, in.head_op_unsupported.c_str());
         }
         st.heads_explicit = true;
         if (!st.devs.empty()) {
@@ -231,7 +238,9 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
     }
     if (in.host_memory && target <= 0) {
         st.devs.clear();
-        return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a head split in host memory)");
+        return llama_rkv_resident(st,
+                                  "no GPU and no vram_target: resident (a vram_target sizes a head split in host "
+                                  "memory)");
     }
     if (!in.head_op_unsupported.empty()) {
         st.devs.clear();
@@ -266,7 +275,8 @@ static uint32_t llama_rkv_decide_head(llama_rkv_state & st, const llama_rkv_deci
     return 0;
 }
 
-// the window of a request that gives its cells (st.reserve set): checked against the vram_target's terms, not sized by them
+// the window of a request that gives its cells (st.reserve set): checked against the vram_target's terms, not sized by
+// them
 static uint32_t llama_rkv_decide_window_explicit(llama_rkv_state & st, const llama_rkv_decide_in & in) {
     const auto & req = st.req;
     const uint32_t wc = (uint32_t) req.window_cells;
@@ -325,9 +335,11 @@ static bool llama_rkv_auto_compare(llama_rkv_state & st, const llama_rkv_decide_
         const double unit = by_time ? 1.0 : (double) LLAMA_RKV_MIB;
         const char * what = by_time ? "ms/token" : "MiB streamed/token";
         char buf[640];
-        snprintf(buf, sizeof(buf), "auto: %s: the head split %.3g %s at full context and %.3g on average over a sequence growing to "
-                "it, the window %.3g and %.3g (head is taken only where it is more than 3 %% cheaper on both: the window streams "
-                "nothing while a sequence fits it)", head ? "head" : "window", h/unit, what, h_mean/unit, w/unit, w_mean/unit);
+        snprintf(buf, sizeof(buf),
+                "auto: %s: the head split %.3g %s at full context and %.3g on average over a sequence growing to it, "
+                "the window %.3g and %.3g (head is taken only where it is more than 3 %% cheaper on both: the window "
+                "streams nothing while a sequence fits it)", head ? "head" : "window", h/unit, what, h_mean/unit,
+                w/unit, w_mean/unit);
         st.auto_reason = buf;
     } else if (st.cost_head.valid) {
         head = true;
@@ -349,7 +361,8 @@ static bool llama_rkv_auto_compare(llama_rkv_state & st, const llama_rkv_decide_
 }
 
 // a window or head split sized by the budget (auto or window mode, no explicit window): resident when the whole cache
-// fits, else the window (or, in auto, the head split where it is cheaper) that fits the budget of target MiB (0: the free VRAM)
+// fits, else the window (or, in auto, the head split where it is cheaper) that fits the budget of target MiB (0: the
+// free VRAM)
 static uint32_t llama_rkv_decide_budgeted(llama_rkv_state & st, const llama_rkv_decide_in & in, int64_t target) {
     const auto & req = st.req;
 
@@ -411,8 +424,8 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     if (req.mode == LLAMA_KV_RESIDENCY_OFF) {
         st.devs.clear();
         if (tail_auto) {
-            st.error = "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto or window, "
-                       "or give the tail a type";
+            st.error = "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto or "
+                       "window, or give the tail a type";
             return llama_rkv_resident(st, st.error);
         }
         return llama_rkv_resident(st, "mode off: the upstream resident cache");
@@ -437,8 +450,10 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     if (explicit_wc && (uint64_t) req.window_cells >= st.kv_size) {
         st.devs.clear();
         if (tail_auto) {
-            st.error = "window_cells " + std::to_string(req.window_cells) + " holds the whole cache (" + std::to_string(st.kv_size) +
-                " cells per stream): nothing spills, so auto has no tail to choose a type for; give a smaller window, or a tail type";
+            st.error = "window_cells " + std::to_string(req.window_cells) + " holds the whole cache (" +
+                std::to_string(st.kv_size) +
+                " cells per stream): nothing spills, so auto has no tail to choose a type for; give a smaller window, "
+                "or a tail type";
             return llama_rkv_resident(st, st.error);
         }
         return llama_rkv_resident(st, "window_cells >= kv_size: the whole cache is the window (resident)");
@@ -467,7 +482,8 @@ static uint32_t llama_rkv_decide_impl(llama_rkv_state & st, const llama_rkv_deci
     }
     if (in.host_memory && target <= 0) {
         st.devs.clear();
-        return llama_rkv_resident(st, "no GPU and no vram_target: resident (a vram_target sizes a window in host memory)");
+        return llama_rkv_resident(st,
+                                  "no GPU and no vram_target: resident (a vram_target sizes a window in host memory)");
     }
 
     return llama_rkv_decide_budgeted(st, in, target);

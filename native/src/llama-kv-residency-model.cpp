@@ -60,7 +60,8 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
         const size_t fixed_target  = d.compute + d.other_kv + d.runtime;
         const size_t need_resident = d.weights + fixed_target + d.kv_resident;
         const size_t need_split    = d.weights + fixed_target + d.ring + (LLAMA_RKV_WINDOW_ALIGN + 1)*d.cell_bytes;
-        const size_t need          = kv_size > LLAMA_RKV_WINDOW_ALIGN ? std::min(need_resident, need_split) : need_resident;
+        const size_t need          = kv_size > LLAMA_RKV_WINDOW_ALIGN ? std::min(need_resident, need_split)
+                : need_resident;
 
         d.min_target_mib  = (int64_t) ((need + LLAMA_RKV_MIB - 1)/LLAMA_RKV_MIB);
         st.min_target_mib = std::max(st.min_target_mib, d.min_target_mib);
@@ -81,17 +82,20 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
     char buf[768];
     if (target > 0 && target < d.min_target_mib) {
         snprintf(buf, sizeof(buf),
-                "vram_target %" PRId64 " MiB is below the minimum of %" PRId64 " MiB on %s: weights %.0f MiB + compute buffers "
-                "~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other KV caches %.0f MiB + streaming ring %.0f MiB + a %u-cell KV window %.0f MiB",
-                target, d.min_target_mib, d.name.c_str(), llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime),
-                llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring), LLAMA_RKV_WINDOW_ALIGN, llama_rkv_mib(min_window));
+                "vram_target %" PRId64 " MiB is below the minimum of %" PRId64 " MiB on %s: weights %.0f MiB + compute "
+                "buffers ~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other KV caches %.0f MiB + streaming ring %.0f "
+                "MiB + a %u-cell KV window %.0f MiB", target, d.min_target_mib, d.name.c_str(),
+                llama_rkv_mib(d.weights), llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime), llama_rkv_mib(d.other_kv),
+                llama_rkv_mib(d.ring), LLAMA_RKV_WINDOW_ALIGN, llama_rkv_mib(min_window));
     } else {
-        const std::string reserve = target > 0 ? "" : " minus a " + std::to_string(st.reserve/LLAMA_RKV_MIB) + " MiB reserve";
+        const std::string reserve = target > 0 ? "" : " minus a " + std::to_string(st.reserve/LLAMA_RKV_MIB) +
+                                    " MiB reserve";
         snprintf(buf, sizeof(buf),
-                "not enough free memory on %s for the KV cache: %.0f MiB free%s leave %.0f MiB, and compute buffers ~%.0f MiB "
-                "(estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB + a %u-cell KV window %.0f MiB need %.0f MiB",
-                d.name.c_str(), llama_rkv_mib(d.free), reserve.c_str(), llama_rkv_mib(d.avail), llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring),
-                LLAMA_RKV_WINDOW_ALIGN, llama_rkv_mib(min_window), llama_rkv_mib(d.compute + d.other_kv + d.ring + min_window));
+                "not enough free memory on %s for the KV cache: %.0f MiB free%s leave %.0f MiB, and compute buffers "
+                "~%.0f MiB (estimate) + other KV caches %.0f MiB + streaming ring %.0f MiB + a %u-cell KV window %.0f "
+                "MiB need %.0f MiB", d.name.c_str(), llama_rkv_mib(d.free), reserve.c_str(), llama_rkv_mib(d.avail),
+                llama_rkv_mib(d.compute), llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring), LLAMA_RKV_WINDOW_ALIGN,
+                llama_rkv_mib(min_window), llama_rkv_mib(d.compute + d.other_kv + d.ring + min_window));
     }
     st.error = buf;
 
@@ -99,10 +103,10 @@ uint32_t llama_rkv_plan_budget(llama_rkv_state & st) {
 }
 
 // bytes read from device memory and streamed over the link per token at n_kv cells of every stream, for a window of wc
-// cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence that
-// grows from 0 to n_kv cells instead (the window: mean min(n, wc) and max(0, n - wc); the head split: n_kv/2)
-void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device, double & tail,
-        bool mean) {
+// cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence
+// that grows from 0 to n_kv cells instead (the window: mean min(n, wc) and max(0, n - wc); the head split: n_kv/2)
+void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device,
+        double & tail, bool mean) {
     const double n_stream = std::max<uint32_t>(1, st.n_stream);
     const double w = std::min<double>(wc, n_kv);
     // cells of the window and of the tail read per token: at n_kv, or their means over n in [0, n_kv]
@@ -169,7 +173,8 @@ void llama_rkv_plan_estimate(llama_rkv_state & st) {
 
     // every token of a decode step reads the weights, the device's KV and the other caches from device memory and
     // streams the tail over the link, at full context on every stream
-    llama_rkv_token_bytes(st, st.chosen == LLAMA_KV_RESIDENCY_HEAD, st.window_cells, st.kv_size, st.est_device_bytes, st.est_tail_bytes);
+    llama_rkv_token_bytes(st, st.chosen == LLAMA_KV_RESIDENCY_HEAD, st.window_cells, st.kv_size, st.est_device_bytes,
+                          st.est_tail_bytes);
 
     if (st.mem_bw_gbps > 0.0) {
         st.t_resident_ms = st.est_device_bytes/(st.mem_bw_gbps*1e9)*1e3;
@@ -270,16 +275,18 @@ bool llama_rkv_plan_heads(llama_rkv_state & st) {
                 char buf[768];
                 if (target > 0 && target < d.min_target_mib_head) {
                     snprintf(buf, sizeof(buf),
-                            "vram_target %" PRId64 " MiB is below the head split's minimum of %" PRId64 " MiB on %s: weights %.0f MiB + compute "
-                            "buffers ~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other KV caches %.0f MiB + streaming ring %.0f MiB + one KV "
-                            "head of each of %zu layers %.0f MiB", target, d.min_target_mib_head, d.name.c_str(), llama_rkv_mib(d.weights),
-                            llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime), llama_rkv_mib(d.other_kv), llama_rkv_mib(d.ring), ls.size(),
-                            llama_rkv_mib(base));
+                            "vram_target %" PRId64 " MiB is below the head split's minimum of %" PRId64 " MiB on %s: "
+                            "weights %.0f MiB + compute buffers ~%.0f MiB (estimate) + GPU runtime ~%.0f MiB + other "
+                            "KV caches %.0f MiB + streaming ring %.0f MiB + one KV head of each of %zu layers %.0f MiB",
+                            target, d.min_target_mib_head, d.name.c_str(), llama_rkv_mib(d.weights),
+                            llama_rkv_mib(d.compute), llama_rkv_mib(d.runtime), llama_rkv_mib(d.other_kv),
+                            llama_rkv_mib(d.ring), ls.size(), llama_rkv_mib(base));
                 } else {
                     snprintf(buf, sizeof(buf),
-                            "not enough free memory on %s for a head split: %.0f MiB left for the KV after compute buffers, other KV "
-                            "caches and the streaming ring, and one KV head of each of %zu layers needs %.0f MiB",
-                            d.name.c_str(), llama_rkv_mib(d.kv_budget), ls.size(), llama_rkv_mib(base));
+                            "not enough free memory on %s for a head split: %.0f MiB left for the KV after compute "
+                            "buffers, other KV caches and the streaming ring, and one KV head of each of %zu layers "
+                            "needs %.0f MiB", d.name.c_str(), llama_rkv_mib(d.kv_budget), ls.size(),
+                            llama_rkv_mib(base));
                 }
                 st.error = buf;
             }
@@ -292,7 +299,8 @@ bool llama_rkv_plan_heads(llama_rkv_state & st) {
         while (true) {
             int best = -1;
             for (size_t i = 0; i < ls.size(); ++i) {
-                if (!full[i] && ls[i]->device_heads < ls[i]->n_head_kv && (best < 0 || ls[i]->device_heads < ls[best]->device_heads)) {
+                if (!full[i] && ls[i]->device_heads < ls[i]->n_head_kv &&
+                    (best < 0 || ls[i]->device_heads < ls[best]->device_heads)) {
                     best = (int) i;
                 }
             }
@@ -353,9 +361,9 @@ uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m) {
     return 0;
 }
 
-// the hybrid tail's per-layer terms: measured on the device when auto chooses a share (measure; plan-simulate's measurers
-// give what the probes would), else the constants measured once on the H200 (llama-kv-residency.h). The measurers keep
-// their figures for the process, so a later plan asks them again at no cost
+// the hybrid tail's per-layer terms: measured on the device when auto chooses a share (measure; plan-simulate's
+// measurers give what the probes would), else the constants measured once on the H200 (llama-kv-residency.h). The
+// measurers keep their figures for the process, so a later plan asks them again at no cost
 static void llama_rkv_plan_layer_terms(llama_rkv_state & st, const llama_rkv_decide_in & in, bool measure) {
     const auto term = [measure](double & v, std::string & source, const std::function<double(std::string *)> & fn,
             double fallback, const char * why_fallback) {
@@ -406,7 +414,8 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     }
     if (!llama_rkv_cpu_part_supported(st.type_k_tail, st.type_v_tail, st.head_k, st.head_v)) {
         char buf[200];
-        snprintf(buf, sizeof(buf), "the CPU part reads f16, q8_0 and q4_0 tails with head sizes that are multiples of 32, not K %s / V %s",
+        snprintf(buf, sizeof(buf),
+                "the CPU part reads f16, q8_0 and q4_0 tails with head sizes that are multiples of 32, not K %s / V %s",
                 ggml_type_name(st.type_k_tail), ggml_type_name(st.type_v_tail));
         st.tail_cpu_reason = buf;
         return;
@@ -441,24 +450,26 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         st.tail_cpu_reason = "requested";
         st.tail_cpu.frac   = st.tail_cpu_frac;
     } else if (!known) {
-        st.tail_cpu_reason = std::string("auto: off, ") + (st.cpu_attn_gbps <= 0.0 ? "the CPU attention bandwidth" : "the link bandwidth") +
-            " is unknown";
+        st.tail_cpu_reason = std::string("auto: off, ") +
+            (st.cpu_attn_gbps <= 0.0 ? "the CPU attention bandwidth" : "the link bandwidth") + " is unknown";
         return;
     } else {
         const double best_f = llama_rkv_tail_cpu_best(t_res, t_link, t_cpu, latency);
         char buf[384];
         if (best_f == 0.0) {
-            snprintf(buf, sizeof(buf), "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
+            snprintf(buf, sizeof(buf),
+                    "auto: off, a CPU part would gain < 3 %% (link %.1f GB/s, CPU attention %.1f GB/s)",
                     st.link_bw_gbps, st.cpu_attn_gbps);
             st.tail_cpu_reason = buf;
             return;
         }
         st.tail_cpu_frac = (float) best_f;
         st.tail_cpu = { st.tail_cpu_frac, true, t_res, t_link, t_cpu, latency, st.tail_cells };
-        snprintf(buf, sizeof(buf), "auto: %.0f %% of each tail on the CPU at full context (link %.1f GB/s, CPU attention %.1f GB/s, "
-                "%d threads, per layer %.3f ms of decode beyond its bytes and %.3f ms per CPU part), chosen again as the tail "
-                "grows: none below %u cells", 100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps, st.n_threads, st.layer_decode_ms,
-                st.cpu_part_latency_ms, llama_rkv_tail_cpu_from_cells(st.tail_cpu));
+        snprintf(buf, sizeof(buf),
+                "auto: %.0f %% of each tail on the CPU at full context (link %.1f GB/s, CPU attention %.1f GB/s, %d "
+                "threads, per layer %.3f ms of decode beyond its bytes and %.3f ms per CPU part), chosen again as the "
+                "tail grows: none below %u cells", 100.0*best_f, st.link_bw_gbps, st.cpu_attn_gbps, st.n_threads,
+                st.layer_decode_ms, st.cpu_part_latency_ms, llama_rkv_tail_cpu_from_cells(st.tail_cpu));
         st.tail_cpu_reason = buf;
     }
     if (known) {
@@ -509,8 +520,8 @@ static bool llama_rkv_tail_type_fits(const llama_rkv_state & st, ggml_type t, bo
     return true;
 }
 
-// the plan's tail-dependent figures at these types: the devices' K+V row bytes of the tail, the head layers' bytes of one
-// host head (0 where the type does not divide a head: no head split at it)
+// the plan's tail-dependent figures at these types: the devices' K+V row bytes of the tail, the head layers' bytes of
+// one host head (0 where the type does not divide a head: no head split at it)
 void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv) {
     st.type_k_tail = tk;
     st.type_v_tail = tv;
@@ -538,8 +549,8 @@ void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv) {
 }
 
 // auto tail types: the floor of each auto axis (fk, fv), where every layer takes it; an explicit axis keeps its type
-// (req_k, req_v). An axis whose floor does not divide the rows (or heads) or that the op refuses keeps the window's type,
-// said in notes; false (st.error) where a requested head split cannot take it
+// (req_k, req_v). An axis whose floor does not divide the rows (or heads) or that the op refuses keeps the window's
+// type, said in notes; false (st.error) where a requested head split cannot take it
 static bool llama_rkv_auto_tail_floors(llama_rkv_state & st, const llama_rkv_decide_in & in, bool head, ggml_type req_k,
         ggml_type req_v, ggml_type & fk, ggml_type & fv, std::string & notes) {
     const bool head_requested = st.req.mode == LLAMA_KV_RESIDENCY_HEAD || st.req.device_heads > 0;
@@ -553,10 +564,11 @@ static bool llama_rkv_auto_tail_floors(llama_rkv_state & st, const llama_rkv_dec
         }
         if (head && head_requested) {
             char buf[320];
-            snprintf(buf, sizeof(buf), "the head split's host heads (%s size %u) cannot take the %s tail that auto chooses (blocks of %d "
+            snprintf(buf, sizeof(buf),
+                    "the head split's host heads (%s size %u) cannot take the %s tail that auto chooses (blocks of %d "
                     "elements): give -ct%st a type that divides them, or split by window", is_v ? "V head" : "K head",
-                    st.head_layers.empty() ? 0u : (is_v ? st.head_layers[0].head_v : st.head_layers[0].head_k), ggml_type_name(f),
-                    (int) ggml_blck_size(f), is_v ? "v" : "k");
+                    st.head_layers.empty() ? 0u : (is_v ? st.head_layers[0].head_v : st.head_layers[0].head_k),
+                    ggml_type_name(f), (int) ggml_blck_size(f), is_v ? "v" : "k");
             st.error = buf;
             return false;
         }
@@ -578,8 +590,8 @@ static bool llama_rkv_auto_tail_floors(llama_rkv_state & st, const llama_rkv_dec
 // auto tail types: the link-only time of the split's tail at the types fk/fv (st.tail_auto_t_link_ms) against the time
 // of what the device reads (st.tail_auto_t_res_ms), both per token at full context; false when the bandwidths are not
 // known (link_how: where the link's came from, or why it is unknown)
-static bool llama_rkv_auto_tail_times(llama_rkv_state & st, const llama_rkv_decide_in & in, bool head, ggml_type fk, ggml_type fv,
-        std::string & link_how) {
+static bool llama_rkv_auto_tail_times(llama_rkv_state & st, const llama_rkv_decide_in & in, bool head, ggml_type fk,
+        ggml_type fv, std::string & link_how) {
     llama_rkv_retype_tail(st, fk, fv);
     double dev_bytes = 0.0, tail_bytes = 0.0;
     llama_rkv_token_bytes(st, head, st.window_cells, st.kv_size, dev_bytes, tail_bytes);
@@ -630,11 +642,13 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
         for (const bool is_v : { false, true }) {
             ggml_type & c = is_v ? cv : ck;
             const ggml_type window = is_v ? st.type_v : st.type_k;
-            if ((is_v ? st.tail_auto_v : st.tail_auto_k) && llama_rkv_bytes_per_elem(window) > llama_rkv_bytes_per_elem(GGML_TYPE_Q4_0)) {
+            if ((is_v ? st.tail_auto_v : st.tail_auto_k) &&
+                llama_rkv_bytes_per_elem(window) > llama_rkv_bytes_per_elem(GGML_TYPE_Q4_0)) {
                 if (llama_rkv_tail_type_fits(st, GGML_TYPE_Q4_0, is_v, head)) {
                     c = GGML_TYPE_Q4_0;
                 } else {
-                    notes += std::string("; ") + (is_v ? "V" : "K") + ": q4_0 blocks do not divide the " + (head ? "KV heads" : "rows");
+                    notes += std::string("; ") + (is_v ? "V" : "K") + ": q4_0 blocks do not divide the " +
+                             (head ? "KV heads" : "rows");
                 }
             }
         }
@@ -646,17 +660,21 @@ bool llama_rkv_choose_tail_types(llama_rkv_state & st, const llama_rkv_decide_in
                 cv = fv;
             }
         }
-        snprintf(buf, sizeof(buf), "auto: K %s, V %s: the tail's link-only time at %s/%s (%.3g ms/token at full context) exceeds %g x "
-                "the resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), ggml_type_name(fk), ggml_type_name(fv),
-                st.tail_auto_t_link_ms, LLAMA_RKV_AUTO_TAIL_Q4_RATIO, st.tail_auto_t_res_ms);
+        snprintf(buf, sizeof(buf),
+                "auto: K %s, V %s: the tail's link-only time at %s/%s (%.3g ms/token at full context) exceeds %g x the "
+                "resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), ggml_type_name(fk),
+                ggml_type_name(fv), st.tail_auto_t_link_ms, LLAMA_RKV_AUTO_TAIL_Q4_RATIO, st.tail_auto_t_res_ms);
     } else if (known) {
-        snprintf(buf, sizeof(buf), "auto: K %s, V %s (the floor): the tail's link-only time (%.3g ms/token at full context) is within "
-                "%g x the resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), st.tail_auto_t_link_ms,
+        snprintf(buf, sizeof(buf),
+                "auto: K %s, V %s (the floor): the tail's link-only time (%.3g ms/token at full context) is within %g "
+                "x the resident time (%.3g ms)", ggml_type_name(ck), ggml_type_name(cv), st.tail_auto_t_link_ms,
                 LLAMA_RKV_AUTO_TAIL_Q4_RATIO, st.tail_auto_t_res_ms);
     } else {
-        snprintf(buf, sizeof(buf), "auto: K %s, V %s (the floor): the link-only time cannot be weighed against the resident time (%s)",
+        snprintf(buf, sizeof(buf),
+                "auto: K %s, V %s (the floor): the link-only time cannot be weighed against the resident time (%s)",
                 ggml_type_name(ck), ggml_type_name(cv),
-                st.devs.empty() ? "no device was budgeted" : st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str() : link_how.c_str());
+                st.devs.empty() ? "no device was budgeted" : st.mem_bw_gbps <= 0.0 ? st.mem_bw_source.c_str()
+                : link_how.c_str());
     }
     st.tail_types_reason = buf + notes;
     llama_rkv_retype_tail(st, ck, cv);

@@ -36,10 +36,12 @@ bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev) {
     return t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU;
 }
 
-ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, uint32_t n_stream) {
+ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail,
+                                             uint32_t n_stream) {
     ggml_rkv_dev_budget res = {};
     ggml_backend_reg_t reg = llama_rkv_dev_is_gpu(dev) ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    auto fn = reg ? (ggml_backend_rkv_dev_budget_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_DEV_BUDGET_PROC) : nullptr;
+    auto fn = reg ? (ggml_backend_rkv_dev_budget_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_DEV_BUDGET_PROC)
+              : nullptr;
     if (fn) {
         fn(dev, row_k_tail, row_v_tail, n_stream, &res);
     }
@@ -71,8 +73,8 @@ size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev
 // and the estimate is that x 1.1 + 32 MiB (positions, output ids, small temporaries, the backend's pool). On the
 // demo model (n_ubatch 512) the largest term is the head, 97 MiB, for measured buffers of 102.5 MiB (2048
 // cells) and 98.3 MiB (16384 cells): an estimate of 139 MiB.
-size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv, uint32_t n_kv_other,
-        bool has_output, std::string * note) {
+size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv,
+        uint32_t n_kv_other, bool has_output, std::string * note) {
     const auto & hp = model.hparams;
 
     const size_t n_tokens = llama_rkv_estimate_tokens(st);
@@ -97,17 +99,19 @@ size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_sta
 
     if (note) {
         char buf[256];
-        snprintf(buf, sizeof(buf), "%zu-token ubatch: logits %.1f MiB, one layer %.1f MiB, KQ masks %.1f MiB (%u + %u cells); "
-                "max(logits, layer + masks) x 1.1 + 32 MiB", n_tokens, llama_rkv_mib(logits), llama_rkv_mib(layer), llama_rkv_mib(mask),
-                n_kv, n_kv_other);
+        snprintf(buf, sizeof(buf),
+                "%zu-token ubatch: logits %.1f MiB, one layer %.1f MiB, KQ masks %.1f MiB (%u + %u cells); max(logits, "
+                "layer + masks) x 1.1 + 32 MiB", n_tokens, llama_rkv_mib(logits), llama_rkv_mib(layer),
+                llama_rkv_mib(mask), n_kv, n_kv_other);
         *note = buf;
     }
 
     return res;
 }
 
-bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
-        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool head) {
+bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream,
+        uint32_t n_ubatch, ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail,
+        bool head) {
     if (!dev || g.n_embd_head_k <= 0 || g.n_embd_head_v <= 0 || g.n_head <= 0 || g.n_head_kv <= 0) {
         return true; // nothing to ask: the CPU runs every case
     }
@@ -138,7 +142,8 @@ bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_
     const int64_t n_q_head = head ? g.n_head/g.n_head_kv*n_heads : g.n_head;
 
     // a decode step and a full ubatch: the kernels differ
-    for (const int64_t n_q : { (int64_t) 1, (int64_t) std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch ? n_ubatch : 512, 512)) }) {
+    for (const int64_t n_q : { (int64_t) 1,
+                              (int64_t) std::max<uint32_t>(1, std::min<uint32_t>(n_ubatch ? n_ubatch : 512, 512)) }) {
         ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, g.n_embd_head_k, n_q_head, n_q*n_stream);
         ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 2*n_part, n_q, 1, n_stream);
 
@@ -232,7 +237,9 @@ double llama_rkv_measure_mem_bw(ggml_backend_dev_t dev, std::string * how) {
             ggml_backend_tensor_copy(a, b);
 
             // ggml_backend_tensor_copy returns when the copy is done (host: memcpy; CUDA: the copy is synchronized)
-            const int64_t best_us = llama_rkv_best_us([&](int i) { ggml_backend_tensor_copy(i % 2 ? b : a, i % 2 ? a : b); });
+            const int64_t best_us = llama_rkv_best_us([&](int i) {
+                ggml_backend_tensor_copy(i % 2 ? b : a, i % 2 ? a : b);
+            });
 
             char tmp[160];
             snprintf(tmp, sizeof(tmp), "%zu MiB copy in %s, best of %d", mib, name, LLAMA_RKV_BW_REPS);
@@ -312,13 +319,15 @@ double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
             return -1.0;
         }
         const size_t size = 256*LLAMA_RKV_MIB;
-        ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL, /*.no_alloc =*/ true };
+        ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL,
+                                   /*.no_alloc =*/ true };
         ggml_context_ptr ctx_h { ggml_init(params) };
         ggml_context_ptr ctx_d { ggml_init(params) };
         ggml_tensor * a = ggml_new_tensor_1d(ctx_h.get(), GGML_TYPE_I8, size);
         ggml_tensor * b = ggml_new_tensor_1d(ctx_d.get(), GGML_TYPE_I8, size);
         ggml_backend_buffer_ptr buf_h { ggml_backend_alloc_ctx_tensors_from_buft(ctx_h.get(), host_buft) };
-        ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(), ggml_backend_dev_buffer_type(dev)) };
+        ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(),
+                ggml_backend_dev_buffer_type(dev)) };
         if (!buf_h || !buf_d) {
             *desc = "not measured: no memory for a 256 MiB pinned copy";
             return -1.0;
@@ -362,7 +371,8 @@ double llama_rkv_measure_layer_decode_ms(const llama_model & model, int il, ggml
             bytes += ggml_nbytes(t);
         }
         if (weights.empty()) {
-            *desc = "not measured: layer " + std::to_string(il) + " has no weight matrices on " + ggml_backend_dev_name(dev);
+            *desc = "not measured: layer " + std::to_string(il) + " has no weight matrices on " +
+                    ggml_backend_dev_name(dev);
             return -1.0;
         }
         ggml_backend_ptr be { ggml_backend_dev_init(dev, nullptr) };
@@ -371,7 +381,8 @@ double llama_rkv_measure_layer_decode_ms(const llama_model & model, int il, ggml
             return -1.0;
         }
         const size_t n_nodes = 4*weights.size() + 4*LLAMA_RKV_LAYER_SMALL_KERNELS + 16;
-        ggml_init_params params = { ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false), nullptr, true };
+        ggml_init_params params = { ggml_tensor_overhead()*n_nodes + ggml_graph_overhead_custom(n_nodes, false),
+                                   nullptr, true };
         ggml_context_ptr ctx { ggml_init(params) };
         ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), n_nodes, false);
         std::vector<ggml_tensor *> inputs;
@@ -404,9 +415,10 @@ double llama_rkv_measure_layer_decode_ms(const llama_model & model, int il, ggml
         const double t_ms     = best_us*1e-3;
         const double bytes_ms = bytes/(mem_bw_gbps*1e9)*1e3;
         char tmp[256];
-        snprintf(tmp, sizeof(tmp), "measured: layer %d's %zu matrices (%.1f MiB) and %d small kernels on %s in %.3f ms, "
-                "their bytes %.3f ms at %.0f GB/s, best of %d", il, weights.size(), llama_rkv_mib(bytes),
-                LLAMA_RKV_LAYER_SMALL_KERNELS, ggml_backend_dev_name(dev), t_ms, bytes_ms, mem_bw_gbps, LLAMA_RKV_BW_REPS);
+        snprintf(tmp, sizeof(tmp),
+                "measured: layer %d's %zu matrices (%.1f MiB) and %d small kernels on %s in %.3f ms, their bytes %.3f "
+                "ms at %.0f GB/s, best of %d", il, weights.size(), llama_rkv_mib(bytes), LLAMA_RKV_LAYER_SMALL_KERNELS,
+                ggml_backend_dev_name(dev), t_ms, bytes_ms, mem_bw_gbps, LLAMA_RKV_BW_REPS);
         *desc = tmp;
         return std::max(0.0, t_ms - bytes_ms);
     });
@@ -418,7 +430,8 @@ double llama_rkv_measure_cpu_part_latency_ms(ggml_backend_dev_t dev, std::string
     static llama_rkv_measured_once<ggml_backend_dev_t> once;
     return once.get(dev, how, [dev](std::string * desc) {
         ggml_backend_reg_t reg = llama_rkv_dev_is_gpu(dev) ? ggml_backend_dev_backend_reg(dev) : nullptr;
-        auto fn = reg ? (ggml_backend_rkv_cpu_part_latency_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_LATENCY_PROC) : nullptr;
+        auto fn = reg ? (ggml_backend_rkv_cpu_part_latency_t) ggml_backend_reg_get_proc_address(reg,
+                GGML_RKV_CPU_PART_LATENCY_PROC) : nullptr;
         if (!fn) {
             *desc = "not measured: the device's backend has no CPU-part probe";
             return -1.0;

@@ -21,8 +21,9 @@ const char * llama_rkv_mode_name(enum llama_kv_residency_mode mode) {
     return "unknown";
 }
 
-llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r, ggml_type type_s,
-        bool offload, uint32_t mem_size, uint32_t n_rs_seq, const std::function<bool(int32_t)> & filter) {
+llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r,
+        ggml_type type_s, bool offload, uint32_t mem_size, uint32_t n_rs_seq,
+        const std::function<bool(int32_t)> & filter) {
     if (!st || st->resolved) {
         return st;
     }
@@ -90,7 +91,8 @@ static void llama_rkv_take_desc(llama_rkv_state & st, const llama_rkv_cache_desc
 
 // the devices to budget: the GPUs holding KV layers; on a machine without GPU, host memory (it holds window and tail
 // alike, so only an explicit vram_target sizes a window there: in.host_memory); in.no_device says why there is none
-static std::vector<const llama_rkv_layer_group *> llama_rkv_budget_groups(const llama_rkv_cache_desc & desc, llama_rkv_decide_in & in) {
+static std::vector<const llama_rkv_layer_group *> llama_rkv_budget_groups(const llama_rkv_cache_desc & desc,
+                                                                          llama_rkv_decide_in & in) {
     std::vector<const llama_rkv_layer_group *> groups;
     for (const auto & g : desc.groups) {
         if (llama_rkv_dev_is_gpu(g.dev)) {
@@ -111,21 +113,23 @@ static std::vector<const llama_rkv_layer_group *> llama_rkv_budget_groups(const 
     }
 
     if (groups.empty()) {
-        in.no_device = desc.offload ? "no GPU holds KV layers: resident" : "KV offload is off (no GPU holds the cache): resident";
+        in.no_device = desc.offload ? "no GPU holds KV layers: resident"
+                       : "KV offload is off (no GPU holds the cache): resident";
     }
     return groups;
 }
 
-// whether the groups' devices run the streaming op at the requested tail types (in.op_unsupported) and, where the request
-// may split by head, the head split's op (in.head_op_unsupported)
+// whether the groups' devices run the streaming op at the requested tail types (in.op_unsupported) and, where the
+// request may split by head, the head split's op (in.head_op_unsupported)
 static void llama_rkv_probe_ops(const llama_rkv_state & st, const llama_rkv_cache_desc & desc,
-        const std::vector<const llama_rkv_layer_group *> & groups, bool may_head, ggml_type type_k_tail, ggml_type type_v_tail,
-        llama_rkv_decide_in & in) {
+        const std::vector<const llama_rkv_layer_group *> & groups, bool may_head, ggml_type type_k_tail,
+        ggml_type type_v_tail, llama_rkv_decide_in & in) {
     for (const auto * g : groups) {
         if (!in.host_memory && !llama_rkv_dev_supports_split(g->dev, *g, desc.n_stream, st.n_ubatch,
                     desc.type_k, desc.type_v, type_k_tail, type_v_tail)) {
             char buf[256];
-            snprintf(buf, sizeof(buf), "the %s backend cannot run the streaming flash-attention op for K %s/%s, V %s/%s (window/tail)",
+            snprintf(buf, sizeof(buf),
+                    "the %s backend cannot run the streaming flash-attention op for K %s/%s, V %s/%s (window/tail)",
                     ggml_backend_dev_name(g->dev), ggml_type_name(desc.type_k), ggml_type_name(type_k_tail),
                     ggml_type_name(desc.type_v), ggml_type_name(type_v_tail));
             in.op_unsupported = buf;
@@ -136,8 +140,9 @@ static void llama_rkv_probe_ops(const llama_rkv_state & st, const llama_rkv_cach
         if (may_head && !in.host_memory && !llama_rkv_dev_supports_split(g->dev, *g, desc.n_stream, st.n_ubatch,
                     desc.type_k, desc.type_v, type_k_tail, type_v_tail, true)) {
             char buf[256];
-            snprintf(buf, sizeof(buf), "the %s backend cannot run the head split's streaming flash-attention op for K %s, V %s (host heads)",
-                    ggml_backend_dev_name(g->dev), ggml_type_name(type_k_tail), ggml_type_name(type_v_tail));
+            snprintf(buf, sizeof(buf),
+                    "the %s backend cannot run the head split's streaming flash-attention op for K %s, V %s (host "
+                    "heads)", ggml_backend_dev_name(g->dev), ggml_type_name(type_k_tail), ggml_type_name(type_v_tail));
             in.head_op_unsupported = buf;
             break;
         }
@@ -266,7 +271,8 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
 
     const bool needs_devices = req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_WINDOW ||
                                req.mode == LLAMA_KV_RESIDENCY_HEAD;
-    const bool may_head = (req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_HEAD) && st.head_refuse.empty();
+    const bool may_head = (req.mode == LLAMA_KV_RESIDENCY_AUTO || req.mode == LLAMA_KV_RESIDENCY_HEAD) &&
+                          st.head_refuse.empty();
 
     if (needs_devices && !in.refuse) {
         const ggml_type type_k_tail = req.type_k_tail == GGML_TYPE_COUNT ? desc.type_k : req.type_k_tail;
@@ -284,8 +290,9 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
             for (const auto & g : desc.groups) {
                 if (llama_rkv_dev_is_gpu(g.dev) && !llama_rkv_dev_supports_split(g.dev, g, desc.n_stream, st.n_ubatch,
                             desc.type_k, desc.type_v, tk, tv, head)) {
-                    return std::string("the ") + ggml_backend_dev_name(g.dev) + " backend cannot run the streaming op with a " +
-                           ggml_type_name(tk) + "/" + ggml_type_name(tv) + " tail";
+                    return std::string("the ") + ggml_backend_dev_name(g.dev) +
+                           " backend cannot run the streaming op with a " + ggml_type_name(tk) + "/" +
+                           ggml_type_name(tv) + " tail";
                 }
             }
             return "";

@@ -11,15 +11,15 @@
 //   with vram_target:    avail = min(vram_target - weights, free)
 //   without:             avail = free - reserve
 //
-// where free is the device's free memory when the cache constructor runs. The constructor runs after the
-// model weights were loaded, so free already excludes them: they are subtracted from the target only,
-// never from free. Out of avail come the compute buffers (not allocated yet: an estimate, see
-// llama_rkv_compute_estimate), the caches that never split (the SWA cache of an iSWA model, allocated after
-// the planning cache; the recurrent state of a hybrid model, see llama_rkv_note_recurrent), with a target the
-// device runtime's own memory, and, when the cache splits, the ring through which the device streams the tail. The last two are the backend's figures (ggml_rkv_dev_budget,
-// ggml-rolling-kv.h): the planner knows no backend. The whole KV fits: resident (the upstream cache, no
-// ring); otherwise the largest window of a multiple of 256 cells that fits every device. A target that cannot
-// hold even a 256-cell window is refused with the minimum, in MiB.
+// where free is the device's free memory when the cache constructor runs. The constructor runs after the model weights
+// were loaded, so free already excludes them: they are subtracted from the target only, never from free. Out of avail
+// come the compute buffers (not allocated yet: an estimate, see llama_rkv_compute_estimate), the caches that never
+// split (the SWA cache of an iSWA model, allocated after the planning cache; the recurrent state of a hybrid model, see
+// llama_rkv_note_recurrent), with a target the device runtime's own memory, and, when the cache splits, the ring
+// through which the device streams the tail. The last two are the backend's figures (ggml_rkv_dev_budget,
+// ggml-rolling-kv.h): the planner knows no backend. The whole KV fits: resident (the upstream cache, no ring);
+// otherwise the largest window of a multiple of 256 cells that fits every device. A target that cannot hold even a
+// 256-cell window is refused with the minimum, in MiB.
 //
 // The expected time per token of a split (the link model, at full context):
 //   t_token ~ (weights + window KV + other KV) / mem_bw + tail KV / link_bw
@@ -33,13 +33,13 @@
 // h_l = min(N, n_head_kv of l). Not for ALiBi (its slopes depend on the head index and count), layers with one KV head
 // (MQA), or head sizes that are not a multiple of a cache type's block size.
 //
-// auto between window and head (llama_rkv_choose): for the same budget both keep about the same bytes on the device and
-// move the rest per token, but the window streams max(0, n_kv - wc) cells of every head and nothing while a sequence
-// fits its window, and the head split streams its host heads of all n_kv cells from the first token on. The two tie at
-// full context apart from each tactic's granularity (a 256-cell window step, one head of one layer); at any shorter
-// n_kv the window streams less. auto compares the link model below at full context (the plan's t_token; bytes when a
-// bandwidth is unknown) and averaged over a sequence that grows to full context (the window: mean max(0, n - wc) cells,
-// the head split: half its host heads' cells), and takes head only when it is more than 3 % cheaper on both (and
+// auto between window and head (llama_rkv_auto_compare): for the same budget both keep about the same bytes on the
+// device and move the rest per token, but the window streams max(0, n_kv - wc) cells of every head and nothing while a
+// sequence fits its window, and the head split streams its host heads of all n_kv cells from the first token on. The
+// two tie at full context apart from each tactic's granularity (a 256-cell window step, one head of one layer); at any
+// shorter n_kv the window streams less. auto compares the link model below at full context (the plan's t_token; bytes
+// when a bandwidth is unknown) and averaged over a sequence that grows to full context (the window: mean max(0, n - wc)
+// cells, the head split: half its host heads' cells), and takes head only when it is more than 3 % cheaper on both (and
 // window wherever head cannot split; head where no window fits and the head split does), so in practice it takes the
 // window.
 //
@@ -55,17 +55,18 @@
 // graph is built (llama_rkv_tail_cpu_frac_at: the same model with the tail's terms scaled to its cells): no CPU part
 // while the tail is too short to pay for one, the full-context share once the tail is whole.
 //
-// Auto tail types (llama_rkv_choose_tail_types; a request's LLAMA_ROLLING_KV_TAIL_TYPE_AUTO, opt-in because a compressed
-// tail is lossy): the cache describes itself and the budget is made at the window's types (the window's bytes, and a ring
-// for rows never narrower than the chosen tail's), then, once the split is chosen, each auto axis gets:
+// Auto tail types (llama_rkv_choose_tail_types; a request's LLAMA_ROLLING_KV_TAIL_TYPE_AUTO, opt-in because a
+// compressed tail is lossy): the cache describes itself and the budget is made at the window's types (the window's
+// bytes, and a ring for rows never narrower than the chosen tail's), then, once the split is chosen, each auto axis
+// gets:
 //   nothing spills (resident):                                 the window's type
 //   the floor: q8_0 for an f32/f16/bf16 window, else the window's own type (q8_0, q5_*, q4_*: compact already)
 //   q4_0 (for windows wider than q4_0) where   t_link(floor) > LLAMA_RKV_AUTO_TAIL_Q4_RATIO x t_resident
 // with t_link(floor) the link-only time of the split's tail at full context at the floor types (an explicit axis at its
 // own type) and t_resident the device's bytes over its bandwidth (the link model above): where the link would still
 // take longer than everything the device reads, q4_0 halves it again (q4_0 moves 0.53x the bytes of q8_0). A bandwidth
-// unknown: the floor, saying so. A candidate type whose blocks do not divide the rows (a window split) or the KV heads (a
-// head split), or that the device's streaming op does not run, falls back to the next (q4_0 -> floor -> the window's
+// unknown: the floor, saying so. A candidate type whose blocks do not divide the rows (a window split) or the KV heads
+// (a head split), or that the device's streaming op does not run, falls back to the next (q4_0 -> floor -> the window's
 // type). The choice is made with every plan (each context, each llama-bench instance, each simulation) from that plan's
 // split, and the tail is allocated at it for the cache's life. Refused (st.error): auto with mode off, with an explicit
 // window that leaves no tail, with a requested head split (mode head, device_heads) whose host heads the candidate's
@@ -115,8 +116,8 @@ static const double   LLAMA_RKV_LAYER_DECODE_MS = 0.06;
 // the small kernels of a llama-type decode layer besides its matrix products (norms, RoPE, the K/V writes, residual
 // adds, the GLU, the attention's own), which the layer probe launches after the layer's matrices
 static const int      LLAMA_RKV_LAYER_SMALL_KERNELS = 12;
-// auto tail types: q4_0 where the tail's link-only time at the floor types exceeds this multiple of the resident time, i.e.
-// where the link would still dominate the token (q4_0 then saves at least 0.47/2 = 23 % of it over q8_0)
+// auto tail types: q4_0 where the tail's link-only time at the floor types exceeds this multiple of the resident time,
+// i.e. where the link would still dominate the token (q4_0 then saves at least 0.47/2 = 23 % of it over q8_0)
 static const double   LLAMA_RKV_AUTO_TAIL_Q4_RATIO = 1.0;
 
 // "off", "auto", "head", "window" (llama_kv_residency_mode_name)
@@ -140,14 +141,14 @@ struct llama_rkv_head_layer {
     uint32_t n_head_kv         = 0;
     size_t   head_bytes_window = 0;  // K+V bytes of one KV head for one cell and stream, at the device (window) types
     size_t   head_bytes_tail   = 0;  // the same at the tail types
-    size_t   conv_head_bytes   = 0;  // f16 copy of one head's K/V per cell and stream that CUDA flash attention makes of
-                                     // non-f16 K/V (GPU devices only; see llama_rkv_dev_budget::conv_cell_bytes)
+    size_t   conv_head_bytes   = 0;  // f16 copy of one head's K/V per cell and stream that CUDA flash attention makes
+                                     // of non-f16 K/V (GPU devices only; see llama_rkv_dev_budget::conv_cell_bytes)
     uint32_t device_heads      = 0;  // outcome: KV heads on the device (n_head_kv: not split)
     uint32_t head_k            = 0;  // K and V elements of one KV head (the planner's, for auto tail types; 0: unknown)
     uint32_t head_v            = 0;
 };
 
-// one tactic's cost for auto (llama_rkv_choose), at full context
+// one tactic's cost for auto (llama_rkv_auto_compare), at full context
 struct llama_rkv_tactic_cost {
     bool        valid             = false;
     std::string why_not;                 // why the tactic is not a candidate
@@ -167,12 +168,13 @@ struct llama_rkv_dev_budget {
     size_t   free             = 0;     // free memory at plan time (weights already excluded)
     size_t   weights          = 0;     // model weights on this device
     size_t   compute          = 0;     // compute buffer estimate (stream_masks included)
-    size_t   stream_masks     = 0;     // of compute: the per-stream attention's copy of the KQ mask beyond the estimate's
-                                       // (GPU, several streams: llama_rkv_stream_mask_bytes)
+    size_t   stream_masks     = 0;     // of compute: the per-stream attention's copy of the KQ mask beyond the
+                                       // estimate's (GPU, several streams: llama_rkv_stream_mask_bytes)
     size_t   other_kv         = 0;     // caches on this device that never split (the SWA cache of an iSWA model, the
                                        // recurrent state of a hybrid model)
     size_t   recurrent        = 0;     // of other_kv: the recurrent state of a hybrid model (llama_rkv_note_recurrent)
-    size_t   ring             = 0;     // the device's tail ring (the backend's figure), counted only when the cache splits
+    size_t   ring             = 0;     // the device's tail ring (the backend's figure), counted only when the cache
+                                       // splits
     size_t   runtime          = 0;     // the device runtime's own memory (the backend's figure: context, library
                                        // handles, pool growth): counted against a vram_target only (NVML counts it
                                        // per process)
@@ -200,7 +202,8 @@ struct llama_rkv_tail_cpu {
     double   t_res_ms   = 0.0;   // the model's terms at full context
     double   t_link_ms  = 0.0;
     double   t_cpu_ms   = 0.0;
-    double   latency_ms = 0.0;   // n_layer x the CPU part's latency per layer (measured, else LLAMA_RKV_CPU_PART_LATENCY_MS)
+    double   latency_ms = 0.0;   // n_layer x the CPU part's latency per layer (measured, else
+                                 // LLAMA_RKV_CPU_PART_LATENCY_MS)
     uint32_t tail_cells = 0;     // per stream, at full context
 };
 
@@ -208,8 +211,8 @@ struct llama_rkv_tail_cpu {
 // max(t_res + f*t_cpu + latency, (1 - f)*t_link), 0 when that gains less than 3 % over f = 0
 double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_ms, double latency_ms);
 
-// the share of a tail of tail_cells cells (per stream) to attend on the CPU: m.frac for a request, for auto the model at
-// the tail terms scaled by tail_cells/m.tail_cells (0 for an empty tail)
+// the share of a tail of tail_cells cells (per stream) to attend on the CPU: m.frac for a request, for auto the model
+// at the tail terms scaled by tail_cells/m.tail_cells (0 for an empty tail)
 float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells);
 
 // the shortest tail (per stream, in steps of LLAMA_RKV_WINDOW_ALIGN cells, as n_kv grows) with a CPU part; 0: none
@@ -228,17 +231,18 @@ struct llama_rkv_live {
     uint64_t last_occupied_bytes = 0;
     uint32_t last_streams        = 0; // streams of the last ubatch, and how many of them attended as one op each
     uint32_t last_per_stream_ops = 0;
-    uint64_t block_bytes         = 0; // 256 tail cells of every split layer: the padding one stream may attend beyond its cells
+    // 256 tail cells of every split layer: the padding one stream may attend beyond its cells
+    uint64_t block_bytes         = 0;
     // per stream, as of its last ubatch: cells in use on the device (window) and in host memory (tail)
     std::vector<uint32_t> device_cells;
     std::vector<uint32_t> tail_cells;
-    // one stream (a unified cache: every sequence in it), as of its last ubatch: each sequence's cells on the device and
-    // in the tail (a cell shared by sequences counts for each), and the runs of tail cells the ubatch read
+    // one stream (a unified cache: every sequence in it), as of its last ubatch: each sequence's cells on the device
+    // and in the tail (a cell shared by sequences counts for each), and the runs of tail cells the ubatch read
     std::vector<uint32_t> seq_device_cells;
     std::vector<uint32_t> seq_tail_cells;
     uint32_t last_tail_runs = 0; // 0: the whole tail
-    // elastic windows: each stream's window (cells it may keep on the device), and the moves so far, in cells (one row of
-    // every split layer's K and V) and bytes, and the time the ubatches waited for them
+    // elastic windows: each stream's window (cells it may keep on the device), and the moves so far, in cells (one row
+    // of every split layer's K and V) and bytes, and the time the ubatches waited for them
     std::vector<uint32_t> window_cells;
     uint64_t promoted_cells  = 0; // tail -> device
     uint64_t demoted_cells   = 0; // device -> tail
@@ -410,8 +414,9 @@ struct llama_rkv_cache_desc {
 // llama_memory_recurrent will allocate them (r and s rows, and a PLE row where the model has one, for mem_size x
 // (1 + n_rs_seq) cells; filter: the recurrent layers, nullptr: hparams.is_recr), for the attention cache's plan to
 // count against its budget. Returns st (nullptr stays nullptr: no request, the upstream cache).
-llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r, ggml_type type_s,
-        bool offload, uint32_t mem_size, uint32_t n_rs_seq, const std::function<bool(int32_t)> & filter);
+llama_rkv_state * llama_rkv_note_recurrent(llama_rkv_state * st, const llama_model & model, ggml_type type_r,
+        ggml_type type_s, bool offload, uint32_t mem_size, uint32_t n_rs_seq,
+        const std::function<bool(int32_t)> & filter);
 
 // window cells per stream for this cache (0: stay resident); fills the plan in st. Throws std::runtime_error
 // (st.error) when the request is refused, e.g. a vram_target below the minimum.
@@ -423,8 +428,8 @@ uint32_t llama_rkv_plan_cache(llama_rkv_state & st, const llama_rkv_cache_desc &
 // st.min_target_mib.
 uint32_t llama_rkv_plan_budget(llama_rkv_state & st);
 
-// the head split on the budget of st.devs (llama_rkv_plan_budget ran): fills st.head_layers[].device_heads and the devices'
-// head_kv_bytes/min_target_mib_head; false (st.error set) when one KV head of every layer does not fit
+// the head split on the budget of st.devs (llama_rkv_plan_budget ran): fills st.head_layers[].device_heads and the
+// devices' head_kv_bytes/min_target_mib_head; false (st.error set) when one KV head of every layer does not fit
 bool llama_rkv_plan_heads(llama_rkv_state & st);
 
 // the link model of a split plan from st.devs, st.window_cells/tail_cells (window) or st.head_layers (head),
@@ -445,7 +450,8 @@ double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how);
 // what dev spends on the streaming op beyond its tensors, as its backend reports it (GGML_RKV_DEV_BUDGET_PROC,
 // ggml-rolling-kv.h): the ring it streams a tail through, for tails whose widest layer has these K/V rows (bytes per
 // stream, n_stream streams), and its runtime's memory; zeros for host memory and for backends that report nothing
-ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, uint32_t n_stream);
+ggml_rkv_dev_budget llama_rkv_backend_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail,
+                                             uint32_t n_stream);
 
 // the buffer of a KV cache context: for one that holds streamed tails (a GPU's pinned host tails), the memory its
 // backend offers for them (GGML_RKV_HOST_ALLOC_PROC, ggml-rolling-kv.h: 2 MiB pages the CPU part of a hybrid tail reads
@@ -456,29 +462,31 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
 size_t llama_rkv_weights_bytes(const llama_model & model, ggml_backend_dev_t dev);
 
 // What one op per stream (llama_rkv_build_attn_mha with a per-stream layout: several streams) adds to a GPU's compute
-// buffer beyond the one KQ mask the compute estimate counts. The mask is an f16 graph input, which the scheduler keeps on
-// the CPU backend; the op of stream s reads the mask's rows of s through a view, one per stream shared by every layer
-// (llama_rkv_input_views), and the scheduler copies each view to the GPU once: together one mask, in place of the mask
-// upstream's attention reads. A window split reads the mask only through those views (nothing more); a head split's
-// device heads read it whole as well (upstream's attention), beside its host heads' views: one more mask. The budget
-// is made before auto chooses between the two, so a GPU with several streams counts that one mask, n_tokens x n_kv
-// f16 (n_kv: the cells per stream), either way: one mask more than a window split holds. 0 for one stream (a unified
-// cache, an elastic pool of one: the op reads the mask itself) and host memory. The synthetic 28-layer model at -c 102400 -np 4 (25600 cells per stream),
-// 512-token ubatches: 25 MiB. (A view per layer had made it a copy of the whole mask per layer: 27 x 25 MiB more.)
+// buffer beyond the one KQ mask the compute estimate counts. The mask is an f16 graph input, which the scheduler keeps
+// on the CPU backend; the op of stream s reads the mask's rows of s through a view, one per stream shared by every
+// layer (llama_rkv_input_views), and the scheduler copies each view to the GPU once: together one mask, in place of the
+// mask upstream's attention reads. A window split reads the mask only through those views (nothing more); a head
+// split's device heads read it whole as well (upstream's attention), beside its host heads' views: one more mask. The
+// budget is made before auto chooses between the two, so a GPU with several streams counts that one mask, n_tokens x
+// n_kv f16 (n_kv: the cells per stream), either way: one mask more than a window split holds. 0 for one stream (a
+// unified cache, an elastic pool of one: the op reads the mask itself) and host memory. The synthetic 28-layer model at
+// -c 102400 -np 4 (25600 cells per stream), 512-token ubatches: 25 MiB. (A view per layer had made it a copy of the
+// whole mask per layer: 27 x 25 MiB more.)
 size_t llama_rkv_stream_mask_bytes(uint32_t n_tokens, uint32_t n_kv, uint32_t n_stream);
 
 // the ubatch of the compute estimate: min(n_ubatch, n_ctx) of the context (512 when unknown)
 uint32_t llama_rkv_estimate_tokens(const llama_rkv_state & st);
 
 // compute buffer estimate for a device holding KV layers (see the definition for the formula)
-size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv, uint32_t n_kv_other,
-        bool has_output, std::string * note);
+size_t llama_rkv_compute_estimate(const llama_model & model, const llama_rkv_state & st, uint32_t n_kv,
+        uint32_t n_kv_other, bool has_output, std::string * note);
 
 // whether dev runs GGML_OP_STREAMING_FLASH_ATTN for this layer shape and these types (the scheduler would
 // otherwise run it on the CPU, copying the window to the host every step); head: the head split's op (an empty window,
 // a tail of n_head_kv - 1 heads of every cell)
-bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream, uint32_t n_ubatch,
-        ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail, bool head = false);
+bool llama_rkv_dev_supports_split(ggml_backend_dev_t dev, const llama_rkv_layer_group & g, uint32_t n_stream,
+        uint32_t n_ubatch, ggml_type type_k, ggml_type type_v, ggml_type type_k_tail, ggml_type type_v_tail,
+        bool head = false);
 
 // device memory bandwidth in GB/s (10^9 B/s, bytes read + written) from timed copies inside dev (host memory
 // for a CPU device) through ggml-backend; once per device and process; < 0 when it could not be measured
@@ -503,7 +511,8 @@ struct llama_rkv_decide_in {
     // < 0: the constants above)
     std::function<double(std::string *)> measure_layer_decode;
     std::function<double(std::string *)> measure_cpu_part_latency;
-    // auto tail types: why a device cannot run the streaming op with these tail types ("": it can; unset: every device can)
+    // auto tail types: why a device cannot run the streaming op with these tail types ("": it can; unset: every device
+    // can)
     std::function<std::string(ggml_type type_k_tail, ggml_type type_v_tail, bool head)> tail_op_unsupported;
 };
 
@@ -527,10 +536,10 @@ uint32_t llama_rkv_decide(llama_rkv_state & st, const llama_rkv_decide_in & in);
 // a GPU or an integrated GPU (not the CPU, not null)
 bool llama_rkv_dev_is_gpu(ggml_backend_dev_t dev);
 
-// The hybrid tail's CPU part lives in the CPU backend: libllama asks the CPU backend's registry for its functions by name
-// (GGML_RKV_CPU_*_PROC, ggml-rolling-kv.h), one lookup for all of them (llama-kv-residency-probe.cpp): it links no CPU
-// code, and the CPU backend may be a module. Without them (no CPU backend registered yet, or one without the CPU part)
-// there is no CPU part: not available, 0 threads, 0 runs, nothing supported, a bandwidth of -1.
+// The hybrid tail's CPU part lives in the CPU backend: libllama asks the CPU backend's registry for its functions by
+// name (GGML_RKV_CPU_*_PROC, ggml-rolling-kv.h), one lookup for all of them (llama-kv-residency-probe.cpp): it links no
+// CPU code, and the CPU backend may be a module. Without them (no CPU backend registered yet, or one without the CPU
+// part) there is no CPU part: not available, 0 threads, 0 runs, nothing supported, a bandwidth of -1.
 bool     llama_rkv_cpu_part_available();
 int      llama_rkv_cpu_threads();        // ggml_rkv_get_cpu_threads
 uint64_t llama_rkv_cpu_part_runs();      // ggml_rkv_cpu_part_runs
@@ -559,8 +568,8 @@ double llama_rkv_measure_cpu_part_latency_ms(ggml_backend_dev_t dev, std::string
 // bytes read from device memory and streamed over the link per token at n_kv cells of every stream, for a window of wc
 // cells (window) or the head split of st.head_layers (head), over the budgeted devices; mean: averaged over a sequence
 // that grows from 0 to n_kv cells instead
-void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device, double & tail,
-        bool mean = false);
+void llama_rkv_token_bytes(const llama_rkv_state & st, bool head, uint32_t wc, double n_kv, double & device,
+        double & tail, bool mean = false);
 
 // ms per token for the bytes of llama_rkv_token_bytes (< 0: a bandwidth is unknown)
 double llama_rkv_token_ms(double device, double tail, double mem_bw, double link_bw);
@@ -574,9 +583,10 @@ void llama_rkv_heads_whole(llama_rkv_state & st);
 // device bytes of the head split's KV on device di (+ the f16 copy flash attention makes of one layer's device heads)
 size_t llama_rkv_head_dev_bytes(const llama_rkv_state & st, int32_t di);
 
-// n_rows rows of n_per_row elements from src_type into dst_type, through f32 (state I/O, and the moves of rows between a
-// window and a tail of other types); false: a type that cannot be converted so
-bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows, int64_t n_per_row);
+// n_rows rows of n_per_row elements from src_type into dst_type, through f32 (state I/O, and the moves of rows between
+// a window and a tail of other types); false: a type that cannot be converted so
+bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows,
+                            int64_t n_per_row);
 
 // n rows between the window tensor win (any backend), from its row row0, and a tail's host rows at host, of the tail
 // tensor tail's type: a byte copy, or a conversion on the host through f32 where the types differ (a demotion quantizes

@@ -25,7 +25,8 @@ void llama_rkv_window_pool::init(uint32_t n_stream_, uint32_t kv_size_, uint32_t
 
 // the relocation of n cells from pool row src to row dst as copies whose source and destination never overlap: in
 // pieces of |dst - src| rows, the first piece first when moving left, the last first when moving right
-static void llama_rkv_pool_relocate(std::vector<llama_rkv_pool_copy> & out, uint32_t strm, uint32_t n, uint32_t src, uint32_t dst) {
+static void llama_rkv_pool_relocate(std::vector<llama_rkv_pool_copy> & out, uint32_t strm, uint32_t n, uint32_t src,
+                                    uint32_t dst) {
     const uint32_t step = src > dst ? src - dst : dst - src;
     const uint32_t n_piece = (n + step - 1)/step;
     for (uint32_t i = 0; i < n_piece; ++i) {
@@ -83,7 +84,8 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
             order.push_back(s);
         }
     }
-    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return need[a] - w[a] < need[b] - w[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return need[a] - w[a] < need[b] - w[b]; });
 
     for (const uint32_t s : order) {
         const uint32_t want = need[s] - w[s];
@@ -95,7 +97,8 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
                 }
             }
             std::stable_sort(idle.begin(), idle.end(), [&](uint32_t a, uint32_t b) {
-                return pool.last_batch[a] != pool.last_batch[b] ? pool.last_batch[a] < pool.last_batch[b] : pool.last_used[a] < pool.last_used[b];
+                return pool.last_batch[a] != pool.last_batch[b] ? pool.last_batch[a] < pool.last_batch[b]
+                       : pool.last_used[a] < pool.last_used[b];
             });
             for (const uint32_t t : idle) {
                 if (free >= want) {
@@ -119,7 +122,8 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
     // 2b. back to the static layout once the active streams fit their shares: an idle stream keeps at most its share
     // (its excess demoted once). A finished long request whose cells a slot keeps for its prompt cache would otherwise
     // hold its large window, keep the pool off the static layout, and make every ubatch of the short ones attend one op
-    // per stream instead of upstream's one op over all streams (0.65x resident after the long one ended, H100 2026-12-06)
+    // per stream instead of upstream's one op over all streams (0.65x resident after the long one ended, H100
+    // 2026-12-06)
     bool active_fit = true;
     for (uint32_t s = 0; s < ns && active_fit; ++s) {
         active_fit = !active(s) || std::max(w[s], in_ubatch[s] ? need[s] : 0u) <= pool.share;
@@ -137,10 +141,10 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
         return {};
     }
 
-    // 3. placement: the static layout whenever every window fits its share (the streams' windows then sit at one stride,
-    // which upstream's attention over several streams reads as one view); else each window where it is when it still
-    // ends before the next one (and within the pool); else a repack in stream order with the free cells spread evenly
-    // between the windows
+    // 3. placement: the static layout whenever every window fits its share (the streams' windows then sit at one
+    // stride, which upstream's attention over several streams reads as one view); else each window where it is when it
+    // still ends before the next one (and within the pool); else a repack in stream order with the free cells spread
+    // evenly between the windows
     std::vector<uint32_t> nb = pool.base;
     bool fits_share = true;
     for (uint32_t s = 0; s < ns && fits_share; ++s) {
@@ -165,8 +169,8 @@ std::vector<llama_rkv_pool_copy> llama_rkv_pool_rebalance(
         }
     }
 
-    // 4. the copies of the cells in use: demotions from the old rows, then the windows that move (the cells each keeps),
-    // then promotions into the new rows
+    // 4. the copies of the cells in use: demotions from the old rows, then the windows that move (the cells each
+    // keeps), then promotions into the new rows
     std::vector<llama_rkv_pool_copy> out;
     for (uint32_t s = 0; s < ns; ++s) {
         const uint32_t lo = w[s];

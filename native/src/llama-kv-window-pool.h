@@ -1,10 +1,10 @@
 // rollingkv: elastic windows, the device cells of a split cache's streams as one pool that follows the load.
 //
-// A window split with several streams (llama-server's slots, -np N without a unified cache) has a budget of
-// capacity = n_stream * wc device cells per layer. With static windows every stream owns wc of them, used or not: a short
-// request leaves most of its window idle while a long one streams its tail. Here the budget is one pool: stream s keeps
-// cells [0, cells[s]) of its sequence in pool rows [base[s], base[s] + cells[s]) and the rest in its host tail, and
-// before each ubatch the windows are rebalanced (llama_rkv_pool_rebalance):
+// A window split with several streams (llama-server's slots, -np N without a unified cache) has a budget of capacity =
+// n_stream * wc device cells per layer. With static windows every stream owns wc of them, used or not: a short request
+// leaves most of its window idle while a long one streams its tail. Here the budget is one pool: stream s keeps cells
+// [0, cells[s]) of its sequence in pool rows [base[s], base[s] + cells[s]) and the rest in its host tail, and before
+// each ubatch the windows are rebalanced (llama_rkv_pool_rebalance):
 //
 //   - a window never holds cells beyond the block (256 cells) that covers its stream's cells in use: what a sequence
 //     releases (it ended, was truncated or cleared) returns to the pool at once, without a copy;
@@ -23,9 +23,10 @@
 // would, at one stride: a ubatch whose streams are all within their windows then attends them as upstream does, in one
 // op over a strided view (no overhead against static windows or the resident cache). A window that outgrows its share
 // stays where it is while it ends before the next window, else the pool repacks, the free cells spread evenly as gaps
-// between windows (so that each can grow in place again). Moves are byte copies between rows of one type, hence exact; they run between ubatches, after the previous
-// graph finished. This file is the policy and the copy list only (no tensors): llama-kv-cache-split.cpp carries the
-// copies out, and the pool simulation test library (rollingkv/pool-simulate.cpp) checks them on given figures.
+// between windows (so that each can grow in place again). Moves are byte copies between rows of one type, hence exact;
+// they run between ubatches, after the previous graph finished. This file is the policy and the copy list only (no
+// tensors): llama-kv-cache-split.cpp carries the copies out, and the pool simulation test library
+// (rollingkv/pool-simulate.cpp) checks them on given figures.
 #pragma once
 
 #include <cstdint>
@@ -58,8 +59,8 @@ struct llama_rkv_window_pool {
 };
 
 // one copy of cells [cell0, cell0 + n) of stream strm: DEMOTE from pool rows starting at row_src to the stream's host
-// rows, RELOCATE from pool rows at row_src to pool rows at row_dst (never overlapping), PROMOTE from the host rows to pool
-// rows at row_dst. To be carried out in list order.
+// rows, RELOCATE from pool rows at row_src to pool rows at row_dst (never overlapping), PROMOTE from the host rows to
+// pool rows at row_dst. To be carried out in list order.
 struct llama_rkv_pool_copy {
     enum kind_t : uint8_t { DEMOTE, RELOCATE, PROMOTE };
     kind_t   kind;

@@ -34,8 +34,8 @@ ggml_tensor * llama_rkv_input_views::find(const ggml_context * c, const ggml_ten
     return nullptr;
 }
 
-void llama_rkv_input_views::add(const ggml_context * c, const ggml_tensor * src, const int64_t ne[4], const size_t nb[3],
-        size_t offs, ggml_tensor * view) {
+void llama_rkv_input_views::add(const ggml_context * c, const ggml_tensor * src, const int64_t ne[4],
+        const size_t nb[3], size_t offs, ggml_tensor * view) {
     if (entries.size() >= 4096) {
         entries.clear(); // the keys of graphs long gone
     }
@@ -85,14 +85,16 @@ static ggml_tensor * llama_rkv_attn_op(ggml_context * ctx, ggml_tensor * q, ggml
         v_tail = ggml_permute(ctx, v_tail, 0, 2, 1, 3);
     }
 
-    ggml_tensor * cur = ggml_streaming_flash_attn(ctx, q, k, v, k_tail, v_tail, kq_mask, kq_scale, max_alibi_bias, logit_softcap);
+    ggml_tensor * cur = ggml_streaming_flash_attn(ctx, q, k, v, k_tail, v_tail, kq_mask, kq_scale, max_alibi_bias,
+                                                  logit_softcap);
 
     ggml_streaming_flash_attn_add_sinks(cur, sinks);
     ggml_streaming_flash_attn_set_prec(cur, GGML_PREC_F32);
     // the CPU part takes decode-sized batches only (GGML_RKV_CPU_PART_MAX_Q rows per stream): a prompt's ubatch streams
     // its whole tail, decided here rather than dropped by the backend
     const bool rows_ok = q->ne[1] <= GGML_RKV_CPU_PART_MAX_Q;
-    ggml_streaming_flash_attn_set_tail_cpu_cells(cur, k_tail && rows_ok ? std::min<int64_t>(tail_cpu_cells, k_tail->ne[1]) : 0);
+    ggml_streaming_flash_attn_set_tail_cpu_cells(cur,
+            k_tail && rows_ok ? std::min<int64_t>(tail_cpu_cells, k_tail->ne[1]) : 0);
     ggml_streaming_flash_attn_set_ref_streams(cur, ref_streams);
     if (perturb_tail != 0.0f) {
         ggml_streaming_flash_attn_set_tail_perturb(cur, perturb_tail); // a test hook of the context
@@ -154,7 +156,8 @@ ggml_tensor * llama_rkv_build_attn_mha(
     const auto n_stream = layout.pool ? k_tail->ne[3] : (k ? k : k_tail)->ne[3];
 
     if (layout.n_kv.empty()) {
-        q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/n_stream), 0);
+        q = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/n_stream, n_stream, q->nb[1], q->nb[2],
+                         q->nb[2]*(q->ne[2]/n_stream), 0);
         ggml_tensor * cur = llama_rkv_attn_op(ctx, q, k, v, k_tail, v_tail, kq_mask, sinks, kq_scale, max_alibi_bias,
                 logit_softcap, layout.tail_cpu_cells, 0, layout.perturb_tail, &layout);
         return ggml_reshape_2d(ctx, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
@@ -177,7 +180,8 @@ ggml_tensor * llama_rkv_build_attn_mha(
         GGML_ASSERT(!k_tail || kt_row + n_t <= k_tail->ne[2]);
         GGML_ASSERT(!n_w || ks_row + n_w <= k->ne[2]);
 
-        ggml_tensor * qs = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], n_tok, 1, q->nb[1], q->nb[2], q->nb[2]*n_tok, s*n_tok*q->nb[2]);
+        ggml_tensor * qs = ggml_view_4d(ctx, q, q->ne[0], q->ne[1], n_tok, 1, q->nb[1], q->nb[2], q->nb[2]*n_tok,
+                                        s*n_tok*q->nb[2]);
         ggml_tensor * ks = n_w ? llama_rkv_stream_cells(ctx, k, ks_s, ks_row, n_w) : nullptr;
         ggml_tensor * vs = n_w ? llama_rkv_stream_cells(ctx, v, ks_s, ks_row, n_w) : nullptr;
         ggml_tensor * kt = n_t && k_tail ? llama_rkv_stream_cells(ctx, k_tail, s, kt_row, n_t) : nullptr;
@@ -216,18 +220,20 @@ ggml_tensor * llama_rkv_build_attn_heads(
     const int64_t n_head_kv = n_head_kv_dev + k_tail->ne[1];
     GGML_ASSERT(n_head_kv_dev > 0 && n_head % n_head_kv == 0);
 
-    // the query heads of a GQA group follow its KV head (ggml's broadcast: query head i reads KV head i/(n_head/n_head_kv))
+    // the query heads of a GQA group follow its KV head (ggml's broadcast: query head i reads KV head
+    // i/(n_head/n_head_kv))
     const int64_t n_q_dev = n_head_kv_dev*(n_head/n_head_kv);
 
     ggml_tensor * q_dev  = ggml_view_3d(ctx, q, q->ne[0], n_q_dev,          q->ne[2], q->nb[1], q->nb[2], 0);
-    ggml_tensor * q_host = ggml_view_3d(ctx, q, q->ne[0], n_head - n_q_dev, q->ne[2], q->nb[1], q->nb[2], n_q_dev*q->nb[1]);
+    ggml_tensor * q_host = ggml_view_3d(ctx, q, q->ne[0], n_head - n_q_dev, q->ne[2], q->nb[1], q->nb[2],
+                                        n_q_dev*q->nb[1]);
 
     ggml_tensor * sinks_dev  = sinks ? ggml_view_1d(ctx, sinks, n_q_dev, 0) : nullptr;
     ggml_tensor * sinks_host = sinks ? ggml_view_1d(ctx, sinks, n_head - n_q_dev, n_q_dev*sinks->nb[0]) : nullptr;
 
     ggml_tensor * a = attn_dev(q_dev, sinks_dev);
-    ggml_tensor * b = llama_rkv_build_attn_mha(ctx, q_host, nullptr, nullptr, k_tail, v_tail, kq_mask, sinks_host, kq_scale,
-            max_alibi_bias, logit_softcap, layout);
+    ggml_tensor * b = llama_rkv_build_attn_mha(ctx, q_host, nullptr, nullptr, k_tail, v_tail, kq_mask, sinks_host,
+            kq_scale, max_alibi_bias, logit_softcap, layout);
 
     // [DV*n_q_dev, T] and [DV*(n_head - n_q_dev), T]: the rows of the unsplit layer's output
     return ggml_concat(ctx, a, b, 0);

@@ -14,7 +14,8 @@ struct llama_model;
 // llama_init_from_model with a residency request, which the context's constructor takes into cparams.rkv (the C API's
 // llama_init_from_model passes none: the upstream cache). A C++ overload: llama_context_params stays upstream's struct,
 // which llama-cpp-python mirrors field by field
-llama_context * llama_init_from_model(llama_model * model, llama_context_params params, std::shared_ptr<llama_rkv_state> rkv);
+llama_context * llama_init_from_model(llama_model * model, llama_context_params params,
+                                      std::shared_ptr<llama_rkv_state> rkv);
 
 // graph nodes a split cache adds beyond upstream's estimate: a ubatch of several streams attends one op per stream and
 // split layer (views of q, K/V window and tail, mask, the op, the concatenation of the outputs)

@@ -81,18 +81,23 @@ static const char * llama_rkv_chosen_name(const llama_rkv_state * st) {
 // the plan's "tail_cpu": the hybrid tail's share, its inputs and why
 static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
     std::string res;
-    res += ",\"tail_cpu\":{\"requested\":" + (st->req.tail_cpu_frac < 0.0f ? std::string("\"auto\"") : llama_rkv_json_num(st->req.tail_cpu_frac));
+    res += ",\"tail_cpu\":{\"requested\":" +
+           (st->req.tail_cpu_frac < 0.0f ? std::string("\"auto\"") : llama_rkv_json_num(st->req.tail_cpu_frac));
     res += ",\"frac\":" + llama_rkv_json_num(st->tail_cpu_frac);
-    // auto: the shortest tail with a CPU part (the share is chosen again as the tail grows); null for a fixed share or none
+    // auto: the shortest tail with a CPU part (the share is chosen again as the tail grows); null for a fixed share or
+    // none
     const uint32_t from_cells = st->tail_cpu.is_auto ? llama_rkv_tail_cpu_from_cells(st->tail_cpu) : 0;
     res += ",\"from_tail_cells\":" + (from_cells > 0 ? std::to_string(from_cells) : std::string("null"));
-    res += ",\"cpu_attn_gbps\":" + (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
+    res += ",\"cpu_attn_gbps\":" +
+           (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : llama_rkv_cpu_threads());
     // the time model's per-layer terms, and where each came from (null: the share needed none)
-    res += ",\"layer_decode_ms\":" + (st->layer_decode_ms >= 0.0 ? llama_rkv_json_num(st->layer_decode_ms) : std::string("null"));
+    res += ",\"layer_decode_ms\":" +
+           (st->layer_decode_ms >= 0.0 ? llama_rkv_json_num(st->layer_decode_ms) : std::string("null"));
     res += ",\"layer_decode_source\":" + llama_rkv_json_str(st->layer_decode_source);
-    res += ",\"cpu_part_latency_ms\":" + (st->cpu_part_latency_ms >= 0.0 ? llama_rkv_json_num(st->cpu_part_latency_ms) : std::string("null"));
+    res += ",\"cpu_part_latency_ms\":" +
+           (st->cpu_part_latency_ms >= 0.0 ? llama_rkv_json_num(st->cpu_part_latency_ms) : std::string("null"));
     res += ",\"cpu_part_latency_source\":" + llama_rkv_json_str(st->cpu_part_latency_source);
     res += ",\"reason\":" + llama_rkv_json_str(st->tail_cpu_reason) + "}";
     return res;
@@ -103,19 +108,21 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
 static std::string llama_rkv_json_windows(const llama_rkv_state * st) {
     std::string res;
     if (st->chosen == LLAMA_KV_RESIDENCY_WINDOW) {
-        res += std::string(",\"windows\":{\"policy\":") + (st->blocks ? "\"blocks\"" : st->elastic ? "\"elastic\"" : "\"static\"");
+        res += std::string(",\"windows\":{\"policy\":") +
+               (st->blocks ? "\"blocks\"" : st->elastic ? "\"elastic\"" : "\"static\"");
         res += ",\"requested\":" + llama_rkv_json_str(st->req.windows == LLAMA_KV_WINDOWS_STATIC ? "static" :
                                                   st->req.windows == LLAMA_KV_WINDOWS_BLOCKS ? "blocks" : "elastic");
         res += ",\"pool_cells\":" + std::to_string(st->elastic ? st->pool_cells : st->window_cells*st->n_stream);
         res += ",\"reason\":" + llama_rkv_json_str(
                 st->blocks  ? "one stream's 256-cell blocks move between the device and the host with the load" :
-                st->elastic ? "the streams' device cells are one pool that follows the load" : st->windows_reason) + "}";
+                st->elastic ? "the streams' device cells are one pool that follows the load" : st->windows_reason) +
+                "}";
     }
     return res;
 }
 
-// the plan's "heads": the head split's request, whether this cache can split by head, and per layer what it keeps on the
-// device
+// the plan's "heads": the head split's request, whether this cache can split by head, and per layer what it keeps on
+// the device
 static std::string llama_rkv_json_heads(const llama_rkv_state * st) {
     std::string res;
     uint32_t h_dev = 0, h_host = 0;
@@ -124,7 +131,8 @@ static std::string llama_rkv_json_heads(const llama_rkv_state * st) {
         h_host += hl.n_head_kv - hl.device_heads;
     }
     const bool head = st->chosen == LLAMA_KV_RESIDENCY_HEAD;
-    res += ",\"heads\":{\"requested\":" + (st->req.device_heads > 0 ? std::to_string(st->req.device_heads) : std::string("null"));
+    res += ",\"heads\":{\"requested\":" +
+           (st->req.device_heads > 0 ? std::to_string(st->req.device_heads) : std::string("null"));
     res += std::string(",\"eligible\":") + (st->head_refuse.empty() ? "true" : "false");
     res += ",\"refuse\":" + (st->head_refuse.empty() ? std::string("null") : llama_rkv_json_str(st->head_refuse));
     res += std::string(",\"split\":") + (head ? "true" : "false");
@@ -161,11 +169,13 @@ static std::string llama_rkv_json_auto(const llama_rkv_state * st) {
     return res;
 }
 
-// the plan's "tail_types": what was asked for per axis ("auto", a type, or null: the window's), what the plan holds and why
+// the plan's "tail_types": what was asked for per axis ("auto", a type, or null: the window's), what the plan holds and
+// why
 static std::string llama_rkv_json_tail_types(const llama_rkv_state * st) {
     std::string res;
     auto requested = [](bool is_auto, ggml_type t) {
-        return is_auto ? std::string("\"auto\"") : t == GGML_TYPE_COUNT ? std::string("null") : llama_rkv_json_str(ggml_type_name(t));
+        return is_auto ? std::string("\"auto\"") : t == GGML_TYPE_COUNT ? std::string("null")
+               : llama_rkv_json_str(ggml_type_name(t));
     };
     res += ",\"tail_types\":{\"requested_k\":" + requested(st->tail_auto_k, st->req.type_k_tail);
     res += ",\"requested_v\":" + requested(st->tail_auto_v, st->req.type_v_tail);
@@ -199,11 +209,12 @@ static std::string llama_rkv_json_budget(const llama_rkv_state * st) {
         }
         snprintf(buf, sizeof(buf),
                 ",\"budget\":{\"budgeted\":%s,\"vram_target_mib\":%" PRId64 ",\"min_target_mib\":%" PRId64
-                ",\"reserve_bytes\":%zu,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu,\"other_kv_bytes\":%zu"
-                ",\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"ring_slots\":%d,\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu"
-                ",\"runtime_bytes\":%zu",
+                ",\"reserve_bytes\":%zu,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
+                ",\"other_kv_bytes\":%zu,\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"ring_slots\":%d"
+                ",\"ring_slot_bytes\":%zu,\"kv_resident_bytes\":%zu,\"runtime_bytes\":%zu",
                 st->budgeted ? "true" : "false", st->req.vram_target_mib, st->min_target_mib,
-                st->reserve, free, weights, compute, other_kv, recurrent, ring, st->ring_slots, st->ring_slot_size, kv_resident, runtime);
+                st->reserve, free, weights, compute, other_kv, recurrent, ring, st->ring_slots, st->ring_slot_size,
+                kv_resident, runtime);
         res += buf;
         res += ",\"compute_note\":" + llama_rkv_json_str(st->compute_note);
         res += ",\"devices\":[";
@@ -213,11 +224,13 @@ static std::string llama_rkv_json_budget(const llama_rkv_state * st) {
             res += "\"name\":" + llama_rkv_json_str(d.name);
             snprintf(buf, sizeof(buf),
                     ",\"host_memory\":%s,\"n_layer\":%u,\"free_bytes\":%zu,\"weights_bytes\":%zu,\"compute_bytes\":%zu"
-                    ",\"other_kv_bytes\":%zu,\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu,\"kv_budget_bytes\":%zu"
-                    ",\"kv_resident_bytes\":%zu,\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u,\"min_target_mib\":%" PRId64
-                    ",\"runtime_bytes\":%zu,\"stream_mask_bytes\":%zu}",
-                    d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.recurrent, d.ring, d.avail,
-                    d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells, d.min_target_mib, d.runtime, d.stream_masks);
+                    ",\"other_kv_bytes\":%zu,\"recurrent_bytes\":%zu,\"ring_bytes\":%zu,\"avail_bytes\":%zu"
+                    ",\"kv_budget_bytes\":%zu"
+                    ",\"kv_resident_bytes\":%zu,\"cell_bytes\":%zu,\"conv_cell_bytes\":%zu,\"fit_cells\":%u"
+                    ",\"min_target_mib\":%" PRId64 ",\"runtime_bytes\":%zu,\"stream_mask_bytes\":%zu}",
+                    d.host_memory ? "true" : "false", d.n_layer, d.free, d.weights, d.compute, d.other_kv, d.recurrent,
+                    d.ring, d.avail, d.kv_budget, d.kv_resident, d.cell_bytes, d.conv_cell_bytes, d.fit_cells,
+                    d.min_target_mib, d.runtime, d.stream_masks);
             res += buf;
         }
         res += "]}";
@@ -309,10 +322,10 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
     for (size_t i = 0; i < st->layers.size(); ++i) {
         const auto & l = st->layers[i];
         snprintf(buf, sizeof(buf),
-                "%s{\"il\":%d,\"window_cells\":%u,\"tail_cells\":%u,\"device_bytes\":%zu,\"host_bytes\":%zu,\"split\":%s"
-                ",\"n_head_kv\":%u,\"device_heads\":%u,\"host_heads\":%u}",
-                i > 0 ? "," : "", l.il, l.window_cells, l.tail_cells, l.device_bytes, l.host_bytes, l.split ? "true" : "false",
-                l.n_head_kv, l.device_heads, l.n_head_kv - l.device_heads);
+                "%s{\"il\":%d,\"window_cells\":%u,\"tail_cells\":%u,\"device_bytes\":%zu,\"host_bytes\":%zu"
+                ",\"split\":%s,\"n_head_kv\":%u,\"device_heads\":%u,\"host_heads\":%u}",
+                i > 0 ? "," : "", l.il, l.window_cells, l.tail_cells, l.device_bytes, l.host_bytes,
+                l.split ? "true" : "false", l.n_head_kv, l.device_heads, l.n_head_kv - l.device_heads);
         res += buf;
         dev_total  += l.device_bytes;
         host_total += l.host_bytes;
@@ -354,7 +367,8 @@ int32_t llama_kv_residency_mode_from_str(const char * s) {
     if (!s) {
         return -1;
     }
-    for (auto m : { LLAMA_KV_RESIDENCY_OFF, LLAMA_KV_RESIDENCY_AUTO, LLAMA_KV_RESIDENCY_HEAD, LLAMA_KV_RESIDENCY_WINDOW }) {
+    for (auto m : { LLAMA_KV_RESIDENCY_OFF, LLAMA_KV_RESIDENCY_AUTO, LLAMA_KV_RESIDENCY_HEAD,
+                   LLAMA_KV_RESIDENCY_WINDOW }) {
         if (strcmp(s, llama_kv_residency_mode_name(m)) == 0) {
             return (int32_t) m;
         }
@@ -383,8 +397,8 @@ const char * llama_rolling_kv_last_error(void) {
 
 // the shared state the cache constructor plans with for this request (mode off: the upstream cache, the plan only
 // reports it), with what the constructor cannot see resolved as llama_context resolves it
-static std::shared_ptr<llama_rkv_state> llama_rkv_make_state(const llama_rolling_kv_params & req, const llama_model * model,
-        const llama_context_params & params) {
+static std::shared_ptr<llama_rkv_state> llama_rkv_make_state(const llama_rolling_kv_params & req,
+        const llama_model * model, const llama_context_params & params) {
     auto st = std::make_shared<llama_rkv_state>();
     st->req = req;
     llama_rkv_take_auto_tail(*st); // the cache describes itself at the window's types; the planner chooses the tail's
@@ -392,7 +406,8 @@ static std::shared_ptr<llama_rkv_state> llama_rkv_make_state(const llama_rolling
     // what the cache constructor cannot see, resolved as llama_context resolves it (causal models: the batch is
     // capped by the context), for the compute buffer estimate and the size of an iSWA model's SWA cache
     if (model) {
-        const uint32_t n_ctx   = params.n_ctx == 0 ? (uint32_t) std::max<int32_t>(0, llama_model_n_ctx_train(model)) : params.n_ctx;
+        const uint32_t n_ctx   = params.n_ctx == 0 ? (uint32_t) std::max<int32_t>(0, llama_model_n_ctx_train(model))
+                : params.n_ctx;
         const uint32_t n_batch = n_ctx > 0 ? std::min(n_ctx, params.n_batch) : params.n_batch;
         st->n_ctx      = n_ctx;
         st->n_ubatch   = std::min(n_batch, params.n_ubatch == 0 ? params.n_batch : params.n_ubatch);
@@ -416,8 +431,8 @@ static void llama_rkv_resolve_unsplit(llama_context * ctx, const llama_rolling_k
         st->eligible = req.mode == LLAMA_KV_RESIDENCY_OFF;
         st->reason   = req.mode == LLAMA_KV_RESIDENCY_OFF
             ? "mode off: the upstream resident cache"
-            : "this model's memory (recurrent only, hybrid with sliding-window or indexer layers, sparse-attention or no KV "
-              "cache) does not support the split: resident";
+            : "this model's memory (recurrent only, hybrid with sliding-window or indexer layers, sparse-attention or "
+              "no KV cache) does not support the split: resident";
         LLAMA_LOG_INFO("%s: rolling KV: resident (%s)\n", func, st->reason.c_str());
     }
 }
@@ -431,8 +446,8 @@ static bool llama_rkv_test_hooks_from_env(llama_rolling_kv_test_hooks & out, std
         char * end = nullptr;
         const float x = strtof(tail, &end);
         if (end == tail || *end != '\0') {
-            err = std::string("ROLLINGKV_DEBUG_PERTURB_TAIL=") + tail + " is not a number (a test hook: every tail score "
-                  "times 1 + x, x > -1; unset it)";
+            err = std::string("ROLLINGKV_DEBUG_PERTURB_TAIL=") + tail +
+                  " is not a number (a test hook: every tail score times 1 + x, x > -1; unset it)";
             return false;
         }
         out.perturb_tail = x; // its range: llama_init_from_model_rolling_kv_test
@@ -474,10 +489,12 @@ struct llama_context * llama_init_from_model_rolling_kv_test(
     g_rkv_last_error.clear();
 
     if (!(hooks.perturb_tail > -1.0f && std::isfinite(hooks.perturb_tail))) {
-        return llama_rkv_fail(__func__, "the test hook perturb_tail must be finite and above -1 (got %g)", (double) hooks.perturb_tail);
+        return llama_rkv_fail(__func__, "the test hook perturb_tail must be finite and above -1 (got %g)",
+                              (double) hooks.perturb_tail);
     }
     if (hooks.perturb_move < 0 || hooks.perturb_move > 2) {
-        return llama_rkv_fail(__func__, "the test hook perturb_move must be 0 (off), 1 or 2 (got %d)", hooks.perturb_move);
+        return llama_rkv_fail(__func__, "the test hook perturb_move must be 0 (off), 1 or 2 (got %d)",
+                              hooks.perturb_move);
     }
 
     switch (req.mode) {
@@ -501,26 +518,31 @@ struct llama_context * llama_init_from_model_rolling_kv_test(
                 req.device_heads, llama_kv_residency_mode_name(req.mode));
     }
     if (req.window_cells > 0 && req.mode == LLAMA_KV_RESIDENCY_HEAD) {
-        return llama_rkv_fail(__func__, "window_cells (%" PRId64 ") sets a window: it needs mode window or auto, not head",
-                req.window_cells);
+        return llama_rkv_fail(__func__,
+                "window_cells (%" PRId64 ") sets a window: it needs mode window or auto, not head", req.window_cells);
     }
     if (req.window_cells > 0 && req.device_heads > 0) {
-        return llama_rkv_fail(__func__, "window_cells and device_heads exclude each other (a window split or a head split)");
+        return llama_rkv_fail(__func__,
+                              "window_cells and device_heads exclude each other (a window split or a head split)");
     }
     if (!(req.tail_cpu_frac <= 1.0f) || std::isnan(req.tail_cpu_frac)) {
-        return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)", (double) req.tail_cpu_frac);
+        return llama_rkv_fail(__func__, "tail_cpu_frac must be < 0 (auto), 0 (off) or in (0, 1] (got %g)",
+                              (double) req.tail_cpu_frac);
     }
     if (req.windows != LLAMA_KV_WINDOWS_ELASTIC && req.windows != LLAMA_KV_WINDOWS_STATIC &&
             req.windows != LLAMA_KV_WINDOWS_BLOCKS) {
-        return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static, 2: blocks)", (int) req.windows);
+        return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static, 2: blocks)",
+                              (int) req.windows);
     }
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
-    const bool tail_auto = req.type_k_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO || req.type_v_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO;
+    const bool tail_auto = req.type_k_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO ||
+                           req.type_v_tail == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO;
     if (tail_auto && req.mode == LLAMA_KV_RESIDENCY_OFF) {
-        return llama_rkv_fail(__func__, "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto "
-                "or window, or give the tail a type");
+        return llama_rkv_fail(__func__,
+                "auto tail types choose the type of a split's tail, and mode off never splits: use mode auto or "
+                "window, or give the tail a type");
     }
     for (ggml_type t : { req.type_k_tail, req.type_v_tail }) {
         if (t == LLAMA_ROLLING_KV_TAIL_TYPE_AUTO) {
@@ -528,7 +550,8 @@ struct llama_context * llama_init_from_model_rolling_kv_test(
         }
         if (t != GGML_TYPE_COUNT && ((int) t < 0 || (int) t > GGML_TYPE_COUNT || !ggml_rkv_tail_type_supported(t))) {
             return llama_rkv_fail(__func__, "unsupported KV tail type %s: the tail must be one of %s",
-                    ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)", ggml_rkv_tail_type_names());
+                    ((int) t >= 0 && (int) t < GGML_TYPE_COUNT) ? ggml_type_name(t) : "(invalid)",
+                    ggml_rkv_tail_type_names());
         }
     }
 
@@ -591,8 +614,8 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
     // beside the cache's own account of each step below); absent without a backend that streams
     const llama_rkv_plan_bytes pb = llama_rkv_streamed_plan_bytes();
     if (pb.available) {
-        res += ",\"plan_streamed\":{\"bytes\":" + std::to_string(pb.total) + ",\"last_bytes\":" + std::to_string(pb.last) +
-               ",\"plans\":" + std::to_string(pb.plans) + "}";
+        res += ",\"plan_streamed\":{\"bytes\":" + std::to_string(pb.total) + ",\"last_bytes\":" +
+               std::to_string(pb.last) + ",\"plans\":" + std::to_string(pb.plans) + "}";
     }
     if (st && st->live) {
         const llama_rkv_live & lv = *st->live;
@@ -608,7 +631,8 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
                 lv.last_occupied_bytes, lv.block_bytes);
         res += tmp;
         snprintf(tmp, sizeof(tmp),
-                ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64 ",\"promoted_cells\":%" PRIu64
+                ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64
+                ",\"promoted_cells\":%" PRIu64
                 ",\"demoted_cells\":%" PRIu64 ",\"relocated_cells\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"ms\":%.3f}",
                 st->blocks ? "blocks" : st->elastic ? "elastic" : "static",
                 st->elastic ? st->pool_cells : st->window_cells*st->n_stream,
@@ -616,8 +640,8 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
         res += tmp;
         res += ",\"slots\":[";
         for (size_t s = 0; s < lv.device_cells.size(); ++s) {
-            snprintf(tmp, sizeof(tmp), "%s{\"stream\":%zu,\"device_cells\":%u,\"tail_cells\":%u,\"window_cells\":%u}", s ? "," : "", s,
-                    lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u,
+            snprintf(tmp, sizeof(tmp), "%s{\"stream\":%zu,\"device_cells\":%u,\"tail_cells\":%u,\"window_cells\":%u}",
+                    s ? "," : "", s, lv.device_cells[s], s < lv.tail_cells.size() ? lv.tail_cells[s] : 0u,
                     s < lv.window_cells.size() ? lv.window_cells[s] : st->window_cells);
             res += tmp;
         }
@@ -626,11 +650,13 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
         res += ",\"seqs\":[";
         bool first = true;
         for (size_t s = 0; s < lv.seq_device_cells.size(); ++s) {
-            const uint32_t dev = lv.seq_device_cells[s], tail = s < lv.seq_tail_cells.size() ? lv.seq_tail_cells[s] : 0u;
+            const uint32_t dev = lv.seq_device_cells[s],
+                           tail = s < lv.seq_tail_cells.size() ? lv.seq_tail_cells[s] : 0u;
             if (dev == 0 && tail == 0) {
                 continue;
             }
-            snprintf(tmp, sizeof(tmp), "%s{\"seq\":%zu,\"device_cells\":%u,\"tail_cells\":%u}", first ? "" : ",", s, dev, tail);
+            snprintf(tmp, sizeof(tmp), "%s{\"seq\":%zu,\"device_cells\":%u,\"tail_cells\":%u}", first ? "" : ",", s,
+                     dev, tail);
             res += tmp;
             first = false;
         }

@@ -11,25 +11,25 @@
 //       ranges merged) against attention in double precision over the same (dequantised) rows; each ISA this CPU has,
 //       or the one named. With a quantized K the kernel takes integer dot products with the query quantized per block
 //       of 32 (int8 and an f32 scale); the reference quantizes the query the same way and scores the dequantised query.
-//       Prints the path this CPU takes ("default isa: NAME"), one line per failing case and "N passed, M failed"; exit 1
-//       on failure.
-//       --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison bites
-//       (X = 1e-4 must fail every case with a visible cell).
-//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R] [--rows R]
+//       Prints the path this CPU takes ("default isa: NAME"), one line per failing case and "N passed, M failed"; exit
+//       1 on failure. --perturb-ref X multiplies the reference's scores by (1 + X): the self-check that the comparison
+//       bites (X = 1e-4 must fail every case with a visible cell).
+//   test-rolling-kv-cpu-decode --bench [-t THREADS] [--layers L] [--cells N] [--type f16|q8_0|q4_0] [--reps R]
+//                              [--rows R]
 //       one decode token of the synthetic 28-layer shape (8 KV heads, 24 query heads, head size 128) over L layers of
 //       N cells: this attention on T threads (split over cells, merged), against, in the same run and on the same
 //       bytes, a memory-bound read (vector loads), a copy, and ggml_flash_attn_ext on the CPU backend with T threads
 //       (what vanilla llama.cpp runs for -nkvo). Prints GB/s of K+V for each and the ratios.
 //       --alloc A[,B...]: where the K/V bytes live, each timed in turn (the copy and ggml_flash_attn_ext on the first):
-//       cpu (the CPU backend's buffer, the default), cudahost (cudaMallocHost through the GPU's pinned host buffer type),
-//       thp (anonymous memory advised for 2 MiB pages), tail (the memory a rolling-KV tail lives in: the GPU backend's
-//       GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device).
-//       --rows R: R query rows per layer (a batch of one sequence), in one walk of the cells, and also one by one.
-//       --beside-copy: also time the attention while a thread copies pinned host memory to the GPU (the link's
-//       traffic of a hybrid decode), and report both rates.
+//       cpu (the CPU backend's buffer, the default), cudahost (cudaMallocHost through the GPU's pinned host buffer
+//       type), thp (anonymous memory advised for 2 MiB pages), tail (the memory a rolling-KV tail lives in: the GPU
+//       backend's GGML_RKV_HOST_ALLOC_PROC, 2 MiB pages registered with the device). --rows R: R query rows per layer
+//       (a batch of one sequence), in one walk of the cells, and also one by one. --beside-copy: also time the
+//       attention while a thread copies pinned host memory to the GPU (the link's traffic of a hybrid decode), and
+//       report both rates.
 //   test-rolling-kv-cpu-decode --pool-stress SECONDS
-//       the CPU part's pool: tasks of changing widths back to back on 8 threads; each must run exactly once per id below
-//       its width, never late. Prints one line; exit 1 on a wrong or late call.
+//       the CPU part's pool: tasks of changing widths back to back on 8 threads; each must run exactly once per id
+//       below its width, never late. Prints one line; exit 1 on a wrong or late call.
 //   test-rolling-kv-cpu-decode --pool-affinity N
 //       the pool's threads against this process's CPUs (taskset): one JSON line with the CPUs the process may use, the
 //       part's thread count, and the CPUs each of the N-1 workers may use, made from a thread confined to one CPU.
@@ -37,9 +37,9 @@
 //       the pool between tasks: the workers asleep 100 ms after a task on N threads and the CPU time the process spent
 //       meanwhile (the workers' bounded spin before they sleep). One JSON line.
 //   test-rolling-kv-cpu-decode --part-counts
-//       the CPU backend's counts of the parts run (GGML_RKV_CPU_PART_RUNS_PROC, GGML_RKV_CPU_PART_CALIB_RUNS_PROC) before
-//       and after the planner's calibration of the CPU attention (GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC), an op's part and
-//       a part flagged calib. One JSON line.
+//       the CPU backend's counts of the parts run (GGML_RKV_CPU_PART_RUNS_PROC, GGML_RKV_CPU_PART_CALIB_RUNS_PROC)
+//       before and after the planner's calibration of the CPU attention (GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC), an op's
+//       part and a part flagged calib. One JSON line.
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -88,7 +88,8 @@ bool api_init() {
 #ifdef RKV_CPU_DECODE_STANDALONE
     A = { &::rkv_cpu_decode_part_floats, &::rkv_cpu_decode_range, &::rkv_cpu_decode_merge, &::rkv_cpu_decode_isa,
           &::rkv_cpu_decode_force_isa, &::rkv_cpu_decode_read_scan, &::rkv_cpu_part_run, &::rkv_cpu_pool_run,
-          &::rkv_cpu_pool_sleepers, (ggml_rkv_get_cpu_threads_t) ggml_rkv_cpu_get_proc_address(GGML_RKV_GET_CPU_THREADS_PROC) };
+          &::rkv_cpu_pool_sleepers,
+          (ggml_rkv_get_cpu_threads_t) ggml_rkv_cpu_get_proc_address(GGML_RKV_GET_CPU_THREADS_PROC) };
     return true;
 #else
     ggml_backend_load_all();  // a no-op unless the backends are modules
@@ -186,7 +187,8 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
         if (c.alibi && mv == 0) mv = -(float) (c.n - 1 - i);
         mask[i] = ggml_fp32_to_fp16(mv);
     }
-    // a masked cell's rows are never read for the result: fill them with 0xff (NaN scales and values), which must not leak
+    // a masked cell's rows are never read for the result: fill them with 0xff (NaN scales and values), which must not
+    // leak
     for (int64_t i = 0; i < c.n; ++i) {
         if (ggml_fp16_to_fp32(mask[i]) == -INFINITY) {
             memset(K.data() + i * knb1, 0xff, kh * c.n_head_kv);
@@ -203,12 +205,14 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     std::vector<ggml_fp16_t> maskj((size_t) n_q * c.n);
     for (int t = 0; t < n_q; ++t) {
         for (int64_t i = 0; i < c.n; ++i) {
-            const bool off = (t > 0 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) || (t == 3 && c.mask_kind && i < 32);
+            const bool off = (t > 0 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) ||
+                             (t == 3 && c.mask_kind && i < 32);
             maskj[(size_t) t * c.n + i] = off ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
         }
     }
     rkv_cpu_decode_params p{};
-    p.q = q.data(); p.n_head = c.n_head; p.n_head_kv = c.n_head_kv; p.D = D; p.DV = DV; p.k_type = c.kt; p.v_type = c.vt;
+    p.q = q.data(); p.n_head = c.n_head; p.n_head_kv = c.n_head_kv; p.D = D; p.DV = DV; p.k_type = c.kt;
+    p.v_type = c.vt;
     p.k = K.data(); p.k_nb1 = knb1; p.k_nb_head = kh; p.v = V.data(); p.v_nb1 = vnb1; p.v_nb_head = vh; p.n_cells = c.n;
     p.mask = c.mask_kind || c.alibi ? (const uint16_t *) mask.data() : nullptr;
     p.slope = c.alibi ? slope.data() : nullptr;
@@ -227,12 +231,12 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     for (int i = 0; i < c.parts; ++i) A.rkv_cpu_decode_range(p, b[i], b[i + 1], parts.data() + i * pf);
     A.rkv_cpu_decode_merge(p, parts.data(), c.parts, o.data(), lse.data());
 
-    // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in order),
-    // several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row 0 as
-    // above, the others with queries and masks of their own (row 0's, with more cells masked: a mixed-up row of the mask
-    // shows); with a mask, row 2 sees no cell at all and row 3 none of the first two blocks (a row that skips a block
-    // the others attend). Twice, which must give the same bits (the result may not depend on which thread took which
-    // chunk). The reference scores a quantized K against the query quantized as the kernel does.
+    // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in
+    // order), several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row
+    // 0 as above, the others with queries and masks of their own (row 0's, with more cells masked: a mixed-up row of
+    // the mask shows); with a mask, row 2 sees no cell at all and row 3 none of the first two blocks (a row that skips
+    // a block the others attend). Twice, which must give the same bits (the result may not depend on which thread took
+    // which chunk). The reference scores a quantized K against the query quantized as the kernel does.
     rkv_cpu_part_job j{};
     j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
     j.n_q = n_q; j.n_stream = 1; j.n_cells = c.n;
@@ -242,25 +246,28 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     j.mask = p.mask ? (const uint16_t *) maskj.data() : nullptr; j.n_mask_planes = 1;
     j.slope = p.slope; j.scale = p.scale; j.softcap = p.softcap;
     j.n_threads = 1 + (int) (c.n % 7);  // 1..7 threads: several chunkings
-    std::vector<float> oj((size_t) n_q * c.n_head * DV), lsej((size_t) n_q * c.n_head), oj2(oj.size()), lsej2(lsej.size());
+    std::vector<float> oj((size_t) n_q * c.n_head * DV), lsej((size_t) n_q * c.n_head), oj2(oj.size()),
+            lsej2(lsej.size());
     j.o = oj.data(); j.lse = lsej.data();
     A.rkv_cpu_part_run(j);
     j.o = oj2.data(); j.lse = lsej2.data();
     A.rkv_cpu_part_run(j);
-    int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
+    int bad = memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 ||
+              memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
     // the rows as streams of one row each (the same K/V for every stream, mask plane s for stream s): each row's
     // arithmetic does not depend on the rows walked beside it, so the bits are the same
     j.n_stream = n_q; j.n_q = 1; j.q_nb3 = j.q_nb1; j.k_nb3 = 0; j.v_nb3 = 0; j.n_mask_planes = n_q;
     j.o = oj2.data(); j.lse = lsej2.data();
     A.rkv_cpu_part_run(j);
-    bad += memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 || memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
+    bad += memcmp(oj.data(), oj2.data(), oj.size() * sizeof(float)) != 0 ||
+           memcmp(lsej.data(), lsej2.data(), lsej.size() * sizeof(float)) != 0;
 
     // attention in double precision over the same (dequantised) rows for one query row; err of (o, lse) against it
     const int G = c.n_head / c.n_head_kv;
     std::vector<double> kd(D), vd(DV), s(c.n), od(DV), qr(D);
     // (o2, lse2: a second result of the same row, checked against the same reference; nullptr: none)
-    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_, const float * o2,
-                       const float * lse2) {
+    auto compare = [&](const float * qrow, const ggml_fp16_t * mrow, const float * o_, const float * lse_,
+                       const float * o2, const float * lse2) {
         int n_bad = 0;
         for (int h = 0; h < c.n_head; ++h) {
             const int g = h / G;
@@ -317,8 +324,9 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     };
     for (int t = 0; t < n_q; ++t) {  // row t of the job, and of the direct walk where it took the row
         const size_t oo = (size_t) t * c.n_head * DV, lo = (size_t) t * c.n_head;
-        bad += compare(qj.data() + (size_t) t * c.n_head * D, maskj.data() + (size_t) t * c.n, oj.data() + oo, lsej.data() + lo,
-                       t < n_direct ? o.data() + oo : nullptr, t < n_direct ? lse.data() + lo : nullptr);
+        bad += compare(qj.data() + (size_t) t * c.n_head * D, maskj.data() + (size_t) t * c.n, oj.data() + oo,
+                       lsej.data() + lo, t < n_direct ? o.data() + oo : nullptr,
+                       t < n_direct ? lse.data() + lo : nullptr);
     }
     return bad;
 }
@@ -334,18 +342,20 @@ int check(const std::vector<std::string> & isas) {
         double worst = 0;
         int cases = 0, bad_cases = 0;
         const ggml_type types[3] = {GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0};
-        for (ggml_type kt : types) for (ggml_type vt : types) for (int D : {64, 128, 256}) for (int ratio : {1, 3, 4, 8}) {
+        for (ggml_type kt : types) for (ggml_type vt : types) for (int D : {64, 128, 256})
+                for (int ratio : {1, 3, 4, 8}) {
             for (int mk = 0; mk < 3; ++mk) for (int alibi = 0; alibi < 2; ++alibi) {
                 if ((D != 128 && (mk || alibi)) || (mk == 2 && alibi)) continue;
                 const int nkv = ratio == 8 ? 1 : 2;
-                const test_case c{nkv * ratio, nkv, D, kt, vt, (int64_t) (37 + 97 * ((kt + vt + ratio) % 3)), mk, (bool) alibi,
-                                  (ratio == 4 && D == 128) ? 30.0f : 0.0f, 1 + (ratio + mk) % 5};
+                const test_case c{nkv * ratio, nkv, D, kt, vt, (int64_t) (37 + 97 * ((kt + vt + ratio) % 3)), mk,
+                                  (bool) alibi, (ratio == 4 && D == 128) ? 30.0f : 0.0f, 1 + (ratio + mk) % 5};
                 const int b = run_case(c, rng, worst);
                 cases++;
                 if (b) {
                     bad_cases++;
-                    printf("FAIL isa %s K %s V %s D %d G %d mask %d alibi %d softcap %.0f parts %d cells %lld: %d rows\n", isa.c_str(),
-                           ggml_type_name(kt), ggml_type_name(vt), D, ratio, mk, alibi, c.softcap, c.parts, (long long) c.n, b);
+                    printf("FAIL isa %s K %s V %s D %d G %d mask %d alibi %d softcap %.0f parts %d cells %lld: %d "
+                           "rows\n", isa.c_str(), ggml_type_name(kt), ggml_type_name(vt), D, ratio, mk, alibi,
+                           c.softcap, c.parts, (long long) c.n, b);
                 }
             }
         }
@@ -437,7 +447,8 @@ int part_counts() {
     j.n_head = 1; j.n_head_kv = 1; j.D = D; j.DV = D; j.k_type = GGML_TYPE_F16; j.v_type = GGML_TYPE_F16;
     j.n_q = 1; j.n_stream = 1; j.n_cells = n;
     j.q = (const uint8_t *) q.data(); j.q_nb1 = D * sizeof(float); j.q_nb3 = j.q_nb1;
-    j.k = (const uint8_t *) kv.data();           j.k_nb1 = D * sizeof(ggml_fp16_t); j.k_nb2 = (size_t) n * j.k_nb1; j.k_nb3 = j.k_nb2;
+    j.k = (const uint8_t *) kv.data();           j.k_nb1 = D * sizeof(ggml_fp16_t); j.k_nb2 = (size_t) n * j.k_nb1;
+    j.k_nb3 = j.k_nb2;
     j.v = (const uint8_t *) (kv.data() + n * D); j.v_nb1 = j.k_nb1; j.v_nb2 = j.k_nb2; j.v_nb3 = j.k_nb3;
     j.n_mask_planes = 1; j.scale = 0.125f; j.o = o.data(); j.lse = lse.data(); j.n_threads = 2;
     A.rkv_cpu_part_run(j);
@@ -445,8 +456,8 @@ int part_counts() {
     j.calib = 1;
     A.rkv_cpu_part_run(j);
     const uint64_t r3 = runs(), c3 = calib();
-    printf("{\"calibration\": {\"runs\": %llu, \"calib_runs\": %llu}, \"op_part\": {\"runs\": %llu, \"calib_runs\": %llu}, "
-           "\"calib_part\": {\"runs\": %llu, \"calib_runs\": %llu}}\n",
+    printf("{\"calibration\": {\"runs\": %llu, \"calib_runs\": %llu}, \"op_part\": {\"runs\": %llu, \"calib_runs\": "
+           "%llu}, \"calib_part\": {\"runs\": %llu, \"calib_runs\": %llu}}\n",
            (unsigned long long) (r1 - r0), (unsigned long long) (c1 - c0), (unsigned long long) (r2 - r1),
            (unsigned long long) (c2 - c1), (unsigned long long) (r3 - r2), (unsigned long long) (c3 - c2));
     return 0;
@@ -480,8 +491,8 @@ int pool_affinity(int n) {
     spawner.join();
     std::string all;
     for (int i = 1; i < n; ++i) all += (i > 1 ? "," : "") + sets[i];
-    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc), A.get_cpu_threads(),
-           all.c_str());
+    printf("{\"process_cpus\": %d, \"part_threads\": %d, \"worker_cpus\": [%s]}\n", CPU_COUNT(&proc),
+           A.get_cpu_threads(), all.c_str());
     return 0;
 }
 
@@ -514,7 +525,8 @@ bool region_alloc(const std::string & how, size_t n, host_region & r) {
     r.n = n;
     ggml_backend_dev_t gpu = gpu_device();
     if (how == "cpu" || how == "cudahost") {
-        ggml_backend_buffer_type_t bt = how == "cpu" ? ggml_backend_cpu_buffer_type() : gpu ? ggml_backend_dev_host_buffer_type(gpu) : nullptr;
+        ggml_backend_buffer_type_t bt = how == "cpu" ? ggml_backend_cpu_buffer_type()
+                                      : gpu ? ggml_backend_dev_host_buffer_type(gpu) : nullptr;
         if (!bt) {
             fprintf(stderr, "--alloc cudahost: no GPU with a pinned host buffer type\n");
             return false;
@@ -525,7 +537,8 @@ bool region_alloc(const std::string & how, size_t n, host_region & r) {
             ggml_backend_dev_backend_reg(gpu), GGML_RKV_HOST_ALLOC_PROC) : nullptr;
         r.buf = fn ? fn(gpu, n) : nullptr;
         if (!r.buf) {
-            fprintf(stderr, "--alloc tail: the GPU backend offers no tail memory (or ROLLINGKV_TAIL_HOST_MEMORY=cuda)\n");
+            fprintf(stderr,
+                    "--alloc tail: the GPU backend offers no tail memory (or ROLLINGKV_TAIL_HOST_MEMORY=cuda)\n");
             return false;
         }
     } else if (how == "thp") {
@@ -638,7 +651,8 @@ struct copy_beside {
     }
 };
 
-int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside, int R) {
+int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vector<std::string> & allocs, bool beside,
+          int R) {
     const int n_kv = 8, G = 3, D = 128, n_head = n_kv * G;
     const size_t kh = row_bytes(type, D), nb1 = kh * n_kv, layer_bytes = 2 * nb1 * n;
     const double gb = (double) layer_bytes * layers / 1e9;
@@ -669,14 +683,15 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
         }
         return b;
     };
-    printf("cpu-decode bench: isa %s, %d threads, %d layers x %lld cells, %s K+V: %.3f GB per token\n", A.rkv_cpu_decode_isa(), T,
-           layers, (long long) n, ggml_type_name(type), gb);
+    printf("cpu-decode bench: isa %s, %d threads, %d layers x %lld cells, %s K+V: %.3f GB per token\n",
+           A.rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), gb);
     if (beside) {
         cb.start();
         const double t0 = now_s();
         std::this_thread::sleep_for(std::chrono::milliseconds(300));
         cb.finish();
-        printf("  copies alone (pinned host -> device, 32 MiB pieces): %.1f GB/s\n", cb.bytes.load() / (now_s() - t0) / 1e9);
+        printf("  copies alone (pinned host -> device, 32 MiB pieces): %.1f GB/s\n",
+               cb.bytes.load() / (now_s() - t0) / 1e9);
     }
 
     for (size_t ia = 0; ia < allocs.size(); ++ia) {
@@ -688,14 +703,16 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             return 1;
         }
         // K and V of every layer in the region (cell-major rows of all KV heads, as llama.cpp's cache), Q beside
-        ggml_init_params ip = { ggml_tensor_overhead() * (8 * layers + 16) + ggml_graph_overhead_custom(4 * layers + 16, false), nullptr, true };
+        ggml_init_params ip = { ggml_tensor_overhead() * (8 * layers + 16) +
+                               ggml_graph_overhead_custom(4 * layers + 16, false), nullptr, true };
         ggml_context * ctx = ggml_init(ip);
         std::vector<ggml_tensor *> K(layers), V(layers);
         for (int l = 0; l < layers; ++l) {
             K[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
             V[l] = ggml_new_tensor_2d(ctx, type, D * n_kv, n);
         }
-        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, R, n_head);  // (the attention reads it as [row][head][D])
+        // (the attention reads it as [row][head][D])
+        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, R, n_head);
         ggml_backend_buffer_t wrap = ggml_backend_cpu_buffer_from_ptr(reg.p, reg.n);
         ggml_tallocr ta = ggml_tallocr_new(wrap);
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
@@ -711,7 +728,8 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                         for (float & x : row) x = N(rng);
                         fill_row(type, row.data(), D * n_kv, (uint8_t *) t->data + i * nb1);
                     }
-                    for (int64_t i = 4096; i < n; i += 4096) {  // the rest repeats the first rows (the timing is data-independent)
+                    // the rest repeats the first rows (the timing is data-independent)
+                    for (int64_t i = 4096; i < n; i += 4096) {
                         memcpy((uint8_t *) t->data + i * nb1, t->data, std::min<int64_t>(4096, n - i) * nb1);
                     }
                 }
@@ -721,7 +739,8 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
 
         rkv_cpu_decode_params p{};
         p.q = (const float *) q->data; p.n_head = n_head; p.n_head_kv = n_kv; p.D = D; p.DV = D;
-        p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh; p.n_cells = n;
+        p.k_type = type; p.v_type = type; p.k_nb1 = nb1; p.k_nb_head = kh; p.v_nb1 = nb1; p.v_nb_head = kh;
+        p.n_cells = n;
         p.scale = 1.0f / sqrtf((float) D);
         p.n_rows = R; p.q_row = (size_t) D * n_head;
         const size_t pf = A.rkv_cpu_decode_part_floats(p);
@@ -733,7 +752,9 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                 rkv_cpu_decode_params pl = p;
                 pl.k = (const uint8_t *) K[l]->data;
                 pl.v = (const uint8_t *) V[l]->data;
-                A.rkv_cpu_pool_run(T, [&](int t) { A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
+                A.rkv_cpu_pool_run(T, [&](int t) {
+                    A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf);
+                });
                 A.rkv_cpu_decode_merge(pl, parts.data(), T, o.data(), lse.data());
             }
         };
@@ -746,8 +767,11 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
                     pl.v = (const uint8_t *) V[l]->data;
                     pl.n_rows = 1;
                     pl.q = p.q + (size_t) r * p.q_row;
-                    A.rkv_cpu_pool_run(T, [&](int t) { A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf); });
-                    A.rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D, lse.data() + (size_t) r * n_head);
+                    A.rkv_cpu_pool_run(T, [&](int t) {
+                        A.rkv_cpu_decode_range(pl, n * t / T, n * (t + 1) / T, parts.data() + t * pf);
+                    });
+                    A.rkv_cpu_decode_merge(pl, parts.data(), T, o.data() + (size_t) r * n_head * D,
+                                           lse.data() + (size_t) r * n_head);
                 }
             }
         };
@@ -757,16 +781,21 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             bufs.push_back((const uint8_t *) V[l]->data);
         }
         auto read_scan = [&] {
-            A.rkv_cpu_pool_run(T, [&](int t) { sink[64 * t] = (uint8_t) A.rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T); });
+            A.rkv_cpu_pool_run(T, [&](int t) {
+                sink[64 * t] = (uint8_t) A.rkv_cpu_decode_read_scan(bufs.data(), (int) bufs.size(), nb1 * n, t, T);
+            });
         };
         const double hs = huge_share(reg.p, reg.n);
         const double t_att = best(attention), t_scan = best(read_scan), t_apart = R > 1 ? best(attention_apart) : t_att;
-        printf("  [%s] huge pages %s\n", how.c_str(), hs < 0 ? "unknown" : (std::to_string((int) std::lround(hs * 100)) + "%").c_str());
+        printf("  [%s] huge pages %s\n", how.c_str(),
+               hs < 0 ? "unknown" : (std::to_string((int) std::lround(hs * 100)) + "%").c_str());
         printf("  [%s] attention            %8.2f ms  %6.1f GB/s\n", how.c_str(), t_att * 1e3, gb / t_att);
         if (R > 1) {
-            printf("  [%s] %d rows one by one %6.2f ms  (in one walk %.2fx faster)\n", how.c_str(), R, t_apart * 1e3, t_apart / t_att);
+            printf("  [%s] %d rows one by one %6.2f ms  (in one walk %.2fx faster)\n", how.c_str(), R, t_apart * 1e3,
+                   t_apart / t_att);
         }
-        printf("  [%s] read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", how.c_str(), t_scan * 1e3, gb / t_scan, t_scan / t_att);
+        printf("  [%s] read scan            %8.2f ms  %6.1f GB/s  (attention at %.2fx of it)\n", how.c_str(),
+               t_scan * 1e3, gb / t_scan, t_scan / t_att);
         double t_beside = 0, link_beside = 0;
         if (beside) {
             cb.start();
@@ -775,8 +804,8 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             const double dt = now_s() - t0;
             cb.finish();
             link_beside = cb.bytes.load() / dt / 1e9;
-            printf("  [%s] attention beside copies %5.2f ms  %6.1f GB/s  (copies %.1f GB/s meanwhile: %.1f GB/s together)\n", how.c_str(),
-                   t_beside * 1e3, gb / t_beside, link_beside, gb / t_beside + link_beside);
+            printf("  [%s] attention beside copies %5.2f ms  %6.1f GB/s  (copies %.1f GB/s meanwhile: %.1f GB/s "
+                   "together)\n", how.c_str(), t_beside * 1e3, gb / t_beside, link_beside, gb / t_beside + link_beside);
         }
         double t_copy = 0, t_vanilla = 0;
         if (ia == 0) {
@@ -804,15 +833,16 @@ int bench(int T, int layers, int64_t n, ggml_type type, int reps, const std::vec
             t_copy = best(copy);
             t_vanilla = best([&] { ggml_backend_graph_compute(be, gf); });
             printf("  [%s] copy                 %8.2f ms  %6.1f GB/s read\n", how.c_str(), t_copy * 1e3, gb / t_copy);
-            printf("  [%s] ggml_flash_attn_ext  %8.2f ms  %6.1f GB/s  (attention %.2fx faster)\n", how.c_str(), t_vanilla * 1e3, gb / t_vanilla,
-                   t_vanilla / t_att);
+            printf("  [%s] ggml_flash_attn_ext  %8.2f ms  %6.1f GB/s  (attention %.2fx faster)\n", how.c_str(),
+                   t_vanilla * 1e3, gb / t_vanilla, t_vanilla / t_att);
             ggml_gallocr_free(ga);
         }
-        printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": \"%s\", \"huge_share\": %.3f, "
+        printf("{\"isa\": \"%s\", \"threads\": %d, \"layers\": %d, \"cells\": %lld, \"type\": \"%s\", \"alloc\": "
+               "\"%s\", \"huge_share\": %.3f, "
                "\"gb\": %.6f, \"attention_ms\": %.4f, \"scan_ms\": %.4f, \"copy_ms\": %.4f, \"ggml_fa_ms\": %.4f, "
-               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f, \"rows\": %d, \"rows_apart_ms\": %.4f}\n",
-               A.rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb, t_att * 1e3, t_scan * 1e3,
-               t_copy * 1e3, t_vanilla * 1e3, t_beside * 1e3, link_beside, R, t_apart * 1e3);
+               "\"attention_beside_copies_ms\": %.4f, \"copies_beside_gbps\": %.2f, \"rows\": %d, \"rows_apart_ms\": "
+               "%.4f}\n", A.rkv_cpu_decode_isa(), T, layers, (long long) n, ggml_type_name(type), how.c_str(), hs, gb,
+               t_att * 1e3, t_scan * 1e3, t_copy * 1e3, t_vanilla * 1e3, t_beside * 1e3, link_beside, R, t_apart * 1e3);
         fflush(stdout);
         ggml_backend_buffer_free(wrap);
         ggml_free(ctx);
@@ -864,10 +894,14 @@ int main(int argc, char ** argv) {
         else if (a == "--perturb-ref") g_perturb_ref = atof(next());
         else if (a == "--type") {
             const std::string t = next();
-            type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_COUNT;
+            type = t == "f16" ? GGML_TYPE_F16 : t == "q8_0" ? GGML_TYPE_Q8_0 : t == "q4_0" ? GGML_TYPE_Q4_0
+                   : GGML_TYPE_COUNT;
             if (type == GGML_TYPE_COUNT) { fprintf(stderr, "--type: f16, q8_0 or q4_0\n"); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] [--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N | --pool-idle N | --part-counts\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--isa NAME] [--perturb-ref X] | --bench [-t N] [--layers L] [--cells N] [--type T] "
+                    "[--reps R] [--rows R] [--alloc A,...] [--beside-copy] | --pool-stress SECONDS | --pool-affinity N "
+                    "| --pool-idle N | --part-counts\n", argv[0]);
             return 2;
         }
     }
@@ -880,7 +914,8 @@ int main(int argc, char ** argv) {
     }
     const std::string default_isa = A.rkv_cpu_decode_isa();  // the path this CPU takes, before any --isa
     for (const std::string & isa : isas) {
-        if (isa != "avx512vnni" && isa != "avx512" && isa != "avx2" && isa != "neon-dotprod" && isa != "neon" && isa != "scalar") {
+        if (isa != "avx512vnni" && isa != "avx512" && isa != "avx2" && isa != "neon-dotprod" && isa != "neon" &&
+            isa != "scalar") {
             fprintf(stderr, "--isa: avx512vnni, avx512, avx2, neon-dotprod, neon or scalar, not %s\n", isa.c_str());
             return 2;
         }

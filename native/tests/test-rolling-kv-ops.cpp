@@ -23,11 +23,11 @@
 //    parts are F16, which the op then accumulates in f16 like ggml's CPU one-chunk path;
 //    test-backend-ops uses 5e-4 for flash attention across backends).
 //
-// Failure self-check (--expect-perturbed): with ROLLINGKV_DEBUG_PERTURB_TAIL=x set, this program sets the op's test hook
-// on every op it builds (ggml_streaming_flash_attn_set_tail_perturb: every tail key's score times 1 + x, in the CPU and
-// the CUDA forward alike), and every case whose tail holds a key some query row does not mask must FAIL and every other
-// case must pass; a case that does as expected counts as passed. x = 1e-6 already breaks the CPU's bit-identity; the
-// NMSE checks of mixed types and of other backends need a real perturbation, e.g. x = 1.
+// Failure self-check (--expect-perturbed): with ROLLINGKV_DEBUG_PERTURB_TAIL=x set, this program sets the op's test
+// hook on every op it builds (ggml_streaming_flash_attn_set_tail_perturb: every tail key's score times 1 + x, in the
+// CPU and the CUDA forward alike), and every case whose tail holds a key some query row does not mask must FAIL and
+// every other case must pass; a case that does as expected counts as passed. x = 1e-6 already breaks the CPU's
+// bit-identity; the NMSE checks of mixed types and of other backends need a real perturbation, e.g. x = 1.
 //
 // Head size 72 runs on the stock TILE FlashAttention kernel on every CUDA/HIP device, which writes no per-row LSE:
 // a backend other than the CPU must report the op unsupported for those cases (the scheduler then runs it on the
@@ -39,12 +39,13 @@
 // --exact: compute the double-precision reference for every case and fail a case where ggml_flash_attn_ext
 // itself is farther than 1e-4 NMSE from it (a self-check of that reference: scale, softcap, ALiBi, sinks, masks).
 //
-// --heads: the head split's case set instead (llama_rkv_build_attn_heads, src/llama-rolling-kv-graph.cpp, built here from the
-// same ops): a layer's KV heads [0, h) attended by ggml_flash_attn_ext on a view of their query heads, the others by the
-// streaming op with an EMPTY window (their whole cache is "tail"), the two outputs concatenated by head, against
-// ggml_flash_attn_ext over all heads. Same types: on the CPU bit-identical; two types (device heads at one, host heads at
-// another): each head bit-identical to ggml_flash_attn_ext over all heads at that head's type. Other backends: NMSE within
-// 5e-7 (5e-5 for two types). With --expect-perturbed every case with a host head whose keys are not all masked must fail.
+// --heads: the head split's case set instead (llama_rkv_build_attn_heads, src/llama-rolling-kv-graph.cpp, built here
+// from the same ops): a layer's KV heads [0, h) attended by ggml_flash_attn_ext on a view of their query heads, the
+// others by the streaming op with an EMPTY window (their whole cache is "tail"), the two outputs concatenated by head,
+// against ggml_flash_attn_ext over all heads. Same types: on the CPU bit-identical; two types (device heads at one,
+// host heads at another): each head bit-identical to ggml_flash_attn_ext over all heads at that head's type. Other
+// backends: NMSE within 5e-7 (5e-5 for two types). With --expect-perturbed every case with a host head whose keys are
+// not all masked must fail.
 //
 // --map: a block map (ggml_streaming_flash_attn_set_block_map) on every case of two or more whole 256-cell blocks (n_kv
 // a multiple of 256): the case's K/V and mask are the logical ones, the reference's. round(split/256) of its blocks,
@@ -57,8 +58,8 @@
 // permutation of the keys (each keeps its mask column), which only the CPU's bit-identity sees: exactly the same-type
 // cases where a query row sees keys of both blocks must fail on the CPU, no case elsewhere.
 //
-// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] [--exact]
-//                            [--expect-perturbed] [--heads] [--runs|--runs-wrong] [--map|--map-wrong]
+// usage: test-rolling-kv-ops [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F]
+//                            [--exact] [--expect-perturbed] [--heads] [--runs|--runs-wrong] [--map|--map-wrong]
 // --tail-cpu-frac F: every op leaves that share of its tail to the CPU (the hybrid tail; a GPU backend with --tail-host
 // attends it on the host for decode-sized cases, everything else ignores it): same reference, same bounds.
 // prints one line per case and a final "N passed, M failed" line; exit code 1 on failure.
@@ -114,16 +115,18 @@ struct test_case {
     bool      cache_layout; // K/V as permuted views of a [D, n_head_kv, n_kv] cache (like llama-kv-cache)
     int64_t   ne3;          // batch of streams (q, k, v ne[3]); mask broadcast over it
     bool      q_perm = false; // Q as a permuted view of a [D, n_head, n_q] tensor (like llama's attention input)
-    bool      tile_only = false; // a head size only the stock TILE kernel runs (no LSE): refused by backends other than the CPU
+    // a head size only the stock TILE kernel runs (no LSE): refused by backends other than the CPU
+    bool      tile_only = false;
 
     bool mixed() const { return tkw != tkt || tvw != tvt; }
 };
 
 static std::string case_str(const test_case & c) {
     char buf[512];
-    snprintf(buf, sizeof(buf), "D=%3lld hkv=%lld gqa=%lld n_kv=%4lld n_q=%3lld split=%4lld K=%s/%s V=%s/%s mask=%s%s%s%s%s%s%s",
-        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.n_kv, (long long) c.n_q, (long long) c.split,
-        ggml_type_name(c.tkw), ggml_type_name(c.tkt), ggml_type_name(c.tvw), ggml_type_name(c.tvt),
+    snprintf(buf, sizeof(buf),
+        "D=%3lld hkv=%lld gqa=%lld n_kv=%4lld n_q=%3lld split=%4lld K=%s/%s V=%s/%s mask=%s%s%s%s%s%s%s",
+        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.n_kv, (long long) c.n_q,
+        (long long) c.split, ggml_type_name(c.tkw), ggml_type_name(c.tkt), ggml_type_name(c.tvw), ggml_type_name(c.tvt),
         mask_name(c.mask),
         c.sinks ? " sinks" : "",
         c.max_bias > 0.0f ? " alibi" : "",
@@ -168,7 +171,8 @@ struct kv_dev {
     std::vector<uint8_t> bytes;      // storage contents
 };
 
-static kv_dev make_kv(ggml_context * ctx, ggml_type type, kv_host & h, int64_t c0, int64_t c1, bool cache_layout, int64_t pad_cells) {
+static kv_dev make_kv(ggml_context * ctx, ggml_type type, kv_host & h, int64_t c0, int64_t c1, bool cache_layout,
+                      int64_t pad_cells) {
     kv_dev r;
     const int64_t n = c1 - c0;
     const int64_t D = h.D;
@@ -184,7 +188,8 @@ static kv_dev make_kv(ggml_context * ctx, ggml_type type, kv_host & h, int64_t c
             tmp[((i3*ncap + c)*h.nh + hh)*D + d] = h.at(i3, hh, c0 + c, d);
         }
         r.storage = ggml_new_tensor_4d(ctx, type, D, h.nh, ncap, h.ne3);
-        ggml_tensor * v = ggml_view_4d(ctx, r.storage, D, h.nh, n, h.ne3, r.storage->nb[1], r.storage->nb[2], r.storage->nb[3], 0);
+        ggml_tensor * v = ggml_view_4d(ctx, r.storage, D, h.nh, n, h.ne3, r.storage->nb[1], r.storage->nb[2],
+                                       r.storage->nb[3], 0);
         r.view = ggml_permute(ctx, v, 0, 2, 1, 3); // -> [D, n, nh, ne3]
     } else {
         // storage [D, ncap, nh, ne3]
@@ -196,7 +201,8 @@ static kv_dev make_kv(ggml_context * ctx, ggml_type type, kv_host & h, int64_t c
             tmp[((i3*h.nh + hh)*ncap + c)*D + d] = h.at(i3, hh, c0 + c, d);
         }
         r.storage = ggml_new_tensor_4d(ctx, type, D, ncap, h.nh, h.ne3);
-        r.view = ggml_view_4d(ctx, r.storage, D, n, h.nh, h.ne3, r.storage->nb[1], r.storage->nb[2], r.storage->nb[3], 0);
+        r.view = ggml_view_4d(ctx, r.storage, D, n, h.nh, h.ne3, r.storage->nb[1], r.storage->nb[2], r.storage->nb[3],
+                              0);
     }
     r.bytes = to_type(type, tmp.data(), (int64_t) tmp.size()/D, D);
     return r;
@@ -220,8 +226,8 @@ static double nmse(const float * a, const float * b, size_t n) {
     return err/ref;
 }
 
-// the query rows (of n_q; mask [n_kv, n_q_pad] as fp16) whose mask is -inf at every key, when check is set (a mask and no
-// sinks: only then has such a row no defined softmax); all false otherwise
+// the query rows (of n_q; mask [n_kv, n_q_pad] as fp16) whose mask is -inf at every key, when check is set (a mask and
+// no sinks: only then has such a row no defined softmax); all false otherwise
 static std::vector<bool> fully_masked_rows(const std::vector<ggml_fp16_t> & hm, int64_t n_q, int64_t n_kv, bool check) {
     std::vector<bool> dead(n_q, false);
     for (int64_t i = 0; check && i < n_q; ++i) {
@@ -251,7 +257,9 @@ static std::vector<float> exact_attention(const test_case & c, const std::vector
         std::vector<double> sv(n_kv), acc(D);
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t hk = h/c.gqa;
-            const double slope = c.max_bias > 0.0f ? (h < (int64_t) n_head_log2 ? pow(m0, h + 1) : pow(m1, 2*(h - n_head_log2) + 1)) : 1.0;
+            const double slope = c.max_bias > 0.0f
+                                 ? (h < (int64_t) n_head_log2 ? pow(m0, h + 1) : pow(m1, 2*(h - n_head_log2) + 1))
+                                 : 1.0;
             for (int64_t i3 = 0; i3 < ne3; ++i3) {
                 for (int64_t iq = 0; iq < n_q; ++iq) {
                     const float * qr = c.q_perm ? &hq[((i3*n_q + iq)*n_head + h)*D] : &hq[((i3*n_head + h)*n_q + iq)*D];
@@ -392,7 +400,8 @@ static uint64_t cpu_part_runs(); // CPU parts of ops run so far (below)
 static uint64_t plan_streamed_bytes() {
     uint64_t sum = 0;
     for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
-        auto fn = (ggml_backend_rkv_streamed_bytes_t) ggml_backend_reg_get_proc_address(ggml_backend_reg_get(i), GGML_RKV_STREAMED_BYTES_PROC);
+        auto fn = (ggml_backend_rkv_streamed_bytes_t) ggml_backend_reg_get_proc_address(ggml_backend_reg_get(i),
+                GGML_RKV_STREAMED_BYTES_PROC);
         if (fn) {
             uint64_t total = 0, last = 0, plans = 0;
             fn(&total, &last, &plans);
@@ -404,8 +413,8 @@ static uint64_t plan_streamed_bytes() {
 
 // the tail runs of a case with --runs: blocks of 256 cells of the n_tail-cell tail, blocks 0, 2 and 3 left out (and,
 // wrong, the first run too); returns the cells [c0, c1) of the dropped run (none: c0 == c1)
-static std::pair<int64_t, int64_t> case_runs(int64_t n_tail, bool wrong, std::vector<int32_t> & first, std::vector<int32_t> & n,
-        std::vector<std::pair<int64_t, int64_t>> & hidden) {
+static std::pair<int64_t, int64_t> case_runs(int64_t n_tail, bool wrong, std::vector<int32_t> & first,
+        std::vector<int32_t> & n, std::vector<std::pair<int64_t, int64_t>> & hidden) {
     first.clear(); n.clear(); hidden.clear();
     const int64_t nb = (n_tail + 255)/256;
     for (int64_t b = 0; b < nb; ++b) {
@@ -436,7 +445,8 @@ static void set_op_params(ggml_tensor * op) {
     ggml_streaming_flash_attn_set_tail_perturb(op, g_perturb_tail);
 }
 
-static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose, double * out_nmse, double * out_thr) {
+static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c, std::mt19937 & rng, bool verbose,
+                       double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
 
     const int64_t D = c.D, n_kv = c.n_kv, nhkv = c.n_head_kv, n_head = nhkv*c.gqa, ne3 = c.ne3;
@@ -713,8 +723,10 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         }
         if (s < n_kv) {
             auto & dst = g_tail_host ? kvs_host : kvs;
-            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tkt, hk, s, n_kv, c.cache_layout, 3)); kt = dst.back().view;
-            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tvt, hv, s, n_kv, c.cache_layout, 3)); vt = dst.back().view;
+            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tkt, hk, s, n_kv, c.cache_layout, 3));
+                    kt = dst.back().view;
+            dst.push_back(make_kv(g_tail_host ? ctx_host : ctx, c.tvt, hv, s, n_kv, c.cache_layout, 3));
+                    vt = dst.back().view;
         }
         // reference: F32 concatenation of what the window/tail hold after quantization
         kv_host rk = hk, rv = hv;
@@ -795,7 +807,9 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
         w_v = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, D*nhkv, n_w);
         ix_tail = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_w);
         ix_ref  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_w);
-        auto rows2d = [&](ggml_tensor * st) { return ggml_reshape_2d(ctx, st, st->ne[0]*st->ne[1], st->ne[2]*st->ne[3]); };
+        auto rows2d = [&](ggml_tensor * st) {
+            return ggml_reshape_2d(ctx, st, st->ne[0]*st->ne[1], st->ne[2]*st->ne[3]);
+        };
         out_b = ggml_streaming_flash_attn(ctx, q, kw, vw, kt, vt, m, scale, c.max_bias, c.softcap);
         ggml_streaming_flash_attn_add_sinks(out_b, sk);
         ggml_streaming_flash_attn_set_prec(out_b, GGML_PREC_F32);
@@ -936,7 +950,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
             const int    n_splits = ggml_backend_sched_get_n_splits(sched);
             const size_t dev_buf  = ggml_backend_sched_get_buffer_size(sched, backend);
             if (n_splits != 1 || dev_buf != 0) {
-                // a tail copied by the scheduler would show up as a device compute buffer (everything else is pre-allocated)
+                // a tail copied by the scheduler would show up as a device compute buffer (everything else is
+                // pre-allocated)
                 g_extra += " SCHED splits=" + std::to_string(n_splits) + " device-buffer=" + std::to_string(dev_buf);
                 sched_ok = false;
             }
@@ -953,7 +968,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 // a stale row (copied before its write) errs by ~1e-2 NMSE; the kernels' own rounding is ~6e-7
                 if (!(ea <= 5e-5) || !(eb <= 5e-5)) {
                     char b[160];
-                    snprintf(b, sizeof(b), " WRITTEN-ROWS run %d: NMSE first op %.2e, op after the writes %.2e", run, ea, eb);
+                    snprintf(b, sizeof(b), " WRITTEN-ROWS run %d: NMSE first op %.2e, op after the writes %.2e", run,
+                             ea, eb);
                     g_extra += b;
                     sched_ok = false;
                 }
@@ -1058,7 +1074,8 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
                 }
             }
         }
-        g_extra += n_cmp == 0 ? " (no tail-free rows)" : n_diff == 0 ? " tail-free-rows-bitexact" : " TAIL-FREE-ROWS-DIFF " + std::to_string(n_diff);
+        g_extra += n_cmp == 0 ? " (no tail-free rows)" : n_diff == 0 ? " tail-free-rows-bitexact"
+                   : " TAIL-FREE-ROWS-DIFF " + std::to_string(n_diff);
         ok = ok && n_diff == 0;
     }
     if (!ok && n_nonfinite) {
@@ -1074,9 +1091,10 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     return ok ? RES_PASS : RES_FAIL;
 }
 
-static test_case mk(int64_t D, int64_t hkv, int64_t gqa, int64_t n_kv, int64_t n_q, int64_t split, ggml_type tk, ggml_type tv,
-                    mask_mode mm = MASK_CAUSAL, bool sinks = false, float max_bias = 0.0f, float softcap = 0.0f, bool cache = false,
-                    ggml_type tkt = GGML_TYPE_COUNT, ggml_type tvt = GGML_TYPE_COUNT, int64_t ne3 = 1) {
+static test_case mk(int64_t D, int64_t hkv, int64_t gqa, int64_t n_kv, int64_t n_q, int64_t split, ggml_type tk,
+                    ggml_type tv, mask_mode mm = MASK_CAUSAL, bool sinks = false, float max_bias = 0.0f,
+                    float softcap = 0.0f, bool cache = false, ggml_type tkt = GGML_TYPE_COUNT,
+                    ggml_type tvt = GGML_TYPE_COUNT, int64_t ne3 = 1) {
     test_case c;
     c.D = D; c.n_head_kv = hkv; c.gqa = gqa; c.n_kv = n_kv; c.n_q = n_q; c.split = split;
     c.tkw = tk; c.tvw = tv;
@@ -1105,7 +1123,8 @@ static std::vector<test_case> make_cases(bool quick) {
                             if (n_q == 7 && !(s == 1 || s == 256 || s == n_kv)) continue;
                             if (n_q == 1 && !(s == 0 || s == 255 || s == n_kv - 1)) continue;
                         }
-                        cases.push_back(mk(D, 2, gqa, n_kv, n_q, s, t, t, MASK_CAUSAL, false, 0.0f, 0.0f, /*cache=*/(s % 2) == 1));
+                        cases.push_back(mk(D, 2, gqa, n_kv, n_q, s, t, t, MASK_CAUSAL, false, 0.0f, 0.0f,
+                                           /*cache=*/(s % 2) == 1));
                     }
                 }
             }
@@ -1133,7 +1152,8 @@ static std::vector<test_case> make_cases(bool quick) {
                         cases.push_back(mk(64, 3, 4, n_kv_r, n_q, s, t, t, MASK_HOLES, false, 8.0f, 0.0f, false));
                     }
                 }
-                cases.push_back(mk(128, 2, 4, n_kv_r, 7, s, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true, t, t)); // mixed
+                // mixed
+                cases.push_back(mk(128, 2, 4, n_kv_r, 7, s, F16, F16, MASK_HOLES, false, 0.0f, 0.0f, true, t, t));
                 cases.push_back(mk(64, 1, 2, n_kv_r, 7, s, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT,
                         GGML_TYPE_COUNT, 2)); // ne3 = 2
             }
@@ -1176,11 +1196,15 @@ static std::vector<test_case> make_cases(bool quick) {
             cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_HOLES, false, 0.0f, 30.0f, false)); // softcap
             cases.push_back(mk(128, 2, 4, n_kv, 7, s, t, t, MASK_CAUSAL, true, 0.0f, 30.0f, true));  // softcap + sinks
             cases.push_back(mk( 64, 3, 4, n_kv, 7, s, t, t, MASK_HOLES, false, 8.0f, 0.0f, false));  // ALiBi, 12 heads
-            cases.push_back(mk( 64, 2, 4, n_kv, 7, s, t, t, MASK_ROWS,  true,  8.0f, 0.0f, true));   // ALiBi, 8 heads + sinks
+            // ALiBi, 8 heads + sinks
+            cases.push_back(mk( 64, 2, 4, n_kv, 7, s, t, t, MASK_ROWS,  true,  8.0f, 0.0f, true));
             if (!quick) {
                 cases.push_back(mk( 64, 2, 2, n_kv, 1, s, t, t, MASK_NONE, false, 0.0f, 0.0f, false)); // no mask
-                cases.push_back(mk( 64, 2, 2, n_kv, 7, s, t, t, MASK_NONE, true,  0.0f, 0.0f, true));  // no mask + sinks
-                cases.push_back(mk( 64, 1, 2, 256,  7, s/2, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT, GGML_TYPE_COUNT, 2)); // ne3 = 2
+                // no mask + sinks
+                cases.push_back(mk( 64, 2, 2, n_kv, 7, s, t, t, MASK_NONE, true,  0.0f, 0.0f, true));
+                // ne3 = 2
+                cases.push_back(mk( 64, 1, 2, 256,  7, s/2, t, t, MASK_ROWS, false, 0.0f, 0.0f, true, GGML_TYPE_COUNT,
+                                   GGML_TYPE_COUNT, 2));
             }
         }
     }
@@ -1197,11 +1221,13 @@ static std::vector<test_case> make_cases(bool quick) {
 
     // mixed window/tail types (looser threshold, see top of file)
     struct mix { ggml_type kw, vw, kt, vt; };
-    for (mix x : { mix{ F16, F16, Q8, Q8 }, mix{ Q8, Q8, Q4, Q4 }, mix{ BF16, F16, Q8, Q4 }, mix{ Q8, F16, F16, F16 } }) {
+    for (mix x : { mix{ F16, F16, Q8, Q8 }, mix{ Q8, Q8, Q4, Q4 }, mix{ BF16, F16, Q8, Q4 },
+                  mix{ Q8, F16, F16, F16 } }) {
         for (int64_t s : { (int64_t) 0, (int64_t) 1, (int64_t) 255, (int64_t) 256, n_kv - 1, n_kv }) {
             if (quick && !(s == 1 || s == 256)) continue;
             for (int64_t n_q : { 1, 7 }) {
-                cases.push_back(mk(128, 2, 4, n_kv, n_q, s, x.kw, x.vw, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q == 7, 0.0f, 0.0f, s % 2 == 1, x.kt, x.vt));
+                cases.push_back(mk(128, 2, 4, n_kv, n_q, s, x.kw, x.vw, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q == 7,
+                                   0.0f, 0.0f, s % 2 == 1, x.kt, x.vt));
             }
         }
     }
@@ -1212,7 +1238,8 @@ static std::vector<test_case> make_cases(bool quick) {
     for (int64_t s : { (int64_t) 100, (int64_t) 341, (int64_t) 342, (int64_t) 343, (int64_t) 600 }) {
         if (quick && s != 342) continue;
         cases.push_back(mk( 64, 2, 4, 1025, 1, s, F16, F16, MASK_HOLES, s % 2 == 0, 0.0f, 0.0f, s % 2 == 1));
-        cases.push_back(mk( 64, 2, 4, 1025, 1, s, GGML_TYPE_F32, GGML_TYPE_F32, MASK_ROWS, true, 0.0f, 0.0f, s % 2 == 0));
+        cases.push_back(mk( 64, 2, 4, 1025, 1, s, GGML_TYPE_F32, GGML_TYPE_F32, MASK_ROWS, true, 0.0f, 0.0f,
+                           s % 2 == 0));
     }
 
     // prefill-sized batches (the tiled f32 path for F16/F32; KV tiles straddle splits not multiple of 64)
@@ -1281,10 +1308,11 @@ struct head_case {
 
 static std::string head_case_str(const head_case & c) {
     char buf[512];
-    snprintf(buf, sizeof(buf), "heads D=%3lld hkv=%lld gqa=%lld h_dev=%lld n_kv=%4lld n_q=%3lld K=%s/%s V=%s/%s mask=%s%s%s%s",
-        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.h_dev, (long long) c.n_kv, (long long) c.n_q,
-        ggml_type_name(c.tkd), ggml_type_name(c.tkh), ggml_type_name(c.tvd), ggml_type_name(c.tvh), mask_name(c.mask),
-        c.sinks ? " sinks" : "", c.softcap != 0.0f ? " softcap" : "", c.ne3 > 1 ? " ne3=2" : "");
+    snprintf(buf, sizeof(buf),
+        "heads D=%3lld hkv=%lld gqa=%lld h_dev=%lld n_kv=%4lld n_q=%3lld K=%s/%s V=%s/%s mask=%s%s%s%s",
+        (long long) c.D, (long long) c.n_head_kv, (long long) c.gqa, (long long) c.h_dev, (long long) c.n_kv,
+        (long long) c.n_q, ggml_type_name(c.tkd), ggml_type_name(c.tkh), ggml_type_name(c.tvd), ggml_type_name(c.tvh),
+        mask_name(c.mask), c.sinks ? " sinks" : "", c.softcap != 0.0f ? " softcap" : "", c.ne3 > 1 ? " ne3=2" : "");
     return buf;
 }
 
@@ -1301,7 +1329,8 @@ static kv_host heads_of(kv_host & x, int64_t h0, int64_t h1) {
     return r;
 }
 
-static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case & c, std::mt19937 & rng, double * out_nmse, double * out_thr) {
+static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case & c, std::mt19937 & rng,
+                            double * out_nmse, double * out_thr) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
 
     const int64_t D = c.D, n_kv = c.n_kv, nhkv = c.n_head_kv, n_head = nhkv*c.gqa, ne3 = c.ne3, n_q = c.n_q;
@@ -1348,8 +1377,8 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     ggml_tensor * sk = c.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : nullptr;
 
     auto q_heads = [&](int64_t h0, int64_t h1) {
-        ggml_tensor * v = ggml_view_4d(ctx, q_storage, D, h1 - h0, n_q, ne3, q_storage->nb[1], q_storage->nb[2], q_storage->nb[3],
-                h0*q_storage->nb[1]);
+        ggml_tensor * v = ggml_view_4d(ctx, q_storage, D, h1 - h0, n_q, ne3, q_storage->nb[1], q_storage->nb[2],
+                q_storage->nb[3], h0*q_storage->nb[1]);
         return ggml_permute(ctx, v, 0, 2, 1, 3);
     };
     const float scale = 1.0f/sqrtf((float) D);
@@ -1358,7 +1387,8 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     // the references: every head at the device types (and at the host types when they differ)
     kvs.push_back(make_kv(ctx, c.tkd, hk, 0, n_kv, true, 3));
     kvs.push_back(make_kv(ctx, c.tvd, hv, 0, n_kv, true, 3));
-    ggml_tensor * ref_d = ggml_flash_attn_ext(ctx, q_heads(0, n_head), kvs[0].view, kvs[1].view, m, scale, 0.0f, c.softcap);
+    ggml_tensor * ref_d = ggml_flash_attn_ext(ctx, q_heads(0, n_head), kvs[0].view, kvs[1].view, m, scale, 0.0f,
+                                              c.softcap);
     ggml_flash_attn_ext_add_sinks(ref_d, sk);
     ggml_prec_set_acc(ref_d, GGML_PREC_F32);
     ggml_tensor * ref_h = ref_d;
@@ -1370,7 +1400,8 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
         ggml_prec_set_acc(ref_h, GGML_PREC_F32);
     }
 
-    // the split: the device's heads in tensors of their own, the host's in others (each [D*heads, cells] rows, as the cache)
+    // the split: the device's heads in tensors of their own, the host's in others (each [D*heads, cells] rows, as the
+    // cache)
     kv_host hk_d = heads_of(hk, 0, c.h_dev), hv_d = heads_of(hv, 0, c.h_dev);
     kv_host hk_h = heads_of(hk, c.h_dev, nhkv), hv_h = heads_of(hv, c.h_dev, nhkv);
     const size_t i_d = kvs.size();
@@ -1379,20 +1410,22 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     kvs.push_back(make_kv(ctx, c.tkh, hk_h, 0, n_kv, true, 0));
     kvs.push_back(make_kv(ctx, c.tvh, hv_h, 0, n_kv, true, 0));
 
-    ggml_tensor * a = ggml_flash_attn_ext(ctx, q_heads(0, hq), kvs[i_d].view, kvs[i_d + 1].view, m, scale, 0.0f, c.softcap);
+    ggml_tensor * a = ggml_flash_attn_ext(ctx, q_heads(0, hq), kvs[i_d].view, kvs[i_d + 1].view, m, scale, 0.0f,
+                                          c.softcap);
     ggml_flash_attn_ext_add_sinks(a, sk ? ggml_view_1d(ctx, sk, hq, 0) : nullptr);
     ggml_prec_set_acc(a, GGML_PREC_F32);
-    ggml_tensor * b = ggml_streaming_flash_attn(ctx, q_heads(hq, n_head), nullptr, nullptr, kvs[i_d + 2].view, kvs[i_d + 3].view,
-            m, scale, 0.0f, c.softcap);
+    ggml_tensor * b = ggml_streaming_flash_attn(ctx, q_heads(hq, n_head), nullptr, nullptr, kvs[i_d + 2].view,
+            kvs[i_d + 3].view, m, scale, 0.0f, c.softcap);
     ggml_streaming_flash_attn_add_sinks(b, sk ? ggml_view_1d(ctx, sk, n_head - hq, hq*sk->nb[0]) : nullptr);
     ggml_streaming_flash_attn_set_prec(b, GGML_PREC_F32);
     set_op_params(b);
 
     // as llama_rkv_build_attn_heads: [DV*heads, n_q*ne3] each, concatenated by head
-    ggml_tensor * out = ggml_concat(ctx, ggml_reshape_2d(ctx, a, D*hq, n_q*ne3), ggml_reshape_2d(ctx, b, D*(n_head - hq), n_q*ne3), 0);
+    ggml_tensor * out = ggml_concat(ctx, ggml_reshape_2d(ctx, a, D*hq, n_q*ne3),
+                                    ggml_reshape_2d(ctx, b, D*(n_head - hq), n_q*ne3), 0);
 
-    if (!ggml_backend_supports_op(backend, b) || !ggml_backend_supports_op(backend, a) || !ggml_backend_supports_op(backend, ref_d) ||
-            !ggml_backend_supports_op(backend, ref_h)) {
+    if (!ggml_backend_supports_op(backend, b) || !ggml_backend_supports_op(backend, a) ||
+            !ggml_backend_supports_op(backend, ref_d) || !ggml_backend_supports_op(backend, ref_h)) {
         ggml_free(ctx);
         return RES_SKIP;
     }
@@ -1498,9 +1531,9 @@ static result run_head_case(ggml_backend_t backend, bool is_cpu, const head_case
     return ok ? RES_PASS : RES_FAIL;
 }
 
-static head_case mkh(int64_t D, int64_t hkv, int64_t gqa, int64_t h_dev, int64_t n_kv, int64_t n_q, ggml_type tk, ggml_type tv,
-                     mask_mode mm = MASK_CAUSAL, bool sinks = false, float softcap = 0.0f, ggml_type tkh = GGML_TYPE_COUNT,
-                     ggml_type tvh = GGML_TYPE_COUNT, int64_t ne3 = 1) {
+static head_case mkh(int64_t D, int64_t hkv, int64_t gqa, int64_t h_dev, int64_t n_kv, int64_t n_q, ggml_type tk,
+                     ggml_type tv, mask_mode mm = MASK_CAUSAL, bool sinks = false, float softcap = 0.0f,
+                     ggml_type tkh = GGML_TYPE_COUNT, ggml_type tvh = GGML_TYPE_COUNT, int64_t ne3 = 1) {
     head_case c;
     c.D = D; c.n_head_kv = hkv; c.gqa = gqa; c.h_dev = h_dev; c.n_kv = n_kv; c.n_q = n_q; c.ne3 = ne3;
     c.tkd = tk; c.tvd = tv;
@@ -1512,7 +1545,8 @@ static head_case mkh(int64_t D, int64_t hkv, int64_t gqa, int64_t h_dev, int64_t
 
 static std::vector<head_case> make_head_cases(bool quick) {
     std::vector<head_case> cases;
-    const ggml_type F16 = GGML_TYPE_F16, Q8 = GGML_TYPE_Q8_0, Q4 = GGML_TYPE_Q4_0, BF16 = GGML_TYPE_BF16, F32 = GGML_TYPE_F32;
+    const ggml_type F16 = GGML_TYPE_F16, Q8 = GGML_TYPE_Q8_0, Q4 = GGML_TYPE_Q4_0, BF16 = GGML_TYPE_BF16,
+                    F32 = GGML_TYPE_F32;
 
     // every cut of the KV heads, GQA 1..4: decode (one-chunk below 512 cells, split-KV above), small batches, prefill
     // batches on the tiled path (n_q >= 64, F16/F32)
@@ -1545,17 +1579,20 @@ static std::vector<head_case> make_head_cases(bool quick) {
     for (mix x : { mix{ F16, F16, Q8, Q8 }, mix{ Q8, Q8, Q4, Q4 }, mix{ F16, F16, Q4, F16 } }) {
         for (int64_t n_q : { 1, 7, 128 }) {
             if (quick && n_q == 7) continue;
-            cases.push_back(mkh(64, 3, 3, 1, 1025, n_q, x.kd, x.vd, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q != 1, 0.0f, x.kh, x.vh));
+            cases.push_back(mkh(64, 3, 3, 1, 1025, n_q, x.kd, x.vd, n_q == 1 ? MASK_CAUSAL : MASK_ROWS, n_q != 1, 0.0f,
+                                x.kh, x.vh));
         }
     }
     return cases;
 }
 
-// CPU parts run so far (which cases a backend attended partly on the CPU): the CPU backend's count, through its registry
+// CPU parts run so far (which cases a backend attended partly on the CPU): the CPU backend's count, through its
+// registry
 static uint64_t cpu_part_runs() {
     static const ggml_rkv_cpu_part_runs_t fn = [] {
         ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
-        return reg ? (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUNS_PROC) : nullptr;
+        return reg ? (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUNS_PROC)
+               : nullptr;
     }();
     return fn ? fn() : 0;
 }
@@ -1603,7 +1640,8 @@ int main(int argc, char ** argv) {
         } else if (a == "--map-wrong") {
             g_map = 2;
         } else {
-            fprintf(stderr, "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] "
+            fprintf(stderr,
+                    "usage: %s [-b BACKEND] [-t N_THREADS] [--quick] [--only N] [--tail-host] [--tail-cpu-frac F] "
                     "[--exact] [--expect-perturbed] [--heads] [--runs|--runs-wrong] [--map|--map-wrong]\n", argv[0]);
             return 2;
         }
@@ -1619,7 +1657,8 @@ int main(int argc, char ** argv) {
     }
     ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
     GGML_ASSERT(backend);
-    const bool is_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU; // bit-identity is asserted on CPU only
+    // bit-identity is asserted on CPU only
+    const bool is_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     if (g_tail_host) {
         if (is_cpu || !ggml_backend_dev_host_buffer_type(dev)) {
             printf("--tail-host: backend %s has no pinned host buffer type, skipping\n", backend_name.c_str());
@@ -1632,7 +1671,8 @@ int main(int argc, char ** argv) {
 
     // use all cores on CPU-like backends
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
-    auto set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+    auto set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg,
+            "ggml_backend_set_n_threads");
     if (set_n_threads) {
         set_n_threads(backend, n_threads);
     }
@@ -1667,9 +1707,11 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
-    printf("test-rolling-kv-ops: %sbackend %s, %d threads, %s%s%s%s%s\n", heads ? "head split, " : "", ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
-        is_cpu ? ", same-type cases must be bit-identical" : "", g_tail_host ? ", tail in pinned host memory (streamed)" : "",
-        cpu_frac, g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
+    printf("test-rolling-kv-ops: %sbackend %s, %d threads, %s%s%s%s%s\n", heads ? "head split, " : "",
+        ggml_backend_name(backend), n_threads, quick ? "quick" : "full",
+        is_cpu ? ", same-type cases must be bit-identical" : "",
+        g_tail_host ? ", tail in pinned host memory (streamed)" : "", cpu_frac,
+        g_expect_perturbed ? ", tail perturbed: cases with a live tail must fail" : "");
 
     std::mt19937 rng(1234);
     const auto cases = heads ? std::vector<test_case>() : make_cases(quick);
@@ -1706,10 +1748,12 @@ int main(int argc, char ** argv) {
             // sees keys of both swapped blocks) must make the case fail, and nothing else may
             as_expected = (r == RES_FAIL) == g_tail_live;
             verdict = as_expected ? (g_tail_live ? "OK (fails: perturbed tail)" : "OK (no live tail)")
-                                  : (g_tail_live ? "FAIL (perturbed tail not detected)" : "FAIL (no live tail, yet failed)");
+                                  : (g_tail_live ? "FAIL (perturbed tail not detected)"
+                                     : "FAIL (no live tail, yet failed)");
         }
         (as_expected ? n_pass : n_fail)++;
-        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, name.c_str(), err, thr, g_extra.c_str(), ms, verdict);
+        printf("[%4zu] %s: NMSE=%.3e (thr %.0e)%s %7.1f ms %s\n", i, name.c_str(), err, thr, g_extra.c_str(), ms,
+               verdict);
         fflush(stdout);
     }
 

@@ -96,7 +96,8 @@ extern "C" {
     // reference). Starts are multiples of 256 (the streamed chunks' alignment), as are lengths except that of a run
     // ending at the tail's end. 0 runs (the default): the whole tail. Needs a mask.
 #define GGML_RKV_MAX_TAIL_RUNS 4
-    GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n);
+    GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first,
+                                                          const int32_t * n);
     // the runs into first/n (GGML_RKV_MAX_TAIL_RUNS each); returns their count (0: the whole tail)
     GGML_API int  ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n);
 
@@ -131,8 +132,8 @@ extern "C" {
     // The CPU part of a hybrid tail lives in the CPU backend (ggml-cpu/rolling-kv-cpu-part.cpp). Other backends and
     // libllama reach it through the CPU backend's registry, never by symbol (backends may be modules, GGML_BACKEND_DL):
     // ggml_backend_reg_get_proc_address(the CPU backend's registry, NAME) for the names below; NULL where the CPU
-    // backend lacks one (then: no CPU part). A backend, which links ggml-base only (the registry lookups are libggml's),
-    // takes the CPU backend's registry from ggml_rkv_cpu_backend_reg().
+    // backend lacks one (then: no CPU part). A backend, which links ggml-base only (the registry lookups are
+    // libggml's), takes the CPU backend's registry from ggml_rkv_cpu_backend_reg().
 
     // threads of the CPU part (process-wide: ROLLINGKV_CPU_PART_THREADS, else every CPU the process may use but one),
     // at most the CPUs of the process's affinity (taskset, numactl), on which its threads run. The thread that runs a
@@ -200,9 +201,9 @@ extern "C" {
     // The memory of a streamed tail. A GPU backend that can pin host memory which the CPU also reads at full speed
     // (anonymous memory advised for 2 MiB pages, registered with the device: the CPU part of a hybrid tail reads it,
     // the copy engine streams it, kernels write new rows into it through unified addressing) exports
-    // ggml_backend_rkv_host_buffer_alloc_t under GGML_RKV_HOST_ALLOC_PROC. The buffer's type is the device's pinned host
-    // buffer type (ggml_backend_dev_host_buffer_type), so the scheduler's streamed-tensor rules apply to it as to any
-    // pinned tail. NULL: not possible here (the caller allocates from that buffer type as before).
+    // ggml_backend_rkv_host_buffer_alloc_t under GGML_RKV_HOST_ALLOC_PROC. The buffer's type is the device's pinned
+    // host buffer type (ggml_backend_dev_host_buffer_type), so the scheduler's streamed-tensor rules apply to it as to
+    // any pinned tail. NULL: not possible here (the caller allocates from that buffer type as before).
     typedef ggml_backend_buffer_t (*ggml_backend_rkv_host_buffer_alloc_t)(ggml_backend_dev_t dev, size_t size);
 #define GGML_RKV_HOST_ALLOC_PROC "ggml_backend_rkv_host_buffer_alloc"
 

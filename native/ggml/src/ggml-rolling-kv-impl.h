@@ -36,8 +36,8 @@
 //                             pinned allocation (cuda: cudaMallocHost). Both stream at the link's speed; the CPU part
 //                             of a hybrid tail reads the first at the memory's speed (docs/design/hybrid-tail.md).
 //
-// Diagnostics (outputs unchanged):
-//   ROLLINGKV_CPU_PART_STATS=1          at exit, print to stderr how many CPU parts of a hybrid tail ran, their mean wall
+// Diagnostics (outputs unchanged): ROLLINGKV_CPU_PART_STATS=1 at exit, print to stderr how many CPU parts of a hybrid
+// tail ran, their mean wall
 //                                       time and the K+V bandwidth while they ran (rolling-kv-cpu-part.cpp): where a
 //                                       hybrid decode's time goes, next to the token time llama-bench reports.
 //

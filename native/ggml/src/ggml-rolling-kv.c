@@ -15,7 +15,8 @@ static void ggml_streaming_fa_check_part(
         const struct ggml_tensor * q,
         const struct ggml_tensor * k,
         const struct ggml_tensor * v) {
-    GGML_ASSERT((k == NULL) == (v == NULL) && "streaming_flash_attn: K and V of a part must both be set or both be NULL");
+    GGML_ASSERT((k == NULL) == (v == NULL) &&
+                "streaming_flash_attn: K and V of a part must both be set or both be NULL");
     if (k == NULL) {
         return;
     }
@@ -128,7 +129,8 @@ void ggml_streaming_flash_attn_set_tail_cpu_cells(struct ggml_tensor * a, int64_
     GGML_ASSERT(n_cells >= 0 && n_cells <= n_tail && n_cells <= INT32_MAX &&
             "streaming_flash_attn: tail_cpu_cells must be in [0, the tail's cells]");
     GGML_ASSERT((n_cells == 0 || n_cells == n_tail || (n_tail - n_cells) % 256 == 0) &&
-            "streaming_flash_attn: tail_cpu_cells must leave the streamed part a multiple of 256 cells (ggml_rkv_tail_cpu_cells)");
+            "streaming_flash_attn: tail_cpu_cells must leave the streamed part a multiple of 256 cells "
+            "(ggml_rkv_tail_cpu_cells)");
     ggml_set_op_params_i32(a, 5, (int32_t) n_cells);
 }
 
@@ -148,7 +150,8 @@ int32_t ggml_streaming_flash_attn_get_ref_streams(const struct ggml_tensor * a) 
     return ggml_get_op_params_i32(a, 6);
 }
 
-void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first, const int32_t * n) {
+void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first,
+                                             const int32_t * n) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     GGML_ASSERT(n_runs >= 0 && n_runs <= GGML_RKV_MAX_TAIL_RUNS && "streaming_flash_attn: too many tail runs");
     const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
@@ -159,7 +162,8 @@ void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs,
         GGML_ASSERT(first[i] >= end && n[i] > 0 && first[i] + (int64_t) n[i] <= n_tail &&
                 "streaming_flash_attn: tail runs must be sorted, apart, non-empty and within the tail");
         GGML_ASSERT(first[i] % 256 == 0 && (n[i] % 256 == 0 || first[i] + (int64_t) n[i] == n_tail) &&
-                "streaming_flash_attn: tail runs start at a multiple of 256 cells and are multiples of 256 cells long, but for one at the tail's end");
+                "streaming_flash_attn: tail runs start at a multiple of 256 cells and are multiples of 256 cells long, "
+                "but for one at the tail's end");
         end = first[i] + (int64_t) n[i] + 1; // apart: adjacent runs are one run
     }
     for (int i = 0; i < GGML_RKV_MAX_TAIL_RUNS; ++i) {
@@ -241,7 +245,8 @@ bool ggml_is_streamed(const struct ggml_tensor * t) {
 //
 
 static const enum ggml_type ggml_rkv_tail_types[] = {
-    GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+    GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
+    GGML_TYPE_Q5_1,
 };
 
 bool ggml_rkv_tail_type_supported(enum ggml_type type) {
@@ -350,11 +355,12 @@ static struct ggml_rkv_knobs ggml_rkv_knobs_read(void) {
         const double x = v ? strtod(v, &end) : 1.0;
         k.link_slowdown = 1.0;
         if (v && (end == v || *end != '\0' || !(x >= 1.0 && x <= 100.0))) {
-            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s is not a number from 1 to 100: the link is not slowed\n", v);
+            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s is not a number from 1 to 100: the link is not slowed\n",
+                          v);
         } else if (v && x > 1.0) {
             k.link_slowdown = x;
-            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s: every host-tail copy is repeated to simulate a link %.2fx slower "
-                          "(a benchmark aid: unset it for real use)\n", v, x);
+            GGML_LOG_WARN("ROLLINGKV_SIMULATE_LINK_SLOWDOWN=%s: every host-tail copy is repeated to simulate a link "
+                          "%.2fx slower (a benchmark aid: unset it for real use)\n", v, x);
         }
     }
 

@@ -30,7 +30,8 @@ static ggml_cuda_rkv_lab_knobs rkv_lab_read() {
     }
     if (k.skip_copy || k.skip_tail_attn) {
         GGML_LOG_WARN("rolling KV lab: %s%s: a speed probe, the outputs of a streamed tail are WRONG\n",
-                k.skip_copy ? "ROLLINGKV_DEBUG_SKIP_COPY=1 " : "", k.skip_tail_attn ? "ROLLINGKV_DEBUG_SKIP_TAIL_ATTN=1" : "");
+                k.skip_copy ? "ROLLINGKV_DEBUG_SKIP_COPY=1 " : "",
+                k.skip_tail_attn ? "ROLLINGKV_DEBUG_SKIP_TAIL_ATTN=1" : "");
     }
     return k;
 }

@@ -322,35 +322,42 @@ void ggml_cuda_rkv_prof_free(ggml_backend_cuda_context & ctx) {
     for (const auto & kv : p->groups) {
         const rkv_prof_group & g = kv.second;
         if (!g.replay_ms.empty()) {
-            fprintf(stderr, "rkv profile [%s] ubatch %lld: %zu CUDA graph launches, GPU time per launch: median %.3f ms\n",
+            fprintf(stderr,
+                "rkv profile [%s] ubatch %lld: %zu CUDA graph launches, GPU time per launch: median %.3f ms\n",
                 ctx.name.c_str(), (long long) kv.first, g.replay_ms.size(), rkv_median(g.replay_ms));
         }
         if (g.evals == 0) {
             continue;
         }
         const double n = (double) g.evals;
-        fprintf(stderr, "rkv profile [%s] ubatch %lld: %lld evaluations, GPU span %.3f ms, host between evaluations: median %.3f ms, "
-            "enqueue %.3f ms%s\n", ctx.name.c_str(), (long long) kv.first, (long long) g.evals, g.span_ms/n,
-            rkv_median(g.gaps_ms), g.enqueue_ms/n, g.host_bound ? " (HOST-BOUND: enqueue outlasted the hold in some)" : "");
+        fprintf(stderr,
+            "rkv profile [%s] ubatch %lld: %lld evaluations, GPU span %.3f ms, host between evaluations: median %.3f "
+            "ms, enqueue %.3f ms%s\n", ctx.name.c_str(), (long long) kv.first, (long long) g.evals, g.span_ms/n,
+            rkv_median(g.gaps_ms), g.enqueue_ms/n,
+            g.host_bound ? " (HOST-BOUND: enqueue outlasted the hold in some)" : "");
         if (g.copy_bytes > 0) {
             // the copy stream's idle time inside the span: waiting for a free slot (or for the fork)
             const double nc    = (double) g.copy_evals;
             const double stall = g.span_ms*nc/n - g.lead_ms - g.trail_ms - g.copy_ms;
-            fprintf(stderr, "rkv profile   copies (%lld evaluations): %.1f MB, busy %.3f ms (%.2f GB/s), lead %.3f ms, trail %.3f ms, "
-                "copy stream idle between %.3f ms\n", (long long) g.copy_evals, g.copy_bytes/nc/1e6, g.copy_ms/nc,
+            fprintf(stderr,
+                "rkv profile   copies (%lld evaluations): %.1f MB, busy %.3f ms (%.2f GB/s), lead %.3f ms, trail %.3f "
+                "ms, copy stream idle between %.3f ms\n", (long long) g.copy_evals, g.copy_bytes/nc/1e6, g.copy_ms/nc,
                 g.copy_bytes/(g.copy_ms*1e6), g.lead_ms/nc, g.trail_ms/nc, stall/nc);
         }
         std::vector<std::pair<std::string, rkv_prof_stat>> steps(g.steps.begin(), g.steps.end());
         std::sort(steps.begin(), steps.end(), [](const auto & a, const auto & b) { return a.second.ms > b.second.ms; });
         for (size_t i = 0; i < steps.size() && i < 20; ++i) {
-            fprintf(stderr, "rkv profile   %8.3f ms %7.1f x  %s\n", steps[i].second.ms/n, steps[i].second.n/n, steps[i].first.c_str());
+            fprintf(stderr, "rkv profile   %8.3f ms %7.1f x  %s\n", steps[i].second.ms/n, steps[i].second.n/n,
+                    steps[i].first.c_str());
         }
     }
     for (const auto & g : p->host.ms) {
-        fprintf(stderr, "rkv profile [%s] ubatch %lld: host time per graph (median), charged to the point that ends it:\n",
+        fprintf(stderr,
+            "rkv profile [%s] ubatch %lld: host time per graph (median), charged to the point that ends it:\n",
             ctx.name.c_str(), (long long) g.first);
         for (const auto & kv : g.second) {
-            fprintf(stderr, "rkv profile   %8.3f ms  up to %s (%zu graphs)\n", rkv_median(kv.second), kv.first.c_str(), kv.second.size());
+            fprintf(stderr, "rkv profile   %8.3f ms  up to %s (%zu graphs)\n", rkv_median(kv.second), kv.first.c_str(),
+                    kv.second.size());
         }
     }
     for (cudaEvent_t e : p->pool) {

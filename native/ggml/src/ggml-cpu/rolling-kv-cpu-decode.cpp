@@ -3,8 +3,8 @@
 // The kernel body (rolling-kv-cpu-decode-impl.inc) is compiled once per instruction set, each time over a 16-lane f32
 // vector type of that set and that set's integer dot product of quantized K with the quantized query:
 //   x86-64: AVX-512 with VNNI, AVX-512 (F/BW/VL/DQ), AVX2+FMA+F16C and plain C++;
-//   AArch64: NEON (the integer dot by vdotq_s32 where the compiler targets the dot-product extension, else vmull/vpadal);
-//   elsewhere: plain C++.
+//   AArch64: NEON (the integer dot by vdotq_s32 where the compiler targets the dot-product extension, else
+//   vmull/vpadal); elsewhere: plain C++.
 //
 // Where the paths are picked. This file is part of the CPU backend (ggml-cpu), which ggml compiles per instruction set
 // (GGML_NATIVE, or one library per variant with GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS), and on ARM (and with MSVC)
@@ -128,7 +128,10 @@ static inline V16 zero() { V16 r; for (float & x : r.v) x = 0.0f; return r; }
 static inline V16 set1(float a) { V16 r; for (float & x : r.v) x = a; return r; }
 static inline V16 load(const float * p) { V16 r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline void store(float * p, V16 a) { memcpy(p, a.v, sizeof a.v); }
-static inline V16 fmadd(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]); return c; }
+static inline V16 fmadd(V16 a, V16 b, V16 c) {
+    for (int i = 0; i < 16; ++i) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
 static inline V16 mul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
 static inline float hsum(V16 a) { float s = 0.0f; for (float x : a.v) s += x; return s; }
 static inline float hmax(V16 a) { float m = -INFINITY; for (float x : a.v) m = std::max(m, x); return m; }
@@ -149,7 +152,11 @@ static inline void hmax16x16(const float * m, float * out) {
     }
 }
 static inline V16 vexp(V16 a) { for (float & x : a.v) x = x < EXP_LO ? 0.0f : expf(x); return a; }
-static inline V16 from_f16(const uint16_t * p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = rkv_f16_to_f32(p[i]); return r; }
+static inline V16 from_f16(const uint16_t * p) {
+    V16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = rkv_f16_to_f32(p[i]);
+    return r;
+}
 static inline float f16s(uint16_t h) { return rkv_f16_to_f32(h); }
 static inline void prefetch(const void * p) { RKV_PREFETCH(p); }
 static inline void prefetch_l2(const void * p) { RKV_PREFETCH_L2(p); }
@@ -188,8 +195,8 @@ static inline float quant32(const float * x, int8_t * q) {
 constexpr int Q8_OFF = 0, Q4_OFF = 0;  // the K values enter the dot as they are (Q4_0: nibble - 8)
 // the raw scores (sum over blocks of d_k d_q (K . q + corr)) of 16 cells (K head rows rows[i]) for G heads
 template <int T, int G>
-static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t * q, int D, const int32_t * corr, const float * dq,
-                           const uint16_t * dkh, float * out) {
+static inline void kscores(const uint8_t * const * rows, int nblk, const int8_t * q, int D, const int32_t * corr,
+                           const float * dq, const uint16_t * dkh, float * out) {
     constexpr int bb = T == RKV_TYPE_Q8_0 ? 34 : 18;
     for (int i = 0; i < 16; ++i) {
         for (int j = 0; j < G; ++j) {
@@ -378,7 +385,8 @@ const char * rkv_cpu_decode_isa(void) {
     return isa_name(selected());
 }
 
-void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse) {
+void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1,
+                                float * o, float * lse) {
     const size_t stride = 2 + (size_t) p.DV;
     const size_t part_floats = rkv_cpu_decode_part_floats(p);
     for (int h = h0; h < h1; ++h) {

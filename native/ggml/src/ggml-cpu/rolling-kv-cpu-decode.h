@@ -1,17 +1,17 @@
 // rolling-KV: a CPU decode attention over host-resident K/V rows, for the CPU part of a hybrid tail.
 //
-// A few query rows of a sequence (decode: one; a batch: up to RKV_CPU_DECODE_MAX_ROWS per walk), all query heads of
-// a KV group and all rows against each K/V row read once (GQA), blocks of 16 cells with one online-softmax update per
-// block and a vectorised exp, split over cells (split-K): each worker attends a contiguous cell range and leaves a partial state (max, sum,
-// unnormalised output) per query head; the partials are merged in range order, so the result does not
-// depend on timing. K/V types: F16, Q8_0, Q4_0. An F16 K is dotted in f32. A quantized K is dotted in integers
+// A few query rows of a sequence (decode: one; a batch: up to RKV_CPU_DECODE_MAX_ROWS per walk), all query heads of a
+// KV group and all rows against each K/V row read once (GQA), blocks of 16 cells with one online-softmax update per
+// block and a vectorised exp, split over cells (split-K): each worker attends a contiguous cell range and leaves a
+// partial state (max, sum, unnormalised output) per query head; the partials are merged in range order, so the result
+// does not depend on timing. K/V types: F16, Q8_0, Q4_0. An F16 K is dotted in f32. A quantized K is dotted in integers
 // with the query quantized once per call (per block of 32: int8 values and an f32 scale, as ggml quantizes the
-// activations for its q8_0/q4_0 dot products), then scaled by the two blocks' scales; the AVX-512 path takes 16
-// cells at once (their K bytes transposed so that each 32-bit lane is a cell, VNNI vpdpbusd where the CPU has it).
-// A quantized V is widened to f32 with its block scale folded into the softmax weights (Q4_0's -8 in the
-// widening); the weighted sums are accumulated in f32. On x86-64 (GCC, clang) the AVX-512 (with and without VNNI) and
-// AVX2 paths are compiled into every build and chosen at run time; on AArch64 the NEON path (vdotq_s32 where the
-// compiler targets the dot-product extension) as ggml-cpu is compiled; a scalar path runs anywhere.
+// activations for its q8_0/q4_0 dot products), then scaled by the two blocks' scales; the AVX-512 path takes 16 cells
+// at once (their K bytes transposed so that each 32-bit lane is a cell, VNNI vpdpbusd where the CPU has it). A
+// quantized V is widened to f32 with its block scale folded into the softmax weights (Q4_0's -8 in the widening); the
+// weighted sums are accumulated in f32. On x86-64 (GCC, clang) the AVX-512 (with and without VNNI) and AVX2 paths are
+// compiled into every build and chosen at run time; on AArch64 the NEON path (vdotq_s32 where the compiler targets the
+// dot-product extension) as ggml-cpu is compiled; a scalar path runs anywhere.
 //
 // Part of the CPU backend (ggml-cpu); other backends and libllama reach what they need of it (rolling-kv-cpu-part.h)
 // through the CPU backend's registry, never by symbol (ggml-rolling-kv.h, GGML_RKV_CPU_*_PROC).
@@ -66,7 +66,8 @@ void rkv_cpu_decode_range(const rkv_cpu_decode_params & p, int64_t c0, int64_t c
 void rkv_cpu_decode_merge(const rkv_cpu_decode_params & p, const float * parts, int n_parts, float * o, float * lse);
 // the same for heads [h0, h1) of the n_rows*n_head only (o and lse of those heads): a pool merges a part's heads in
 // parallel
-void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1, float * o, float * lse);
+void rkv_cpu_decode_merge_heads(const rkv_cpu_decode_params & p, const float * parts, int n_parts, int h0, int h1,
+                                float * o, float * lse);
 
 // which path rkv_cpu_decode_range takes on this CPU: "avx512vnni", "avx512", "avx2", "neon-dotprod", "neon" or "scalar"
 const char * rkv_cpu_decode_isa(void);

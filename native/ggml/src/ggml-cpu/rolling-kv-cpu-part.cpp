@@ -79,14 +79,16 @@ void print_stats() {
     std::sort(g.begin(), g.end());
     auto q = [&](double f) { return w.empty() ? 0.0 : w[std::min(w.size() - 1, (size_t) (f*(double) w.size()))]; };
     const double gap_p50 = g.empty() ? 0.0 : g[g.size()/2];
-    fprintf(stderr, "rolling KV: CPU part: %llu runs, %.1f us each (p50 %.1f, p90 %.1f, max %.1f), %.1f GB/s of K+V while running "
-            "(%.3f GB in %.3f s); %d threads, the caller may run on %d CPUs\n",
-            (unsigned long long) s.runs, s.wall/n*1e6, q(0.5)*1e6, q(0.9)*1e6, q(1.0)*1e6, s.wall > 0 ? s.bytes/s.wall/1e9 : 0.0,
-            s.bytes/1e9, s.wall, s.threads, s.caller_cpus);
-    fprintf(stderr, "rolling KV: CPU part: per part, the last thread started %.1f us after the post, the busiest thread worked "
-            "%.1f us (its chunks and merges), the idlest %.1f us; from one part's end to the next one's start %.1f us (p50 %.1f); "
-            "the threads were on a CPU %.0f%% of their working time; the workers fell asleep %llu times between tasks "
-            "(%.2f per part; ROLLINGKV_CPU_PART_SPIN_US=%d)\n",
+    fprintf(stderr,
+            "rolling KV: CPU part: %llu runs, %.1f us each (p50 %.1f, p90 %.1f, max %.1f), %.1f GB/s of K+V while "
+            "running (%.3f GB in %.3f s); %d threads, the caller may run on %d CPUs\n",
+            (unsigned long long) s.runs, s.wall/n*1e6, q(0.5)*1e6, q(0.9)*1e6, q(1.0)*1e6,
+            s.wall > 0 ? s.bytes/s.wall/1e9 : 0.0, s.bytes/1e9, s.wall, s.threads, s.caller_cpus);
+    fprintf(stderr,
+            "rolling KV: CPU part: per part, the last thread started %.1f us after the post, the busiest thread worked "
+            "%.1f us (its chunks and merges), the idlest %.1f us; from one part's end to the next one's start %.1f us "
+            "(p50 %.1f); the threads were on a CPU %.0f%% of their working time; the workers fell asleep %llu times "
+            "between tasks (%.2f per part; ROLLINGKV_CPU_PART_SPIN_US=%d)\n",
             s.late_max/n*1e6, s.busy_max/n*1e6, s.busy_min/n*1e6, s.gaps ? s.gap/(double) s.gaps*1e6 : 0.0, gap_p50*1e6,
             s.busy_sum > 0 ? 100.0*s.oncpu_sum/s.busy_sum : 0.0, (unsigned long long) g_sleeps.load(),
             (double) g_sleeps.load()/n, ggml_rkv_get_knobs()->cpu_part_spin_us);
@@ -210,7 +212,8 @@ public:
         const uint64_t gen = (word_.load(std::memory_order_relaxed) >> GEN_SHIFT) + 1;
         word_.store(gen << GEN_SHIFT | (uint64_t) nth, std::memory_order_seq_cst); // releases task_ and pending_
         if (nth > 1 && sleepers_.load(std::memory_order_seq_cst) > 0) {
-            { std::lock_guard<std::mutex> lk(m_); } // a worker between its check and its wait holds m_: it sees the word
+            // a worker between its check and its wait holds m_: it sees the word
+            { std::lock_guard<std::mutex> lk(m_); }
             cv_.notify_all();
         }
         fn(0);
@@ -256,7 +259,8 @@ private:
                         std::unique_lock<std::mutex> lk(m_);
                         sleepers_.fetch_add(1, std::memory_order_seq_cst);
                         g_sleeps.fetch_add(1, std::memory_order_relaxed);
-                        cv_.wait(lk, [&] { w = word_.load(std::memory_order_seq_cst); return (w >> GEN_SHIFT) != seen; });
+                        cv_.wait(lk,
+                                 [&] { w = word_.load(std::memory_order_seq_cst); return (w >> GEN_SHIFT) != seen; });
                         sleepers_.fetch_sub(1, std::memory_order_relaxed);
                         break;
                     }
@@ -337,13 +341,13 @@ static float * part_buffer(size_t n_floats) {
     return buf.get();
 }
 
-// Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4 per
-// thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim (chunk,
-// stream, group of up to RKV_CPU_DECODE_MAX_ROWS rows) items as they come free, each one walk of the chunk's cells for
-// all the group's rows (the K/V bytes read once, not once per row), so a slow or late thread (memory contention, a core
-// shared for a while) holds up one chunk, not a 1/nth share of the part; then they claim (row, group of heads) items and
-// merge the chunks in chunk order. Which thread computed what, and which rows were walked together, never changes the
-// result.
+// Balanced and deterministic: the cells are cut into chunks fixed by the part's size and thread count alone (about 4
+// per thread, whole 16-cell blocks, at least 64 cells), each chunk's partial state kept apart; the threads claim
+// (chunk, stream, group of up to RKV_CPU_DECODE_MAX_ROWS rows) items as they come free, each one walk of the chunk's
+// cells for all the group's rows (the K/V bytes read once, not once per row), so a slow or late thread (memory
+// contention, a core shared for a while) holds up one chunk, not a 1/nth share of the part; then they claim (row, group
+// of heads) items and merge the chunks in chunk order. Which thread computed what, and which rows were walked together,
+// never changes the result.
 void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
     using clock = std::chrono::steady_clock;
     (job.calib ? g_calib_runs : g_runs).fetch_add(1, std::memory_order_relaxed);
@@ -402,10 +406,12 @@ void rkv_cpu_part_run(const rkv_cpu_part_job & job) {
         for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items; ) {
             // chunk-major: consecutive claims read neighbouring cells
             const int64_t k = i / (job.n_stream*n_groups), sg = i % (job.n_stream*n_groups);
-            const int64_t s = sg / n_groups, t0 = sg % n_groups*rows_per_walk, n = std::min(rows_per_walk, job.n_q - t0);
+            const int64_t s = sg / n_groups, t0 = sg % n_groups*rows_per_walk,
+                              n = std::min(rows_per_walk, job.n_q - t0);
             const int64_t c0 = std::min(job.n_cells, n_blk*k/n_chunks*16);
             const int64_t c1 = std::min(job.n_cells, n_blk*(k + 1)/n_chunks*16);
-            rkv_cpu_decode_range(rows_params(s, t0, n), c0, c1, parts + ((size_t) (s*n_chunks + k)*job.n_q + t0)*row_floats);
+            rkv_cpu_decode_range(rows_params(s, t0, n), c0, c1,
+                                 parts + ((size_t) (s*n_chunks + k)*job.n_q + t0)*row_floats);
             items_done.fetch_add(1, std::memory_order_release);
         }
         while (items_done.load(std::memory_order_acquire) < n_items) {
@@ -475,7 +481,8 @@ static int proc_get_cpu_threads(void) {
 }
 
 static bool proc_cpu_part_supported(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV) {
-    return DK <= INT32_MAX && DV <= INT32_MAX && rkv_cpu_decode_supported((int) type_k, (int) type_v, (int) DK, (int) DV);
+    return DK <= INT32_MAX && DV <= INT32_MAX &&
+           rkv_cpu_decode_supported((int) type_k, (int) type_v, (int) DK, (int) DV);
 }
 
 static void proc_cpu_part_run(const struct rkv_cpu_part_job * job) {

@@ -57,8 +57,8 @@ struct rkv_cpu_part_job {
 // run the job on the process's pool (one job at a time; the calling thread is one of the workers)
 void rkv_cpu_part_run(const rkv_cpu_part_job & job);
 
-// fn(ith) for ith in [0, nth) on the pool the CPU part runs on (the caller is 0), one task at a time; returns when all are
-// done. The bench times the attention and the memory-bound runs it is compared with on these same threads.
+// fn(ith) for ith in [0, nth) on the pool the CPU part runs on (the caller is 0), one task at a time; returns when all
+// are done. The bench times the attention and the memory-bound runs it is compared with on these same threads.
 void rkv_cpu_pool_run(int nth, const std::function<void(int)> & fn);
 
 // the pool's workers asleep now (their spin ran out; the test of the bounded spin)

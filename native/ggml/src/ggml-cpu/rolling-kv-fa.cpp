@@ -296,7 +296,8 @@ static void sfa_one_chunk_t(
         const int iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
 
         const uint32_t h = iq2; // head index
-        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1)
+                            : 1.0f;
 
         float S = 0.0f;      // sum
         float M = -INFINITY; // maximum KQ value
@@ -304,7 +305,8 @@ static void sfa_one_chunk_t(
         float       * VKQ32 = (float       *) params->wdata + ith*c.oc_stride; // FP32 VKQ accumulator
         float       * V32   =                 (VKQ32 + 1*DV); // (temporary) FP32 V buffer
         ggml_fp16_t * VKQ16 = (ggml_fp16_t *) (VKQ32 + 1*DV); // (temporary) FP16 VKQ accumulator
-        void        * Q_q[2] = { (void *) (VKQ32 + 2*DV), (void *) (VKQ32 + 2*DV + DK) }; // Q converted to each part's vec_dot type
+        // Q converted to each part's vec_dot type
+        void        * Q_q[2] = { (void *) (VKQ32 + 2*DV), (void *) (VKQ32 + 2*DV + DK) };
 
         if (v_f16_acc) {
             memset(VKQ16, 0, DV*sizeof(ggml_fp16_t));
@@ -312,7 +314,10 @@ static void sfa_one_chunk_t(
             memset(VKQ32, 0, DV*sizeof(float));
         }
 
-        const ggml_fp16_t * mp = mask ? (ggml_fp16_t *)((char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : NULL;
+        const ggml_fp16_t * mp = mask
+                                 ? (ggml_fp16_t *)((char *) mask->data + iq1*mask->nb[1] +
+                                                   (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3])
+                                 : NULL;
 
         const sfa_rows rows = sfa_make_rows(c, iq2, iq3);
 
@@ -584,7 +589,8 @@ extern "C" size_t ggml_streaming_flash_attn_work_size(const ggml_tensor * node, 
 
     // one_chunk scratch per thread + split-KV decode partials: n_kv_chunks = n_tasks
     const size_t n_chunks = (size_t) n_tasks;
-    const size_t decode   = sizeof(float)*((size_t) sfa_oc_floats_per_thread(DK, DV)*(size_t) n_tasks + (size_t) neq2*n_chunks*(size_t)(2 + DV));
+    const size_t decode   = sizeof(float)*((size_t) sfa_oc_floats_per_thread(DK, DV)*(size_t) n_tasks +
+                                           (size_t) neq2*n_chunks*(size_t)(2 + DV));
 
     return std::max(tiled, decode);
 }
@@ -594,7 +600,8 @@ extern "C" bool ggml_streaming_flash_attn_cpu_supported(const ggml_tensor * op) 
     if (!q || q->type != GGML_TYPE_F32) {
         return false;
     }
-    for (int i : { GGML_STREAMING_FA_SRC_K_WIN, GGML_STREAMING_FA_SRC_V_WIN, GGML_STREAMING_FA_SRC_K_TAIL, GGML_STREAMING_FA_SRC_V_TAIL }) {
+    for (int i : { GGML_STREAMING_FA_SRC_K_WIN, GGML_STREAMING_FA_SRC_V_WIN, GGML_STREAMING_FA_SRC_K_TAIL,
+                  GGML_STREAMING_FA_SRC_V_TAIL }) {
         const ggml_tensor * t = op->src[i];
         if (t && !ggml_rkv_tail_type_supported(t->type)) {
             return false;
@@ -737,7 +744,8 @@ extern "C" void ggml_compute_forward_streaming_flash_attn(const ggml_compute_par
     const bool kv_is_f32_or_f16 = c.same_types && (c.k_type == GGML_TYPE_F32 || c.k_type == GGML_TYPE_F16);
     // a stream's op of a multi-stream batch takes the path of the whole batch's (ref_streams)
     const int64_t neq3_ref = std::max<int64_t>(neq3, ggml_streaming_flash_attn_get_ref_streams(dst));
-    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3_ref == 1) && kv_is_f32_or_f16 && (c.k_type == c.v_type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
+    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3_ref == 1) && kv_is_f32_or_f16 &&
+                                   (c.k_type == c.v_type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
 
     if (use_split_kv_path) {
         const int64_t chunk_size = (nek1 + nth - 1) / nth;

@@ -29,11 +29,13 @@ static inline size_t ggml_cuda_rkv_slot_need(size_t row_k, size_t row_v, int64_t
 }
 
 // the ring the op allocates for tails whose widest layer has these rows, and the runtime's memory
-static inline void ggml_cuda_rkv_dev_budget_of(size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out) {
+static inline void ggml_cuda_rkv_dev_budget_of(size_t row_k_tail, size_t row_v_tail, int64_t n_stream,
+                                               ggml_rkv_dev_budget * out) {
     const ggml_rkv_knobs * knobs = ggml_rkv_get_knobs();
     const size_t min_slot = row_k_tail == 0 && row_v_tail == 0 ? 0 :
         ggml_cuda_rkv_slot_need(row_k_tail, row_v_tail, n_stream, GGML_CUDA_RKV_CHUNK_ALIGN);
     out->ring_slots      = knobs->ring_slots;
     out->ring_slot_bytes = std::max(knobs->ring_slot_bytes, min_slot);
-    out->runtime_bytes   = (size_t) (knobs->runtime_mib >= 0 ? knobs->runtime_mib : GGML_CUDA_RKV_RUNTIME_MIB)*1024*1024;
+    out->runtime_bytes   = (size_t) (knobs->runtime_mib >= 0 ? knobs->runtime_mib
+                                     : GGML_CUDA_RKV_RUNTIME_MIB)*1024*1024;
 }

@@ -34,11 +34,11 @@
 // is one more part. Its far end may be attended on the CPU meanwhile (the hybrid tail, rolling-kv-hybrid.cu): one
 // more part, the last, whose output and LSE the host computes and copies back.
 //
-// Test hook, the op's tail_perturb x (ggml_streaming_flash_attn_set_tail_perturb), as in the CPU forward: every tail key's score
-// (after scale, softcap and mask) is multiplied by (1 + x). The tail parts' shadows get scale*(1 + x) (and
-// softcap*(1 + x), which keeps the kernel's scale/softcap inside tanh), and their mask columns are compacted with
-// every value times (1 + x) (0 and -inf stay; finite ALiBi/bias values are rounded to f16 once more). Off (the
-// default), nothing of this runs.
+// Test hook, the op's tail_perturb x (ggml_streaming_flash_attn_set_tail_perturb), as in the CPU forward: every tail
+// key's score (after scale, softcap and mask) is multiplied by (1 + x). The tail parts' shadows get scale*(1 + x) (and
+// softcap*(1 + x), which keeps the kernel's scale/softcap inside tanh), and their mask columns are compacted with every
+// value times (1 + x) (0 and -inf stay; finite ALiBi/bias values are rounded to f16 once more). Off (the default),
+// nothing of this runs.
 //
 // The forward: rkv_collect (the parts), rkv_plan (per part: padding, mask, shadow, output buffer), rkv_run_part
 // (per part: wait for its chunk, mask and padding copies, the stock kernel), rkv_merge_part (into dst).
@@ -55,7 +55,8 @@
 #include <cstring>
 
 static_assert(GGML_MAX_OP_PARAMS >= (GGML_CUDA_FATTN_OP_PARAM_LSE + 2)*sizeof(int32_t), "no room for the LSE pointer");
-static_assert(GGML_CUDA_RKV_CHUNK_ALIGN == FATTN_KQ_STRIDE, "streamed chunks are multiples of the vector kernel's KV stride");
+static_assert(GGML_CUDA_RKV_CHUNK_ALIGN == FATTN_KQ_STRIDE,
+              "streamed chunks are multiples of the vector kernel's KV stride");
 
 namespace {
 
@@ -148,7 +149,8 @@ static void rkv_shadow(ggml_tensor & s, const ggml_tensor * dst, const rkv_part 
     ggml_format_name(&s, "rkv_part");
 }
 
-// test hook: a tail part's scores times mul (scale and softcap of its shadow; the mask columns are scaled when compacted)
+// test hook: a tail part's scores times mul (scale and softcap of its shadow; the mask columns are scaled when
+// compacted)
 static void rkv_shadow_perturb(ggml_tensor & s, float mul) {
     float scale, softcap;
     memcpy(&scale,   (const float *) s.op_params + 0, sizeof(float));
@@ -210,7 +212,8 @@ struct rkv_bufs {
 } // namespace
 
 static __global__ void rkv_mask_slice(const half * __restrict__ src, half * __restrict__ dst,
-        const int64_t src_stride, const int64_t col0, const int n, const int n_pad, const int64_t nrows, const float mul) {
+        const int64_t src_stride, const int64_t col0, const int n, const int n_pad, const int64_t nrows,
+        const float mul) {
     for (int64_t r = blockIdx.y; r < nrows; r += gridDim.y) {
         for (int c = blockIdx.x*blockDim.x + threadIdx.x; c < n_pad; c += gridDim.x*blockDim.x) {
             half v = c < n ? (src ? src[r*src_stride + col0 + c] : __float2half(0.0f)) : __float2half(-INFINITY);
@@ -227,7 +230,8 @@ static __global__ void rkv_mask_slice(const half * __restrict__ src, half * __re
 // once and write 0 for rows that every part masked (lse -inf; stock kernels leave 0/0 there). A part's O is never
 // read when its lse is -inf. For two parts this is the arithmetic the op has always used (bit-identical results).
 template <bool first, bool last>
-static __global__ void rkv_merge(float * O_acc, float * lse_acc, const float * __restrict__ O_p, const float * lse_p, // lse_p may be lse_acc
+// lse_p may be lse_acc
+static __global__ void rkv_merge(float * O_acc, float * lse_acc, const float * __restrict__ O_p, const float * lse_p,
         const float * __restrict__ sinks, const int DV, const int n_head) {
     const int64_t row = blockIdx.x;
 
@@ -306,7 +310,7 @@ bool ggml_cuda_streaming_flash_attn_supported(int device, const ggml_tensor * op
             return false;
         }
         // F32 K/V parts: on the H200 an F32 prefill case (n_q 100, parts of 170 + 130 cells) hit a device
-        // trap inside the stock MMA kernel (compute-sanitizer, docs/perf/2026-11-30-gpu-session.md). Not
+        // trap inside the stock MMA kernel (compute-sanitizer, docs/perf/2026-11-30-gpu-session/README.md). Not
         // understood yet, so F32 caches (never a default) run the op on the CPU instead.
         if (parts[i].k->type == GGML_TYPE_F32 || parts[i].v->type == GGML_TYPE_F32) {
             return false;
@@ -466,7 +470,8 @@ static void rkv_plan(int device, rkv_fwd & f) {
             pp.mask_mul = perturb;
         }
         // output straight into dst if the kernel needs no f16 K/V scratch behind it (first part only)
-        rkv_shadow(pp.shadow, f.dst, p, pp.has_mask ? &pp.mask_part : nullptr, f.fused_sinks ? f.sinks : nullptr, f.dst->data, nullptr);
+        rkv_shadow(pp.shadow, f.dst, p, pp.has_mask ? &pp.mask_part : nullptr, f.fused_sinks ? f.sinks : nullptr,
+                   f.dst->data, nullptr);
         if (perturbed) {
             rkv_shadow_perturb(pp.shadow, perturb);
         }
@@ -486,7 +491,8 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
     rkv_part_plan  & pp     = f.pl[i];
     const rkv_part & p      = f.parts[i]; // the unpadded part (source of a padded copy)
     const ggml_tensor * mask = f.mask;
-    const int ic = f.host_tail && i >= f.p_chunk && i < f.p_chunk + f.ts.n_chunks() ? i - f.p_chunk : -1; // chunk index, or < 0
+    // chunk index, or < 0
+    const int ic = f.host_tail && i >= f.p_chunk && i < f.p_chunk + f.ts.n_chunks() ? i - f.p_chunk : -1;
 
     if (p.cpu) {
         ggml_cuda_rkv_cpu_part_wait(ctx, b.cpu); // the host's result is on the device
@@ -505,7 +511,8 @@ static void rkv_run_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_bufs 
         const int64_t n_pad = pp.mask_part.nb[1]/sizeof(half);
         const int64_t mrows = pp.mask_part.ne[1]*pp.mask_part.ne[2]*pp.mask_part.ne[3];
         const int     mth   = 256;
-        const dim3    grid((unsigned) std::min<int64_t>((n_pad + mth - 1)/mth, 1024), (unsigned) std::min<int64_t>(mrows, 65535), 1);
+        const dim3    grid((unsigned) std::min<int64_t>((n_pad + mth - 1)/mth, 1024),
+                           (unsigned) std::min<int64_t>(mrows, 65535), 1);
         rkv_mask_slice<<<grid, mth, 0, stream>>>(mask ? (const half *) mask->data : nullptr, (half *) pp.mask_part.data,
             mask ? mask->nb[1]/sizeof(half) : 0, p.col0, (int) p.n, (int) n_pad, mrows, pp.mask_mul);
         CUDA_CHECK(cudaGetLastError());
@@ -568,9 +575,11 @@ static void rkv_merge_part(ggml_backend_cuda_context & ctx, rkv_fwd & f, rkv_buf
         }
         if (last) {
             if (pp.direct) {
-                rkv_merge<false, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, nullptr, nullptr, sinks_d, DV, f.n_head);
+                rkv_merge<false, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, nullptr, nullptr, sinks_d, DV,
+                                                                 f.n_head);
             } else {
-                rkv_merge<true, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);
+                rkv_merge<true, true><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV,
+                                                                f.n_head);
             }
         } else {
             rkv_merge<true, false><<<grid, nth, 0, stream>>>(O_acc, b.lse_acc.ptr, O_p, lse_p, sinks_d, DV, f.n_head);

@@ -42,8 +42,8 @@ ggml_backend_buffer_t ggml_cuda_rkv_host_buffer_alloc(ggml_backend_dev_t dev, si
     GGML_UNUSED(dev); // the pinned host buffer type is one for all devices (portable registration)
     for (int device = 0; device < ggml_cuda_info().device_count; ++device) {
         int can_use_host_ptr = 0;
-        if (cudaDeviceGetAttribute(&can_use_host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, device) != cudaSuccess ||
-                !can_use_host_ptr) {
+        if (cudaDeviceGetAttribute(&can_use_host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, device) !=
+                cudaSuccess || !can_use_host_ptr) {
             (void) cudaGetLastError();
             return nullptr;
         }

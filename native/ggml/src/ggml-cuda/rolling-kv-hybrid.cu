@@ -62,14 +62,18 @@ static const rkv_cpu_procs * rkv_cpu() {
     std::lock_guard<std::mutex> lk(m);
     if (state.load(std::memory_order_relaxed) == 0) {
         procs.run       = (ggml_rkv_cpu_part_run_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_RUN_PROC);
-        procs.prepare   = (ggml_rkv_cpu_part_prepare_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_PREPARE_PROC);
-        procs.supported = (ggml_rkv_cpu_part_supported_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_SUPPORTED_PROC);
-        procs.calib_runs = (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_CPU_PART_CALIB_RUNS_PROC);
-        procs.threads   = (ggml_rkv_get_cpu_threads_t) ggml_backend_reg_get_proc_address(reg, GGML_RKV_GET_CPU_THREADS_PROC);
+        procs.prepare   = (ggml_rkv_cpu_part_prepare_t) ggml_backend_reg_get_proc_address(reg,
+                GGML_RKV_CPU_PART_PREPARE_PROC);
+        procs.supported = (ggml_rkv_cpu_part_supported_t) ggml_backend_reg_get_proc_address(reg,
+                GGML_RKV_CPU_PART_SUPPORTED_PROC);
+        procs.calib_runs = (ggml_rkv_cpu_part_runs_t) ggml_backend_reg_get_proc_address(reg,
+                GGML_RKV_CPU_PART_CALIB_RUNS_PROC);
+        procs.threads   = (ggml_rkv_get_cpu_threads_t) ggml_backend_reg_get_proc_address(reg,
+                GGML_RKV_GET_CPU_THREADS_PROC);
         const bool ok = procs.run && procs.prepare && procs.supported && procs.calib_runs && procs.threads;
         if (!ok) {
-            GGML_LOG_INFO("rolling KV: the CPU backend does not offer the hybrid tail's CPU part (%s): no CPU part is planned\n",
-                          GGML_RKV_CPU_PART_RUN_PROC);
+            GGML_LOG_INFO("rolling KV: the CPU backend does not offer the hybrid tail's CPU part (%s): no CPU part is "
+                          "planned\n", GGML_RKV_CPU_PART_RUN_PROC);
         }
         state.store(ok ? 1 : 2, std::memory_order_release);
     }
@@ -154,7 +158,8 @@ struct rkv_agent {
             const auto now = clk::now();
             // spin while parts are expected (given up after 200 ms without one: a count that missed), or for the
             // pool's spin time after the last one
-            const bool expected = pending.load(std::memory_order_relaxed) > 0 && now - last < std::chrono::milliseconds(200);
+            const bool expected = pending.load(std::memory_order_relaxed) > 0 &&
+                                  now - last < std::chrono::milliseconds(200);
             if (expected || now - last < std::chrono::microseconds(ggml_rkv_get_knobs()->cpu_part_spin_us)) {
                 RKV_CPU_RELAX();
                 continue;
@@ -176,7 +181,8 @@ struct rkv_agent {
 
     void start() {
 #if RKV_HYBRID
-        CUDA_CHECK(cudaHostAlloc((void **) &bells, RKV_MAX_BELLS*sizeof(rkv_bell), cudaHostAllocPortable | cudaHostAllocMapped));
+        CUDA_CHECK(cudaHostAlloc((void **) &bells, RKV_MAX_BELLS*sizeof(rkv_bell),
+                                 cudaHostAllocPortable | cudaHostAllocMapped));
         memset(bells, 0, RKV_MAX_BELLS*sizeof(rkv_bell));
         th = std::thread([this] { main(); });
 #endif
@@ -209,8 +215,8 @@ struct ggml_cuda_rkv_hybrid {
     // their ops
     std::unordered_map<const ggml_tensor *, std::vector<const ggml_tensor *>> group_rest;
     std::unordered_map<const ggml_tensor *, ggml_cuda_rkv_cpu_part>         ahead;
-    // the ALiBi slopes (times the test hook's factor) per (heads, max_bias, factor): what a job's slope points to, never
-    // changed once made (a replayed graph's job points to it); as many as the model's distinct layer shapes
+    // the ALiBi slopes (times the test hook's factor) per (heads, max_bias, factor): what a job's slope points to,
+    // never changed once made (a replayed graph's job points to it); as many as the model's distinct layer shapes
     std::unordered_map<std::string, std::unique_ptr<std::vector<float>>> slopes;
 };
 
@@ -244,7 +250,8 @@ static const ggml_tensor * rkv_root(const ggml_tensor * t) {
 }
 
 void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, const std::vector<const ggml_tensor *> & cpu_ops) {
-    const int n_cpu_parts = (int) std::count_if(cpu_ops.begin(), cpu_ops.end(), [](const ggml_tensor * t) { return t != nullptr; });
+    const int n_cpu_parts = (int) std::count_if(cpu_ops.begin(), cpu_ops.end(),
+                                                [](const ggml_tensor * t) { return t != nullptr; });
     if (hp) {
         hp->next = 0;
         hp->group_rest.clear();
@@ -264,7 +271,8 @@ void ggml_cuda_rkv_hybrid_graph_begin(ggml_cuda_rkv_hybrid *& hp, const std::vec
         int j = i + 1;
         while (j < n && cpu_ops[j] &&
                 rkv_root(cpu_ops[j]->src[GGML_STREAMING_FA_SRC_Q]) == rkv_root(first->src[GGML_STREAMING_FA_SRC_Q]) &&
-                rkv_root(cpu_ops[j]->src[GGML_STREAMING_FA_SRC_K_TAIL]) == rkv_root(first->src[GGML_STREAMING_FA_SRC_K_TAIL])) {
+                rkv_root(cpu_ops[j]->src[GGML_STREAMING_FA_SRC_K_TAIL]) ==
+                rkv_root(first->src[GGML_STREAMING_FA_SRC_K_TAIL])) {
             g.group_rest[first].push_back(cpu_ops[j]);
             ++j;
         }
@@ -296,7 +304,8 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
     const char * why = nullptr;
     if (q->ne[1] > GGML_RKV_CPU_PART_MAX_Q) {
         why = "more query rows per stream than GGML_RKV_CPU_PART_MAX_Q";
-    } else if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) || q->ne[2] > INT32_MAX || kt->ne[2] > INT32_MAX) {
+    } else if (q->nb[0] != sizeof(float) || q->nb[2] != q->ne[0]*sizeof(float) || q->ne[2] > INT32_MAX ||
+               kt->ne[2] > INT32_MAX) {
         why = "a query layout the CPU part does not read";
     } else if (!rkv_cpu() || !rkv_cpu()->supported(kt->type, vt->type, kt->ne[0], vt->ne[0])) {
         why = "tail types or head sizes the CPU part does not read (or no CPU backend offers the CPU part)";
@@ -306,7 +315,8 @@ int64_t ggml_cuda_rkv_tail_cpu_cells(const ggml_tensor * op) {
     if (why) {
         static std::atomic<bool> said{false};
         if (!said.exchange(true)) {
-            GGML_LOG_WARN("rolling KV: a hybrid tail's CPU part was asked for an op with %s: it streams its whole tail\n", why);
+            GGML_LOG_WARN("rolling KV: a hybrid tail's CPU part was asked for an op with %s: it streams its whole "
+                          "tail\n", why);
         }
         return 0;
     }
@@ -362,7 +372,8 @@ int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op) {
 static __global__ void rkv_stage_inputs(const float * __restrict__ q, const int64_t q_floats,
         const char * __restrict__ mask, const int64_t mask_nb1, const int64_t mask_nb3, const int64_t col0,
         const int64_t n_cpu, const int64_t n_q, const int64_t n_planes,
-        float * __restrict__ q_host, uint16_t * __restrict__ mask_host, const rkv_cpu_part_job job, rkv_cpu_part_job * job_host) {
+        float * __restrict__ q_host, uint16_t * __restrict__ mask_host, const rkv_cpu_part_job job,
+        rkv_cpu_part_job * job_host) {
     const int64_t i0 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
     const int64_t n  = (int64_t) gridDim.x*blockDim.x;
     if (i0 == 0) {
@@ -441,7 +452,8 @@ static std::vector<float> rkv_slopes(int n_head, float max_bias, float mul) {
 
 #if RKV_HYBRID
 // hand op's CPU part over: stage its inputs, ring its bell (or queue the host function) on the CPU-part stream
-static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
+static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu,
+                                                 int64_t col0) {
     const ggml_tensor * q    = op->src[GGML_STREAMING_FA_SRC_Q];
     const ggml_tensor * kt   = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt   = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
@@ -480,7 +492,8 @@ static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx
     if (st.cap < need) {
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
-        GGML_ASSERT(cs == cudaStreamCaptureStatusNone && "rolling-KV: the CPU part's staging must grow while a CUDA graph is captured");
+        GGML_ASSERT(cs == cudaStreamCaptureStatusNone &&
+                    "rolling-KV: the CPU part's staging must grow while a CUDA graph is captured");
         if (st.host) {
             h.retired.push_back(st.host);
         }
@@ -512,7 +525,8 @@ static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx
         key.append((const char *) &mul, sizeof(mul));
         auto it = h.slopes.find(key);
         if (it == h.slopes.end()) {
-            it = h.slopes.emplace(std::move(key), std::make_unique<std::vector<float>>(rkv_slopes((int) n_head, max_bias, mul))).first;
+            it = h.slopes.emplace(std::move(key),
+                                  std::make_unique<std::vector<float>>(rkv_slopes((int) n_head, max_bias, mul))).first;
         }
         j.slope = it->second->data();
     }
@@ -524,12 +538,14 @@ static ggml_cuda_rkv_cpu_part rkv_cpu_part_issue(ggml_backend_cuda_context & ctx
     CUDA_CHECK(cudaEventRecord(h.ev_fork, ctx.stream()));
     CUDA_CHECK(cudaStreamWaitEvent(cs, h.ev_fork, 0));
     {
-        const int64_t work = std::max<int64_t>((int64_t) (q_bytes/sizeof(float)), (int64_t) (mask_bytes/sizeof(uint16_t)));
+        const int64_t work = std::max<int64_t>((int64_t) (q_bytes/sizeof(float)),
+                                               (int64_t) (mask_bytes/sizeof(uint16_t)));
         const int nth = 256;
         const int nblk = (int) std::max<int64_t>(1, std::min<int64_t>((work + nth - 1)/nth, 1024));
         rkv_stage_inputs<<<nblk, nth, 0, cs>>>((const float *) q->data, (int64_t) (q_bytes/sizeof(float)),
-            mask ? (const char *) mask->data : nullptr, mask ? (int64_t) mask->nb[1] : 0, mask ? (int64_t) mask->nb[3] : 0, col0,
-            n_cpu, n_q, n_planes, (float *) host, (uint16_t *) (host + off_mask), j, job_host);
+            mask ? (const char *) mask->data : nullptr, mask ? (int64_t) mask->nb[1] : 0,
+            mask ? (int64_t) mask->nb[3] : 0, col0, n_cpu, n_q, n_planes, (float *) host,
+            (uint16_t *) (host + off_mask), j, job_host);
         CUDA_CHECK(cudaGetLastError());
     }
     // the bell when the graph's plan started the agent (a part past the bells, or one the plan did not count, takes
@@ -561,7 +577,8 @@ static void rkv_cpu_part_span(const ggml_tensor * op, int64_t & n_cpu, int64_t &
 }
 #endif // RKV_HYBRID
 
-ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0) {
+ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op,
+                                                     int64_t n_cpu, int64_t col0) {
 #if RKV_HYBRID
     ggml_cuda_rkv_hybrid & h = rkv_hybrid_make(ggml_cuda_rkv_hybrid_of(ctx));
     auto it = h.ahead.find(op);
@@ -655,7 +672,8 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
     cudaGraphExec_t exec;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
     for (int k = 0; k < N; ++k) {
-        rkv_stage_inputs<<<1, 128, 0, s>>>(q_dev, D, nullptr, 0, 0, 0, 0, 1, 1, (float *) (host + off_q), nullptr, j, job_host);
+        rkv_stage_inputs<<<1, 128, 0, s>>>(q_dev, D, nullptr, 0, 0, 0, 0, 1, 1, (float *) (host + off_q), nullptr, j,
+                                           job_host);
         rkv_ring_bell<<<1, 1, 0, s>>>(&agent->bells[k], job_host);
         rkv_wait_bell<<<1, 1, 0, s>>>(&agent->bells[k]);
     }
@@ -693,8 +711,9 @@ double ggml_cuda_rkv_cpu_part_latency(ggml_backend_dev_t dev, char * how, size_t
         return -1.0;
     }
     const double per_part = best_ms/N;
-    snprintf(how, how_size, "measured: %d captured hand-offs of a 256-cell part on CUDA%d (%d threads), %.1f us each, best of %d",
-            N, device, cpu->threads(), per_part*1e3, REPS);
+    snprintf(how, how_size,
+            "measured: %d captured hand-offs of a 256-cell part on CUDA%d (%d threads), %.1f us each, best of %d", N,
+            device, cpu->threads(), per_part*1e3, REPS);
     return per_part;
 #else
     GGML_UNUSED(dev);

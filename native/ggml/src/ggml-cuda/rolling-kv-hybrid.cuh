@@ -27,7 +27,8 @@
 // The stream of the CPU parts: not the compute stream (0), not one of ggml's concurrent-event branches (1..3), not
 // the tail copy stream (the last one).
 #define GGML_CUDA_RKV_CPU_STREAM (GGML_CUDA_MAX_STREAMS - 2)
-static_assert(GGML_CUDA_RKV_CPU_STREAM > 3, "the rolling-KV CPU-part stream must not be a concurrent-event branch stream");
+static_assert(GGML_CUDA_RKV_CPU_STREAM > 3,
+              "the rolling-KV CPU-part stream must not be a concurrent-event branch stream");
 
 struct ggml_cuda_rkv_hybrid; // a backend context's CPU-part state (staging, which carries the jobs, slopes, events)
 void ggml_cuda_rkv_hybrid_free(ggml_cuda_rkv_hybrid * h);
@@ -67,6 +68,7 @@ int64_t ggml_cuda_rkv_tail_stream_cells(const ggml_tensor * op);
 
 // op's CPU part over its last n_cpu tail cells (first mask column col0): handed over on the CPU-part stream now, or
 // already by the first op of its group; the first op of a group hands over the later members' parts too
-ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op, int64_t n_cpu, int64_t col0);
+ggml_cuda_rkv_cpu_part ggml_cuda_rkv_cpu_part_launch(ggml_backend_cuda_context & ctx, const ggml_tensor * op,
+                                                     int64_t n_cpu, int64_t col0);
 // the compute stream waits for this CPU part
 void ggml_cuda_rkv_cpu_part_wait(ggml_backend_cuda_context & ctx, const ggml_cuda_rkv_cpu_part & part);

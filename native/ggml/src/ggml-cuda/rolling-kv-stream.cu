@@ -9,7 +9,8 @@
 #include <climits>
 #include <cstring>
 
-static_assert(GGML_CUDA_RKV_CHUNK_ALIGN == 256, "chunks are multiples of the vector kernel's KV stride (FATTN_KQ_STRIDE)");
+static_assert(GGML_CUDA_RKV_CHUNK_ALIGN == 256,
+              "chunks are multiples of the vector kernel's KV stride (FATTN_KQ_STRIDE)");
 
 // the knobs, read once (ggml-rolling-kv-impl.h)
 static const ggml_rkv_knobs & rkv_knobs() {
@@ -111,7 +112,8 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
 #if RKV_CAPTURE_QUERY
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &cs));
-        GGML_ASSERT(cs == cudaStreamCaptureStatusNone && "rolling-KV: the tail slot ring must grow while a CUDA graph is captured");
+        GGML_ASSERT(cs == cudaStreamCaptureStatusNone &&
+                    "rolling-KV: the tail slot ring must grow while a CUDA graph is captured");
 #endif // RKV_CAPTURE_QUERY
         if (r.base) {
             CUDA_CHECK(cudaStreamSynchronize(rkv_copy_stream(ctx)));
@@ -121,7 +123,8 @@ static ggml_cuda_rkv_ring & rkv_ring(ggml_backend_cuda_context & ctx, size_t nee
         }
         CUDA_CHECK(cudaMalloc((void **) &r.base, want*r.n_slots));
         r.slot_bytes = want;
-        GGML_LOG_INFO("%s: rolling KV: tail slot ring on %s: %d x %.1f MiB\n", __func__, ctx.name.c_str(), r.n_slots, want/1024.0/1024.0);
+        GGML_LOG_INFO("%s: rolling KV: tail slot ring on %s: %d x %.1f MiB\n", __func__, ctx.name.c_str(), r.n_slots,
+                      want/1024.0/1024.0);
     }
     return r;
 }
@@ -130,7 +133,8 @@ ggml_cuda_rkv_hybrid *& ggml_cuda_rkv_hybrid_of(ggml_backend_cuda_context & ctx)
     return rkv_ring(ctx, 0).hybrid; // need 0: no slots are allocated for it
 }
 
-void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out) {
+void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream,
+                              ggml_rkv_dev_budget * out) {
     GGML_UNUSED(dev);
     ggml_cuda_rkv_dev_budget_of(row_k_tail, row_v_tail, n_stream, out);
 }
@@ -187,13 +191,15 @@ bool ggml_cuda_rkv_is_host(const ggml_tensor * t) {
 }
 
 bool ggml_cuda_rkv_rows_contiguous(const ggml_tensor * t) {
-    return t->nb[0] == ggml_type_size(t->type) && t->nb[2] == ggml_row_size(t->type, t->ne[0]) && t->nb[1] == t->ne[2]*t->nb[2];
+    return t->nb[0] == ggml_type_size(t->type) && t->nb[2] == ggml_row_size(t->type, t->ne[0]) &&
+           t->nb[1] == t->ne[2]*t->nb[2];
 }
 
 bool ggml_cuda_rkv_streams_tail(const ggml_tensor * op) {
     const ggml_tensor * kt = op->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt = op->src[GGML_STREAMING_FA_SRC_V_TAIL];
-    return kt && vt && kt->ne[1] > 0 && ggml_cuda_rkv_is_host(kt) && ggml_cuda_rkv_is_host(vt) && ggml_cuda_rkv_tail_stream_cells(op) > 0;
+    return kt && vt && kt->ne[1] > 0 && ggml_cuda_rkv_is_host(kt) && ggml_cuda_rkv_is_host(vt) &&
+           ggml_cuda_rkv_tail_stream_cells(op) > 0;
 }
 
 void ggml_cuda_rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
@@ -214,13 +220,15 @@ void ggml_cuda_rkv_detached_header(ggml_tensor & t, const ggml_tensor * src) {
 static int64_t rkv_chunk_cells(const ggml_tensor * kt, const ggml_tensor * vt, int64_t n_stream, size_t slot_bytes) {
     const size_t  cell  = (kt->nb[1] + vt->nb[1])*kt->ne[3];
     const int64_t fit   = (int64_t) ((slot_bytes - 512)/cell);
-    const int64_t n = std::max<int64_t>(GGML_CUDA_RKV_CHUNK_ALIGN, fit/GGML_CUDA_RKV_CHUNK_ALIGN*GGML_CUDA_RKV_CHUNK_ALIGN);
+    const int64_t n = std::max<int64_t>(GGML_CUDA_RKV_CHUNK_ALIGN,
+                                        fit/GGML_CUDA_RKV_CHUNK_ALIGN*GGML_CUDA_RKV_CHUNK_ALIGN);
     return std::min<int64_t>(n, n_stream);
 }
 
 // the chunks of a run of a tail's streamed cells [first, first + n): as few as the slot allows, of balanced sizes (a
 // multiple of 256 except the last)
-static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int64_t first, int64_t n_run, size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
+static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int64_t first, int64_t n_run,
+                            size_t slot_bytes, int op, std::vector<rkv_fifo_chunk> & out) {
     const int64_t n_max  = rkv_chunk_cells(kt, vt, n_run, slot_bytes);
     const int64_t n_ch   = (n_run + n_max - 1)/n_max;
     const int64_t n_c    = std::min<int64_t>(n_max, GGML_PAD((n_run + n_ch - 1)/n_ch, GGML_CUDA_RKV_CHUNK_ALIGN));
@@ -231,7 +239,8 @@ static void rkv_make_chunks(const ggml_tensor * kt, const ggml_tensor * vt, int6
 
 // append a streaming op with a host tail and its chunks to a copy plan; returns the slot size the chunks need
 // (the first chunk is the largest)
-static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::vector<rkv_fifo_chunk> & fifo, std::vector<rkv_fifo_op> & ops) {
+static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::vector<rkv_fifo_chunk> & fifo,
+                            std::vector<rkv_fifo_op> & ops) {
     const ggml_tensor * kt = node->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const ggml_tensor * vt = node->src[GGML_STREAMING_FA_SRC_V_TAIL];
     rkv_fifo_op o;
@@ -254,7 +263,8 @@ static size_t rkv_plan_tail(const ggml_tensor * node, size_t slot_bytes, std::ve
 }
 
 // slot header: the tail view's layout, cells [0, n) of each stream packed per stream
-static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n, void * data, ggml_backend_buffer_t buffer) {
+static void rkv_slot_header(ggml_tensor & t, const ggml_tensor * src, int64_t n, void * data,
+                            ggml_backend_buffer_t buffer) {
     ggml_cuda_rkv_detached_header(t, src);
     t.ne[1]  = n;
     t.nb[3]  = n*t.nb[1];
@@ -283,8 +293,8 @@ static void rkv_copy_cells(cudaStream_t cs, char * slot, char * v_slot, const gg
 // ROLLINGKV_SIMULATE_LINK_SLOWDOWN=x: the chunk's copies again, (x - 1) times their bytes (the same rows into the same
 // slot, so the outputs do not change), before its slot is marked ready: a link x times slower for the copies, the
 // CPU part reading host memory at its own speed, as on a host with a slower PCIe link
-static void rkv_simulate_slow_link(cudaStream_t cs, char * slot, char * v_slot, const ggml_tensor * kt, const ggml_tensor * vt,
-        const rkv_fifo_chunk & ch, int64_t n3) {
+static void rkv_simulate_slow_link(cudaStream_t cs, char * slot, char * v_slot, const ggml_tensor * kt,
+        const ggml_tensor * vt, const rkv_fifo_chunk & ch, int64_t n3) {
     for (double left = rkv_knobs().link_slowdown - 1.0; left > 0.0; left -= 1.0) {
         const int64_t n = std::min<int64_t>(ch.n, (int64_t) (std::min(1.0, left)*ch.n + 0.5));
         if (n > 0) {
@@ -312,7 +322,8 @@ static void rkv_issue_copy(ggml_cuda_rkv_ring & r, cudaStream_t cs, const ggml_t
 static void rkv_issue_chunk(ggml_cuda_rkv_tail_stream & ts, int i) {
     const rkv_fifo_chunk & ch = (*ts.fifo)[i];
     const ggml_tensor * node = (*ts.ops)[ch.op].node;
-    rkv_issue_copy(*ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL], node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
+    rkv_issue_copy(*ts.ring, ts.cstream, node->src[GGML_STREAMING_FA_SRC_K_TAIL],
+                   node->src[GGML_STREAMING_FA_SRC_V_TAIL], ch, i);
 }
 
 //
@@ -324,9 +335,10 @@ static void rkv_issue_chunk(ggml_cuda_rkv_tail_stream & ts, int i) {
 // after the writes and after the chunk's copy, before the attention over the slot. One block per written row:
 // the row's host address (the set_rows destination's row idx) is located in the tail view (stream, cell).
 template <typename idx_t>
-static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * __restrict__ tail, const char * __restrict__ dst_rows,
-        const char * __restrict__ idxs, const int64_t idx_stride, const int64_t dst_row_stride, const int64_t ns,
-        const int64_t c0, const int64_t n, const int64_t row_bytes, const int64_t stream_stride) {
+static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * __restrict__ tail,
+        const char * __restrict__ dst_rows, const char * __restrict__ idxs, const int64_t idx_stride,
+        const int64_t dst_row_stride, const int64_t ns, const int64_t c0, const int64_t n, const int64_t row_bytes,
+        const int64_t stream_stride) {
     const int64_t r = (int64_t) *(const idx_t *) (idxs + blockIdx.x*idx_stride);
     const int64_t d = (dst_rows + r*dst_row_stride) - tail; // offset of the written row from the tail view's first cell
     if (d < 0) {
@@ -351,7 +363,8 @@ static __global__ void rkv_refresh_rows(char * __restrict__ slot, const char * _
     }
 }
 
-static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t, const ggml_tensor * write, const rkv_fifo_chunk & ch) {
+static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t, const ggml_tensor * write,
+                        const rkv_fifo_chunk & ch) {
     const ggml_tensor * idxs = write->src[1]; // set_rows: src[0] the rows, src[1] their row indices in the destination
     const int64_t n_tok = ggml_nelements(idxs);
     if (n_tok == 0) {
@@ -361,12 +374,14 @@ static void rkv_refresh(cudaStream_t stream, char * slot, const ggml_tensor * t,
     GGML_ASSERT(write->nb[1] == t->nb[1] && "rolling-KV: a tail write must cover whole cell rows");
     const int64_t stride = idxs->nb[0];
     if (idxs->type == GGML_TYPE_I64) {
-        rkv_refresh_rows<int64_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) write->data,
-            (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n, t->nb[1], t->nb[3]);
+        rkv_refresh_rows<int64_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data,
+            (const char *) write->data, (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n,
+            t->nb[1], t->nb[3]);
     } else {
         GGML_ASSERT(idxs->type == GGML_TYPE_I32);
-        rkv_refresh_rows<int32_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data, (const char *) write->data,
-            (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n, t->nb[1], t->nb[3]);
+        rkv_refresh_rows<int32_t><<<(unsigned) n_tok, 128, 0, stream>>>(slot, (const char *) t->data,
+            (const char *) write->data, (const char *) idxs->data, stride, write->nb[1], t->ne[3], ch.c0, ch.n,
+            t->nb[1], t->nb[3]);
     }
     CUDA_CHECK(cudaGetLastError());
 }
@@ -450,7 +465,8 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
 // one op's tail
 //
 
-void ggml_cuda_rkv_tail_begin(ggml_backend_cuda_context & ctx, const ggml_tensor * dst, ggml_cuda_rkv_tail_stream & ts) {
+void ggml_cuda_rkv_tail_begin(ggml_backend_cuda_context & ctx, const ggml_tensor * dst,
+                              ggml_cuda_rkv_tail_stream & ts) {
     ts.k    = dst->src[GGML_STREAMING_FA_SRC_K_TAIL];
     ts.v    = dst->src[GGML_STREAMING_FA_SRC_V_TAIL];
     ts.col0 = ggml_streaming_flash_attn_get_n_win(dst);
@@ -474,7 +490,8 @@ void ggml_cuda_rkv_tail_begin(ggml_backend_cuda_context & ctx, const ggml_tensor
         ts.n_pre     = ts.ring->n_pre;
     } else {
         // the ring's slots and events are shared: an op outside the graph's plan must not stream while it runs
-        GGML_ASSERT((!ctx.rkv_ring || ctx.rkv_ring->ops.empty()) && "rolling-KV: a host-tail op outside the graph's copy plan");
+        GGML_ASSERT((!ctx.rkv_ring || ctx.rkv_ring->ops.empty()) &&
+                    "rolling-KV: a host-tail op outside the graph's copy plan");
         ts.ring      = &rkv_ring(ctx, rkv_plan_tail(dst, rkv_knobs().ring_slot_bytes, ts.local_fifo, ts.local_ops));
         rkv_count_plan(ts.local_ops, ts.local_fifo);
         ts.fifo      = &ts.local_fifo;
@@ -528,7 +545,8 @@ void ggml_cuda_rkv_tail_wait(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail
     GGML_ASSERT(g < *ts.next_copy && "rolling-KV: a chunk is attended before its copy was issued");
     if (g < ts.n_pre) {
 #if RKV_CAPTURE_QUERY
-        CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g], ts.capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
+        CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g],
+                                       ts.capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
 #else
         CUDA_CHECK(cudaStreamWaitEvent(stream, ts.ring->pre_done[g], 0)); // no graphs: nothing is captured
 #endif // RKV_CAPTURE_QUERY

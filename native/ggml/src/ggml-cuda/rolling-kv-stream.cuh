@@ -23,8 +23,8 @@
 
 #include <vector>
 
-// The copy stream of the ring: the last stream of the context. Stream 0 computes, and ggml's concurrent-event
-// branches use streams 1..max_fan_out (3), which ggml_cuda_graph_optimize static_asserts to stay below this one.
+// The copy stream of the ring: the last stream of the context. Stream 0 computes, and ggml's concurrent-event branches
+// use streams 1..max_fan_out (3), which ggml_backend_cuda_graph_optimize static_asserts to stay below this one.
 #define GGML_CUDA_RKV_COPY_STREAM (GGML_CUDA_MAX_STREAMS - 1)
 static_assert(GGML_CUDA_RKV_COPY_STREAM > 0, "the rolling-KV copy stream must not be the compute stream");
 
@@ -65,7 +65,8 @@ void ggml_cuda_rkv_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgrap
 void * ggml_cuda_rkv_get_proc_address(const char * name);
 
 // the registry's GGML_RKV_DEV_BUDGET_PROC (ggml-rolling-kv.h): the ring this backend allocates and its runtime's memory
-void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream, ggml_rkv_dev_budget * out);
+void ggml_cuda_rkv_dev_budget(ggml_backend_dev_t dev, size_t row_k_tail, size_t row_v_tail, int64_t n_stream,
+                              ggml_rkv_dev_budget * out);
 
 // the registry's GGML_RKV_HOST_ALLOC_PROC (ggml-rolling-kv.h): a host tail's pinned memory in 2 MiB pages
 // (rolling-kv-host.cu); nullptr where that is not possible
@@ -116,7 +117,8 @@ struct ggml_cuda_rkv_tail_stream {
     int local_next = 0;
 };
 
-void ggml_cuda_rkv_tail_begin  (ggml_backend_cuda_context & ctx, const ggml_tensor * dst, ggml_cuda_rkv_tail_stream & ts);
+void ggml_cuda_rkv_tail_begin  (ggml_backend_cuda_context & ctx, const ggml_tensor * dst,
+                                ggml_cuda_rkv_tail_stream & ts);
 void ggml_cuda_rkv_tail_start  (ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts);
 void ggml_cuda_rkv_tail_wait   (ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int ic);
 void ggml_cuda_rkv_tail_release(ggml_backend_cuda_context & ctx, ggml_cuda_rkv_tail_stream & ts, int ic);
