@@ -486,6 +486,25 @@ def _issued_within_occupied(stats: list[dict]) -> int:
     return n
 
 
+def test_the_issued_bytes_check_bites():
+    """The check above, on steps a broken copy plan would report (no GPU needed): a plan that streams one block per
+    stream more than the tail its streams occupy (the whole tail instead of the runs, a stale window), or that issues
+    other bytes than the cache accounted for, fails it; a step within its bound passes."""
+    block = 256 * 1000
+
+    def step(issued, streamed, occupied, streams=2):
+        return {"last": {"tail_bytes": streamed, "streamed_bytes": streamed, "occupied_bytes": occupied, "streams": streams},
+                "plan_streamed": {"last_bytes": issued}, "block_bytes": block}
+
+    assert _issued_within_occupied([step(10 * block, 10 * block, 8 * block), step(0, 0, 0)]) == 1
+    for bad in (step(11 * block, 11 * block, 8 * block),   # beyond one block per stream
+                step(9 * block, 10 * block, 8 * block)):   # the plan and the cache disagree
+        with pytest.raises(AssertionError):
+            _issued_within_occupied([step(block, block, block), bad])
+    with pytest.raises(AssertionError):  # a CUDA build that counted no plan
+        _issued_within_occupied([{**step(block, block, block), "plan_streamed": None}])
+
+
 def _mean_tv(a, b) -> float:
     import numpy as np
 
