@@ -199,12 +199,13 @@ def test_a_stage_of_arrivals_starts_each_request_at_its_time(monkeypatch):
     """run_schedule starts a request of an arrivals stage at its at_s, not all at once (nor one after another's end)."""
     started: dict[str, float] = {}
 
-    def fake_request(url, r, timeout, ev=None):
+    def fake_request(url, r, timeout, ev=None, tokens=None):
         started[r.name] = time.monotonic()
         time.sleep(0.3)  # longer than the gaps: a serial schedule would start them 0.3 s apart
         return {"name": r.name, "status": "ok"}
 
     monkeypatch.setattr(lb, "run_request", fake_request)
+    monkeypatch.setattr(lb, "prompt_tokens", lambda url, n, seed: [1] * n)  # tokenized before the stage starts
     reqs = [lb.Req(f"r{i}", "client", "random", 10, 2, i, at_s=0.1 * i) for i in range(4)]
     t0 = time.monotonic()
     out = lb.run_schedule("http://x", lb.Mix("random", 4, 64, [lb.Stage("s", reqs, arrivals=True)]), timeout=10)
