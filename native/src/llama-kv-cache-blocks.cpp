@@ -146,17 +146,22 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
             want[i/LLAMA_RKV_BLK] = 1;
         }
     }
-    std::vector<uint32_t> readers(n_blk, 0);
-    for (uint32_t b = 0; b < n_blk; ++b) {
-        readers[b] = (uint32_t) (blk_seqs[b] & active).count();
-    }
+    // the cells this ubatch writes count their sequences as readers too: a block a new request starts is read by it
+    // from the next step on (and is empty until this ubatch is applied)
     std::vector<uint32_t> written;
-    for (const uint32_t idx : sinfo.idxs[0]) {
-        const uint32_t b = idx/LLAMA_RKV_BLK;
+    for (size_t i = 0; i < sinfo.idxs[0].size(); ++i) {
+        const uint32_t b = sinfo.idxs[0][i]/LLAMA_RKV_BLK;
+        for (int32_t k = 0; k < ubatch.n_seq_id[i]; ++k) {
+            blk_seqs[b].set(ubatch.seq_id[i][k]);
+        }
         if (want[b] != 2) {
             want[b] = 2;
             written.push_back(b);
         }
+    }
+    std::vector<uint32_t> readers(n_blk, 0);
+    for (uint32_t b = 0; b < n_blk; ++b) {
+        readers[b] = (uint32_t) (blk_seqs[b] & active).count();
     }
     for (uint32_t b = 0; b < n_blk; ++b) {
         if (want[b]) {
