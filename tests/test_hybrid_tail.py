@@ -98,7 +98,7 @@ print(json.dumps(out))
 
 @pytest.mark.build
 def test_server_reports_the_split_in_props(cpu_build, demo_model, tmp_path):
-    """/props has the plan's tail_cpu (auto requested by default). The log: llama-server's own line (patch 0011) gives the
+    """/props has the plan's tail_cpu (auto requested by default). The log: llama-server's own line (patch 0012) gives the
     mode, cells, bytes and reason, not the CPU part; the planner's line on it ("rolling KV: CPU part of the tail: ...")
     is a libllama INFO line, which llama-server prints with -v only."""
     from rollingkv_cli.serve.server import ServerProcess
@@ -182,7 +182,7 @@ def test_probe_pcie_measures_the_cpu_attention(tmp_path):
 @pytest.mark.build
 def test_batched_bench_honours_the_residency_flags(cpu_build, demo_model):
     """llama-batched-bench parses the common flags but created its context with llama_init_from_model: the residency
-    flags were accepted and ignored (hook 0019). Several sequences decoding together now run on the split they ask for,
+    flags were accepted and ignored (hook 0020). Several sequences decoding together now run on the split they ask for,
     and on the resident cache without them.
 
     Why a log line: the tool's only outputs are its timing table (or --output-format jsonl rows: pp, tg, pl, n_kv, times

@@ -1,4 +1,4 @@
-// rollingkv: block residency of a unified split cache (see llama-kv-cache.h, rkv_blocks).
+// rollingkv: block residency of a unified split cache (see llama-kv-cache-split.h, rkv_blocks).
 //
 // llama-server's default cache is one stream that holds every slot's sequence. A static window keeps whatever cells
 // land in [0, wc) on the device: a finished request's cached prompt keeps them while a new request's cells spill. Here
@@ -24,7 +24,7 @@
 // logical keys in their order through a block map (ggml_streaming_flash_attn_set_block_map): on the CPU the result is
 // bit-identical to the resident cache's under the same batches. Moves between rows of one type are byte copies, exact;
 // a tail of another type (a quantized one) is written by quantizing the block and read back by dequantizing it.
-#include "llama-kv-cache.h"
+#include "llama-kv-cache-split.h"
 
 #include "llama-impl.h"
 #include "llama-kv-residency.h"
@@ -41,7 +41,7 @@ static const uint32_t LLAMA_RKV_BLK      = 256; // cells per block (the streamed
 
 static const uint64_t LLAMA_RKV_BLK_IDLE = 32;  // ubatches after which a block nobody read may lose its slot
 
-void llama_kv_cache::rkv_blk_init(uint32_t wc) {
+void llama_kv_split::rkv_blk_init(uint32_t wc) {
     const uint32_t n_blk  = (get_size() + LLAMA_RKV_BLK - 1)/LLAMA_RKV_BLK;
     const uint32_t n_slot = wc/LLAMA_RKV_BLK; // (rkv_wc is set when the plan returns)
     rkv_blk_slot.assign(n_blk, -1);
@@ -51,7 +51,7 @@ void llama_kv_cache::rkv_blk_init(uint32_t wc) {
     rkv_blk_clock = 0;
 }
 
-uint32_t llama_kv_cache::rkv_blk_pool_n() const {
+uint32_t llama_kv_split::rkv_blk_pool_n() const {
     uint32_t n = 1;
     for (uint32_t s = 0; s < rkv_slot_blk.size(); ++s) {
         if (rkv_slot_blk[s] >= 0) {
@@ -61,11 +61,11 @@ uint32_t llama_kv_cache::rkv_blk_pool_n() const {
     return n;
 }
 
-uint32_t llama_kv_cache::rkv_mask_cols(uint32_t n_kv) const {
+uint32_t llama_kv_split::rkv_mask_cols(uint32_t n_kv) const {
     return rkv_blocks ? rkv_blk_pool_n()*LLAMA_RKV_BLK + n_kv : n_kv;
 }
 
-bool llama_kv_cache::rkv_on_dev(uint32_t strm, uint32_t cell) const {
+bool llama_kv_split::rkv_on_dev(uint32_t strm, uint32_t cell) const {
     if (rkv_blocks) {
         return rkv_blk_slot[cell/LLAMA_RKV_BLK] >= 0;
     }
@@ -75,7 +75,7 @@ bool llama_kv_cache::rkv_on_dev(uint32_t strm, uint32_t cell) const {
 // one block's rows of every split layer's K and V, between its slot and its tail rows: a byte copy, or, where the tail
 // has another type, a conversion through f32 on the host (demotion quantizes the block into the tail's type, promotion
 // dequantizes it: the loss of a quantized tail, no more)
-void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) const {
+void llama_kv_split::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) const {
     const uint32_t c0 = blk*LLAMA_RKV_BLK;
     const uint32_t n  = std::min(LLAMA_RKV_BLK, get_size() - c0);
     const size_t row0 = (size_t) slot*LLAMA_RKV_BLK;
@@ -112,7 +112,7 @@ void llama_kv_cache::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
     }
 }
 
-void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubatch & ubatch) {
+void llama_kv_split::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubatch & ubatch) {
     const auto & cells = v_cells[0];
     const uint32_t n_blk = (uint32_t) rkv_blk_slot.size();
 
@@ -280,7 +280,7 @@ void llama_kv_cache::rkv_blk_rebalance(const slot_info & sinfo, const llama_ubat
 
 // the block map of the op (logical block -> physical block of [window pool ; tail]): a block on the device is its slot,
 // one in the tail the pool's blocks plus its own index (the tail holds a row for every cell)
-void llama_kv_cache::rkv_blk_set_input_map(ggml_tensor * map) const {
+void llama_kv_split::rkv_blk_set_input_map(ggml_tensor * map) const {
     GGML_ASSERT(ggml_backend_buffer_is_host(map->buffer) && map->type == GGML_TYPE_I32);
     const int32_t pool_n = (int32_t) rkv_blk_pool_n();
     int32_t * data = (int32_t *) map->data;
@@ -318,7 +318,10 @@ static void llama_rkv_blk_scatter(const T * logical, T * dst, int64_t n_rows, in
     }
 }
 
-void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) const {
+bool llama_kv_split::rkv_set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, bool causal_attn) const {
+    if (!rkv_blocks || rkv_blk_logical) {
+        return false;
+    }
     GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
     const int64_t pool_n = rkv_blk_pool_n();
     const int64_t n_kv   = dst->ne[0] - pool_n*LLAMA_RKV_BLK;
@@ -336,7 +339,7 @@ void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ub
     logical.nb[3] = logical.nb[2]*logical.ne[2];
     logical.data  = scratch.data();
     rkv_blk_logical = true;
-    set_input_kq_mask(&logical, ubatch, causal_attn);
+    cache.set_input_kq_mask(&logical, ubatch, causal_attn);
     rkv_blk_logical = false;
 
     // a prompt's ubatch moves ~n_tokens x (pool + n_kv) values (128 MiB at 512 x 128k): on several threads, where a
@@ -358,7 +361,7 @@ void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ub
                                                 n_rows, work/(1 << 18) + 1 });
     if (n_thr <= 1) {
         scatter(0, n_rows);
-        return;
+        return true;
     }
     std::vector<std::thread> workers;
     const int64_t per = (n_rows + n_thr - 1)/n_thr;
@@ -371,4 +374,5 @@ void llama_kv_cache::rkv_blk_set_input_kq_mask(ggml_tensor * dst, const llama_ub
     for (auto & w : workers) {
         w.join();
     }
+    return true;
 }

@@ -1,7 +1,8 @@
 // rollingkv: the graph side of a split llama_kv_cache (see llama-kv-cache-split.cpp for the layout): the window and
 // tail views a split layer attends, the per-stream layout of the attention and whether a graph may be reused, the
-// writes of new K/V rows, the index inputs and the K-shift; and llama_kv_cache_context's hooks into them.
-#include "llama-kv-cache.h"
+// writes of new K/V rows, the index inputs and the K-shift; and what a llama_kv_cache_context asks of them
+// (llama_kv_split_ctx).
+#include "llama-kv-cache-split.h"
 
 #include "llama-impl.h"
 #include "llama-io.h"
@@ -19,7 +20,7 @@
 // graph
 //
 
-ggml_tensor * llama_kv_cache::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo,
+ggml_tensor * llama_kv_split::rkv_get_window(ggml_context * ctx, int32_t il, uint32_t n_kv, const slot_info & sinfo,
                                              bool is_v) const {
     const int32_t ikv = map_layer_ids.at(il);
 
@@ -66,7 +67,7 @@ static ggml_tensor * llama_rkv_tail_view(ggml_context * ctx, ggml_tensor * t, in
 }
 
 // the tail view of one layer's K or V tail t (rows of n_embd_head per KV head) that a graph at n_kv cells attends
-ggml_tensor * llama_kv_cache::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, uint32_t n_embd_head, uint32_t n_kv,
+ggml_tensor * llama_kv_split::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, uint32_t n_embd_head, uint32_t n_kv,
         const slot_info & sinfo) const {
     if (rkv_head) {
         // every cell of the host heads (none: the layer is whole on the device)
@@ -89,17 +90,17 @@ ggml_tensor * llama_kv_cache::rkv_get_tail(ggml_context * ctx, ggml_tensor * t, 
     return llama_rkv_tail_view(ctx, t, n_embd_head, n_kv - rkv_wc, sinfo);
 }
 
-ggml_tensor * llama_kv_cache::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
+ggml_tensor * llama_kv_split::rkv_get_k_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
                                              const slot_info & sinfo) const {
     return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].k_tail, hparams.n_embd_head_k(il), n_kv, sinfo);
 }
 
-ggml_tensor * llama_kv_cache::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
+ggml_tensor * llama_kv_split::rkv_get_v_tail(ggml_context * ctx, int32_t il, uint32_t n_kv,
                                              const slot_info & sinfo) const {
     return rkv_get_tail(ctx, layers[map_layer_ids.at(il)].v_tail, hparams.n_embd_head_v(il), n_kv, sinfo);
 }
 
-uint32_t llama_kv_cache::rkv_stream_n_kv(uint32_t strm) const {
+uint32_t llama_kv_split::rkv_stream_n_kv(uint32_t strm) const {
     // as get_n_kv for one stream
     const uint32_t n_pad_cur = std::max(n_pad, 256u);
     const auto & cells = v_cells[strm];
@@ -166,7 +167,7 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
     }
 }
 
-llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
+llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
                                                       const llama_ubatch * ubatch) const {
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
     const auto cpu_cells = [this](uint32_t n_tail) {
@@ -220,7 +221,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_attn_layout(uint32_t n_kv, const slot_
     return lay;
 }
 
-llama_rkv_graph_note & llama_kv_cache::rkv_graph_note(const ggml_tensor * k_idxs) const {
+llama_rkv_graph_note & llama_kv_split::rkv_graph_note(const ggml_tensor * k_idxs) const {
     for (auto & e : rkv_graph_cells) {
         if (e.k_idxs == k_idxs) {
             return e;
@@ -245,7 +246,7 @@ static std::vector<uint32_t> llama_rkv_runs_of(const llama_rkv_attn_layout & lay
     return runs;
 }
 
-llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv,
+llama_rkv_attn_layout llama_kv_split::rkv_graph_layout(const ggml_tensor * k_idxs, uint32_t n_kv,
         const slot_info & sinfo, bool full, const llama_ubatch * ubatch) const {
     llama_rkv_graph_note & e = rkv_graph_note(k_idxs);
     llama_rkv_attn_layout lay = rkv_attn_layout(n_kv, sinfo, full, ubatch);
@@ -259,7 +260,7 @@ llama_rkv_attn_layout llama_kv_cache::rkv_graph_layout(const ggml_tensor * k_idx
     return lay;
 }
 
-bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full,
+bool llama_kv_split::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, const slot_info & sinfo, bool full,
         const llama_ubatch * ubatch) const {
     if (!rkv_split()) {
         return true;
@@ -285,7 +286,7 @@ bool llama_kv_cache::rkv_can_reuse(const ggml_tensor * k_idxs, uint32_t n_kv, co
     return lay.n_kv.empty() || n_kv <= lay.n_win;
 }
 
-void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch & ubatch) const {
+void llama_kv_split::rkv_note_step(const slot_info & sinfo, const llama_ubatch & ubatch) const {
     if (!rkv_live) {
         return;
     }
@@ -411,7 +412,7 @@ void llama_kv_cache::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     lv.occupied_bytes += lv.last_occupied_bytes;
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v,
+ggml_tensor * llama_kv_split::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_v,
                                       bool tail) const {
     const int32_t ikv = map_layer_ids.at(il);
     const auto & layer = layers[ikv];
@@ -457,17 +458,17 @@ ggml_tensor * llama_kv_cache::rkv_cpy(ggml_context * ctx, ggml_tensor * cur, ggm
     return ggml_set_rows(ctx, dst, cur, ix);
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs,
+ggml_tensor * llama_kv_split::rkv_cpy_k_tail(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * k_idxs,
                                              int32_t il) const {
     return rkv_split() ? rkv_cpy(ctx, k_cur, k_idxs, il, false, true) : nullptr;
 }
 
-ggml_tensor * llama_kv_cache::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs,
+ggml_tensor * llama_kv_split::rkv_cpy_v_tail(ggml_context * ctx, ggml_tensor * v_cur, ggml_tensor * v_idxs,
                                              int32_t il) const {
     return rkv_split() ? rkv_cpy(ctx, v_cur, v_idxs, il, true, true) : nullptr;
 }
 
-ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch,
+ggml_tensor * llama_kv_split::rkv_build_input_idxs(ggml_context * ctx, const llama_ubatch & ubatch,
                                                    const char * name) const {
     // [n_tokens, 2]: row 0 window indices, row 1 tail indices (ne[0] stays n_tokens for the graph reuse checks)
     ggml_tensor * idxs = ggml_new_tensor_2d(ctx, GGML_TYPE_I64, ubatch.n_tokens, 2);
@@ -505,7 +506,14 @@ ggml_tensor * llama_kv_cache::rkv_build_input_idxs(ggml_context * ctx, const lla
     return idxs;
 }
 
-void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo) const {
+bool llama_kv_split::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * ubatch, const slot_info & sinfo,
+        bool is_k) const {
+    if (is_k) {
+        rkv_note_step(sinfo, *ubatch); // once per ubatch: what it attends of each stream's tail (stats json)
+    }
+    if (!rkv_wc) {
+        return false;
+    }
     const uint32_t n_tokens = ubatch->n_tokens;
     GGML_ASSERT(n_tokens == (int64_t) sinfo.size()*sinfo.n_stream());
     GGML_ASSERT(dst->ne[0] == n_tokens && dst->ne[1] == 2);
@@ -531,7 +539,7 @@ void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * 
                 rkv_blk_set_input_map(e.block_map);
             }
         }
-        return;
+        return true;
     }
 
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
@@ -547,11 +555,12 @@ void llama_kv_cache::rkv_set_input_idxs(ggml_tensor * dst, const llama_ubatch * 
             data[n_tokens + j] = strm*rows_t + (cell >= wc ? cell - rkv_tail_first : rows_t - 1);
         }
     }
+    return true;
 }
 
-void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_context * ctx, ggml_cgraph * gf,
-        const kv_layer & layer, ggml_tensor * k_shift, ggml_tensor * k_rot) const {
-    const uint32_t il = layer.il;
+void llama_kv_split::rkv_build_shift_layer(const llama_cparams & cparams, ggml_context * ctx, ggml_cgraph * gf,
+        uint32_t il, ggml_tensor * k_shift, ggml_tensor * k_rot) const {
+    const layer_t & layer = layers[map_layer_ids.at(il)];
 
     const auto    n_rot         = hparams.n_rot(il);
     const auto    n_embd_head_k = hparams.n_embd_head_k(il);
@@ -648,47 +657,57 @@ void llama_kv_cache::rkv_build_shift_layer(const llama_cparams & cparams, ggml_c
 // llama_kv_cache_context
 //
 
-ggml_tensor * llama_kv_cache_context::rkv_get_k_tail(ggml_context * ctx, int32_t il) const {
-    return kv->rkv_get_k_tail(ctx, il, n_kv, sinfos[i_cur]);
-}
-
-ggml_tensor * llama_kv_cache_context::rkv_get_v_tail(ggml_context * ctx, int32_t il) const {
-    return kv->rkv_get_v_tail(ctx, il, n_kv, sinfos[i_cur]);
-}
-
-llama_rkv_attn_layout llama_kv_cache_context::rkv_attn_layout(const ggml_tensor * k_idxs) const {
-    // once per graph: every layer attends the same cells (the runs scan the stream's cells)
-    if (rkv_layout_ubatch != i_cur || rkv_layout_k_idxs != k_idxs) {
-        rkv_layout = kv->rkv_graph_layout(k_idxs, n_kv, sinfos[i_cur], rkv_full,
-                                          ubatches.empty() ? nullptr : &ubatches[i_cur]);
-        rkv_layout_ubatch = i_cur;
-        rkv_layout_k_idxs = k_idxs;
+llama_kv_split_ctx llama_kv_cache_context::rkv() const {
+    if (!rkv_memo) {
+        rkv_memo = std::make_shared<llama_rkv_layout_memo>();
     }
-    return rkv_layout;
+    return { kv->get_split(), (uint32_t) n_kv, &sinfos[i_cur], ubatches.empty() ? nullptr : &ubatches[i_cur], i_cur,
+             rkv_memo.get() };
 }
 
-bool llama_kv_cache_context::rkv_can_reuse(const ggml_tensor * k_idxs) const {
-    return kv->rkv_can_reuse(k_idxs, n_kv, sinfos[i_cur], rkv_full, ubatches.empty() ? nullptr : &ubatches[i_cur]);
+ggml_tensor * llama_kv_split_ctx::get_k_tail(ggml_context * ctx, int32_t il) const {
+    return split ? split->rkv_get_k_tail(ctx, il, n_kv, *sinfo) : nullptr;
 }
 
-bool llama_kv_cache_context::rkv_is_head_split() const {
-    return kv->rkv_head_split();
+ggml_tensor * llama_kv_split_ctx::get_v_tail(ggml_context * ctx, int32_t il) const {
+    return split ? split->rkv_get_v_tail(ctx, il, n_kv, *sinfo) : nullptr;
 }
 
-uint32_t llama_kv_cache_context::rkv_mask_cols() const {
-    return kv->rkv_mask_cols(n_kv);
+llama_rkv_attn_layout llama_kv_split_ctx::attn_layout(const ggml_tensor * k_idxs) const {
+    if (!split) {
+        return {};
+    }
+    // once per graph: every layer attends the same cells (the runs scan the stream's cells)
+    if (memo->ubatch != i_ubatch || memo->k_idxs != k_idxs) {
+        memo->layout = split->rkv_graph_layout(k_idxs, n_kv, *sinfo, ubatch == nullptr, ubatch);
+        memo->ubatch = i_ubatch;
+        memo->k_idxs = k_idxs;
+    }
+    return memo->layout;
 }
 
-void llama_kv_cache_context::rkv_cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur,
-                                            ggml_tensor * k_idxs, int32_t il) const {
-    if (ggml_tensor * t = kv->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il)) {
+bool llama_kv_split_ctx::can_reuse(const ggml_tensor * k_idxs) const {
+    return !split || split->rkv_can_reuse(k_idxs, n_kv, *sinfo, ubatch == nullptr, ubatch);
+}
+
+bool llama_kv_split_ctx::is_head_split() const {
+    return split && split->rkv_head_split();
+}
+
+uint32_t llama_kv_split_ctx::mask_cols() const {
+    return split ? split->rkv_mask_cols(n_kv) : n_kv;
+}
+
+void llama_kv_split_ctx::cpy_k_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * k_cur, ggml_tensor * k_idxs,
+                                    int32_t il) const {
+    if (ggml_tensor * t = split ? split->rkv_cpy_k_tail(ctx, k_cur, k_idxs, il) : nullptr) {
         ggml_build_forward_expand(gf, t);
     }
 }
 
-void llama_kv_cache_context::rkv_cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur,
-                                            ggml_tensor * v_idxs, int32_t il) const {
-    if (ggml_tensor * t = kv->rkv_cpy_v_tail(ctx, v_cur, v_idxs, il)) {
+void llama_kv_split_ctx::cpy_v_tail(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * v_cur, ggml_tensor * v_idxs,
+                                    int32_t il) const {
+    if (ggml_tensor * t = split ? split->rkv_cpy_v_tail(ctx, v_cur, v_idxs, il) : nullptr) {
         ggml_build_forward_expand(gf, t);
     }
 }

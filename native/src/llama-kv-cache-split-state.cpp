@@ -1,6 +1,6 @@
 // rollingkv: the state I/O of a split llama_kv_cache (see llama-kv-cache-split.cpp for the layout): a layer's K/V
 // rows written from and read into its window and tail (or device and host heads), converting what differs.
-#include "llama-kv-cache.h"
+#include "llama-kv-cache-split.h"
 
 #include "llama-impl.h"
 #include "llama-io.h"
@@ -152,7 +152,7 @@ static void llama_rkv_write_window(llama_io_write_i & io, ggml_tensor * win, ggm
     }
 }
 
-void llama_kv_cache::rkv_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
+void llama_kv_split::rkv_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
     const uint32_t v_trans = this->v_trans ? 1 : 0;
     const uint32_t n_layer = layers.size();
 
@@ -573,7 +573,7 @@ static bool llama_rkv_read_window(llama_io_read_i & io, ggml_tensor * win, ggml_
     return true;
 }
 
-bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count,
+bool llama_kv_split::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count,
                                          const slot_info & sinfo) {
     uint32_t v_trans_ref;
     uint32_t n_layer;
@@ -620,7 +620,7 @@ bool llama_kv_cache::rkv_state_read_data(llama_io_read_i & io, uint32_t strm, ui
     return true;
 }
 
-void llama_kv_cache::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo) {
+void llama_kv_split::rkv_state_clear_data(uint32_t strm, const slot_info & sinfo) {
     for (const auto & layer : layers) {
         for (ggml_tensor * win : { layer.k, layer.v }) {
             if (!win) {

@@ -16,7 +16,7 @@
 //
 // This file: construction, the plan record and the cells' moves between windows and tails (stream copies, elastic
 // windows); the graph side is llama-kv-cache-split-graph.cpp, the state I/O llama-kv-cache-split-state.cpp.
-#include "llama-kv-cache.h"
+#include "llama-kv-cache-split.h"
 
 #include "llama-impl.h"
 #include "llama-io.h"
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 
 //
@@ -208,8 +209,38 @@ static void llama_rkv_log_plan(const char * func, const llama_rkv_state & st, ui
     }
 }
 
-uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v,
-        bool offload, const layer_filter_cb & filter, const layer_share_cb & share) {
+llama_kv_split::llama_kv_split(llama_kv_cache & kv) :
+    cache(kv), model(kv.model), hparams(kv.hparams), v_trans(kv.v_trans), n_seq_max(kv.n_seq_max),
+    n_stream(kv.n_stream), n_pad(kv.n_pad), swa_type(kv.swa_type), v_cells(kv.v_cells),
+    map_layer_ids(kv.map_layer_ids) {
+}
+
+std::shared_ptr<llama_kv_split> llama_kv_split::plan(llama_kv_cache & kv, llama_rkv_state * st, uint32_t kv_size,
+        ggml_type type_k, ggml_type type_v, bool offload, const llama_kv_cache::layer_filter_cb & filter,
+        const llama_kv_cache::layer_share_cb & share) {
+    if (!st) {
+        return nullptr;
+    }
+    auto split = std::make_shared<llama_kv_split>(kv);
+    split->rkv_wc      = split->rkv_plan(*st, kv_size, type_k, type_v, offload, filter, share);
+    split->rkv_offload = offload;
+    if (!split->rkv_split()) {
+        return nullptr;
+    }
+    split->rkv_cpu = std::make_shared<const llama_rkv_tail_cpu>(st->tail_cpu);
+    return split;
+}
+
+void llama_kv_split::finish(llama_kv_cache & kv, llama_rkv_state & st) {
+    llama_kv_split * split = kv.split.get();
+    if (split) {
+        split->rkv_add_tails(st.type_k_tail, st.type_v_tail);
+    }
+    rkv_record_plan(kv, split, st);
+}
+
+uint32_t llama_kv_split::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v,
+        bool offload, const llama_kv_cache::layer_filter_cb & filter, const llama_kv_cache::layer_share_cb & share) {
     if (st.resolved) {
         return 0;
     }
@@ -232,7 +263,7 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
 
     llama_rkv_count_other_caches(desc, st, model, hparams, swa_type, kv_size, n_stream, type_k, type_v, offload);
 
-    llama_rkv_check_eligible(desc, model, hparams, swa_type, type_k, type_v, v_trans, other || share);
+    llama_rkv_check_eligible(desc, model, hparams, swa_type, type_k, type_v, v_trans, cache.other || share);
 
     const uint32_t wc = llama_rkv_plan_cache(st, desc, model);
 
@@ -283,54 +314,76 @@ uint32_t llama_kv_cache::rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_t
     return wc;
 }
 
-uint32_t llama_kv_cache::rkv_row_dev(uint32_t il, uint32_t n_embd_gqa, bool is_v) const {
+uint32_t llama_kv_split::rkv_row_dev(uint32_t il, uint32_t n_embd_gqa, bool is_v) const {
     if (!rkv_head || il >= rkv_dev_heads.size() || rkv_dev_heads[il] == 0) {
         return n_embd_gqa;
     }
     return rkv_dev_heads[il]*(is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il));
 }
 
-void llama_kv_cache::rkv_add_tail(kv_layer & layer, ggml_backend_dev_t dev, const rkv_ctx_for_buft_t & ctx_for_buft,
-        ggml_type type_k_tail, ggml_type type_v_tail) const {
-    // pinned host memory of the layer's device when it is a GPU, else plain CPU memory
-    ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
-    if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-        if (auto * host_buft = ggml_backend_dev_host_buffer_type(dev)) {
-            buft = host_buft;
+void llama_kv_split::rkv_add_tails(ggml_type type_k_tail, ggml_type type_v_tail) {
+    // a context per host buffer type (each GPU's pinned memory), in the cache's list of buffers: its memory breakdown,
+    // clear and total size count the tails
+    std::map<ggml_backend_buffer_type_t, ggml_context_ptr> ctxs;
+    for (const auto & cl : cache.layers) {
+        layer_t layer = { cl.il, cl.k, cl.v };
+        ggml_backend_dev_t dev = rkv_offload ? model.dev_layer(cl.il) : nullptr;
+
+        // pinned host memory of the layer's device when it is a GPU, else plain CPU memory
+        ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
+        if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            if (auto * host_buft = ggml_backend_dev_host_buffer_type(dev)) {
+                buft = host_buft;
+            }
         }
-    }
 
-    ggml_context * ctx = ctx_for_buft(buft);
-    if (!ctx) {
-        throw std::runtime_error("failed to create ggml context for the kv cache tail");
-    }
+        // window: the cells past the window (elastic windows: every cell) +1 trash row, at the full row; head: every
+        // cell, the host heads' part of the row
+        const uint32_t rows = rkv_head ? get_size() : get_size() - rkv_tail_first + 1;
+        const int64_t  n_k  = rkv_head ? (int64_t) hparams.n_embd_k_gqa(cl.il) - cl.k->ne[0] : cl.k->ne[0];
+        const int64_t  n_v  = !cl.v ? 0
+                            : rkv_head ? (int64_t) hparams.n_embd_v_gqa(cl.il) - cl.v->ne[0] : cl.v->ne[0];
 
-    // window: the cells past the window (elastic windows: every cell) +1 trash row, at the full row; head: every cell,
-    // the host heads' part of the row
-    const uint32_t rows   = rkv_head ? get_size() : get_size() - rkv_tail_first + 1;
-    const int64_t  n_k    = rkv_head ? (int64_t) hparams.n_embd_k_gqa(layer.il) - layer.k->ne[0] : layer.k->ne[0];
-    const int64_t  n_v    = !layer.v ? 0
-                          : rkv_head ? (int64_t) hparams.n_embd_v_gqa(layer.il) - layer.v->ne[0] : layer.v->ne[0];
+        if (n_k > 0) { // else a head split's layer whose heads are all on the device
+            ggml_context_ptr & ctx_ptr = ctxs[buft];
+            if (!ctx_ptr) {
+                ggml_init_params params = { 2u*cache.layers.size()*ggml_tensor_overhead(), nullptr, true };
+                ctx_ptr.reset(ggml_init(params));
+                if (!ctx_ptr) {
+                    throw std::runtime_error("failed to create ggml context for the kv cache tail");
+                }
+            }
+            ggml_context * ctx = ctx_ptr.get();
 
-    if (n_k == 0) {
-        return; // a head split's layer whose heads are all on the device
-    }
+            layer.k_tail = ggml_new_tensor_3d(ctx, type_k_tail, n_k, rows, n_stream);
+            ggml_format_name(layer.k_tail, "cache_k_tail_l%d", layer.il);
+            if (layer.v) {
+                layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, n_v, rows, n_stream);
+                ggml_format_name(layer.v_tail, "cache_v_tail_l%d", layer.il);
+            }
 
-    layer.k_tail = ggml_new_tensor_3d(ctx, type_k_tail, n_k, rows, n_stream);
-    ggml_format_name(layer.k_tail, "cache_k_tail_l%d", layer.il);
-
-    if (layer.v) {
-        layer.v_tail = ggml_new_tensor_3d(ctx, type_v_tail, n_v, rows, n_stream);
-        ggml_format_name(layer.v_tail, "cache_v_tail_l%d", layer.il);
-    }
-
-    // a tail in a GPU's pinned memory is accessed in place by that GPU (new rows written through unified addressing,
-    // attention streaming it in bulk) instead of being copied whole by the scheduler before every graph
-    if (buft != ggml_backend_cpu_buffer_type()) {
-        ggml_set_streamed(layer.k_tail);
-        if (layer.v_tail) {
-            ggml_set_streamed(layer.v_tail);
+            // a tail in a GPU's pinned memory is accessed in place by that GPU (new rows written through unified
+            // addressing, attention streaming it in bulk) instead of being copied whole by the scheduler before
+            // every graph
+            if (buft != ggml_backend_cpu_buffer_type()) {
+                ggml_set_streamed(layer.k_tail);
+                if (layer.v_tail) {
+                    ggml_set_streamed(layer.v_tail);
+                }
+            }
         }
+        layers.push_back(layer);
+    }
+
+    for (auto & [buft, ctx] : ctxs) {
+        ggml_backend_buffer_t buf = llama_rkv_alloc_ctx_tensors(ctx.get(), buft);
+        if (!buf) {
+            throw std::runtime_error("failed to allocate buffer for the kv cache tail");
+        }
+        ggml_backend_buffer_clear(buf, 0);
+        LLAMA_LOG_INFO("%s: %10s KV tail buffer size = %8.2f MiB\n", __func__, ggml_backend_buffer_name(buf),
+                ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+        cache.ctxs_bufs.emplace_back(std::move(ctx), buf);
     }
 }
 
@@ -361,11 +414,11 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
-float llama_kv_cache::rkv_tail_cpu_frac_cells(uint32_t n_tail) const {
+float llama_kv_split::rkv_tail_cpu_frac_cells(uint32_t n_tail) const {
     return rkv_cpu ? llama_rkv_tail_cpu_frac_at(*rkv_cpu, n_tail) : 0.0f;
 }
 
-bool llama_kv_cache::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) const {
+bool llama_kv_split::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) const {
     if (sinfo.s0 == sinfo.s1) {
         return n_kv <= rkv_pool.cells[sinfo.s0];
     }
@@ -382,11 +435,11 @@ bool llama_kv_cache::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) c
     return true;
 }
 
-uint32_t llama_kv_cache::rkv_win_cells(uint32_t strm) const {
+uint32_t llama_kv_split::rkv_win_cells(uint32_t strm) const {
     return rkv_elastic ? rkv_pool.cells[strm] : rkv_wc;
 }
 
-size_t llama_kv_cache::rkv_win_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
+size_t llama_kv_split::rkv_win_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
     if (rkv_blocks) {
         const int32_t slot = rkv_blk_slot[cell/256];
         GGML_ASSERT(slot >= 0);
@@ -397,30 +450,36 @@ size_t llama_kv_cache::rkv_win_off(const ggml_tensor * t, uint32_t strm, uint32_
     return (row0 + cell)*t->nb[1];
 }
 
-size_t llama_kv_cache::rkv_tail_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
+size_t llama_kv_split::rkv_tail_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const {
     GGML_ASSERT(cell >= rkv_tail_first);
     return strm*t->nb[2] + (size_t) (cell - rkv_tail_first)*t->nb[1];
 }
 
-void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
+void llama_kv_split::rkv_record_plan(const llama_kv_cache & kv, const llama_kv_split * split, llama_rkv_state & st) {
     if (!st.layers.empty()) {
         return; // recorded by another cache of the context
     }
 
+    const uint32_t wc   = split ? split->rkv_wc : 0;
+    const bool     head = split && split->rkv_head;
+
     size_t dev_total = 0;
     size_t host_total = 0;
 
-    for (const auto & layer : layers) {
+    for (size_t ikv = 0; ikv < kv.layers.size(); ++ikv) {
+        const auto & layer  = kv.layers[ikv];
+        ggml_tensor * k_tail = split ? split->layers[ikv].k_tail : nullptr;
+        ggml_tensor * v_tail = split ? split->layers[ikv].v_tail : nullptr;
+
         llama_rkv_layer_plan lp;
         lp.il           = (int32_t) layer.il;
-        lp.n_head_kv    = hparams.n_head_kv(layer.il);
-        lp.device_heads = rkv_head ? rkv_dev_heads[layer.il] : lp.n_head_kv;
-        lp.split        = rkv_wc > 0 || layer.k_tail != nullptr;
-        lp.window_cells = rkv_wc ? rkv_wc : get_size();
-        lp.tail_cells   = rkv_wc ? get_size() - rkv_wc : layer.k_tail ? get_size() : 0;
+        lp.n_head_kv    = kv.hparams.n_head_kv(layer.il);
+        lp.device_heads = head ? split->rkv_dev_heads[layer.il] : lp.n_head_kv;
+        lp.split        = wc > 0 || k_tail != nullptr;
+        lp.window_cells = wc ? wc : kv.get_size();
+        lp.tail_cells   = wc ? kv.get_size() - wc : k_tail ? kv.get_size() : 0;
         lp.device_bytes = ggml_nbytes(layer.k) + (layer.v ? ggml_nbytes(layer.v) : 0);
-        lp.host_bytes   = (layer.k_tail ? ggml_nbytes(layer.k_tail) : 0) +
-                (layer.v_tail ? ggml_nbytes(layer.v_tail) : 0);
+        lp.host_bytes   = (k_tail ? ggml_nbytes(k_tail) : 0) + (v_tail ? ggml_nbytes(v_tail) : 0);
 
         dev_total  += lp.device_bytes;
         host_total += lp.host_bytes;
@@ -428,20 +487,30 @@ void llama_kv_cache::rkv_record_plan(llama_rkv_state & st) const {
         st.layers.push_back(lp);
     }
 
-    if (rkv_wc) {
+    if (wc) {
         LLAMA_LOG_INFO("%s: rolling KV: window %.2f MiB (layer buffers), tail %.2f MiB (host)\n", __func__,
                 dev_total/1024.0/1024.0, host_total/1024.0/1024.0);
-    } else if (rkv_head) {
+    } else if (head) {
         LLAMA_LOG_INFO("%s: rolling KV: device heads %.2f MiB (layer buffers), host heads %.2f MiB (host)\n", __func__,
                 dev_total/1024.0/1024.0, host_total/1024.0/1024.0);
     }
+}
+
+size_t llama_kv_split::rkv_tail_bytes(bool is_v) const {
+    size_t n = 0;
+    for (const auto & layer : layers) {
+        const ggml_tensor * t = is_v ? layer.v_tail : layer.k_tail;
+        n += t ? ggml_nbytes(t) : 0;
+    }
+    return n;
 }
 
 //
 // moving cells: stream copies and elastic windows (llama-kv-window-pool.h)
 //
 
-void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
+bool llama_kv_split::rkv_copy_stream(uint32_t ikv, uint32_t ssrc, uint32_t sdst) const {
+    const layer_t & layer = layers[ikv];
     if (rkv_head) {
         // the host heads' slab (upstream copied the device heads')
         for (ggml_tensor * t : { layer.k_tail, layer.v_tail }) {
@@ -452,7 +521,7 @@ void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint
             ggml_backend_tensor_get(t, tmp.data(), ssrc*t->nb[2], t->nb[2]);
             ggml_backend_tensor_set(t, tmp.data(), sdst*t->nb[2], t->nb[2]);
         }
-        return;
+        return false;
     }
     // a window split: every cell, from where the source stream keeps it to where the destination keeps it (the windows
     // of the two streams may differ, and with elastic windows they are not slabs)
@@ -484,6 +553,7 @@ void llama_kv_cache::rkv_copy_stream(const kv_layer & layer, uint32_t ssrc, uint
                                     tmp.size());
         }
     }
+    return true;
 }
 
 // n bytes of t from byte offset src to dst, where the two ranges do not overlap (llama_rkv_pool_rebalance cuts a move
@@ -528,7 +598,7 @@ void llama_rkv_demote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * t
     GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, staging.data(), host, n, win->ne[0]));
 }
 
-void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
+void llama_kv_split::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
     for (const auto & layer : layers) {
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -554,7 +624,7 @@ void llama_kv_cache::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
     }
 }
 
-void llama_kv_cache::rkv_begin_batch(const slot_info_vec_t & sinfos) {
+void llama_kv_split::rkv_begin_batch(const slot_info_vec_t & sinfos) {
     if (!rkv_elastic) {
         return;
     }
@@ -567,7 +637,7 @@ void llama_kv_cache::rkv_begin_batch(const slot_info_vec_t & sinfos) {
     llama_rkv_pool_begin_batch(rkv_pool, in_batch);
 }
 
-void llama_kv_cache::rkv_rebalance(const slot_info & sinfo, const llama_ubatch & ubatch) {
+void llama_kv_split::rkv_rebalance(const slot_info & sinfo, const llama_ubatch & ubatch) {
     if (rkv_blocks) {
         rkv_blk_rebalance(sinfo, ubatch);
         return;

@@ -194,7 +194,7 @@ struct llama_rkv_dev_budget {
     int64_t  min_target_mib_head = 0;  // the smallest vram_target for a head split (one KV head of every layer)
 };
 
-// the hybrid tail's share for the life of a cache (llama_kv_cache::rkv_cpu): a requested share as is, or auto's model
+// the hybrid tail's share for the life of a cache (llama_kv_split::rkv_cpu): a requested share as is, or auto's model
 // above, evaluated at the tail in use (llama_rkv_tail_cpu_frac_at)
 struct llama_rkv_tail_cpu {
     float    frac       = 0.0f;  // the share at full context (the plan's tail_cpu_frac)

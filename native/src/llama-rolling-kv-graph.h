@@ -66,7 +66,7 @@ struct llama_rkv_attn_layout {
     // [kv_size/256] (logical block -> physical block of [window pool ; tail]); the op takes its first n_kv/256 entries
     ggml_tensor * block_map = nullptr;
     // where the graph's layers share their views of its inputs (the KQ mask's rows of each stream, the block map's
-    // entries the op takes): the cache's (llama_kv_cache::rkv_views); nullptr: a view per layer
+    // entries the op takes): the cache's (llama_kv_split::rkv_views); nullptr: a view per layer
     llama_rkv_input_views * views = nullptr;
 };
 

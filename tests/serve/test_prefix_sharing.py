@@ -1,4 +1,4 @@
-"""Cross-slot prefix sharing (--kv-share-prefix, patch 0020) on llama-server's default layout (four slots, one unified
+"""Cross-slot prefix sharing (--kv-share-prefix, patch 0021) on llama-server's default layout (four slots, one unified
 cache): a prompt that shares a long prefix with another slot's sequence takes its cells instead of prefilling them again,
 and its answer is bit for bit the answer of a fresh server that prefilled the whole prompt. Real llama-server processes
 (CPU build, demo model), requests one at a time and pinned to slots so that every batch has the same shape on both."""
