@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 8
+#define LLAMA_ROLLING_KV_API_VERSION 9
 
 // API 7: type_k_tail / type_v_tail may ask the planner to choose the tail's type (opt-in: a compressed tail is lossy).
 // When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
@@ -119,7 +119,8 @@ LLAMA_API struct llama_context * llama_init_from_model_rolling_kv_test(
         const struct llama_rolling_kv_params * rkv,
         const struct llama_rolling_kv_test_hooks * test);
 
-// Why the last llama_init_from_model_rolling_kv(_test) of this thread returned NULL ("" after a success).
+// Why the last llama_init_from_model_rolling_kv(_test) of this thread returned NULL, or (API 9) why its last
+// llama_rolling_kv_measure_link did not measure ("" after a success).
 LLAMA_API const char * llama_rolling_kv_last_error(void);
 
 // The residency plan of a context as JSON: mode requested and chosen ("off": the upstream cache,
@@ -170,6 +171,44 @@ LLAMA_API bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struc
 // read over a 256 MiB synthetic tail of `type` (f16, q8_0 or q4_0) on n_threads threads (<= 0: the hardware's
 // concurrency, at most 16). < 0 when the CPU part does not read that type.
 LLAMA_API double llama_rolling_kv_measure_cpu_attn_gbps(int32_t n_threads, enum ggml_type type);
+
+// API 9: a GPU's host<->device link as a split cache uses it: copies between the device and its backend's pinned host
+// memory (the memory a host tail lives in), timed through ggml-backend (the copies the planner times for its own link
+// figure; no backend-specific code). For each size, host-to-device for every size first, then device-to-host: one
+// warm-up copy, then 3 runs of reps[i] copies queued back to back on one backend stream, each run ended by one
+// synchronize; the median run's GB/s (10^9 B/s).
+enum llama_rolling_kv_link_status {
+    LLAMA_ROLLING_KV_LINK_OK        = 0,
+    LLAMA_ROLLING_KV_LINK_NO_GPU    = 1, // the library sees no GPU (a build without a GPU backend, no driver, or every
+                                         // device hidden, e.g. CUDA_VISIBLE_DEVICES=)
+    LLAMA_ROLLING_KV_LINK_NOT_FOUND = 2, // GPUs, but none is `device`
+    LLAMA_ROLLING_KV_LINK_FAILED    = 3, // bad arguments, no pinned host memory, no room on the device for the copies
+};
+
+#define LLAMA_ROLLING_KV_LINK_MAX_SIZES 8
+
+struct llama_rolling_kv_link_figures {
+    char   device[64];       // the ggml device measured ("CUDA0")
+    char   description[128]; // its description ("NVIDIA H100 80GB HBM3")
+    char   device_id[64];    // its PCI bus id as the backend reports it ("0000:3b:00.0"); "" when it reports none
+    double h2d_gbps[LLAMA_ROLLING_KV_LINK_MAX_SIZES]; // per size, in the order of sizes; 0 past n_sizes
+    double d2h_gbps[LLAMA_ROLLING_KV_LINK_MAX_SIZES];
+};
+
+// device: a GPU's ggml name ("CUDA0") or its PCI bus id ("0000:3b:00.0", either case); NULL or "": the first GPU.
+// sizes[i] bytes per copy and reps[i] >= 1 copies per run, for 1 to LLAMA_ROLLING_KV_LINK_MAX_SIZES sizes.
+// under_load (NULL: none) is called once, after the timed copies, while 4 host-to-device copies of the largest size
+// are in flight: GPUs lower their link's generation when idle, so a caller reads the link's state there (NVML).
+// Returns an llama_rolling_kv_link_status; other than OK, out holds no figures and llama_rolling_kv_last_error says
+// why. A backend failing a copy (a lost device) may end the process, as any ggml-backend call can.
+LLAMA_API int32_t llama_rolling_kv_measure_link(
+        const char    * device,
+        const size_t  * sizes,
+        const int32_t * reps,
+        int32_t         n_sizes,
+        void         (* under_load)(void * user_data),
+        void          * user_data,
+        struct llama_rolling_kv_link_figures * out);
 
 LLAMA_API const char * llama_kv_residency_mode_name(enum llama_kv_residency_mode mode);
 // -1 when s names no mode ("off", "auto", "head", "window")

@@ -310,35 +310,102 @@ double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string 
     });
 }
 
+bool llama_rkv_time_link_copies(ggml_backend_dev_t dev, const size_t * sizes, const int32_t * reps, size_t n_sizes,
+                                double * h2d_gbps, double * d2h_gbps, void (*under_load)(void *), void * user_data,
+                                bool * pinned, std::string * err) {
+    const char * name = dev ? ggml_backend_dev_name(dev) : "no device";
+    size_t max_size = 0;
+    for (size_t i = 0; i < n_sizes; ++i) {
+        if (sizes[i] == 0 || reps[i] < 1) {
+            *err = "a copy of 0 bytes or fewer than 1 copy per run";
+            return false;
+        }
+        max_size = std::max(max_size, sizes[i]);
+    }
+    ggml_backend_buffer_type_t host_buft = llama_rkv_dev_is_gpu(dev) ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (!host_buft) {
+        *err = std::string(name) + " is not a GPU with pinned host memory";
+        return false;
+    }
+    const std::string mib = std::to_string(max_size/LLAMA_RKV_MIB) + " MiB";
+    ggml_backend_buffer_ptr buf_h { ggml_backend_buft_alloc_buffer(host_buft, max_size) };
+    if (!buf_h) {
+        *err = "no " + mib + " of pinned host memory for " + name;
+        return false;
+    }
+    // a backend that cannot pin falls back to pageable memory (ggml-cuda: GGML_CUDA_NO_PINNED, or cudaMallocHost
+    // failing), as it does for the tails
+    *pinned = ggml_backend_buffer_get_type(buf_h.get()) == host_buft;
+    ggml_init_params params = { /*.mem_size =*/ ggml_tensor_overhead(), /*.mem_buffer =*/ NULL, /*.no_alloc =*/ true };
+    ggml_context_ptr ctx { ggml_init(params) };
+    ggml_tensor * t = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I8, max_size);
+    ggml_backend_buffer_type_t dev_buft = ggml_backend_dev_buffer_type(dev);
+    ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), dev_buft) };
+    ggml_backend_ptr backend { ggml_backend_dev_init(dev, nullptr) };
+    if (!buf_d || !backend) {
+        *err = buf_d ? std::string("cannot start a backend on ") + name : "no " + mib + " free on " + name;
+        return false;
+    }
+    // every page written before timing: nothing left to fault in
+    ggml_backend_buffer_clear(buf_h.get(), 0x5A);
+    ggml_backend_buffer_clear(buf_d.get(), 0);
+    void * host = ggml_backend_buffer_get_base(buf_h.get());
+
+    // n copies queued back to back on the backend's stream, one synchronize: the run's microseconds (at least 1)
+    auto run = [&](bool to_device, size_t size, int32_t n) {
+        const int64_t t0 = ggml_time_us();
+        for (int32_t i = 0; i < n; ++i) {
+            if (to_device) {
+                ggml_backend_tensor_set_async(backend.get(), t, host, 0, size);
+            } else {
+                ggml_backend_tensor_get_async(backend.get(), t, host, 0, size);
+            }
+        }
+        ggml_backend_synchronize(backend.get());
+        return std::max<int64_t>(ggml_time_us() - t0, 1);
+    };
+    for (const bool to_device : { true, false }) {
+        double * out = to_device ? h2d_gbps : d2h_gbps;
+        if (!out) {
+            continue;
+        }
+        for (size_t i = 0; i < n_sizes; ++i) {
+            run(to_device, sizes[i], 1); // warm-up: clocks and link out of idle, mappings made
+            int64_t us[LLAMA_RKV_LINK_RUNS];
+            for (int64_t & u : us) {
+                u = run(to_device, sizes[i], reps[i]);
+            }
+            std::sort(us, us + LLAMA_RKV_LINK_RUNS);
+            out[i] = (double) sizes[i]*reps[i]/(us[LLAMA_RKV_LINK_RUNS/2]*1e-6)/1e9;
+        }
+    }
+    if (under_load) {
+        for (int i = 0; i < LLAMA_RKV_LINK_LOAD_COPIES; ++i) {
+            ggml_backend_tensor_set_async(backend.get(), t, host, 0, max_size);
+        }
+        under_load(user_data);
+        ggml_backend_synchronize(backend.get());
+    }
+    return true;
+}
+
 double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how) {
     static llama_rkv_measured_once<ggml_backend_dev_t> once;
     return once.get(dev, how, [dev](std::string * desc) {
-        ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-        if (!host_buft || !llama_rkv_dev_is_gpu(dev)) {
-            *desc = "not measured: the device has no pinned host buffer type";
+        const size_t  size = 256*LLAMA_RKV_MIB;
+        const int32_t reps = 2;
+        double gbps = -1.0;
+        bool pinned = false;
+        std::string err;
+        if (!llama_rkv_time_link_copies(dev, &size, &reps, 1, &gbps, nullptr, nullptr, nullptr, &pinned, &err)) {
+            *desc = "not measured: " + err;
             return -1.0;
         }
-        const size_t size = 256*LLAMA_RKV_MIB;
-        ggml_init_params params = { /*.mem_size =*/ 2*ggml_tensor_overhead(), /*.mem_buffer =*/ NULL,
-                                   /*.no_alloc =*/ true };
-        ggml_context_ptr ctx_h { ggml_init(params) };
-        ggml_context_ptr ctx_d { ggml_init(params) };
-        ggml_tensor * a = ggml_new_tensor_1d(ctx_h.get(), GGML_TYPE_I8, size);
-        ggml_tensor * b = ggml_new_tensor_1d(ctx_d.get(), GGML_TYPE_I8, size);
-        ggml_backend_buffer_ptr buf_h { ggml_backend_alloc_ctx_tensors_from_buft(ctx_h.get(), host_buft) };
-        ggml_backend_buffer_ptr buf_d { ggml_backend_alloc_ctx_tensors_from_buft(ctx_d.get(),
-                ggml_backend_dev_buffer_type(dev)) };
-        if (!buf_h || !buf_d) {
-            *desc = "not measured: no memory for a 256 MiB pinned copy";
-            return -1.0;
-        }
-        ggml_backend_buffer_clear(buf_h.get(), 0);
-        ggml_backend_tensor_copy(a, b); // untimed: the first copy maps what it needs
-        // a host source: a synchronous tensor_set from pinned memory
-        const int64_t best_us = llama_rkv_best_us([&](int) { ggml_backend_tensor_copy(a, b); });
-        *desc = "256 MiB pinned host-to-device copy to " + std::string(ggml_backend_dev_name(dev)) + ", best of " +
-                std::to_string(LLAMA_RKV_BW_REPS);
-        return size/(best_us*1e-6)/1e9;
+        // pageable host memory (pinning failed): the tails get the same, so its figure is the one to plan with
+        *desc = std::string("256 MiB ") + (pinned ? "pinned" : "pageable") + " host-to-device copies to " +
+                ggml_backend_dev_name(dev) + ", median of " + std::to_string(LLAMA_RKV_LINK_RUNS) + " runs of " +
+                std::to_string(reps);
+        return gbps;
     });
 }
 

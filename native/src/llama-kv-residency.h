@@ -443,9 +443,25 @@ struct llama_rkv_decide_in;
 // above; none without a split, on host memory, or for tail types the CPU part does not read
 void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & in);
 
-// pinned host-to-device bandwidth of dev in GB/s from timed copies through ggml-backend (once per device and
+// pinned host-to-device bandwidth of dev in GB/s from llama_rkv_time_link_copies (256 MiB; once per device and
 // process); < 0 when it could not be measured
 double llama_rkv_measure_link_bw(ggml_backend_dev_t dev, std::string * how);
+
+// the link copies: runs per size (the median run's figure is kept), and the copies of the largest size in flight while
+// under_load is called
+static const int LLAMA_RKV_LINK_RUNS        = 3;
+static const int LLAMA_RKV_LINK_LOAD_COPIES = 4;
+
+// Timed copies between a GPU and its backend's pinned host memory (ggml_backend_dev_host_buffer_type, where tails
+// live), through ggml-backend alone: what both the planner's link figure and llama_rolling_kv_measure_link measure.
+// For each size, host-to-device (into h2d_gbps) then device-to-host (into d2h_gbps; nullptr: not timed): one warm-up
+// copy, then LLAMA_RKV_LINK_RUNS runs of reps[i] copies queued back to back on one backend stream, each run ended by
+// one synchronize; the median run's GB/s (10^9 B/s). Then, when under_load is given, it is called while
+// LLAMA_RKV_LINK_LOAD_COPIES host-to-device copies of the largest size are in flight. *pinned: whether the host memory
+// was pinned (a backend that cannot pin gives pageable memory). false with *err when nothing was measured.
+bool llama_rkv_time_link_copies(ggml_backend_dev_t dev, const size_t * sizes, const int32_t * reps, size_t n_sizes,
+                                double * h2d_gbps, double * d2h_gbps, void (*under_load)(void *), void * user_data,
+                                bool * pinned, std::string * err);
 
 // what dev spends on the streaming op beyond its tensors, as its backend reports it (GGML_RKV_DEV_BUDGET_PROC,
 // ggml-rolling-kv.h): the ring it streams a tail through, for tails whose widest layer has these K/V rows (bytes per

@@ -37,6 +37,7 @@ size_t llama_rolling_kv_sizeof_model_params(void) {
 #include "llama-impl.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
@@ -700,4 +701,82 @@ bool llama_rolling_kv_plan_get(const struct llama_context * ctx, struct llama_ro
 
 double llama_rolling_kv_measure_cpu_attn_gbps(int32_t n_threads, enum ggml_type type) {
     return llama_rkv_cpu_attn_measure_gbps(n_threads, type, 0);
+}
+
+static_assert(LLAMA_RKV_LINK_RUNS == 3 && LLAMA_RKV_LINK_LOAD_COPIES == 4, "llama-rolling-kv.h states these counts");
+
+static bool llama_rkv_same_name(const char * a, const char * b) {
+    for (; *a && *b; ++a, ++b) {
+        if (tolower((unsigned char) *a) != tolower((unsigned char) *b)) {
+            return false;
+        }
+    }
+    return *a == *b;
+}
+
+// a GPU by ggml name or PCI bus id (either case); nullptr or "": the first one
+static ggml_backend_dev_t llama_rkv_link_device(const char * device, std::string * seen) {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (!llama_rkv_dev_is_gpu(dev)) {
+            continue;
+        }
+        ggml_backend_dev_props props;
+        ggml_backend_dev_get_props(dev, &props);
+        if (!device || !*device || llama_rkv_same_name(device, ggml_backend_dev_name(dev)) ||
+            (props.device_id && llama_rkv_same_name(device, props.device_id))) {
+            return dev;
+        }
+        *seen += std::string(seen->empty() ? "" : ", ") + ggml_backend_dev_name(dev) + " (" +
+                 (props.device_id ? props.device_id : "no bus id") + ")";
+    }
+    return nullptr;
+}
+
+static void llama_rkv_copy_str(char * dst, size_t size, const char * src) {
+    snprintf(dst, size, "%s", src ? src : "");
+}
+
+int32_t llama_rolling_kv_measure_link(const char * device, const size_t * sizes, const int32_t * reps, int32_t n_sizes,
+                                      void (*under_load)(void *), void * user_data,
+                                      struct llama_rolling_kv_link_figures * out) {
+    g_rkv_last_error.clear();
+    if (!out || !sizes || !reps || n_sizes < 1 || n_sizes > LLAMA_ROLLING_KV_LINK_MAX_SIZES) {
+        g_rkv_last_error = "llama_rolling_kv_measure_link: no output, or not 1 to " +
+                           std::to_string(LLAMA_ROLLING_KV_LINK_MAX_SIZES) + " sizes";
+        return LLAMA_ROLLING_KV_LINK_FAILED;
+    }
+    *out = {};
+    std::string seen;
+    ggml_backend_dev_t dev = llama_rkv_link_device(device, &seen);
+    if (!dev) {
+        if (seen.empty()) {
+            g_rkv_last_error = "this library sees no GPU (a build without a GPU backend, no driver, or every device "
+                               "hidden)";
+            return LLAMA_ROLLING_KV_LINK_NO_GPU;
+        }
+        g_rkv_last_error = std::string("no GPU ") + device + " among " + seen;
+        return LLAMA_ROLLING_KV_LINK_NOT_FOUND;
+    }
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    const char * name = ggml_backend_dev_name(dev);
+    const std::string not_pinned = std::string(name) + "'s backend gives pageable host memory, not pinned";
+    if (!props.caps.host_buffer) { // ggml-cuda: GGML_CUDA_NO_PINNED is set
+        g_rkv_last_error = not_pinned + " (GGML_CUDA_NO_PINNED is set?)";
+        return LLAMA_ROLLING_KV_LINK_FAILED;
+    }
+    bool pinned = false;
+    std::string err;
+    const bool ok = llama_rkv_time_link_copies(dev, sizes, reps, (size_t) n_sizes, out->h2d_gbps, out->d2h_gbps,
+                                               under_load, user_data, &pinned, &err);
+    if (!ok || !pinned) {
+        *out = {};
+        g_rkv_last_error = ok ? not_pinned + " (pinning failed)" : err;
+        return LLAMA_ROLLING_KV_LINK_FAILED;
+    }
+    llama_rkv_copy_str(out->device, sizeof(out->device), name);
+    llama_rkv_copy_str(out->description, sizeof(out->description), ggml_backend_dev_description(dev));
+    llama_rkv_copy_str(out->device_id, sizeof(out->device_id), props.device_id);
+    return LLAMA_ROLLING_KV_LINK_OK;
 }

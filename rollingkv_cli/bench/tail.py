@@ -271,9 +271,10 @@ def apply_floors(cells: list[dict], gbps: float | None, cpu_gbps: dict | None = 
 # ------------------------------------------------------------------------------------------ bandwidth
 
 
-def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
-    """Pinned host-to-device GB/s for the floors, measured now (cudart.measure, 256 MiB copies); None without a GPU."""
-    from rollingkv_cli.hw import cudart, pcie
+def measure_bandwidth(gpu_index: int, explicit: float | None, lib_dir: Path) -> dict:
+    """Pinned host-to-device GB/s for the floors, measured now by the build's libllama (link_bw.measure, 256 MiB
+    copies); None without a GPU."""
+    from rollingkv_cli.hw import link_bw, pcie
 
     if explicit is not None:
         return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
@@ -286,14 +287,15 @@ def measure_bandwidth(gpu_index: int, explicit: float | None) -> dict:
         abort(f"--gpu {gpu_index}: no such GPU", f"NVML sees GPUs {', '.join(str(g.index) for g in gpus)}")
     try:
         with console.status(f"measuring pinned host-to-device copies on GPU {gpu.index} ({esc(gpu.name)})"):
-            entry = cudart.measure(gpu)
-    except (cudart.CudaUnavailable, cudart.MeasureError) as e:
+            entry = link_bw.measure(lib_dir, gpu)
+    except link_bw.Unavailable as e:
         res = pcie.resolve_bandwidth(gpu_index, gpus=gpus)
         return {"gbps": res.gbps, "source": f"resolved ({res.tier})", "gpu": pcie.gpu_dict(gpu),
-                "note": f"measuring failed ({e}); using {res.gbps:g} GB/s: {res.detail}"}
+                "note": f"measuring failed ({e.message}); using {res.gbps:g} GB/s: {res.detail}"}
     gbps = entry["h2d"].get(str(pcie.RESOLVE_SIZE_MIB))
     return {"gbps": gbps, "source": "measured", "gpu": pcie.gpu_dict(gpu), "measurement": entry,
-            "note": f"pinned host-to-device, {pcie.RESOLVE_SIZE_MIB} MiB copies, median, measured in this run"}
+            "note": f"pinned host-to-device, {pcie.RESOLVE_SIZE_MIB} MiB copies, median of 3 runs, measured in this run "
+                    "by the build's libllama"}
 
 
 def measure_cpu_attn(cfg: TailConfig) -> dict:
@@ -451,7 +453,7 @@ def run(cfg: TailConfig, doc: dict, model, resume: bool) -> dict:
         n = resume_cells(cfg.out, doc)
         if n:
             console.print(f"--resume: {n} measured cells taken over from {cfg.out}", style="dim", markup=False)
-    doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps)
+    doc["bandwidth"] = measure_bandwidth(cfg.gpu, cfg.pcie_bw_gbps, cfg.bench.parent)
     if doc["bandwidth"]["gbps"] is None:
         doc["notes"].append(doc["bandwidth"]["note"])
     # every auto cell's plan gets the link (hybrid and tail-type cells: without it an auto tail-type cell passed the

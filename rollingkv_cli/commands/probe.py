@@ -24,8 +24,9 @@ def pcie(refresh: bool, no_measure: bool, as_json: bool, gpu_index: int | None, 
 
     Per GPU: the link generation and width now and at most (flagged "downtrained" when it runs below
     what GPU and slot allow), its theoretical per-direction GB/s, pinned host-to-device and device-to-host
-    copies of 1, 16 and 256 MiB measured through the CUDA runtime (cached in <cache>/pcie/profile.json
-    per GPU UUID and driver; --refresh measures again), and the resolved bandwidth with its tier:
+    copies of 1, 16 and 256 MiB measured by the active build's libllama in a child process (a CUDA build:
+    the copies a host tail makes, through its GPU backend; cached in <cache>/pcie/profile.json per GPU
+    UUID and driver; --refresh measures again), and the resolved bandwidth with its tier:
     explicit ($ROLLINGKV_PCIE_BW_GBPS) > measured > theoretical x 0.85 > default 6.5 GB/s.
 
     Also the CPU decode attention's GB/s for f16, q8_0 and q4_0 tails at -t threads, measured by the active

@@ -89,29 +89,13 @@ def parse_child_output(rc: int | None, out: str, err: str, describe_exit=None) -
 # ------------------------------------------------------------------------------------------ the child side
 
 
-def _load(lib_dir: Path) -> ctypes.CDLL:
-    from rollingkv_cli.lib.llama_ext import preload_cxx_runtime
-
-    preload_cxx_runtime()
-    try:
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
-        if hasattr(ggml, "ggml_backend_dev_count") and hasattr(ggml, "ggml_backend_load_all_from_path"):
-            ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-            if ggml.ggml_backend_dev_count() == 0:  # backends built as modules register only once loaded
-                ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-                ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
-    except OSError:
-        pass  # a build without a separate libggml: libllama brings what it needs
-    return ctypes.CDLL(str(lib_dir / "libllama.so"))
-
-
 def child(lib_dir: Path, n_threads: int, types: list[str]) -> dict:
-    from rollingkv_cli.lib.llama_ext import API_TAIL_CPU, measure_cpu_attn_gbps
+    from rollingkv_cli.lib.llama_ext import API_TAIL_CPU, load_libllama, measure_cpu_attn_gbps
 
     if not (lib_dir / "libllama.so").is_file():
         return {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
     try:
-        lib = _load(lib_dir)
+        lib = load_libllama(lib_dir)
     except OSError as e:
         return {"error": f"cannot load {lib_dir / 'libllama.so'}: {e}", "kind": "load"}
     if not hasattr(lib, "llama_rolling_kv_build_info"):

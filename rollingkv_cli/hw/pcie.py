@@ -6,8 +6,8 @@ Three sources, best last:
   sysfs (`/sys/bus/pci/devices/<bus id>/{current,max}_link_{speed,width}`) for any field NVML lacks;
 * the theoretical per-direction bandwidth of that link: GT/s per lane x lanes x encoding (8b/10b for
   Gen1-2, 128b/130b for Gen3-5, FLIT 242/256 for Gen6) / 8, in GB/s (10^9 bytes/s);
-* a measurement: pinned host<->device copies of 1, 16 and 256 MiB (cudart.py), cached per GPU UUID + driver
-  version in the per-machine profile (profile.py).
+* a measurement: pinned host<->device copies of 1, 16 and 256 MiB timed by the build's libllama (link_bw.py), cached
+  per GPU UUID + driver version in the per-machine profile (profile.py).
 
 `resolve_bandwidth()` turns that into the one number the server plans with (see its docstring for the
 order). No click in here: the command is rollingkv_cli/commands/probe.py.
@@ -39,7 +39,7 @@ EFFICIENCY = 0.85
 DEFAULT_GBPS = 6.5
 DEFAULT_DETAIL = "PCIe 3.0 x8 assumed"
 
-SIZES_MIB = (1, 16, 256)  # the copies a measurement times (cudart.py), per direction
+SIZES_MIB = (1, 16, 256)  # the copies a measurement times (link_bw.py), per direction
 RESOLVE_SIZE_MIB = 256  # the measured figure the server plans with (large copies: what KV streaming does)
 
 _GT_PER_LANE = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}

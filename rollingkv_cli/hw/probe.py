@@ -3,7 +3,7 @@ prints), and the table printed from that same report. commands/probe.py is the c
 
 from __future__ import annotations
 
-from rollingkv_cli.hw import cudart, pcie as link, profile
+from rollingkv_cli.hw import link_bw, pcie as link, profile
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -16,34 +16,44 @@ def _triple(figures: dict | None) -> str:
     return " ".join(f"{_fmt(figures.get(str(m))):>5}" for m in link.SIZES_MIB)
 
 
+# what to do about a measurement the build cannot make (link_bw.Unavailable.kind), after its reason
+_PER_BUILD_HINT = {
+    "no_build": "`rollingkv build --cuda` makes one",
+    "load": "rebuild with `rollingkv build --cuda`",
+    "no_function": "rebuild with `rollingkv build --cuda`",
+    "no_gpu": "a CPU build (`rollingkv build --cuda` makes a CUDA one), or the GPU hidden by CUDA_VISIBLE_DEVICES",
+}
+
+
 def measure_links(shown: list, entries: dict, refresh: bool, status=None) -> tuple[dict, dict[int, str]]:
-    """Measure the GPUs in `shown` without a cached measurement (all of them with refresh); a failure only warns.
-    (the profile's entries after it, {GPU index: why its measurement failed}). status(text): a context manager shown
-    while a GPU measures, or None."""
+    """Measure the GPUs in `shown` without a cached measurement (all of them with refresh) with the active build's
+    libllama (link_bw.py, in a child); a failure only warns. (the profile's entries after it, {GPU index: why its
+    measurement failed}). status(text): a context manager shown while a GPU measures, or None."""
     import contextlib
 
     from rollingkv_cli.console import warn
+    from rollingkv_cli.lib import builder
 
     errors: dict[int, str] = {}
-    cuda_missing = False
+    build = builder.active_build(required=False)
+    cannot: str | None = None  # why the build measures no GPU at all
     for g in shown:
         if profile.cached_measurement(g, entries) is not None and not refresh:
             continue
-        if cuda_missing:
-            errors[g.index] = "no CUDA runtime (libcudart) found"
+        if cannot is not None:
+            errors[g.index] = cannot
             continue
         try:
             with (status(f"measuring GPU {g.index} ({g.name}): pinned copies of 1, 16, 256 MiB") if status
                   else contextlib.nullcontext()):
-                m = cudart.measure(g)
-        except cudart.CudaUnavailable as e:
-            cuda_missing = True
-            errors[g.index] = str(e)
-            warn(f"{e}: not measuring, theoretical figures only (install the CUDA runtime or set LD_LIBRARY_PATH)")
-            continue
-        except cudart.MeasureError as e:
-            errors[g.index] = str(e)
-            warn(f"GPU {g.index}: measuring failed: {e}")
+                m = link_bw.measure(build.lib_dir if build else None, g)
+        except link_bw.Unavailable as e:
+            errors[g.index] = e.message
+            if e.per_build:
+                cannot = e.message
+                warn(f"{e.message}: not measuring, theoretical figures only ({_PER_BUILD_HINT[e.kind]})")
+            else:
+                warn(f"GPU {g.index}: measuring failed: {e.message}")
             continue
         profile.save_measurement(g, m)
         entries = profile.load_profile()
@@ -117,7 +127,7 @@ def print_pcie_report(doc: dict) -> None:
         gen, width, loaded = _effective(g)
         mx, entry, res = g["link"]["max"], g["measured"], g["resolved"]
         if entry:
-            note(f"GPU {g['index']}: measured {entry.get('measured_at')} with {entry.get('cudart')} (CUDA {entry.get('cudart_version')})")
+            note(f"GPU {g['index']}: measured {entry.get('measured_at')} by {link_bw.measured_with(entry)}")
         if g["link"]["downtrained"]:
             why = ("read at idle, when GPUs may lower the generation to save power: measuring reads it under load"
                    if _maybe_idle(mx["width"], loaded, width) else "under load" if loaded else "fewer lanes than the slot has")

@@ -1,6 +1,6 @@
 """The per-machine profile: `<cache dir>/pcie/profile.json`, what was measured on this machine and is not measured again.
 
-{"version", "entries": {GPU UUID|driver: a link measurement (cudart.measure)}, "cpu_attn": {machine key: a CPU
+{"version", "entries": {GPU UUID|driver: a link measurement (link_bw.measure)}, "cpu_attn": {machine key: a CPU
 attention calibration (cpu_attn.measure)}}. A corrupt file is moved aside with a warning, never lost.
 """
 

@@ -78,7 +78,7 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 8
+API_VERSION = 9
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
@@ -89,6 +89,9 @@ API_TAIL_AUTO = 7  # the first API whose tail types take auto (LLAMA_ROLLING_KV_
 # read ROLLINGKV_DEBUG_PERTURB_TAIL themselves, and a bad ROLLINGKV_DEBUG_PERTURB_MOVE was ignored)
 API_TEST_HOOKS = 8
 TEST_HOOKS_SYMBOL = "llama_init_from_model_rolling_kv_test"
+# the first API with llama_rolling_kv_measure_link (the host<->GPU link timed by libllama through ggml-backend)
+API_MEASURE_LINK = 9
+MEASURE_LINK_SYMBOL = "llama_rolling_kv_measure_link"
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
@@ -162,6 +165,76 @@ def tail_cpu_frac_value(frac: float | str | None) -> float | None:
     if not math.isfinite(f) or not 0.0 <= f <= 1.0:
         raise ValueError(f"tail_cpu_frac {frac!r} is not auto or a fraction from 0 to 1")
     return f
+
+
+LINK_MAX_SIZES = 8  # LLAMA_ROLLING_KV_LINK_MAX_SIZES
+# enum llama_rolling_kv_link_status
+LINK_OK, LINK_NO_GPU, LINK_NOT_FOUND, LINK_FAILED = 0, 1, 2, 3
+
+
+class LinkFigures(ctypes.Structure):
+    """struct llama_rolling_kv_link_figures (include/llama-rolling-kv.h, API 9): the GPU measured and its GB/s per size."""
+
+    _fields_ = [
+        ("device", ctypes.c_char * 64),
+        ("description", ctypes.c_char * 128),
+        ("device_id", ctypes.c_char * 64),
+        ("h2d_gbps", ctypes.c_double * LINK_MAX_SIZES),
+        ("d2h_gbps", ctypes.c_double * LINK_MAX_SIZES),
+    ]
+
+
+LINK_UNDER_LOAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void (*under_load)(void * user_data)
+LINK_ARGTYPES = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                 LINK_UNDER_LOAD, ctypes.c_void_p, ctypes.POINTER(LinkFigures)]
+
+
+class LinkUnavailable(Exception):
+    """llama_rolling_kv_measure_link measured nothing: status (LINK_NO_GPU, LINK_NOT_FOUND, LINK_FAILED) and the
+    library's reason."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def measure_link(lib: ctypes.CDLL, device: str | None, sizes: list[int], reps: list[int], under_load=None) -> LinkFigures:
+    """llama_rolling_kv_measure_link on lib: copies of sizes[i] bytes, reps[i] per run, between the GPU `device` (its PCI
+    bus id or ggml name; None: the first GPU) and its backend's pinned host memory; under_load() is called while copies
+    are in flight. LinkUnavailable when it measured nothing; AttributeError when lib has no such function (before API 9)."""
+    if not sizes or len(sizes) != len(reps) or len(sizes) > LINK_MAX_SIZES:
+        raise ValueError(f"1 to {LINK_MAX_SIZES} sizes, each with its copies per run")
+    fn = getattr(lib, MEASURE_LINK_SYMBOL)
+    fn.restype = ctypes.c_int32
+    fn.argtypes = LINK_ARGTYPES
+    lib.llama_rolling_kv_last_error.restype = ctypes.c_char_p
+    lib.llama_rolling_kv_last_error.argtypes = []
+    n = len(sizes)
+    out = LinkFigures()
+    # a NULL function pointer without a callback; the callback object lives until the call returns
+    cb = LINK_UNDER_LOAD(lambda _user: under_load()) if under_load else ctypes.cast(None, LINK_UNDER_LOAD)
+    status = fn(device.encode() if device else None, (ctypes.c_size_t * n)(*sizes), (ctypes.c_int32 * n)(*reps), n, cb,
+                None, ctypes.byref(out))
+    if status != LINK_OK:
+        raise LinkUnavailable(int(status), (lib.llama_rolling_kv_last_error() or b"").decode(errors="replace") or
+                              f"status {status}")
+    return out
+
+
+def load_libllama(lib_dir: Path) -> ctypes.CDLL:
+    """libllama of a build, loaded in this process (a child's: the CLI itself never loads it), with the ggml backends a
+    build of backend modules registers only once loaded. OSError when it does not load."""
+    preload_cxx_runtime()
+    try:
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
+        if hasattr(ggml, "ggml_backend_dev_count") and hasattr(ggml, "ggml_backend_load_all_from_path"):
+            ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+            if ggml.ggml_backend_dev_count() == 0:  # backends built as modules register only once loaded
+                ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+                ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+    except OSError:
+        pass  # a build without a separate libggml: libllama brings what it needs
+    return ctypes.CDLL(str(lib_dir / "libllama.so"))
 
 
 def bind_measure_cpu_attn(lib: ctypes.CDLL) -> bool:

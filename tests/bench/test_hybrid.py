@@ -73,7 +73,7 @@ def cuda_build(tmp_path, monkeypatch, isolated_cache):
                         lambda required=True: builder.Build(state["dir"], {"options": {"cuda": state["cuda"]}, "series_hash": "fake"}))
     link = {"gbps": 20.0}
 
-    def measured(gpu, explicit):
+    def measured(gpu, explicit, lib_dir):
         if explicit is not None:
             return {"gbps": float(explicit), "source": "explicit", "note": "given with --pcie-bw-gbps, not measured"}
         return {"gbps": link["gbps"], "source": "measured", "note": "fake link"}

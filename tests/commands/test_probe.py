@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollingkv_cli.hw import cudart, pcie, probe, profile
+from rollingkv_cli.hw import link_bw, pcie, probe, profile
 
 NO_CPU = {"n_threads": 2, "gbps": None, "error": "no rollingkv build"}
 
@@ -21,7 +21,7 @@ def gpu(index=0, cur=(4, 16), mx=(4, 16)) -> pcie.GpuInfo:
 
 def entry(g, h2d=25.0, under_load=None) -> dict:
     return {"uuid": g.uuid, "driver_version": g.driver_version, "pci_bus_id": g.pci_bus_id, "measured_at": "2026-12-06T00:00:00Z",
-            "cudart": "fake", "cudart_version": "13.0", "h2d": {"1": 10.0, "16": 20.0, "256": h2d},
+            "lib": "/fake/libllama.so", "backend_device": "CUDA0", "h2d": {"1": 10.0, "16": 20.0, "256": h2d},
             "d2h": {"1": 10.0, "16": 20.0, "256": h2d}, "link_idle": {"gen": g.cur_gen, "width": g.cur_width},
             "link_under_load": under_load or {"gen": None, "width": None}}
 
@@ -58,7 +58,7 @@ def test_measure_links_keeps_a_cached_measurement(clean, monkeypatch):
     g, other = gpu(0), gpu(1)
     profile.save_measurement(g, entry(g))
     measured = []
-    monkeypatch.setattr(cudart, "measure", lambda x: measured.append(x.index) or entry(x, h2d=12.0))
+    monkeypatch.setattr(link_bw, "measure", lambda lib, x: measured.append(x.index) or entry(x, h2d=12.0))
     entries, errors = probe.measure_links([g, other], profile.load_profile(), refresh=False)
     assert measured == [1] and errors == {}
     assert profile.cached_measurement(other, entries)["h2d"]["256"] == 12.0
@@ -66,14 +66,37 @@ def test_measure_links_keeps_a_cached_measurement(clean, monkeypatch):
     assert measured == [1, 0]
 
 
-def test_measure_links_without_cuda_warns_once_and_records_why(clean, monkeypatch, capsys):
+@pytest.mark.parametrize("kind,hint", [("no_build", "makes one"), ("no_gpu", "CUDA_VISIBLE_DEVICES"),
+                                       ("no_function", "rebuild"), ("load", "rebuild")])
+def test_a_build_that_cannot_measure_warns_once_and_records_why(clean, monkeypatch, capsys, kind, hint):
     calls = []
 
-    def unavailable(g):
+    def unavailable(lib, g):
         calls.append(g.index)
-        raise cudart.CudaUnavailable("no CUDA runtime (libcudart) found")
+        raise link_bw.Unavailable(f"cannot ({kind})", kind)
 
-    monkeypatch.setattr(cudart, "measure", unavailable)
+    monkeypatch.setattr(link_bw, "measure", unavailable)
     _, errors = probe.measure_links([gpu(0), gpu(1)], {}, refresh=False)
-    assert calls == [0] and set(errors) == {0, 1} and all("libcudart" in e for e in errors.values())
-    assert capsys.readouterr().err.count("not measuring") == 1
+    assert calls == [0] and errors == {0: f"cannot ({kind})", 1: f"cannot ({kind})"}
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("not measuring") == 1 and hint in err
+
+
+def test_a_gpu_that_fails_warns_and_the_next_is_measured(clean, monkeypatch, capsys):
+    def measure(lib, g):
+        if g.index == 0:
+            raise link_bw.Unavailable("no GPU 0000:00:00.0 among CUDA0 (0000:01:00.0)", "not_found")
+        return entry(g, h2d=30.0)
+
+    monkeypatch.setattr(link_bw, "measure", measure)
+    entries, errors = probe.measure_links([gpu(0), gpu(1)], {}, refresh=False)
+    assert set(errors) == {0} and profile.cached_measurement(gpu(1), entries)["h2d"]["256"] == 30.0
+    assert "GPU 0: measuring failed: no GPU" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_note_names_the_library_that_measured(clean, capsys):
+    g = gpu()
+    profile.save_measurement(g, entry(g))
+    probe.print_pcie_report(probe.pcie_report([g], [g], profile.load_profile(), {}, NO_CPU))
+    out = capsys.readouterr()
+    assert "measured 2026-12-06T00:00:00Z by /fake/libllama.so (CUDA0)" in " ".join((out.out + out.err).split())

@@ -1,4 +1,5 @@
-"""`rollingkv probe pcie` and rollingkv_cli.hw.pcie without a GPU: NVML, sysfs and the CUDA runtime are faked."""
+"""`rollingkv probe pcie` and rollingkv_cli.hw.pcie without a GPU: NVML and sysfs are faked, and there is no build to
+measure the link with (the measurement itself: test_link_bw.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollingkv_cli.hw import pcie, cudart, profile
+from rollingkv_cli.hw import link_bw, pcie, profile
 from rollingkv_cli.console import RollingKVError
 from test_cli import run_main
 
@@ -59,16 +60,11 @@ def link(cur_gen, cur_width, max_gen=None, max_width=None, **kw) -> dict:
 
 @pytest.fixture
 def env(monkeypatch, isolated_cache, tmp_path):
-    """An isolated cache, an empty fake sysfs, no explicit bandwidth, and no real CUDA runtime."""
+    """An isolated cache (so no active build: nothing measures the link), an empty fake sysfs, no explicit bandwidth."""
     sysfs = tmp_path / "sys-bus-pci-devices"
     sysfs.mkdir()
     monkeypatch.setattr(pcie, "SYSFS_PCI_DEVICES", sysfs)
     monkeypatch.delenv("ROLLINGKV_PCIE_BW_GBPS", raising=False)
-
-    def no_cudart():
-        raise cudart.CudaUnavailable("no CUDA runtime (libcudart) found")
-
-    monkeypatch.setattr(cudart, "load_cudart", no_cudart)
 
     def install(gpus=None, init_error=None):
         monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(gpus, init_error))
@@ -88,8 +84,8 @@ def write_sysfs(root, addr, **files):
 def fake_entry(gpu: pcie.GpuInfo, h2d256=50.0, **kw) -> dict:
     e = {
         "uuid": gpu.uuid, "driver_version": gpu.driver_version, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id,
-        "measured_at": "2026-01-01T00:00:00Z", "measured_at_unix": 1767225600, "cudart": "fake", "cudart_version": "13.0",
-        "cuda_device": 0, "h2d": {"1": 30.0, "16": 45.0, "256": h2d256}, "d2h": {"1": 31.0, "16": 46.0, "256": h2d256 - 1},
+        "measured_at": "2026-01-01T00:00:00Z", "measured_at_unix": 1767225600, "lib": "/fake/libllama.so",
+        "build_info": "rollingkv api=9", "backend_device": "CUDA0", "backend_description": "fake", "h2d": {"1": 30.0, "16": 45.0, "256": h2d256}, "d2h": {"1": 31.0, "16": 46.0, "256": h2d256 - 1},
         "link_idle": {"gen": gpu.cur_gen, "width": gpu.cur_width}, "link_under_load": {"gen": None, "width": None},
     }
     e.update(kw)
@@ -188,12 +184,12 @@ def test_gen3_x8(env, capsys):
     assert g.theoretical_current == pytest.approx(7.877, abs=1e-3)
     res = pcie.resolve_bandwidth(0)
     assert res.tier == "theoretical" and res.gbps == pytest.approx(7.877 * 0.85, abs=1e-3)
-    code, out, _ = run_main(["probe", "pcie", "--json"], capsys)  # measuring is attempted: no cudart here
+    code, out, _ = run_main(["probe", "pcie", "--json"], capsys)  # measuring is attempted: no build here
     assert code == 0
     d = json.loads(out)["gpus"][0]
     assert d["name"] == "NVIDIA A2" and d["link"]["current"] == {"gen": 3, "width": 8}
     assert d["theoretical_gbps"]["current"] == pytest.approx(7.877, abs=1e-3)
-    assert d["measured"] is None and "libcudart" in d["measure_error"]
+    assert d["measured"] is None and "no rollingkv build" in d["measure_error"]
     assert d["resolved"]["tier"] == "theoretical"
 
 
@@ -387,7 +383,7 @@ def test_corrupt_cache_moved_aside(env, capsys, content):
 def test_corrupt_cache_cli_remeasures(env, capsys, monkeypatch):
     env([link(5, 16)])
     calls = []
-    monkeypatch.setattr(cudart, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=55.25))
+    monkeypatch.setattr(link_bw, "measure", lambda lib, g: calls.append(g.index) or fake_entry(g, h2d256=55.25))
     p = profile.profile_path()
     p.parent.mkdir(parents=True)
     p.write_text('{"entries": ')
@@ -402,7 +398,7 @@ def test_corrupt_cache_cli_remeasures(env, capsys, monkeypatch):
 def test_cache_reused_and_refresh(env, capsys, monkeypatch):
     env([link(5, 16, uuid="GPU-a"), link(4, 16, uuid="GPU-b", bus="00000000:5E:00.0")])
     calls = []
-    monkeypatch.setattr(cudart, "measure", lambda g: calls.append(g.index) or fake_entry(g, h2d256=50.0 + g.index))
+    monkeypatch.setattr(link_bw, "measure", lambda lib, g: calls.append(g.index) or fake_entry(g, h2d256=50.0 + g.index))
     code, out, _ = run_main(["probe", "pcie", "--json"], capsys)
     assert code == 0 and calls == [0, 1]
     assert [d["resolved"]["gbps"] for d in json.loads(out)["gpus"]] == [50.0, 51.0]
@@ -429,159 +425,26 @@ def test_slot_change_invalidates_cache(env):
     assert profile.cached_measurement(g) is None
 
 
-def test_no_cudart_warns_and_shows_theoretical(env, capsys):
-    env([link(5, 16)])
+def test_no_build_warns_once_and_shows_theoretical(env, capsys):
+    env([link(5, 16), link(4, 16, uuid="GPU-b", bus="00000000:5E:00.0")])
     code, out, err = run_main(["probe", "pcie"], capsys)
-    assert code == 0 and "no CUDA runtime" in err and "theoretical" in out
+    err = " ".join((out + err).split())
+    assert code == 0 and "theoretical" in out
+    assert err.count("no rollingkv build: the link is measured by its libllama: not measuring") == 1
+    assert "rollingkv build --cuda" in err
     assert not profile.profile_path().exists()
 
 
-# ------------------------------------------------------------------------------------ measurement
-
-
-class FakeCudart:
-    """Speaks the runtime calls measure() makes; copies 'take' size / rate, per direction."""
-
-    where = "fake-libcudart.so.13"
-
-    def __init__(self, h2d_gbps=25.0, d2h_gbps=20.0):
-        self.rate = {1: h2d_gbps, 2: d2h_gbps}
-        self.last = None
-        self.live: set[str] = set()
-        self.inflight = 0
-        self.calls: list[str] = []
-
-    def check(self, err, what):
-        if err:
-            raise cudart.MeasureError(f"{what} failed ({err})")
-
-    def version(self):
-        return "13.0"
-
-    def _out(self, ref, value):
-        ref._obj.value = value
-
-    def cudaDeviceGetByPCIBusId(self, ref, bus):
-        assert bus == SYSFS_ADDR.encode()
-        self._out(ref, 0)
-        return 0
-
-    def cudaSetDevice(self, d):
-        return 0
-
-    def _alloc(self, kind, ref):
-        self._out(ref, 0x1000 + len(self.live))
-        self.live.add(kind)
-        return 0
-
-    def cudaMallocHost(self, ref, n):
-        return self._alloc("host", ref)
-
-    def cudaMalloc(self, ref, n):
-        return self._alloc("dev", ref)
-
-    def cudaStreamCreateWithFlags(self, ref, flags):
-        return self._alloc("stream", ref)
-
-    def cudaEventCreate(self, ref):
-        return self._alloc(f"event{sum(k.startswith('event') for k in self.live)}", ref)
-
-    def cudaFreeHost(self, p):
-        self.live.discard("host")
-
-    def cudaFree(self, p):
-        self.live.discard("dev")
-
-    def cudaStreamDestroy(self, s):
-        self.live.discard("stream")
-
-    def cudaEventDestroy(self, e):
-        self.live.discard(next(k for k in sorted(self.live) if k.startswith("event")))
-
-    def cudaMemset(self, p, v, n):
-        return 0
-
-    def cudaMemcpyAsync(self, dst, src, size, kind, stream):
-        self.last = (size, kind)
-        self.inflight += 1
-        return 0
-
-    def cudaEventRecord(self, ev, stream):
-        return 0
-
-    def cudaEventSynchronize(self, ev):
-        self.inflight = 0
-        return 0
-
-    def cudaStreamSynchronize(self, s):
-        self.inflight = 0
-        return 0
-
-    def cudaEventElapsedTime(self, ref, a, b):
-        size, kind = self.last
-        self._out(ref, size / (self.rate[kind] * 1e9) * 1e3)
-        return 0
-
-
-def test_measure_arithmetic_and_cleanup(env, monkeypatch):
-    env([link(5, 16, bus=BUS)])
-    (g,) = pcie.discover()
-    rt = FakeCudart(h2d_gbps=25.0, d2h_gbps=20.0)
-    monkeypatch.setattr(cudart, "_touch", lambda host, n: None)
-    seen = []
-
-    def reader(index):
-        seen.append(rt.inflight)  # read while the burst is in flight
-        return 5, 16
-
-    m = cudart.measure(g, link_reader=reader, rt=rt)
-    assert m["h2d"] == {"1": 25.0, "16": 25.0, "256": 25.0}
-    assert m["d2h"] == {"1": 20.0, "16": 20.0, "256": 20.0}
-    assert seen and seen[0] == cudart._LOAD_BURST
-    assert m["link_under_load"] == {"gen": 5, "width": 16} and m["uuid"] == g.uuid
-    assert rt.live == set()  # everything freed
-    profile.save_measurement(g, m)
-    assert pcie.resolve_bandwidth(0)[:2] == (25.0, "measured")
-
-
-def test_measure_failure_frees_and_raises(env, monkeypatch):
+def test_an_entry_of_the_cuda_runtime_probe_still_plans(env, capsys):
+    """A profile written before the measurement moved into libllama (its entries name the CUDA runtime): still the
+    measured tier, and the note names what measured it."""
     env([link(5, 16)])
     (g,) = pcie.discover()
-    rt = FakeCudart()
-    rt.cudaMalloc = lambda ref, n: 2  # cudaErrorMemoryAllocation
-    monkeypatch.setattr(cudart, "_touch", lambda host, n: None)
-    with pytest.raises(cudart.MeasureError, match="cudaMalloc"):
-        cudart.measure(g, rt=rt)
-    assert rt.live == set()
-
-
-def test_load_cudart_none_found(monkeypatch):
-    monkeypatch.setattr(cudart, "cudart_candidates", lambda: ["/nonexistent/libcudart.so.99"])
-    with pytest.raises(cudart.CudaUnavailable):
-        cudart.load_cudart()
-
-
-def test_load_cudart_not_a_runtime(monkeypatch):
-    import ctypes.util
-
-    libc = ctypes.util.find_library("c")
-    if not libc:
-        pytest.skip("no libc to load")
-    monkeypatch.setattr(cudart, "cudart_candidates", lambda: [libc])
-    with pytest.raises(cudart.MeasureError, match="not a CUDA runtime"):
-        cudart.load_cudart()
-
-
-def test_cudart_candidates_dedupe(monkeypatch, tmp_path):
-    """Sonames first, then each real file once, newest major first."""
-    lib = tmp_path / "cuda" / "lib64"
-    lib.mkdir(parents=True)
-    (lib / "libcudart.so.13.0.96").write_bytes(b"")
-    (lib / "libcudart.so.13").symlink_to("libcudart.so.13.0.96")
-    (lib / "libcudart.so").symlink_to("libcudart.so.13")
-    (lib / "libcudart.so.12.8.90").write_bytes(b"")
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
-    c = cudart.cudart_candidates()
-    assert c[:3] == ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-    mine = [Path(x).name for x in c if x.startswith(str(lib))]
-    assert mine == ["libcudart.so.13.0.96", "libcudart.so.12.8.90"]
+    e = fake_entry(g, h2d256=54.5)
+    for k in ("lib", "build_info", "backend_device", "backend_description"):
+        del e[k]
+    e.update(cudart="libcudart.so.13", cudart_version="13.0", cuda_device=0)
+    profile.save_measurement(g, e)
+    assert pcie.resolve_bandwidth(0)[:2] == (54.5, "measured")
+    code, out, err = run_main(["probe", "pcie", "--no-measure"], capsys)
+    assert code == 0 and "by libcudart.so.13 (CUDA 13.0)" in " ".join((out + err).split())
