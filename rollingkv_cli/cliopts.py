@@ -17,6 +17,18 @@ def threads_in_range(ctx, param, value):
     return value
 
 
+class NonEmptyPath(click.Path):
+    """click.Path that refuses an empty or blank value (an unset shell variable): Path('') is the current directory, so
+    `gate needle --json ''` said "cannot write report .: it is a directory", `gate matrix --out ''` wrote its reports
+    into ./ and `gate equiv --work-dir ''` worked there. Every path option and argument takes this type."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            what = "a file" if not self.dir_okay else "a directory" if not self.file_okay else "a file or a directory"
+            self.fail(f"an empty path (an unset shell variable?): give the path of {what}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 AFTER_DASHES = "rollingkv.after_dashes"  # ctx.meta: the raw arguments after the first `--` (PassThroughCommand)
 MODEL_AFTER_DASHES = "rollingkv.model_after_dashes"  # ctx.meta: no MODEL came before that `--`
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import PassThroughCommand, option, threads_in_range
+from rollingkv_cli.cliopts import NonEmptyPath, PassThroughCommand, option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -149,7 +149,7 @@ def _vanilla_bench(d: Path) -> Path:
                    "on the device (--kv-residency-mode head --kv-device-heads N: the VRAM of the window cell at f at full "
                    "context), the others streamed from host memory for every cell; e.g. 0.25,0.5,0.75.  [default: none]")
 @click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
-@click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
+@click.option("--vanilla-build", type=NonEmptyPath(path_type=Path), default=None, metavar="DIR",
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
                    "[default: our build with --kv-residency-mode off, bit-identical to upstream]")
 @click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
@@ -163,7 +163,7 @@ def _vanilla_bench(d: Path) -> Path:
 @click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")
 @click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
               help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report, rewritten after every cell.  [default: <date>-bench-tail-<model>/bench-tail.json, a new folder per run, in docs/perf inside the checkout, else here]")
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
@@ -334,7 +334,7 @@ def _server_args_after_dashes(ctx, param, value):
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report.  [default: <date>-bench-load-<model>/bench-load.json, in docs/perf inside the checkout, else here]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
 @click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
@@ -566,8 +566,9 @@ def _load_report(path: Path) -> dict:
 
 
 @bench.command(short_help="Draw the PNG of a bench tail report.")
-@click.argument("report", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
+@click.argument("report", type=NonEmptyPath(path_type=Path))
+@click.option("-o", "--output", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
+              help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
     """Draw the PNG of a `bench tail` report (needs matplotlib: pip install 'rollingkv[plot]')."""
     from rollingkv_cli.bench import plot as plotting
@@ -588,7 +589,7 @@ def plot(report: Path, output: Path | None) -> None:
 
 
 @bench.command(short_help="Print a bench tail report's tables again.")
-@click.argument("report", type=click.Path(path_type=Path))
+@click.argument("report", type=NonEmptyPath(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""
     from rollingkv_cli.bench import tail as tail_runs, tail_report
