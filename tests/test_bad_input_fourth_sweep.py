@@ -38,6 +38,31 @@ def _cache_with_demo(tmp_path: Path, demo_model: Path) -> Path:
     return cache
 
 
+# ------------------------------------------------------------------------------------------------ a: one log per serve
+
+def test_two_serves_in_the_same_second_on_one_port_write_a_log_each(tmp_path, capsys, demo_model, cpu_build,
+                                                                     monkeypatch):
+    """serve's log was <cache>/logs/serve-<time>-<port>.log: two serves started in the same second on one port appended
+    to one file (the second's "port taken" read from among the first's lines). Seen failing before the fix: both said
+    "log: .../serve-20261207-120000-<port>.log". Now each has a file of its own (the pid in the name, created
+    exclusively: two serves of one process, as here, get -2)."""
+    from rollingkv_cli.serve import launch
+    from rollingkv_cli.serve.server import free_port
+
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(_cache_with_demo(tmp_path, demo_model)))
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    monkeypatch.setattr(launch.time, "strftime", lambda fmt, *a: "20261207-120000")
+    monkeypatch.setattr(launch, "_supervise", lambda srv, *a: 0)  # no llama-server: the names are the point
+    port = free_port()
+    logs = []
+    for _ in range(2):
+        code, out, err = run_main(["serve", "demo", "-q", "-c", "512", "--port", str(port)], capsys)
+        assert code == 0, out + err
+        logs += [line[len("log: "):] for line in out.splitlines() if line.startswith("log: ")]
+    assert len(logs) == 2 and logs[0] != logs[1], logs
+    assert all(Path(p).name.startswith(f"serve-20261207-120000-{port}-") and Path(p).is_file() for p in logs), logs
+
+
 # ------------------------------------------------------------------------------------------------ b: empty paths
 
 @pytest.mark.parametrize("args,option", [

@@ -282,6 +282,21 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
 
 # ------------------------------------------------------------------ supervision
 
+def new_log(path: Path) -> Path:
+    """path, or path with -2, -3, ... before .log: a file created here, empty, that no other run writes. The name was
+    the time and the port alone: two serves started in the same second on one port appended to one log, and the second's
+    "port taken" line was read from among the first's lines. The pid in the name parts processes; creating the file
+    exclusively parts two serves of one process (the tests) and a pid used again."""
+    n = 1
+    while True:
+        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            with open(candidate, "xb"):
+                return candidate
+        except FileExistsError:
+            n += 1
+
+
 # How long a stopped serve gives llama-server after SIGTERM before its SIGKILL. Idle, it ends in well under a second;
 # with a streaming request in flight it never ends on SIGTERM (its HTTP thread waits for the request the stopped task
 # loop will not finish), and the 15 s grace kept Ctrl-C waiting for nothing. A second Ctrl-C cuts even this short.
@@ -390,7 +405,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     slot_dir = paths.cache_dir(write=not print_args) / "slots"  # --print-args writes nothing: a read-only cache will do
     log_dir = paths.cache_dir(write=not print_args) / "logs"
     key = api_key(s.extra_args)
-    log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    # the pid: two serves started in the same second on one port (new_log makes the file this run's own)
+    log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}-{os.getpid()}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
     may_split_cache = may_split(*split_asked(vars(s), s.extra_args), cuda=cuda) and build_has_rolling_kv(b.lib_dir / "libllama.so")
@@ -403,9 +419,11 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     try:
         for d in made:
             d.mkdir(parents=True, exist_ok=True)
+        srv.log_path = log_path = new_log(log_path)
     except OSError as e:
-        abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
-    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS - 1)  # with this run's log: the newest KEEP_RUN_LOGS, as the gates
+        abort(f"cannot create {e.filename or d}: {e.strerror or e}",
+              f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS)  # this run's log among the newest kept, as the gates'
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
