@@ -139,3 +139,44 @@ def test_a_path_that_is_not_utf8_shows_its_byte(tmp_path):
 
     assert visible(os.fsdecode(b"m\xff.gguf")) == "m\\xff.gguf"
     assert visible("plain — text ✓") == "plain — text ✓"
+
+
+# ------------------------------------------------------------------------------------------------ d: the model's alias
+
+@pytest.mark.build
+@pytest.mark.parametrize("stem,alias", [("-x", "-x"), ("--help", "--help"), ("a, b", "a_ b"), (" ", "model")],
+                         ids=["-x", "--help", "a, b", "blank"])
+def test_llama_server_serves_the_alias_of_an_odd_file_name(stem, alias, tmp_path, cpu_build, demo_model):
+    """The alias serve gives llama-server (`--alias NAME`, NAME the file's name without .gguf), as the real llama-server
+    reports it in /v1/models and /props. A leading `-` (`-x.gguf`, `--help.gguf`) is no flag to it: common/arg.cpp takes
+    the word after --alias as its value whatever it is (its parser has no `--alias=VALUE` form: that would be refused
+    as an unknown argument), so "-x" is served as "-x". But it splits the value at commas and strips each item: `a,
+    b.gguf` was served as "a" (and "b"), and a blank name as no alias, the id then the model's full path. Seen failing
+    before the fix: ids "a" and "/tmp/.../ .gguf". Now commas become `_`, and a blank name is "model"."""
+    from rollingkv_cli.serve.server import free_port
+
+    import shutil
+
+    model = tmp_path / f"{stem}.gguf"  # a file of that name (serve resolves a symlink to the demo's own name)
+    try:
+        os.link(demo_model, model)
+    except OSError:  # another file system
+        shutil.copyfile(demo_model, model)
+    port = free_port()
+    cache = _cache_with_demo(tmp_path, demo_model)
+    proc = _serve([str(model), "-q", "-c", "512", "--port", str(port), "--", "-t", "1"],
+                  {"ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(cache)})
+    try:
+        from serve.test_serve import _wait_serving
+
+        _wait_serving(proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            models = json.loads(r.read())["data"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as r:
+            props = json.loads(r.read())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert [(m["id"], m.get("aliases")) for m in models] == [(alias, [alias])], models
+    assert props["model_alias"] == alias, props["model_alias"]
+    assert proc.returncode == 130 and "Traceback" not in out, out

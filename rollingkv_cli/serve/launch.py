@@ -157,8 +157,13 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
 
 
 def model_alias(model: Path) -> str:
-    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf."""
-    return model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf, as llama-server
+    keeps it. Its --alias is a list: split at commas, each item stripped of blanks (common/arg.cpp), so `a, b.gguf` was
+    served as "a" (and "b"), and a name of blanks left no alias (the id was then the model's full path); commas become
+    `_`. A leading `-` stays: llama-server takes the word after --alias as its value whatever it is (`-x.gguf` is
+    "-x")."""
+    name = model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+    return name.replace(",", "_").strip() or "model"
 
 
 def prompt_cache_args(s: ServeSettings, may_split_cache: bool) -> list[str]:
