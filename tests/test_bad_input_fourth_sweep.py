@@ -180,3 +180,151 @@ def test_llama_server_serves_the_alias_of_an_odd_file_name(stem, alias, tmp_path
     assert [(m["id"], m.get("aliases")) for m in models] == [(alias, [alias])], models
     assert props["model_alias"] == alias, props["model_alias"]
     assert proc.returncode == 130 and "Traceback" not in out, out
+
+
+# -------------------------------------------------------------------------------------------- e: a slot save at a stop
+
+SLOW_FWRITE_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* fwrite, SLOW_FWRITE_MS slower for a file under SLOW_FWRITE_UNDER: a slot save of a long context on a slow disk */
+size_t fwrite(const void *ptr, size_t size, size_t n, FILE *f) {
+    static size_t (*real)(const void *, size_t, size_t, FILE *);
+    if (!real) real = (size_t (*)(const void *, size_t, size_t, FILE *)) dlsym(RTLD_NEXT, "fwrite");
+    const char *under = getenv("SLOW_FWRITE_UNDER"), *ms = getenv("SLOW_FWRITE_MS");
+    char link[64], target[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fileno(f));
+    ssize_t len = under ? readlink(link, target, sizeof target - 1) : -1;
+    if (len > 0) {
+        target[len] = 0;
+        if (strncmp(target, under, strlen(under)) == 0) usleep(1000 * atoi(ms ? ms : "40"));
+    }
+    return real(ptr, size, n, f);
+}
+"""
+
+
+def _slow_save_serve(tmp_path, cpu_build, demo_model):
+    """A `serve --slot-save` whose llama-server writes slot files slowly (40 ms a fwrite: about 8 s for the demo's
+    few tokens), started, with a short request done; (serve's process, its port, the slot folder)."""
+    import shutil
+
+    from rollingkv_cli.serve.server import free_port
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the slow-write shim")
+    src, shim = tmp_path / "slow_fwrite.c", tmp_path / "slow_fwrite.so"
+    src.write_text(SLOW_FWRITE_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(shim), str(src), "-ldl"], check=True, capture_output=True)
+    cache = _cache_with_demo(tmp_path, demo_model)
+    slots = cache / "slots"
+    port = free_port()
+    env = {"ROLLINGKV_BUILD": str(cpu_build.dir), "ROLLINGKV_CACHE_DIR": str(cache), "LD_PRELOAD": str(shim),
+           "SLOW_FWRITE_UNDER": os.path.realpath(slots) + "/", "SLOW_FWRITE_MS": "40"}
+    proc = _serve(["demo", "-q", "-c", "1024", "--port", str(port), "--slot-save", "--", "-t", "2", "-np", "1"], env)
+    from serve.test_serve import _wait_serving
+
+    head = _wait_serving(proc)
+    body = json.dumps({"prompt": "Once upon a time", "n_predict": 4, "cache_prompt": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+    return proc, port, slots, head
+
+
+def _save_in_background(port: int, name: str) -> dict:
+    """POST /slots/0?action=save in a thread; its answer (or the error) lands in the dict returned."""
+    got: dict = {}
+
+    def save():
+        body = json.dumps({"filename": name}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/slots/0?action=save", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                got["answer"] = json.loads(r.read())
+        except Exception as e:  # noqa: BLE001 (the server went away: what the test checks)
+            got["error"] = repr(e)
+
+    got["thread"] = threading.Thread(target=save, daemon=True)
+    got["thread"].start()
+    return got
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("second", [False, True], ids=["SIGTERM", "SIGTERM then Ctrl-C"])
+def test_a_stop_waits_for_a_slot_save_in_progress(second, tmp_path, cpu_build, demo_model):
+    """SIGTERM to `serve --slot-save` while llama-server saves a slot that takes longer than the stop's 3 s grace (a
+    long context, a slow disk; here a shim slows its writes to about 8 s): serve SIGKILLed it at 3 s, and the slot file
+    stayed half-written (61440 of 162156 bytes), the client's save cut off. Seen failing before the fix: "llama-server
+    killed (SIGKILL): it had not ended 3 s after SIGTERM" and the short file. Now serve waits while the file is written
+    (and moves), says so, and ends with the whole file; a second stop signal during that wait kills llama-server and
+    removes the half-written file, saying so."""
+    from proctree import descendants, kill_all, wait_for, wait_gone
+
+    proc, port, slots, head = _slow_save_serve(tmp_path, cpu_build, demo_model)
+    kids: set[int] = set()
+    try:
+        kids = descendants(proc.pid)
+        save = _save_in_background(port, "s.bin")
+        wait_for(lambda: (slots / "s.bin").exists() and (slots / "s.bin").stat().st_size > 0, 30, "the save to begin")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        if second:
+            time.sleep(4.5)  # past the 3 s grace: serve is waiting for the save
+            proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+        out = head + out
+        save["thread"].join(30)
+        assert proc.returncode == 143 and "Traceback" not in out, out
+        assert "llama-server is saving a slot to " in out and "waiting for the save to end" in out, out
+        assert not wait_gone(kids, 2.0), "a process serve started outlived it"
+        if second:
+            assert took < 8 and "llama-server killed (SIGKILL) at a second stop signal" in out, (took, out)
+            assert "its half-written slot file" in out and "removed" in out and not (slots / "s.bin").exists(), out
+        else:
+            assert took > 4 and "killed" not in out, (took, out)
+            assert "llama-server stopped (SIGTERM) once its slot save to " in out, out
+            assert save.get("answer", {}).get("n_written") == (slots / "s.bin").stat().st_size > 100_000, (save, out)
+    finally:
+        kill_all(kids)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_save_that_stands_still_is_cut_and_its_file_removed(tmp_path, monkeypatch):
+    """The other side of the wait above: a slot file that stops growing (a disk that hangs) does not hold the stop
+    forever. After SAVE_STALL seconds without a byte written, the SIGKILL, the half-written file removed, and the reason
+    kept for serve's line. (A stand-in that ignores SIGTERM and holds a slot file open for writing.)"""
+    from rollingkv_cli.serve import server
+    from rollingkv_cli.serve.server import ServerProcess
+
+    monkeypatch.setattr(server, "SAVE_STALL", 1.0)
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    fake = tmp_path / "llama-server"
+    hold = f"import time; f = open('{slots}/s.bin', 'wb'); f.write(b'x'); f.flush(); time.sleep(60)"
+    fake.write_text(f"#!/bin/sh\ntrap '' TERM\nexec {sys.executable} -c \"{hold}\"\n")
+    fake.chmod(0o755)
+    srv = ServerProcess(fake, [], log_path=tmp_path / "serve.log", stop_grace=0.5)
+    srv.slot_dir = slots
+    waited = []
+    srv.on_save_wait = waited.append
+    srv.start()
+    from proctree import wait_for
+
+    wait_for(lambda: (slots / "s.bin").exists(), 10, "the stand-in to open its file")
+    t0 = time.monotonic()
+    srv.stop()
+    assert srv.killed and srv.kill_reason == "stalled save", srv.kill_reason
+    assert 1.0 <= time.monotonic() - t0 < 5 and waited == [str(slots / "s.bin")], waited
+    assert srv.saves_cut == [str(slots / "s.bin")] and not (slots / "s.bin").exists()

@@ -352,7 +352,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     import shlex
 
     from rollingkv_cli.lib import builder
-    from rollingkv_cli.serve.server import ServerProcess, free_port, port_in_use, resolve_host
+    from rollingkv_cli.serve.server import SAVE_STALL, ServerProcess, free_port, port_in_use, resolve_host
 
     from rollingkv_cli.userinput import check_native_knobs
 
@@ -436,6 +436,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         where = slot_dir if s.slot_save else arg_value(s.extra_args, "--slot-save-path")
         warn(f"{'--slot-save' if s.slot_save else '--slot-save-path'}: any client of the server can write and read KV cache "
              f"files in {where} (POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
+        if where:  # a stop waits for a save in progress there instead of cutting its file short
+            srv.slot_dir = Path(where)
+            srv.on_save_wait = lambda path: info(f"llama-server is saving a slot to {path}: waiting for the save to "
+                                                 "end (Ctrl-C again to kill it; the half-written file is then removed)")
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:
@@ -468,12 +472,19 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             except KeyboardInterrupt as e:
                 stopped_by = stopped_by or stop_signum(e)
     if stopped_by is not None:
-        if srv.killed and srv.killed_after < srv.stop_grace:  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped
+        cut = f"; its half-written slot file {', '.join(srv.saves_cut)} removed" if srv.saves_cut else ""
+        if srv.kill_reason == "signal":  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped or saved a slot
             warn(f"llama-server killed (SIGKILL) at a second stop signal, {srv.killed_after:.1f} s after SIGTERM "
-                 f"(serve stopped by {signal_name(stopped_by)})")
+                 f"(serve stopped by {signal_name(stopped_by)}){cut}")
+        elif srv.kill_reason == "stalled save":  # the file stood still for SAVE_STALL seconds: a disk that hangs
+            warn(f"llama-server killed (SIGKILL): its slot save had not moved for {SAVE_STALL:g} s (serve stopped by "
+                 f"{signal_name(stopped_by)}){cut}")
         elif srv.killed:  # not "stopped": it did not end on SIGTERM (a streaming request holds its HTTP thread)
             warn(f"llama-server killed (SIGKILL): it had not ended {srv.stop_grace:g} s after SIGTERM, most often because a "
                  f"request was still in flight (serve stopped by {signal_name(stopped_by)})")
+        elif srv.saves_waited:
+            success(f"llama-server stopped ({signal_name(stopped_by)}) once its slot save to "
+                    f"{', '.join(srv.saves_waited)} ended, {srv.stopped_after:.1f} s after SIGTERM")
         else:
             success(f"llama-server stopped ({signal_name(stopped_by)})")
         raise SystemExit(128 + stopped_by)
