@@ -13,6 +13,7 @@ import math
 import os
 import reprlib
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,17 @@ def read_json(path: Path | str, what: str, limit: int | None = None) -> Any:
     except json.JSONDecodeError as e:
         abort(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
               "fix the file, or give another one")
+    except ValueError as e:  # an integer of more than 4300 digits (Python's limit): "internal error: ValueError" before
+        abort(f"{what} {path} is not usable JSON: {_unreadable_value(e)}", "fix the file, or give another one")
     except RecursionError:
         abort(f"{what} {path} is not usable JSON: nested too deeply")
+
+
+def _unreadable_value(e: ValueError) -> str:
+    """What a ValueError from a parser's value constructor says, in words for the file's author."""
+    if "integer string conversion" in str(e):
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return f"a value that cannot be read ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -179,6 +189,9 @@ def read_yaml(path: Path | str, what: str, limit: int | None = MAX_SETTINGS_BYTE
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
         abort(f"{what} {path} is not valid YAML: {problem}{where}", "fix the file, or give another one")
+    except ValueError as e:  # a value its constructor cannot make (a date 2001-13-45, `!!int abc`, 5000 digits): it was
+        # "internal error: ValueError"
+        abort(f"{what} {path} is not usable YAML: {_unreadable_value(e)}", "fix the file, or give another one")
     except RecursionError:
         abort(f"{what} {path} is not usable YAML: nested too deeply")
 

@@ -328,3 +328,59 @@ def test_a_save_that_stands_still_is_cut_and_its_file_removed(tmp_path, monkeypa
     assert srv.killed and srv.kill_reason == "stalled save", srv.kill_reason
     assert 1.0 <= time.monotonic() - t0 < 5 and waited == [str(slots / "s.bin")], waited
     assert srv.saves_cut == [str(slots / "s.bin")] and not (slots / "s.bin").exists()
+
+
+# ================================================================================================ the fourth sweep
+
+# ------------------------------------------------------------------------------------------------ settings files
+
+@pytest.mark.parametrize("text,why", [
+    ("model: demo\nctx_size: 2001-13-45\n", "a value that cannot be read (month must be in 1..12)"),
+    ("model: demo\nctx_size: !!int abc\n",
+     "a value that cannot be read (invalid literal for int() with base 10: 'abc')"),
+    ("model: demo\nctx_size: " + "9" * 5000 + "\n", "an integer of more than 4300 digits"),
+], ids=["a date past December", "!!int abc", "5000 digits"])
+def test_a_yaml_value_its_parser_cannot_make_is_one_line(text, why, tmp_path, capsys, isolated_cache):
+    """A YAML value whose constructor raises (a date 2001-13-45, `!!int abc`, an integer past Python's 4300 digits)
+    ended in "internal error: ValueError". Seen failing before the fix with that line. Now the file is named, and
+    why."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    code, out, err = run_main(["serve", "--config", str(cfg), "--print-args"], capsys)
+    assert code == 1 and _errors(err) == [f"error: config file {cfg} is not usable YAML: {why}"], out + err
+
+
+def test_a_json_integer_past_pythons_digits_is_one_line(tmp_path, capsys, isolated_cache):
+    """`gate equiv --thresholds t.json` with a 5000-digit number: "internal error: ValueError: Exceeds the limit (4300
+    digits)". Seen failing before the fix with that line."""
+    t = tmp_path / "t.json"
+    t.write_text('{"max_mean_tv": ' + "9" * 5000 + "}")
+    code, out, err = run_main(["gate", "equiv", "demo", "--thresholds", str(t)], capsys)
+    assert code == 1 and _errors(err) == [f"error: thresholds file {t} is not usable JSON: an integer of more than "
+                                          "4300 digits"], out + err
+
+
+@pytest.mark.parametrize("manifest", ["[]", '{"artifacts": [], "n": ' + "9" * 5000 + "}", '"text"'],
+                         ids=["a list", "5000 digits", "a string"])
+def test_a_build_whose_manifest_is_not_ours_is_one_line(manifest, tmp_path, capsys, isolated_cache, monkeypatch):
+    """$ROLLINGKV_BUILD at a folder whose manifest.json is JSON but not a build's (a list; a 5000-digit number):
+    "internal error: AttributeError" / "ValueError". Seen failing before the fix with those lines. Now "not a finished
+    rollingkv build", as for a missing manifest."""
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "manifest.json").write_text(manifest)
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(tmp_path / "b"))
+    code, out, err = run_main(["info"], capsys)
+    want = f"error: ROLLINGKV_BUILD={tmp_path / 'b'} is not a finished rollingkv build (no valid manifest.json)"
+    assert code == 1 and _errors(err) == [want], out + err
+
+
+def test_a_pcie_profile_past_pythons_digits_is_moved_aside(tmp_path, monkeypatch, isolated_cache):
+    """The measured-PCIe cache (<cache>/pcie/profile.json) with a 5000-digit number raised ValueError out of its reader
+    (it moved aside only what JSON or UTF-8 refused). Seen failing before the fix. Now moved aside as any unreadable
+    profile is, and the measurements start empty."""
+    from rollingkv_cli.hw import profile
+
+    p = profile.profile_path()
+    p.parent.mkdir(parents=True)
+    p.write_text('{"version": 1, "entries": {}, "n": ' + "9" * 5000 + "}")
+    assert profile.load_profile() == {} and not p.exists() and list(p.parent.glob("profile.json.corrupt-*"))
