@@ -384,3 +384,66 @@ def test_a_pcie_profile_past_pythons_digits_is_moved_aside(tmp_path, monkeypatch
     p.parent.mkdir(parents=True)
     p.write_text('{"version": 1, "entries": {}, "n": ' + "9" * 5000 + "}")
     assert profile.load_profile() == {} and not p.exists() and list(p.parent.glob("profile.json.corrupt-*"))
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+@pytest.mark.parametrize("args,option,value", [
+    (["bench", "load", "demo", "--dry-run", "--mix", "random", "--arrival-mean", "inf"], "'--arrival-mean'", "inf"),
+    (["bench", "load", "demo", "--dry-run", "--mix", "random", "--arrival-mean", "nan"], "'--arrival-mean'", "nan"),
+    (["bench", "load", "demo", "--dry-run", "--request-timeout", "nan"], "'--request-timeout'", "nan"),
+    (["bench", "tail", "demo", "--dry-run", "--time-budget", "nan"], "'--time-budget'", "nan"),
+    (["bench", "tail", "demo", "--dry-run", "--cell-timeout", "1e400"], "'--cell-timeout'", "1e400"),
+])
+def test_a_time_that_is_not_a_finite_number_is_refused(args, option, value, capsys, isolated_cache):
+    """click's FloatRange lets nan and inf through its bounds: `bench load --arrival-mean inf` ended in "internal error:
+    ZeroDivisionError", `--arrival-mean nan` scheduled the arrivals "at nans", `--time-budget nan` was no budget. Seen
+    failing before the fix: the internal error, and exit 0 for the others. Now a usage error, exit 2."""
+    code, out, err = run_main(args, capsys)
+    assert code == 2, out + err
+    assert f"Invalid value for {option}: must be a finite number of seconds, not {value}" in err, err
+
+
+def test_arrivals_count_in_bench_loads_estimate(capsys, isolated_cache, demo_model):
+    """A random mix's arrivals were left out of bench load's time estimate: `--arrival-mean 600 --preset cpu-small` said
+    "about 35 s" for six requests about ten minutes apart, on each of three servers. Seen failing before the fix (the
+    estimate took no arrivals). Now it is at least the last arrival on every server; and a mean gap past an hour is
+    refused (1e300 s passed)."""
+    from rollingkv_cli.bench import estimate, gguf
+
+    info = gguf.read_model(demo_model)
+    line = estimate.load_line(info, [(1000, 10)] * 6, 3, threads=2, backend="CPU", preset=None, last_arrival_s=3000)
+    assert "about 2.5 h" in line, line
+    code, out, err = run_main(["bench", "load", "demo", "--dry-run", "--mix", "random", "--arrival-mean", "1e300"],
+                              capsys)
+    assert code == 2 and "Invalid value for '--arrival-mean': 1e+300 is not in the range 0.0<x<=3600." in err, out + err
+
+
+def test_resume_without_a_report_is_refused(capsys, isolated_cache):
+    """`bench tail --resume` without --json: the default report is a new folder each run, so nothing was resumed,
+    silently. Seen failing before the fix: exit 0. Now a usage error naming what to give."""
+    code, out, err = run_main(["bench", "tail", "demo", "--resume", "--dry-run"], capsys)
+    assert code == 2, err
+    assert "--resume keeps the measured cells of an earlier report: give that report with --json FILE" in err
+
+
+def test_an_empty_matrix_name_is_named_as_such(capsys, isolated_cache):
+    """`gate matrix --name ''` said "a plain file name (no '/')" of a name that has none. Seen failing before the fix
+    with that line."""
+    code, out, err = run_main(["gate", "matrix", "--name", ""], capsys)
+    assert code == 2 and "Invalid value for '--name': an empty name (an unset shell variable?)" in err, out + err
+
+
+@pytest.mark.parametrize("args,option", [
+    (["gate", "needle", "demo", "--json", "out/"], "'--json'"),
+    (["bench", "load", "demo", "--dry-run", "--json", "out/."], "'--json'"),
+    (["model", "synth", "models/"], "'OUT'"),
+])
+def test_a_file_path_that_ends_in_a_slash_is_refused(args, option, tmp_path, capsys, isolated_cache, monkeypatch):
+    """`gate needle --json out/` (a directory meant) ran the gate and wrote its report as a file named out: Path('out/')
+    is Path('out'). Seen failing before the fix: the report at ./out. Now refused before the run (exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(args, capsys)
+    assert code == 2 and f"Invalid value for {option}: " in err, err
+    assert "names a directory: give the path of a file" in err, err
+    assert not list(tmp_path.iterdir())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import NonEmptyPath, PassThroughCommand, option, threads_in_range
+from rollingkv_cli.cliopts import FiniteFloatRange, NonEmptyPath, PassThroughCommand, option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -160,8 +160,9 @@ def _vanilla_bench(d: Path) -> Path:
               help="Use this host-to-device GB/s for the floors instead of measuring, and give it to the hybrid auto cells' plan "
                    "(a simulated link: the CPU share auto picks for it, on this machine).")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) whose link is measured.")
-@click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")
-@click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
+@click.option("--cell-timeout", type=FiniteFloatRange(min=1), default=None, metavar="S",
+              help="Stop a cell after S seconds (recorded as timeout).")
+@click.option("--time-budget", type=FiniteFloatRange(min=1), default=None, metavar="S",
               help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
 @click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report, rewritten after every cell.  [default: <date>-bench-tail-<model>/bench-tail.json, a new folder per run, in docs/perf inside the checkout, else here]")
@@ -230,6 +231,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
             raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
+    if resume and json_out is None:  # the default report is a new folder each run: nothing was kept, silently
+        raise click.UsageError("--resume keeps the measured cells of an earlier report: give that report with --json "
+                               "FILE")
     run = tail_setup.prepare(
         model_spec, depths=list(dict.fromkeys(depths)), n_gen=n_gen, reps=reps, vanilla_reps=vanilla_reps, tail_types=tail_types,
         fractions=fractions, mixed_fractions=mixed_fractions, cpu_fracs=cpu_fracs,
@@ -314,7 +318,8 @@ def _server_args_after_dashes(ctx, param, value):
 @click.option("--ramp-size", "ramp_sizes", type=(int, int), default=(8000, 64), show_default=True, metavar="PROMPT GEN", help="ramp: each request (+-25%).")
 @click.option("--requests", "n_requests", type=int, callback=_positive, default=16, show_default=True,
               help="random: requests in the mix.")
-@click.option("--arrival-mean", type=click.FloatRange(min=0.0, min_open=True), default=1.5, show_default=True, metavar="S",
+@click.option("--arrival-mean", type=FiniteFloatRange(min=0.0, min_open=True, max=3600), default=1.5, show_default=True,
+              metavar="S",
               help="random: mean seconds between arrivals (exponential gaps).")
 @click.option("--prompt-range", type=(int, int), default=(300, 24000), show_default=True, callback=_range,
               metavar="LOW HIGH", help="random: prompt tokens, uniform.")
@@ -333,7 +338,8 @@ def _server_args_after_dashes(ctx, param, value):
                    "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
-@click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
+@click.option("--request-timeout", type=FiniteFloatRange(min=1), default=1800, show_default=True,
+              metavar="S", help="Give up on a request after S seconds (recorded).")
 @click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report.  [default: <date>-bench-load-<model>/bench-load.json, in docs/perf inside the checkout, else here]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
@@ -489,10 +495,12 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     # what the servers will be sent and how long that may take here, before the first one starts
     from rollingkv_cli.bench import estimate
 
-    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for st in mix.stages for r in st.reqs], len(todo),
+    reqs = [r for st in mix.stages for r in st.reqs]
+    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for r in reqs], len(todo),
                                      threads=estimate.server_threads(list(server_args)),
                                      backend="CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU",
-                                     preset=preset), markup=False, soft_wrap=True)
+                                     preset=preset, last_arrival_s=max((r.at_s for r in reqs), default=0.0)),
+                  markup=False, soft_wrap=True)
     if dry_run:
         for st in mix.stages:
             console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" + (f" at {r.at_s:g}s" if st.arrivals else "")

@@ -68,8 +68,11 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
         raise click.UsageError("give --build or --lib-dir, not both")
     if not 0 < exact_split < 1:
         raise click.BadParameter("must be a fraction strictly between 0 and 1", param_hint="'--exact-split'")
-    if name is not None and (not name or "/" in name or name.startswith(".")):
-        raise click.BadParameter("a plain file name (no '/')", param_hint="'--name'")
+    if name is not None and not name.strip():  # it said "a plain file name (no '/')" of ''
+        raise click.BadParameter("an empty name (an unset shell variable?): give a plain file name",
+                                 param_hint="'--name'")
+    if name is not None and ("/" in name or name.startswith(".")):
+        raise click.BadParameter("a plain file name (no '/', not starting with '.')", param_hint="'--name'")
     if tolerance is not None and not 0 <= tolerance <= 1:
         raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
     if n_tokens < 16:
