@@ -20,6 +20,8 @@ def _console(stderr: bool = False) -> Console:
     does not write to a terminal, and redirected output came out cut mid-phrase ("K/V" / "f16/f16"). Tables and panels
     keep their width."""
     c = Console(stderr=stderr, highlight=False)
+    if c.width < 1:  # COLUMNS=0 (set so by some scripts and CI runners): rich printed every line empty, errors included
+        c = Console(stderr=stderr, highlight=False, width=80)
     if not c.is_terminal:
         c.soft_wrap = True
     return c

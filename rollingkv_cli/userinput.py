@@ -344,6 +344,8 @@ NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
     "ROLLINGKV_RUNTIME_MIB": (0, 262144, "a size in MiB from 0 to 262144, such as 640"),
     "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
     "ROLLINGKV_CPU_PART_SPIN_US": (0, 1000000, "microseconds from 0 to 1000000, such as 300"),
+    # atoi, clamped to 0..1: `abc` was off and `yes` too, silently
+    "ROLLINGKV_CPU_PART_STATS": (0, 1, "1 (the CPU part's statistics at exit) or 0"),
 }
 _NOT_CLAMPED = ("ROLLINGKV_RUNTIME_MIB",)
 

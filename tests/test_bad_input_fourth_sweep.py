@@ -447,3 +447,54 @@ def test_a_file_path_that_ends_in_a_slash_is_refused(args, option, tmp_path, cap
     assert code == 2 and f"Invalid value for {option}: " in err, err
     assert "names a directory: give the path of a file" in err, err
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ environment
+
+def test_a_cpu_part_stats_value_the_library_reads_as_off_is_refused(capsys, isolated_cache, monkeypatch, fake_gguf):
+    """ROLLINGKV_CPU_PART_STATS, read by libllama with atoi and clamped to 0..1: `abc` (or `yes`) was off, silently.
+    Seen failing before the fix: the value passed. Now checked as the other library knobs."""
+    monkeypatch.setenv("ROLLINGKV_CPU_PART_STATS", "abc")
+    code, _, err = run_main(["bench", "tail", str(fake_gguf), "--dry-run"], capsys)
+    assert code == 1 and _errors(err) == ["error: $ROLLINGKV_CPU_PART_STATS='abc' is not a whole number in plain "
+                                          "digits (no blanks, no `_`): the library would misread it"], err
+
+
+def test_columns_zero_still_shows_the_error(tmp_path):
+    """With COLUMNS=0 (some scripts and CI runners set it) rich printed every line empty: `run nonexist.gguf` exited 1
+    with nothing on the screen. Seen failing before the fix: empty stderr. Now the error line is there."""
+    env = {**os.environ, "COLUMNS": "0", "ROLLINGKV_CACHE_DIR": str(tmp_path / "cache"), "ROLLINGKV_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", "run", "nonexist.gguf", "-p", "hi"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and _errors(proc.stderr) == ["error: model nonexist.gguf not found"], proc.stderr
+
+
+def test_llama_arg_alias_wins_over_serves_alias(capsys, demo_model, cpu_build, monkeypatch):
+    """$LLAMA_ARG_ALIAS (llama-server's own variable for --alias) was overridden by serve's `--alias NAME`, silently:
+    the user's name never reached /v1/models. Seen failing before the fix: --alias in the command line. Now left out, as
+    for `-- --alias`."""
+    import shlex
+
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    monkeypatch.setenv("LLAMA_ARG_ALIAS", "mine")
+    code, out, err = run_main(["serve", "demo", "--print-args"], capsys)
+    assert code == 0 and "--alias" not in shlex.split(out.strip().splitlines()[-1]), out + err
+
+
+def test_a_start_timeout_under_a_second_is_said_as_given(tmp_path):
+    """`ROLLINGKV_SERVE_START_TIMEOUT=0.01`: "llama-server did not become healthy within 0 s". Seen failing before the
+    fix with that line. Now the time given."""
+    from rollingkv_cli.console import RollingKVError
+    from rollingkv_cli.serve.server import ServerProcess
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.chmod(0o755)
+    srv = ServerProcess(fake, [], log_path=tmp_path / "serve.log", stop_grace=0.5)
+    srv.start()
+    try:
+        with pytest.raises(RollingKVError) as e:
+            srv.wait_healthy(timeout=0.01)
+    finally:
+        srv.stop()
+    assert e.value.message == "llama-server did not become healthy within 0.01 s", e.value.message

@@ -186,7 +186,7 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
     # scrapers such as Prometheus; no prompt or answer text; serve's live status never reads it: each read resets its
     # per-interval gauges). Slot save/restore writes files into slot_dir on any client's request: only with --slot-save.
     args = ["-m", str(s.model), "-fa", "on", "--metrics", *prompt_cache_args(s, may_split_cache)]
-    if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a")):
+    if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a") or os.environ.get("LLAMA_ARG_ALIAS")):
         args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
     if s.slot_save:
         args += ["--slot-save-path", str(slot_dir)]

@@ -262,7 +262,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RollingKVError(f"llama-server did not become healthy within {timeout:.0f} s", self._log_hint())
+                raise RollingKVError(f"llama-server did not become healthy within {timeout:g} s", self._log_hint())
             if on_poll:
                 on_poll()
             time.sleep(0.5)
