@@ -498,3 +498,27 @@ def test_a_start_timeout_under_a_second_is_said_as_given(tmp_path):
     finally:
         srv.stop()
     assert e.value.message == "llama-server did not become healthy within 0.01 s", e.value.message
+
+
+# ------------------------------------------------------------------------------------------------ signals
+
+def test_bench_load_stopped_before_any_cell_leaves_the_report_as_it_was(tmp_path, capsys, demo_model, cpu_build,
+                                                                         monkeypatch):
+    """SIGTERM to `bench load --json R` before its first cell ended wrote a report with no cells over R (an earlier
+    run's report lost) and said "✓ report: R". Seen failing before the fix: R held `"cells": []`. Now nothing is
+    written, the line says so, and the exit status is still 143. (The cell is a stand-in that receives the signal.)"""
+    from rollingkv_cli.bench import load as lb
+    from rollingkv_cli.lib.procs import Terminated
+
+    monkeypatch.setenv("ROLLINGKV_CACHE_DIR", str(_cache_with_demo(tmp_path, demo_model)))
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+
+    def stopped(*a, **k):
+        raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(lb, "run_cell", stopped)
+    report = tmp_path / "load.json"
+    report.write_text('{"earlier": true}\n')
+    code, out, err = run_main(["bench", "load", "demo", "--preset", "cpu-small", "--json", str(report)], capsys)
+    assert code == 143 and report.read_text() == '{"earlier": true}\n', out + err
+    assert "stopped by SIGTERM before any cell was measured: no report written" in err and "report:" not in out, out + err

@@ -547,6 +547,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
         from rollingkv_cli.lib.procs import signal_name, stop_signum
 
         stopped = stop_signum(e) or 2
+        if not doc["cells"]:  # an empty report replaced an earlier one at --json, and was announced with a ✓
+            warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)} before any cell was measured: "
+                 f"no report written" + (f" ({out} is as it was)" if out.exists() else ""))
+            raise SystemExit(128 + stopped) from None
         warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)}: the report keeps the cells measured so far")
     doc["targets"] = lb.evaluate_targets(doc)
     tail_runs.write_json(out, doc)
