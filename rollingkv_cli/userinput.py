@@ -216,6 +216,12 @@ def _stat_and_parent(p: Path, say: str) -> tuple[os.stat_result | None, Path]:
         abort(f"{say}: {e.strerror or e}", "check the path")
     if st is not None:
         return st, p
+    if os.path.islink(p):  # a link to nothing: a write lands at its target, whose directory a write does not make
+        target = Path(os.path.realpath(p))
+        if not target.parent.is_dir():  # `--json link` ran the whole gate, then "No such file or directory"
+            abort(f"{say}: it is a symbolic link to {target}, whose directory does not exist",
+                  "give another path, or make that directory first")
+        return None, target.parent
     where = p.absolute().parent
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -255,6 +261,9 @@ def check_output_dir(path: Path | str, what: str) -> None:
     p = Path(path)
     say = f"cannot use {what} {p}"
     st, where = _stat_and_parent(p, say)
+    if st is None and os.path.islink(p):  # mkdir cannot make a directory through a link to nothing
+        abort(f"{say}: it is a symbolic link to {os.path.realpath(p)}, which does not exist",
+              "give the path of a directory (new or existing), or make the link's target first")
     if st is not None and not stat.S_ISDIR(st.st_mode):
         abort(f"{say}: it is {'a file' if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)}, not a directory",
               "give the path of a directory (new or existing)")

@@ -449,6 +449,27 @@ def test_a_file_path_that_ends_in_a_slash_is_refused(args, option, tmp_path, cap
     assert not list(tmp_path.iterdir())
 
 
+def test_a_link_to_nothing_is_checked_where_it_points(tmp_path):
+    """An output path that is a symbolic link to nothing passed the checks made before a run: `gate equiv --json link`
+    (the link to /nonexistent/dir/x.json) ran the whole gate, then said "cannot write link: No such file or directory";
+    `--work-dir link` said "File exists". Seen failing before the fix: both checks passed. Now a link whose target's
+    directory is missing is refused before the run, and a link to a missing folder as a folder to write into; a link to
+    a new file in an existing directory still passes (the write makes the target)."""
+    from rollingkv_cli.console import RollingKVError
+    from rollingkv_cli.userinput import check_output_dir, check_output_file
+
+    (tmp_path / "to-nowhere.json").symlink_to("/nonexistent/dir/x.json")
+    (tmp_path / "to-no-dir").symlink_to(tmp_path / "missing")
+    (tmp_path / "to-new.json").symlink_to(tmp_path / "new.json")
+    with pytest.raises(RollingKVError) as e:
+        check_output_file(tmp_path / "to-nowhere.json", "report")
+    assert e.value.message.endswith("it is a symbolic link to /nonexistent/dir/x.json, whose directory does not exist")
+    with pytest.raises(RollingKVError) as e:
+        check_output_dir(tmp_path / "to-no-dir", "--work-dir")
+    assert e.value.message.endswith(f"it is a symbolic link to {tmp_path / 'missing'}, which does not exist")
+    check_output_file(tmp_path / "to-new.json", "report")
+
+
 # ------------------------------------------------------------------------------------------------ environment
 
 def test_a_cpu_part_stats_value_the_library_reads_as_off_is_refused(capsys, isolated_cache, monkeypatch, fake_gguf):
