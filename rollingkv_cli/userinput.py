@@ -306,6 +306,7 @@ def env_float(name: str, default: float | None = None, *, positive: bool = False
         abort(f"${name}={os.environ[name]!r} is not a number{units}", _unset_hint(name, example))
     if not math.isfinite(v) or (positive and v <= 0) or (minimum is not None and v < minimum):
         need = "a positive number" if positive else f"a number >= {minimum:g}" if minimum is not None else "a finite number"
+        need = need if math.isfinite(v) else "a finite number"  # `inf` "must be a positive number" said it was none
         abort(f"${name}={os.environ[name]!r} must be {need}{units}", _unset_hint(name, example))
     return v
 

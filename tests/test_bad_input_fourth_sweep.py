@@ -502,6 +502,18 @@ def test_llama_arg_alias_wins_over_serves_alias(capsys, demo_model, cpu_build, m
     assert code == 0 and "--alias" not in shlex.split(out.strip().splitlines()[-1]), out + err
 
 
+@pytest.mark.parametrize("value", ["inf", "1e400", "-inf"])
+def test_an_infinite_start_timeout_is_called_not_finite(value, capsys, isolated_cache, monkeypatch, demo_model,
+                                                        cpu_build):
+    """`ROLLINGKV_SERVE_START_TIMEOUT=inf`: "must be a positive number of seconds", which inf is. Seen failing before the
+    fix with that line. Now it names what is wrong: not finite."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    monkeypatch.setenv("ROLLINGKV_SERVE_START_TIMEOUT", value)
+    code, out, err = run_main(["serve", str(demo_model), "--print-args"], capsys)
+    assert code == 1 and _errors(err) == [f"error: $ROLLINGKV_SERVE_START_TIMEOUT={value!r} must be a finite number of "
+                                          "seconds"], out + err
+
+
 def test_a_start_timeout_under_a_second_is_said_as_given(tmp_path):
     """`ROLLINGKV_SERVE_START_TIMEOUT=0.01`: "llama-server did not become healthy within 0 s". Seen failing before the
     fix with that line. Now the time given."""
