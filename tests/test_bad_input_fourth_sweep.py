@@ -470,6 +470,53 @@ def test_a_link_to_nothing_is_checked_where_it_points(tmp_path):
     check_output_file(tmp_path / "to-new.json", "report")
 
 
+def _model_llama_cpp_refuses(tmp_path: Path, demo_model: Path) -> Path:
+    """The demo model with llama.embedding_length 7: its header passes our checks, llama.cpp refuses it when it loads
+    ("invalid n_rot: 64, expected 0")."""
+    import struct
+
+    data = bytearray(demo_model.read_bytes())
+    key = b"llama.embedding_length"
+    at = data.index(key) + len(key) + 4  # the key, then its u32 type, then the value
+    struct.pack_into("<I", data, at, 7)
+    out = tmp_path / "embd7.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.build
+def test_bench_tail_stops_at_a_model_llama_cpp_refuses(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
+    """`bench tail` on a GGUF llama.cpp refuses ran every cell, each "failed (llama-bench exit status 1: failed to load
+    model)" without llama.cpp's reason, then a table of n/a and exit 1 with no error line. Seen failing before the fix:
+    seven failed cells and no error line. Now one line with llama.cpp's reason after the first cell; the others are
+    skipped in the report."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    model = _model_llama_cpp_refuses(tmp_path, demo_model)
+    report = tmp_path / "t" / "bench-tail.json"
+    args = ["bench", "tail", str(model), "--preset", "cpu-small", "--json", str(report), "--no-plot"]
+    code, out, err = run_main(args, capsys)
+    assert code == 1 and _errors(err) == [f"error: llama.cpp could not load {model.name}: error loading model "
+                                          "hyperparameters: invalid n_rot: 64, expected 0"], out + err
+    cells = json.loads(report.read_text())["cells"]
+    assert [c["status"] for c in cells] == ["failed"] + ["skipped"] * (len(cells) - 1), cells
+
+
+@pytest.mark.build
+def test_bench_load_stops_at_a_model_llama_cpp_refuses(tmp_path, capsys, demo_model, cpu_build, monkeypatch):
+    """`bench load` on the same file: each cell's server failed to start in turn ("warning: cell default failed: ..."),
+    then "✓ report" of failed cells and exit 1 with no error line. Seen failing before the fix: three warnings and the
+    report. Now the first cell's reason is the one error line, and no report is written."""
+    monkeypatch.setenv("ROLLINGKV_BUILD", str(cpu_build.dir))
+    model = _model_llama_cpp_refuses(tmp_path, demo_model)
+    report = tmp_path / "l" / "bench-load.json"
+    code, out, err = run_main(["bench", "load", str(model), "--preset", "cpu-small", "--json", str(report)], capsys)
+    assert code == 1 and len(_errors(err)) == 1, out + err
+    assert _errors(err)[0].startswith("error: cell default: llama-server exited during start-up (exit status 1): "
+                                      "llama.cpp could not load the model: error loading model hyperparameters: "
+                                      "invalid n_rot"), err
+    assert not report.exists() and "warning: cell" not in err and "report:" not in out, out + err
+
+
 # ------------------------------------------------------------------------------------------------ environment
 
 def test_a_cpu_part_stats_value_the_library_reads_as_off_is_refused(capsys, isolated_cache, monkeypatch, fake_gguf):

@@ -539,6 +539,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                 task = prog.add_task(f"{c.name}", total=n_req)
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))
+                if rec["status"] == "failed" and "llama.cpp could not load the model" in str(rec.get("error")):
+                    # every cell loads the same file: they failed in turn, then "✓ report" of nothing and exit 1
+                    abort(f"cell {c.name}: {rec['error']}", "the file is corrupt or not a model this build runs; no "
+                          "report written")
                 if rec["status"] == "failed":  # why, now (the table only says "failed")
                     warn(f"cell {c.name} failed: {rec.get('error')}" + (f" ({rec['hint']})" if rec.get("hint") else ""))
                 doc["cells"].append(rec)
