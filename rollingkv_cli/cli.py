@@ -111,7 +111,7 @@ def main() -> None:
     except (click.exceptions.Abort, KeyboardInterrupt) as err:  # click wraps an interrupt in its Abort
         _stopped(err)
     except click.ClickException as err:
-        err.show()
+        _show_visibly(err)
         sys.exit(err.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -121,6 +121,16 @@ def main() -> None:
         sys.exit(1)
     except Exception as err:  # the last resort: every expected failure is a RollingKVError with its own message
         _internal_error(err)
+
+
+def _show_visibly(err: click.ClickException) -> None:
+    """click's own error line, with a control character of the user's value (a newline, ESC in a path) escaped as our
+    lines have them (console.visible): `model synth $'a\\nb'` was an error in two lines."""
+    from rollingkv_cli.console import visible
+
+    message = err.format_message
+    err.format_message = lambda: visible(message())
+    err.show()
 
 
 def _stopped(err: BaseException) -> None:
@@ -138,11 +148,11 @@ def _stopped(err: BaseException) -> None:
 
 def _internal_error(err: Exception) -> None:
     from rollingkv_cli.lib import paths
-    from rollingkv_cli.console import err_console, text
+    from rollingkv_cli.console import err_console, text, visible
 
     if os.environ.get(paths.ENV_TRACEBACK, "").strip() not in ("", "0", "false", "no", "off"):
         raise err
-    first = (str(err).strip().splitlines() or [""])[0]
+    first = visible((str(err).strip().splitlines() or [""])[0])
     err_console.print(text(f"internal error: {type(err).__name__}: {first}".rstrip(": "), style="bold red"), soft_wrap=True)
     err_console.print(text(f"hint: this is a bug in rollingkv; please report it with the full traceback, which "
                            f"{paths.ENV_TRACEBACK}=1 shows (run the command again with it set)", style="dim"), soft_wrap=True)

@@ -17,6 +17,35 @@ def threads_in_range(ctx, param, value):
     return value
 
 
+class NonEmptyPath(click.Path):
+    """click.Path that refuses an empty or blank value (an unset shell variable): Path('') is the current directory, so
+    `gate needle --json ''` said "cannot write report .: it is a directory", `gate matrix --out ''` wrote its reports
+    into ./ and `gate equiv --work-dir ''` worked there. Every path option and argument takes this type; one for a file
+    also refuses a path that ends in `/`."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            what = "a file" if not self.dir_okay else "a directory" if not self.file_okay else "a file or a directory"
+            self.fail(f"an empty path (an unset shell variable?): give the path of {what}", param, ctx)
+        if isinstance(value, str) and not self.dir_okay and value.endswith(("/", "/.")):
+            # Path('out/') is Path('out'): `gate needle --json out/` wrote the report as a file named out
+            self.fail(f"{value} names a directory: give the path of a file (in it, or beside it)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that refuses nan and inf, which pass its bounds (a comparison with nan is false): `bench load
+    --arrival-mean inf` ended in "internal error: ZeroDivisionError", `--arrival-mean nan` scheduled arrivals "at nans",
+    `--time-budget nan` meant no budget at all."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        if not math.isfinite(click.FLOAT.convert(value, param, ctx)):  # before the bounds: they would name inf
+            self.fail(f"must be a finite number of seconds, not {value}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 AFTER_DASHES = "rollingkv.after_dashes"  # ctx.meta: the raw arguments after the first `--` (PassThroughCommand)
 MODEL_AFTER_DASHES = "rollingkv.model_after_dashes"  # ctx.meta: no MODEL came before that `--`
 

@@ -20,6 +20,8 @@ def _console(stderr: bool = False) -> Console:
     does not write to a terminal, and redirected output came out cut mid-phrase ("K/V" / "f16/f16"). Tables and panels
     keep their width."""
     c = Console(stderr=stderr, highlight=False)
+    if c.width < 1:  # COLUMNS=0 (set so by some scripts and CI runners): rich printed every line empty, errors included
+        c = Console(stderr=stderr, highlight=False, width=80)
     if not c.is_terminal:
         c.soft_wrap = True
     return c
@@ -64,8 +66,19 @@ def text(message: str, markup: bool = False, style: str | None = None) -> Text:
     return t
 
 
+def visible(message: str) -> str:
+    """message with each character a terminal would act on or hide (a NUL, a newline, ESC, other controls, an invisible
+    separator) written as Python escapes it (`\\x00`, `\\n`, `\\x1b`, `\\u2028`): a model path holding one was printed
+    raw, an error in two lines or an escape sequence the terminal ran. A byte of a path that is not UTF-8 (a surrogate
+    escape of the file system's encoding) is written as that byte, `\\xff`. Spaces and printable text stay as they are."""
+    if message.isprintable():
+        return message
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF
+                   else repr(ch)[1:-1] for ch in message)
+
+
 def _line(label: str, label_style: str, message: str, markup: bool) -> Text:
-    return Text.assemble((label, label_style), " ", text(message, markup))
+    return Text.assemble((label, label_style), " ", text(visible(message), markup))
 
 
 def print_error(err: RollingKVError) -> None:

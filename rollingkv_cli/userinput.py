@@ -13,6 +13,7 @@ import math
 import os
 import reprlib
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,17 @@ def read_json(path: Path | str, what: str, limit: int | None = None) -> Any:
     except json.JSONDecodeError as e:
         abort(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
               "fix the file, or give another one")
+    except ValueError as e:  # an integer of more than 4300 digits (Python's limit): "internal error: ValueError" before
+        abort(f"{what} {path} is not usable JSON: {_unreadable_value(e)}", "fix the file, or give another one")
     except RecursionError:
         abort(f"{what} {path} is not usable JSON: nested too deeply")
+
+
+def _unreadable_value(e: ValueError) -> str:
+    """What a ValueError from a parser's value constructor says, in words for the file's author."""
+    if "integer string conversion" in str(e):
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return f"a value that cannot be read ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -179,6 +189,9 @@ def read_yaml(path: Path | str, what: str, limit: int | None = MAX_SETTINGS_BYTE
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
         abort(f"{what} {path} is not valid YAML: {problem}{where}", "fix the file, or give another one")
+    except ValueError as e:  # a value its constructor cannot make (a date 2001-13-45, `!!int abc`, 5000 digits): it was
+        # "internal error: ValueError"
+        abort(f"{what} {path} is not usable YAML: {_unreadable_value(e)}", "fix the file, or give another one")
     except RecursionError:
         abort(f"{what} {path} is not usable YAML: nested too deeply")
 
@@ -203,6 +216,12 @@ def _stat_and_parent(p: Path, say: str) -> tuple[os.stat_result | None, Path]:
         abort(f"{say}: {e.strerror or e}", "check the path")
     if st is not None:
         return st, p
+    if os.path.islink(p):  # a link to nothing: a write lands at its target, whose directory a write does not make
+        target = Path(os.path.realpath(p))
+        if not target.parent.is_dir():  # `--json link` ran the whole gate, then "No such file or directory"
+            abort(f"{say}: it is a symbolic link to {target}, whose directory does not exist",
+                  "give another path, or make that directory first")
+        return None, target.parent
     where = p.absolute().parent
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -242,6 +261,9 @@ def check_output_dir(path: Path | str, what: str) -> None:
     p = Path(path)
     say = f"cannot use {what} {p}"
     st, where = _stat_and_parent(p, say)
+    if st is None and os.path.islink(p):  # mkdir cannot make a directory through a link to nothing
+        abort(f"{say}: it is a symbolic link to {os.path.realpath(p)}, which does not exist",
+              "give the path of a directory (new or existing), or make the link's target first")
     if st is not None and not stat.S_ISDIR(st.st_mode):
         abort(f"{say}: it is {'a file' if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)}, not a directory",
               "give the path of a directory (new or existing)")
@@ -284,6 +306,7 @@ def env_float(name: str, default: float | None = None, *, positive: bool = False
         abort(f"${name}={os.environ[name]!r} is not a number{units}", _unset_hint(name, example))
     if not math.isfinite(v) or (positive and v <= 0) or (minimum is not None and v < minimum):
         need = "a positive number" if positive else f"a number >= {minimum:g}" if minimum is not None else "a finite number"
+        need = need if math.isfinite(v) else "a finite number"  # `inf` "must be a positive number" said it was none
         abort(f"${name}={os.environ[name]!r} must be {need}{units}", _unset_hint(name, example))
     return v
 
@@ -331,6 +354,8 @@ NATIVE_KNOBS: dict[str, tuple[int, int | None, str]] = {
     "ROLLINGKV_RUNTIME_MIB": (0, 262144, "a size in MiB from 0 to 262144, such as 640"),
     "ROLLINGKV_CPU_PART_THREADS": (0, 1024, "a number of threads from 1 to 1024, such as 15, or 0 for the default"),
     "ROLLINGKV_CPU_PART_SPIN_US": (0, 1000000, "microseconds from 0 to 1000000, such as 300"),
+    # atoi, clamped to 0..1: `abc` was off and `yes` too, silently
+    "ROLLINGKV_CPU_PART_STATS": (0, 1, "1 (the CPU part's statistics at exit) or 0"),
 }
 _NOT_CLAMPED = ("ROLLINGKV_RUNTIME_MIB",)
 

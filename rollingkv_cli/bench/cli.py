@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import PassThroughCommand, option, threads_in_range
+from rollingkv_cli.cliopts import FiniteFloatRange, NonEmptyPath, PassThroughCommand, option, threads_in_range
 from rollingkv_cli.kvtypes import TAIL_AUTO, TAIL_TYPES  # the library's list (a tiny module: registering commands stays cheap)
 
 CACHE_TYPES = list(TAIL_TYPES)
@@ -149,7 +149,7 @@ def _vanilla_bench(d: Path) -> Path:
                    "on the device (--kv-residency-mode head --kv-device-heads N: the VRAM of the window cell at f at full "
                    "context), the others streamed from host memory for every cell; e.g. 0.25,0.5,0.75.  [default: none]")
 @click.option("--window-type", type=click.Choice(CACHE_TYPES), default="f16", show_default=True, help="The window's (and vanilla's) K/V type, -ctk/-ctv.")
-@click.option("--vanilla-build", type=click.Path(path_type=Path), default=None, metavar="DIR",
+@click.option("--vanilla-build", type=NonEmptyPath(path_type=Path), default=None, metavar="DIR",
               help="An unpatched llama.cpp build of the pin (DIR, DIR/bin or DIR/build/bin holding llama-bench) for the vanilla cells.  "
                    "[default: our build with --kv-residency-mode off, bit-identical to upstream]")
 @click.option("--skip", multiple=True, type=click.Choice(SKIPPABLE), help="Leave out the auto, vanilla -ngl or vanilla -nkvo cells (repeatable).")
@@ -160,10 +160,11 @@ def _vanilla_bench(d: Path) -> Path:
               help="Use this host-to-device GB/s for the floors instead of measuring, and give it to the hybrid auto cells' plan "
                    "(a simulated link: the CPU share auto picks for it, on this machine).")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) whose link is measured.")
-@click.option("--cell-timeout", type=click.FloatRange(min=1), default=None, metavar="S", help="Stop a cell after S seconds (recorded as timeout).")
-@click.option("--time-budget", type=click.FloatRange(min=1), default=None, metavar="S",
+@click.option("--cell-timeout", type=FiniteFloatRange(min=1), default=None, metavar="S",
+              help="Stop a cell after S seconds (recorded as timeout).")
+@click.option("--time-budget", type=FiniteFloatRange(min=1), default=None, metavar="S",
               help="Start no cell after S seconds and stop a running one then: the report stays complete up to there.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report, rewritten after every cell.  [default: <date>-bench-tail-<model>/bench-tail.json, a new folder per run, in docs/perf inside the checkout, else here]")
 @click.option("--resume", is_flag=True, help="Keep the measured cells of --json from an earlier run of the same configuration; run the rest.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG (drawn next to the JSON when matplotlib is installed).")
@@ -230,6 +231,9 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         if arithmetic.kv_size(d, n_gen) <= arithmetic.MIN_WINDOW:
             raise click.BadParameter(f"depth {d} + {n_gen} generated tokens fit in {arithmetic.MIN_WINDOW} cells, the smallest window: "
                                      f"nothing could go to the tail (use a depth of at least {arithmetic.MIN_WINDOW})", param_hint="--depth")
+    if resume and json_out is None:  # the default report is a new folder each run: nothing was kept, silently
+        raise click.UsageError("--resume keeps the measured cells of an earlier report: give that report with --json "
+                               "FILE")
     run = tail_setup.prepare(
         model_spec, depths=list(dict.fromkeys(depths)), n_gen=n_gen, reps=reps, vanilla_reps=vanilla_reps, tail_types=tail_types,
         fractions=fractions, mixed_fractions=mixed_fractions, cpu_fracs=cpu_fracs,
@@ -314,7 +318,8 @@ def _server_args_after_dashes(ctx, param, value):
 @click.option("--ramp-size", "ramp_sizes", type=(int, int), default=(8000, 64), show_default=True, metavar="PROMPT GEN", help="ramp: each request (+-25%).")
 @click.option("--requests", "n_requests", type=int, callback=_positive, default=16, show_default=True,
               help="random: requests in the mix.")
-@click.option("--arrival-mean", type=click.FloatRange(min=0.0, min_open=True), default=1.5, show_default=True, metavar="S",
+@click.option("--arrival-mean", type=FiniteFloatRange(min=0.0, min_open=True, max=3600), default=1.5, show_default=True,
+              metavar="S",
               help="random: mean seconds between arrivals (exponential gaps).")
 @click.option("--prompt-range", type=(int, int), default=(300, 24000), show_default=True, callback=_range,
               metavar="LOW HIGH", help="random: prompt tokens, uniform.")
@@ -333,8 +338,9 @@ def _server_args_after_dashes(ctx, param, value):
                    "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
 @click.option("--vanilla-ngl", type=click.IntRange(min=0), default=None, help="vanilla's -ngl.  [default: the largest whose weights + KV fit the split cell's peak VRAM]")
 @click.option("--gpu", "gpu_index", type=click.IntRange(min=0), default=0, show_default=True, help="GPU (NVML index) sampled for peak VRAM.")
-@click.option("--request-timeout", type=click.FloatRange(min=1), default=1800, show_default=True, metavar="S", help="Give up on a request after S seconds (recorded).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--request-timeout", type=FiniteFloatRange(min=1), default=1800, show_default=True,
+              metavar="S", help="Give up on a request after S seconds (recorded).")
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="The report.  [default: <date>-bench-load-<model>/bench-load.json, in docs/perf inside the checkout, else here]")
 @click.option("--dry-run", is_flag=True, help="Print the cells and the schedule, run nothing.")
 @click.option("--preset", type=click.Choice(sorted(LOAD_PRESETS)), default=None,
@@ -489,10 +495,12 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     # what the servers will be sent and how long that may take here, before the first one starts
     from rollingkv_cli.bench import estimate
 
-    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for st in mix.stages for r in st.reqs], len(todo),
+    reqs = [r for st in mix.stages for r in st.reqs]
+    console.print(estimate.load_line(gguf.read_model(model), [(r.prompt, r.gen) for r in reqs], len(todo),
                                      threads=estimate.server_threads(list(server_args)),
                                      backend="CUDA" if (build.manifest.get("options") or {}).get("cuda") else "CPU",
-                                     preset=preset), markup=False, soft_wrap=True)
+                                     preset=preset, last_arrival_s=max((r.at_s for r in reqs), default=0.0)),
+                  markup=False, soft_wrap=True)
     if dry_run:
         for st in mix.stages:
             console.print(f"  stage {st.name}: " + ", ".join(f"{r.name} {r.prompt}+{r.gen}" + (f" at {r.at_s:g}s" if st.arrivals else "")
@@ -531,6 +539,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                 task = prog.add_task(f"{c.name}", total=n_req)
                 rec = lb.run_cell(c, binary, model, mix, log_dir, request_timeout, gpu, list(server_args),
                                   on_done=lambda r, t=task: prog.advance(t))
+                if rec["status"] == "failed" and "llama.cpp could not load the model" in str(rec.get("error")):
+                    # every cell loads the same file: they failed in turn, then "✓ report" of nothing and exit 1
+                    abort(f"cell {c.name}: {rec['error']}", "the file is corrupt or not a model this build runs; no "
+                          "report written")
                 if rec["status"] == "failed":  # why, now (the table only says "failed")
                     warn(f"cell {c.name} failed: {rec.get('error')}" + (f" ({rec['hint']})" if rec.get("hint") else ""))
                 doc["cells"].append(rec)
@@ -539,6 +551,10 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
         from rollingkv_cli.lib.procs import signal_name, stop_signum
 
         stopped = stop_signum(e) or 2
+        if not doc["cells"]:  # an empty report replaced an earlier one at --json, and was announced with a ✓
+            warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)} before any cell was measured: "
+                 f"no report written" + (f" ({out} is as it was)" if out.exists() else ""))
+            raise SystemExit(128 + stopped) from None
         warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)}: the report keeps the cells measured so far")
     doc["targets"] = lb.evaluate_targets(doc)
     tail_runs.write_json(out, doc)
@@ -566,8 +582,9 @@ def _load_report(path: Path) -> dict:
 
 
 @bench.command(short_help="Draw the PNG of a bench tail report.")
-@click.argument("report", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="The PNG.  [default: REPORT with .png]")
+@click.argument("report", type=NonEmptyPath(path_type=Path))
+@click.option("-o", "--output", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
+              help="The PNG.  [default: REPORT with .png]")
 def plot(report: Path, output: Path | None) -> None:
     """Draw the PNG of a `bench tail` report (needs matplotlib: pip install 'rollingkv[plot]')."""
     from rollingkv_cli.bench import plot as plotting
@@ -588,7 +605,7 @@ def plot(report: Path, output: Path | None) -> None:
 
 
 @bench.command(short_help="Print a bench tail report's tables again.")
-@click.argument("report", type=click.Path(path_type=Path))
+@click.argument("report", type=NonEmptyPath(path_type=Path))
 def show(report: Path) -> None:
     """Print the tables and targets of a `bench tail` report (a partial one too)."""
     from rollingkv_cli.bench import tail as tail_runs, tail_report

@@ -92,11 +92,13 @@ def bench_tail_s(shape: Shape, cells: list[dict], n_gen: int, reps: int, vanilla
     return total
 
 
-def bench_load_s(shape: Shape, requests: list[tuple[int, int]], n_cells: int, threads: int) -> float:
+def bench_load_s(shape: Shape, requests: list[tuple[int, int]], n_cells: int, threads: int,
+                 last_arrival_s: float = 0.0) -> float:
     """Every request's prompt and generated tokens, one after another (on a CPU concurrent requests share the same
-    cores), for each cell's server: requests as (prompt, gen)."""
-    per_cell = load_s(shape) + sum(prefill_s(shape, p, threads) + decode_s(shape, p, g, threads) for p, g in requests)
-    return per_cell * n_cells
+    cores), for each cell's server: requests as (prompt, gen); no less than the last request's arrival (a random mix
+    with `--arrival-mean 600` was "about 35 s" for an hour of waiting)."""
+    work = sum(prefill_s(shape, p, threads) + decode_s(shape, p, g, threads) for p, g in requests)
+    return (load_s(shape) + max(work, last_arrival_s)) * n_cells
 
 
 def duration(seconds: float) -> str:
@@ -135,10 +137,10 @@ def tail_line(info, cells: list[dict], *, n_gen: int, reps: int, vanilla_reps: i
 
 
 def load_line(info, requests: list[tuple[int, int]], n_cells: int, *, threads: int | None, backend: str,
-              preset: str | None) -> str:
+              preset: str | None, last_arrival_s: float = 0.0) -> str:
     """bench load's one line before its first server starts."""
     threads = threads or default_threads()
-    s = bench_load_s(Shape.of(info), requests, n_cells, threads)
+    s = bench_load_s(Shape.of(info), requests, n_cells, threads, last_arrival_s)
     prompt, gen = sum(p for p, _ in requests), sum(g for _, g in requests)
     return (f"{n_cells} server{'s' if n_cells != 1 else ''}, each {len(requests)} requests of {prompt} prompt and {gen} "
             f"generated tokens in all (the longest prompt {max((p for p, _ in requests), default=0)}): "

@@ -488,6 +488,34 @@ def estimate_line(cfg: TailConfig, model, cells: list[dict]) -> str:
                               backend=cfg.backend, preset=cfg.preset, window_type=cfg.window_type)
 
 
+def _stop_if_the_model_did_not_load(cfg: TailConfig, doc: dict, cell: dict, rest: list[dict],
+                                    err_tail: list[str]) -> None:
+    """A cell's llama-bench could not load the model (a GGUF llama.cpp refuses: `invalid n_rot`): every other cell
+    would fail the same way. They ran anyway, each a line of "failed to load model" without llama.cpp's reason, then a
+    table of n/a and exit 1 with no error line. Now the rest is skipped and the run ends in one line with the reason."""
+    from rollingkv_cli.lib import child
+    from rollingkv_cli.serve.server import model_error_in_log
+
+    if not any("failed to load model" in line for line in err_tail):
+        return
+    # llama-bench keeps llama.cpp's log to itself unless -v: the reason, from one more (short) try that prints it
+    try:
+        _, _, err = child.run([str(cfg.bench), "-m", str(cfg.model), "-p", "0", "-n", "1", "-r", "1", "-v"],
+                              timeout=120)
+        reason = model_error_in_log(err.splitlines())
+    except (OSError, child.Timeout):
+        reason = None
+    if reason is None:  # our llama-bench loads it (an unpatched vanilla build's cell failed): the run goes on
+        return
+    cell["error"] = f"{reason} (stderr_tail in {cfg.out})"
+    for c in rest:
+        c["status"], c["error"] = "skipped", "not run: llama.cpp could not load the model"
+    refresh(doc)
+    write_json(cfg.out, doc)
+    abort(f"{reason.replace('the model', cfg.model.name, 1)}", f"the file is corrupt or not a model this build runs; "
+          f"the report {cfg.out} keeps the failed cell")
+
+
 def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -542,6 +570,7 @@ def _run_cells(cfg: TailConfig, doc: dict, model, todo: list[dict], t0: float) -
                     last = f"the library refused the context: {reason}"
                 c["status"], c["error"] = "failed", f"llama-bench {how}: {last} (stderr_tail in {cfg.out})"
                 c["stderr_tail"] = err_tail
+                _stop_if_the_model_did_not_load(cfg, doc, c, todo[i:], err_tail)
             else:
                 try:
                     fill_measurement(c, parse_bench_json(out, cfg.n_gen), model)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import NonEmptyPath
 from rollingkv_cli.lib.paths import ENV_SOURCE_DIR
 
 
@@ -14,7 +15,8 @@ from rollingkv_cli.lib.paths import ENV_SOURCE_DIR
 @click.option("--cuda-arch", metavar="ARCHS", help="CMAKE_CUDA_ARCHITECTURES (e.g. 90 or 86;90). Default: the GPUs' compute capability via NVML, else native.")
 @click.option("--backend-dl", is_flag=True, help="Build ggml backends as runtime-loaded modules (llamafile-style: CUDA in its own shared object).")
 @click.option("--toolchain", type=click.Choice(["gcc", "cosmocc"]), default="gcc", show_default=True, help="Host compiler; cosmocc must be on PATH.")
-@click.option("--source", type=click.Path(file_okay=False, path_type=Path), envvar=ENV_SOURCE_DIR, help=f"A local llama.cpp tree instead of the pinned sdist [env: {ENV_SOURCE_DIR}].")
+@click.option("--source", type=NonEmptyPath(file_okay=False, path_type=Path), envvar=ENV_SOURCE_DIR,
+              help=f"A local llama.cpp tree instead of the pinned sdist [env: {ENV_SOURCE_DIR}].")
 @click.option("--allow-unpinned", is_flag=True, help="Accept a --source tree at another commit than the pin.")
 @click.option("--unpatched", is_flag=True, help="Build libllama of the pin with only the upstream fixes (patches/upstream-fixes/), none of our series: the reference for `gate equiv --reference lib:DIR`; never becomes the active build.")
 @click.option("--lab", is_flag=True, help="Apply the lab series on top (patches/lab/, native-lab/: the GPU timeline profile, speed probes, A/B switches); its own build directory, never the product's.")

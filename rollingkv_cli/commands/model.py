@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import NonEmptyPath
+
 
 @click.group(short_help="Get the demo model or write synthetic ones.")
 def model() -> None:
@@ -29,7 +31,7 @@ def demo(print_path: bool) -> None:
 
 
 @model.command(short_help="Write a GGUF with random weights.")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=NonEmptyPath(dir_okay=False, path_type=Path))
 @click.option("--layers", type=int, default=28, show_default=True)
 @click.option("--embd", type=int, default=3072, show_default=True)
 @click.option("--heads", type=int, default=24, show_default=True)

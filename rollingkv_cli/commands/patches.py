@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import NonEmptyPath
+
 
 @click.group(short_help="Work on the patch series against the pin.")
 def patches() -> None:
@@ -20,7 +22,7 @@ def patches() -> None:
 
 
 @patches.command(short_help="A git work tree at the pin, a commit per patch.")
-@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dest", type=NonEmptyPath(file_okay=False, path_type=Path))
 @click.option("--lab", is_flag=True, help="Add the lab series on top: a commit of native-lab/ (tag rollingkv-lab-native), then a commit per lab patch.")
 def checkout(dest: Path, lab: bool) -> None:
     """Make DEST a git work tree at the pin with native/ and every patch applied as commits."""
@@ -37,7 +39,7 @@ def checkout(dest: Path, lab: bool) -> None:
 
 
 @patches.command(short_help="Regenerate patches/ and native/ from a checkout.")
-@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("src", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite native/ files that changed since SRC last synced with native/.")
 def export(src: Path, force: bool) -> None:
     """Regenerate patches/ (format-patch, stable names) and native/ from a checkout SRC.
@@ -55,7 +57,7 @@ def export(src: Path, force: bool) -> None:
 
 
 @patches.command("apply", short_help="Apply the series to a llama.cpp tree in place.")
-@click.argument("tree", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("tree", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--lab", is_flag=True, help="Apply the lab series on top (patches/lab/, native-lab/).")
 def apply_cmd(tree: Path, lab: bool) -> None:
     """Apply the series to a llama.cpp TREE in place (idempotent; refuses foreign changes)."""

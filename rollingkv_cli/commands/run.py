@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import NonEmptyPath
+
 
 def _temperature(ctx, param, value: float) -> float:
     import math
@@ -22,7 +24,8 @@ def _temperature(ctx, param, value: float) -> float:
 @click.command(short_help="Answer one prompt with MODEL on the active build.")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("-p", "--prompt", help="The user message.")
-@click.option("-f", "--prompt-file", type=click.Path(path_type=Path), help="Read the user message from a file (UTF-8 text).")
+@click.option("-f", "--prompt-file", type=NonEmptyPath(path_type=Path),
+              help="Read the user message from a file (UTF-8 text).")
 @click.option("-n", "--max-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
 @click.option("-c", "--ctx-size", type=click.IntRange(64, 1 << 22), default=2048, show_default=True, help="Context size in tokens (llama.cpp rounds it up to a multiple of 256).")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 2), default=0, show_default=True,

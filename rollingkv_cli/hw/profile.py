@@ -76,7 +76,7 @@ def _load_doc() -> dict:
         return empty
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer past Python's 4300 digits
         _move_aside(p, f"not JSON: {e}")
         return empty
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):

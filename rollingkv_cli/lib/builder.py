@@ -70,7 +70,9 @@ class Build:
         m = build_dir / MANIFEST
         try:
             data = json.loads(m.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):  # not UTF-8, not JSON, or an integer past Python's 4300 digits: not a build's
+            return None
+        if not isinstance(data, dict):  # `[]` was "internal error: AttributeError"
             return None
         if not all((build_dir / "build" / "bin" / a).exists() for a in data.get("artifacts", [])):
             return None
@@ -226,7 +228,7 @@ def prepare_tree(source: Path, dest: Path, series: patchset.Series, log=print) -
         try:
             if json.loads(marker.read_text()).get("series") == series.hash:
                 return dest
-        except json.JSONDecodeError:
+        except (ValueError, AttributeError):  # not our JSON: prepared again
             pass
     if dest.exists():
         shutil.rmtree(dest)

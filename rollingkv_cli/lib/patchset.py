@@ -406,7 +406,9 @@ def native_conflicts(src: Path, series: Series) -> list[str]:
         return []  # a checkout from before the stamp: nothing to compare with
     try:
         synced = json.loads(stamp.read_text())
-    except json.JSONDecodeError:
+    except ValueError:
+        return []
+    if not isinstance(synced, dict):
         return []
     conflicts = []
     for key, h in sorted(_synced_hashes(series).items()):

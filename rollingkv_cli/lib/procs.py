@@ -69,10 +69,13 @@ def popen_tied(cmd, *, new_session: bool = True, death_signal: int = signal.SIGT
     return subprocess.Popen(cmd, start_new_session=new_session, **kwargs)
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 10.0, on_kill=None) -> int | None:
+def stop_group(proc: subprocess.Popen, grace: float = 10.0, on_kill=None, busy=None) -> int | None:
     """SIGTERM the child's whole process group (the child alone when it shares ours), wait up to `grace`
-    seconds, then SIGKILL it: never an orphan. on_kill, when given, is called just before the SIGKILL (so that a
-    caller can say the child was killed, not stopped).
+    seconds, then SIGKILL it: never an orphan. on_kill, when given, is called just before the SIGKILL with whether an
+    interrupt cut the wait short (so that a caller can say the child was killed, not stopped, and why). busy, when
+    given, is asked after the grace, then every half second, whether the child is in the middle of something a SIGKILL
+    would leave half done (a file it writes): the wait goes on while it answers True, and for another grace after (the
+    child ends once that is done).
 
     An interrupt while waiting (a second Ctrl-C, another SIGTERM/SIGHUP) cuts the wait short: the group is
     killed and reaped first, then the interrupt goes on.
@@ -82,14 +85,24 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0, on_kill=None) -> int
     _signal_group(proc, signal.SIGTERM)
     pending: BaseException | None = None
     try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            if busy is not None and busy():
+                while proc.poll() is None and busy():
+                    try:
+                        proc.wait(timeout=0.5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
     except BaseException as e:  # KeyboardInterrupt, or a signal handler's exception
         pending = e
     if proc.poll() is None:
         if on_kill is not None:
-            on_kill()
+            on_kill(pending is not None)
         _signal_group(proc, signal.SIGKILL)
         while True:
             try:
@@ -102,6 +115,29 @@ def stop_group(proc: subprocess.Popen, grace: float = 10.0, on_kill=None) -> int
     if pending is not None:
         raise pending
     return proc.returncode
+
+
+def files_written(pid: int, folder: Path) -> dict[str, int]:
+    """The files under folder that process pid holds open for writing, each with its file position (Linux's /proc;
+    {} elsewhere, or for a process gone)."""
+    root = os.path.realpath(folder) + os.sep
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return {}
+    found = {}
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not target.startswith(root):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["flags"].strip(), 8) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+                found[target] = int(fields["pos"].strip())
+        except (OSError, KeyError, ValueError):  # closed meanwhile, or a kernel that words fdinfo otherwise
+            continue
+    return found
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -157,8 +157,13 @@ def gpu_layers(s: ServeSettings, cuda: bool, free_vram_mib=_free_vram_mib, weigh
 
 
 def model_alias(model: Path) -> str:
-    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf."""
-    return model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+    """The model's id in the OpenAI API (/v1/models, "model" in answers): its file name without .gguf, as llama-server
+    keeps it. Its --alias is a list: split at commas, each item stripped of blanks (common/arg.cpp), so `a, b.gguf` was
+    served as "a" (and "b"), and a name of blanks left no alias (the id was then the model's full path); commas become
+    `_`. A leading `-` stays: llama-server takes the word after --alias as its value whatever it is (`-x.gguf` is
+    "-x")."""
+    name = model.name[:-5] if model.name.lower().endswith(".gguf") else model.name
+    return name.replace(",", "_").strip() or "model"
 
 
 def prompt_cache_args(s: ServeSettings, may_split_cache: bool) -> list[str]:
@@ -181,7 +186,7 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
     # scrapers such as Prometheus; no prompt or answer text; serve's live status never reads it: each read resets its
     # per-interval gauges). Slot save/restore writes files into slot_dir on any client's request: only with --slot-save.
     args = ["-m", str(s.model), "-fa", "on", "--metrics", *prompt_cache_args(s, may_split_cache)]
-    if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a")):
+    if not (arg_given(s.extra_args, "--alias") or arg_given(s.extra_args, "-a") or os.environ.get("LLAMA_ARG_ALIAS")):
         args += ["--alias", model_alias(s.model)]  # /v1/models names the model, not the path of the user's cache
     if s.slot_save:
         args += ["--slot-save-path", str(slot_dir)]
@@ -282,6 +287,21 @@ def _resolve_bandwidth(s: ServeSettings, cuda: bool) -> tuple[float | None, str]
 
 # ------------------------------------------------------------------ supervision
 
+def new_log(path: Path) -> Path:
+    """path, or path with -2, -3, ... before .log: a file created here, empty, that no other run writes. The name was
+    the time and the port alone: two serves started in the same second on one port appended to one log, and the second's
+    "port taken" line was read from among the first's lines. The pid in the name parts processes; creating the file
+    exclusively parts two serves of one process (the tests) and a pid used again."""
+    n = 1
+    while True:
+        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            with open(candidate, "xb"):
+                return candidate
+        except FileExistsError:
+            n += 1
+
+
 # How long a stopped serve gives llama-server after SIGTERM before its SIGKILL. Idle, it ends in well under a second;
 # with a streaming request in flight it never ends on SIGTERM (its HTTP thread waits for the request the stopped task
 # loop will not finish), and the 15 s grace kept Ctrl-C waiting for nothing. A second Ctrl-C cuts even this short.
@@ -332,7 +352,7 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     import shlex
 
     from rollingkv_cli.lib import builder
-    from rollingkv_cli.serve.server import ServerProcess, free_port, port_in_use, resolve_host
+    from rollingkv_cli.serve.server import SAVE_STALL, ServerProcess, free_port, port_in_use, resolve_host
 
     from rollingkv_cli.userinput import check_native_knobs
 
@@ -390,7 +410,8 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     slot_dir = paths.cache_dir(write=not print_args) / "slots"  # --print-args writes nothing: a read-only cache will do
     log_dir = paths.cache_dir(write=not print_args) / "logs"
     key = api_key(s.extra_args)
-    log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    # the pid: two serves started in the same second on one port (new_log makes the file this run's own)
+    log_path = log_dir / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{port}-{os.getpid()}.log"
     ngl_args, ngl_note = gpu_layers(s, cuda)
     cpu_attn_gbps, cpu_note = resolve_cpu_attn(s, cuda, b.dir.name, tail_cpu)
     may_split_cache = may_split(*split_asked(vars(s), s.extra_args), cuda=cuda) and build_has_rolling_kv(b.lib_dir / "libllama.so")
@@ -403,9 +424,11 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
     try:
         for d in made:
             d.mkdir(parents=True, exist_ok=True)
+        srv.log_path = log_path = new_log(log_path)
     except OSError as e:
-        abort(f"cannot create {d}: {e.strerror or e}", f"point {paths.ENV_CACHE_DIR} at a directory you can write")
-    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS - 1)  # with this run's log: the newest KEEP_RUN_LOGS, as the gates
+        abort(f"cannot create {e.filename or d}: {e.strerror or e}",
+              f"point {paths.ENV_CACHE_DIR} at a directory you can write")
+    paths.prune_run_logs(log_dir, "serve-", paths.KEEP_RUN_LOGS)  # this run's log among the newest kept, as the gates'
     if not key and not is_loopback(s.host):
         warn(f"--host {s.host} serves beyond this machine and no API key is set: anyone who reaches port {port} can use the "
              "server; pass `-- --api-key KEY` (or set $LLAMA_API_KEY)")
@@ -413,6 +436,10 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
         where = slot_dir if s.slot_save else arg_value(s.extra_args, "--slot-save-path")
         warn(f"{'--slot-save' if s.slot_save else '--slot-save-path'}: any client of the server can write and read KV cache "
              f"files in {where} (POST /slots/N?action=save|restore)" + ("" if key else "; set an API key to limit who can"))
+        if where:  # a stop waits for a save in progress there instead of cutting its file short
+            srv.slot_dir = Path(where)
+            srv.on_save_wait = lambda path: info(f"llama-server is saving a slot to {path}: waiting for the save to "
+                                                 "end (Ctrl-C again to kill it; the half-written file is then removed)")
     if bandwidth is not None:
         note(f"PCIe bandwidth for planning: {bandwidth:g} GB/s — {tier}")
     if ngl_note:
@@ -445,12 +472,19 @@ def serve(s: ServeSettings, print_args: bool = False, quiet: bool = False) -> No
             except KeyboardInterrupt as e:
                 stopped_by = stopped_by or stop_signum(e)
     if stopped_by is not None:
-        if srv.killed and srv.killed_after < srv.stop_grace:  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped
+        cut = f"; its half-written slot file {', '.join(srv.saves_cut)} removed" if srv.saves_cut else ""
+        if srv.kill_reason == "signal":  # a second Ctrl-C (or SIGTERM, SIGHUP) while it stopped or saved a slot
             warn(f"llama-server killed (SIGKILL) at a second stop signal, {srv.killed_after:.1f} s after SIGTERM "
-                 f"(serve stopped by {signal_name(stopped_by)})")
+                 f"(serve stopped by {signal_name(stopped_by)}){cut}")
+        elif srv.kill_reason == "stalled save":  # the file stood still for SAVE_STALL seconds: a disk that hangs
+            warn(f"llama-server killed (SIGKILL): its slot save had not moved for {SAVE_STALL:g} s (serve stopped by "
+                 f"{signal_name(stopped_by)}){cut}")
         elif srv.killed:  # not "stopped": it did not end on SIGTERM (a streaming request holds its HTTP thread)
             warn(f"llama-server killed (SIGKILL): it had not ended {srv.stop_grace:g} s after SIGTERM, most often because a "
                  f"request was still in flight (serve stopped by {signal_name(stopped_by)})")
+        elif srv.saves_waited:
+            success(f"llama-server stopped ({signal_name(stopped_by)}) once its slot save to "
+                    f"{', '.join(srv.saves_waited)} ended, {srv.stopped_after:.1f} s after SIGTERM")
         else:
             success(f"llama-server stopped ({signal_name(stopped_by)})")
         raise SystemExit(128 + stopped_by)

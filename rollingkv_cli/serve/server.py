@@ -154,6 +154,10 @@ def abort_in_log(lines: list[str]) -> str | None:
     return None
 
 
+# How long a slot file being written may stand still before a stop gives up on its save (a disk that hangs)
+SAVE_STALL = 15.0
+
+
 class ServerProcess:
     def __init__(self, binary: Path, args: list[str], host: str = "127.0.0.1", port: int | None = None,
                  log_path: Path | None = None, env: dict | None = None, api_key: str | None = None, stop_grace: float = 15.0):
@@ -173,6 +177,15 @@ class ServerProcess:
         self.stop_grace = stop_grace
         self.killed = False  # stop() had to SIGKILL it: it had not ended stop_grace seconds after SIGTERM
         self.killed_after = 0.0  # seconds from the SIGTERM to the SIGKILL
+        self.kill_reason = ""  # why: "grace" (not ended in time), "signal" (a second stop signal), "stalled save"
+        # where llama-server writes slot files (--slot-save-path), None without: a stop waits past the grace while it
+        # writes one (a save of a long context takes seconds; a SIGKILL left it half-written), as long as the file grows
+        self.slot_dir: Path | None = None
+        self.on_save_wait = None  # called with a slot file's path when a stop begins to wait for its save
+        self.saves_waited: list[str] = []  # the slot files a stop waited for
+        self.saves_cut: list[str] = []  # half-written slot files a SIGKILL cut short, removed
+        self.stopped_after = 0.0  # seconds from the SIGTERM to the end
+        self._save_moved: dict[str, tuple[int, float]] = {}  # each slot file's position, and when it last moved
 
     @property
     def command(self) -> list[str]:
@@ -249,7 +262,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RollingKVError(f"llama-server did not become healthy within {timeout:.0f} s", self._log_hint())
+                raise RollingKVError(f"llama-server did not become healthy within {timeout:g} s", self._log_hint())
             if on_poll:
                 on_poll()
             time.sleep(0.5)
@@ -278,23 +291,51 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float | None = None) -> int | None:
-        """SIGTERM, wait (grace, else stop_grace), then SIGKILL the whole group (self.killed says it came to that)."""
-        from rollingkv_cli.lib.procs import stop_group
+        """SIGTERM, wait (grace, else stop_grace, longer while a slot file is being written), then SIGKILL the whole
+        group (self.killed says it came to that; a slot file it was writing is removed, in self.saves_cut)."""
+        from rollingkv_cli.lib.procs import files_written, stop_group
 
         if self.proc is None:
             return None
 
         began = time.monotonic()
+        cut: dict[str, int] = {}
 
-        def killing() -> None:
+        def killing(interrupted: bool) -> None:
             self.killed = True
-            self.killed_after = time.monotonic() - began  # under stop_grace: a second stop signal cut the wait short
+            self.killed_after = time.monotonic() - began
+            if self.slot_dir is not None:
+                cut.update(files_written(self.proc.pid, self.slot_dir))
+            self.kill_reason = "signal" if interrupted else "stalled save" if cut else "grace"
 
         try:
-            stop_group(self.proc, self.stop_grace if grace is None else grace, on_kill=killing)
+            stop_group(self.proc, self.stop_grace if grace is None else grace, on_kill=killing,
+                       busy=self._saving if self.slot_dir is not None else None)
         finally:
+            self.stopped_after = time.monotonic() - began
             self._close_log()
+            for path in cut:  # llama-server closes a slot file once all of it is written: this one never will be
+                try:
+                    os.unlink(path)
+                    self.saves_cut.append(path)
+                except OSError:
+                    pass
         return self.proc.returncode
+
+    def _saving(self) -> bool:
+        """Whether llama-server is writing a slot file that moved within SAVE_STALL seconds (stop_group's busy)."""
+        from rollingkv_cli.lib.procs import files_written
+
+        now = time.monotonic()
+        files = files_written(self.proc.pid, self.slot_dir)
+        for path, pos in files.items():
+            if self._save_moved.get(path, (None,))[0] != pos:
+                self._save_moved[path] = (pos, now)
+            if path not in self.saves_waited:
+                self.saves_waited.append(path)
+                if self.on_save_wait:
+                    self.on_save_wait(path)
+        return any(now - self._save_moved[path][1] < SAVE_STALL for path in files)
 
     def _close_log(self) -> None:
         if self._log_file:

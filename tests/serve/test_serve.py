@@ -737,9 +737,9 @@ def test_a_stop_during_a_streaming_request_is_prompt_and_says_the_server_was_kil
 
 @pytest.mark.build
 def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_path):
-    """Issue 39: serve's logs (<cache>/logs/serve-<time>-<port>.log) were never pruned; now the newest KEEP_RUN_LOGS runs'
-    stay, this one's included, as the gates' (one function, paths.prune_run_logs), and other files are left alone. Seen
-    failing before the fix: all 25 old logs were still there."""
+    """Issue 39: serve's logs (<cache>/logs/serve-<time>-<port>-<pid>.log) were never pruned; now the newest
+    KEEP_RUN_LOGS runs' stay, this one's included, as the gates' (one function, paths.prune_run_logs), and other files
+    are left alone. Seen failing before the fix: all 25 old logs were still there."""
     from rollingkv_cli.lib import paths
     from rollingkv_cli.serve.server import free_port
 
@@ -761,7 +761,7 @@ def test_serve_keeps_the_newest_logs_as_the_gates_do(cpu_build, demo_model, tmp_
         out, _ = proc.communicate(timeout=60)
     kept = sorted(p.name for p in logs.iterdir())
     assert len([n for n in kept if n.startswith("serve-")]) == paths.KEEP_RUN_LOGS and "notes.txt" in kept, kept
-    assert kept[-1].startswith("serve-2026") and f"-{port}.log" in kept[-1], kept  # this run's log is among them
+    assert kept[-1].startswith("serve-2026") and f"-{port}-{proc.pid}.log" in kept[-1], kept  # this run's log, kept
     assert [f.exists() for f in old] == [False] * 6 + [True] * 19
 
 

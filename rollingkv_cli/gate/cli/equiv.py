@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
+from rollingkv_cli.cliopts import NonEmptyPath, ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, positive, tail_cpu_frac
 from rollingkv_cli.gate.common import EXIT_FAIL
 
@@ -17,7 +17,7 @@ MODES = ["window", "head", "auto", "off"]
 
 @click.command(short_help="Split vs resident logits, teacher-forced.")
 @model_argument()
-@click.option("--prompt-file", type=click.Path(path_type=Path),
+@click.option("--prompt-file", type=NonEmptyPath(path_type=Path),
               help="Text to decode (tokenized with the model's vocabulary). Default: synthetic text.")
 @click.option("--synthetic-tokens", type=int, callback=positive, default=None,
               help="Decode N tokens of built-in deterministic public-domain prose.  [default: 2048]")
@@ -37,7 +37,7 @@ MODES = ["window", "head", "auto", "off"]
                    "report shows the plan's split.  [default: the library's, auto]")
 @click.option("--reference", "reference", default="resident", show_default=True, metavar="resident|lib:PATH",
               help="resident: the active build with residency off; lib:PATH: the libllama in PATH (a directory or the file) of another build, e.g. an unpatched one.")
-@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path), default=None,
+@click.option("--thresholds", "thresholds_file", type=NonEmptyPath(path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (flat keys, or per profile: same_type/quantized).")
 @click.option("--tail-baseline", is_flag=True,
               help="Quantized tail: also decode the resident cache with every K/V in the tail's type (the baseline): over the "
@@ -58,7 +58,8 @@ MODES = ["window", "head", "auto", "off"]
               help="Auto tail types: also run the needle (gate needle's, llama-server with the candidate's residency at the same "
                    "context): a number placed in the tail, which the split must retrieve wherever the resident run does.  "
                    "[default: on with -ctkt/-ctvt auto]")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report here.")
 @click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads per run.  [default: all cores]")
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode (and per ubatch), the same for both runs.")
 @click.option("--n-seq", type=int, callback=positive, default=1, show_default=True,
@@ -66,7 +67,7 @@ MODES = ["window", "head", "auto", "off"]
                    "unified KV cache (as llama-server's --parallel N slots): their cells interleave in the window and the tail.")
 @ngl_option()
 @build_options
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--work-dir", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits (n_tokens x n_vocab x 4 bytes) are kept during the run.  [default: the temp dir]")
 def equiv(model_spec, prompt_file, synthetic_tokens, n_ctx, kv_window_cells, kv_device_heads, vram_target, ctk, ctv, ctkt, ctvt, mode, cpu_frac,
           reference, thresholds_file, tail_baseline, tolerance, order_floor, needle, json_out, threads, n_batch, n_seq, n_gpu_layers,

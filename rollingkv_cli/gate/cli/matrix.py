@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import model_argument, threads_in_range
+from rollingkv_cli.cliopts import NonEmptyPath, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, fraction_list, ngl_option, positive, tail_type_list
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 
@@ -26,7 +26,7 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--needle/--no-needle", default=True, show_default=True, help="Also run the needle gate (f16 tail).")
 @click.option("--needle-filler-tokens", type=int, callback=positive, default=1536, show_default=True, help="The needle's filler length.")
 @click.option("--needle-depths", callback=fraction_list, default="0.5,0.85", show_default=True, help="The needle's placements.")
-@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path), default=None,
+@click.option("--thresholds", "thresholds_file", type=NonEmptyPath(path_type=Path), default=None,
               help="YAML/JSON file overriding the default bounds (as for gate equiv).")
 @click.option("--tolerance", type=float, default=None, metavar="TV",
               help="Same-type cells on the CPU: accept a mean TV up to TV instead of requiring bit-identical logits (as gate equiv).")
@@ -37,14 +37,14 @@ from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE
 @click.option("--n-batch", type=int, callback=positive, default=512, show_default=True, help="Tokens per llama_decode.")
 @ngl_option()
 @build_options
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out_dir", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
               help="Where NAME.json and NAME.md go.  [default: the checkout's docs/gates when run inside the rollingkv "
                    "repository, else the current directory]")
 @click.option("--name", default=None,
               help="Report file name.  [default: <date>-<host>-<backend> in docs/gates, gate-matrix-<date>-<host>-<backend> "
                    "elsewhere; -2, -3, ... added when that report exists]")
 @click.option("--force", is_flag=True, help="Replace the reports NAME.json and NAME.md of an explicit --name if they exist.")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--work-dir", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
               help="Where the reference logits are kept during the run.  [default: the temp dir]")
 def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle_filler_tokens, needle_depths, thresholds_file,
            tolerance, order_floor, threads, n_batch, n_gpu_layers, build_dir, lib_dir, out_dir, name, force, work_dir) -> None:
@@ -68,8 +68,11 @@ def matrix(model_spec, n_tokens, splits, tail_types, exact_split, needle, needle
         raise click.UsageError("give --build or --lib-dir, not both")
     if not 0 < exact_split < 1:
         raise click.BadParameter("must be a fraction strictly between 0 and 1", param_hint="'--exact-split'")
-    if name is not None and (not name or "/" in name or name.startswith(".")):
-        raise click.BadParameter("a plain file name (no '/')", param_hint="'--name'")
+    if name is not None and not name.strip():  # it said "a plain file name (no '/')" of ''
+        raise click.BadParameter("an empty name (an unset shell variable?): give a plain file name",
+                                 param_hint="'--name'")
+    if name is not None and ("/" in name or name.startswith(".")):
+        raise click.BadParameter("a plain file name (no '/', not starting with '.')", param_hint="'--name'")
     if tolerance is not None and not 0 <= tolerance <= 1:
         raise click.BadParameter("a mean total variation, between 0 and 1", param_hint="'--tolerance'")
     if n_tokens < 16:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
+from rollingkv_cli.cliopts import NonEmptyPath, ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, fraction_list, ngl_option, positive
 from rollingkv_cli.gate.common import EXIT_FAIL, EXIT_INCONCLUSIVE, check_request
 from rollingkv_cli.lib.residency import ResidencyRequest
@@ -18,7 +18,7 @@ from rollingkv_cli.lib.residency import ResidencyRequest
 @model_argument()
 @click.option("--filler-tokens", type=int, callback=positive, default=1536, show_default=True,
               help="Length of the filler text the needle hides in (about; cut at a sentence).")
-@click.option("--filler-file", type=click.Path(path_type=Path), default=None,
+@click.option("--filler-file", type=NonEmptyPath(path_type=Path), default=None,
               help="Take the filler from this text file (cut to --filler-tokens). Default: built-in prose without numbers.")
 @click.option("--depth", "--position", "depths", multiple=True, callback=fraction_list, metavar="F",
               help="Where the needle goes, as a fraction of the filler strictly between 0 and 1; repeat (or comma-separate) for several placements.  [default: 0.5, 0.85]")
@@ -41,7 +41,8 @@ from rollingkv_cli.lib.residency import ResidencyRequest
 @click.option("--match", type=click.Choice(["tokens", "answer"]), default=None,
               help="tokens: identical answer tokens; answer: identical through the number (GPU kernels' float order may flip "
                    "a near tie after it).  [default: answer on the CUDA backend, tokens on the CPU]")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report here.")
 def needle(model_spec, filler_tokens, filler_file, depths, seed, fmt, n_predict, n_ctx, kv_window_cells, vram_target, mode,
            kv_device_heads, ctk, ctv, ctkt, ctvt, threads, n_gpu_layers, build_dir, lib_dir, match, json_out) -> None:
     """Retrieve a fact placed in the host tail: the split cache must answer exactly as the resident one.

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rollingkv_cli.cliopts import NonEmptyPath
 from rollingkv_cli.gate.common import CACHE_TYPES, TAIL_CHOICES
 
 
@@ -74,9 +75,10 @@ def tail_cpu_frac(ctx, param, value):
 
 
 def build_options(f):
-    f = click.option("--lib-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+    f = click.option("--lib-dir", type=NonEmptyPath(path_type=Path), default=None, metavar="DIR",
                      help="Run the libllama.so and llama-server in DIR (llama.cpp's build/bin of this series) instead of the active build.")(f)
-    f = click.option("--build", "build_dir", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+    f = click.option("--build", "build_dir", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
+                     metavar="DIR",
                      help="Run this `rollingkv build` directory (what `rollingkv build --print-dir` prints) instead of the active build.")(f)
     return f
 

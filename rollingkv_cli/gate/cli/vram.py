@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from rollingkv_cli.cliopts import ctx_size_option, model_argument, threads_in_range
+from rollingkv_cli.cliopts import NonEmptyPath, ctx_size_option, model_argument, threads_in_range
 from rollingkv_cli.gate.cli.options import build_options, cache_type_options, ngl_option, non_negative, positive
 from rollingkv_cli.gate.common import EXIT_FAIL
 
@@ -34,7 +34,8 @@ from rollingkv_cli.gate.common import EXIT_FAIL
 @click.option("--threads", type=int, callback=threads_in_range, default=None, help="CPU threads of the server.  [default: llama-server's]")
 @ngl_option(default=999, help_default="999: every layer")
 @build_options
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report here.")
+@click.option("--json", "json_out", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report here.")
 def vram(model_spec, vram_target, allowance, n_ctx, prompt_tokens, n_predict, parallel, kv_unified, mode, ctk, ctv, ctkt, ctvt, gpu_index, interval_ms,
          threads, n_gpu_layers, build_dir, lib_dir, json_out) -> None:
     """Device memory stays within --vram-target + allowance through a long decode (NVIDIA GPUs only).
