@@ -777,7 +777,7 @@ static result run_case(ggml_backend_t backend, bool is_cpu, const test_case & c,
     ggml_prec_set_acc(ref, GGML_PREC_F32);
 
     // mixed types in a prefill-sized batch over an F16/F32 window: queries in Q tiles that never read the tail
-    // must be bit-identical to the resident cache of the window's type (checked on CPU, see sfa_mixed_tiles)
+    // must be bit-identical to the resident cache of the window's type (checked on CPU, see rkv_fa_mixed_tiles)
     ggml_tensor * ref_w = nullptr;
     if (c.mixed() && m && !g_map_on_case && n_q >= 64 && s > 0 && s < n_kv && c.tkw == c.tvw &&
             (c.tkw == GGML_TYPE_F16 || c.tkw == GGML_TYPE_F32) && !g_tail_host) {
