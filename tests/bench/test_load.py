@@ -321,15 +321,17 @@ def test_sigkill_of_bench_load_takes_its_server_down_mid_prefill(cpu_build, demo
 
 @pytest.mark.build
 def test_sigterm_of_bench_load_writes_the_report_and_exits_143(cpu_build, demo_model, tmp_path):
-    """SIGTERM (an outer `timeout`) mid-run: the cell's llama-server is stopped, the report keeps the cells measured so
-    far, and bench load exits 143 with one line naming the signal. Seen failing before the fix: it exited 0, as a run
-    that completed."""
+    """SIGTERM (an outer `timeout`) mid-run: the cell's llama-server is stopped and bench load exits 143 with one line
+    naming the signal. Seen failing before the fix: it exited 0, as a run that completed. Its one cell had not finished,
+    so no report is written and an earlier one at that path stays as it was (the fourth sweep: an empty report used to
+    replace it)."""
     import signal
 
     from proctree import descendant_running, descendants, kill_all, wait_for, wait_gone
 
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
     out = tmp_path / "bench-load.json"
+    out.write_text('{"earlier": "report"}')
     proc = subprocess.Popen([sys.executable, "-m", "rollingkv_cli", "bench", "load", str(demo_model), "--long", "2000", "8",
                              "--short", "64", "8", "--shorts", "1", "-np", "2", "--window-cells", "256", "--cells", "split",
                              "--json", str(out), "--", "-t", "2"],
@@ -343,7 +345,8 @@ def test_sigterm_of_bench_load_writes_the_report_and_exits_143(cpu_build, demo_m
         stdout, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
         assert "stopped by SIGTERM" in stderr + stdout and "Traceback" not in stderr
-        assert json.loads(out.read_text())["cells"] == []  # the one cell did not finish
+        assert "no report written" in stderr + stdout  # the one cell did not finish
+        assert json.loads(out.read_text()) == {"earlier": "report"}
         assert not wait_gone(kids, 2.0), "no child outlives bench load"
     finally:
         kill_all(kids)
