@@ -13,7 +13,6 @@ The cache of these figures is the per-machine profile (profile.py); `rollingkv p
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -90,20 +89,12 @@ def parse_child_output(rc: int | None, out: str, err: str, describe_exit=None) -
 
 
 def child(lib_dir: Path, n_threads: int, types: list[str]) -> dict:
-    from rollingkv_cli.lib.llama_ext import API_TAIL_CPU, load_libllama, measure_cpu_attn_gbps
+    from rollingkv_cli.lib.llama_ext import API_TAIL_CPU, load_rollingkv_build, measure_cpu_attn_gbps
 
-    if not (lib_dir / "libllama.so").is_file():
-        return {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
-    try:
-        lib = load_libllama(lib_dir)
-    except OSError as e:
-        return {"error": f"cannot load {lib_dir / 'libllama.so'}: {e}", "kind": "load"}
-    if not hasattr(lib, "llama_rolling_kv_build_info"):
-        return {"error": f"{lib_dir / 'libllama.so'} is not a rollingkv build", "kind": "load"}
-    lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
-    lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
-    info = lib.llama_rolling_kv_build_info().decode(errors="replace")
-    api = int(lib.llama_rolling_kv_api_version())
+    lib, about = load_rollingkv_build(lib_dir)
+    if lib is None:
+        return about
+    info, api = about["build_info"], about["api_version"]
     if not hasattr(lib, MEASURE_CPU_ATTN_SYMBOL):
         return {"error": f"this build predates the hybrid tail (rolling-KV API {api}, no {MEASURE_CPU_ATTN_SYMBOL}; "
                          f"the calibration needs API {API_TAIL_CPU})", "kind": "no_function", "build_info": info, "api_version": api}

@@ -16,7 +16,6 @@ lower their link's generation to save power.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import sys
 import time
@@ -122,19 +121,10 @@ def measured_with(entry: dict) -> str:
 def child(lib_dir: Path, bus_id: str, nvml_index: int | None) -> dict:
     from rollingkv_cli.lib import llama_ext
 
-    if not (lib_dir / "libllama.so").is_file():
-        return {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
-    try:
-        lib = llama_ext.load_libllama(lib_dir)
-    except OSError as e:
-        return {"error": f"cannot load {lib_dir / 'libllama.so'}: {e}", "kind": "load"}
-    if not hasattr(lib, "llama_rolling_kv_build_info"):
-        return {"error": f"{lib_dir / 'libllama.so'} is not a rollingkv build", "kind": "load"}
-    lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
-    lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
-    info = lib.llama_rolling_kv_build_info().decode(errors="replace")
-    api = int(lib.llama_rolling_kv_api_version())
-    about = {"build_info": info, "api_version": api, "lib": str(lib_dir / "libllama.so")}
+    lib, about = llama_ext.load_rollingkv_build(lib_dir)
+    if lib is None:
+        return about
+    api = about["api_version"]
     if not hasattr(lib, llama_ext.MEASURE_LINK_SYMBOL):
         return {"error": f"this build predates the link measurement (rolling-KV API {api}, no "
                          f"{llama_ext.MEASURE_LINK_SYMBOL}; it needs API {llama_ext.API_MEASURE_LINK})",

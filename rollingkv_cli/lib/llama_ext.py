@@ -237,6 +237,24 @@ def load_libllama(lib_dir: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib_dir / "libllama.so"))
 
 
+def load_rollingkv_build(lib_dir: Path) -> tuple[ctypes.CDLL | None, dict]:
+    """A child's libllama of a rollingkv build: (lib, {"build_info", "api_version", "lib"}); (None, {"error", "kind":
+    "load"}) when the build has no libllama, it does not load, or it is not ours."""
+    path = lib_dir / "libllama.so"
+    if not path.is_file():
+        return None, {"error": f"no libllama.so in {lib_dir}", "kind": "load"}
+    try:
+        lib = load_libllama(lib_dir)
+    except OSError as e:
+        return None, {"error": f"cannot load {path}: {e}", "kind": "load"}
+    if not hasattr(lib, "llama_rolling_kv_build_info"):
+        return None, {"error": f"{path} is not a rollingkv build", "kind": "load"}
+    lib.llama_rolling_kv_build_info.restype = ctypes.c_char_p
+    lib.llama_rolling_kv_api_version.restype = ctypes.c_int32
+    return lib, {"build_info": lib.llama_rolling_kv_build_info().decode(errors="replace"),
+                 "api_version": int(lib.llama_rolling_kv_api_version()), "lib": str(path)}
+
+
 def bind_measure_cpu_attn(lib: ctypes.CDLL) -> bool:
     """Declare llama_rolling_kv_measure_cpu_attn_gbps on lib; False when lib has none (built before API 4)."""
     fn = getattr(lib, MEASURE_CPU_ATTN_SYMBOL, None)
