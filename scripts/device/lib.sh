@@ -88,8 +88,8 @@ _build() {
 # RUNPATHs are absolute.
 use_prebuilt() {
   unpack_src || exit 1
-  [ -f "$DEV/prebuilt/cuda-build.tgz" ] || { echo "no .device/prebuilt: run scripts/cross-build-cuda.sh and carry .device/prebuilt"; exit 1; }
-  B="$(cat "$DEV/prebuilt/dir")"; tar -C / -xzf "$DEV/prebuilt/cuda-build.tgz" || exit 1
+  [ -f "$DEV/prebuilt/cuda-build.tar.xz" ] || { echo "no .device/prebuilt: run scripts/cross-build-cuda.sh and carry .device/prebuilt"; exit 1; }
+  B="$(cat "$DEV/prebuilt/dir")"; tar -C / -xJf "$DEV/prebuilt/cuda-build.tar.xz" || exit 1
   export B ROLLINGKV_BUILD="$B"
   echo "prebuilt CUDA build of commit $(cat "$DEV/prebuilt/commit" 2>/dev/null) in $B"
 }
@@ -99,7 +99,7 @@ use_prebuilt() {
 pick_build() {
   BUILD_KIND=$1; shift
   if [ "$BUILD_KIND" = auto ]; then
-    if [ -f "$DEV/prebuilt/cuda-build.tgz" ]; then BUILD_KIND=prebuilt; else BUILD_KIND=cuda; fi
+    if [ -f "$DEV/prebuilt/cuda-build.tar.xz" ]; then BUILD_KIND=prebuilt; else BUILD_KIND=cuda; fi
   fi
   case "$BUILD_KIND" in
     cpu) build_cpu "$@" ;;
