@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+import backend_ops
+
 pytestmark = pytest.mark.build
 
 
@@ -94,3 +96,18 @@ def test_op_takes_the_cpu_cells_on_every_case(cpu_build):
     assert summary, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed, failed = map(int, re.findall(r"\d+", summary[-1]))
     assert proc.returncode == 0 and failed == 0 and passed >= 100, proc.stdout[-3000:]
+
+
+def test_the_op_cases_of_test_backend_ops_pass_on_the_cpu(cpu_build):
+    """Upstream's test-backend-ops runs the op's cases (patch 0023) on the CPU against the CPU's reference path
+    (use_ref: one-chunk kernels, no tiles, no split KV): every case runs and passes, and the cases cover what the
+    include file lists. A wrong tail weight bites there: a tail score factor of 1.05 off the reference path failed
+    116 of 139 cases when this test was written (docs/testing.md)."""
+    r = backend_ops.run(cpu_build.artifact("test-backend-ops"), "CPU")
+    assert r.returncode == 0 and not r.failed and not r.unsupported, r.stdout[-5000:]
+    assert len(r.ok) == r.passed == r.ran >= 130, (len(r.ok), r.passed, r.ran)
+    cases = " ".join(r.ok)
+    for feature in ("n_win=0", "n_tail=0", "nr23=[4,1]", "nr23=[2,2]", "sinks=1", "max_bias=8", "logit_softcap=10",
+                    "type_tail_k=q4_0", "type_tail_k=q8_0,type_tail_v=q4_0", "tail_read=runs", "tail_read=map",
+                    "masked_parts=1", "nb=512"):
+        assert feature in cases, feature

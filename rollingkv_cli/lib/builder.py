@@ -23,6 +23,7 @@ MANIFEST = "manifest.json"
 BASE_TARGETS = ("llama", "llama-server", "llama-bench", "llama-batched-bench")
 OP_TEST_TARGET = "test-rolling-kv-ops"
 CPU_DECODE_TEST_TARGET = "test-rolling-kv-cpu-decode"  # the hybrid tail's CPU attention: check and bench
+BACKEND_OPS_TEST_TARGET = "test-backend-ops"  # upstream's op test, with the streaming op's cases (patch 0023)
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]\s*(.*)$")
 
 
@@ -193,7 +194,7 @@ def targets_for(opts: BuildOptions, cmake_dir: Path) -> list[str]:
         targets += sorted(t for t in known if re.fullmatch(r"ggml-cpu(-\w+)?", t))
         if opts.cuda:
             targets.append("ggml-cuda")
-    targets += [t for t in (OP_TEST_TARGET, CPU_DECODE_TEST_TARGET) if t in known]
+    targets += [t for t in (OP_TEST_TARGET, CPU_DECODE_TEST_TARGET, BACKEND_OPS_TEST_TARGET) if t in known]
     return targets
 
 
