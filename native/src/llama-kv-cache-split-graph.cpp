@@ -180,8 +180,10 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
     if (rkv_blocks) {
         // the pool's slots in use, then every cell's tail row; of the tail, the blocks the ubatch reads that are not on
         // the device (llama-kv-cache-blocks.cpp)
+        // the CPU part's share is of the host tail: the cells past those the pool holds, not every cell's tail row
+        // (frac x n_kv gave the CPU more cells than the host held, and left the link idle)
         lay.n_win          = rkv_blk_pool_n()*256;
-        lay.tail_cpu_cells = cpu_cells(n_kv);
+        lay.tail_cpu_cells = cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0);
         if (!full && ubatch) {
             llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n);
         }
