@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Cross-build this checkout's series for CUDA (sm_90) on a machine with nvcc but no NVIDIA driver (the dev VM), and
-# pack it for device calls that then need no build (scripts/device/*.sh --prebuilt): .device/prebuilt/cuda-build.tar.xz (xz: the build and .device/src must fit the 64 MiB a call carries).
+# pack it for device calls that then need no build (scripts/device/*.sh --prebuilt): .device/prebuilt/cuda-build.tar.xz
+# (xz: the build and .device/src must fit the 64 MiB a call carries).
 # No libcuda here: ggml-cuda links against an empty stub with the driver's SONAME (libcuda.so.1), and its cu*
 # symbols resolve at load time on the GPU machine (--no-as-needed keeps libcuda.so.1 in its DT_NEEDED). CPU code is built for AVX2/FMA/F16C, not -march=native.
 # usage: scripts/cross-build-cuda.sh [BUILD_DIR]   (default /tmp/rkv-cross-cuda; ~35 min on 2 cores, much less again
@@ -28,6 +29,9 @@ if [ ! -e "$cuda_root/lib64/libcublas.so" ] && [ ! -e "$cuda_root/targets/x86_64
 fi
 PIN=$(python -c "from rollingkv_cli.lib import upstream; print(upstream.PIN.llama_cpp_commit)")
 SER=$(python -c "from rollingkv_cli.lib import patchset; print(patchset.load_series().hash)")
+# the targets `rollingkv build` builds for the op and its tests (builder.py), bar the backends libllama pulls in
+TARGETS=$(python -c "from rollingkv_cli.lib import builder as b
+print(' '.join((*b.BASE_TARGETS, b.OP_TEST_TARGET, b.CPU_DECODE_TEST_TARGET, b.BACKEND_OPS_TEST_TARGET)))")
 # the pinned tree with this checkout's series applied; a tree of another series is replaced (ccache, when installed,
 # keeps the rebuild to the files the series changed)
 if [ "$(cat "$B/series" 2>/dev/null)" != "$SER" ]; then
@@ -42,19 +46,21 @@ cmake -S "$B/src" -B "$B/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHAR
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCUDA_cuda_driver_LIBRARY=/tmp/cudastub/libcuda.so -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
   "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined -Wl,--no-as-needed" -DROLLINGKV_PIN="$PIN" -DROLLINGKV_SERIES="${SER:0:16}" > "$B/configure.log"
-ninja -C "$B/build" -j "$(nproc)" llama llama-server llama-bench llama-batched-bench test-rolling-kv-ops test-rolling-kv-cpu-decode test-backend-ops
-python - "$B" "$PIN" "$SER" <<'PY'
+# shellcheck disable=SC2086
+ninja -C "$B/build" -j "$(nproc)" $TARGETS
+python - "$B" "$PIN" "$SER" $TARGETS <<'PY'
 import json, sys, time
-b, pin, ser = sys.argv[1:]
+from rollingkv_cli.lib import builder
+b, pin, ser, *targets = sys.argv[1:]
 json.dump({"pin": pin, "series_hash": ser, "source": "cross-built on the dev VM (scripts/cross-build-cuda.sh)",
            "options": {"cuda": True, "cuda_arch": "90", "backend_dl": False, "toolchain": "gcc", "source": None,
                        "pinned": True, "unpatched": False},
-           "artifacts": ["libllama.so", "llama-server", "llama-bench", "llama-batched-bench", "test-rolling-kv-ops", "test-rolling-kv-cpu-decode", "test-backend-ops"], "cuda_arch": "90",
+           "artifacts": builder.artifacts_for(targets), "cuda_arch": "90",
            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, open(f"{b}/manifest.json", "w"), indent=2)
 PY
 mkdir -p .device/prebuilt
 # the build tree's RUNPATHs are absolute: unpack at the same path (tar -C / on the device)
-rm -f .device/prebuilt/cuda-build.tgz && tar -C / -cf -  "${B#/}/manifest.json" "${B#/}/build/bin" | xz -T0 -6 > .device/prebuilt/cuda-build.tar.xz
+rm -f .device/prebuilt/cuda-build.tgz && tar -C / -cf - "${B#/}/manifest.json" "${B#/}/build/bin" | xz -T0 -6 > .device/prebuilt/cuda-build.tar.xz
 echo "$B" > .device/prebuilt/dir
 git rev-parse --short HEAD > .device/prebuilt/commit
 ls -la .device/prebuilt
