@@ -179,9 +179,8 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
     lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
     if (rkv_blocks) {
         // the pool's slots in use, then every cell's tail row; of the tail, the blocks the ubatch reads that are not on
-        // the device (llama-kv-cache-blocks.cpp)
-        // the CPU part's share is of the host tail: the cells past those the pool holds, not every cell's tail row
-        // (frac x n_kv gave the CPU more cells than the host held, and left the link idle)
+        // the device (llama-kv-cache-blocks.cpp). The CPU part's share is of the cells past those the pool holds, not
+        // of every cell's tail row (frac x n_kv gave the CPU more cells than the host held, and left the link idle)
         lay.n_win          = rkv_blk_pool_n()*256;
         lay.tail_cpu_cells = cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0);
         if (!full && ubatch) {
