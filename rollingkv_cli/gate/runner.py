@@ -111,22 +111,10 @@ def load_bindings(lib_dir: Path):
     return mod, None, info
 
 
-def _ensure_backends(lib_dir: Path) -> None:
-    """Builds with backends as modules (GGML_BACKEND_DL) register none until they are loaded."""
-    try:
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
-    except OSError:
-        return
-    if not hasattr(ggml, "ggml_backend_dev_count"):
-        return
-    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-    if ggml.ggml_backend_dev_count() == 0 and hasattr(ggml, "ggml_backend_load_all_from_path"):
-        ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-        ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
-
-
 def load_model(llama_cpp, lib_dir: Path, model: Path, vocab_only: bool = False, n_gpu_layers: int | None = None):
-    _ensure_backends(lib_dir)
+    from rollingkv_cli.lib.llama_ext import register_backend_modules
+
+    register_backend_modules(lib_dir)
     llama_cpp.llama_backend_init()
     mp = llama_cpp.llama_model_default_params()
     mp.vocab_only = vocab_only

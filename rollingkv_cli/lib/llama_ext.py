@@ -221,19 +221,26 @@ def measure_link(lib: ctypes.CDLL, device: str | None, sizes: list[int], reps: l
     return out
 
 
+def register_backend_modules(lib_dir: Path, mode: int = ctypes.DEFAULT_MODE) -> None:
+    """Builds with backends as modules (GGML_BACKEND_DL) register none until they are loaded: load them from lib_dir
+    (libggml.so opened with `mode`). A no-op for other builds, and for a build without a separate libggml."""
+    try:
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=mode)
+    except OSError:
+        return
+    if not hasattr(ggml, "ggml_backend_dev_count") or not hasattr(ggml, "ggml_backend_load_all_from_path"):
+        return
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    if ggml.ggml_backend_dev_count() == 0:
+        ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+        ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+
+
 def load_libllama(lib_dir: Path) -> ctypes.CDLL:
     """libllama of a build, loaded in this process (a child's: the CLI itself never loads it), with the ggml backends a
     build of backend modules registers only once loaded. OSError when it does not load."""
     preload_cxx_runtime()
-    try:
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
-        if hasattr(ggml, "ggml_backend_dev_count") and hasattr(ggml, "ggml_backend_load_all_from_path"):
-            ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-            if ggml.ggml_backend_dev_count() == 0:  # backends built as modules register only once loaded
-                ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-                ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
-    except OSError:
-        pass  # a build without a separate libggml: libllama brings what it needs
+    register_backend_modules(lib_dir, mode=ctypes.RTLD_GLOBAL)  # libggml global before libllama, which needs it
     return ctypes.CDLL(str(lib_dir / "libllama.so"))
 
 
