@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 9
+#define LLAMA_ROLLING_KV_API_VERSION 10
 
 // API 7: type_k_tail / type_v_tail may ask the planner to choose the tail's type (opt-in: a compressed tail is lossy).
 // When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
@@ -138,9 +138,15 @@ LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, c
 // "last":{"streams":n,"per_stream_ops":n,"tail_bytes":n,"streamed_bytes":n,"occupied_bytes":n},"block_bytes":n
 // (256 tail cells of every split layer),"windows":"elastic"|"static","pool_cells":n,"moves":{"rebalances":n,
 // "promoted_cells":n,"demoted_cells":n,"relocated_cells":n,"bytes":n,"ms":x} (API 7: elastic windows' moves so far),
-// "slots":[{"stream":i,"device_cells":n,"tail_cells":n,"window_cells":n}, ...]}. A batch of several streams attends one
-// op per stream over that stream's own cells, so tail_bytes exceeds occupied_bytes by less than block_bytes per stream.
-// Same return convention as llama_rolling_kv_plan_json.
+// "slots":[{"stream":i,"device_cells":n,"tail_cells":n,"window_cells":n}, ...],"seqs":[{"seq":i,"device_cells":n,
+// "tail_cells":n}, ...] (one stream: each sequence's cells), "evals":{KIND:{...}, ...}}. A batch of several streams
+// attends one op per stream over that stream's own cells, so tail_bytes exceeds occupied_bytes by less than block_bytes
+// per stream. API 10: "evals" says where the context's time went, for every context with residency parameters (a
+// resident one too): an evaluation is what llama_decode queued between two synchronizations (llama-server: one batch of
+// its loop), of KIND "decode" (every sequence of it one token), "prefill" (none one token) or "mixed" (both: busy
+// slots' decode tokens beside a new prompt's chunk), each {"evals":n,"prompt_tokens":n,"decode_tokens":n,"ms":x (first
+// decode to synchronized),"steps":n,"tail_bytes":n,"streamed_bytes":n,"move_ms":x (the split cache's counters over
+// those evaluations)}. Same return convention as llama_rolling_kv_plan_json.
 LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
 // The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at

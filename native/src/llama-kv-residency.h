@@ -218,8 +218,23 @@ float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cel
 // the shortest tail (per stream, in steps of LLAMA_RKV_WINDOW_ALIGN cells, as n_kv grows) with a CPU part; 0: none
 uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m);
 
+// the context's evaluations of one kind (llama_rkv_live::evals): an evaluation is what llama_decode queued from one
+// synchronization to the next (llama-server: one batch of its loop), timed from the first decode to the synchronize
+// that waited for it; the split cache's counters over the same span (zero where nothing split)
+struct llama_rkv_eval_kind {
+    uint64_t evals          = 0;
+    uint64_t prompt_tokens  = 0;   // tokens of sequences with more than one token in the evaluation
+    uint64_t decode_tokens  = 0;   // tokens of sequences with one
+    uint64_t us             = 0;   // wall time, first decode to synchronized
+    uint64_t steps          = 0;   // ubatches that attended a tail
+    uint64_t tail_bytes     = 0;
+    uint64_t streamed_bytes = 0;
+    double   move_ms        = 0.0;
+};
+
 // what a split cache does under load (llama_rolling_kv_stats_json): the cache writes it as it sets every ubatch's
-// inputs, any thread may read it
+// inputs, the context as it decodes and synchronizes (llama_rkv_note_batch, llama_rkv_note_eval); any thread may read
+// it
 struct llama_rkv_live {
     mutable std::mutex mtx;
     uint64_t steps           = 0; // ubatches that attended a tail
@@ -250,7 +265,16 @@ struct llama_rkv_live {
     uint64_t moved_bytes     = 0;
     uint64_t rebalances      = 0; // ubatches before which a window changed
     double   move_ms         = 0.0;
+    // where a server's time goes (llama_rkv_eval_kinds: decode, prefill, mixed), and the evaluation under way
+    llama_rkv_eval_kind evals[3];
+    uint64_t pending_prompt = 0;
+    uint64_t pending_decode = 0;
+    llama_rkv_eval_kind mark; // the cache's counters at the last evaluation's end
 };
+
+// an evaluation's kind by its tokens: decode only (every sequence one token), prompt only, or both (llama-server's
+// batch of the busy slots' decode tokens and a new prompt's chunk)
+enum llama_rkv_eval_kinds { LLAMA_RKV_EVAL_DECODE = 0, LLAMA_RKV_EVAL_PREFILL = 1, LLAMA_RKV_EVAL_MIXED = 2 };
 
 struct llama_rkv_state {
     llama_rolling_kv_params req;

@@ -30,6 +30,12 @@ inline uint32_t llama_rkv_graph_extra_nodes(const llama_rkv_state * st) {
     return n_split*st->n_stream*16;
 }
 
+// the context's hooks for the live stats' evaluations (llama_rkv_live::evals; st nullptr: no request, nothing kept):
+// a decode's batch, counted into the evaluation under way, and the synchronize that ends it, t0_us being when its
+// first decode started (llama_context's t_compute_start_us) and n_queued its tokens (0: no evaluation to end)
+void llama_rkv_note_batch(llama_rkv_state * st, const llama_batch & batch);
+void llama_rkv_note_eval(llama_rkv_state * st, uint32_t n_queued, int64_t t0_us);
+
 // the plan as llama_rolling_kv_plan_json writes it (st nullptr: a context created without residency parameters)
 std::string llama_rkv_plan_to_json(const llama_rkv_state * st);
 

@@ -602,6 +602,53 @@ int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, char * buf,
     return llama_rkv_copy_out(llama_rkv_plan_to_json(ctx->get_cparams().rkv.get()), buf, buf_size);
 }
 
+void llama_rkv_note_batch(llama_rkv_state * st, const llama_batch & batch) {
+    if (!st || !st->live || batch.n_tokens <= 0) {
+        return;
+    }
+    std::vector<std::pair<llama_seq_id, uint32_t>> per_seq; // a sequence's first seq id: its tokens in the batch
+    for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        const llama_seq_id s = batch.n_seq_id && batch.n_seq_id[i] > 0 ? batch.seq_id[i][0] : 0;
+        auto it = std::find_if(per_seq.begin(), per_seq.end(), [s](const auto & p) { return p.first == s; });
+        if (it == per_seq.end()) {
+            per_seq.push_back({ s, 1 });
+        } else {
+            it->second += 1;
+        }
+    }
+    std::lock_guard<std::mutex> lock(st->live->mtx);
+    for (const auto & p : per_seq) {
+        (p.second == 1 ? st->live->pending_decode : st->live->pending_prompt) += p.second;
+    }
+}
+
+void llama_rkv_note_eval(llama_rkv_state * st, uint32_t n_queued, int64_t t0_us) {
+    if (!st || !st->live || n_queued == 0) {
+        return;
+    }
+    const int64_t t1_us = ggml_time_us();
+    llama_rkv_live & lv = *st->live;
+    std::lock_guard<std::mutex> lock(lv.mtx);
+    if (lv.pending_prompt + lv.pending_decode == 0) {
+        return; // tokens queued by a path that did not note its batch
+    }
+    auto & k = lv.evals[lv.pending_prompt == 0 ? LLAMA_RKV_EVAL_DECODE :
+                        lv.pending_decode == 0 ? LLAMA_RKV_EVAL_PREFILL : LLAMA_RKV_EVAL_MIXED];
+    k.evals          += 1;
+    k.prompt_tokens  += lv.pending_prompt;
+    k.decode_tokens  += lv.pending_decode;
+    k.us             += t1_us > t0_us && t0_us > 0 ? (uint64_t) (t1_us - t0_us) : 0;
+    k.steps          += lv.steps          - lv.mark.steps;
+    k.tail_bytes     += lv.tail_bytes     - lv.mark.tail_bytes;
+    k.streamed_bytes += lv.streamed_bytes - lv.mark.streamed_bytes;
+    k.move_ms        += lv.move_ms        - lv.mark.move_ms;
+    lv.mark.steps          = lv.steps;
+    lv.mark.tail_bytes     = lv.tail_bytes;
+    lv.mark.streamed_bytes = lv.streamed_bytes;
+    lv.mark.move_ms        = lv.move_ms;
+    lv.pending_prompt = lv.pending_decode = 0;
+}
+
 int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size) {
     if (!ctx) {
         return -1;
@@ -662,6 +709,18 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
             first = false;
         }
         res += "]";
+        res += ",\"evals\":{";
+        static const char * kinds[] = { "decode", "prefill", "mixed" };
+        for (int i = 0; i < 3; ++i) {
+            const llama_rkv_eval_kind & k = lv.evals[i];
+            snprintf(tmp, sizeof(tmp),
+                    "%s\"%s\":{\"evals\":%" PRIu64 ",\"prompt_tokens\":%" PRIu64 ",\"decode_tokens\":%" PRIu64
+                    ",\"ms\":%.3f,\"steps\":%" PRIu64 ",\"tail_bytes\":%" PRIu64 ",\"streamed_bytes\":%" PRIu64
+                    ",\"move_ms\":%.3f}", i ? "," : "", kinds[i], k.evals, k.prompt_tokens, k.decode_tokens,
+                    k.us/1000.0, k.steps, k.tail_bytes, k.streamed_bytes, k.move_ms);
+            res += tmp;
+        }
+        res += "}";
     }
     res += "}";
     return llama_rkv_copy_out(res, buf, buf_size);

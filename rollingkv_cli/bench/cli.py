@@ -311,6 +311,9 @@ def _server_args_after_dashes(ctx, param, value):
 @option("--kv-window-cells", "window_cells", hidden_aliases=("--window-cells",), type=int, callback=_positive, default=None,
         metavar="N", help="The split cells' window per slot.")
 @click.option("--vram-target", type=int, callback=_positive, default=None, metavar="MIB", help="The split cells' budget instead of --kv-window-cells.")
+@click.option("--kv-tail-type", "tail_type", type=click.Choice([*CACHE_TYPES, TAIL_AUTO]), default=None, metavar="TYPE",
+              help="The split cells' tail K and V type (-ctkt/-ctvt): " + ", ".join(CACHE_TYPES) + ", or auto (the "
+                   "planner's choice). The resident and vanilla cells keep the window's type.  [default: the window's]")
 @click.option("--long", "long_sizes", type=(int, int), default=(24000, 400), show_default=True, metavar="PROMPT GEN", help="table: the long request.")
 @click.option("--short", "short_sizes", type=(int, int), default=(1500, 160), show_default=True, metavar="PROMPT GEN", help="table: each short request.")
 @click.option("--shorts", "n_short", type=int, callback=_positive, default=3, show_default=True, help="table: short requests per stage.")
@@ -348,7 +351,7 @@ def _server_args_after_dashes(ctx, param, value):
                    "as well wins).")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED, callback=_server_args_after_dashes)
 @click.pass_context
-def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, long_sizes, short_sizes, n_short, ramp_levels,
+def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_target, tail_type, long_sizes, short_sizes, n_short, ramp_levels,
          ramp_sizes, n_requests, arrival_mean, prompt_range, gen_range, seed, shared_sizes, n_clients, cell_names,
          vanilla_ngl, gpu_index, request_timeout, json_out, dry_run, preset, server_args) -> None:
     """A server under a mixed load: every cell's llama-server (loopback) gets the same requests from concurrent
@@ -359,6 +362,7 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     from rollingkv_cli.bench import arithmetic as bm
     from rollingkv_cli.bench import gguf
     from rollingkv_cli.bench import load as lb
+    from rollingkv_cli.bench import load_time
     from rollingkv_cli.bench import tail as tail_runs
     from rollingkv_cli.console import abort, console, success, warn
     from rollingkv_cli.models import resolve_model
@@ -445,7 +449,8 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     except Exception:
         gpu_name = None
     ngl = ["-ngl", "99"] if gpu is not None else []
-    split = ResidencyRequest(mode="window", window_cells=window, vram_target=None if window else vram_target)
+    split = ResidencyRequest(mode="window", window_cells=window, vram_target=None if window else vram_target,
+                             type_k_tail=tail_type, type_v_tail=tail_type)
     split_flags = split.server_args()
     static_flags = replace(split, windows="static").server_args()
     # the default layout's one stream holds every slot: the same device cells as n_slots windows
@@ -556,6 +561,7 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                  f"no report written" + (f" ({out} is as it was)" if out.exists() else ""))
             raise SystemExit(128 + stopped) from None
         warn(f"{'interrupted' if stopped == 2 else 'stopped'} by {signal_name(stopped)}: the report keeps the cells measured so far")
+    load_time.add_floors(doc)
     doc["targets"] = lb.evaluate_targets(doc)
     tail_runs.write_json(out, doc)
     lb.print_report(doc)

@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollingkv_cli.bench import load_time
+
 SCHEMA = "rollingkv-bench-load/1"
 MIB = 1024 * 1024
 
@@ -386,10 +388,15 @@ def run_cell(cell: Cell, binary: Path, model: Path, mix: Mix, log_dir: Path, tim
 
             sampler = vram.NvmlSampler(gpu[0], gpu[1], {srv.proc.pid}).start()
         stage_times: dict = {}
+        # the counters before the first request and after the last one (the poller's samples lie between)
+        before = srv.request("/props").get("rolling_kv_stats") or {}
         with StatsPoller(srv.url) as poller:
             rec["requests"] = run_schedule(srv.url, mix, timeout, on_done, stage_times)
+        after = srv.request("/props").get("rolling_kv_stats") or {}
         rec["host_peak_mib"] = (host_peak_bytes(srv.proc.pid) or 0) / MIB or None
-        rec["stats"] = summarize_stats(poller.samples, stage_times)
+        samples = [s for s in ({"t": t0, **before}, *poller.samples, {"t": time.monotonic(), **after}) if len(s) > 1]
+        rec["stats"] = summarize_stats(samples, stage_times)
+        rec["time"] = load_time.summarize_time(samples, sum(t1 - ts for ts, t1 in stage_times.values()))
         rec["status"] = "ok" if all(r.get("status") == "ok" for r in rec["requests"]) else "errors"
     except Exception as e:
         from rollingkv_cli.console import RollingKVError
@@ -675,6 +682,7 @@ def print_report(doc: dict) -> None:
                       ("status", lambda c: c.get("status", "-"))):
         t.add_row(label, *[fn(c) for c in doc["cells"]])
     console.print(t)
+    load_time.print_time(doc)
     for tg in doc.get("targets", []):
         console.print(f"  {tg['target']}: {fmt(tg['value'], '.3g')} {tg['op']} {tg['threshold']}: {tg['verdict']}  ({tg['what']})",
                       soft_wrap=True)

@@ -285,6 +285,16 @@ def test_random_mix_on_the_default_server_on_cpu(cpu_build, demo_model, tmp_path
     # (seen failing with llama_rkv_tail_runs returning no runs: 1.00)
     assert st["attended_over_occupied"] < 1.0, st
     assert "TTFT p50 / p90 s" in r.stdout
+    # where the time went, from each server's evaluations: every token the requests needed was decoded in one of them
+    # (prompt_n tokens of each prompt, then each generated token but the last), and no evaluation stayed uncounted
+    for c in (default, resident):
+        kinds = c["time"]["kinds"]
+        needed = sum(q["prompt_n"] + q["predicted_n"] - 1 for q in c["requests"])
+        assert sum(k["prompt_tokens"] + k["decode_tokens"] for k in kinds.values()) == needed, kinds
+        assert kinds["decode"]["evals"] > 0 and kinds["decode"]["ms_mean"] > 0
+        assert 0 < c["time"]["busy_s"] <= c["time"]["wall_s"]
+    assert sum(k["steps"] for k in default["time"]["kinds"].values()) == st["steps"]  # every step in one evaluation
+    assert "where the time went" in r.stdout
 
 def _slot_busy(srv_pid: int) -> bool:
     """Whether the llama-server of pid decodes a request (its port from its command line, then /slots)."""

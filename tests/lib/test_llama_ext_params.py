@@ -71,7 +71,7 @@ def test_struct_layout_appends_the_fields():
     assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
                        "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44, "windows": 48}
     assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == 4 and ctypes.sizeof(P) == 56
-    assert llama_ext.API_VERSION == 9 and llama_ext.API_TEST_HOOKS == 8 and llama_ext.API_MEASURE_LINK == 9 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
+    assert llama_ext.API_VERSION == 10 and llama_ext.API_EVAL_TIMES == 10 and llama_ext.API_TEST_HOOKS == 8 and llama_ext.API_MEASURE_LINK == 9 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
     # blocks (2): a library before block residency refuses it with "invalid window policy 2"
     assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1, "blocks": 2}
     assert llama_ext.API_TAIL_AUTO == 7
@@ -139,8 +139,8 @@ def test_api4_without_the_measure_function_is_not_hybrid(ext):
 
 
 def test_a_newer_library_is_refused(ext):
-    e = ext(10)
-    with pytest.raises(RollingKVError, match="version 10, newer than the 9"):
+    e = ext(11)
+    with pytest.raises(RollingKVError, match="version 11, newer than the 10"):
         e.make_params(mode="window")
 
 
