@@ -64,27 +64,32 @@ def run(request, cpu_build, demo_model):
 
 
 def _delta(a: dict, b: dict) -> dict:
-    return {k: {f: b["evals"][k][f] - a["evals"][k][f] for f in b["evals"][k]} for k in b["evals"]}
+    return {k: {f: b["evals"][k][f] - a["evals"][k][f] for f in b["evals"][k]} for k in ("decode", "prefill", "mixed")}
 
 
 def test_each_evaluation_is_counted_once_by_kind_with_its_tokens_and_time(run):
     kw, r = run
     snaps = r["snaps"]
     assert "evals" in snaps[0], f"no evaluation counters in the stats: {sorted(snaps[0])}"
-    assert all(v["evals"] == 0 for v in snaps[0]["evals"].values())  # nothing decoded yet
+    assert all(v["evals"] == 0 for k, v in snaps[0]["evals"].items() if k != "decode_by_seqs")  # nothing decoded yet
     for i, (kind, (prompt, dec)) in enumerate(zip(KINDS, TOKENS)):
         d = _delta(snaps[i], snaps[i + 1])
         assert d[kind]["evals"] == 1 and sum(v["evals"] for v in d.values()) == 1, (i, d)
         assert (d[kind]["prompt_tokens"], d[kind]["decode_tokens"]) == (prompt, dec), (i, d[kind])
         assert d[kind]["ms"] > 0, (i, d[kind])
-    total_ms = sum(v["ms"] for v in snaps[-1]["evals"].values())
+    # the decode evaluations again by their sequences: two of one, one of two
+    by = snaps[-1]["evals"]["decode_by_seqs"]
+    assert len(by) == 8 and [b["evals"] for b in by] == [2, 1, 0, 0, 0, 0, 0, 0]
+    assert [b["decode_tokens"] for b in by[:2]] == [2, 2]
+    assert sum(b["ms"] for b in by) == pytest.approx(snaps[-1]["evals"]["decode"]["ms"], abs=0.01)
+    total_ms = sum(v["ms"] for k, v in snaps[-1]["evals"].items() if k != "decode_by_seqs")
     assert 0 < total_ms <= r["wall_ms"]  # timed inside the calls that queued and synchronized them
 
 
 def test_a_split_cache_counters_are_split_among_the_kinds(run):
     kw, r = run
     last = r["snaps"][-1]
-    ev = last["evals"]
+    ev = {k: last["evals"][k] for k in ("decode", "prefill", "mixed")}
     if kw["mode"] == "off":
         assert not last["split"] and all(v["steps"] == 0 and v["tail_bytes"] == 0 for v in ev.values())
         return

@@ -146,7 +146,8 @@ LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, c
 // its loop), of KIND "decode" (every sequence of it one token), "prefill" (none one token) or "mixed" (both: busy
 // slots' decode tokens beside a new prompt's chunk), each {"evals":n,"prompt_tokens":n,"decode_tokens":n,"ms":x (first
 // decode to synchronized),"steps":n,"tail_bytes":n,"streamed_bytes":n,"move_ms":x (the split cache's counters over
-// those evaluations)}. Same return convention as llama_rolling_kv_plan_json.
+// those evaluations)}, and beside the kinds "decode_by_seqs":[8 of the same] (the decode evaluations of 1, 2, ... 7,
+// then 8 or more sequences). Same return convention as llama_rolling_kv_plan_json.
 LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
 // The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at

@@ -265,8 +265,11 @@ struct llama_rkv_live {
     uint64_t moved_bytes     = 0;
     uint64_t rebalances      = 0; // ubatches before which a window changed
     double   move_ms         = 0.0;
-    // where a server's time goes (llama_rkv_eval_kinds: decode, prefill, mixed), and the evaluation under way
+    // where a server's time goes (llama_rkv_eval_kinds: decode, prefill, mixed), the decode evaluations again by their
+    // sequences (1 to 7, then 8 or more: what a step of several clients costs against one alone), and the evaluation
+    // under way
     llama_rkv_eval_kind evals[3];
+    llama_rkv_eval_kind decode_by_seqs[8];
     uint64_t pending_prompt = 0;
     uint64_t pending_decode = 0;
     llama_rkv_eval_kind mark; // the cache's counters at the last evaluation's end

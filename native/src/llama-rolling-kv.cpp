@@ -632,16 +632,21 @@ void llama_rkv_note_eval(llama_rkv_state * st, uint32_t n_queued, int64_t t0_us)
     if (lv.pending_prompt + lv.pending_decode == 0) {
         return; // tokens queued by a path that did not note its batch
     }
-    auto & k = lv.evals[lv.pending_prompt == 0 ? LLAMA_RKV_EVAL_DECODE :
-                        lv.pending_decode == 0 ? LLAMA_RKV_EVAL_PREFILL : LLAMA_RKV_EVAL_MIXED];
-    k.evals          += 1;
-    k.prompt_tokens  += lv.pending_prompt;
-    k.decode_tokens  += lv.pending_decode;
-    k.us             += t1_us > t0_us && t0_us > 0 ? (uint64_t) (t1_us - t0_us) : 0;
-    k.steps          += lv.steps          - lv.mark.steps;
-    k.tail_bytes     += lv.tail_bytes     - lv.mark.tail_bytes;
-    k.streamed_bytes += lv.streamed_bytes - lv.mark.streamed_bytes;
-    k.move_ms        += lv.move_ms        - lv.mark.move_ms;
+    const auto add = [&](llama_rkv_eval_kind & k) {
+        k.evals          += 1;
+        k.prompt_tokens  += lv.pending_prompt;
+        k.decode_tokens  += lv.pending_decode;
+        k.us             += t1_us > t0_us && t0_us > 0 ? (uint64_t) (t1_us - t0_us) : 0;
+        k.steps          += lv.steps          - lv.mark.steps;
+        k.tail_bytes     += lv.tail_bytes     - lv.mark.tail_bytes;
+        k.streamed_bytes += lv.streamed_bytes - lv.mark.streamed_bytes;
+        k.move_ms        += lv.move_ms        - lv.mark.move_ms;
+    };
+    add(lv.evals[lv.pending_prompt == 0 ? LLAMA_RKV_EVAL_DECODE :
+                 lv.pending_decode == 0 ? LLAMA_RKV_EVAL_PREFILL : LLAMA_RKV_EVAL_MIXED]);
+    if (lv.pending_prompt == 0) {
+        add(lv.decode_by_seqs[std::min<uint64_t>(lv.pending_decode, 8) - 1]); // a decode token per sequence
+    }
     lv.mark.steps          = lv.steps;
     lv.mark.tail_bytes     = lv.tail_bytes;
     lv.mark.streamed_bytes = lv.streamed_bytes;
@@ -710,17 +715,23 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
         }
         res += "]";
         res += ",\"evals\":{";
+        const auto kind_json = [&tmp](const llama_rkv_eval_kind & k) {
+            snprintf(tmp, sizeof(tmp),
+                    "{\"evals\":%" PRIu64 ",\"prompt_tokens\":%" PRIu64 ",\"decode_tokens\":%" PRIu64
+                    ",\"ms\":%.3f,\"steps\":%" PRIu64 ",\"tail_bytes\":%" PRIu64 ",\"streamed_bytes\":%" PRIu64
+                    ",\"move_ms\":%.3f}", k.evals, k.prompt_tokens, k.decode_tokens, k.us/1000.0, k.steps,
+                    k.tail_bytes, k.streamed_bytes, k.move_ms);
+            return std::string(tmp);
+        };
         static const char * kinds[] = { "decode", "prefill", "mixed" };
         for (int i = 0; i < 3; ++i) {
-            const llama_rkv_eval_kind & k = lv.evals[i];
-            snprintf(tmp, sizeof(tmp),
-                    "%s\"%s\":{\"evals\":%" PRIu64 ",\"prompt_tokens\":%" PRIu64 ",\"decode_tokens\":%" PRIu64
-                    ",\"ms\":%.3f,\"steps\":%" PRIu64 ",\"tail_bytes\":%" PRIu64 ",\"streamed_bytes\":%" PRIu64
-                    ",\"move_ms\":%.3f}", i ? "," : "", kinds[i], k.evals, k.prompt_tokens, k.decode_tokens,
-                    k.us/1000.0, k.steps, k.tail_bytes, k.streamed_bytes, k.move_ms);
-            res += tmp;
+            res += std::string(i ? "," : "") + "\"" + kinds[i] + "\":" + kind_json(lv.evals[i]);
         }
-        res += "}";
+        res += ",\"decode_by_seqs\":[";
+        for (int i = 0; i < 8; ++i) {
+            res += (i ? "," : "") + kind_json(lv.decode_by_seqs[i]);
+        }
+        res += "]}";
     }
     res += "}";
     return llama_rkv_copy_out(res, buf, buf_size);

@@ -11,46 +11,48 @@ KINDS = ("decode", "prefill", "mixed")
 GB = 1e9
 
 
+FIELDS = ("evals", "prompt_tokens", "decode_tokens", "ms", "steps", "tail_bytes", "streamed_bytes", "move_ms")
+
+
 def eval_totals(sample: dict) -> dict:
-    """A stats sample's evaluation counters by kind ({} from a server without them: API < 10)."""
+    """A stats sample's evaluation counters by kind, and the decode ones by sequences under "decode_by_seqs" ({} from a
+    server without them: API < 10)."""
     ev = sample.get("evals")
-    return {k: dict(ev[k]) for k in KINDS if isinstance(ev, dict) and isinstance(ev.get(k), dict)}
+    if not isinstance(ev, dict):
+        return {}
+    out = {k: dict(ev[k]) for k in KINDS if isinstance(ev.get(k), dict)}
+    if isinstance(ev.get("decode_by_seqs"), list):
+        out["decode_by_seqs"] = [dict(b) for b in ev["decode_by_seqs"]]
+    return out
+
+
+def _delta(a: dict, b: dict) -> dict:
+    d = {f: (b.get(f) or 0) - (a.get(f) or 0) for f in FIELDS}
+    n = d["evals"]
+    return {**d, "ms_mean": d["ms"] / n if n else None,
+            "tail_gb_mean": d["tail_bytes"] / n / GB if n else None,
+            "streamed_gb_mean": d["streamed_bytes"] / n / GB if n else None,
+            "prompt_tps": d["prompt_tokens"] / (d["ms"] / 1000) if d["prompt_tokens"] and d["ms"] else None}
 
 
 def summarize_time(samples: list[dict], wall_s: float | None) -> dict | None:
-    """The run's evaluations by kind: the last sample's counters less the first's (the first is taken before the first
-    request, so the server's warm-up stays out). None without counters."""
+    """The run's evaluations by kind, and its decode evaluations by sequences (index i: i + 1 sequences, the last 8 or
+    more): the last sample's counters less the first's (the first is taken before the first request, so the server's
+    warm-up stays out). None without counters."""
     if not samples:
         return None
     first, last = eval_totals(samples[0]), eval_totals(samples[-1])
     if not last:
         return None
-    kinds: dict[str, dict] = {}
-    busy_ms = 0.0
-    for k in KINDS:
-        a, b = first.get(k, {}), last.get(k, {})
-        d = {f: (b.get(f) or 0) - (a.get(f) or 0) for f in
-             ("evals", "prompt_tokens", "decode_tokens", "ms", "steps", "tail_bytes", "streamed_bytes", "move_ms")}
-        n = d["evals"]
-        busy_ms += d["ms"]
-        kinds[k] = {**d, "ms_mean": d["ms"] / n if n else None,
-                    "tail_gb_mean": d["tail_bytes"] / n / GB if n else None,
-                    "streamed_gb_mean": d["streamed_bytes"] / n / GB if n else None,
-                    "prompt_tps": d["prompt_tokens"] / (d["ms"] / 1000) if d["prompt_tokens"] and d["ms"] else None}
-    return {"kinds": kinds, "busy_s": busy_ms / 1000, "wall_s": wall_s,
+    kinds = {k: _delta(first.get(k, {}), last.get(k, {})) for k in KINDS}
+    by_seqs = [_delta(a, b) for a, b in zip(first.get("decode_by_seqs") or [{}] * 8, last.get("decode_by_seqs") or [])]
+    busy_ms = sum(k["ms"] for k in kinds.values())
+    return {"kinds": kinds, "decode_by_seqs": by_seqs, "busy_s": busy_ms / 1000, "wall_s": wall_s,
             "idle_s": wall_s - busy_ms / 1000 if wall_s is not None else None}
 
 
-def decode_floor(cell: dict, resident: dict | None) -> dict | None:
-    """A split cell's mean decode evaluation against its floor: the resident cell's mean decode evaluation (t_res) plus
-    the larger of its streamed bytes over the link and the CPU part's bytes over the CPU attention's bandwidth (the
-    plan's measured figures). None where a term is missing."""
-    dec = ((cell.get("time") or {}).get("kinds") or {}).get("decode") or {}
-    res = ((((resident or {}).get("time") or {}).get("kinds") or {}).get("decode") or {}).get("ms_mean")
-    plan = cell.get("plan") or {}
-    link = (plan.get("link") or {}).get("link_bw_gbps")
-    cpu = plan.get("cpu_attn_gbps")
-    if not dec.get("evals") or not res or not link or link <= 0:
+def _floor(dec: dict, res_ms: float | None, link: float | None, cpu: float | None) -> dict | None:
+    if not dec.get("evals") or not res_ms or not link or link <= 0:
         return None
     n = dec["evals"]
     link_ms = dec["streamed_bytes"] / n / (link * GB) * 1000
@@ -58,9 +60,31 @@ def decode_floor(cell: dict, resident: dict | None) -> dict | None:
     cpu_ms = cpu_bytes / (cpu * GB) * 1000 if cpu and cpu > 0 else (None if cpu_bytes else 0.0)
     if cpu_ms is None:
         return None
-    floor = res + max(link_ms, cpu_ms)
-    return {"t_res_ms": res, "link_ms": link_ms, "cpu_ms": cpu_ms, "floor_ms": floor, "ms_mean": dec["ms_mean"],
-            "over_floor": dec["ms_mean"] / floor if floor else None, "link_gbps": link, "cpu_gbps": cpu}
+    floor = res_ms + max(link_ms, cpu_ms)
+    # issue 35's floor: every tail byte over the link and the CPU attention together, at the best share
+    best = res_ms + dec["tail_bytes"] / n / ((link + (cpu or 0)) * GB) * 1000
+    return {"evals": n, "t_res_ms": res_ms, "link_ms": link_ms, "cpu_ms": cpu_ms, "floor_ms": floor,
+            "ms_mean": dec["ms_mean"], "over_floor": dec["ms_mean"] / floor, "link_gbps": link, "cpu_gbps": cpu,
+            "best_share_floor_ms": best, "over_best_share_floor": dec["ms_mean"] / best}
+
+
+def decode_floor(cell: dict, resident: dict | None) -> dict | None:
+    """A split cell's mean decode evaluation against its floor: the resident cell's mean decode evaluation (t_res) plus
+    the larger of its streamed bytes over the link and the CPU part's bytes over the CPU attention's bandwidth (the
+    plan's measured figures); the same for each count of sequences the resident cell ran too ("by_seqs"). None where a
+    term is missing."""
+    t, rt = cell.get("time") or {}, (resident or {}).get("time") or {}
+    plan = cell.get("plan") or {}
+    link = (plan.get("link") or {}).get("link_bw_gbps")
+    cpu = (plan.get("tail_cpu") or {}).get("cpu_attn_gbps") or plan.get("cpu_attn_gbps")
+    res = ((rt.get("kinds") or {}).get("decode") or {}).get("ms_mean")
+    out = _floor((t.get("kinds") or {}).get("decode") or {}, res, link, cpu)
+    if out is None:
+        return None
+    rb = rt.get("decode_by_seqs") or []
+    out["by_seqs"] = [_floor(b, rb[i].get("ms_mean") if i < len(rb) else None, link, cpu)
+                      for i, b in enumerate(t.get("decode_by_seqs") or [])]
+    return out
 
 
 def add_floors(doc: dict) -> None:
@@ -108,6 +132,8 @@ def print_time(doc: dict) -> None:
         t.add_row(f"  {k}: tail GB", *kind_row(k, gb))
         if k != "decode":
             t.add_row(f"  {k}: prompt tok/s", *kind_row(k, tps))
+        else:
+            decode_rows(t, cells)
     t.add_row("busy / idle s", *[f"{c['time']['busy_s']:.1f} / "
                                  + ("-" if c["time"]["idle_s"] is None else f"{c['time']['idle_s']:.1f}") for c in cells])
 
@@ -116,4 +142,23 @@ def print_time(doc: dict) -> None:
         return "-" if not fl else (f"{fl['floor_ms']:.1f} ({fl['t_res_ms']:.1f} + max({fl['link_ms']:.1f}, "
                                    f"{fl['cpu_ms']:.1f})): {fl['over_floor']:.2f}x")
     t.add_row("decode floor ms (t_res + max(link, cpu)): measured/floor", *[floor(c) for c in cells])
+
+    def best(c: dict) -> str:
+        fl = c["time"].get("decode_floor")
+        return "-" if not fl else f"{fl['best_share_floor_ms']:.1f}: {fl['over_best_share_floor']:.2f}x"
+    t.add_row("  at the best share (t_res + tail/(link + cpu)): measured/floor", *[best(c) for c in cells])
     console.print(t)
+
+
+def decode_rows(t, cells: list[dict]) -> None:
+    """The decode evaluations by sequences, each against its floor at the best share."""
+    n_buckets = max((len(c["time"].get("decode_by_seqs") or []) for c in cells), default=0)
+    for i in range(n_buckets):
+        def bucket(c: dict, i=i) -> str:
+            b = (c["time"].get("decode_by_seqs") or [])[i:i + 1]
+            if not b or not b[0].get("evals"):
+                return "-"
+            fl = ((c["time"].get("decode_floor") or {}).get("by_seqs") or [None] * 8)[i]
+            return f"{b[0]['evals']} x {b[0]['ms_mean']:.1f} ms" + (f" ({fl['over_best_share_floor']:.2f}x)" if fl else "")
+        if any(bucket(c) != "-" for c in cells):
+            t.add_row(f"  decode, {i + 1}{'+' if i == 7 else ''} sequences (/ best-share floor)", *[bucket(c) for c in cells])
