@@ -180,3 +180,32 @@ def test_tail_runs_on_the_gpu_stream_only_the_runs(cuda_build, synth_model, tmp_
         assert st["plan_streamed"]["last_bytes"] == last["streamed_bytes"] == last["tail_bytes"], (s["label"], st)
         short += last["tail_runs"] > 0
     assert short >= 8  # the steps whose runs left blocks out (prefills, lone and joint decodes, the hole)
+
+
+@pytest.mark.gpu
+def test_the_cpu_part_takes_its_share_of_the_runs(cuda_build, synth_model, tmp_path):
+    """With a CPU part (half of each tail), a ubatch that reads the tail in runs gives the CPU half of the cells it
+    attends, to the nearest block (the far end of the tail, whose blocks of other sequences and holes it skips): taken
+    of the whole tail instead, a lone sequence whose far end holds the others' cells left the CPU part little and the
+    link the rest. The copy plan streams exactly the rest of the runs, the CPU parts ran, and the logits stay within the
+    resident run's order floor."""
+    from test_gpu import _mean_tv
+
+    _, ref = _run(cuda_build, synth_model, tmp_path, "resident", dict(mode="off"), ngl=99)
+    _, floor_run = _run(cuda_build, synth_model, tmp_path, "floor", dict(mode="off"), ngl=99, ubatch=128)
+    r, got = _run(cuda_build, synth_model, tmp_path, "split", dict(WINDOW, tail_cpu_frac=0.5), ngl=99)
+    tv, floor = _mean_tv(got, ref), _mean_tv(floor_run, ref)
+    print(f"unified tail runs with a CPU part vs resident mean TV {tv:.3g}, the resident run's own floor {floor:.3g}")
+    assert floor > 0 and tv <= 2 * floor, (tv, floor)
+    cell = r["steps"][-1]["stats"]["block_bytes"] // 256
+    checked = 0
+    for s in r["steps"]:
+        st, last = s["stats"], s["stats"]["last"]
+        assert st["plan_streamed"]["last_bytes"] == last["streamed_bytes"], (s["label"], st)
+        if s["label"].startswith("decode") and last["tail_runs"] > 0:
+            cpu = (last["tail_bytes"] - last["streamed_bytes"]) // cell
+            read = last["tail_bytes"] // cell
+            assert abs(cpu - read / 2) <= 128, (s["label"], cpu, read)  # half of what it reads, to the nearest block
+            checked += 1
+    assert checked >= 5
+    assert r["steps"][-1]["stats"]["cpu_part_runs"] > 0  # the CPU parts ran, on the device's behalf

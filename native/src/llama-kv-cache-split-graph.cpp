@@ -13,7 +13,9 @@
 #include "ggml-alloc.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 //
@@ -167,12 +169,49 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
     }
 }
 
+// The CPU part of a tail read in runs: it attends the far end [n_tail - n, n_tail) of the tail, and of those cells only
+// the runs' hold keys some row sees (the others are masked for every row: an F16 K's are not even read). So its share is
+// taken of the runs' cells (the bytes the step attends), the boundary at the block from which the runs' cells past it
+// come closest to the share: taken of the whole tail instead, a tail whose far end holds idle sequences or holes left
+// the CPU part little and the link the rest.
+static uint32_t llama_rkv_runs_cpu_cells(uint32_t n_tail, const std::vector<uint32_t> & first,
+                                         const std::vector<uint32_t> & n, const std::function<float(uint32_t)> & frac) {
+    uint32_t n_read = 0;
+    for (const uint32_t c : n) {
+        n_read += c;
+    }
+    const float f = n_read ? frac(n_read) : 0.0f;
+    if (!(f > 0.0f)) {
+        return 0;
+    }
+    if (f >= 1.0f) {
+        return n_tail;
+    }
+    const double want = (double) f*n_read;
+    uint32_t best = n_tail, past = 0; // the boundary, and the runs' cells past the current one
+    double best_err = want;           // boundary n_tail: no cell on the CPU
+    for (int64_t b = (int64_t) (n_tail - 1)/256*256; b >= 0 && past < want; b -= 256) {
+        past = 0;
+        for (size_t r = 0; r < first.size(); ++r) {
+            const uint32_t r1 = first[r] + n[r];
+            past += r1 > b ? r1 - std::max<uint32_t>(first[r], (uint32_t) b) : 0;
+        }
+        const double err = std::fabs(past - want);
+        if (err < best_err) {
+            best_err = err;
+            best     = (uint32_t) b;
+        }
+    }
+    return n_tail - best;
+}
+
 llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
                                                       const llama_ubatch * ubatch) const {
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
     const auto cpu_cells = [this](uint32_t n_tail) {
         return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
     };
+    const std::function<float(uint32_t)> frac_of = [this](uint32_t n) { return rkv_tail_cpu_frac_cells(n); };
     llama_rkv_attn_layout lay;
     lay.perturb_tail   = rkv_st ? rkv_st->test.perturb_tail : 0.0f;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
@@ -185,6 +224,10 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
         lay.tail_cpu_cells = cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0);
         if (!full && ubatch) {
             llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n);
+            if (!lay.run_first.empty()) {
+                // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
+                lay.tail_cpu_cells = llama_rkv_runs_cpu_cells(n_kv, lay.run_first, lay.run_n, frac_of);
+            }
         }
         return lay;
     }
@@ -208,6 +251,10 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
     if (rkv_split() && ns == 1 && !full && ubatch) {
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
         llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n);
+        if (!lay.run_first.empty()) {
+            lay.tail_cpu_cells = llama_rkv_runs_cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0,
+                                                         lay.run_first, lay.run_n, frac_of);
+        }
     }
     if (!rkv_split() || ns < 2) {
         return lay;
@@ -332,7 +379,9 @@ void llama_kv_split::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
         const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
         GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
         const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
-        const uint32_t n_cpu  = std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
+        // a prompt's ubatch has no CPU part (more query rows per stream than it takes: the graph sets none)
+        const uint32_t n_cpu  = ubatch.n_tokens/sinfo.n_stream() > GGML_RKV_CPU_PART_MAX_Q ? 0 :
+                                std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
         // the tail's cells the op reads (its runs: the ubatch's sequences' blocks) and, of those, the ones that stream
         // (not in the CPU part)
         uint32_t n_read = n_tail, n_streamed = n_tail - n_cpu;
