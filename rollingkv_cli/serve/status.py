@@ -79,6 +79,24 @@ def residency_from_stats(stats: dict | None) -> str | None:
     return f"slot cells device+tail {cells or 'none in use'}; {text}{moved_text}"
 
 
+def describe_steps(stats: dict | None) -> str | None:
+    """Where the server's time went so far (rolling_kv_stats.evals, API 10: its batches, timed by the library): decode
+    steps (every slot one token), prompt chunks beside decode tokens (mixed) and prompt chunks alone, each as a count and
+    a mean; None before any (or from a library without them)."""
+    ev = stats.get("evals") if isinstance(stats, dict) else None
+    if not isinstance(ev, dict):
+        return None
+    parts = []
+    for kind, label in (("decode", "decode"), ("mixed", "prompt beside decode"), ("prefill", "prompt alone")):
+        k = ev.get(kind) if isinstance(ev.get(kind), dict) else {}
+        n = int(k.get("evals") or 0)
+        if n:
+            ms = (k.get("ms") or 0.0) / n
+            tail = (k.get("tail_bytes") or 0) / n / 1e9
+            parts.append(f"{label} {n} x {ms:.1f} ms" + (f" ({tail:.2f} GB of tail each)" if tail else ""))
+    return ", ".join(parts) or None
+
+
 def vram_mib() -> list[tuple[int, int]]:
     try:
         import pynvml
@@ -331,7 +349,7 @@ class LiveStatus:
 
     WINDOW_S = 5.0
     GRACE_S = 5.0  # how long an ended request's line may take to reach the log before the last sample's count stands
-    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now", "shared")
+    ROWS = ("uptime", "requests", "decode", "prompt", "vram", "kv", "kv_now", "steps", "shared")
 
     def __init__(self, srv, started: float, plan: dict | None, gpu: bool = True, vram=None):
         from collections import deque
@@ -430,6 +448,10 @@ class LiveStatus:
     def rows_kv_now(self):
         live = residency_from_stats(self.stats) if self.plan and self.plan.get("split") else None
         return [("KV now", live)] if live else []
+
+    def rows_steps(self):
+        steps = describe_steps(self.stats)
+        return [("steps", steps)] if steps else []
 
     def rows_shared(self):
         shared = describe_sharing(self.sharing)

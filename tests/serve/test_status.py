@@ -44,3 +44,15 @@ def test_block_moves_of_a_unified_cache_are_counted_in_blocks():
     assert line.endswith("; blocks moved 3 to the device, 2 to the tail"), line
     stats["windows"] = "elastic"
     assert residency_from_stats(stats).endswith("; windows moved 768 cells to the device, 512 to the tail")
+
+
+def test_the_steps_row_says_where_the_time_went():
+    """rolling_kv_stats.evals (API 10): each kind of batch as a count and a mean, with the tail each read; kinds not run
+    yet are left out, and a library without the counters shows no row."""
+    from rollingkv_cli.serve.status import describe_steps
+
+    ev = {"decode": {"evals": 4, "ms": 100.0, "tail_bytes": 8e9}, "mixed": {"evals": 1, "ms": 210.0, "tail_bytes": 0},
+          "prefill": {"evals": 0, "ms": 0.0}, "decode_by_seqs": []}
+    assert describe_steps({"evals": ev}) == "decode 4 x 25.0 ms (2.00 GB of tail each), prompt beside decode 1 x 210.0 ms"
+    assert describe_steps({"split": True}) is None
+    assert describe_steps({"evals": {"decode": {"evals": 0}}}) is None
