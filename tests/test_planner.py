@@ -177,6 +177,9 @@ def _cases() -> dict:
     c["hyb_unknown_cpu"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1)
     c["hyb_measured"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1, pcie_bw_gbps=0, cpu_attn_measured_gbps=40.0,
                             link_measured_gbps=6.5)
+    c["hyb_rows"] = fig(**{**hyb, "cpu_attn_gbps": 0}, tail_cpu_frac=-1, pcie_bw_gbps=0, cpu_attn_measured_gbps=40.0,
+                        link_measured_gbps=6.5, cpu_attn_measured_gbps_2=30.0, cpu_attn_measured_gbps_4=16.0,
+                        cpu_attn_measured_gbps_8=8.0)
     # the per-layer terms measured on the device (a slow host hand-off, a fast one), against the constants
     c["hyb_calib_slow"] = fig(**hyb, pcie_bw_gbps=25.0, tail_cpu_frac=-1, layer_decode_measured_ms=0.02,
                               cpu_part_latency_measured_ms=20.0)
@@ -758,6 +761,18 @@ def test_auto_measures_what_the_request_leaves_out(sim):
     assert tc["cpu_attn_source"] == "given (measured)" and tc["cpu_attn_gbps"] == pytest.approx(40.0)
     assert p["link"]["link_bw_gbps"] == pytest.approx(6.5) and p["link"]["link_bw_source"] == "given (measured)"
     assert tc["frac"] == pytest.approx(sim["hyb_auto_6.5"]["tail_cpu"]["frac"])
+
+
+def test_auto_measures_the_cpu_part_at_several_rows_per_cell(sim):
+    """A step of several sequences over a shared prefix dots each of its cells once per row: auto measures the CPU part
+    at 2, 4 and 8 rows and keeps its slowdown against one row for each count (interpolated between), which the share
+    each step takes follows; the share at full context (one row) does not change. Without the measurement: 1 everywhere."""
+    tc, base = sim["hyb_rows"]["tail_cpu"], sim["hyb_measured"]["tail_cpu"]
+    assert tc["cpu_attn_rows_gbps"] == {"2": pytest.approx(30.0), "4": pytest.approx(16.0), "8": pytest.approx(8.0)}
+    assert tc["cpu_rows_slowdown"] == pytest.approx([1.0, 4 / 3, (4 / 3 + 2.5) / 2, 2.5, 2.5 + 2.5 / 4, 2.5 + 2.5 / 2,
+                                                     2.5 + 2.5 * 3 / 4, 5.0], rel=1e-4)
+    assert tc["frac"] == pytest.approx(base["frac"])
+    assert base["cpu_rows_slowdown"] == [1.0] * 8 and base["cpu_attn_rows_gbps"] == {"2": None, "4": None, "8": None}
 
 
 def test_auto_measures_the_per_layer_terms_where_it_runs(sim):

@@ -17,7 +17,8 @@
 // memory), runtime_mib (default: the CUDA runtime's; 0 for host memory), reserve_mib (the default reserve), mem_bw_gbps
 // (the device memory bandwidth a measurement would give; <= 0: none), tail_cpu_frac (the request default, -1 = auto; 0:
 // off), cpu_attn_gbps (the request's CPU attention bandwidth, 0), cpu_attn_measured_gbps and link_measured_gbps (what
-// the hybrid tail's calibrations would give; <= 0: none), layer_decode_measured_ms and cpu_part_latency_measured_ms
+// the hybrid tail's calibrations would give; <= 0: none), cpu_attn_measured_gbps_2, _4 and _8 (the CPU calibration at 2,
+// 4 and 8 query rows per cell; <= 0: none), layer_decode_measured_ms and cpu_part_latency_measured_ms
 // (what the device's per-layer probes would give; < 0: none, the planner's constants), head_k and head_v (128),
 // n_threads (0), refuse (a reason the cache is not eligible), devices (optional list of objects with name, n_layer,
 // free_mib, weights_mib, compute_mib, other_kv_mib, recurrent_mib, ring_mib, runtime_mib, host_memory: one per device,
@@ -240,6 +241,8 @@ static std::string rkv_plan_simulate(const char * json_in) {
     st.head_v    = (int64_t) r.count("head_v", 128);
     st.n_threads = (int32_t) r.count("n_threads", 0);
     const double cpu_attn_measured = r.num("cpu_attn_measured_gbps", -1.0); // what a calibration would give
+    const double cpu_attn_rows[3]  = { r.num("cpu_attn_measured_gbps_2", -1.0), r.num("cpu_attn_measured_gbps_4", -1.0),
+                                       r.num("cpu_attn_measured_gbps_8", -1.0) }; // and at 2, 4 and 8 rows
     const double link_measured     = r.num("link_measured_gbps", -1.0);     // what a pinned-copy measurement would give
     // what the device's layer probe would give
     const double layer_measured    = r.num("layer_decode_measured_ms", -1.0);
@@ -518,6 +521,12 @@ static std::string rkv_plan_simulate(const char * json_in) {
         di.measure_cpu_attn = [cpu_attn_measured](std::string * how) {
             *how = "given (measured)";
             return cpu_attn_measured;
+        };
+    }
+    if (cpu_attn_rows[0] > 0.0 || cpu_attn_rows[1] > 0.0 || cpu_attn_rows[2] > 0.0) {
+        di.measure_cpu_attn_rows = [cpu_attn_rows](int n_rows, std::string * how) {
+            *how = "given (measured)";
+            return cpu_attn_rows[n_rows == 2 ? 0 : n_rows == 4 ? 1 : 2];
         };
     }
     if (link_measured > 0.0) {

@@ -113,15 +113,19 @@ uint32_t llama_kv_split::rkv_stream_n_kv(uint32_t strm) const {
 // of its sequences. Every other cell is masked for each of its queries (another sequence's, or empty), so leaving those
 // blocks out changes no result: as runs of blocks, at most GGML_RKV_MAX_TAIL_RUNS of them (the closest runs are joined,
 // reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps, so
-// that the kernels' paths and chunking stay those of the whole key range, at the cost of one block).
+// that the kernels' paths and chunking stay those of the whole key range, at the cost of one block). rows: how many of
+// the ubatch's sequences see a cell it reads, on average (a prefix its sequences share counts once for each: the CPU
+// part dots such a cell once per row).
 static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv,
         const llama_ubatch & ubatch, const std::vector<int32_t> * blk_slot, std::vector<uint32_t> & first,
-        std::vector<uint32_t> & n) {
+        std::vector<uint32_t> & n, double & rows) {
     first.clear();
     n.clear();
+    rows = 1.0;
     if (n_kv <= tail0 || ubatch.n_seqs_unq == 0) {
         return;
     }
+    uint64_t n_seen = 0, n_views = 0; // cells some sequence of the ubatch holds, and (cell, such sequence) pairs
     const uint32_t n_tail = n_kv - tail0;
     const uint32_t block  = 256;
     llama_kv_cells::seq_set_t seqs; // the ubatch's sequences
@@ -135,8 +139,11 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
             continue; // block residency: the block is on the device (its tail rows are stale, masked)
         }
         bool read = false;
-        for (uint32_t i = tail0 + b0; i < tail0 + b1 && !read; ++i) {
-            read = (cells.seq_get_all(i) & seqs).any(); // an empty cell holds no sequence
+        for (uint32_t i = tail0 + b0; i < tail0 + b1; ++i) {
+            const size_t k = (cells.seq_get_all(i) & seqs).count(); // an empty cell holds no sequence
+            read     = read || k > 0;
+            n_seen  += k > 0 ? 1 : 0;
+            n_views += k;
         }
         if (!read) {
             continue;
@@ -147,6 +154,7 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
             runs.push_back({ b0, b1 });
         }
     }
+    rows = n_seen ? (double) n_views/n_seen : 1.0;
     if (runs.empty()) {
         runs.push_back({ 0, std::min(n_tail, block) });
     }
@@ -207,11 +215,15 @@ static uint32_t llama_rkv_runs_cpu_cells(uint32_t n_tail, const std::vector<uint
 
 llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
                                                       const llama_ubatch * ubatch) const {
+    // the query rows that see each tail cell: a stream's tokens (one sequence's), or in a unified stream its sequences
+    // per cell the ubatch reads (llama_rkv_tail_runs: a shared prefix is seen by each of its sequences)
+    const uint32_t ns_all = sinfo.s1 - sinfo.s0 + 1;
+    double rows = ubatch ? std::max(1.0, (double) ubatch->n_tokens/ns_all) : 1.0;
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
-    const auto cpu_cells = [this](uint32_t n_tail) {
-        return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail));
+    const auto cpu_cells = [this, &rows](uint32_t n_tail) {
+        return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail, rows));
     };
-    const std::function<float(uint32_t)> frac_of = [this](uint32_t n) { return rkv_tail_cpu_frac_cells(n); };
+    const std::function<float(uint32_t)> frac_of = [this, &rows](uint32_t n) { return rkv_tail_cpu_frac_cells(n, rows); };
     llama_rkv_attn_layout lay;
     lay.perturb_tail   = rkv_st ? rkv_st->test.perturb_tail : 0.0f;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
@@ -223,11 +235,10 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
         lay.n_win          = rkv_blk_pool_n()*256;
         lay.tail_cpu_cells = cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0);
         if (!full && ubatch) {
-            llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n);
-            if (!lay.run_first.empty()) {
-                // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
-                lay.tail_cpu_cells = llama_rkv_runs_cpu_cells(n_kv, lay.run_first, lay.run_n, frac_of);
-            }
+            llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n, rows);
+            // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
+            lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0)
+                                                       : llama_rkv_runs_cpu_cells(n_kv, lay.run_first, lay.run_n, frac_of);
         }
         return lay;
     }
@@ -250,11 +261,11 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
     }
     if (rkv_split() && ns == 1 && !full && ubatch) {
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
-        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n);
-        if (!lay.run_first.empty()) {
-            lay.tail_cpu_cells = llama_rkv_runs_cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0,
-                                                         lay.run_first, lay.run_n, frac_of);
-        }
+        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n,
+                            rows);
+        const uint32_t n_tail = rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0;
+        lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_tail)
+                                                   : llama_rkv_runs_cpu_cells(n_tail, lay.run_first, lay.run_n, frac_of);
     }
     if (!rkv_split() || ns < 2) {
         return lay;

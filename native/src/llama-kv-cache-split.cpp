@@ -414,8 +414,8 @@ ggml_backend_buffer_t llama_rkv_alloc_ctx_tensors(ggml_context * ctx, ggml_backe
     return ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
 }
 
-float llama_kv_split::rkv_tail_cpu_frac_cells(uint32_t n_tail) const {
-    return rkv_cpu ? llama_rkv_tail_cpu_frac_at(*rkv_cpu, n_tail) : 0.0f;
+float llama_kv_split::rkv_tail_cpu_frac_cells(uint32_t n_tail, double rows) const {
+    return rkv_cpu ? llama_rkv_tail_cpu_frac_at(*rkv_cpu, n_tail, rows) : 0.0f;
 }
 
 bool llama_kv_split::rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) const {

@@ -201,7 +201,9 @@ private:
     // elastic windows: a ubatch over sinfo's streams at n_kv cells has every cell in use on the device, where one view
     // (upstream's attention) reaches it
     bool     rkv_elastic_whole(uint32_t n_kv, const slot_info & sinfo) const;
-    float    rkv_tail_cpu_frac_cells(uint32_t n_tail) const; // the CPU share of a tail of n_tail cells
+    // the CPU share of a tail of n_tail cells that each of its cells' rows sees rows query rows of (a prefix several
+    // sequences of the ubatch share: more than 1)
+    float    rkv_tail_cpu_frac_cells(uint32_t n_tail, double rows = 1.0) const;
     size_t   rkv_win_off (const ggml_tensor * t, uint32_t strm, uint32_t cell) const;
     size_t   rkv_tail_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const;
     void     rkv_pool_copy(const llama_rkv_pool_copy & c) const;

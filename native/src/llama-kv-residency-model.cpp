@@ -340,15 +340,20 @@ double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_m
     return best_t > 0.97*model(0.0) ? 0.0 : best_f;
 }
 
-float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells) {
+float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells, double rows) {
     if (tail_cells == 0 || (m.frac <= 0.0f && !m.is_auto)) {
         return 0.0f;
     }
     if (!m.is_auto || m.tail_cells == 0) {
         return m.frac;
     }
+    // the part's slowdown at this many rows per cell, between the measured counts linearly
+    const double r  = std::min<double>(GGML_RKV_CPU_PART_MAX_Q, std::max(1.0, rows));
+    const int    r0 = (int) r;
+    const double slow = r0 >= GGML_RKV_CPU_PART_MAX_Q ? m.slow[GGML_RKV_CPU_PART_MAX_Q - 1] :
+                        m.slow[r0 - 1] + (r - r0)*(m.slow[r0] - m.slow[r0 - 1]);
     const double s = (double) tail_cells/m.tail_cells;
-    return (float) llama_rkv_tail_cpu_best(m.t_res_ms, s*m.t_link_ms, s*m.t_cpu_ms, m.latency_ms);
+    return (float) llama_rkv_tail_cpu_best(m.t_res_ms, s*m.t_link_ms, s*m.t_cpu_ms*slow, m.latency_ms);
 }
 
 uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m) {
@@ -386,6 +391,9 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
     st.tail_cpu_frac     = 0.0f;
     st.t_token_hybrid_ms = -1.0;
     st.tail_cpu          = llama_rkv_tail_cpu{};
+    for (double & g : st.cpu_attn_rows_gbps) {
+        g = -1.0;
+    }
     st.layer_decode_ms     = -1.0; // the time model's terms: null where no share is modelled
     st.cpu_part_latency_ms = -1.0;
     const float req = st.req.tail_cpu_frac;
@@ -465,6 +473,25 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
         }
         st.tail_cpu_frac = (float) best_f;
         st.tail_cpu = { st.tail_cpu_frac, true, t_res, t_link, t_cpu, latency, st.tail_cells };
+        // several rows per cell (a step of sequences sharing a prefix): measured at 2, 4 and 8 rows, interpolated
+        if (in.measure_cpu_attn_rows) {
+            const int at[] = { 1, 2, 4, 8 };
+            double slow_at[4] = { 1.0, 1.0, 1.0, 1.0 };
+            for (int i = 1; i < 4; ++i) {
+                std::string how;
+                const double g = in.measure_cpu_attn_rows(at[i], &how);
+                slow_at[i] = g > 0.0 ? std::max(slow_at[i - 1], st.cpu_attn_gbps/g) : slow_at[i - 1];
+                st.cpu_attn_rows_gbps[i] = g;
+            }
+            for (int r = 1; r <= GGML_RKV_CPU_PART_MAX_Q; ++r) {
+                int i = 0;
+                while (i < 2 && at[i + 1] < r) {
+                    ++i;
+                }
+                const double t = std::min(1.0, (double) (r - at[i])/(at[i + 1] - at[i]));
+                st.tail_cpu.slow[r - 1] = (float) (slow_at[i] + t*(slow_at[i + 1] - slow_at[i]));
+            }
+        }
         snprintf(buf, sizeof(buf),
                 "auto: %.0f %% of each tail on the CPU at full context (link %.1f GB/s, CPU attention %.1f GB/s, %d "
                 "threads, per layer %.3f ms of decode beyond its bytes and %.3f ms per CPU part), chosen again as the "

@@ -294,19 +294,20 @@ bool llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK
     return fn && fn(type_k, type_v, DK, DV);
 }
 
-double llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes) {
+double llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes, int n_rows) {
     auto fn = (ggml_rkv_cpu_attn_measure_gbps_t) llama_rkv_cpu_proc(GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC);
-    return fn ? fn(n_threads, type, bytes) : -1.0;
+    return fn ? fn(n_threads, type, bytes, n_rows) : -1.0;
 }
 
 // the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
 // process for each
-double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how) {
+double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how, int n_rows) {
     static llama_rkv_measured_once<std::pair<int, int>> once;
     const int nt = n_threads > 0 ? n_threads : llama_rkv_cpu_threads();
-    return once.get({ nt, (int) type }, how, [nt, type](std::string * desc) {
-        *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads";
-        return llama_rkv_cpu_attn_measure_gbps(nt, type, 0);
+    return once.get({ nt, (int) type + 1000*n_rows }, how, [nt, type, n_rows](std::string * desc) {
+        *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads" +
+                (n_rows > 1 ? ", " + std::to_string(n_rows) + " rows" : "");
+        return llama_rkv_cpu_attn_measure_gbps(nt, type, 0, n_rows);
     });
 }
 

@@ -237,6 +237,9 @@ static void llama_rkv_set_measurers(llama_rkv_state & st, const std::vector<cons
         in.measure_cpu_attn = [n_threads, &st](std::string * how) {
             return llama_rkv_measure_cpu_attn_bw(n_threads, st.type_k_tail, how);
         };
+        in.measure_cpu_attn_rows = [n_threads, &st](int n_rows, std::string * how) {
+            return llama_rkv_measure_cpu_attn_bw(n_threads, st.type_k_tail, how, n_rows);
+        };
         in.measure_link = [bw_dev](std::string * how) {
             return llama_rkv_measure_link_bw(bw_dev, how);
         };

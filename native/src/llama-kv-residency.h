@@ -205,7 +205,12 @@ struct llama_rkv_tail_cpu {
     double   latency_ms = 0.0;   // n_layer x the CPU part's latency per layer (measured, else
                                  // LLAMA_RKV_CPU_PART_LATENCY_MS)
     uint32_t tail_cells = 0;     // per stream, at full context
+    // the CPU part's time for r query rows that see each cell, against one row's: slow[r - 1] (>= 1; measured for 2, 4
+    // and 8 rows, between them interpolated). A decode step of several sequences over a shared prefix dots each of its
+    // cells once per row: the part turns from reading memory to computing, and takes a smaller share
+    float    slow[GGML_RKV_CPU_PART_MAX_Q] = { 1, 1, 1, 1, 1, 1, 1, 1 };
 };
+static_assert(GGML_RKV_CPU_PART_MAX_Q == 8, "llama_rkv_tail_cpu::slow lists a slowdown per row count");
 
 // auto's share for terms t_res, t_link, t_cpu and the latency: the f in steps of 1/64 minimizing
 // max(t_res + f*t_cpu + latency, (1 - f)*t_link), 0 when that gains less than 3 % over f = 0
@@ -213,7 +218,7 @@ double llama_rkv_tail_cpu_best(double t_res_ms, double t_link_ms, double t_cpu_m
 
 // the share of a tail of tail_cells cells (per stream) to attend on the CPU: m.frac for a request, for auto the model
 // at the tail terms scaled by tail_cells/m.tail_cells (0 for an empty tail)
-float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells);
+float llama_rkv_tail_cpu_frac_at(const llama_rkv_tail_cpu & m, uint32_t tail_cells, double rows = 1.0);
 
 // the shortest tail (per stream, in steps of LLAMA_RKV_WINDOW_ALIGN cells, as n_kv grows) with a CPU part; 0: none
 uint32_t llama_rkv_tail_cpu_from_cells(const llama_rkv_tail_cpu & m);
@@ -353,6 +358,7 @@ struct llama_rkv_state {
     float       tail_cpu_frac    = 0.0f;  // the chosen share of each split layer's tail cells attended on the CPU
     std::string tail_cpu_reason;
     double      cpu_attn_gbps    = -1.0;  // the CPU part's attention bandwidth for the tail types
+    double      cpu_attn_rows_gbps[4] = { -1.0, -1.0, -1.0, -1.0 }; // at 1 (unused: cpu_attn_gbps), 2, 4 and 8 rows
     std::string cpu_attn_source  = "none";
     double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
     double      layer_decode_ms  = -1.0;  // a decode layer's time beyond its bytes (< 0: not used yet)
@@ -550,6 +556,8 @@ struct llama_rkv_decide_in {
     // called only for an auto split on a GPU (unset: unknown)
     std::function<double(std::string *)> measure_cpu_attn;
     std::function<double(std::string *)> measure_link;
+    // the CPU part's attention bandwidth for n_rows query rows that each see every cell (unset: as one row's)
+    std::function<double(int n_rows, std::string *)> measure_cpu_attn_rows;
     // and the per-layer figures of its time model (llama_rkv_measure_layer_decode_ms, _cpu_part_latency_ms; unset or
     // < 0: the constants above)
     std::function<double(std::string *)> measure_layer_decode;
@@ -593,11 +601,11 @@ struct llama_rkv_plan_bytes {
 };
 llama_rkv_plan_bytes llama_rkv_streamed_plan_bytes();
 bool     llama_rkv_cpu_part_supported(ggml_type type_k, ggml_type type_v, int64_t DK, int64_t DV);
-double   llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes);
+double   llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t bytes, int n_rows = 1);
 
 // the CPU part's attention bandwidth for a tail type on n_threads threads (<= 0: llama_rkv_cpu_threads), once per
 // process for each (ggml_rkv_cpu_attn_measure_gbps)
-double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how);
+double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how, int n_rows = 1);
 
 // a decode layer's time beyond reading its bytes on dev (the layer il's weight matrices times one token, and the small
 // kernels), in ms at the memory bandwidth mem_bw_gbps; < 0: not measured (how says why). Once per process per layer

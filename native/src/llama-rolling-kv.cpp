@@ -92,6 +92,19 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
     res += ",\"cpu_attn_gbps\":" +
            (st->cpu_attn_gbps > 0.0 ? llama_rkv_json_num(st->cpu_attn_gbps) : std::string("null"));
     res += ",\"cpu_attn_source\":" + llama_rkv_json_str(st->cpu_attn_source);
+    // auto: the part's bandwidth with 2, 4 and 8 query rows that each see every cell (null: not measured), and its
+    // slowdown against one row's at 1 to 8 rows, which the share taken at each step follows
+    res += ",\"cpu_attn_rows_gbps\":{";
+    for (int i = 1; i < 4; ++i) {
+        const double g = st->cpu_attn_rows_gbps[i];
+        res += std::string(i > 1 ? "," : "") + "\"" + std::to_string(1 << i) + "\":" +
+               (g > 0.0 ? llama_rkv_json_num(g) : std::string("null"));
+    }
+    res += "},\"cpu_rows_slowdown\":[";
+    for (int r = 0; r < GGML_RKV_CPU_PART_MAX_Q; ++r) {
+        res += std::string(r ? "," : "") + llama_rkv_json_num(st->tail_cpu.slow[r]);
+    }
+    res += "]";
     res += ",\"n_threads\":" + std::to_string(st->n_threads > 0 ? st->n_threads : llama_rkv_cpu_threads());
     // the time model's per-layer terms, and where each came from (null: the share needed none)
     res += ",\"layer_decode_ms\":" +

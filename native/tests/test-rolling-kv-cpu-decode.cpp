@@ -437,7 +437,7 @@ int part_counts() {
         return 1;
     }
     const uint64_t r0 = runs(), c0 = calib();
-    gbps(2, GGML_TYPE_F16, 4u << 20); // the planner's calibration, on a 4 MiB tail
+    gbps(2, GGML_TYPE_F16, 4u << 20, 1); // the planner's calibration, on a 4 MiB tail
     const uint64_t r1 = runs(), c1 = calib();
     // one op's part of 256 f16 cells, one head of 64, and the same flagged calib
     const int D = 64, n = 256;

@@ -147,8 +147,10 @@ extern "C" {
 #define GGML_RKV_CPU_PART_CALIB_RUNS_PROC "ggml_rkv_cpu_part_calib_runs"
     // the CPU part's attention bandwidth on this machine: GB/s (10^9 B/s) of K+V rows read, measured over a
     // synthetic tail of `bytes` bytes (0: 256 MiB) of type `type` (f16, q8_0, q4_0 for K and V) on n_threads
-    // threads (<= 0: the CPU part's); best of a few runs. < 0: the type is not one the CPU part reads.
-    typedef double (*ggml_rkv_cpu_attn_measure_gbps_t)(int n_threads, enum ggml_type type, size_t bytes);
+    // threads (<= 0: the CPU part's) for n_rows query rows that each see every cell (1: one decode row; up to
+    // GGML_RKV_CPU_PART_MAX_Q: a step of several sequences over a shared prefix, each row read once and dotted once per
+    // query row); best of a few runs. < 0: the type is not one the CPU part reads, or n_rows out of range.
+    typedef double (*ggml_rkv_cpu_attn_measure_gbps_t)(int n_threads, enum ggml_type type, size_t bytes, int n_rows);
 #define GGML_RKV_CPU_ATTN_MEASURE_GBPS_PROC "ggml_rkv_cpu_attn_measure_gbps"
     // whether the CPU part reads these K/V types and head sizes
     typedef bool (*ggml_rkv_cpu_part_supported_t)(enum ggml_type type_k, enum ggml_type type_v, int64_t DK, int64_t DV);

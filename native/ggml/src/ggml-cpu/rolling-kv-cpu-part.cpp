@@ -493,7 +493,7 @@ static void proc_cpu_part_prepare(int n_threads) {
     rkv_cpu_part_prepare(n_threads);
 }
 
-static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes);
+static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes, int n_rows);
 
 void * ggml_rkv_cpu_get_proc_address(const char * name) {
     // typed through the typedefs of ggml-rolling-kv.h and the declarations of the headers: a change of signature does
@@ -533,10 +533,11 @@ void * ggml_rkv_cpu_get_proc_address(const char * name) {
     return nullptr;
 }
 
-static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes) {
-    // a Llama-like layer: head size 128, 8 KV heads, 4 query heads per KV head, one decode row
+static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, size_t bytes, int n_rows) {
+    // a Llama-like layer: head size 128, 8 KV heads, 4 query heads per KV head; n_rows decode rows that each see every
+    // cell (a step of several sequences over a shared prefix: each K/V row read once, dotted once per row and head)
     const int D = 128, n_head_kv = 8, n_head = 32;
-    if (!proc_cpu_part_supported(type, type, D, D)) {
+    if (!proc_cpu_part_supported(type, type, D, D) || n_rows < 1 || n_rows > GGML_RKV_CPU_PART_MAX_Q) {
         return -1.0;
     }
     if (bytes == 0) {
@@ -568,13 +569,13 @@ static double proc_cpu_attn_measure_gbps(int n_threads, enum ggml_type type, siz
             }
         }
     }
-    std::vector<float> q((size_t) n_head*D, 0.01f), o((size_t) n_head*D), lse(n_head);
+    std::vector<float> q((size_t) n_rows*n_head*D, 0.01f), o((size_t) n_rows*n_head*D), lse((size_t) n_rows*n_head);
 
     rkv_cpu_part_job job = {};
     job.n_head = n_head; job.n_head_kv = n_head_kv; job.D = D; job.DV = D;
     job.k_type = type; job.v_type = type;
-    job.n_q = 1; job.n_stream = 1; job.n_cells = n_cells;
-    job.q = (const uint8_t *) q.data(); job.q_nb1 = q.size()*sizeof(float); job.q_nb3 = job.q_nb1;
+    job.n_q = n_rows; job.n_stream = 1; job.n_cells = n_cells;
+    job.q = (const uint8_t *) q.data(); job.q_nb1 = (size_t) n_head*D*sizeof(float); job.q_nb3 = q.size()*sizeof(float);
     job.k = k.data(); job.k_nb1 = cell; job.k_nb2 = row; job.k_nb3 = k.size();
     job.v = v.data(); job.v_nb1 = cell; job.v_nb2 = row; job.v_nb3 = v.size();
     job.mask = nullptr; job.n_mask_planes = 1; job.slope = nullptr;
