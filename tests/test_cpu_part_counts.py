@@ -22,3 +22,7 @@ def test_calibration_parts_are_not_op_parts(cpu_build):
     assert r["calibration"]["runs"] == 0 and r["calibration"]["calib_runs"] >= 4, r  # a warm-up and three timed runs
     assert r["op_part"] == {"runs": 1, "calib_runs": 0}, r
     assert r["calib_part"] == {"runs": 0, "calib_runs": 1}, r
+    # the calibration at 4 rows per cell (auto's slowdown per row count): calibration parts, a bandwidth; 0 rows and 9
+    # (more than a CPU part takes) refused before any part runs
+    assert r["rows4"]["gbps"] > 0 and r["rows4"]["runs"] == 0 and r["rows4"]["calib_runs"] >= 4, r
+    assert r["refused"] == {"gbps": [-1.0, -1.0], "calib_runs": 0}, r

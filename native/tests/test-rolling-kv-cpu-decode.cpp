@@ -456,10 +456,18 @@ int part_counts() {
     j.calib = 1;
     A.rkv_cpu_part_run(j);
     const uint64_t r3 = runs(), c3 = calib();
+    // the calibration at several rows per cell (auto's slowdown per row count): a measure for 4 rows, calibration
+    // parts again; 0 rows and more than GGML_RKV_CPU_PART_MAX_Q refused (< 0) without running a part
+    const double g4 = gbps(2, GGML_TYPE_F16, 4u << 20, 4);
+    const uint64_t r4 = runs(), c4 = calib();
+    const double g0 = gbps(2, GGML_TYPE_F16, 4u << 20, 0), g9 = gbps(2, GGML_TYPE_F16, 4u << 20, GGML_RKV_CPU_PART_MAX_Q + 1);
+    const uint64_t c5 = calib();
     printf("{\"calibration\": {\"runs\": %llu, \"calib_runs\": %llu}, \"op_part\": {\"runs\": %llu, \"calib_runs\": "
-           "%llu}, \"calib_part\": {\"runs\": %llu, \"calib_runs\": %llu}}\n",
+           "%llu}, \"calib_part\": {\"runs\": %llu, \"calib_runs\": %llu}, \"rows4\": {\"gbps\": %.3f, \"runs\": %llu, "
+           "\"calib_runs\": %llu}, \"refused\": {\"gbps\": [%.1f, %.1f], \"calib_runs\": %llu}}\n",
            (unsigned long long) (r1 - r0), (unsigned long long) (c1 - c0), (unsigned long long) (r2 - r1),
-           (unsigned long long) (c2 - c1), (unsigned long long) (r3 - r2), (unsigned long long) (c3 - c2));
+           (unsigned long long) (c2 - c1), (unsigned long long) (r3 - r2), (unsigned long long) (c3 - c2), g4,
+           (unsigned long long) (r4 - r3), (unsigned long long) (c4 - c3), g0, g9, (unsigned long long) (c5 - c4));
     return 0;
 }
 
