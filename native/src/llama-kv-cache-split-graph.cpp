@@ -215,35 +215,39 @@ static uint32_t llama_rkv_runs_cpu_cells(uint32_t n_tail, const std::vector<uint
 
 llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_info & sinfo, bool full,
                                                       const llama_ubatch * ubatch) const {
+    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+    // the query rows per stream: a prompt's ubatch has more than a CPU part takes (GGML_RKV_CPU_PART_MAX_Q), so none
+    // (the graph, which also builds ubatch-less worst-case graphs, checks the same on the op's Q)
+    const double q_rows   = ubatch ? (double) ubatch->n_tokens/ns : 1.0;
+    const bool   cpu_part = q_rows <= GGML_RKV_CPU_PART_MAX_Q;
     // the query rows that see each tail cell: a stream's tokens (one sequence's), or in a unified stream its sequences
     // per cell the ubatch reads (llama_rkv_tail_runs: a shared prefix is seen by each of its sequences)
-    const uint32_t ns_all = sinfo.s1 - sinfo.s0 + 1;
-    double rows = ubatch ? std::max(1.0, (double) ubatch->n_tokens/ns_all) : 1.0;
+    double rows = std::max(1.0, q_rows);
     // the one place a share becomes the cells the op attends on the CPU (the graph, the stats and the backend agree)
-    const auto cpu_cells = [this, &rows](uint32_t n_tail) {
-        return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, rkv_tail_cpu_frac_cells(n_tail, rows));
+    const std::function<float(uint32_t)> frac_of = [this, &rows, cpu_part](uint32_t n) {
+        return cpu_part ? rkv_tail_cpu_frac_cells(n, rows) : 0.0f;
     };
-    const std::function<float(uint32_t)> frac_of = [this, &rows](uint32_t n) { return rkv_tail_cpu_frac_cells(n, rows); };
+    const auto cpu_cells = [&frac_of](uint32_t n_tail) {
+        return (uint32_t) ggml_rkv_tail_cpu_cells(n_tail, frac_of(n_tail));
+    };
     llama_rkv_attn_layout lay;
     lay.perturb_tail   = rkv_st ? rkv_st->test.perturb_tail : 0.0f;
     lay.n_win          = rkv_head ? 0 : rkv_wc;
-    lay.tail_cpu_cells = cpu_cells(rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0);
     if (rkv_blocks) {
         // the pool's slots in use, then every cell's tail row; of the tail, the blocks the ubatch reads that are not on
         // the device (llama-kv-cache-blocks.cpp). The CPU part's share is of the cells past those the pool holds, not
         // of every cell's tail row (frac x n_kv gave the CPU more cells than the host held, and left the link idle)
-        lay.n_win          = rkv_blk_pool_n()*256;
-        lay.tail_cpu_cells = cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0);
+        lay.n_win = rkv_blk_pool_n()*256;
         if (!full && ubatch) {
             llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n, rows);
-            // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
-            lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0)
-                                                       : llama_rkv_runs_cpu_cells(n_kv, lay.run_first, lay.run_n, frac_of);
         }
+        // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
+        lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0)
+                                                   : llama_rkv_runs_cpu_cells(n_kv, lay.run_first, lay.run_n, frac_of);
         return lay;
     }
 
-    const uint32_t ns = sinfo.s1 - sinfo.s0 + 1;
+    const uint32_t n_tail = rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0;
     if (rkv_elastic) {
         // one op per stream, one stream included: each over its own cells, its window where the pool keeps it
         lay.pool = true;
@@ -263,10 +267,9 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
         llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n,
                             rows);
-        const uint32_t n_tail = rkv_head ? n_kv : n_kv > rkv_wc ? n_kv - rkv_wc : 0;
-        lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_tail)
-                                                   : llama_rkv_runs_cpu_cells(n_tail, lay.run_first, lay.run_n, frac_of);
     }
+    lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_tail)
+                                               : llama_rkv_runs_cpu_cells(n_tail, lay.run_first, lay.run_n, frac_of);
     if (!rkv_split() || ns < 2) {
         return lay;
     }
@@ -390,9 +393,7 @@ void llama_kv_split::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
         const uint32_t n_s    = lay.n_kv.empty() ? n_kv : lay.n_kv[s];
         GGML_ASSERT(lay.n_kv.empty() || (uint32_t) sinfo.strm[s] == sinfo.s0 + s);
         const uint32_t n_tail = n_s > wc ? n_s - wc : 0;
-        // a prompt's ubatch has no CPU part (more query rows per stream than it takes: the graph sets none)
-        const uint32_t n_cpu  = ubatch.n_tokens/sinfo.n_stream() > GGML_RKV_CPU_PART_MAX_Q ? 0 :
-                                std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
+        const uint32_t n_cpu  = std::min(n_tail, lay.n_kv.empty() ? lay.tail_cpu_cells : lay.cpu_cells[s]);
         // the tail's cells the op reads (its runs: the ubatch's sequences' blocks) and, of those, the ones that stream
         // (not in the CPU part)
         uint32_t n_read = n_tail, n_streamed = n_tail - n_cpu;
