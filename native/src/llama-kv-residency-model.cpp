@@ -481,7 +481,7 @@ void llama_rkv_plan_tail_cpu(llama_rkv_state & st, const llama_rkv_decide_in & i
                 std::string how;
                 const double g = in.measure_cpu_attn_rows(at[i], &how);
                 slow_at[i] = g > 0.0 ? std::max(slow_at[i - 1], st.cpu_attn_gbps/g) : slow_at[i - 1];
-                st.cpu_attn_rows_gbps[i] = g;
+                st.cpu_attn_rows_gbps[i - 1] = g;
             }
             for (int r = 1; r <= GGML_RKV_CPU_PART_MAX_Q; ++r) {
                 int i = 0;

@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // the copy that measures the device memory bandwidth: large enough to leave the caches of any device behind,
@@ -302,9 +303,9 @@ double llama_rkv_cpu_attn_measure_gbps(int n_threads, ggml_type type, size_t byt
 // the CPU part's attention bandwidth for a tail type on n_threads threads (ggml_rkv_cpu_attn_measure_gbps), once per
 // process for each
 double llama_rkv_measure_cpu_attn_bw(int n_threads, ggml_type type, std::string * how, int n_rows) {
-    static llama_rkv_measured_once<std::pair<int, int>> once;
+    static llama_rkv_measured_once<std::tuple<int, int, int>> once;
     const int nt = n_threads > 0 ? n_threads : llama_rkv_cpu_threads();
-    return once.get({ nt, (int) type + 1000*n_rows }, how, [nt, type, n_rows](std::string * desc) {
+    return once.get({ nt, (int) type, n_rows }, how, [nt, type, n_rows](std::string * desc) {
         *desc = "measured: 256 MiB " + std::string(ggml_type_name(type)) + " tail, " + std::to_string(nt) + " threads" +
                 (n_rows > 1 ? ", " + std::to_string(n_rows) + " rows" : "");
         return llama_rkv_cpu_attn_measure_gbps(nt, type, 0, n_rows);

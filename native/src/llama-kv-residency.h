@@ -358,7 +358,7 @@ struct llama_rkv_state {
     float       tail_cpu_frac    = 0.0f;  // the chosen share of each split layer's tail cells attended on the CPU
     std::string tail_cpu_reason;
     double      cpu_attn_gbps    = -1.0;  // the CPU part's attention bandwidth for the tail types
-    double      cpu_attn_rows_gbps[4] = { -1.0, -1.0, -1.0, -1.0 }; // at 1 (unused: cpu_attn_gbps), 2, 4 and 8 rows
+    double      cpu_attn_rows_gbps[3] = { -1.0, -1.0, -1.0 }; // the same at 2, 4 and 8 query rows per cell
     std::string cpu_attn_source  = "none";
     double      t_token_hybrid_ms = -1.0; // the model above at the chosen share
     double      layer_decode_ms  = -1.0;  // a decode layer's time beyond its bytes (< 0: not used yet)

@@ -95,9 +95,9 @@ static std::string llama_rkv_json_tail_cpu(const llama_rkv_state * st) {
     // auto: the part's bandwidth with 2, 4 and 8 query rows that each see every cell (null: not measured), and its
     // slowdown against one row's at 1 to 8 rows, which the share taken at each step follows
     res += ",\"cpu_attn_rows_gbps\":{";
-    for (int i = 1; i < 4; ++i) {
+    for (int i = 0; i < 3; ++i) {
         const double g = st->cpu_attn_rows_gbps[i];
-        res += std::string(i > 1 ? "," : "") + "\"" + std::to_string(1 << i) + "\":" +
+        res += std::string(i ? "," : "") + "\"" + std::to_string(2 << i) + "\":" +
                (g > 0.0 ? llama_rkv_json_num(g) : std::string("null"));
     }
     res += "},\"cpu_rows_slowdown\":[";
