@@ -233,6 +233,9 @@ ROWS = {
                                              ["--port after `--` clashes with bench load, which runs each llama-server on a free loopback port"]),
     "39-4-bench-load-model-after-dashes": Row(["bench", "load", "{gguf}", "--dry-run", "--", "-m", "{gguf}"], 2, ["-m after `--` clashes with bench load's MODEL"]),
     "39-4-bench-load-slots-after-dashes": Row(["bench", "load", "{gguf}", "--dry-run", "--", "-np", "2"], 2, ["-np after `--` clashes with bench load's -np/--slots"]),
+    # two tail types for the split cells: llama-server would take the later one
+    "bench-load-tail-type-twice": Row(["bench", "load", "{gguf}", "--dry-run", "--kv-tail-type", "q8_0", "--", "-ctvt", "q4_0"], 2,
+                                      ["-ctvt after `--` clashes with bench load's --kv-tail-type"]),
     # issue 39 (16): the residency flags' values after `--` (llama-server started, loaded, then failed in a log box)
     "39-16-kv-windows-bogus": Row(["serve", "demo", "--print-args", "--", "--kv-windows", "bogus"], 2,
                                   ["--kv-windows after `--`: 'bogus' is not one of elastic, static"]),

@@ -392,6 +392,8 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                        "the cell's own settings (--cells)"),
         **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --kv-window-cells/--vram-target"),
         **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
+        **(dict.fromkeys(("-ctkt", "--cache-type-k-tail", "-ctvt", "--cache-type-v-tail"), "bench load's --kv-tail-type")
+           if tail_type else {}),
     })
     model = resolve_model(model_spec)
     build = builder.active_build()
