@@ -115,10 +115,11 @@ uint32_t llama_kv_split::rkv_stream_n_kv(uint32_t strm) const {
 // reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps, so
 // that the kernels' paths and chunking stay those of the whole key range, at the cost of one block). rows: how many of
 // the ubatch's sequences see a cell it reads, on average (a prefix its sequences share counts once for each: the CPU
-// part dots such a cell once per row).
+// part dots such a cell once per row), counted only with count_rows (a ubatch that takes a CPU part: without the count a
+// read block is known at its first read cell, where counting reads every cell of the tail).
 static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv,
-        const llama_ubatch & ubatch, const std::vector<int32_t> * blk_slot, std::vector<uint32_t> & first,
-        std::vector<uint32_t> & n, double & rows) {
+        const llama_ubatch & ubatch, const std::vector<int32_t> * blk_slot, bool count_rows,
+        std::vector<uint32_t> & first, std::vector<uint32_t> & n, double & rows) {
     first.clear();
     n.clear();
     rows = 1.0;
@@ -139,10 +140,19 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
             continue; // block residency: the block is on the device (its tail rows are stale, masked)
         }
         bool read = false;
-        for (uint32_t i = tail0 + b0; i < tail0 + b1; ++i) {
-            const size_t k = (cells.seq_get_all(i) & seqs).count(); // an empty cell holds no sequence
-            read     = read || k > 0;
-            n_seen  += k > 0 ? 1 : 0;
+        for (uint32_t i = tail0 + b0; i < tail0 + b1 && (count_rows || !read); ++i) {
+            const auto & held = cells.seq_get_all(i); // an empty cell holds no sequence
+            if (!(held & seqs).any()) {
+                continue;
+            }
+            read = true;
+            // a decode ubatch has few sequences: testing their bits beats a 256-bit popcount, which the library's
+            // baseline x86-64 build has no instruction for
+            uint32_t k = 0;
+            for (uint32_t s = 0; count_rows && s < ubatch.n_seqs_unq; ++s) {
+                k += held.test(ubatch.seq_id_unq[s]) ? 1 : 0;
+            }
+            n_seen  += 1;
             n_views += k;
         }
         if (!read) {
@@ -154,7 +164,7 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
             runs.push_back({ b0, b1 });
         }
     }
-    rows = n_seen ? (double) n_views/n_seen : 1.0;
+    rows = count_rows && n_seen ? (double) n_views/n_seen : 1.0;
     if (runs.empty()) {
         runs.push_back({ 0, std::min(n_tail, block) });
     }
@@ -239,7 +249,7 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
         // of every cell's tail row (frac x n_kv gave the CPU more cells than the host held, and left the link idle)
         lay.n_win = rkv_blk_pool_n()*256;
         if (!full && ubatch) {
-            llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, lay.run_first, lay.run_n, rows);
+            llama_rkv_tail_runs(v_cells[0], 0, n_kv, *ubatch, &rkv_blk_slot, cpu_part, lay.run_first, lay.run_n, rows);
         }
         // the op's tail is every cell's row (n_kv), the runs the blocks in it that are not on the device
         lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_kv > lay.n_win ? n_kv - lay.n_win : 0)
@@ -265,8 +275,8 @@ llama_rkv_attn_layout llama_kv_split::rkv_attn_layout(uint32_t n_kv, const slot_
     }
     if (rkv_split() && ns == 1 && !full && ubatch) {
         // one op over one stream (a unified cache holds every sequence in it): the tail blocks the ubatch reads
-        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, lay.run_first, lay.run_n,
-                            rows);
+        llama_rkv_tail_runs(v_cells[sinfo.s0], rkv_head ? 0 : rkv_wc, n_kv, *ubatch, nullptr, cpu_part, lay.run_first,
+                            lay.run_n, rows);
     }
     lay.tail_cpu_cells = lay.run_first.empty() ? cpu_cells(n_tail)
                                                : llama_rkv_runs_cpu_cells(n_tail, lay.run_first, lay.run_n, frac_of);
