@@ -19,7 +19,7 @@ from test_gpu import cuda_build, synth_model  # noqa: F401 (the GPU tests' fixtu
 
 pytestmark = pytest.mark.build
 
-# A unified cache of 4096 cells, window 256. Sequences 0, 1 and 2 are prefilled one after the other (ubatches of 256
+# _SCENARIO: a unified cache of 4096 cells, window 256. Sequences 0, 1 and 2 are prefilled one after the other (ubatches of 256
 # tokens: their cells follow each other, mostly in the tail), then decoded alone and together; sequence 1 is removed
 # (a hole in the middle of the tail) and sequence 3 prefilled into the freed cells; then everyone decodes. Logits of
 # the last four tokens of every prefill and of every decode step are kept.
@@ -35,7 +35,7 @@ kw = json.loads(os.environ["RKV_TEST_KW"])
 ctx = ext.init_context(model, cp, ext.make_params(**kw))
 assert ctx, ext.last_error()
 n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-toks = [[(i * 37 + 11 + 101 * s) % 20000 + 100 for i in range(2000)] for s in range(4)]
+toks = [[(i * 37 + 11 + 101 * s) % 20000 + 100 for i in range(3000)] for s in range(4)]
 pos = [0, 0, 0, 0]
 logits, steps = [], []
 def decode(label, items):  # items: (seq, token, want_logits); each item takes its sequence's next position
@@ -54,6 +54,12 @@ def prefill(s, n):
         decode(f"prefill {s}", [(s, toks[s][pos[s]], i >= n - 4) for i in range(c0, c1)])
 def step(label, seqs):
     decode(label, [(s, toks[s][pos[s]], True) for s in seqs])
+#SCENARIO
+np.save(os.environ["RKV_TEST_OUT"], np.concatenate(logits))
+print(json.dumps({"plan": ext.plan(ctx), "steps": steps}))
+"""
+
+_SCENARIO = """
 prefill(0, 700)
 prefill(1, 600)
 prefill(2, 300)
@@ -71,14 +77,29 @@ for _ in range(2):
 prefill(3, 400)
 for _ in range(2):
     step("decode 0 2 3", [0, 2, 3])
-np.save(os.environ["RKV_TEST_OUT"], np.concatenate(logits))
-print(json.dumps({"plan": ext.plan(ctx), "steps": steps}))
+"""
+
+# Sequences 0 and 1 take turns, 256 tokens each (a context of 8192): 0 in the window, then the tail's blocks alternate
+# 1, 0, 1, 0 ... for ten turns each, so a lone sequence's blocks lie apart: ten and eleven runs, more than the op
+# takes (GGML_RKV_MAX_TAIL_RUNS), so the closest are joined
+_TURNS = 10
+_ALTERNATING = f"""
+prefill(0, 256)
+for _ in range({_TURNS}):
+    prefill(1, 256)
+    prefill(0, 256)
+for _ in range(2):
+    step("decode 0", [0])
+for _ in range(2):
+    step("decode 1", [1])
+step("decode 0 1", [0, 1])
 """
 
 
-def _run(build, model, tmp_path, name, kw, ngl=0, ubatch=256, **env):
+def _run(build, model, tmp_path, name, kw, ngl=0, ubatch=256, scenario=_SCENARIO, n_ctx=4096, **env):
     out = tmp_path / f"{name}.npy"
-    body = _BODY.replace("cp.n_ubatch = 256", f"cp.n_ubatch = {ubatch}")
+    body = _BODY.replace("cp.n_ubatch = 256", f"cp.n_ubatch = {ubatch}").replace("#SCENARIO\n", scenario)
+    body = body.replace("cp.n_ctx = 4096", f"cp.n_ctx = {n_ctx}")
     r = run_python(LIB_PRELUDE + body, build.lib_dir, timeout=900,
                    env_extra={"RKV_TEST_MODEL": str(model), "RKV_TEST_KW": json.dumps(kw), "RKV_TEST_OUT": str(out),
                               "RKV_TEST_NGL": str(ngl), **env})
@@ -209,3 +230,37 @@ def test_the_cpu_part_takes_its_share_of_the_runs(cuda_build, synth_model, tmp_p
             checked += 1
     assert checked >= 5
     assert r["steps"][-1]["stats"]["cpu_part_runs"] > 0  # the CPU parts ran, on the device's behalf
+
+
+@pytest.fixture(scope="module")
+def alternating(cpu_build, demo_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("alternating")
+    kw = dict(scenario=_ALTERNATING, n_ctx=8192)
+    return (_run(cpu_build, demo_model, d, "resident", dict(mode="off"), **kw),
+            _run(cpu_build, demo_model, d, "split", WINDOW, **kw))
+
+
+def test_more_runs_than_the_op_takes_are_joined_exactly(alternating):
+    """A lone sequence whose tail blocks alternate with another's: its runs past GGML_RKV_MAX_TAIL_RUNS (8) are joined
+    where the gaps are smallest, reading the other's blocks between them (masked, so the logits stay those of the
+    resident cache, bit for bit), and no more: with the limit at 4, as before, sequence 0 read 17 blocks, not 13."""
+    (ref_r, ref), (r, got) = alternating
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
+    steps = r["steps"]
+    cell = steps[-1]["stats"]["block_bytes"] // 256
+
+    def last(label):
+        return [s["stats"]["last"] for s in steps if s["label"] == label][-1]
+
+    # 5376 cells prefilled (window [0, 256): sequence 0; tail block b at [256 + 256 b, 512 + 256 b): sequence 1's for
+    # even b < 20, sequence 0's for odd b), the four decodes in block 20: n_kv 5632, a tail of 21 blocks.
+    # Sequence 0: blocks 1, 3, ..., 17 and 19-20, ten runs; the first three joined: 11 + 2 blocks in 8 runs
+    d0 = last("decode 0")
+    assert (d0["tail_bytes"], d0["tail_runs"]) == (13 * 256 * cell, 8), d0
+    # sequence 1: blocks 0, 2, ..., 18 and 20, eleven runs; three joins: 11 + 3 blocks
+    d1 = last("decode 1")
+    assert (d1["tail_bytes"], d1["tail_runs"]) == (14 * 256 * cell, 8), d1
+    # both: the whole tail, no runs
+    d01 = last("decode 0 1")
+    assert (d01["tail_bytes"], d01["tail_runs"]) == (21 * 256 * cell, 0), d01

@@ -178,8 +178,9 @@ static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, ui
         runs[j].second = runs[j + 1].second;
         runs.erase(runs.begin() + j + 1);
     }
-    if (runs.size() == 1 && runs[0].first == 0 && runs[0].second == n_tail) {
-        return;
+    if ((runs.size() == 1 && runs[0].first == 0 && runs[0].second == n_tail) ||
+            (n_tail + block - 1)/block > GGML_RKV_MAX_TAIL_RUN_BLOCKS) {
+        return; // the whole tail (a tail past the runs' reach too: exact, only more read)
     }
     for (const auto & r : runs) {
         first.push_back(r.first);

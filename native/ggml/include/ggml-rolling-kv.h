@@ -25,8 +25,9 @@
 //
 // srcs: 0 q, 1 k_window, 2 v_window, 3 k_tail, 4 v_tail, 5 mask, 6 sinks, 7 map
 // op params: f32 scale, f32 max_bias, f32 logit_softcap, i32 prec, i32 n_win, i32 tail_cpu_cells, i32 ref_streams,
-//            f32 tail_perturb, then (i32 first cell, i32 cells) for each of at most GGML_RKV_MAX_TAIL_RUNS runs (the
-//            runs in use first; a run's cells are never 0, so the count is that of the pairs with cells > 0)
+//            f32 tail_perturb, then one i32 for each of at most GGML_RKV_MAX_TAIL_RUNS runs, the runs in use first:
+//            its first 256-cell block in the low 16 bits, its blocks in the high 16 (a run has at least one, so the
+//            count is that of the nonzero entries; a run's last block may end with the tail, short of 256 cells)
 //
 // The knobs of the rolling-KV code (ROLLINGKV_* environment variables, read once per process) are listed and
 // documented in one place: ggml/src/ggml-rolling-kv-impl.h. The op's test hook is a parameter of the op, never a knob
@@ -94,8 +95,10 @@ extern "C" {
     // batch, or holes): it is then neither attended nor, by a GPU backend, streamed. Every backend treats such a cell
     // as masked, so a run list that leaves out a cell some row can see changes the result (the CPU forward is the
     // reference). Starts are multiples of 256 (the streamed chunks' alignment), as are lengths except that of a run
-    // ending at the tail's end. 0 runs (the default): the whole tail. Needs a mask.
-#define GGML_RKV_MAX_TAIL_RUNS 4
+    // ending at the tail's end. 0 runs (the default): the whole tail. Needs a mask, and a tail of at most 65535 blocks
+    // of 256 cells (GGML_RKV_MAX_TAIL_RUN_BLOCKS: a run is one op parameter, in blocks).
+#define GGML_RKV_MAX_TAIL_RUNS 8
+#define GGML_RKV_MAX_TAIL_RUN_BLOCKS 65535
     GGML_API void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs, const int32_t * first,
                                                           const int32_t * n);
     // the runs into first/n (GGML_RKV_MAX_TAIL_RUNS each); returns their count (0: the whole tail)

@@ -166,19 +166,26 @@ void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs,
                 "but for one at the tail's end");
         end = first[i] + (int64_t) n[i] + 1; // apart: adjacent runs are one run
     }
+    GGML_ASSERT((n_runs == 0 || (n_tail + 255)/256 <= GGML_RKV_MAX_TAIL_RUN_BLOCKS) &&
+            "streaming_flash_attn: tail runs need a tail of at most GGML_RKV_MAX_TAIL_RUN_BLOCKS blocks");
     for (int i = 0; i < GGML_RKV_MAX_TAIL_RUNS; ++i) {
-        ggml_set_op_params_i32(a, 8 + 2*i, i < n_runs ? first[i] : 0);
-        ggml_set_op_params_i32(a, 9 + 2*i, i < n_runs ? n[i]     : 0);
+        // a run in one parameter: its first block, its blocks (the last one ends with the tail where it reaches it)
+        const uint32_t packed = i < n_runs ? (uint32_t) (first[i]/256) | (uint32_t) ((n[i] + 255)/256) << 16 : 0;
+        ggml_set_op_params_i32(a, 8 + i, (int32_t) packed);
     }
 }
 
 int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
     // the runs in use come first, each of at least one cell: the count is that of the pairs with cells > 0
+    const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
+    const int64_t n_tail = kt ? kt->ne[1] : 0;
     int n_runs = 0;
-    while (n_runs < GGML_RKV_MAX_TAIL_RUNS && ggml_get_op_params_i32(a, 9 + 2*n_runs) > 0) {
-        first[n_runs] = ggml_get_op_params_i32(a, 8 + 2*n_runs);
-        n[n_runs]     = ggml_get_op_params_i32(a, 9 + 2*n_runs);
+    while (n_runs < GGML_RKV_MAX_TAIL_RUNS && ggml_get_op_params_i32(a, 8 + n_runs) != 0) {
+        const uint32_t packed = (uint32_t) ggml_get_op_params_i32(a, 8 + n_runs);
+        const int64_t  f      = 256*(int64_t) (packed & 0xFFFF);
+        first[n_runs] = (int32_t) f;
+        n[n_runs]     = (int32_t) (256*(int64_t) (packed >> 16) < n_tail - f ? 256*(int64_t) (packed >> 16) : n_tail - f);
         n_runs++;
     }
     return n_runs;
