@@ -19,10 +19,10 @@ from test_gpu import cuda_build, synth_model  # noqa: F401 (the GPU tests' fixtu
 
 pytestmark = pytest.mark.build
 
-# _SCENARIO: a unified cache of 4096 cells, window 256. Sequences 0, 1 and 2 are prefilled one after the other (ubatches of 256
-# tokens: their cells follow each other, mostly in the tail), then decoded alone and together; sequence 1 is removed
-# (a hole in the middle of the tail) and sequence 3 prefilled into the freed cells; then everyone decodes. Logits of
-# the last four tokens of every prefill and of every decode step are kept.
+# _SCENARIO: a unified cache of 4096 cells, window 256. Sequences 0, 1 and 2 are prefilled one after the other
+# (ubatches of 256 tokens: their cells follow each other, mostly in the tail), then decoded alone and together;
+# sequence 1 is removed (a hole in the middle of the tail) and sequence 3 prefilled into the freed cells; then everyone
+# decodes. Logits of the last four tokens of every prefill and of every decode step are kept (every scenario).
 _BODY = """
 import numpy as np
 mp = llama_cpp.llama_model_default_params()

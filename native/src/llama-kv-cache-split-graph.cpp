@@ -115,8 +115,8 @@ uint32_t llama_kv_split::rkv_stream_n_kv(uint32_t strm) const {
 // reading the masked blocks between them). The whole tail: no runs. None read: the first block (a tail the op keeps, so
 // that the kernels' paths and chunking stay those of the whole key range, at the cost of one block). rows: how many of
 // the ubatch's sequences see a cell it reads, on average (a prefix its sequences share counts once for each: the CPU
-// part dots such a cell once per row), counted only with count_rows (a ubatch that takes a CPU part: without the count a
-// read block is known at its first read cell, where counting reads every cell of the tail).
+// part dots such a cell once per row), counted only with count_rows (a ubatch that takes a CPU part: without the count
+// a read block is known at its first read cell, where counting reads every cell of the tail).
 static void llama_rkv_tail_runs(const llama_kv_cells & cells, uint32_t tail0, uint32_t n_kv,
         const llama_ubatch & ubatch, const std::vector<int32_t> * blk_slot, bool count_rows,
         std::vector<uint32_t> & first, std::vector<uint32_t> & n, double & rows) {

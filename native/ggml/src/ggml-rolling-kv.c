@@ -184,8 +184,9 @@ int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_
     while (n_runs < GGML_RKV_MAX_TAIL_RUNS && ggml_get_op_params_i32(a, 8 + n_runs) != 0) {
         const uint32_t packed = (uint32_t) ggml_get_op_params_i32(a, 8 + n_runs);
         const int64_t  f      = 256*(int64_t) (packed & 0xFFFF);
+        const int64_t  cells  = 256*(int64_t) (packed >> 16); // the last block may end with the tail
         first[n_runs] = (int32_t) f;
-        n[n_runs]     = (int32_t) (256*(int64_t) (packed >> 16) < n_tail - f ? 256*(int64_t) (packed >> 16) : n_tail - f);
+        n[n_runs]     = (int32_t) (cells < n_tail - f ? cells : n_tail - f);
         n_runs++;
     }
     return n_runs;
