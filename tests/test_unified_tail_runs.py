@@ -244,7 +244,7 @@ def test_more_runs_than_the_op_takes_are_joined_exactly(alternating):
     """A lone sequence whose tail blocks alternate with another's: its runs past GGML_RKV_MAX_TAIL_RUNS (8) are joined
     where the gaps are smallest, reading the other's blocks between them (masked, so the logits stay those of the
     resident cache, bit for bit), and no more: with the limit at 4, as before, sequence 0 read 17 blocks, not 13."""
-    (ref_r, ref), (r, got) = alternating
+    (_, ref), (r, got) = alternating
     assert got.shape == ref.shape and np.isfinite(got).all()
     assert np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
     steps = r["steps"]

@@ -177,7 +177,7 @@ void ggml_streaming_flash_attn_set_tail_runs(struct ggml_tensor * a, int n_runs,
 
 int ggml_streaming_flash_attn_get_tail_runs(const struct ggml_tensor * a, int32_t * first, int32_t * n) {
     GGML_ASSERT(a->op == GGML_OP_STREAMING_FLASH_ATTN);
-    // the runs in use come first, each of at least one cell: the count is that of the pairs with cells > 0
+    // the runs in use come first, each of at least one block: the count is that of the nonzero parameters
     const struct ggml_tensor * kt = a->src[GGML_STREAMING_FA_SRC_K_TAIL];
     const int64_t n_tail = kt ? kt->ne[1] : 0;
     int n_runs = 0;
