@@ -205,7 +205,8 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     std::vector<ggml_fp16_t> maskj((size_t) n_q * c.n);
     for (int t = 0; t < n_q; ++t) {
         for (int64_t i = 0; i < c.n; ++i) {
-            const bool off = (t > 0 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) ||
+            // row 1 keeps row 0's mask: rows that see the same cells share the V pass
+            const bool off = (t > 1 && i % (4 + t) == 1) || (t == 2 && c.mask_kind) ||
                              (t == 3 && c.mask_kind && i < 32);
             maskj[(size_t) t * c.n + i] = off ? ggml_fp32_to_fp16(-INFINITY) : mask[i];
         }
@@ -233,9 +234,9 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
 
     // the same cells through the CPU part's job (rkv_cpu_part_run: chunks claimed by the pool's threads, merged in
     // order), several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row
-    // 0 as above, the others with queries and masks of their own (row 0's, with more cells masked: a mixed-up row of
-    // the mask shows); with a mask, row 2 sees no cell at all and row 3 none of the first two blocks (a row that skips
-    // a block the others attend). Twice, which must give the same bits (the result may not depend on which thread took
+    // 0 as above, the others with queries of their own, row 1 with row 0's mask, the others with masks of their own
+    // (row 0's, with more cells masked: a mixed-up row of the mask shows); with a mask, row 2 sees no cell at all and
+    // row 3 none of the first two blocks (a row that skips a block the others attend). Twice, which must give the same bits (the result may not depend on which thread took
     // which chunk). The reference scores a quantized K against the query quantized as the kernel does.
     rkv_cpu_part_job j{};
     j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
