@@ -236,8 +236,9 @@ int run_case(const test_case & c, std::mt19937 & rng, double & worst) {
     // order), several query rows of one stream, walked together (2, 5 or 19 rows: one walk, or walks of 16 and 3): row
     // 0 as above, the others with queries of their own, row 1 with row 0's mask, the others with masks of their own
     // (row 0's, with more cells masked: a mixed-up row of the mask shows); with a mask, row 2 sees no cell at all and
-    // row 3 none of the first two blocks (a row that skips a block the others attend). Twice, which must give the same bits (the result may not depend on which thread took
-    // which chunk). The reference scores a quantized K against the query quantized as the kernel does.
+    // row 3 none of the first two blocks (a row that skips a block the others attend). Twice, which must give the same
+    // bits (the result may not depend on which thread took which chunk). The reference scores a quantized K against the
+    // query quantized as the kernel does.
     rkv_cpu_part_job j{};
     j.n_head = c.n_head; j.n_head_kv = c.n_head_kv; j.D = D; j.DV = DV; j.k_type = c.kt; j.v_type = c.vt;
     j.n_q = n_q; j.n_stream = 1; j.n_cells = c.n;
