@@ -79,35 +79,26 @@ void llama_kv_split::rkv_blk_move(uint32_t blk, uint32_t slot, bool promote) con
     const uint32_t c0 = blk*LLAMA_RKV_BLK;
     const uint32_t n  = std::min(LLAMA_RKV_BLK, get_size() - c0);
     const size_t row0 = (size_t) slot*LLAMA_RKV_BLK;
+    rkv_move_rows(row0, n, promote, [c0](const ggml_tensor * tail) {
+        return (char *) tail->data + (size_t) c0*tail->nb[1];
+    });
+    // the context's test hook perturb_move (llama_rolling_kv_test_hooks), for the must-fail controls of the block
+    // tests: 1, the K row of the block's first cell written over its second one's on the device (one row wrong); 2, the
+    // block's K rows one cell off (an offset bug: row i takes row i + 1's data)
+    const int perturb = promote && n > 1 && rkv_st ? rkv_st->test.perturb_move : 0;
     for (const auto & layer : layers) {
-        for (int kv = 0; kv < 2; ++kv) {
-            ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
-            ggml_tensor * tail = kv == 0 ? layer.k_tail : layer.v_tail;
-            if (!win) {
-                continue;
-            }
-            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer));
-            char * host = (char *) tail->data + (size_t) c0*tail->nb[1];
-            if (!promote) {
-                llama_rkv_demote_rows(win, row0, tail, host, n);
-                continue;
-            }
-            llama_rkv_promote_rows(win, row0, tail, host, n);
-            // the context's test hook perturb_move (llama_rolling_kv_test_hooks), for the must-fail controls of the
-            // block tests: 1, the K row of the block's first cell written over its second one's on the device (one row
-            // wrong); 2, the block's K rows one cell off (an offset bug: row i takes row i + 1's data)
-            const int perturb = kv == 0 && n > 1 && rkv_st ? rkv_st->test.perturb_move : 0;
-            if (perturb) {
-                // K rows of the slot written wrong, from the slot itself (the window's type)
-                const size_t row = win->nb[1];
-                std::vector<uint8_t> rows((size_t) n*row);
-                ggml_backend_tensor_get(win, rows.data(), row0*row, rows.size());
-                if (perturb == 1) {
-                    ggml_backend_tensor_set(win, rows.data(), (row0 + 1)*row, row);
-                } else {
-                    ggml_backend_tensor_set(win, rows.data() + row, row0*row, (size_t) (n - 1)*row);
-                }
-            }
+        ggml_tensor * win = layer.k;
+        if (!perturb || !win) {
+            continue;
+        }
+        // K rows of the slot written wrong, from the slot itself (the window's type)
+        const size_t row = win->nb[1];
+        std::vector<uint8_t> rows((size_t) n*row);
+        ggml_backend_tensor_get(win, rows.data(), row0*row, rows.size());
+        if (perturb == 1) {
+            ggml_backend_tensor_set(win, rows.data(), (row0 + 1)*row, row);
+        } else {
+            ggml_backend_tensor_set(win, rows.data() + row, row0*row, (size_t) (n - 1)*row);
         }
     }
 }

@@ -197,7 +197,7 @@ void llama_kv_split::rkv_state_write_data(llama_io_write_i & io, const cell_rang
 // quantized tail converts whole blocks of every layer, and ggml-base's converters are scalar, so the host's threads
 // share them (one thread converted ~0.5 GB/s on the H100's host: 23 s of a two-minute load went to moves).
 bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows,
-                            int64_t n_per_row) {
+                            int64_t n_per_row, int max_threads) {
     const auto * traits = ggml_get_type_traits(src_type);
     if (!traits->to_float && src_type != GGML_TYPE_F32) {
         return false;
@@ -207,25 +207,31 @@ bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void *
     }
     const size_t src_row = ggml_row_size(src_type, n_per_row);
     const size_t dst_row = ggml_row_size(dst_type, n_per_row);
+    // through f32 a few rows at a time (64 KiB of them: the f32 rows stay in the cache, and a large range allocates
+    // no large buffer); each row is converted on its own, so the chunks do not change the result
+    const int64_t chunk = std::max<int64_t>(1, 16384/std::max<int64_t>(1, n_per_row));
     auto convert = [&](int64_t r0, int64_t r1) {
-        const int64_t n = (r1 - r0)*n_per_row;
-        const char * s = (const char *) src + r0*src_row;
-        char * d = (char *) dst + r0*dst_row;
-        std::vector<float> tmp(src_type == GGML_TYPE_F32 ? 0 : n);
-        const float * f = src_type == GGML_TYPE_F32 ? (const float *) s : tmp.data();
-        if (src_type != GGML_TYPE_F32) {
-            traits->to_float(s, tmp.data(), n);
-        }
-        if (dst_type == GGML_TYPE_F32) {
-            memcpy(d, f, n*sizeof(float));
-        } else {
-            ggml_quantize_chunk(dst_type, f, d, 0, r1 - r0, n_per_row, nullptr);
+        std::vector<float> tmp(src_type == GGML_TYPE_F32 ? 0 : std::min(chunk, r1 - r0)*n_per_row);
+        for (int64_t a = r0; a < r1; a += chunk) {
+            const int64_t b = std::min(r1, a + chunk);
+            const int64_t n = (b - a)*n_per_row;
+            const char * s = (const char *) src + a*src_row;
+            char * d = (char *) dst + a*dst_row;
+            const float * f = src_type == GGML_TYPE_F32 ? (const float *) s : tmp.data();
+            if (src_type != GGML_TYPE_F32) {
+                traits->to_float(s, tmp.data(), n);
+            }
+            if (dst_type == GGML_TYPE_F32) {
+                memcpy(d, f, n*sizeof(float));
+            } else {
+                ggml_quantize_chunk(dst_type, f, d, 0, b - a, n_per_row, nullptr);
+            }
         }
     };
-    // a thread for at least 64k elements (a 256-cell block of 256 elements a row), at most 16
+    // a thread for at least 64k elements (a 256-cell block of 256 elements a row), at most 16 (or max_threads)
     const int64_t min_rows = std::max<int64_t>(1, 65536/std::max<int64_t>(1, n_per_row));
     const int64_t nth = std::min<int64_t>({ (int64_t) std::max(1u, std::thread::hardware_concurrency()), 16,
-                                            n_rows/min_rows });
+                                            max_threads > 0 ? max_threads : 16, n_rows/min_rows });
     if (nth <= 1) {
         convert(0, n_rows);
         return true;

@@ -27,9 +27,11 @@
 #include "ggml-alloc.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <thread>
 
 //
 // construction
@@ -574,31 +576,37 @@ static void llama_rkv_copy_within(ggml_tensor * t, size_t src, size_t dst, size_
     ggml_free(ctx);
 }
 
-void llama_rkv_promote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, const void * host, uint32_t n) {
-    GGML_ASSERT(tail->ne[0] == win->ne[0]);
-    const size_t row = win->nb[1];
-    if (tail->type == win->type) {
-        ggml_backend_tensor_set(win, host, row0*row, (size_t) n*row);
-        return;
+uint8_t * llama_kv_split::rkv_staging_get(const ggml_tensor * win, size_t n) const {
+    if (rkv_staging && ggml_backend_buffer_get_size(rkv_staging.get()) >= n) {
+        return (uint8_t *) ggml_backend_buffer_get_base(rkv_staging.get());
     }
-    std::vector<uint8_t> staging((size_t) n*row); // the rows in the window's type
-    GGML_ASSERT(llama_rkv_convert_rows(tail->type, win->type, host, staging.data(), n, win->ne[0]));
-    ggml_backend_tensor_set(win, staging.data(), row0*row, staging.size());
+    if (!rkv_staging && rkv_staging_pageable.size() >= n) {
+        return rkv_staging_pageable.data();
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(win->buffer));
+    ggml_backend_buffer_type_t host_buft = dev ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    rkv_staging.reset();
+    if (host_buft) {
+        rkv_staging.reset(ggml_backend_buft_alloc_buffer(host_buft, n));
+    }
+    if (rkv_staging) {
+        rkv_staging_pageable = {};
+        return (uint8_t *) ggml_backend_buffer_get_base(rkv_staging.get());
+    }
+    rkv_staging_pageable.resize(n);
+    return rkv_staging_pageable.data();
 }
 
-void llama_rkv_demote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, void * host, uint32_t n) {
-    GGML_ASSERT(tail->ne[0] == win->ne[0]);
-    const size_t row = win->nb[1];
-    if (tail->type == win->type) {
-        ggml_backend_tensor_get(win, host, row0*row, (size_t) n*row);
-        return;
-    }
-    std::vector<uint8_t> staging((size_t) n*row);
-    ggml_backend_tensor_get(win, staging.data(), row0*row, staging.size());
-    GGML_ASSERT(llama_rkv_convert_rows(win->type, tail->type, staging.data(), host, n, win->ne[0]));
-}
-
-void llama_kv_split::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
+void llama_kv_split::rkv_move_rows(size_t row0, uint32_t n, bool promote,
+                                   const std::function<char *(const ggml_tensor * tail)> & host_of) const {
+    struct conv_t {
+        ggml_tensor * win;
+        ggml_tensor * tail;
+        char *        host;
+        size_t        off; // in the staging
+    };
+    std::vector<conv_t> conv;
+    size_t staged = 0;
     for (const auto & layer : layers) {
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * win  = kv == 0 ? layer.k      : layer.v;
@@ -606,20 +614,79 @@ void llama_kv_split::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
             if (!win) {
                 continue;
             }
-            const size_t row = win->nb[1];
-            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer));
-            char * host = (char *) tail->data + rkv_tail_off(tail, c.strm, c.cell0);
-            switch (c.kind) {
-                case llama_rkv_pool_copy::DEMOTE:
-                    llama_rkv_demote_rows(win, c.row_src, tail, host, c.n);
-                    break;
-                case llama_rkv_pool_copy::PROMOTE:
-                    llama_rkv_promote_rows(win, c.row_dst, tail, host, c.n);
-                    break;
-                case llama_rkv_pool_copy::RELOCATE:
-                    llama_rkv_copy_within(win, (size_t) c.row_src*row, (size_t) c.row_dst*row, (size_t) c.n*row);
-                    break;
+            GGML_ASSERT(tail && ggml_backend_buffer_is_host(tail->buffer) && tail->ne[0] == win->ne[0]);
+            char * host = host_of(tail);
+            const size_t bytes = (size_t) n*win->nb[1];
+            if (tail->type == win->type) {
+                if (promote) {
+                    ggml_backend_tensor_set(win, host, row0*win->nb[1], bytes);
+                } else {
+                    ggml_backend_tensor_get(win, host, row0*win->nb[1], bytes);
+                }
+                continue;
             }
+            conv.push_back({ win, tail, host, staged });
+            staged += GGML_PAD(bytes, 64);
+        }
+    }
+    if (conv.empty()) {
+        return;
+    }
+    // the window's rows in the staging: read from the device first (demotion), written to it after (promotion); the
+    // conversions between them, a layer's K or V each, on up to 16 threads (one start per move, where each conversion
+    // once started threads of its own: ~22k starts for 400 blocks of a 28-layer model)
+    uint8_t * stage = rkv_staging_get(conv[0].win, staged);
+    if (!promote) {
+        for (const auto & c : conv) {
+            ggml_backend_tensor_get(c.win, stage + c.off, row0*c.win->nb[1], (size_t) n*c.win->nb[1]);
+        }
+    }
+    std::atomic<size_t> next { 0 };
+    std::atomic<bool>   ok { true };
+    auto work = [&]() {
+        for (size_t i = next++; i < conv.size(); i = next++) {
+            const conv_t & c = conv[i];
+            const bool done = promote
+                ? llama_rkv_convert_rows(c.tail->type, c.win->type, c.host, stage + c.off, n, c.win->ne[0], 1)
+                : llama_rkv_convert_rows(c.win->type, c.tail->type, stage + c.off, c.host, n, c.win->ne[0], 1);
+            if (!done) {
+                ok = false;
+            }
+        }
+    };
+    const size_t nth = std::min<size_t>({ (size_t) std::max(1u, std::thread::hardware_concurrency()), 16,
+                                          conv.size() });
+    std::vector<std::thread> workers;
+    for (size_t t = 1; t < nth; ++t) {
+        workers.emplace_back(work);
+    }
+    work();
+    for (auto & w : workers) {
+        w.join();
+    }
+    GGML_ASSERT(ok);
+    if (promote) {
+        for (const auto & c : conv) {
+            ggml_backend_tensor_set(c.win, stage + c.off, row0*c.win->nb[1], (size_t) n*c.win->nb[1]);
+        }
+    }
+}
+
+void llama_kv_split::rkv_pool_copy(const llama_rkv_pool_copy & c) const {
+    if (c.kind != llama_rkv_pool_copy::RELOCATE) {
+        const bool promote = c.kind == llama_rkv_pool_copy::PROMOTE;
+        rkv_move_rows(promote ? c.row_dst : c.row_src, c.n, promote, [&](const ggml_tensor * tail) {
+            return (char *) tail->data + rkv_tail_off(tail, c.strm, c.cell0);
+        });
+        return;
+    }
+    for (const auto & layer : layers) {
+        for (ggml_tensor * win : { layer.k, layer.v }) {
+            if (!win) {
+                continue;
+            }
+            const size_t row = win->nb[1];
+            llama_rkv_copy_within(win, (size_t) c.row_src*row, (size_t) c.row_dst*row, (size_t) c.n*row);
         }
     }
 }

@@ -14,6 +14,8 @@
 #include "llama-kv-window-pool.h"
 #include "llama-rolling-kv-graph.h"
 
+#include "ggml-cpp.h"
+
 #include <functional>
 #include <memory>
 #include <unordered_map>
@@ -207,6 +209,16 @@ private:
     size_t   rkv_win_off (const ggml_tensor * t, uint32_t strm, uint32_t cell) const;
     size_t   rkv_tail_off(const ggml_tensor * t, uint32_t strm, uint32_t cell) const;
     void     rkv_pool_copy(const llama_rkv_pool_copy & c) const;
+    // n rows of every split layer's K and V between the window's rows from row0 and the tail's rows at host_of(tail)
+    // (promote: tail -> window): a byte copy where the two types agree, else a conversion through f32 on the host, the
+    // layers' conversions on several threads at once (the moves of elastic windows and of block residency)
+    void     rkv_move_rows(size_t row0, uint32_t n, bool promote,
+                           const std::function<char *(const ggml_tensor * tail)> & host_of) const;
+    // the converted rows' host staging, grown as needed: pinned where the window's device has a host buffer type (its
+    // copies are then the device's own DMA, not a bounce through the driver's buffers)
+    mutable ggml_backend_buffer_ptr rkv_staging;
+    mutable std::vector<uint8_t>    rkv_staging_pageable;
+    uint8_t * rkv_staging_get(const ggml_tensor * win, size_t n) const;
 
     uint32_t rkv_plan(llama_rkv_state & st, uint32_t kv_size, ggml_type type_k, ggml_type type_v, bool offload,
             const llama_kv_cache::layer_filter_cb & filter, const llama_kv_cache::layer_share_cb & share);

@@ -635,15 +635,11 @@ void llama_rkv_heads_whole(llama_rkv_state & st);
 size_t llama_rkv_head_dev_bytes(const llama_rkv_state & st, int32_t di);
 
 // n_rows rows of n_per_row elements from src_type into dst_type, through f32 (state I/O, and the moves of rows between
-// a window and a tail of other types); false: a type that cannot be converted so
+// a window and a tail of other types), on up to max_threads threads (0: up to 16, as the rows allow); false: a type that
+// cannot be converted so
 bool llama_rkv_convert_rows(ggml_type src_type, ggml_type dst_type, const void * src, void * dst, int64_t n_rows,
-                            int64_t n_per_row);
+                            int64_t n_per_row, int max_threads = 0);
 
-// n rows between the window tensor win (any backend), from its row row0, and a tail's host rows at host, of the tail
-// tensor tail's type: a byte copy, or a conversion on the host through f32 where the types differ (a demotion quantizes
-// into the tail's type, a promotion dequantizes). The moves of elastic windows and of block residency
-void llama_rkv_promote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, const void * host, uint32_t n);
-void llama_rkv_demote_rows(ggml_tensor * win, size_t row0, const ggml_tensor * tail, void * host, uint32_t n);
 
 // the plan's tail-dependent figures at tail types tk/tv (auto tail types)
 void llama_rkv_retype_tail(llama_rkv_state & st, ggml_type tk, ggml_type tv);
