@@ -81,6 +81,20 @@ def test_serve_offers_kv_windows(capsys, isolated_cache, tmp_path, monkeypatch):
     assert code == 2 and "kv_windows" in err and "sometimes" in err
 
 
+def test_serve_offers_kv_placement(capsys, isolated_cache, tmp_path):
+    """--kv-placement and the config key kv_placement reach llama-server's command line; a bad value is one line, and
+    one after `--` too (llama-server would start, load the model and then fail)."""
+    assert "--kv-placement [auto|upstream|sequences]" in _help("serve")
+    code, _, err = run_main(["serve", "demo", "--kv-placement", "bysequence", "--print-args"], capsys)
+    assert code == 2 and "'bysequence' is not one of auto, upstream, sequences" in err and "Traceback" not in err
+    config = tmp_path / "c.yaml"
+    config.write_text("model: demo\nkv_placement: sometimes\n")
+    code, _, err = run_main(["serve", "--config", str(config), "--print-args"], capsys)
+    assert code == 2 and "kv_placement" in err and "sometimes" in err
+    code, _, err = run_main(["serve", "demo", "--print-args", "--", "--kv-placement", "bogus"], capsys)
+    assert code == 2 and "--kv-placement after `--`: 'bogus' is not one of auto, upstream, sequences" in err, err
+
+
 @pytest.mark.build
 def test_serve_passes_kv_windows(cpu_build, demo_model, monkeypatch, tmp_path):
     import os
@@ -89,8 +103,9 @@ def test_serve_passes_kv_windows(cpu_build, demo_model, monkeypatch, tmp_path):
 
     env = {**os.environ, "ROLLINGKV_BUILD": str(cpu_build.dir)}
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: {demo_model}\nkv_windows: static\nparallel: 2\n")
-    for args in (["serve", str(demo_model), "-np", "2", "--kv-windows", "static", "--print-args"],
+    config.write_text(f"model: {demo_model}\nkv_windows: static\nparallel: 2\nkv_placement: upstream\n")
+    for args in (["serve", str(demo_model), "-np", "2", "--kv-windows", "static", "--kv-placement", "upstream", "--print-args"],
                  ["serve", "--config", str(config), "--print-args"]):
         proc = subprocess.run([sys.executable, "-m", "rollingkv_cli", *args], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0 and "--kv-windows static" in proc.stdout, proc.stdout + proc.stderr
+        assert "--kv-placement upstream" in proc.stdout, proc.stdout

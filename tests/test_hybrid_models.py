@@ -287,14 +287,18 @@ print(json.dumps({"loads": res, "same_bytes": same_bytes, "control": control, "f
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_rollback_and_sequence_removal_equal_resident(cpu_build, hybrid_models, arch):
+@pytest.mark.parametrize("placement", ["upstream", "sequences"])
+def test_rollback_and_sequence_removal_equal_resident(cpu_build, hybrid_models, arch, placement):
     """seq_rm where the pin supports it on a hybrid memory, spilled vs resident, bit for bit:
     - a rollback of the last 3 of 600 tokens (n_rs_seq 4: the recurrent snapshots), tail cells then rewritten with other
       tokens; a rollback past the snapshots is refused (false) by both;
-    - a whole sequence removed from a unified cache of three and a new one decoded into its freed cells, which lie in the
-      window and the tail interleaved with the surviving sequence's, then both continued."""
-    r = _py(cpu_build, hybrid_models[arch], """
+    - a whole sequence removed from a unified cache of three and a new one decoded into its freed cells, then both
+      continued: placed as upstream places, the freed cells lie in the window and the tail interleaved with the surviving
+      sequence's; placed by sequence (the split's default), each sequence's in blocks of its own, and the resident cache
+      is placed alike (its rounding follows the cells' order)."""
+    r = _py(cpu_build, hybrid_models[arch], f"PLACEMENT = {placement!r}\n" + """
 def run(kw):
+    kw = dict(kw, placement=PLACEMENT)
     out = {}
     c = new(kw, n_seq=1, n_rs_seq=4, n_ctx=1024)
     mem = llama_cpp.llama_get_memory(c)

@@ -49,7 +49,7 @@ q = ext.make_params(mode="window")
 print(json.dumps({"api": ext.api_version(), "has": ext.has_tail_cpu, "frac": p.tail_cpu_frac, "gbps": p.cpu_attn_gbps,
                   "made": q.tail_cpu_frac, "auto": ext.make_params(tail_cpu_frac="auto").tail_cpu_frac}))
 """, cpu_build.lib_dir)
-    assert r["api"] == llama_ext.API_VERSION == 10 and r["has"]
+    assert r["api"] == llama_ext.API_VERSION == 11 and r["has"]
     assert r["frac"] < 0 and r["gbps"] <= 0  # auto; the CPU figure measured at plan time
     assert r["made"] == r["frac"] and r["auto"] < 0
 

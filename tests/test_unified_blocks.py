@@ -105,12 +105,19 @@ def _run(build, model, tmp_path, name, kw, ngl=0, body=_BODY, **env):
     return r, np.load(out)
 
 
-BLOCKS = dict(mode="window", window_cells=768, windows="blocks")  # opt-in (API 7 windows 2)
+# opt-in (API 7 windows 2); placed as upstream places (the layout the tests below describe; by sequence: the last test)
+BLOCKS = dict(mode="window", window_cells=768, windows="blocks", placement="upstream")
 
 
 @pytest.fixture(scope="module")
 def resident(cpu_build, demo_model, tmp_path_factory):
     return _run(cpu_build, demo_model, tmp_path_factory.mktemp("resident"), "resident", dict(mode="off"))
+
+
+@pytest.fixture(scope="module")
+def placed_resident(cpu_build, demo_model, tmp_path_factory):
+    """The resident unified cache placed by sequence, as a window split is by default (API 11)."""
+    return _run(cpu_build, demo_model, tmp_path_factory.mktemp("placed"), "resident", dict(mode="off", placement="sequences"))
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +191,24 @@ def test_a_perturbed_move_is_caught(cpu_build, demo_model, tmp_path, resident):
     r, got = _run(cpu_build, demo_model, tmp_path, "perturbed", BLOCKS, ROLLINGKV_DEBUG_PERTURB_MOVE="1")
     assert _moves(r)["promoted_cells"] > 0
     assert not np.array_equal(got, resident[1])
+
+
+def test_blocks_placed_by_sequence_equal_a_resident_cache_placed_alike(cpu_build, demo_model, tmp_path, placed_resident):
+    """Block residency with each sequence's cells in blocks of its own (auto's placement for a window split): the same
+    load moves blocks both ways and stays bit-identical to a resident unified cache placed alike. Placed by sequence, an
+    idle sequence's block holds no active one's cell, so the moves carry only what they are for: after sequence 2's lone
+    steps, its blocks are all on the device and sequences 0's and 1's gave way."""
+    ref = placed_resident[1]
+    r, got = _run(cpu_build, demo_model, tmp_path, "placed-blocks", dict(BLOCKS, placement="auto"))
+    assert r["plan"]["placement"]["chosen"] == "sequences" and r["plan"]["windows"]["policy"] == "blocks"
+    moves = _moves(r)
+    assert moves["promoted_cells"] > 0 and moves["demoted_cells"] > 0, moves
+    assert got.shape == ref.shape and np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
+    steps = r["steps"]
+    lone = [i for i, s in enumerate(steps) if s["label"] == "decode 2"][-1]
+    seqs = {q["seq"]: q for q in steps[lone]["stats"]["seqs"]}
+    assert seqs[2]["tail_cells"] == 0 and seqs[2]["device_cells"] == 500 + 40, seqs
+    assert steps[lone]["stats"]["last"]["tail_bytes"] <= steps[lone]["stats"]["block_bytes"], steps[lone]["stats"]["last"]
 
 
 @pytest.mark.gpu
@@ -268,12 +293,14 @@ def test_q4_0_blocks_move_within_the_gates_q4_0_bounds(cpu_build, demo_model, tm
     assert tv.mean() <= 0.2 and np.percentile(tv, 99) <= 0.8 and top1 >= 0.85, (tv.mean(), np.percentile(tv, 99), top1)
 
 
-def test_a_unified_cache_keeps_its_window_static_unless_blocks_are_asked_for(cpu_build, demo_model, tmp_path, resident):
+def test_a_unified_cache_keeps_its_window_static_unless_blocks_are_asked_for(cpu_build, demo_model, tmp_path, placed_resident):
     """Block residency is opt-in: under a random mix on an H100 it was slower than the static window
     (docs/perf/2026-12-06-h100-unified-blocks). The default (elastic) request keeps a unified cache's window static,
-    moves nothing, and stays bit-identical to the resident cache."""
+    moves nothing, places each sequence's cells in blocks of its own, and stays bit-identical to the resident cache
+    placed alike."""
     r, got = _run(cpu_build, demo_model, tmp_path, "default", dict(mode="window", window_cells=768))
     assert r["plan"]["windows"]["policy"] == "static" and r["plan"]["windows"]["requested"] == "elastic", r["plan"]["windows"]
     assert "--kv-windows blocks" in r["plan"]["windows"]["reason"]
+    assert r["plan"]["placement"] == {"requested": "auto", "chosen": "sequences"}
     assert _moves(r)["promoted_cells"] == 0 and _moves(r)["demoted_cells"] == 0
-    assert np.array_equal(got, resident[1])
+    assert np.array_equal(got, placed_resident[1])

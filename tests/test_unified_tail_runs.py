@@ -107,8 +107,9 @@ def _run(build, model, tmp_path, name, kw, ngl=0, ubatch=256, scenario=_SCENARIO
 
 
 # static: the window stays [0, 256) (block residency, the default for a unified cache, moves blocks instead:
-# tests/test_unified_blocks.py), so the runs below are those of the fixed layout
-WINDOW = dict(mode="window", window_cells=256, windows="static")
+# tests/test_unified_blocks.py), so the runs below are those of the fixed layout; placed as upstream places (cells
+# from the head, sequences side by side in every block): the layout the cells below describe
+WINDOW = dict(mode="window", window_cells=256, windows="static", placement="upstream")
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +265,79 @@ def test_more_runs_than_the_op_takes_are_joined_exactly(alternating):
     # both: the whole tail, no runs
     d01 = last("decode 0 1")
     assert (d01["tail_bytes"], d01["tail_runs"]) == (21 * 256 * cell, 0), d01
+
+
+# Placement by sequence (API 11: the default of a window split): _SCENARIO, then 200 steps of sequences 0, 2 and 3
+# decoding side by side (one logit row a step), then sequence 2 alone. Placed as upstream places, their 600 new cells
+# take turns in the same blocks; placed by sequence, each goes to the next free cell of its own newest block
+_JOINT = _SCENARIO + """
+for k in range(200):
+    decode("joint 0 2 3", [(s, toks[s][pos[s]], s == 0) for s in (0, 2, 3)])
+for _ in range(2):
+    step("alone 2", [2])
+"""
+PLACED = dict(WINDOW, placement="auto")  # auto: by sequence for a window split
+
+
+@pytest.fixture(scope="module")
+def placed(cpu_build, demo_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("placed")
+    kw = dict(scenario=_JOINT)
+    return (_run(cpu_build, demo_model, d, "resident", dict(mode="off", placement="sequences"), **kw),
+            _run(cpu_build, demo_model, d, "split", PLACED, **kw),
+            _run(cpu_build, demo_model, d, "upstream", WINDOW, **kw))
+
+
+def _read_beyond_own(step: dict, seqs: tuple[int, ...]) -> float:
+    """Tail cells a step attended beyond the cells its sequences hold in the tail, in blocks (per layer). No cell of this
+    load is shared, so the cache's own count of them (API 11's own_bytes) is their sum."""
+    st = step["stats"]
+    cell = st["block_bytes"] // 256
+    own = sum(q["tail_cells"] for q in st["seqs"] if q["seq"] in seqs)
+    assert st["last"]["own_bytes"] == own * cell, (step["label"], st["last"], st["seqs"])
+    return (st["last"]["tail_bytes"] // cell - own) / 256
+
+
+def test_placed_by_sequence_equals_a_resident_cache_placed_alike_bit_for_bit(placed):
+    """A window split places each sequence's cells in blocks of its own by default (auto); a resident unified cache asked
+    to place alike (placement sequences) gives the same logits, bit for bit, at every prefill and decode step."""
+    (ref_r, ref), (r, got), _ = placed
+    assert ref_r["plan"]["placement"] == {"requested": "sequences", "chosen": "sequences"} and not ref_r["plan"]["split"]
+    assert r["plan"]["placement"] == {"requested": "auto", "chosen": "sequences"} and r["plan"]["split"]
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.array_equal(got, ref), f"max |diff| {np.abs(got - ref).max()}"
+
+
+def test_placed_by_sequence_a_ubatch_reads_its_own_blocks(placed):
+    """Each sequence's cells lie in blocks of its own, so what a ubatch attends of the tail is its sequences' cells and
+    the rest of their newest blocks: at most one block per sequence beyond their own cells, at every step. Placed as
+    upstream places, the joint decodes share blocks, and sequence 2 alone then reads the others' cells (it can fail)."""
+    _, (r, _), (up, _) = placed
+    seqs_of = {"decode 1": (1,), "decode 0 2": (0, 2), "decode 0 1 2": (0, 1, 2), "decode 0 2 (a hole)": (0, 2),
+               "decode 0 2 3": (0, 2, 3), "joint 0 2 3": (0, 2, 3), "alone 2": (2,)}
+    worst = {}
+    for s in r["steps"]:
+        if s["label"] in seqs_of:
+            beyond = _read_beyond_own(s, seqs_of[s["label"]])
+            assert beyond <= len(seqs_of[s["label"]]), (s["label"], beyond, s["stats"]["last"], s["stats"]["seqs"])
+            worst[s["label"]] = max(worst.get(s["label"], 0), beyond)
+    assert worst["alone 2"] < 1, worst
+    # the server's own maximum over every ubatch (the prefills' first halves too, which no step above recorded)
+    cell = r["steps"][-1]["stats"]["block_bytes"] // 256
+    seen = max(s["stats"]["last"]["tail_bytes"] - s["stats"]["last"]["own_bytes"] for s in r["steps"])
+    assert seen <= r["steps"][-1]["stats"]["beyond_own_bytes_max"] <= 3 * 256 * cell, (seen, r["steps"][-1]["stats"])
+    alone_up = [_read_beyond_own(s, (2,)) for s in up["steps"] if s["label"] == "alone 2"]
+    assert min(alone_up) >= 2, alone_up  # upstream's layout: sequence 2's decodes took turns with 0's and 3's
+    # the same work either way: every sequence's cells, and no more of the cache in use
+    last, last_up = r["steps"][-1]["stats"], up["steps"][-1]["stats"]
+    cells = lambda st: {q["seq"]: q["device_cells"] + q["tail_cells"] for q in st["seqs"]}  # noqa: E731
+    assert cells(last) == cells(last_up), (cells(last), cells(last_up))
+
+
+def test_placed_by_sequence_is_the_same_as_upstream_for_one_sequence(cpu_build, demo_model, tmp_path):
+    """One sequence fills the cells from the first as upstream does: a lone prompt's logits do not depend on the
+    placement (each ubatch takes the next cells either way)."""
+    scenario = "prefill(0, 900)\nfor _ in range(3):\n    step('decode 0', [0])\n"
+    _, a = _run(cpu_build, demo_model, tmp_path, "one-placed", PLACED, scenario=scenario)
+    _, b = _run(cpu_build, demo_model, tmp_path, "one-upstream", WINDOW, scenario=scenario)
+    assert np.array_equal(a, b)

@@ -73,6 +73,20 @@ inline enum llama_kv_window_policy llama_rolling_kv_arg_windows(const std::strin
     throw std::invalid_argument("unknown --kv-windows " + value + " (allowed: elastic, static, blocks)");
 }
 
+// --kv-placement {auto,upstream,sequences}
+inline enum llama_kv_placement llama_rolling_kv_arg_placement(const std::string & value) {
+    if (value == "auto") {
+        return LLAMA_KV_PLACEMENT_AUTO;
+    }
+    if (value == "upstream") {
+        return LLAMA_KV_PLACEMENT_UPSTREAM;
+    }
+    if (value == "sequences") {
+        return LLAMA_KV_PLACEMENT_SEQUENCES;
+    }
+    throw std::invalid_argument("unknown --kv-placement " + value + " (allowed: auto, upstream, sequences)");
+}
+
 // -ctkt/-ctvt: a type of the op's list (ggml_rkv_tail_type_from_name), or "auto": the planner chooses the tail's type
 // when the cache spills (LLAMA_ROLLING_KV_TAIL_TYPE_AUTO, lossy: opt-in)
 inline enum ggml_type llama_rolling_kv_arg_tail_type(const std::string & value) {

@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 // Version of the extension API below; bumped on any change to it.
-#define LLAMA_ROLLING_KV_API_VERSION 10
+#define LLAMA_ROLLING_KV_API_VERSION 11
 
 // API 7: type_k_tail / type_v_tail may ask the planner to choose the tail's type (opt-in: a compressed tail is lossy).
 // When the plan spills, each axis asked for gets q8_0 where the window is f32/f16/bf16 (the floor) and the window's own
@@ -60,6 +60,18 @@ enum llama_kv_window_policy {
     LLAMA_KV_WINDOWS_BLOCKS  = 2,
 };
 
+// API 11: where a cache whose one stream holds several sequences (a unified cache: llama-server's default) puts a
+// ubatch's tokens. Upstream's find_slot takes the first free cells from the stream's head, so the sequences decoding
+// side by side share every 256-cell block; a split cache reads, streams and moves whole blocks, so each sequence's own
+// blocks are what keeps a ubatch's traffic to its own sequences' cells (llama-kv-cache-placement.cpp). The same
+// tokens and masks either way; on the CPU the rounding follows the cells' order, so a resident reference of a placed
+// split asks for SEQUENCES.
+enum llama_kv_placement {
+    LLAMA_KV_PLACEMENT_AUTO      = 0, // SEQUENCES for a window split, upstream's otherwise (the default)
+    LLAMA_KV_PLACEMENT_UPSTREAM  = 1, // upstream's find_slot
+    LLAMA_KV_PLACEMENT_SEQUENCES = 2, // each sequence's cells in blocks of its own, in any cache (a split one or not)
+};
+
 struct llama_rolling_kv_params {
     enum llama_kv_residency_mode mode;
     // total MiB this process may use on each device that holds KV layers: weights + KV + compute buffers +
@@ -82,6 +94,7 @@ struct llama_rolling_kv_params {
     // mode: from the budget, per layer). Refused with window mode, with window_cells and with off.
     int32_t        device_heads;
     enum llama_kv_window_policy windows; // API 7 (default: elastic)
+    enum llama_kv_placement     placement; // API 11 (default: auto)
 };
 
 LLAMA_API struct llama_rolling_kv_params llama_rolling_kv_default_params(void);
@@ -147,7 +160,10 @@ LLAMA_API int32_t llama_rolling_kv_plan_json(const struct llama_context * ctx, c
 // slots' decode tokens beside a new prompt's chunk), each {"evals":n,"prompt_tokens":n,"decode_tokens":n,"ms":x (first
 // decode to synchronized),"steps":n,"tail_bytes":n,"streamed_bytes":n,"move_ms":x (the split cache's counters over
 // those evaluations)}, and beside the kinds "decode_by_seqs":[8 of the same] (the decode evaluations of 1, 2, ... 7,
-// then 8 or more sequences). Same return convention as llama_rolling_kv_plan_json.
+// then 8 or more sequences). API 11: "last" also has "own_bytes", the tail bytes of the ubatch's own sequences (one
+// stream holding several: the tail cells one of them holds; else its streams' occupied bytes): what its runs must read;
+// and "beyond_own_bytes_max" beside it, the most any ubatch attended beyond its own (every ubatch, not a sample).
+// Same return convention as llama_rolling_kv_plan_json.
 LLAMA_API int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf, size_t buf_size);
 
 // The plan's main figures without JSON (for tools such as llama-bench): what llama_rolling_kv_plan_json reports at

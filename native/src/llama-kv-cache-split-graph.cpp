@@ -429,17 +429,26 @@ void llama_kv_split::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
         }
     }
 
-    // one stream holding several sequences (a unified cache): where each sequence's cells are
+    // one stream holding several sequences (a unified cache): where each sequence's cells are, and the tail cells that
+    // hold one of the ubatch's sequences (the bytes its runs must read: the rest they read is others' cells and holes)
     std::vector<uint32_t> seq_dev, seq_tail;
+    uint64_t own = occupied;
     if (n_stream == 1 && n_seq_max > 1) {
         seq_dev.assign(n_seq_max, 0);
         seq_tail.assign(n_seq_max, 0);
+        llama_kv_cells::seq_set_t mine;
+        for (uint32_t s = 0; s < ubatch.n_seqs_unq; ++s) {
+            mine.set(ubatch.seq_id_unq[s]);
+        }
+        own = 0;
         const auto & cells = v_cells[0];
         for (uint32_t i = 0, n = cells.used_max_p1(); i < n; ++i) {
             if (cells.is_empty(i)) {
                 continue;
             }
-            auto & to = !rkv_head && rkv_on_dev(0, i) ? seq_dev : seq_tail;
+            const bool on_dev = !rkv_head && rkv_on_dev(0, i);
+            own += !on_dev && (cells.seq_get_all(i) & mine).any() ? 1 : 0;
+            auto & to = on_dev ? seq_dev : seq_tail;
             if (cells.seq_count(i) == 1) {
                 to[cells.seq_get(i)] += 1;
                 continue;
@@ -480,6 +489,8 @@ void llama_kv_split::rkv_note_step(const slot_info & sinfo, const llama_ubatch &
     lv.last_tail_bytes     = tail*cell_bytes;
     lv.last_streamed_bytes = stream*cell_bytes;
     lv.last_occupied_bytes = occupied*cell_bytes;
+    lv.last_own_bytes      = own*cell_bytes;
+    lv.beyond_own_bytes_max = std::max(lv.beyond_own_bytes_max, tail > own ? (tail - own)*cell_bytes : 0);
     lv.tail_bytes     += lv.last_tail_bytes;
     lv.streamed_bytes += lv.last_streamed_bytes;
     lv.occupied_bytes += lv.last_occupied_bytes;

@@ -249,6 +249,11 @@ struct llama_rkv_live {
     uint64_t last_tail_bytes     = 0; // the last such ubatch's
     uint64_t last_streamed_bytes = 0;
     uint64_t last_occupied_bytes = 0;
+    // of those, the tail bytes of the ubatch's own sequences (one stream holding several: only the cells one of them holds;
+    // a stream per sequence: its occupied bytes)
+    uint64_t last_own_bytes      = 0;
+    // the most any such ubatch attended beyond its own sequences' tail bytes (every step, not a sample)
+    uint64_t beyond_own_bytes_max = 0;
     uint32_t last_streams        = 0; // streams of the last ubatch, and how many of them attended as one op each
     uint32_t last_per_stream_ops = 0;
     // 256 tail cells of every split layer: the padding one stream may attend beyond its cells
@@ -300,6 +305,8 @@ struct llama_rkv_state {
 
     // set by the first cache that planned with this state
     bool resolved = false;
+    // a cache of this context places each sequence's cells in blocks of its own (llama-kv-cache-placement.h)
+    bool placed_by_seq = false;
 
     // a hybrid model (llama_memory_hybrid): its recurrent layers and the bytes of their state per device (nullptr: host
     // memory), recorded before the attention cache plans (llama_rkv_note_recurrent). The state stays whole where

@@ -317,6 +317,10 @@ std::string llama_rkv_plan_to_json(const llama_rkv_state * st) {
 
     res += llama_rkv_json_tail_cpu(st);
     res += llama_rkv_json_windows(st);
+    res += ",\"placement\":{\"requested\":" + llama_rkv_json_str(
+            st->req.placement == LLAMA_KV_PLACEMENT_UPSTREAM ? "upstream" :
+            st->req.placement == LLAMA_KV_PLACEMENT_SEQUENCES ? "sequences" : "auto");
+    res += std::string(",\"chosen\":") + (st->placed_by_seq ? "\"sequences\"" : "\"upstream\"") + "}";
     res += llama_rkv_json_heads(st);
     res += llama_rkv_json_auto(st);
     res += llama_rkv_json_tail_types(st);
@@ -370,6 +374,7 @@ struct llama_rolling_kv_params llama_rolling_kv_default_params(void) {
     res.cpu_attn_gbps   = 0.0f;
     res.device_heads    = 0;
     res.windows         = LLAMA_KV_WINDOWS_ELASTIC;
+    res.placement       = LLAMA_KV_PLACEMENT_AUTO;
     return res;
 }
 
@@ -548,6 +553,10 @@ struct llama_context * llama_init_from_model_rolling_kv_test(
         return llama_rkv_fail(__func__, "invalid window policy %d (0: elastic, 1: static, 2: blocks)",
                               (int) req.windows);
     }
+    if (req.placement != LLAMA_KV_PLACEMENT_AUTO && req.placement != LLAMA_KV_PLACEMENT_UPSTREAM &&
+            req.placement != LLAMA_KV_PLACEMENT_SEQUENCES) {
+        return llama_rkv_fail(__func__, "invalid placement %d (0: auto, 1: upstream, 2: sequences)", (int) req.placement);
+    }
     if (req.vram_target_mib < 0) {
         return llama_rkv_fail(__func__, "vram_target_mib must be >= 0 (got %" PRId64 ")", req.vram_target_mib);
     }
@@ -696,6 +705,9 @@ int32_t llama_rolling_kv_stats_json(const struct llama_context * ctx, char * buf
                 lv.last_streams, lv.last_per_stream_ops, lv.last_tail_runs, lv.last_tail_bytes, lv.last_streamed_bytes,
                 lv.last_occupied_bytes, lv.block_bytes);
         res += tmp;
+        // API 11: the ubatch's own sequences' tail bytes, inside "last"
+        res.insert(res.rfind("},\"block_bytes\":"), ",\"own_bytes\":" + std::to_string(lv.last_own_bytes));
+        res += ",\"beyond_own_bytes_max\":" + std::to_string(lv.beyond_own_bytes_max);
         snprintf(tmp, sizeof(tmp),
                 ",\"windows\":\"%s\",\"pool_cells\":%u,\"moves\":{\"rebalances\":%" PRIu64
                 ",\"promoted_cells\":%" PRIu64

@@ -255,7 +255,7 @@ def tail(ctx, model_spec, depths, n_gen, reps, vanilla_reps, tail_types, fractio
         raise click.exceptions.Exit(1)
 
 
-LOAD_CELLS = ["default", "default-blocks", "default-noshare", "split", "static", "one-op", "resident", "default-resident",
+LOAD_CELLS = ["default", "default-blocks", "default-upstream", "default-noshare", "split", "static", "one-op", "resident", "default-resident",
               "vanilla"]
 LOAD_CELLS_DEFAULT = ["default", "split", "resident", "default-resident", "vanilla"]
 SHARED_CELLS_DEFAULT = ["default", "default-noshare", "default-resident", "vanilla"]  # --mix shared without --cells
@@ -335,7 +335,8 @@ def _server_args_after_dashes(ctx, param, value):
               help="shared: clients on the document.")
 @click.option("--cells", "cell_names", default=",".join(LOAD_CELLS_DEFAULT), show_default=True, callback=_load_cells,
               help="Servers to run the mix on: default (llama-server's own layout, no -np: 4 slots on one unified "
-                   "cache, split), default-blocks (the same with --kv-windows blocks: its blocks follow the load), split (-np "
+                   "cache, split), default-blocks (the same with --kv-windows blocks: its blocks follow the load), default-upstream "
+                   "(the default with --kv-placement upstream: tokens in the first free cells), split (-np "
                    "slots, elastic windows), static (--kv-windows static), one-op (static "
                    "windows and one op over all streams: the layout before; a lab build only), resident (-np, --kv-residency-mode off), "
                    "default-resident (no -np, off), vanilla (-ngl at the default or split cell's peak VRAM; GPU only).")
@@ -388,7 +389,7 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
     check_server_args(list(server_args), "after `--`", "bench load", {
         **dict.fromkeys(("-c", "--ctx-size"), "bench load's -c (slots x --ctx-per-slot)"),
         **dict.fromkeys(("-np", "--parallel"), "bench load's -np/--slots"),
-        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "-fa", "--flash-attn", "--kv-share-prefix"),
+        **dict.fromkeys(("--kv-residency-mode", "--kv-windows", "--kv-placement", "-fa", "--flash-attn", "--kv-share-prefix"),
                        "the cell's own settings (--cells)"),
         **dict.fromkeys(("--kv-window-cells", "--vram-target"), "bench load's --kv-window-cells/--vram-target"),
         **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), "the cells' -ngl (99 on a GPU; vanilla: --vanilla-ngl)"),
@@ -466,6 +467,9 @@ def load(ctx, model_spec, mix_name, n_slots, ctx_per_slot, window_cells, vram_ta
                                                              windows="blocks").server_args(), *ngl], slots_flag=False,
                                   what="llama-server's default layout, split with block residency (--kv-windows blocks: "
                                        "its 256-cell blocks follow the load)"),
+        "default-upstream": lb.Cell("default-upstream", [*default_flags, "--kv-placement", "upstream", *ngl], slots_flag=False,
+                                    what="the default cell placed as upstream places (--kv-placement upstream: the slots' "
+                                         "tokens side by side in the first free cells, not in blocks of their own)"),
         "default-noshare": lb.Cell("default-noshare", [*default_flags, "--kv-share-prefix", "0", *ngl], slots_flag=False,
                                    what="the default cell with cross-slot prefix sharing off (each client prefills and "
                                         "stores the document again)"),

@@ -318,7 +318,7 @@ def summarize_stats(samples: list[dict], stage_times: dict | None = None) -> dic
         return {"split": False}
     last = samples[-1]
     block = max(1, int(last.get("block_bytes") or 1))
-    worst = None
+    worst = worst_own = None
     for s in samples:
         lt = s.get("last") or {}
         if not lt.get("tail_bytes"):
@@ -326,6 +326,10 @@ def summarize_stats(samples: list[dict], stage_times: dict | None = None) -> dic
         excess = (lt["tail_bytes"] - lt["occupied_bytes"]) / block / max(1, lt.get("streams", 1))
         if worst is None or excess > worst["excess_blocks_per_stream"]:
             worst = {"excess_blocks_per_stream": excess, **lt}
+        if lt.get("own_bytes") is not None:  # API 11: beyond the ubatch's own sequences' cells (issue 35's bound)
+            own = (lt["tail_bytes"] - lt["own_bytes"]) / block
+            if worst_own is None or own > worst_own["beyond_own_blocks"]:
+                worst_own = {"beyond_own_blocks": own, **lt}
     occ = last.get("occupied_bytes_total") or 0
     # the cells the split cache stores (each once, however many sequences read it) and the most a step streamed
     stored = [sum((sl.get("device_cells") or 0) + (sl.get("tail_cells") or 0) for sl in s.get("slots") or []) for s in samples]
@@ -338,7 +342,9 @@ def summarize_stats(samples: list[dict], stage_times: dict | None = None) -> dic
     return {"split": True, "steps": last.get("steps"), "tail_bytes_total": last.get("tail_bytes_total"),
             "streamed_bytes_total": last.get("streamed_bytes_total"), "occupied_bytes_total": occ,
             "attended_over_occupied": (last.get("tail_bytes_total") or 0) / occ if occ else None,
-            "block_bytes": block, "worst_step": worst, "n_samples": len(samples),
+            "block_bytes": block, "worst_step": worst, "worst_step_own": worst_own,
+            "beyond_own_blocks_max": last["beyond_own_bytes_max"] / block if last.get("beyond_own_bytes_max") is not None else None,
+            "n_samples": len(samples),
             "windows": last.get("windows"), "pool_cells": last.get("pool_cells"), "moves": last.get("moves"),
             "window_cells_max": [max((w[i] or 0 for w in windows if i < len(w)), default=0) for i in range(max(map(len, windows), default=0))],
             "slots_last": last.get("slots"), "stored_cells_peak": max(stored, default=0),
@@ -603,6 +609,10 @@ def evaluate_targets(doc: dict) -> list[dict]:
     if default and default.get("stats", {}).get("worst_step"):
         add("excess_blocks (default)", default["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
             "default cell, worst sampled step: (tail bytes attended - occupied), in blocks of 256 cells of every layer")
+    if default and default.get("stats", {}).get("beyond_own_blocks_max") is not None:
+        add("beyond_own_blocks (default)", default["stats"]["beyond_own_blocks_max"], "<=", 1.0,
+            "default cell, every step (the server's own maximum): tail bytes attended - the ubatch's own sequences' tail "
+            "bytes, in blocks of 256 cells of every layer (issue 35: streamed <= its sequences' host bytes + one block)")
     if split and split.get("stats", {}).get("worst_step"):
         add("excess_blocks", split["stats"]["worst_step"]["excess_blocks_per_stream"], "<=", 1.0,
             "worst sampled step: (tail bytes attended - occupied) per stream, in blocks of 256 cells of every layer")

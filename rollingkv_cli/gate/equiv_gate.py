@@ -201,8 +201,12 @@ def prepare(o: EquivOptions) -> EquivSetup:
             if cpu_frac != 0 and n_batch // n_seq > 1 and build.on_gpu(n_gpu_layers):
                 warn(f"--n-batch {n_batch} decodes {n_batch // n_seq} positions of each sequence per batch: the op attends the CPU part "
                      f"only on decode-sized batches, so these run GPU-only; --n-batch {n_seq} decodes one position per sequence at a time")
-    cand_residency = residency or {"mode": "off"}
-    ref_residency = {"mode": "off"} if ref_kind == "resident" else None
+    # several sequences share one unified cache, where a split places each sequence's cells in blocks of its own (API 11);
+    # on the CPU the rounding follows the cells' order, so every run of the gate places as the reference does: by
+    # sequence against the resident run of this build, as upstream against another library
+    placement = {} if n_seq == 1 else {"placement": "sequences" if ref_kind == "resident" else "upstream"}
+    cand_residency = dict(residency or {"mode": "off"}, **placement)
+    ref_residency = {"mode": "off", **placement} if ref_kind == "resident" else None
 
     tmp_root = common.work_root(work_dir)
     if synthetic_tokens is not None:  # a file's count is known once tokenized (checked again then, below)
@@ -274,18 +278,19 @@ def decode(setup: EquivSetup) -> EquivRuns:
                       f"K/V {ctk}/{ctv}{equiv_runs.tail_desc(mode, ctkt, ctvt)}"
                       f"{'' if n_gpu_layers is None else f', -ngl {n_gpu_layers}'}[/]")
         positions_tmp = wd / "positions.npz"
+        resident = {"mode": "off", **{k: v for k, v in cand_residency.items() if k == "placement"}}  # placed as the candidate
         with equiv_runs.progress(console) as progress:
             results["reference"] = sess.decode("reference", ref_lib, ctk, ctv, ref_residency, save=wd / "ref.npy",
                                                progress=progress, label=ref_label)
             if tail_baseline:
                 bk, bv = ctkt or ctk, ctvt or ctv
-                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, {"mode": "off"}, save=wd / "baseline.npy",
+                results["baseline"] = sess.decode("baseline", cand_lib, bk, bv, resident, save=wd / "baseline.npy",
                                                   reference=wd / "ref.npy", positions_out=wd / "baseline.npz",
                                                   real_margin_nats=thresholds["real_margin_nats"], progress=progress,
                                                   label=f"baseline (resident {bk}/{bv})")
             if order_floor:
                 fb = equiv_runs.order_floor_batch(n_batch, n_seq)
-                results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, {"mode": "off"}, reference=wd / "ref.npy",
+                results["order_floor"] = sess.decode("order_floor", cand_lib, ctk, ctv, resident, reference=wd / "ref.npy",
                                                      real_margin_nats=thresholds["real_margin_nats"], positions_out=wd / "order_floor.npz",
                                                      progress=progress, label=f"order floor (resident, batch {fb})", n_batch=fb)
             results["candidate"] = sess.decode("candidate", cand_lib, ctk, ctv, cand_residency, reference=wd / "ref.npy",

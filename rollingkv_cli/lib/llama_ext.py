@@ -78,7 +78,7 @@ def loaded_library_path(mod: ModuleType) -> Path | None:
 # LLAMA_ROLLING_KV_API_VERSION (include/llama-rolling-kv.h) that RollingKVParams mirrors. A library of an older API reads
 # a prefix of the struct (the fields it knows) and ignores the rest, so it stays usable as long as none of the newer
 # fields is asked for; a newer one may have grown the struct, which a by-value return would overrun: refused.
-API_VERSION = 10
+API_VERSION = 11
 API_TAIL_CPU = 4  # the first API with tail_cpu_frac, cpu_attn_gbps and llama_rolling_kv_measure_cpu_attn_gbps
 API_HEAD_SPLIT = 5  # the first API with head mode (device_heads; an API 4 library refuses mode head)
 API_LIVE_STATS = 6  # the first API with llama_rolling_kv_stats_json (a split cache's tail traffic and cells per stream)
@@ -94,6 +94,9 @@ API_MEASURE_LINK = 9
 MEASURE_LINK_SYMBOL = "llama_rolling_kv_measure_link"
 MEASURE_CPU_ATTN_SYMBOL = "llama_rolling_kv_measure_cpu_attn_gbps"
 API_EVAL_TIMES = 10  # the first API whose live stats time the context's evaluations by kind ("evals": where the time went)
+# the first API with the placement of a unified cache's tokens (each sequence's cells in 256-cell blocks of its own)
+API_PLACEMENT = 11
+PLACEMENTS = {"auto": 0, "upstream": 1, "sequences": 2}
 # the tail types the CPU part attends (and the calibration measures)
 CPU_ATTN_TYPES = ("f16", "q8_0", "q4_0")
 
@@ -127,6 +130,10 @@ class RollingKVParams(ctypes.Structure):
         # API 7: the windows of a window split with several streams: 0 elastic (one pool that follows the load, the
         # default), 1 static (a window of window_cells per stream). Past an API 6 struct's end: never read by it.
         ("windows", ctypes.c_int),
+        # API 11: where a unified cache (one stream, several sequences) puts new tokens: 0 auto (by sequence for a window
+        # split), 1 upstream's find_slot, 2 by sequence in any cache (a resident reference of a placed split). In an API
+        # 7-10 struct's tail padding (same size): written for an older library, never read there.
+        ("placement", ctypes.c_int),
     ]
 
 
@@ -363,14 +370,16 @@ class Extension:
     def make_params(self, mode: str = "auto", vram_target_mib: int = 0, window_cells: int = 0,
                     type_k_tail: str | None = None, type_v_tail: str | None = None, pcie_bw_gbps: float = 0.0,
                     tail_cpu_frac: float | str | None = None, cpu_attn_gbps: float = 0.0, device_heads: int = 0,
-                    windows: str = "elastic") -> RollingKVParams:
+                    windows: str = "elastic", placement: str = "auto") -> RollingKVParams:
         """tail_cpu_frac: None = the library's default (auto in this series); "auto" = the planner decides (-1 in the
         struct); 0 = no CPU part; 0 < F <= 1 = that share of each split layer's tail on the CPU. cpu_attn_gbps <= 0: libllama calibrates
         at plan time (auto only). A library before API 4 has no CPU part and ignores both fields: None or 0 is what it
         does; auto, a share or a CPU bandwidth there is refused. device_heads > 0: the head split's KV heads per layer on the
         device (API 5; mode head or auto); head mode or device heads on an older library are refused. type_k_tail/type_v_tail:
         a type name, None (the window's type) or "auto" (the planner chooses when the cache spills; API 7). windows:
-        "elastic" (the default) or "static" (API 7; an older library has static windows only, so "static" is what it does)."""
+        "elastic" (the default) or "static" (API 7; an older library has static windows only, so "static" is what it does).
+        placement: "auto" (by sequence for a window split), "upstream" or "sequences" (API 11; an older library places as
+        upstream does: "sequences" is refused there)."""
         try:
             frac = tail_cpu_frac_value(tail_cpu_frac)
         except (TypeError, ValueError):
@@ -415,6 +424,12 @@ class Extension:
         if windows not in WINDOW_POLICIES:
             abort(f"unknown window policy {windows!r}", f"use one of {', '.join(WINDOW_POLICIES)}")
         p.windows = WINDOW_POLICIES[windows]  # past an older library's struct: never read there (its windows are static)
+        if placement not in PLACEMENTS:
+            abort(f"unknown placement {placement!r}", f"use one of {', '.join(PLACEMENTS)}")
+        if placement == "sequences" and self.api < API_PLACEMENT:
+            abort(f"placement sequences needs rolling-KV API {API_PLACEMENT}; this build has API {self.api}",
+                  "rebuild with `rollingkv build`, or leave placement at auto")
+        p.placement = PLACEMENTS[placement]
         return p
 
     def measure_cpu_attn_gbps(self, n_threads: int, type_name: str = "f16") -> float:

@@ -13,6 +13,7 @@ from rollingkv_cli.kvtypes import TAIL_AUTO
 
 MODES = ("auto", "window", "head", "off")
 WINDOW_POLICIES = ("elastic", "static", "blocks")
+PLACEMENTS = ("auto", "upstream", "sequences")  # where a unified cache puts new tokens (--kv-placement; API 11)
 
 # how llama-server and llama-bench spell each field (the patched common/arg.cpp and llama-bench share the parsers)
 FLAGS = {"mode": "--kv-residency-mode", "window_cells": "--kv-window-cells", "device_heads": "--kv-device-heads",

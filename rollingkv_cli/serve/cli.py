@@ -122,6 +122,10 @@ class _ServeCommand(PassThroughCommand):
           help="The device window: elastic (llama-server's default) makes the slots' windows one pool that follows the "
                "load with -np; blocks (opt-in) moves the default unified cache's 256-cell blocks with the load; static "
                "keeps each window where it is.")
+@_setting("--kv-placement", key="kv_placement",
+          help="Where the default unified cache puts new tokens: sequences gives each slot's sequence 256-cell blocks of "
+               "its own, so a split cache streams and moves only the blocks of the slots a batch reads; upstream takes "
+               "the first free cells; auto (llama-server's default) is sequences for a window split.")
 @_setting("--kv-share-prefix", key="kv_share_prefix", metavar="N",
           help="A new prompt that shares at least N tokens with a sequence another slot holds in the default unified "
                "cache (busy or idle) takes its cells instead of prefilling and storing them again (default 256; 0: off).")

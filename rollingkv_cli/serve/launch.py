@@ -195,7 +195,7 @@ def server_command_args(s: ServeSettings, slot_dir: Path, bandwidth: float | Non
                       ("kv_residency_mode", "--kv-residency-mode"), ("vram_target", "--vram-target"),
                       ("kv_window_cells", "--kv-window-cells"), ("kv_device_heads", "--kv-device-heads"),
                       ("cache_type_k_tail", "-ctkt"), ("cache_type_v_tail", "-ctvt"), ("kv_windows", "--kv-windows"),
-                      ("kv_share_prefix", "--kv-share-prefix")):
+                      ("kv_placement", "--kv-placement"), ("kv_share_prefix", "--kv-share-prefix")):
         value = getattr(s, key)
         if value is not None:
             args += [flag, str(value)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rollingkv_cli.console import abort, note, usage_error
 from rollingkv_cli.lib.residency import MODES as RESIDENCY_MODES  # the one list, shared with the gates and benches
-from rollingkv_cli.lib.residency import WINDOW_POLICIES, ResidencyConflict, ResidencyRequest
+from rollingkv_cli.lib.residency import PLACEMENTS, WINDOW_POLICIES, ResidencyConflict, ResidencyRequest
 from rollingkv_cli.userinput import shown  # a config value in a message: cut short
 from rollingkv_cli.lib.limits import MAX_THREADS, MAX_THREADS_WHY  # one cap for every command's threads
 from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  # the one list of KV types (the library's)
@@ -18,8 +18,8 @@ from rollingkv_cli.kvtypes import TAIL_TYPE_CHOICES, TAIL_TYPES, WINDOW_TYPES  #
 CACHE_TYPES = WINDOW_TYPES  # -ctk/-ctv: llama.cpp's, iq4_nl too, for an unsplit cache only (check_split_types)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 _FLAG_KEYS = ("kv_residency_mode", "vram_target", "kv_window_cells", "kv_device_heads", "ctx_size", "parallel", "cache_type_k", "cache_type_v",
-              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "kv_windows", "kv_share_prefix", "host", "port",
-              "slot_save")
+              "cache_type_k_tail", "cache_type_v_tail", "pcie_bw_gbps", "kv_tail_cpu_frac", "kv_windows", "kv_placement", "kv_share_prefix", "host",
+              "port", "slot_save")
 CONFIG_KEYS = ("model", "extra_args") + _FLAG_KEYS
 
 
@@ -39,6 +39,7 @@ class ServeSettings:
     pcie_bw_gbps: float | None = None
     kv_tail_cpu_frac: float | str | None = None  # "auto" or 0 <= F <= 1; None: llama-server's default (auto)
     kv_windows: str | None = None  # elastic | static; None: llama-server's default (elastic with several slots)
+    kv_placement: str | None = None  # auto | upstream | sequences; None: llama-server's default (auto)
     kv_share_prefix: int | None = None  # least tokens a prompt shares with another slot to take its cells; 0: off
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -173,6 +174,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("pcie_bw_gbps", "float", lo=0, cap=FLT_MAX, cap_why="the most llama-server's float holds"),
     Setting("kv_tail_cpu_frac", "fraction_or_auto"),
     Setting("kv_windows", "choice", choices=WINDOW_POLICIES),
+    Setting("kv_placement", "choice", choices=PLACEMENTS),
     Setting("kv_share_prefix", "int", lo=0, cap=INT32_MAX),
     Setting("host", "str"),
     Setting("port", "int", lo=0, hi=65535),
@@ -255,7 +257,7 @@ _LLAMA_FLAGS = {"ctx_size": ("-c", "--ctx-size"), "parallel": ("-np", "--paralle
                 "vram_target": ("--vram-target",), "kv_window_cells": ("--kv-window-cells",), "kv_device_heads": ("--kv-device-heads",),
                 "cache_type_k_tail": ("-ctkt", "--cache-type-k-tail"), "cache_type_v_tail": ("-ctvt", "--cache-type-v-tail"),
                 "pcie_bw_gbps": ("--pcie-bw-gbps",), "kv_tail_cpu_frac": ("--kv-tail-cpu-frac",), "kv_windows": ("--kv-windows",),
-                "kv_share_prefix": ("--kv-share-prefix",), "slot_save": ("--slot-save-path",)}
+                "kv_placement": ("--kv-placement",), "kv_share_prefix": ("--kv-share-prefix",), "slot_save": ("--slot-save-path",)}
 
 
 def _arg_name(a: str) -> str:

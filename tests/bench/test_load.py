@@ -109,6 +109,25 @@ def test_summarize_stats_worst_step():
     assert s["worst_step"]["excess_blocks_per_stream"] == pytest.approx(0.75)
     assert s["attended_over_occupied"] == pytest.approx(40 / 36)
     assert lb.summarize_stats([{"split": False}]) == {"split": False}
+    assert s["worst_step_own"] is None and s["beyond_own_blocks_max"] is None  # a library before API 11
+
+
+def test_beyond_own_blocks_the_server_counted_every_step():
+    """API 11: the tail a ubatch attended beyond its own sequences' cells, at the worst sampled step and at the worst of
+    every step (the server's own maximum), in blocks; issue 35's bound is one block, for the default cell."""
+    block = 256 * 100
+    samples = [{"split": True, "block_bytes": block, "beyond_own_bytes_max": 0,
+                "last": {"tail_bytes": 6 * block, "occupied_bytes": 9 * block, "own_bytes": 5.5 * block, "streams": 1}},
+               {"split": True, "block_bytes": block, "beyond_own_bytes_max": 3 * block,
+                "last": {"tail_bytes": 4 * block, "occupied_bytes": 9 * block, "own_bytes": 3 * block, "streams": 1}}]
+    s = lb.summarize_stats(samples)
+    assert s["worst_step_own"]["beyond_own_blocks"] == pytest.approx(1.0) and s["beyond_own_blocks_max"] == pytest.approx(3.0)
+    doc = {"mix": {"name": "random", "stages": []}, "cells": [{**_cell("default", {}), "stats": s}]}
+    got = {t["target"]: (t["verdict"], t["value"]) for t in lb.evaluate_targets(doc)}
+    assert got["beyond_own_blocks (default)"] == ("missed", 3.0)
+    s["beyond_own_blocks_max"] = 0.9
+    got = {t["target"]: t["verdict"] for t in lb.evaluate_targets(doc)}
+    assert got["beyond_own_blocks (default)"] == "met"
 
 
 def test_residency_line_from_metrics():

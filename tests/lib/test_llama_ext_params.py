@@ -62,19 +62,35 @@ def ext(monkeypatch):
 def test_struct_layout_appends_the_fields():
     """The C struct (x86-64 / aarch64 ABI): mode 0, vram_target_mib 8, window_cells 16, type_k_tail 24, type_v_tail 28,
     pcie_bw_gbps 32, then API 4's tail_cpu_frac 36 and cpu_attn_gbps 40, then API 5's device_heads 44, in what was the
-    padding, then API 7's windows 48 (56 bytes). The fields before them do not move, so an older library reads its prefix
-    unchanged."""
+    padding, then API 7's windows 48 and API 11's placement 52, in the tail padding (56 bytes). The fields before them do
+    not move, so an older library reads its prefix unchanged."""
     P = llama_ext.RollingKVParams
     assert [f[0] for f in P._fields_] == ["mode", "vram_target_mib", "window_cells", "type_k_tail", "type_v_tail", "pcie_bw_gbps",
-                                          "tail_cpu_frac", "cpu_attn_gbps", "device_heads", "windows"]
+                                          "tail_cpu_frac", "cpu_attn_gbps", "device_heads", "windows", "placement"]
     offsets = {name: getattr(P, name).offset for name, _ in P._fields_}
     assert offsets == {"mode": 0, "vram_target_mib": 8, "window_cells": 16, "type_k_tail": 24, "type_v_tail": 28,
-                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44, "windows": 48}
-    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == 4 and ctypes.sizeof(P) == 56
-    assert llama_ext.API_VERSION == 10 and llama_ext.API_EVAL_TIMES == 10 and llama_ext.API_TEST_HOOKS == 8 and llama_ext.API_MEASURE_LINK == 9 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
+                       "pcie_bw_gbps": 32, "tail_cpu_frac": 36, "cpu_attn_gbps": 40, "device_heads": 44, "windows": 48,
+                       "placement": 52}
+    assert P.tail_cpu_frac.size == P.cpu_attn_gbps.size == P.device_heads.size == P.windows.size == P.placement.size == 4 and ctypes.sizeof(P) == 56
+    assert llama_ext.API_VERSION == 11 and llama_ext.API_PLACEMENT == 11 and llama_ext.API_EVAL_TIMES == 10 and llama_ext.API_TEST_HOOKS == 8 and llama_ext.API_MEASURE_LINK == 9 and llama_ext.API_HEAD_SPLIT == 5 and llama_ext.API_LIVE_STATS == 6
     # blocks (2): a library before block residency refuses it with "invalid window policy 2"
     assert llama_ext.API_ELASTIC_WINDOWS == 7 and llama_ext.WINDOW_POLICIES == {"elastic": 0, "static": 1, "blocks": 2}
     assert llama_ext.API_TAIL_AUTO == 7
+    assert llama_ext.PLACEMENTS == {"auto": 0, "upstream": 1, "sequences": 2}
+
+
+def test_placement_is_written_and_refused_where_unknown(ext):
+    """API 11's placement: its value in the struct; an unknown name refused with the choices; "sequences" on an older
+    library (which places as upstream does) refused with what to do, auto and upstream written (never read there)."""
+    e = ext(11)
+    assert e.make_params().placement == 0
+    assert e.make_params(placement="upstream").placement == 1 and e.make_params(placement="sequences").placement == 2
+    with pytest.raises(RollingKVError, match="unknown placement 'by-seq'"):
+        e.make_params(placement="by-seq")
+    old = ext(10)
+    assert old.make_params(placement="upstream").placement == 1
+    with pytest.raises(RollingKVError, match="placement sequences needs rolling-KV API 11; this build has API 10"):
+        old.make_params(placement="sequences")
 
 
 @pytest.mark.parametrize("given,want", [(None, None), ("auto", -1.0), ("AUTO", -1.0), (" auto ", -1.0), (0, 0.0), (0.0, 0.0),
@@ -139,8 +155,8 @@ def test_api4_without_the_measure_function_is_not_hybrid(ext):
 
 
 def test_a_newer_library_is_refused(ext):
-    e = ext(11)
-    with pytest.raises(RollingKVError, match="version 11, newer than the 10"):
+    e = ext(12)
+    with pytest.raises(RollingKVError, match="version 12, newer than the 11"):
         e.make_params(mode="window")
 
 
