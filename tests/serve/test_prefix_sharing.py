@@ -17,10 +17,16 @@ N_PREDICT = 12
 N_PROBS = 200
 NO_PROMPT_CACHE = {"LLAMA_ARG_CACHE_RAM": "0"}  # both servers alike (serve passes --cache-ram 0 for a split cache itself)
 
-LAYOUTS = {  # residency flags of both servers; the unified cache of 4096 cells spills past each window
-    "window": ["--kv-residency-mode", "window", "--kv-window-cells", "512"],
+# Residency flags of both servers; the unified cache of 4096 cells spills past each window. A window split places each
+# sequence's cells in blocks of its own by default (--kv-placement auto): the sharer's question then opens a block past
+# slot 0's answer, the sharing server attends one block more than the fresh one (n_kv 1536 against 1280), and on the CPU
+# the decode's key-range chunking, hence its rounding, follows n_kv; so the exact comparison places as upstream does,
+# where both attend 1280 cells, and test_a_placed_share_answers_as_a_fresh_prefill takes the default.
+UPSTREAM = ["--kv-placement", "upstream"]
+LAYOUTS = {
+    "window": ["--kv-residency-mode", "window", "--kv-window-cells", "512", *UPSTREAM],
     "head": ["--kv-residency-mode", "head", "--kv-device-heads", "1"],
-    "window-q8_0-tail": ["--kv-residency-mode", "window", "--kv-window-cells", "512", "-ctkt", "q8_0", "-ctvt", "q8_0"],
+    "window-q8_0-tail": ["--kv-residency-mode", "window", "--kv-window-cells", "512", "-ctkt", "q8_0", "-ctvt", "q8_0", *UPSTREAM],
     "resident": ["--kv-residency-mode", "off"],
 }
 
@@ -90,6 +96,34 @@ def test_shared_prefix_answers_equal_a_fresh_prefill(cpu_build, demo_model, tmp_
     assert sharing == {"min_tokens": 256, "tasks": 1, "tokens": DOC_TOKENS}, sharing
     assert ref["timings"]["prompt_n"] == DOC_TOKENS + len(q_b) and ref_sharing["tasks"] == 0, (ref["timings"], ref_sharing)
     assert _same_answer(second, ref) == []
+
+
+def test_a_placed_share_answers_as_a_fresh_prefill(cpu_build, demo_model, tmp_path):
+    """The default placement (each sequence's cells in blocks of its own): slot 1 takes the document's cells and its
+    question lands in a block of its own, past slot 0's; the answer is the fresh server's text and tokens, each
+    generated token's log-probability within 0.1 of the fresh server's: the rounding of another key-range split (its
+    decode attends 1536 cells where the fresh one attends 1280; measured: the first position bit-identical, the others
+    within 0.04 on the demo model), while a question about another document does not
+    answer alike (the comparison can fail)."""
+    flags = ["--kv-residency-mode", "window", "--kv-window-cells", "512"]
+    with _server(cpu_build, tmp_path, "placed", *flags) as srv:
+        assert srv.get("/props")["rolling_kv"]["placement"] == {"requested": "auto", "chosen": "sequences"}
+        doc, (q_a, q_b, q_c) = _prompts(srv)
+        _ask(srv, doc + q_a, slot=0)
+        second = _ask(srv, doc + q_b, slot=1)
+    with _server(cpu_build, tmp_path, "placed-fresh", *flags, "--kv-share-prefix", "0") as ref_srv:
+        ref = _ask(ref_srv, doc + q_b, slot=1)
+        other = _ask(ref_srv, doc[:-1] + [13 if doc[-1] != 13 else 42] + q_c, slot=2)
+    assert second["timings"]["shared_n"] == DOC_TOKENS and second["timings"]["prompt_n"] == len(q_b), second["timings"]
+
+    def chosen(answer):  # each generated position's chosen token and its log-probability
+        return [max(p, key=lambda t: t[1]) for p in answer["probs"]]
+
+    def close(a, b):
+        return all(x[0] == y[0] and abs(x[1] - y[1]) <= 0.1 for x, y in zip(chosen(a), chosen(b), strict=True))
+
+    assert second["content"] == ref["content"] and close(second, ref), list(zip(chosen(second), chosen(ref)))
+    assert not (other["content"] == ref["content"] and close(other, ref))
 
 
 def test_a_prefix_that_differs_in_its_last_token_is_not_shared(cpu_build, demo_model, tmp_path):
