@@ -290,10 +290,13 @@ def _default_server(cpu_build, tmp_path, name, *flags, env_extra=None):
 
 @pytest.fixture(scope="module")
 def resident_unified_sequence(cpu_build, demo_model, tmp_path_factory):
-    with _default_server(cpu_build, tmp_path_factory.mktemp("resident-unified"), "resident-unified", *RESIDENT) as srv:
+    # placed by sequence, as the split server is by default (API 11): on the CPU the rounding follows the cells' order
+    with _default_server(cpu_build, tmp_path_factory.mktemp("resident-unified"), "resident-unified", *RESIDENT,
+                         "--kv-placement", "sequences") as srv:
         plan = srv.get("/props")["rolling_kv"]
         ref = _sequence(srv)
     assert plan["split"] is False and plan["mode_chosen"] == "off" and plan["n_stream"] == 1, plan
+    assert plan["placement"] == {"requested": "sequences", "chosen": "sequences"}, plan["placement"]
     assert ref[2]["prompt_n"] < 64, ref[2]  # the continuation reused slot 0's cells in place
     return ref
 
@@ -302,7 +305,8 @@ def test_default_server_sequential_answers_equal_resident(cpu_build, demo_model,
     """llama-server's default layout (no -np: four slots on one unified cache) split with block residency and the RAM
     prompt cache off: the same requests one at a time, pinned to slots, with cache_prompt (slot 0's long report spills
     past the four device slots, slot 1's short one beside its idle cells, slot 0's conversation continued from its cells
-    in place) return every position's probabilities of the resident unified server bit for bit."""
+    in place) return every position's probabilities of the resident unified server (placed alike: each slot's cells in
+    blocks of their own) bit for bit."""
     with _default_server(cpu_build, tmp_path, "unified-blocks", *UNIFIED) as srv:
         plan = srv.get("/props")["rolling_kv"]
         seq = _sequence(srv)
