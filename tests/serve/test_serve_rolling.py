@@ -23,6 +23,9 @@ def _prompt(k: int, n_chars: int = 3200) -> str:
 
 WINDOW = ["--kv-residency-mode", "window", "--kv-window-cells", "256"]
 RESIDENT = ["--kv-residency-mode", "off"]
+# a resident reference of a split default server (no -np: one unified cache for four slots) places each slot's cells in
+# blocks of their own, as the split does by default (API 11): on the CPU the rounding follows the cells' order
+PLACED_ALIKE = ["--kv-placement", "sequences"]
 
 
 def _answers(srv, prompts, n_predict=24):
@@ -35,7 +38,7 @@ def test_window_answers_equal_resident(cpu_build, demo_model, tmp_path):
     prompts = [_prompt(1)]
     # the RAM prompt cache off in the reference too (serve passes --cache-ram 0 for the split one): with it on, the
     # reference clears the idle slot at the second request and prefills again, which the split server does not
-    with Serve(cpu_build, tmp_path, "resident", "-c", "2048", *RESIDENT, env_extra={"LLAMA_ARG_CACHE_RAM": "0"}) as srv:
+    with Serve(cpu_build, tmp_path, "resident", "-c", "2048", *RESIDENT, *PLACED_ALIKE, env_extra={"LLAMA_ARG_CACHE_RAM": "0"}) as srv:
         ref = _answers(srv, prompts)
     with Serve(cpu_build, tmp_path, "window", "-c", "2048", *WINDOW) as srv:
         plan = srv.get("/props")["rolling_kv"]
@@ -270,7 +273,7 @@ def test_slot_save_restore_of_a_spilled_slot(cpu_build, demo_model, tmp_path):
     with Serve(cpu_build, tmp_path, "slots", "-c", "2048", "--slot-save", *WINDOW) as srv:
         assert srv.get("/props")["rolling_kv"]["split"]
         got = _save_erase_restore_generate(srv, prompt)
-    with Serve(cpu_build, tmp_path, "slots-ref", "-c", "2048", "--slot-save", *RESIDENT) as srv:
+    with Serve(cpu_build, tmp_path, "slots-ref", "-c", "2048", "--slot-save", *RESIDENT, *PLACED_ALIKE) as srv:
         ref = _save_erase_restore_generate(srv, prompt)
     assert got["evaluated"] > 256 and got["n_saved"] > 256  # the saved cache reaches into the tail
     assert got["n_restored"] == got["n_saved"]
@@ -290,9 +293,8 @@ def _default_server(cpu_build, tmp_path, name, *flags, env_extra=None):
 
 @pytest.fixture(scope="module")
 def resident_unified_sequence(cpu_build, demo_model, tmp_path_factory):
-    # placed by sequence, as the split server is by default (API 11): on the CPU the rounding follows the cells' order
     with _default_server(cpu_build, tmp_path_factory.mktemp("resident-unified"), "resident-unified", *RESIDENT,
-                         "--kv-placement", "sequences") as srv:
+                         *PLACED_ALIKE) as srv:
         plan = srv.get("/props")["rolling_kv"]
         ref = _sequence(srv)
     assert plan["split"] is False and plan["mode_chosen"] == "off" and plan["n_stream"] == 1, plan
