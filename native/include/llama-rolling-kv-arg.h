@@ -13,10 +13,12 @@
 #include "llama-rolling-kv.h"
 #include "ggml-rolling-kv.h"
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 // --kv-residency-mode {auto,head,window,off}
 inline enum llama_kv_residency_mode llama_rolling_kv_arg_mode(const std::string & value) {
@@ -59,32 +61,35 @@ inline int32_t llama_rolling_kv_arg_device_heads(const std::string & value, bool
     return (int32_t) n;
 }
 
+// one of a flag's named values (--kv-windows, --kv-placement): the value of the name given, or the message naming the
+// flag and every name it takes
+template <typename E, size_t N>
+inline E llama_rolling_kv_arg_choice(const std::string & value, const char * flag, const std::pair<const char *, E> (&choices)[N]) {
+    std::string allowed;
+    for (const auto & choice : choices) {
+        if (value == choice.first) {
+            return choice.second;
+        }
+        allowed += (allowed.empty() ? "" : ", ") + std::string(choice.first);
+    }
+    throw std::invalid_argument("unknown " + std::string(flag) + " " + value + " (allowed: " + allowed + ")");
+}
+
 // --kv-windows {elastic,static,blocks}
 inline enum llama_kv_window_policy llama_rolling_kv_arg_windows(const std::string & value) {
-    if (value == "elastic") {
-        return LLAMA_KV_WINDOWS_ELASTIC;
-    }
-    if (value == "static") {
-        return LLAMA_KV_WINDOWS_STATIC;
-    }
-    if (value == "blocks") {
-        return LLAMA_KV_WINDOWS_BLOCKS;
-    }
-    throw std::invalid_argument("unknown --kv-windows " + value + " (allowed: elastic, static, blocks)");
+    static const std::pair<const char *, enum llama_kv_window_policy> choices[] = {
+        { "elastic", LLAMA_KV_WINDOWS_ELASTIC }, { "static", LLAMA_KV_WINDOWS_STATIC }, { "blocks", LLAMA_KV_WINDOWS_BLOCKS },
+    };
+    return llama_rolling_kv_arg_choice(value, "--kv-windows", choices);
 }
 
 // --kv-placement {auto,upstream,sequences}
 inline enum llama_kv_placement llama_rolling_kv_arg_placement(const std::string & value) {
-    if (value == "auto") {
-        return LLAMA_KV_PLACEMENT_AUTO;
-    }
-    if (value == "upstream") {
-        return LLAMA_KV_PLACEMENT_UPSTREAM;
-    }
-    if (value == "sequences") {
-        return LLAMA_KV_PLACEMENT_SEQUENCES;
-    }
-    throw std::invalid_argument("unknown --kv-placement " + value + " (allowed: auto, upstream, sequences)");
+    static const std::pair<const char *, enum llama_kv_placement> choices[] = {
+        { "auto", LLAMA_KV_PLACEMENT_AUTO }, { "upstream", LLAMA_KV_PLACEMENT_UPSTREAM },
+        { "sequences", LLAMA_KV_PLACEMENT_SEQUENCES },
+    };
+    return llama_rolling_kv_arg_choice(value, "--kv-placement", choices);
 }
 
 // -ctkt/-ctvt: a type of the op's list (ggml_rkv_tail_type_from_name), or "auto": the planner chooses the tail's type
